@@ -1,0 +1,227 @@
+//! What every service process shares, so that each service's `main` only wires its own parts:
+//! structured tracing, a Prometheus `/metrics` endpoint, `grpc.health.v1` backed by a real
+//! dependency check, graceful shutdown on SIGTERM, bounded PostgreSQL pools, and typed rejection
+//! details carried in gRPC statuses.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use prometheus::{Encoder, IntCounterVec, Opts, Registry, TextEncoder};
+
+pub use prometheus;
+pub use tonic_health;
+
+/// Installs the global subscriber. `RUST_LOG` filters (default `info`); `LOG_FORMAT=json` emits one
+/// JSON object per event, which is what a deployment ships to its log pipeline.
+pub fn init_tracing(service: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let json = std::env::var("LOG_FORMAT").is_ok_and(|v| v == "json");
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false);
+    let result = if json {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.try_init()
+    };
+    // A second init (tests running a service in-process) keeps the first subscriber.
+    let _ = result;
+    tracing::info!(service, "starting");
+}
+
+/// A registry per process, with helpers that panic only on programmer error (a duplicate name).
+#[derive(Clone, Default)]
+pub struct Metrics {
+    pub registry: Registry,
+}
+
+impl Metrics {
+    pub fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        let counter =
+            IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric definition");
+        self.registry
+            .register(Box::new(counter.clone()))
+            .expect("metric registered once");
+        counter
+    }
+
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buffer)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buffer).expect("prometheus text format is UTF-8")
+    }
+}
+
+/// Serves `GET /metrics` on its own listener until `shutdown` resolves.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    metrics: Metrics,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let metrics = metrics.clone();
+            async move { metrics.render() }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("metrics endpoint")
+}
+
+/// Resolves on SIGTERM or SIGINT: the signal a container runtime or an operator sends.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+    }
+}
+
+/// A shutdown trigger that can be cloned into every task that must stop together.
+#[derive(Clone)]
+pub struct Shutdown(tokio::sync::watch::Receiver<bool>);
+
+impl Shutdown {
+    /// Returns the handle and the trigger; dropping or sending on the trigger stops everything.
+    pub fn new() -> (Self, tokio::sync::watch::Sender<bool>) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        (Self(rx), tx)
+    }
+    /// Stops on SIGTERM/SIGINT.
+    pub fn on_signal() -> Self {
+        let (me, tx) = Self::new();
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = tx.send(true);
+        });
+        me
+    }
+    pub async fn wait(mut self) {
+        let _ = self.0.wait_for(|stop| *stop).await;
+    }
+}
+
+/// Bounds of every service's PostgreSQL pool.
+pub mod pool {
+    /// Enough for the two cores of a node and a few concurrent slow transactions; a bigger pool
+    /// only moves the queue from the service into PostgreSQL.
+    pub const CONNECTIONS_MAX: u32 = 16;
+    /// A request waits at most this long for a connection before failing fast (UNAVAILABLE).
+    pub const ACQUIRE_TIMEOUT_MS: u64 = 5_000;
+}
+
+/// Connects a bounded pool. Fails if the database is unreachable now; later outages surface as
+/// per-request errors and in the health status.
+pub async fn connect_pg(url: &str) -> anyhow::Result<sqlx::PgPool> {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(pool::CONNECTIONS_MAX)
+        .acquire_timeout(Duration::from_millis(pool::ACQUIRE_TIMEOUT_MS))
+        .connect(url)
+        .await
+        .with_context(|| format!("connecting to {}", redact(url)))
+}
+
+/// Keeps the `grpc.health.v1` status of `service_name` (and of the empty name, which is what
+/// generic probes ask) in step with a database ping, every `period`.
+pub async fn health_from_db(
+    reporter: tonic_health::server::HealthReporter,
+    service_name: &'static str,
+    pool: sqlx::PgPool,
+    period: Duration,
+) {
+    use tonic_health::ServingStatus;
+    loop {
+        let ok = sqlx::query("SELECT 1").execute(&pool).await.is_ok();
+        let status = if ok {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        reporter.set_service_status(service_name, status).await;
+        reporter.set_service_status("", status).await;
+        tokio::time::sleep(period).await;
+    }
+}
+
+/// How often health probes the database.
+pub const HEALTH_PERIOD_MS: u64 = 1_000;
+
+/// Hides the password of a `postgres://user:password@host/db` URL before it is logged.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            match creds.find(':') {
+                Some(colon) => format!(
+                    "{}{}:***{}",
+                    &url[..scheme + 3],
+                    &creds[..colon],
+                    &url[at..]
+                ),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// Binds a listener, with the address in the error.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))
+}
+
+/// Typed rejection details in a gRPC status: the encoded bytes of a service's `Rejection`
+/// message travel in `Status::details`, so a client can match on a name instead of parsing text.
+pub mod rejection {
+    use prost::Message;
+
+    pub fn status<M: Message>(
+        code: tonic::Code,
+        message: impl Into<String>,
+        detail: &M,
+    ) -> tonic::Status {
+        tonic::Status::with_details(code, message, detail.encode_to_vec().into())
+    }
+
+    /// Decodes the details of a status; `None` if there are none or they are not an `M`.
+    pub fn decode<M: Message + Default>(status: &tonic::Status) -> Option<M> {
+        if status.details().is_empty() {
+            return None;
+        }
+        M::decode(status.details()).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact("postgres://u:secret@h:5/db"),
+            "postgres://u:***@h:5/db"
+        );
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("postgres://h/db"), "postgres://h/db");
+    }
+
+    #[test]
+    fn metrics_render_registered_counters() {
+        let m = Metrics::default();
+        let c = m.counter_vec("fenced_out_total", "rejections", &["guard"]);
+        c.with_label_values(&["paydb"]).inc();
+        assert!(m.render().contains("fenced_out_total{guard=\"paydb\"} 1"));
+    }
+}

@@ -1,0 +1,14 @@
+//! The real stack, for tests and for `payoutctl stack`: PostgreSQL, etcd and the Temporal dev
+//! server as real processes on loopback ports with isolated state, plus process fault injection
+//! (SIGKILL, SIGTERM, SIGSTOP/SIGCONT, restart). No part of it is a mock.
+
+pub mod etcd;
+pub mod postgres;
+pub mod process;
+pub mod stack;
+pub mod temporal;
+pub mod util;
+
+pub use process::{Lifetime, ManagedProcess, ProcessSpec};
+pub use stack::{PgServer, Stack, StackPorts};
+pub use util::{eventually, free_port, wait_blocking, workspace_bin, workspace_root};

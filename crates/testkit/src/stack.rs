@@ -1,0 +1,233 @@
+//! The whole local stack: two PostgreSQL servers, etcd, and (on demand) the Temporal dev server.
+//!
+//! Tests share one stack per test binary ([`Stack::shared`]) and isolate themselves with fresh
+//! databases and key prefixes; a test that kills or restarts a part builds its own
+//! ([`Stack::builder`]) so its faults cannot reach another test.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use anyhow::Context;
+
+use crate::etcd::EtcdCluster;
+use crate::postgres::{PgOptions, Postgres};
+use crate::process::Lifetime;
+use crate::temporal::{TemporalDev, TemporalPorts};
+use crate::util::free_port;
+
+/// Which PostgreSQL server. The rail proxy's store lives on its own server so that one failure
+/// cannot remove a guard's record and the resource it protects together (BRIEF).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PgServer {
+    /// paydb, gldb, lockdb.
+    Main,
+    /// proxydb.
+    Proxy,
+}
+
+/// Fixed ports for a long-lived stack (`payoutctl stack up`); tests use free ports.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct StackPorts {
+    pub pg_main: u16,
+    pub pg_proxy: u16,
+    pub etcd_clients: Vec<u16>,
+    pub temporal: u16,
+    pub temporal_ui: u16,
+    pub temporal_http: u16,
+    pub temporal_metrics: u16,
+}
+
+pub struct StackBuilder {
+    etcd_members: usize,
+    temporal: bool,
+    temporal_ui: bool,
+    state_dir: Option<PathBuf>,
+    lifetime: Lifetime,
+    durable: bool,
+    ports: Option<StackPorts>,
+}
+
+impl StackBuilder {
+    pub fn etcd_members(mut self, count: usize) -> Self {
+        self.etcd_members = count;
+        self
+    }
+    /// Start Temporal now instead of on first use.
+    pub fn temporal(mut self, ui: bool) -> Self {
+        self.temporal = true;
+        self.temporal_ui = ui;
+        self
+    }
+    /// Keep state here (and keep it after exit) instead of a temporary directory.
+    pub fn state_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.state_dir = Some(dir.into());
+        self
+    }
+    pub fn lifetime(mut self, lifetime: Lifetime) -> Self {
+        self.lifetime = lifetime;
+        self
+    }
+    pub fn durable(mut self, durable: bool) -> Self {
+        self.durable = durable;
+        self
+    }
+    pub fn ports(mut self, ports: StackPorts) -> Self {
+        self.ports = Some(ports);
+        self
+    }
+
+    pub fn start(self) -> anyhow::Result<Stack> {
+        let (state, tempdir) = match &self.state_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)?;
+                (dir.canonicalize()?, None)
+            }
+            None => {
+                let t = tempfile::Builder::new().prefix("payout-stack-").tempdir()?;
+                crate::process::remove_at_exit(t.path());
+                (t.path().to_path_buf(), Some(t))
+            }
+        };
+        let pg_options = PgOptions {
+            durable: self.durable,
+            lifetime: self.lifetime,
+        };
+        let ports = self.ports.clone();
+        let (main, proxy, etcd) = std::thread::scope(|scope| {
+            let main = scope.spawn(|| {
+                let port = ports.as_ref().map(|p| p.pg_main).unwrap_or_else(free_port);
+                Postgres::start("main", &state.join("pg-main"), port, &pg_options)
+            });
+            let proxy = scope.spawn(|| {
+                let port = ports.as_ref().map(|p| p.pg_proxy).unwrap_or_else(free_port);
+                Postgres::start("proxy", &state.join("pg-proxy"), port, &pg_options)
+            });
+            let etcd = scope.spawn(|| {
+                EtcdCluster::start(
+                    &state.join("etcd"),
+                    self.etcd_members,
+                    ports.as_ref().map(|p| p.etcd_clients.clone()),
+                    self.lifetime,
+                )
+            });
+            (
+                main.join().expect("postgres main thread"),
+                proxy.join().expect("postgres proxy thread"),
+                etcd.join().expect("etcd thread"),
+            )
+        });
+        let stack = Stack {
+            state,
+            main: main.context("starting PostgreSQL (main)")?,
+            proxy: proxy.context("starting PostgreSQL (proxy)")?,
+            etcd: etcd.context("starting etcd")?,
+            temporal: OnceLock::new(),
+            temporal_start: Mutex::new(()),
+            temporal_ports: self.ports.as_ref().map(|p| TemporalPorts {
+                frontend: p.temporal,
+                ui: Some(p.temporal_ui),
+                http: p.temporal_http,
+                metrics: p.temporal_metrics,
+            }),
+            temporal_ui: self.temporal_ui,
+            lifetime: self.lifetime,
+            counter: AtomicU64::new(0),
+            _tempdir: tempdir,
+        };
+        if self.temporal {
+            stack.temporal();
+        }
+        Ok(stack)
+    }
+}
+
+pub struct Stack {
+    state: PathBuf,
+    pub main: Postgres,
+    pub proxy: Postgres,
+    pub etcd: EtcdCluster,
+    temporal: OnceLock<TemporalDev>,
+    temporal_start: Mutex<()>,
+    temporal_ports: Option<TemporalPorts>,
+    temporal_ui: bool,
+    lifetime: Lifetime,
+    counter: AtomicU64,
+    /// Last field: dropped after every process above is dead.
+    _tempdir: Option<tempfile::TempDir>,
+}
+
+impl Stack {
+    pub fn builder() -> StackBuilder {
+        StackBuilder {
+            etcd_members: 1,
+            temporal: false,
+            temporal_ui: false,
+            state_dir: None,
+            lifetime: Lifetime::Attached,
+            durable: false,
+            ports: None,
+        }
+    }
+
+    /// The stack of this test binary: started on first use, killed at process exit.
+    pub fn shared() -> &'static Stack {
+        static SHARED: OnceLock<Stack> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            Stack::builder()
+                .start()
+                .expect("starting the shared test stack")
+        })
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.state
+    }
+
+    pub fn pg(&self, server: PgServer) -> &Postgres {
+        match server {
+            PgServer::Main => &self.main,
+            PgServer::Proxy => &self.proxy,
+        }
+    }
+
+    /// A brand-new, empty database on `server`, for one test.
+    pub async fn fresh_db(&self, server: PgServer) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let name = format!("t{}_{n}", std::process::id());
+        self.pg(server)
+            .create_database(&name)
+            .await
+            .expect("creating a test database")
+    }
+
+    /// A key prefix no other test of this stack uses.
+    pub fn unique_prefix(&self, name: &str) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        format!("/t{}/{n}/{name}/", std::process::id())
+    }
+
+    pub fn etcd_endpoints(&self) -> Vec<String> {
+        self.etcd.endpoints()
+    }
+
+    /// The Temporal dev server, started on first use (a few seconds).
+    pub fn temporal(&self) -> &TemporalDev {
+        if let Some(t) = self.temporal.get() {
+            return t;
+        }
+        let _guard = self.temporal_start.lock().expect("temporal start lock");
+        self.temporal.get_or_init(|| {
+            let ports = self
+                .temporal_ports
+                .clone()
+                .unwrap_or_else(|| TemporalPorts::free(self.temporal_ui));
+            TemporalDev::start(&self.state.join("temporal"), ports, self.lifetime)
+                .expect("starting Temporal")
+        })
+    }
+
+    pub fn temporal_if_started(&self) -> Option<&TemporalDev> {
+        self.temporal.get()
+    }
+}

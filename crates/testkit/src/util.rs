@@ -1,0 +1,162 @@
+//! Small helpers every test needs: free ports, bounded polling, paths of built binaries.
+
+use std::future::Future;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+/// A port that was free a moment ago. Ports are handed out from a per-process cursor above the
+/// ephemeral range's start so two stacks in one process never get the same port, then probed.
+pub fn free_port() -> u16 {
+    // Ports below the kernel's ephemeral range (32768+) so outgoing connections never take them.
+    const FIRST: u16 = 20_000;
+    const LAST: u16 = 32_000;
+    static CURSOR: AtomicU16 = AtomicU16::new(0);
+    // Spread concurrent test binaries apart by pid.
+    let base = FIRST + (std::process::id() % 200) as u16 * 50;
+    loop {
+        let offset = CURSOR.fetch_add(1, Ordering::Relaxed);
+        let port = FIRST + (base - FIRST + offset) % (LAST - FIRST);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// Polls `check` until it returns `Some`, at most `timeout`. The poll interval is short because
+/// everything here is local.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    const POLL_INTERVAL_MS: u64 = 50;
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return Ok(value);
+        }
+        if Instant::now() >= deadline {
+            anyhow::bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(POLL_INTERVAL_MS)).await;
+    }
+}
+
+/// The same as [`eventually`], for code that is not async (stack start-up).
+pub fn wait_blocking(
+    timeout: Duration,
+    what: &str,
+    mut check: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
+    const POLL_INTERVAL_MS: u64 = 50;
+    let deadline = Instant::now() + timeout;
+    while !check() {
+        if Instant::now() >= deadline {
+            anyhow::bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(POLL_INTERVAL_MS));
+    }
+    Ok(())
+}
+
+/// The workspace root (where `Cargo.toml` with `[workspace]` lives).
+pub fn workspace_root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors()
+        .nth(2)
+        .expect("crates/testkit is two levels below the root")
+        .to_path_buf()
+}
+
+/// The cargo target directory: `CARGO_TARGET_DIR` or `<root>/target`.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+/// Path of a binary of this workspace, built by `cargo build` (debug profile).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let path = target_dir().join("debug").join(name);
+    assert!(
+        path.exists(),
+        "binary {} is not built: run `cargo build --bins` first (the README's test command does)",
+        path.display()
+    );
+    path
+}
+
+/// A minimal HTTP/1.0 GET for readiness probes that must not need an async runtime.
+/// Returns (status code, body).
+pub fn http_get(port: u16, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// (uid, gid) to run PostgreSQL as when this process is root (it refuses to run as root):
+/// Debian's `postgres` user, else `nobody`. `None` when not root.
+pub fn unprivileged_user() -> Option<(u32, u32)> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return None;
+    }
+    for name in ["postgres", "nobody"] {
+        let cname = std::ffi::CString::new(name).expect("no NUL");
+        // SAFETY: getpwnam returns a pointer to static storage or null; read it immediately.
+        let pw = unsafe { libc::getpwnam(cname.as_ptr()) };
+        if !pw.is_null() {
+            // SAFETY: non-null pointer from getpwnam.
+            let (uid, gid) = unsafe { ((*pw).pw_uid, (*pw).pw_gid) };
+            return Some((uid, gid));
+        }
+    }
+    panic!(
+        "running as root and neither a `postgres` nor a `nobody` user exists to run PostgreSQL as"
+    );
+}
+
+/// Gives `user` ownership of `dir` (recursively) and makes every ancestor traversable, so an
+/// unprivileged server can use a directory made by root (tempdirs are 0700).
+pub fn hand_over(dir: &std::path::Path, user: Option<(u32, u32)>) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some((uid, gid)) = user else {
+        return Ok(());
+    };
+    for ancestor in dir.ancestors().skip(1) {
+        if ancestor.as_os_str().is_empty() || ancestor == std::path::Path::new("/") {
+            break;
+        }
+        let meta = std::fs::metadata(ancestor)?;
+        let mode = meta.permissions().mode();
+        if mode & 0o001 == 0 {
+            std::fs::set_permissions(ancestor, std::fs::Permissions::from_mode(mode | 0o711))?;
+        }
+    }
+    let status = std::process::Command::new("chown")
+        .arg("-R")
+        .arg(format!("{uid}:{gid}"))
+        .arg(dir)
+        .status()?;
+    anyhow::ensure!(
+        status.success(),
+        "chown -R {uid}:{gid} {} failed",
+        dir.display()
+    );
+    Ok(())
+}

