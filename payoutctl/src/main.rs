@@ -1,0 +1,49 @@
+//! `payoutctl`: what an operator types. Errors are reported once, here, with their context chain.
+
+mod migrate;
+mod stack;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "payoutctl", version, about = "Operate the fenced payout system")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start, stop or inspect the local stack (PostgreSQL x2, etcd, Temporal + UI).
+    Stack {
+        #[command(subcommand)]
+        action: stack::Action,
+    },
+    /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb.
+    Migrate(migrate::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Stack { action } => stack::run(action).await,
+            Command::Migrate(args) => migrate::run(args).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("payoutctl: error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! `payoutctl stack up | down | status`: the local stack as daemons that outlive the command,
+//! under one state directory, with data that persists across `down`/`up`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Args as ClapArgs, Subcommand};
+use serde::{Deserialize, Serialize};
+use testkit::stack::StackPorts;
+use testkit::{Lifetime, Stack};
+
+pub const DEFAULT_STATE_DIR: &str = ".state/stack";
+const RECORD_FILE: &str = "stack.json";
+/// How long `down` waits for a part to exit on SIGTERM before SIGKILL.
+const STOP_GRACE_MS: u64 = 15_000;
+
+#[derive(Subcommand)]
+pub enum Action {
+    /// Start every part (or report that it is already up) and wait until each is ready.
+    Up(UpArgs),
+    /// Stop every part; data stays in the state directory.
+    Down(StateArgs),
+    /// Each part with its address and health; non-zero exit if any is unhealthy.
+    Status(StatusArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct StateArgs {
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+    pub state_dir: PathBuf,
+}
+
+#[derive(ClapArgs)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub state: StateArgs,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(ClapArgs)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub state: StateArgs,
+    #[arg(long, env = "PAYOUT_PG_MAIN_PORT", default_value_t = 55432)]
+    pub pg_main_port: u16,
+    #[arg(long, env = "PAYOUT_PG_PROXY_PORT", default_value_t = 55433)]
+    pub pg_proxy_port: u16,
+    /// Client port of the first etcd member; further members take the next ports.
+    #[arg(long, env = "PAYOUT_ETCD_PORT", default_value_t = 2379)]
+    pub etcd_port: u16,
+    /// 1 by default; 3 for a cluster that survives a member loss.
+    #[arg(long, default_value_t = 1)]
+    pub etcd_members: usize,
+    #[arg(long, env = "PAYOUT_TEMPORAL_PORT", default_value_t = 7233)]
+    pub temporal_port: u16,
+    #[arg(long, env = "PAYOUT_TEMPORAL_UI_PORT", default_value_t = 8233)]
+    pub temporal_ui_port: u16,
+}
+
+/// What `up` leaves behind for `down`, `status`, `migrate` and the run.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StackRecord {
+    pub ports: StackPorts,
+    pub parts: Vec<Part>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Part {
+    pub name: String,
+    pub pid: u32,
+    pub address: String,
+}
+
+impl StackRecord {
+    pub fn load(state_dir: &Path) -> anyhow::Result<Self> {
+        let path = state_dir.join(RECORD_FILE);
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("no stack record at {} (run `payoutctl stack up`)", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
+    }
+
+    fn save(&self, state_dir: &Path) -> anyhow::Result<()> {
+        let tmp = state_dir.join(format!("{RECORD_FILE}.tmp"));
+        std::fs::write(&tmp, serde_json::to_vec_pretty(self)?)?;
+        std::fs::rename(&tmp, state_dir.join(RECORD_FILE))?;
+        Ok(())
+    }
+
+    pub fn pg_url(&self, port: u16, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{port}/{db}")
+    }
+
+    /// (database, url) for every database of the system.
+    pub fn database_urls(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("paydb", self.pg_url(self.ports.pg_main, "paydb")),
+            ("gldb", self.pg_url(self.ports.pg_main, "gldb")),
+            ("lockdb", self.pg_url(self.ports.pg_main, "lockdb")),
+            ("proxydb", self.pg_url(self.ports.pg_proxy, "proxydb")),
+        ]
+    }
+
+    pub fn etcd_endpoints(&self) -> Vec<String> {
+        self.ports.etcd_clients.iter().map(|p| format!("http://127.0.0.1:{p}")).collect()
+    }
+
+    pub fn temporal_address(&self) -> String {
+        format!("127.0.0.1:{}", self.ports.temporal)
+    }
+
+    pub fn ui_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.ports.temporal_ui)
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    unsafe { libc::kill(pid as i32, 0) == 0 }
+}
+
+pub async fn run(action: Action) -> anyhow::Result<std::process::ExitCode> {
+    match action {
+        Action::Up(args) => up(args).await,
+        Action::Down(args) => down(&args.state_dir),
+        Action::Status(args) => status(&args.state.state_dir, args.json),
+    }
+}
+
+async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
+    let dir = &args.state.state_dir;
+    std::fs::create_dir_all(dir)?;
+    if let Ok(record) = StackRecord::load(dir) {
+        if record.parts.iter().all(|p| alive(p.pid)) {
+            println!("stack already up");
+            return status(dir, false);
+        }
+        // Partly up: stop what is left, then start everything from the same data.
+        down(dir)?;
+    }
+    let ports = StackPorts {
+        pg_main: args.pg_main_port,
+        pg_proxy: args.pg_proxy_port,
+        // Client ports step by 10 so the peer ports chosen beside them never collide.
+        etcd_clients: (0..args.etcd_members).map(|i| args.etcd_port + 10 * i as u16).collect(),
+        temporal: args.temporal_port,
+        temporal_ui: args.temporal_ui_port,
+        temporal_http: args.temporal_port + 10,
+        temporal_metrics: args.temporal_port + 11,
+    };
+    let started = Instant::now();
+    let dir_for_thread = dir.clone();
+    let ports_for_thread = ports.clone();
+    let stack = tokio::task::spawn_blocking(move || {
+        Stack::builder()
+            .state_dir(dir_for_thread)
+            .lifetime(Lifetime::Detached)
+            .durable(true)
+            .etcd_members(args.etcd_members)
+            .ports(ports_for_thread)
+            .temporal(true)
+            .start()
+    })
+    .await??;
+    for (db, _) in [("paydb", ()), ("gldb", ()), ("lockdb", ())] {
+        stack.main.create_database(db).await?;
+    }
+    stack.proxy.create_database("proxydb").await?;
+    let temporal = stack.temporal();
+    let mut parts = vec![
+        Part {
+            name: "postgres-main".into(),
+            pid: stack.main.process.pid().expect("started"),
+            address: format!("127.0.0.1:{}", stack.main.port),
+        },
+        Part {
+            name: "postgres-proxy".into(),
+            pid: stack.proxy.process.pid().expect("started"),
+            address: format!("127.0.0.1:{}", stack.proxy.port),
+        },
+    ];
+    for member in &stack.etcd.members {
+        parts.push(Part {
+            name: format!("etcd-{}", member.name),
+            pid: member.process.pid().expect("started"),
+            address: member.endpoint(),
+        });
+    }
+    parts.push(Part { name: "temporal".into(), pid: temporal.process.pid().expect("started"), address: temporal.address() });
+    let record = StackRecord { ports, parts };
+    record.save(dir)?;
+    // The processes are detached: dropping the handles leaves them running.
+    drop(stack);
+    for (name, url) in record.database_urls() {
+        crate::migrate::apply(name, &url).await?;
+    }
+    println!("stack up in {:.1}s (state in {})", started.elapsed().as_secs_f64(), dir.display());
+    status(dir, false)
+}
+
+fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
+    let record = StackRecord::load(dir)?;
+    // Reverse order: Temporal first, PostgreSQL last.
+    for part in record.parts.iter().rev() {
+        if !alive(part.pid) {
+            continue;
+        }
+        // SAFETY: signals to the process groups `up` created (each part leads its own group).
+        unsafe {
+            libc::kill(-(part.pid as i32), libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_millis(STOP_GRACE_MS);
+        while alive(part.pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if alive(part.pid) {
+            unsafe {
+                libc::kill(-(part.pid as i32), libc::SIGKILL);
+            }
+        }
+        println!("stopped {}", part.name);
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+struct PartStatus {
+    name: String,
+    address: String,
+    pid: u32,
+    running: bool,
+    healthy: bool,
+}
+
+fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> {
+    let record = StackRecord::load(dir)?;
+    let mut rows = Vec::new();
+    for part in &record.parts {
+        let running = alive(part.pid);
+        let healthy = running && healthy(part, &record);
+        rows.push(PartStatus { name: part.name.clone(), address: part.address.clone(), pid: part.pid, running, healthy });
+    }
+    let ui_ok = testkit::util::http_get(record.ports.temporal_ui, "/", Duration::from_secs(2))
+        .is_ok_and(|(code, _)| (200..400).contains(&code));
+    rows.push(PartStatus {
+        name: "temporal-ui".into(),
+        address: record.ui_url(),
+        pid: record.parts.iter().find(|p| p.name == "temporal").map(|p| p.pid).unwrap_or(0),
+        running: ui_ok,
+        healthy: ui_ok,
+    });
+    let all_ok = rows.iter().all(|r| r.healthy);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "healthy": all_ok,
+                "parts": rows,
+                "temporal_ui": record.ui_url(),
+                "temporal_address": record.temporal_address(),
+                "databases": record.database_urls().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+            })
+        );
+    } else {
+        println!("{:<16} {:<28} {:>8}  {}", "PART", "ADDRESS", "PID", "HEALTH");
+        for r in &rows {
+            let health = if r.healthy { "healthy" } else if r.running { "UNHEALTHY" } else { "DOWN" };
+            println!("{:<16} {:<28} {:>8}  {}", r.name, r.address, r.pid, health);
+        }
+        println!();
+        println!("Temporal UI: {}", record.ui_url());
+        println!("Temporal frontend: {} (namespace default)", record.temporal_address());
+    }
+    Ok(if all_ok { std::process::ExitCode::SUCCESS } else { std::process::ExitCode::FAILURE })
+}
+
+fn healthy(part: &Part, record: &StackRecord) -> bool {
+    let timeout = Duration::from_secs(2);
+    if part.name.starts_with("postgres") {
+        let port = part.address.rsplit(':').next().unwrap_or_default();
+        let Ok(bin) = testkit::postgres::bin_dir() else { return false };
+        std::process::Command::new(bin.join("pg_isready"))
+            .args(["-h", "127.0.0.1", "-p", port, "-U", "postgres", "-q"])
+            .status()
+            .is_ok_and(|s| s.success())
+    } else if part.name.starts_with("etcd") {
+        let port: u16 = part.address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        testkit::util::http_get(port, "/health", timeout).is_ok_and(|(code, body)| code == 200 && body.contains("\"true\""))
+    } else if part.name == "temporal" {
+        let Ok(cli) = testkit::temporal::cli_path() else { return false };
+        std::process::Command::new(cli)
+            .args(["operator", "namespace", "describe", "--namespace", "default", "--address"])
+            .arg(record.temporal_address())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    } else {
+        false
+    }
+}

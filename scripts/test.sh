@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, every crate's unit and integration tests against the
+# real stack (each test binary starts its own PostgreSQL, etcd and Temporal via crates/testkit).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== build the binaries that tests start as processes"
+cargo build --workspace --bins --locked
+echo "== tests"
+cargo test --workspace --locked --no-fail-fast
