@@ -117,8 +117,7 @@ impl StackRecord {
 }
 
 fn alive(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks for existence.
-    unsafe { libc::kill(pid as i32, 0) == 0 }
+    testkit::util::pid_alive(pid)
 }
 
 pub async fn run(action: Action) -> anyhow::Result<std::process::ExitCode> {
@@ -147,8 +146,9 @@ async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
         etcd_clients: (0..args.etcd_members).map(|i| args.etcd_port + 10 * i as u16).collect(),
         temporal: args.temporal_port,
         temporal_ui: args.temporal_ui_port,
-        temporal_http: args.temporal_port + 10,
-        temporal_metrics: args.temporal_port + 11,
+        // The dev server's HTTP API and metrics ports sit beside the UI's.
+        temporal_http: args.temporal_ui_port + 1,
+        temporal_metrics: args.temporal_ui_port + 2,
     };
     let started = Instant::now();
     let dir_for_thread = dir.clone();
@@ -207,18 +207,27 @@ fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
         if !alive(part.pid) {
             continue;
         }
-        // SAFETY: signals to the process groups `up` created (each part leads its own group).
+        // SIGTERM to the part's leader only: it stops its own children in order. SIGKILL to
+        // the whole group only if it overstays its grace.
+        // SAFETY: signals to processes `up` started (each part leads its own process group).
         unsafe {
-            libc::kill(-(part.pid as i32), libc::SIGTERM);
+            libc::kill(part.pid as i32, libc::SIGTERM);
         }
         let deadline = Instant::now() + Duration::from_millis(STOP_GRACE_MS);
         while alive(part.pid) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
         if alive(part.pid) {
+            eprintln!("{} did not stop within {STOP_GRACE_MS} ms; killing it", part.name);
+            // SAFETY: as above.
             unsafe {
                 libc::kill(-(part.pid as i32), libc::SIGKILL);
             }
+            let deadline = Instant::now() + Duration::from_millis(STOP_GRACE_MS);
+            while alive(part.pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            anyhow::ensure!(!alive(part.pid), "{} (pid {}) survived SIGKILL", part.name, part.pid);
         }
         println!("stopped {}", part.name);
     }

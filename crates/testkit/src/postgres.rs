@@ -90,6 +90,12 @@ impl Postgres {
         } else {
             hand_over(dir, user)?;
         }
+        remove_stale_lock_file(&data.join("postmaster.pid"))?;
+        for entry in std::fs::read_dir(&socket_dir)?.filter_map(|e| e.ok()) {
+            if entry.file_name().to_string_lossy().ends_with(".lock") {
+                remove_stale_lock_file(&entry.path())?;
+            }
+        }
         let mut spec = ProcessSpec::new(
             &format!("postgres-{name}"),
             bin.join("postgres"),
@@ -199,4 +205,19 @@ impl UidGid for std::process::Command {
         }
         self
     }
+}
+
+/// A `postmaster.pid` left by a server that is gone. PostgreSQL itself only asks `kill(pid, 0)`,
+/// which succeeds for an unreaped zombie (a container whose init does not reap leaves those), and
+/// then refuses to start. A zombie cannot be using the data directory, so its lock file goes.
+/// The same holds for the lock file of its Unix socket.
+fn remove_stale_lock_file(pid_file: &Path) -> anyhow::Result<()> {
+    let Ok(text) = std::fs::read_to_string(pid_file) else { return Ok(()) };
+    let pid: Option<u32> = text.lines().next().and_then(|l| l.trim().parse().ok());
+    if let Some(pid) = pid {
+        if !crate::util::pid_alive(pid) {
+            std::fs::remove_file(pid_file)?;
+        }
+    }
+    Ok(())
 }

@@ -258,7 +258,13 @@ impl ManagedProcess {
         if !self.is_running() {
             return Ok(());
         }
-        self.signal_group(libc::SIGTERM)?;
+        // SIGTERM to the leader only: a server shuts its own children down in order (a
+        // PostgreSQL backend that gets SIGTERM itself is treated as a crash by the postmaster).
+        let pid = self.pid().with_context(|| format!("{} is not running", self.spec.name))?;
+        // SAFETY: plain syscalls on the child this kit started.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGTERM);
+        }
         // A paused process only sees SIGTERM once it runs again.
         let _ = self.signal_group(libc::SIGCONT);
         if self

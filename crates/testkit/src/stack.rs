@@ -136,7 +136,7 @@ impl StackBuilder {
             _tempdir: tempdir,
         };
         if self.temporal {
-            stack.temporal();
+            stack.try_temporal()?;
         }
         Ok(stack)
     }
@@ -213,18 +213,20 @@ impl Stack {
 
     /// The Temporal dev server, started on first use (a few seconds).
     pub fn temporal(&self) -> &TemporalDev {
+        self.try_temporal().expect("starting Temporal")
+    }
+
+    pub fn try_temporal(&self) -> anyhow::Result<&TemporalDev> {
         if let Some(t) = self.temporal.get() {
-            return t;
+            return Ok(t);
         }
         let _guard = self.temporal_start.lock().expect("temporal start lock");
-        self.temporal.get_or_init(|| {
-            let ports = self
-                .temporal_ports
-                .clone()
-                .unwrap_or_else(|| TemporalPorts::free(self.temporal_ui));
-            TemporalDev::start(&self.state.join("temporal"), ports, self.lifetime)
-                .expect("starting Temporal")
-        })
+        if let Some(t) = self.temporal.get() {
+            return Ok(t);
+        }
+        let ports = self.temporal_ports.clone().unwrap_or_else(|| TemporalPorts::free(self.temporal_ui));
+        let dev = TemporalDev::start(&self.state.join("temporal"), ports, self.lifetime)?;
+        Ok(self.temporal.get_or_init(|| dev))
     }
 
     pub fn temporal_if_started(&self) -> Option<&TemporalDev> {

@@ -1,0 +1,506 @@
+//! A controllable in-memory world for workflow tests (feature `test-backend`, never enabled by
+//! the worker): a lock with tokens, the payment resource's fence and state machine (the domain's
+//! `TRANSITIONS`), the proxy's uniqueness and high-water, and a scripted rail with ground truth.
+//! Temporal stays real in those tests; only the services behind the activities are replaced.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use payout_domain::{lock_key, AccountId, Actor, FencingToken, PayoutEvent, PayoutId, PayoutState};
+
+use crate::backend::{Answer, Backend};
+use crate::refusal::{ActivityFailure, Refusal};
+use crate::types::*;
+
+/// How the scripted rail answers the (single) submission of a payout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RailScript {
+    Ack,
+    Decline,
+    /// The rail moved the money but the answer was lost: the proxy reports a timeout.
+    TimeoutAfterAcceptance,
+    /// The request never reached the rail, and the proxy reports a timeout.
+    TimeoutBeforeRail,
+    /// The activity itself fails (as a lost worker or a crash would), after the rail moved money.
+    ActivityFailsAfterRail,
+}
+
+#[derive(Debug, Clone)]
+struct Payout {
+    account_id: AccountId,
+    amount_minor: i64,
+    snapshot: PayoutSnapshot,
+}
+
+#[derive(Debug, Default)]
+struct World {
+    revision: u64,
+    locks: BTreeMap<String, Grant>,
+    lost_sessions: Vec<String>,
+    fences: BTreeMap<AccountId, u64>,
+    balances: BTreeMap<AccountId, i64>,
+    payouts: BTreeMap<PayoutId, Payout>,
+    high_water: BTreeMap<AccountId, u64>,
+    submissions: BTreeMap<PayoutId, Option<RailOutcome>>,
+    rail_script: BTreeMap<PayoutId, RailScript>,
+    inquiries: BTreeMap<PayoutId, VecDeque<Inquiry>>,
+    rail_movements: BTreeMap<PayoutId, u32>,
+    postings: BTreeMap<PayoutId, u32>,
+    submit_calls: BTreeMap<PayoutId, u32>,
+    decisions: Vec<OperatorDecisionInput>,
+    fenced_out: u32,
+    expire_after_submit: bool,
+    session: String,
+    owner: String,
+}
+
+/// Shared handle: the test keeps one clone to script and inspect, the worker gets another.
+#[derive(Clone)]
+pub struct InMemoryBackend {
+    world: Arc<Mutex<World>>,
+}
+
+impl InMemoryBackend {
+    pub fn new(owner: &str) -> Self {
+        let world = World {
+            session: format!("session-{owner}-1"),
+            owner: owner.to_string(),
+            ..World::default()
+        };
+        Self {
+            world: Arc::new(Mutex::new(world)),
+        }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut World) -> R) -> R {
+        f(&mut self.world.lock().expect("world lock"))
+    }
+
+    pub fn open_account(&self, account: &AccountId, balance_minor: i64) {
+        self.with(|w| {
+            w.balances.insert(account.clone(), balance_minor);
+            w.fences.entry(account.clone()).or_insert(0);
+        });
+    }
+
+    pub fn create_payout(&self, input: &PayoutInput, rail: RailScript) {
+        self.with(|w| {
+            w.payouts.insert(
+                input.payout_id.clone(),
+                Payout {
+                    account_id: input.account_id.clone(),
+                    amount_minor: input.amount_minor.get(),
+                    snapshot: PayoutSnapshot {
+                        payout_id: input.payout_id.clone(),
+                        state: PayoutState::Pending,
+                        claimed_by: String::new(),
+                        token_stamp: 0,
+                        rail_ref: String::new(),
+                        rail_outcome: String::new(),
+                        failure_reason: String::new(),
+                    },
+                },
+            );
+            w.rail_script.insert(input.payout_id.clone(), rail);
+        });
+    }
+
+    /// Queues the rail's answers to lookups; once empty, lookups answer from ground truth.
+    pub fn script_inquiries(&self, payout: &PayoutId, answers: Vec<Inquiry>) {
+        self.with(|w| {
+            w.inquiries.insert(payout.clone(), answers.into());
+        });
+    }
+
+    /// The worker's session dies (as a SIGSTOP past the lease would): its grants are freed and
+    /// the client's deadline check fails from now on. The next session gets a new id.
+    pub fn expire_session(&self) {
+        self.with(|w| {
+            let old = w.session.clone();
+            w.locks.retain(|_, g| g.session_id != old);
+            w.lost_sessions.push(old.clone());
+            w.session = format!("{old}-renewed");
+        });
+    }
+
+    /// Another holder takes the key with a higher token and writes once (advancing the fence),
+    /// then releases: the workflow's grant is now stale at the guard.
+    pub fn foreign_holder_advances_fence(&self, account: &AccountId) -> u64 {
+        self.with(|w| {
+            w.revision += 1;
+            let token = w.revision;
+            w.fences.insert(account.clone(), token);
+            token
+        })
+    }
+
+    /// Makes the worker's session expire right after the next submission returns, so the
+    /// outcome is recorded by a later grant.
+    pub fn expire_session_after_submit(&self) {
+        self.with(|w| w.expire_after_submit = true);
+    }
+
+    /// Another worker's session holds the key (another payout of the account is in flight).
+    pub fn hold_lock_elsewhere(&self, account: &AccountId) -> Grant {
+        self.with(|w| {
+            w.revision += 1;
+            let grant = Grant {
+                key: lock_key(account),
+                owner: "other-worker".into(),
+                session_id: "session-other".into(),
+                token: FencingToken::new(w.revision).expect("revisions start at 1"),
+            };
+            w.locks.insert(grant.key.clone(), grant.clone());
+            grant
+        })
+    }
+
+    pub fn release_elsewhere(&self, grant: &Grant) {
+        self.with(|w| {
+            if w.locks.get(&grant.key) == Some(grant) {
+                w.locks.remove(&grant.key);
+            }
+        });
+    }
+
+    pub fn state(&self, payout: &PayoutId) -> PayoutState {
+        self.with(|w| w.payouts[payout].snapshot.state)
+    }
+    pub fn rail_movements(&self, payout: &PayoutId) -> u32 {
+        self.with(|w| w.rail_movements.get(payout).copied().unwrap_or(0))
+    }
+    pub fn postings(&self, payout: &PayoutId) -> u32 {
+        self.with(|w| w.postings.get(payout).copied().unwrap_or(0))
+    }
+    pub fn submit_calls(&self, payout: &PayoutId) -> u32 {
+        self.with(|w| w.submit_calls.get(payout).copied().unwrap_or(0))
+    }
+    pub fn balance(&self, account: &AccountId) -> i64 {
+        self.with(|w| w.balances[account])
+    }
+    pub fn decisions(&self) -> Vec<OperatorDecisionInput> {
+        self.with(|w| w.decisions.clone())
+    }
+    pub fn fenced_out_count(&self) -> u32 {
+        self.with(|w| w.fenced_out)
+    }
+    pub fn lock_holder(&self, account: &AccountId) -> Option<Grant> {
+        self.with(|w| w.locks.get(&lock_key(account)).cloned())
+    }
+    pub fn fence(&self, account: &AccountId) -> u64 {
+        self.with(|w| w.fences.get(account).copied().unwrap_or(0))
+    }
+}
+
+fn ready<T: Send + 'static>(value: Result<T, ActivityFailure>) -> Answer<'static, T> {
+    Box::pin(futures::future::ready(value))
+}
+
+impl World {
+    /// The first guard: advance the account fence if the token is not below it, then apply the
+    /// transition; a refused transition changes nothing (the fence advance included).
+    fn fenced_transition(
+        &mut self,
+        payout_id: &PayoutId,
+        grant: &Grant,
+        event: PayoutEvent,
+        actor: Actor,
+    ) -> Result<(), Refusal> {
+        let payout = self
+            .payouts
+            .get(payout_id)
+            .ok_or_else(|| Refusal::InvalidRequest {
+                detail: format!("unknown payout {payout_id}"),
+            })?;
+        let account = payout.account_id.clone();
+        let stored = self.fences.get(&account).copied().unwrap_or(0);
+        if !grant.token.admitted_by(stored) {
+            self.fenced_out += 1;
+            return Err(Refusal::FencedOut {
+                key: lock_key(&account),
+                presented: grant.token.get(),
+                stored,
+                owner: grant.owner.clone(),
+            });
+        }
+        let from = payout.snapshot.state;
+        let to = from
+            .apply(event, actor)
+            .map_err(|_| Refusal::RefusedTransition {
+                payout_id: payout_id.to_string(),
+                from: from.as_str().to_string(),
+                event: event.as_str().to_string(),
+            })?;
+        self.fences.insert(account, grant.token.get());
+        let payout = self.payouts.get_mut(payout_id).expect("checked above");
+        payout.snapshot.state = to;
+        payout.snapshot.token_stamp = grant.token.get();
+        Ok(())
+    }
+
+    fn snapshot(&self, payout_id: &PayoutId) -> PayoutSnapshot {
+        self.payouts[payout_id].snapshot.clone()
+    }
+}
+
+impl Backend for InMemoryBackend {
+    fn acquire(&self, input: AcquireInput) -> Answer<'_, AcquireOutcome> {
+        let key = lock_key(&input.account_id);
+        ready(Ok(self.with(|w| {
+            if let Some(holder) = w.locks.get(&key) {
+                if holder.session_id == w.session {
+                    return AcquireOutcome::Granted(holder.clone());
+                }
+                return AcquireOutcome::NotAcquired {
+                    holder_owner: holder.owner.clone(),
+                    holder_token: holder.token.get(),
+                };
+            }
+            w.revision += 1;
+            let grant = Grant {
+                key: key.clone(),
+                owner: w.owner.clone(),
+                session_id: w.session.clone(),
+                token: FencingToken::new(w.revision).expect("revisions start at 1"),
+            };
+            w.locks.insert(key, grant.clone());
+            AcquireOutcome::Granted(grant)
+        })))
+    }
+
+    fn check_held(&self, grant: &Grant) -> Result<(), Refusal> {
+        self.with(|w| {
+            if w.lost_sessions.contains(&grant.session_id) || grant.session_id != w.session {
+                return Err(Refusal::GrantLost {
+                    key: grant.key.clone(),
+                    token: grant.token.get(),
+                    reason: "session expired (conservative deadline passed)".into(),
+                });
+            }
+            Ok(())
+        })
+    }
+
+    fn release(&self, grant: Grant) -> Answer<'_, ()> {
+        self.with(|w| {
+            if w.locks.get(&grant.key) == Some(&grant) {
+                w.locks.remove(&grant.key);
+            }
+        });
+        ready(Ok(()))
+    }
+
+    fn get_payout(&self, payout_id: PayoutId) -> Answer<'_, PayoutSnapshot> {
+        ready(Ok(self.with(|w| w.snapshot(&payout_id))))
+    }
+
+    fn claim(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        ready(self.with(|w| {
+            let payout = w.payouts[&input.payout_id].clone();
+            let funds = w.balances[&payout.account_id];
+            let (event, sufficient) =
+                if payout.snapshot.state == PayoutState::Pending && funds < payout.amount_minor {
+                    (PayoutEvent::FundsInsufficient, false)
+                } else {
+                    (PayoutEvent::Claim, true)
+                };
+            w.fenced_transition(&input.payout_id, &input.grant, event, Actor::Holder)?;
+            let p = w.payouts.get_mut(&input.payout_id).expect("exists");
+            if sufficient {
+                p.snapshot.claimed_by = input.grant.owner.clone();
+            } else {
+                p.snapshot.failure_reason = "FUNDS_INSUFFICIENT".into();
+            }
+            Ok(w.snapshot(&input.payout_id))
+        }))
+    }
+
+    fn mark_submitted(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        ready(self.with(|w| {
+            w.fenced_transition(
+                &input.payout_id,
+                &input.grant,
+                PayoutEvent::SubmissionAccepted,
+                Actor::Holder,
+            )?;
+            Ok(w.snapshot(&input.payout_id))
+        }))
+    }
+
+    fn record_outcome(&self, input: RecordOutcomeInput) -> Answer<'_, PayoutSnapshot> {
+        ready(self.with(|w| {
+            let (event, name) = match &input.outcome {
+                RailOutcome::Acked { .. } => (PayoutEvent::RailAcked, "ACKED"),
+                RailOutcome::Declined { .. } => (PayoutEvent::RailDeclined, "DECLINED"),
+                RailOutcome::Timeout { .. } => (PayoutEvent::RailTimeout, "TIMEOUT"),
+                RailOutcome::OutcomeMissing => (PayoutEvent::OutcomeMissing, "OUTCOME_MISSING"),
+            };
+            w.fenced_transition(&input.payout_id, &input.grant, event, Actor::Holder)?;
+            let p = w.payouts.get_mut(&input.payout_id).expect("exists");
+            p.snapshot.rail_outcome = name.into();
+            match &input.outcome {
+                RailOutcome::Acked { rail_ref } => p.snapshot.rail_ref = rail_ref.clone(),
+                RailOutcome::Declined { decline_code } => {
+                    p.snapshot.failure_reason = decline_code.clone()
+                }
+                _ => {}
+            }
+            Ok(w.snapshot(&input.payout_id))
+        }))
+    }
+
+    fn post(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        ready(self.with(|w| {
+            if w.payouts[&input.payout_id].snapshot.state == PayoutState::Posted {
+                return Ok(w.snapshot(&input.payout_id));
+            }
+            w.fenced_transition(
+                &input.payout_id,
+                &input.grant,
+                PayoutEvent::Posted,
+                Actor::Holder,
+            )?;
+            let p = w.payouts[&input.payout_id].clone();
+            *w.balances.get_mut(&p.account_id).expect("account") -= p.amount_minor;
+            *w.postings.entry(input.payout_id.clone()).or_default() += 1;
+            Ok(w.snapshot(&input.payout_id))
+        }))
+    }
+
+    fn resolve(&self, input: ResolveInput) -> Answer<'_, PayoutSnapshot> {
+        ready(self.with(|w| {
+            let event = match input.evidence {
+                Evidence::Found { .. } => PayoutEvent::EvidenceFound,
+                Evidence::Absent => PayoutEvent::EvidenceAbsent,
+            };
+            w.fenced_transition(&input.payout_id, &input.grant, event, Actor::Resolver)?;
+            let p = w.payouts.get_mut(&input.payout_id).expect("exists");
+            match input.evidence {
+                Evidence::Found { rail_ref } => {
+                    p.snapshot.rail_ref = rail_ref;
+                    p.snapshot.rail_outcome = "EVIDENCE_FOUND".into();
+                }
+                Evidence::Absent => p.snapshot.rail_outcome = "EVIDENCE_ABSENT".into(),
+            }
+            Ok(w.snapshot(&input.payout_id))
+        }))
+    }
+
+    fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot> {
+        ready(self.with(|w| {
+            let state = w.payouts[&input.payout_id].snapshot.state;
+            if state == PayoutState::RailAmbiguous && !input.resolution_sla_passed {
+                return Err(Refusal::ResolutionSlaNotPassed {
+                    payout_id: input.payout_id.to_string(),
+                }
+                .into());
+            }
+            w.fenced_transition(
+                &input.payout_id,
+                &input.grant,
+                PayoutEvent::OperatorAbandon,
+                Actor::Operator,
+            )?;
+            let p = w.payouts.get_mut(&input.payout_id).expect("exists");
+            p.snapshot.failure_reason =
+                format!("abandoned by {}: {}", input.operator, input.reason);
+            Ok(w.snapshot(&input.payout_id))
+        }))
+    }
+
+    fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()> {
+        self.with(|w| w.decisions.push(input));
+        ready(Ok(()))
+    }
+
+    fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {
+        ready(self.with(|w| {
+            *w.submit_calls.entry(input.payout_id.clone()).or_default() += 1;
+            // Second guard: the per-account high-water, then one submission per payout.
+            let high = w.high_water.get(&input.account_id).copied().unwrap_or(0);
+            if !input.grant.token.admitted_by(high) {
+                w.fenced_out += 1;
+                return Err(Refusal::FencedOut {
+                    key: lock_key(&input.account_id),
+                    presented: input.grant.token.get(),
+                    stored: high,
+                    owner: input.grant.owner.clone(),
+                }
+                .into());
+            }
+            if let Some(existing) = w.submissions.get(&input.payout_id) {
+                return Err(Refusal::DuplicateSubmission {
+                    payout_id: input.payout_id.to_string(),
+                    existing_outcome: existing.clone(),
+                }
+                .into());
+            }
+            w.high_water
+                .insert(input.account_id.clone(), input.grant.token.get());
+            let script = w.rail_script[&input.payout_id];
+            let rail_ref = format!("rail-{}", input.client_reference);
+            let (moved, outcome, answer) = match script {
+                RailScript::Ack => (
+                    true,
+                    Some(RailOutcome::Acked {
+                        rail_ref: rail_ref.clone(),
+                    }),
+                    Ok(SubmitAnswer::Acked { rail_ref }),
+                ),
+                RailScript::Decline => (
+                    false,
+                    Some(RailOutcome::Declined {
+                        decline_code: "INSUFFICIENT_BENEFICIARY_DETAILS".into(),
+                    }),
+                    Ok(SubmitAnswer::Declined {
+                        decline_code: "INSUFFICIENT_BENEFICIARY_DETAILS".into(),
+                    }),
+                ),
+                RailScript::TimeoutAfterAcceptance | RailScript::TimeoutBeforeRail => (
+                    script == RailScript::TimeoutAfterAcceptance,
+                    Some(RailOutcome::Timeout {
+                        detail: "rail timed out".into(),
+                    }),
+                    Ok(SubmitAnswer::Ambiguous {
+                        detail: "rail timed out".into(),
+                    }),
+                ),
+                RailScript::ActivityFailsAfterRail => (
+                    true,
+                    None,
+                    Err(ActivityFailure::Transient("connection reset".into())),
+                ),
+            };
+            w.submissions.insert(input.payout_id.clone(), outcome);
+            if moved {
+                *w.rail_movements.entry(input.payout_id.clone()).or_default() += 1;
+            }
+            if std::mem::take(&mut w.expire_after_submit) {
+                let old = w.session.clone();
+                w.locks.retain(|_, g| g.session_id != old);
+                w.lost_sessions.push(old.clone());
+                w.session = format!("{old}-renewed");
+            }
+            answer
+        }))
+    }
+
+    fn inquire(&self, input: InquireInput) -> Answer<'_, Inquiry> {
+        ready(Ok(self.with(|w| {
+            if let Some(next) = w
+                .inquiries
+                .get_mut(&input.payout_id)
+                .and_then(|q| q.pop_front())
+            {
+                return next;
+            }
+            if w.rail_movements.get(&input.payout_id).copied().unwrap_or(0) > 0 {
+                Inquiry::Found {
+                    rail_ref: format!("rail-{}", input.client_reference),
+                }
+            } else {
+                Inquiry::Absent
+            }
+        })))
+    }
+}

@@ -1,0 +1,653 @@
+//! Client of the lock service, for the activities.
+//!
+//! - A [`Grant`] carries a REQUIRED [`FencingToken`]: code that mutates takes the token from a
+//!   grant, so a mutating path without one does not compile (INV-07).
+//! - Conservative local expiry (spec 2.4, client view): the deadline is on the local MONOTONIC
+//!   clock (`std::time::Instant`), computed from the SEND time of the last successful keep-alive
+//!   plus the TTL, minus [`LOCAL_DEADLINE_MARGIN`]; never the wall clock. [`Grant::is_held`] turns
+//!   false the moment it passes, and [`Grant::lost`] notifies. This narrows the window in which a
+//!   stale holder keeps working; it is not safety: the token at the guards is.
+//! - Fail closed: any error on acquire is an `Err`, never a grant. There is no switch for that.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use payout_domain::FencingToken;
+use payout_proto::lock as pb;
+use pb::lock_service_client::LockServiceClient;
+use tokio::sync::watch;
+use tonic::transport::Channel;
+
+/// The client gives up this long before the earliest moment the server could expire the session.
+/// Why it is needed at all: the server's expiry is measured from when the leader RECEIVED the
+/// keep-alive, ours from when we SENT it, so ours is already earlier by the one-way delay; the
+/// margin adds room for what the client cannot see: the time between `is_held()` answering true
+/// and the caller's write leaving this process (a scheduler pause, a GC-like stall of a busy
+/// worker), and the rate difference between this machine's monotonic clock and the etcd leader's.
+/// Half a second covers a stalled tokio worker on a loaded 2-core machine with room to spare while
+/// leaving most of a multi-second TTL usable.
+pub const LOCAL_DEADLINE_MARGIN: Duration = Duration::from_millis(500);
+/// Keep-alives are sent every TTL / this: three chances to succeed before the deadline passes.
+pub const KEEP_ALIVE_PER_TTL: u32 = 3;
+/// A failed keep-alive is retried after this pause (bounded by the deadline, after which the
+/// session is lost for good).
+pub const KEEP_ALIVE_RETRY_MS: u64 = 100;
+/// Every unary call is bounded; a lock service that does not answer in this time is treated as
+/// down (acquire fails closed). Acquire adds its own wait bound on top.
+pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
+/// Connecting to the lock service either works quickly or not at all.
+pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
+
+pub use pb::rejection::Kind as Rejection;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach the lock service: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    /// A typed refusal from the server (e.g. `NotHolder`, `SessionNotFound`, `TokenRegression`).
+    #[error("refused by the lock service: {message}")]
+    Rejected { kind: Rejection, message: String },
+    #[error("lock service call failed: {0}")]
+    Status(tonic::Status),
+    #[error("the session is lost locally: its deadline passed or the server ended it")]
+    SessionLost,
+    #[error("the lock service answered something malformed: {0}")]
+    Malformed(&'static str),
+    #[error("no answer from the lock service within {0:?}")]
+    Timeout(Duration),
+}
+
+impl From<tonic::Status> for ClientError {
+    fn from(status: tonic::Status) -> Self {
+        match service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind) {
+            Some(kind) => Self::Rejected {
+                kind,
+                message: status.message().to_string(),
+            },
+            None => Self::Status(status),
+        }
+    }
+}
+
+impl ClientError {
+    pub fn rejection(&self) -> Option<&Rejection> {
+        match self {
+            Self::Rejected { kind, .. } => Some(kind),
+            _ => None,
+        }
+    }
+}
+
+async fn bounded<T>(
+    timeout: Duration,
+    fut: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, ClientError> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(status)) => Err(status.into()),
+        Err(_) => Err(ClientError::Timeout(timeout)),
+    }
+}
+
+#[derive(Clone)]
+pub struct LockClient {
+    rpc: LockServiceClient<Channel>,
+}
+
+impl LockClient {
+    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, ClientError> {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.into())?
+            .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
+            .connect()
+            .await?;
+        Ok(Self {
+            rpc: LockServiceClient::new(channel),
+        })
+    }
+
+    fn timeout() -> Duration {
+        Duration::from_millis(REQUEST_TIMEOUT_MS)
+    }
+
+    /// Opens a session and starts its background keep-alive.
+    pub async fn open_session(&self, owner: &str, ttl: Duration) -> Result<Session, ClientError> {
+        let sent_at = Instant::now();
+        let mut rpc = self.rpc.clone();
+        let r = bounded(
+            Self::timeout(),
+            rpc.create_session(pb::CreateSessionRequest {
+                owner: owner.to_string(),
+                ttl_ms: ttl.as_millis() as u64,
+            }),
+        )
+        .await?;
+        if r.session_id.is_empty() || r.ttl_ms == 0 {
+            return Err(ClientError::Malformed("session without id or ttl"));
+        }
+        Ok(Session::start(
+            self.clone(),
+            owner.to_string(),
+            r.session_id,
+            Duration::from_millis(r.ttl_ms),
+            sent_at,
+        ))
+    }
+
+    /// Adopts an existing session (another process created it) and keeps it alive from here.
+    /// The first keep-alive proves it is alive and starts the local deadline.
+    pub async fn adopt_session(
+        &self,
+        owner: &str,
+        session_id: &str,
+    ) -> Result<Session, ClientError> {
+        let sent_at = Instant::now();
+        let mut rpc = self.rpc.clone();
+        let r = bounded(
+            Self::timeout(),
+            rpc.keep_alive(pb::KeepAliveRequest {
+                session_id: session_id.to_string(),
+            }),
+        )
+        .await?;
+        Ok(Session::start(
+            self.clone(),
+            owner.to_string(),
+            session_id.to_string(),
+            Duration::from_millis(r.ttl_ms),
+            sent_at,
+        ))
+    }
+
+    pub async fn describe(&self, key: &str) -> Result<pb::DescribeResponse, ClientError> {
+        let mut rpc = self.rpc.clone();
+        bounded(
+            Self::timeout(),
+            rpc.describe(pb::DescribeRequest {
+                key: key.to_string(),
+            }),
+        )
+        .await
+    }
+
+    /// Operator break-glass. Both `operator` and `reason` are required by the server.
+    pub async fn force_revoke(
+        &self,
+        key: &str,
+        operator: &str,
+        reason: &str,
+    ) -> Result<pb::ForceRevokeResponse, ClientError> {
+        let mut rpc = self.rpc.clone();
+        let request = pb::ForceRevokeRequest {
+            key: key.to_string(),
+            operator: operator.to_string(),
+            reason: reason.to_string(),
+        };
+        bounded(Self::timeout(), rpc.force_revoke(request)).await
+    }
+
+    /// The raw generated client, for callers that need a call this crate does not wrap.
+    pub fn rpc(&self) -> LockServiceClient<Channel> {
+        self.rpc.clone()
+    }
+}
+
+/// Local liveness of one session: the deadline and the loss notification.
+struct Liveness {
+    deadline: Mutex<Instant>,
+    lost: watch::Sender<bool>,
+}
+
+impl Liveness {
+    fn new(deadline: Instant) -> Arc<Self> {
+        let (lost, _) = watch::channel(false);
+        Arc::new(Self {
+            deadline: Mutex::new(deadline),
+            lost,
+        })
+    }
+
+    fn deadline(&self) -> Instant {
+        *self.deadline.lock().expect("deadline")
+    }
+
+    fn is_alive(&self) -> bool {
+        !*self.lost.borrow() && Instant::now() < self.deadline()
+    }
+
+    /// A successful keep-alive SENT at `sent_at`: the server's expiry is at least `sent_at + ttl`.
+    /// Once lost, a session stays lost: the caller must open a new one and acquire again.
+    fn extend(&self, sent_at: Instant, ttl: Duration) {
+        if *self.lost.borrow() {
+            return;
+        }
+        let candidate = local_deadline(sent_at, ttl);
+        let mut deadline = self.deadline.lock().expect("deadline");
+        if candidate > *deadline {
+            *deadline = candidate;
+        }
+    }
+
+    fn mark_lost(&self, why: &str, session_id: &str) {
+        if !*self.lost.borrow() {
+            tracing::warn!(session_id, why, "lock session lost locally");
+        }
+        self.lost.send_replace(true);
+    }
+}
+
+/// The conservative local deadline for a keep-alive sent at `sent_at` that granted `ttl`.
+pub fn local_deadline(sent_at: Instant, ttl: Duration) -> Instant {
+    sent_at + ttl.saturating_sub(LOCAL_DEADLINE_MARGIN)
+}
+
+struct SessionInner {
+    client: LockClient,
+    owner: String,
+    session_id: String,
+    ttl: Duration,
+    liveness: Arc<Liveness>,
+    keep_alive: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Test-only: keep-alives are no longer sent (a partitioned client); the loss is still
+    /// announced at the deadline.
+    suspended: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        if let Some(task) = self.keep_alive.lock().expect("keep-alive task").take() {
+            task.abort();
+        }
+    }
+}
+
+/// A session with a background keep-alive. Cheap to clone; the keep-alive stops when the last
+/// clone (including grants) is dropped, or on [`Session::close`].
+#[derive(Clone)]
+pub struct Session {
+    inner: Arc<SessionInner>,
+}
+
+impl Session {
+    fn start(
+        client: LockClient,
+        owner: String,
+        session_id: String,
+        ttl: Duration,
+        sent_at: Instant,
+    ) -> Self {
+        let liveness = Liveness::new(local_deadline(sent_at, ttl));
+        let inner = Arc::new(SessionInner {
+            client,
+            owner,
+            session_id,
+            ttl,
+            liveness,
+            keep_alive: Mutex::new(None),
+            suspended: std::sync::atomic::AtomicBool::new(false),
+        });
+        let task = tokio::spawn(keep_alive_loop(Arc::downgrade(&inner)));
+        *inner.keep_alive.lock().expect("keep-alive task") = Some(task);
+        Self { inner }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.inner.session_id
+    }
+    pub fn owner(&self) -> &str {
+        &self.inner.owner
+    }
+    pub fn ttl(&self) -> Duration {
+        self.inner.ttl
+    }
+    /// The local monotonic deadline: the session is treated as lost from this instant on.
+    pub fn deadline(&self) -> Instant {
+        self.inner.liveness.deadline()
+    }
+    pub fn is_alive(&self) -> bool {
+        self.inner.liveness.is_alive()
+    }
+    /// Turns `true` once the session is lost locally (deadline passed or server said gone).
+    pub fn lost(&self) -> watch::Receiver<bool> {
+        self.inner.liveness.lost.subscribe()
+    }
+
+    /// Acquires `key`, waiting at most `wait` for a release. Fail closed: any error is `Err`; a
+    /// grant is returned only if the server granted it to this owner and session AND the local
+    /// deadline has not passed by the time the answer arrives.
+    pub async fn acquire(&self, key: &str, wait: Duration) -> Result<Acquired, ClientError> {
+        if !self.is_alive() {
+            return Err(ClientError::SessionLost);
+        }
+        let mut rpc = self.inner.client.rpc.clone();
+        let request = pb::AcquireRequest {
+            key: key.to_string(),
+            owner: self.inner.owner.clone(),
+            session_id: self.inner.session_id.clone(),
+            wait_ms: wait.as_millis() as u64,
+        };
+        let r = bounded(wait + LockClient::timeout(), rpc.acquire(request)).await?;
+        match r.result {
+            Some(pb::acquire_response::Result::Grant(g)) => {
+                if g.key != key
+                    || g.owner != self.inner.owner
+                    || g.session_id != self.inner.session_id
+                {
+                    return Err(ClientError::Malformed(
+                        "grant for another key, owner or session",
+                    ));
+                }
+                let token = FencingToken::new(g.token)
+                    .map_err(|_| ClientError::Malformed("grant without a token"))?;
+                if !self.is_alive() {
+                    return Err(ClientError::SessionLost);
+                }
+                tracing::info!(key, owner = %g.owner, session_id = %g.session_id, token = g.token, "lock acquired");
+                Ok(Acquired::Granted(Grant {
+                    key: g.key,
+                    token,
+                    server_expiry_unix_ms: g.server_expiry_unix_ms,
+                    session: self.clone(),
+                }))
+            }
+            Some(pb::acquire_response::Result::NotAcquired(n)) => Ok(Acquired::NotAcquired {
+                holder_owner: n.holder_owner,
+                holder_token: n.holder_token,
+            }),
+            None => Err(ClientError::Malformed("acquire answer without a result")),
+        }
+    }
+
+    /// Ends the session; the server releases every lock attached to it in one action.
+    pub async fn close(&self) -> Result<(), ClientError> {
+        if let Some(task) = self
+            .inner
+            .keep_alive
+            .lock()
+            .expect("keep-alive task")
+            .take()
+        {
+            task.abort();
+        }
+        self.inner
+            .liveness
+            .mark_lost("closed", &self.inner.session_id);
+        let mut rpc = self.inner.client.rpc.clone();
+        bounded(
+            LockClient::timeout(),
+            rpc.close_session(pb::CloseSessionRequest {
+                session_id: self.inner.session_id.clone(),
+            }),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Stops sending keep-alives without telling the server: what a partitioned or frozen client
+    /// looks like from the server. For tests of expiry; the deadline then runs out on its own.
+    #[doc(hidden)]
+    pub fn stop_keep_alive(&self) {
+        self.inner
+            .suspended
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+async fn keep_alive_loop(inner: std::sync::Weak<SessionInner>) {
+    loop {
+        let (mut rpc, session_id, ttl, liveness, suspended) = {
+            let Some(s) = inner.upgrade() else { return };
+            let suspended = s.suspended.load(std::sync::atomic::Ordering::SeqCst);
+            (
+                s.client.rpc.clone(),
+                s.session_id.clone(),
+                s.ttl,
+                s.liveness.clone(),
+                suspended,
+            )
+        };
+        let deadline = liveness.deadline();
+        if suspended {
+            sleep_or_lose(&liveness, &session_id, deadline).await;
+            return;
+        }
+        let period = ttl / KEEP_ALIVE_PER_TTL;
+        let now = Instant::now();
+        if now >= deadline {
+            liveness.mark_lost("deadline passed", &session_id);
+            return;
+        }
+        // Wake for the next keep-alive, or at the deadline to announce the loss on time.
+        let next = now + period;
+        let sent_at = Instant::now();
+        let call = rpc.keep_alive(pb::KeepAliveRequest {
+            session_id: session_id.clone(),
+        });
+        let outcome = tokio::select! {
+            r = tokio::time::timeout(deadline.saturating_duration_since(sent_at), call) => r,
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(deadline)) => {
+                liveness.mark_lost("deadline passed", &session_id);
+                return;
+            }
+        };
+        match outcome {
+            Ok(Ok(r)) => {
+                liveness.extend(sent_at, Duration::from_millis(r.into_inner().ttl_ms));
+                let wake = next.min(liveness.deadline());
+                sleep_or_lose(&liveness, &session_id, wake).await;
+            }
+            Ok(Err(status)) if status.code() == tonic::Code::NotFound => {
+                liveness.mark_lost("server says the session is gone", &session_id);
+                return;
+            }
+            Ok(Err(status)) => {
+                tracing::warn!(session_id, error = %status, "keep-alive failed; retrying until the deadline");
+                let retry = Instant::now() + Duration::from_millis(KEEP_ALIVE_RETRY_MS);
+                sleep_or_lose(&liveness, &session_id, retry.min(liveness.deadline())).await;
+            }
+            Err(_) => {
+                liveness.mark_lost("deadline passed during keep-alive", &session_id);
+                return;
+            }
+        }
+        if *liveness.lost.borrow() {
+            return;
+        }
+    }
+}
+
+async fn sleep_or_lose(liveness: &Liveness, session_id: &str, wake: Instant) {
+    tokio::time::sleep_until(tokio::time::Instant::from_std(wake)).await;
+    if Instant::now() >= liveness.deadline() {
+        liveness.mark_lost("deadline passed", session_id);
+    }
+}
+
+#[derive(Debug)]
+pub enum Acquired {
+    Granted(Grant),
+    NotAcquired {
+        holder_owner: String,
+        holder_token: u64,
+    },
+}
+
+impl Acquired {
+    pub fn granted(self) -> Option<Grant> {
+        match self {
+            Self::Granted(g) => Some(g),
+            Self::NotAcquired { .. } => None,
+        }
+    }
+}
+
+/// A grant handle: key, owner, session, the REQUIRED token, and the local deadline.
+pub struct Grant {
+    key: String,
+    token: FencingToken,
+    server_expiry_unix_ms: i64,
+    session: Session,
+}
+
+impl std::fmt::Debug for Grant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grant")
+            .field("key", &self.key)
+            .field("owner", &self.session.owner())
+            .field("session_id", &self.session.id())
+            .field("token", &self.token)
+            .finish()
+    }
+}
+
+impl Grant {
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+    pub fn owner(&self) -> &str {
+        self.session.owner()
+    }
+    pub fn session_id(&self) -> &str {
+        self.session.id()
+    }
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+    /// The server's expiry hint at grant time (wall clock, informative only: never decide on it).
+    pub fn server_expiry_unix_ms(&self) -> i64 {
+        self.server_expiry_unix_ms
+    }
+    /// The local monotonic deadline after which this grant must not be relied on.
+    pub fn deadline(&self) -> Instant {
+        self.session.deadline()
+    }
+    /// False from the instant the local deadline passes (or the session is lost), before the
+    /// server's expiry. Liveness, not safety: the token at the guards is the safety.
+    pub fn is_held(&self) -> bool {
+        self.session.is_alive()
+    }
+    /// Turns `true` when the grant is lost locally; `changed()` wakes work that must stop.
+    pub fn lost(&self) -> watch::Receiver<bool> {
+        self.session.lost()
+    }
+
+    fn handle(&self) -> pb::Handle {
+        pb::Handle {
+            key: self.key.clone(),
+            owner: self.session.owner().to_string(),
+            session_id: self.session.id().to_string(),
+            token: self.token.get(),
+        }
+    }
+
+    /// Extends the session if this handle still holds the key; the token is unchanged.
+    pub async fn renew(&self) -> Result<(), ClientError> {
+        let sent_at = Instant::now();
+        let mut rpc = self.session.inner.client.rpc.clone();
+        let r = bounded(
+            LockClient::timeout(),
+            rpc.renew(pb::RenewRequest {
+                handle: Some(self.handle()),
+            }),
+        )
+        .await?;
+        let grant = r
+            .grant
+            .ok_or(ClientError::Malformed("renew answer without a grant"))?;
+        if grant.token != self.token.get() {
+            return Err(ClientError::Malformed("renew changed the token"));
+        }
+        self.session
+            .inner
+            .liveness
+            .extend(sent_at, Duration::from_millis(grant.ttl_ms));
+        Ok(())
+    }
+
+    /// Compare-and-delete on this handle. Refused (`NotHolder`) if it no longer holds the key.
+    pub async fn release(self) -> Result<(), ClientError> {
+        let mut rpc = self.session.inner.client.rpc.clone();
+        bounded(
+            LockClient::timeout(),
+            rpc.release(pb::ReleaseRequest {
+                handle: Some(self.handle()),
+            }),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Re-establishes a handle in another process from what the first one recorded: verifies it
+    /// still holds the key (a Renew, which also extends the session), adopts the session's
+    /// keep-alive here, and starts this process's own local deadline from that renewal's send time.
+    pub async fn reestablish(
+        client: &LockClient,
+        key: &str,
+        owner: &str,
+        session_id: &str,
+        token: FencingToken,
+    ) -> Result<Grant, ClientError> {
+        let sent_at = Instant::now();
+        let handle = pb::Handle {
+            key: key.to_string(),
+            owner: owner.to_string(),
+            session_id: session_id.to_string(),
+            token: token.get(),
+        };
+        let mut rpc = client.rpc.clone();
+        let r = bounded(
+            LockClient::timeout(),
+            rpc.renew(pb::RenewRequest {
+                handle: Some(handle),
+            }),
+        )
+        .await?;
+        let grant = r
+            .grant
+            .ok_or(ClientError::Malformed("renew answer without a grant"))?;
+        if grant.token != token.get() {
+            return Err(ClientError::Malformed("renew changed the token"));
+        }
+        let session = Session::start(
+            client.clone(),
+            owner.to_string(),
+            session_id.to_string(),
+            Duration::from_millis(grant.ttl_ms),
+            sent_at,
+        );
+        Ok(Grant {
+            key: key.to_string(),
+            token,
+            server_expiry_unix_ms: grant.server_expiry_unix_ms,
+            session,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_local_deadline_is_earlier_than_send_time_plus_ttl() {
+        let sent = Instant::now();
+        let ttl = Duration::from_secs(2);
+        assert_eq!(
+            local_deadline(sent, ttl),
+            sent + ttl - LOCAL_DEADLINE_MARGIN
+        );
+        // A TTL below the margin yields an already-passed deadline: fail closed.
+        assert_eq!(local_deadline(sent, Duration::from_millis(100)), sent);
+    }
+
+    #[tokio::test]
+    async fn liveness_is_lost_for_good_once_marked() {
+        let l = Liveness::new(Instant::now() + Duration::from_secs(10));
+        assert!(l.is_alive());
+        l.mark_lost("test", "1");
+        l.extend(Instant::now(), Duration::from_secs(60));
+        assert!(!l.is_alive());
+    }
+}

@@ -1,0 +1,233 @@
+//! The General Ledger service (spec 002): an append-only, idempotent, double-entry journal with
+//! its own PostgreSQL (`gldb`) behind `ledger.v1.GeneralLedgerService`.
+//!
+//! Architecture invariants: the GL never writes another service's database, and nothing but this
+//! crate writes gldb. Journal tables are append-only twice over: the service's connections run as
+//! role `gl_app` (SELECT/INSERT only) and triggers refuse UPDATE/DELETE/TRUNCATE to everyone.
+
+pub mod amount;
+pub mod api;
+pub mod bench;
+pub mod error;
+pub mod projection;
+pub mod store;
+pub mod validate;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use payout_proto::ledger::general_ledger_service_server::GeneralLedgerServiceServer;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Executor, PgPool};
+
+pub use error::LedgerError;
+
+/// The name `grpc.health.v1` reports for this service.
+pub const SERVICE_NAME: &str = "ledger.v1.GeneralLedgerService";
+/// The database role every service connection switches to (created by the migrations).
+pub const APP_ROLE: &str = "gl_app";
+
+/// The boundary where caller authentication plugs in (a later issue): every request to the
+/// ledger service passes through this function before reaching a handler.
+pub type Interceptor =
+    Arc<dyn Fn(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send + Sync>;
+
+/// Accepts every caller: authentication is not implemented yet.
+pub fn allow_all() -> Interceptor {
+    Arc::new(Ok)
+}
+
+#[derive(Clone)]
+pub struct Config {
+    pub database_url: String,
+    pub interceptor: Interceptor,
+}
+
+impl Config {
+    pub fn new(database_url: impl Into<String>) -> Self {
+        Self {
+            database_url: database_url.into(),
+            interceptor: allow_all(),
+        }
+    }
+}
+
+/// Applies the migrations as the database owner.
+pub async fn migrate(database_url: &str) -> Result<(), LedgerError> {
+    let owner = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(database_url)
+        .await
+        .map_err(|e| {
+            LedgerError::Startup(format!(
+                "connecting to {}: {e}",
+                service_kit::redact(database_url)
+            ))
+        })?;
+    sqlx::migrate!("../../migrations/gldb")
+        .run(&owner)
+        .await
+        .map_err(|e| LedgerError::Startup(format!("gldb migrations: {e}")))?;
+    owner.close().await;
+    Ok(())
+}
+
+/// A bounded pool whose every connection runs as `gl_app`, so the service itself cannot update or
+/// delete journal rows whatever its code does.
+pub async fn app_pool(database_url: &str) -> Result<PgPool, LedgerError> {
+    PgPoolOptions::new()
+        .max_connections(service_kit::pool::CONNECTIONS_MAX)
+        .acquire_timeout(Duration::from_millis(service_kit::pool::ACQUIRE_TIMEOUT_MS))
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET ROLE gl_app").await?;
+                Ok(())
+            })
+        })
+        .connect(database_url)
+        .await
+        .map_err(|e| {
+            LedgerError::Startup(format!(
+                "connecting to {}: {e}",
+                service_kit::redact(database_url)
+            ))
+        })
+}
+
+/// The system accounts every supported currency needs: where payouts clear, and where customer
+/// funding comes from. Idempotent.
+pub async fn seed_system_accounts(store: &store::Store) -> Result<(), LedgerError> {
+    for (code, _) in payout_domain::SUPPORTED_CURRENCIES {
+        for (class, owner_id) in [("PAYOUT_CLEARING", "rail"), ("FUNDING", "treasury")] {
+            let key = validate::AccountKey {
+                class: class.into(),
+                owner_type: "SYSTEM".into(),
+                owner_id: owner_id.into(),
+                asset: code.into(),
+            };
+            store.open_account(&key).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Migrates, seeds and serves until `shutdown` resolves.
+pub async fn serve(
+    config: Config,
+    listener: tokio::net::TcpListener,
+    metrics: service_kit::Metrics,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), LedgerError> {
+    migrate(&config.database_url).await?;
+    let pool = app_pool(&config.database_url).await?;
+    let store = Arc::new(store::Store::new(pool.clone()));
+    seed_system_accounts(&store).await?;
+
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    let health = tokio::spawn(service_kit::health_from_db(
+        reporter,
+        SERVICE_NAME,
+        pool.clone(),
+        Duration::from_millis(service_kit::HEALTH_PERIOD_MS),
+    ));
+    let api = api::LedgerApi {
+        store,
+        metrics: api::LedgerMetrics::new(&metrics),
+    };
+    let interceptor = config.interceptor.clone();
+    let service =
+        GeneralLedgerServiceServer::with_interceptor(api, move |request| interceptor(request));
+    let address = listener.local_addr().ok();
+    tracing::info!(?address, "general ledger serving");
+    // Nagle's algorithm against the client's delayed ACKs adds ~40 ms to every small response;
+    // tonic sets TCP_NODELAY only on listeners it binds itself.
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        |stream| stream.and_then(|s| s.set_nodelay(true).map(|()| s)),
+    );
+    let result = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+        .map_err(|e| LedgerError::Startup(format!("gRPC server: {e}")));
+    health.abort();
+    pool.close().await;
+    result
+}
+
+/// A ledger server running in this process (tests, the benchmark).
+pub struct Spawned {
+    pub address: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), LedgerError>>,
+}
+
+impl Spawned {
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.address)
+    }
+    /// Stops the server and waits for it.
+    pub async fn stop(self) -> Result<(), LedgerError> {
+        let _ = self.stop.send(());
+        self.task
+            .await
+            .map_err(|e| LedgerError::Startup(format!("server task: {e}")))?
+    }
+}
+
+/// Binds `listen` (port 0 for any), then serves in a task. Returns once the gRPC port answers.
+pub async fn spawn(database_url: &str, listen: SocketAddr) -> Result<Spawned, LedgerError> {
+    migrate(database_url).await?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| LedgerError::Startup(format!("bind {listen}: {e}")))?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| LedgerError::Startup(e.to_string()))?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let config = Config::new(database_url);
+    let task = tokio::spawn(serve(
+        config,
+        listener,
+        service_kit::Metrics::default(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    // Seeding precedes serving, so the first answer means the server is fully ready.
+    let endpoint = format!("http://{address}");
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(SPAWN_READY_TIMEOUT_MS);
+    loop {
+        if task.is_finished() {
+            return Err(task
+                .await
+                .map_err(|e| LedgerError::Startup(e.to_string()))?
+                .err()
+                .unwrap_or(LedgerError::Startup("server exited".into())));
+        }
+        if payout_proto::ledger::general_ledger_service_client::GeneralLedgerServiceClient::connect(
+            endpoint.clone(),
+        )
+        .await
+        .is_ok()
+        {
+            return Ok(Spawned {
+                address,
+                stop,
+                task,
+            });
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(LedgerError::Startup(format!(
+                "server not ready within {SPAWN_READY_TIMEOUT_MS} ms"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Migrations and seeding of a fresh database take well under this on the slowest machine we use.
+const SPAWN_READY_TIMEOUT_MS: u64 = 30_000;

@@ -1,0 +1,424 @@
+//! Validation of an `AppendJournalRequest` into a `ValidatedJournal`: everything that can be
+//! decided without the database. The canonical payload hash is computed here from the validated
+//! values, so two spellings of the same content ("12.30" and "12.3") hash the same.
+
+use std::collections::{BTreeMap, HashSet};
+
+use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
+use payout_proto::ledger as pb;
+use rust_decimal::Decimal;
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use crate::amount::{self, AmountError};
+use crate::error::LedgerError;
+
+/// Account classes of spec 002 plus the three our payouts need.
+pub const ACCOUNT_CLASSES: [&str; 10] = [
+    "USER_AVAILABLE",
+    "USER_FROZEN",
+    "EXTERNAL_BLOCKCHAIN",
+    "TREASURY",
+    "MARKET_CLEARING",
+    "IPG_CLEARING",
+    "COMMISSION_REVENUE",
+    "CUSTOMER_AVAILABLE",
+    "PAYOUT_CLEARING",
+    "FUNDING",
+];
+
+/// A journal larger than this is a bug on the sender's side, not a business need: the biggest
+/// mapping in spec 002 (a market trade) has four lines per asset group.
+pub const ENTRIES_PER_JOURNAL_MAX: usize = 64;
+/// Bounds the stored size of free-form text and metadata.
+pub const TEXT_LENGTH_MAX: usize = 512;
+pub const METADATA_LENGTH_MAX: usize = 16 * 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AccountKey {
+    pub class: String,
+    pub owner_type: String,
+    pub owner_id: String,
+    pub asset: String,
+}
+
+impl std::fmt::Display for AccountKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{}/{}/{}",
+            self.class, self.owner_type, self.owner_id, self.asset
+        )
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ValidEntry {
+    pub line_number: u32,
+    pub account: AccountKey,
+    pub amount: Decimal,
+    pub description: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct ValidatedJournal {
+    pub source_service: String,
+    pub idempotency_key: String,
+    pub source_transaction_id: String,
+    pub tracking_code: String,
+    pub effect_kind: String,
+    pub effect_version: u32,
+    pub occurred_at: DateTime<Utc>,
+    pub correlation_id: String,
+    pub actor_id: String,
+    pub metadata: serde_json::Value,
+    /// Sorted by line number.
+    pub entries: Vec<ValidEntry>,
+    pub reversal_of: Option<Uuid>,
+    pub correction: Option<(String, String)>,
+    pub payload_hash: String,
+}
+
+pub fn valid_asset(asset: &str) -> bool {
+    let b = asset.as_bytes();
+    (3..=12).contains(&b.len())
+        && b[0].is_ascii_uppercase()
+        && b.iter()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit())
+}
+
+pub fn account_key(account: Option<&pb::AccountRef>, asset: &str) -> Option<AccountKey> {
+    let a = account?;
+    Some(AccountKey {
+        class: a.class.clone(),
+        owner_type: a.owner_type.clone(),
+        owner_id: a.owner_id.clone(),
+        asset: asset.to_string(),
+    })
+}
+
+fn required(value: &str, field: &'static str) -> Result<String, LedgerError> {
+    if value.trim().is_empty() {
+        return Err(LedgerError::MissingSourceIdentity { field });
+    }
+    bounded(value, field)
+}
+
+fn bounded(value: &str, field: &'static str) -> Result<String, LedgerError> {
+    if value.len() > TEXT_LENGTH_MAX {
+        return Err(LedgerError::InvalidField {
+            field,
+            detail: format!("longer than {TEXT_LENGTH_MAX} bytes"),
+        });
+    }
+    Ok(value.to_string())
+}
+
+pub fn parse_time(value: &str, field: &'static str) -> Result<DateTime<Utc>, LedgerError> {
+    DateTime::parse_from_rfc3339(value)
+        .map(|t| t.with_timezone(&Utc).trunc_subsecs(6))
+        .map_err(|e| LedgerError::InvalidField {
+            field,
+            detail: format!("{value:?} is not RFC 3339: {e}"),
+        })
+}
+
+pub fn format_time(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// Parses metadata text into a JSON object (empty text = `{}`).
+pub fn parse_metadata(text: &str) -> Result<serde_json::Value, LedgerError> {
+    if text.len() > METADATA_LENGTH_MAX {
+        return Err(LedgerError::InvalidField {
+            field: "metadata_json",
+            detail: "too long".into(),
+        });
+    }
+    if text.trim().is_empty() {
+        return Ok(serde_json::Value::Object(Default::default()));
+    }
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(v @ serde_json::Value::Object(_)) => Ok(v),
+        Ok(_) => Err(LedgerError::InvalidField {
+            field: "metadata_json",
+            detail: "not a JSON object".into(),
+        }),
+        Err(e) => Err(LedgerError::InvalidField {
+            field: "metadata_json",
+            detail: e.to_string(),
+        }),
+    }
+}
+
+/// JSON with object keys sorted at every level, independent of serde_json's map feature flags.
+pub fn canonical_json(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            let sorted: BTreeMap<&String, &Value> = map.iter().collect();
+            let fields: Vec<String> = sorted
+                .into_iter()
+                .map(|(k, v)| format!("{}:{}", Value::String(k.clone()), canonical_json(v)))
+                .collect();
+            format!("{{{}}}", fields.join(","))
+        }
+        Value::Array(items) => format!(
+            "[{}]",
+            items
+                .iter()
+                .map(canonical_json)
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        other => other.to_string(),
+    }
+}
+
+pub fn validate(req: &pb::AppendJournalRequest) -> Result<ValidatedJournal, LedgerError> {
+    let source_service = required(&req.source_service, "source_service")?;
+    let idempotency_key = required(&req.idempotency_key, "idempotency_key")?;
+    let source_transaction_id = required(&req.source_transaction_id, "source_transaction_id")?;
+    let effect_kind = required(&req.effect_kind, "effect_kind")?;
+    if req.effect_version == 0 {
+        return Err(LedgerError::MissingSourceIdentity {
+            field: "effect_version",
+        });
+    }
+    let tracking_code = bounded(&req.tracking_code, "tracking_code")?;
+    if req.occurred_at.is_empty() {
+        return Err(LedgerError::InvalidField {
+            field: "occurred_at",
+            detail: "missing".into(),
+        });
+    }
+    let occurred_at = parse_time(&req.occurred_at, "occurred_at")?;
+    if req.correlation_id.trim().is_empty() {
+        return Err(LedgerError::InvalidField {
+            field: "correlation_id",
+            detail: "missing".into(),
+        });
+    }
+    if req.actor_id.trim().is_empty() {
+        return Err(LedgerError::InvalidField {
+            field: "actor_id",
+            detail: "missing".into(),
+        });
+    }
+    let correlation_id = bounded(&req.correlation_id, "correlation_id")?;
+    let actor_id = bounded(&req.actor_id, "actor_id")?;
+    let metadata = parse_metadata(&req.metadata_json)?;
+    let reversal_of = match req.reversal_of.as_str() {
+        "" => None,
+        text => Some(
+            Uuid::parse_str(text).map_err(|_| LedgerError::ReversalTargetUnknown {
+                target: text.into(),
+            })?,
+        ),
+    };
+    let correction = match &req.correction {
+        None => None,
+        Some(c) if c.approved_by.trim().is_empty() || c.approval_reference.trim().is_empty() => {
+            return Err(LedgerError::InvalidField {
+                field: "correction",
+                detail: "an approval needs approved_by and approval_reference".into(),
+            })
+        }
+        Some(c) => Some((
+            bounded(&c.approved_by, "correction")?,
+            bounded(&c.approval_reference, "correction")?,
+        )),
+    };
+
+    if req.entries.is_empty() {
+        return Err(LedgerError::EmptyJournal);
+    }
+    if req.entries.len() > ENTRIES_PER_JOURNAL_MAX {
+        return Err(LedgerError::InvalidField {
+            field: "entries",
+            detail: format!("more than {ENTRIES_PER_JOURNAL_MAX}"),
+        });
+    }
+    let mut seen = HashSet::new();
+    let mut entries = Vec::with_capacity(req.entries.len());
+    for e in &req.entries {
+        let line_number = e.line_number;
+        if line_number == 0 {
+            return Err(LedgerError::InvalidField {
+                field: "line_number",
+                detail: "line numbers start at 1".into(),
+            });
+        }
+        if !seen.insert(line_number) {
+            return Err(LedgerError::DuplicateLineNumber { line_number });
+        }
+        if !valid_asset(&e.asset) {
+            return Err(LedgerError::InvalidField {
+                field: "asset",
+                detail: format!("{:?}", e.asset),
+            });
+        }
+        let account = match account_key(e.account.as_ref(), &e.asset) {
+            Some(k)
+                if ACCOUNT_CLASSES.contains(&k.class.as_str())
+                    && !k.owner_type.is_empty()
+                    && !k.owner_id.is_empty() =>
+            {
+                k
+            }
+            other => {
+                return Err(LedgerError::UnknownAccount {
+                    line_number,
+                    account: other
+                        .map(|k| k.to_string())
+                        .unwrap_or_else(|| "(none)".into()),
+                })
+            }
+        };
+        let amount = amount::parse_canonical(&e.amount).map_err(|err| match err {
+            AmountError::NonCanonical => LedgerError::NonCanonicalAmount {
+                line_number,
+                amount: e.amount.clone(),
+            },
+            AmountError::PrecisionExceeded => LedgerError::PrecisionExceeded { line_number },
+            AmountError::OutOfRange => LedgerError::AmountOutOfRange { line_number },
+            AmountError::Zero => LedgerError::ZeroAmount { line_number },
+        })?;
+        let description = bounded(&e.description, "description")?;
+        entries.push(ValidEntry {
+            line_number,
+            account,
+            amount,
+            description,
+        });
+    }
+    entries.sort_by_key(|e| e.line_number);
+
+    let mut sums: BTreeMap<&str, Decimal> = BTreeMap::new();
+    for e in &entries {
+        let sum = sums.entry(e.account.asset.as_str()).or_default();
+        *sum = sum
+            .checked_add(e.amount)
+            .ok_or(LedgerError::AmountOutOfRange {
+                line_number: e.line_number,
+            })?;
+    }
+    if let Some((asset, sum)) = sums.iter().find(|(_, s)| !s.is_zero()) {
+        return Err(LedgerError::Unbalanced {
+            asset: asset.to_string(),
+            sum: amount::format(*sum),
+        });
+    }
+
+    let mut journal = ValidatedJournal {
+        source_service,
+        idempotency_key,
+        source_transaction_id,
+        tracking_code,
+        effect_kind,
+        effect_version: req.effect_version,
+        occurred_at,
+        correlation_id,
+        actor_id,
+        metadata,
+        entries,
+        reversal_of,
+        correction,
+        payload_hash: String::new(),
+    };
+    journal.payload_hash = payload_hash(&journal);
+    Ok(journal)
+}
+
+/// SHA-256 of the canonical JSON of every field that makes up the journal's content.
+pub fn payload_hash(j: &ValidatedJournal) -> String {
+    let entries: Vec<serde_json::Value> = j
+        .entries
+        .iter()
+        .map(|e| {
+            serde_json::json!({
+                "line_number": e.line_number,
+                "class": e.account.class,
+                "owner_type": e.account.owner_type,
+                "owner_id": e.account.owner_id,
+                "asset": e.account.asset,
+                "amount": amount::format(e.amount),
+                "description": e.description,
+            })
+        })
+        .collect();
+    let canonical = serde_json::json!({
+        "source_service": j.source_service,
+        "idempotency_key": j.idempotency_key,
+        "source_transaction_id": j.source_transaction_id,
+        "tracking_code": j.tracking_code,
+        "effect_kind": j.effect_kind,
+        "effect_version": j.effect_version,
+        "occurred_at": format_time(j.occurred_at),
+        "correlation_id": j.correlation_id,
+        "actor_id": j.actor_id,
+        "metadata": j.metadata,
+        "entries": entries,
+        "reversal_of": j.reversal_of.map(|u| u.to_string()),
+        "correction": j.correction.as_ref().map(|(by, reference)| serde_json::json!({"approved_by": by, "approval_reference": reference})),
+    });
+    hex::encode(Sha256::digest(canonical_json(&canonical).as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> pb::AppendJournalRequest {
+        pb::AppendJournalRequest {
+            source_service: "payment-resource".into(),
+            idempotency_key: "k1".into(),
+            source_transaction_id: "t1".into(),
+            tracking_code: "c".into(),
+            effect_kind: "PAYOUT_POSTED".into(),
+            effect_version: 1,
+            occurred_at: "2026-01-01T00:00:00Z".into(),
+            correlation_id: "corr".into(),
+            actor_id: "actor".into(),
+            metadata_json: r#"{"b":1,"a":{"y":2,"x":null}}"#.into(),
+            entries: vec![
+                pb::EntryInput {
+                    line_number: 1,
+                    account: Some(pb::AccountRef {
+                        class: "CUSTOMER_AVAILABLE".into(),
+                        owner_type: "ACCOUNT".into(),
+                        owner_id: "a".into(),
+                    }),
+                    asset: "EUR".into(),
+                    amount: "-12.30".into(),
+                    description: String::new(),
+                },
+                pb::EntryInput {
+                    line_number: 2,
+                    account: Some(pb::AccountRef {
+                        class: "PAYOUT_CLEARING".into(),
+                        owner_type: "SYSTEM".into(),
+                        owner_id: "rail".into(),
+                    }),
+                    asset: "EUR".into(),
+                    amount: "12.3".into(),
+                    description: String::new(),
+                },
+            ],
+            reversal_of: String::new(),
+            correction: None,
+        }
+    }
+
+    #[test]
+    fn hash_ignores_spelling_and_key_order_but_not_content() {
+        let a = validate(&request()).unwrap();
+        let mut r = request();
+        r.entries[0].amount = "-12.3".into();
+        r.metadata_json = r#"{"a":{"x":null,"y":2},"b":1}"#.into();
+        r.occurred_at = "2026-01-01T01:00:00+01:00".into();
+        assert_eq!(a.payload_hash, validate(&r).unwrap().payload_hash);
+        r.tracking_code = "other".into();
+        assert_ne!(a.payload_hash, validate(&r).unwrap().payload_hash);
+    }
+}

@@ -1,0 +1,634 @@
+//! etcd backend (the default). A session is a lease; a lock is a key attached to that lease; the
+//! token is the revision at which the key was created (it is never rewritten while held, so that is
+//! also its ModRevision). Expiry is etcd's replicated lease decision: this process keeps no timer.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseTimeToLiveOptions,
+    PutOptions, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
+};
+use serde::{Deserialize, Serialize};
+
+use super::{unix_now_ms, Attempt, GrantInfo, HandleRef, Holder, SessionGrant, WaitFrom};
+use crate::error::LockError;
+
+const BACKEND: &str = "etcd";
+
+/// Every unary etcd call is bounded: an election takes about a second with the cluster's timings,
+/// so five seconds covers one election and still fails a request fast enough for a client whose
+/// session TTL is a few seconds to learn about it while its lease may still be alive.
+pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
+/// Connecting to an endpoint on loopback or a LAN either works quickly or not at all.
+pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// Force-revoke reads the holder and deletes it conditioned on that read; a holder change in
+/// between is retried this many times before the operator is told to try again.
+pub const REVOKE_ATTEMPTS_MAX: usize = 3;
+
+/// What the key's value records: the holder. The session is the lease too; it is repeated here so
+/// compare-and-delete can compare one value.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+struct Entry {
+    owner: String,
+    session_id: String,
+}
+
+#[derive(Debug, Serialize)]
+struct AuditRecord<'a> {
+    action: &'static str,
+    key: &'a str,
+    revoked_owner: &'a str,
+    revoked_session_id: &'a str,
+    revoked_token: u64,
+    operator: &'a str,
+    reason: &'a str,
+    at_unix_ms: i64,
+}
+
+pub struct EtcdBackend {
+    endpoints: Vec<String>,
+    /// The member this process talks to, and its index in `endpoints`. A member that stops
+    /// answering (connection refused, unavailable) is replaced by the next one that connects:
+    /// etcd forwards every request to the leader, so any live member will do.
+    current: tokio::sync::Mutex<(usize, Client)>,
+    prefix: String,
+    /// Granted TTL per lease, as seen by this process: only to report expiry hints without an
+    /// extra round trip. Never used to decide anything.
+    granted_ttl_ms: Mutex<HashMap<i64, u64>>,
+}
+
+fn backend_err(e: impl std::fmt::Display) -> LockError {
+    LockError::Backend {
+        backend: BACKEND,
+        detail: e.to_string(),
+    }
+}
+
+fn is_lease_not_found(e: &etcd_client::Error) -> bool {
+    e.to_string().contains("lease not found")
+}
+
+fn map_err(e: etcd_client::Error, session_id: Option<&str>) -> LockError {
+    match session_id {
+        Some(id) if is_lease_not_found(&e) => LockError::SessionNotFound {
+            session_id: id.to_string(),
+        },
+        _ => backend_err(e),
+    }
+}
+
+async fn connect_one(endpoint: &str) -> Result<Client, LockError> {
+    let options =
+        ConnectOptions::new().with_connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS));
+    Client::connect([endpoint], Some(options))
+        .await
+        .map_err(backend_err)
+}
+
+pub(crate) fn parse_lease(session_id: &str) -> Result<i64, LockError> {
+    session_id
+        .parse::<i64>()
+        .ok()
+        .filter(|id| *id > 0)
+        .ok_or_else(|| LockError::invalid("session_id", "must be a positive decimal lease id"))
+}
+
+impl EtcdBackend {
+    /// `prefix` namespaces every key this server writes (`{prefix}locks/...`, `{prefix}audit/...`).
+    pub async fn connect(endpoints: &[String], prefix: &str) -> Result<Self, LockError> {
+        if endpoints.is_empty() {
+            return Err(LockError::invalid(
+                "etcd_endpoints",
+                "at least one endpoint",
+            ));
+        }
+        let mut last_error = None;
+        let mut connected = None;
+        for (i, endpoint) in endpoints.iter().enumerate() {
+            match connect_one(endpoint).await {
+                Ok(c) => {
+                    connected = Some((i, c));
+                    break;
+                }
+                Err(e) => last_error = Some(e),
+            }
+        }
+        let Some(current) = connected else {
+            return Err(last_error.unwrap_or_else(|| backend_err("no endpoint")));
+        };
+        let mut prefix = prefix.to_string();
+        if !prefix.ends_with('/') {
+            prefix.push('/');
+        }
+        Ok(Self {
+            endpoints: endpoints.to_vec(),
+            current: tokio::sync::Mutex::new(current),
+            prefix,
+            granted_ttl_ms: Mutex::new(HashMap::new()),
+        })
+    }
+
+    async fn client(&self) -> (usize, Client) {
+        let current = self.current.lock().await;
+        (current.0, current.1.clone())
+    }
+
+    /// Moves to the next member that accepts a connection, unless another call already moved.
+    async fn fail_over(&self, failed: usize) {
+        let mut current = self.current.lock().await;
+        if current.0 != failed {
+            return;
+        }
+        for step in 1..=self.endpoints.len() {
+            let next = (failed + step) % self.endpoints.len();
+            if let Ok(c) = connect_one(&self.endpoints[next]).await {
+                tracing::warn!(from = %self.endpoints[failed], to = %self.endpoints[next], "etcd endpoint failed over");
+                *current = (next, c);
+                return;
+            }
+        }
+    }
+
+    /// One bounded call. A member that is down or silent moves this process to another member;
+    /// the call is retried there only when the request certainly never left (the connection was
+    /// refused), because a retried write that did land would be applied twice.
+    async fn call<T, F, Fut>(&self, session_id: Option<&str>, f: F) -> Result<T, LockError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let mut attempts = 1;
+        loop {
+            let (index, client) = self.client().await;
+            match tokio::time::timeout(Duration::from_millis(REQUEST_TIMEOUT_MS), f(client)).await {
+                Ok(Ok(v)) => return Ok(v),
+                Err(_) => {
+                    self.fail_over(index).await;
+                    return Err(backend_err(format!(
+                        "no answer within {REQUEST_TIMEOUT_MS} ms"
+                    )));
+                }
+                Ok(Err(e)) => {
+                    let (unavailable, never_sent) = match &e {
+                        etcd_client::Error::GRpcStatus(s)
+                            if s.code() == tonic::Code::Unavailable =>
+                        {
+                            (true, s.message().contains("connect"))
+                        }
+                        etcd_client::Error::TransportError(_) => (true, false),
+                        _ => (false, false),
+                    };
+                    if unavailable {
+                        self.fail_over(index).await;
+                        if never_sent && attempts < self.endpoints.len() {
+                            attempts += 1;
+                            continue;
+                        }
+                    }
+                    return Err(map_err(e, session_id));
+                }
+            }
+        }
+    }
+
+    fn lock_key(&self, key: &str) -> String {
+        format!("{}locks/{key}", self.prefix)
+    }
+
+    fn encode(owner: &str, session_id: &str) -> String {
+        serde_json::to_string(&Entry {
+            owner: owner.to_string(),
+            session_id: session_id.to_string(),
+        })
+        .expect("entry serializes")
+    }
+
+    fn decode(value: &[u8]) -> Entry {
+        // A value this server did not write is reported as an unknown holder, never as ours.
+        serde_json::from_slice(value).unwrap_or(Entry {
+            owner: "<unknown>".into(),
+            session_id: String::new(),
+        })
+    }
+
+    fn cached_ttl_ms(&self, lease: i64) -> Option<u64> {
+        self.granted_ttl_ms
+            .lock()
+            .expect("ttl cache")
+            .get(&lease)
+            .copied()
+    }
+
+    async fn granted_ttl(&self, lease: i64) -> Result<u64, LockError> {
+        if let Some(ttl) = self.cached_ttl_ms(lease) {
+            return Ok(ttl);
+        }
+        let r = self
+            .call(None, |mut c| async move {
+                c.lease_time_to_live(lease, None).await
+            })
+            .await?;
+        if r.ttl() <= 0 {
+            return Err(LockError::SessionNotFound {
+                session_id: lease.to_string(),
+            });
+        }
+        let ttl = r.granted_ttl() as u64 * 1000;
+        self.granted_ttl_ms
+            .lock()
+            .expect("ttl cache")
+            .insert(lease, ttl);
+        Ok(ttl)
+    }
+
+    /// Remaining TTL as etcd reports it, for introspection (whole seconds, rounded down by etcd).
+    async fn expiry_hint(&self, lease: i64) -> Result<i64, LockError> {
+        let r = self
+            .call(None, |mut c| async move {
+                c.lease_time_to_live(lease, None).await
+            })
+            .await?;
+        Ok(unix_now_ms() + r.ttl().max(0) * 1000)
+    }
+
+    pub async fn create_session(
+        &self,
+        _owner: &str,
+        ttl_ms: u64,
+    ) -> Result<SessionGrant, LockError> {
+        let ttl_s = ttl_ms.div_ceil(1000).max(1) as i64;
+        let r = self
+            .call(
+                None,
+                |mut c| async move { c.lease_grant(ttl_s, None).await },
+            )
+            .await?;
+        if !r.error().is_empty() {
+            return Err(backend_err(r.error()));
+        }
+        let ttl_ms = r.ttl() as u64 * 1000;
+        self.granted_ttl_ms
+            .lock()
+            .expect("ttl cache")
+            .insert(r.id(), ttl_ms);
+        Ok(SessionGrant {
+            session_id: r.id().to_string(),
+            ttl_ms,
+        })
+    }
+
+    pub async fn keep_alive(&self, session_id: &str) -> Result<u64, LockError> {
+        let lease = parse_lease(session_id)?;
+        // One request on a fresh keep-alive stream: the stream's first answer is the refresh.
+        self.call(Some(session_id), |mut c| async move {
+            c.lease_keep_alive(lease).await.map(|_| ())
+        })
+        .await?;
+        self.granted_ttl(lease).await
+    }
+
+    pub async fn close_session(&self, session_id: &str) -> Result<Vec<String>, LockError> {
+        let lease = parse_lease(session_id)?;
+        let keys = match self
+            .call(None, |mut c| async move {
+                c.lease_time_to_live(lease, Some(LeaseTimeToLiveOptions::new().with_keys()))
+                    .await
+            })
+            .await
+        {
+            Ok(r) => r
+                .keys()
+                .iter()
+                .filter_map(|k| String::from_utf8(k.clone()).ok())
+                .filter_map(|k| {
+                    k.strip_prefix(&format!("{}locks/", self.prefix))
+                        .map(str::to_string)
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        // Revoking the lease deletes every key attached to it in one raft entry.
+        match self
+            .call(Some(session_id), |mut c| async move {
+                c.lease_revoke(lease).await
+            })
+            .await
+        {
+            Ok(_) | Err(LockError::SessionNotFound { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        self.granted_ttl_ms
+            .lock()
+            .expect("ttl cache")
+            .remove(&lease);
+        Ok(keys)
+    }
+
+    pub async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &str,
+        session_id: &str,
+    ) -> Result<Attempt, LockError> {
+        let lease = parse_lease(session_id)?;
+        let k = self.lock_key(key);
+        let txn = Txn::new()
+            .when([Compare::create_revision(k.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                k.clone(),
+                Self::encode(owner, session_id),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(k.clone(), None)]);
+        let resp = self
+            .call(Some(session_id), |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
+        let ttl_ms = self.granted_ttl(lease).await?;
+        if resp.succeeded() {
+            return Ok(Attempt::Granted(GrantInfo {
+                key: key.to_string(),
+                owner: owner.to_string(),
+                session_id: session_id.to_string(),
+                token: revision as u64,
+                server_expiry_unix_ms: unix_now_ms() + ttl_ms as i64,
+                ttl_ms,
+                minted: true,
+            }));
+        }
+        let kv = resp.op_responses().into_iter().find_map(|r| match r {
+            TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+            _ => None,
+        });
+        let Some(kv) = kv else {
+            // The compare said the key exists and the same transaction's read says it does not:
+            // impossible in one etcd transaction, so stop loudly rather than guess.
+            return Err(backend_err("etcd transaction compare and read disagree"));
+        };
+        let entry = Self::decode(kv.value());
+        if entry.owner == owner && entry.session_id == session_id && kv.lease() == lease {
+            return Ok(Attempt::Granted(GrantInfo {
+                key: key.to_string(),
+                owner: owner.to_string(),
+                session_id: session_id.to_string(),
+                token: kv.create_revision() as u64,
+                server_expiry_unix_ms: unix_now_ms() + ttl_ms as i64,
+                ttl_ms,
+                minted: false,
+            }));
+        }
+        Ok(Attempt::Held {
+            holder: Holder {
+                owner: entry.owner,
+                session_id: entry.session_id,
+                token: kv.create_revision() as u64,
+                server_expiry_unix_ms: 0,
+            },
+            wait_from: WaitFrom::Revision(revision),
+        })
+    }
+
+    /// Watches the key for a deletion after the revision at which it was seen held.
+    pub async fn wait_for_release(
+        &self,
+        key: &str,
+        from: &WaitFrom,
+        deadline: Instant,
+    ) -> Result<(), LockError> {
+        let WaitFrom::Revision(revision) = from else {
+            return Ok(());
+        };
+        let options = WatchOptions::new()
+            .with_start_revision(revision + 1)
+            .with_filters([WatchFilterType::NoPut]);
+        let (index, mut c) = self.client().await;
+        let deadline = tokio::time::Instant::from_std(deadline);
+        let mut stream = tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => return Ok(()),
+            s = c.watch(self.lock_key(key), Some(options)) => match s {
+                Ok(s) => s,
+                // The caller re-attempts (through another member); a waiter is not an error.
+                Err(_) => {
+                    self.fail_over(index).await;
+                    return Ok(());
+                }
+            },
+        };
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => return Ok(()),
+                message = stream.message() => match message {
+                    Ok(Some(resp)) => {
+                        if resp.canceled() || resp.events().iter().any(|e| e.event_type() == EventType::Delete) {
+                            return Ok(());
+                        }
+                    }
+                    Ok(None) => return Ok(()),
+                    Err(_) => {
+                        self.fail_over(index).await;
+                        return Ok(());
+                    }
+                },
+            }
+        }
+    }
+
+    fn holder_compare(&self, handle: &HandleRef) -> Vec<Compare> {
+        let k = self.lock_key(&handle.key);
+        vec![
+            Compare::create_revision(k.clone(), CompareOp::Equal, handle.token as i64),
+            Compare::value(
+                k,
+                CompareOp::Equal,
+                Self::encode(&handle.owner, &handle.session_id),
+            ),
+        ]
+    }
+
+    fn not_holder(handle: &HandleRef, resp: &etcd_client::TxnResponse) -> LockError {
+        let current_token = resp
+            .op_responses()
+            .into_iter()
+            .find_map(|r| match r {
+                TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.create_revision() as u64),
+                _ => None,
+            })
+            .unwrap_or(0);
+        LockError::NotHolder {
+            key: handle.key.clone(),
+            presented_owner: handle.owner.clone(),
+            presented_session_id: handle.session_id.clone(),
+            presented_token: handle.token,
+            current_token,
+        }
+    }
+
+    pub async fn renew(&self, handle: &HandleRef) -> Result<GrantInfo, LockError> {
+        let lease = parse_lease(&handle.session_id)?;
+        let k = self.lock_key(&handle.key);
+        let txn = Txn::new()
+            .when(self.holder_compare(handle))
+            .or_else([TxnOp::get(k, None)]);
+        let resp = self
+            .call(Some(&handle.session_id), |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        if !resp.succeeded() {
+            return Err(Self::not_holder(handle, &resp));
+        }
+        // The key is attached to the lease, so extending the lease is extending the grant.
+        let ttl_ms = self.keep_alive(&handle.session_id).await?;
+        let _ = lease;
+        Ok(GrantInfo {
+            key: handle.key.clone(),
+            owner: handle.owner.clone(),
+            session_id: handle.session_id.clone(),
+            token: handle.token,
+            server_expiry_unix_ms: unix_now_ms() + ttl_ms as i64,
+            ttl_ms,
+            minted: false,
+        })
+    }
+
+    pub async fn release(&self, handle: &HandleRef) -> Result<(), LockError> {
+        parse_lease(&handle.session_id)?;
+        let k = self.lock_key(&handle.key);
+        let txn = Txn::new()
+            .when(self.holder_compare(handle))
+            .and_then([TxnOp::delete(k.clone(), None)])
+            .or_else([TxnOp::get(k, None)]);
+        let resp = self
+            .call(None, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        if !resp.succeeded() {
+            return Err(Self::not_holder(handle, &resp));
+        }
+        Ok(())
+    }
+
+    pub async fn force_revoke(
+        &self,
+        key: &str,
+        operator: &str,
+        reason: &str,
+    ) -> Result<Holder, LockError> {
+        let k = self.lock_key(key);
+        for _ in 0..REVOKE_ATTEMPTS_MAX {
+            let got = self
+                .call(None, |mut c| {
+                    let k = k.clone();
+                    async move { c.get(k, None).await }
+                })
+                .await?;
+            let Some(kv) = got.kvs().first().cloned() else {
+                return Err(LockError::NotHeld {
+                    key: key.to_string(),
+                });
+            };
+            let entry = Self::decode(kv.value());
+            let token = kv.create_revision() as u64;
+            let audit = AuditRecord {
+                action: "force_revoke",
+                key,
+                revoked_owner: &entry.owner,
+                revoked_session_id: &entry.session_id,
+                revoked_token: token,
+                operator,
+                reason,
+                at_unix_ms: unix_now_ms(),
+            };
+            let audit_key = format!("{}audit/{}", self.prefix, uuid::Uuid::new_v4());
+            // Delete and audit in one transaction: there is no revocation without its record.
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    k.clone(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                )])
+                .and_then([
+                    TxnOp::delete(k.clone(), None),
+                    TxnOp::put(
+                        audit_key,
+                        serde_json::to_string(&audit).expect("audit serializes"),
+                        None,
+                    ),
+                ]);
+            let resp = self
+                .call(None, |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                })
+                .await?;
+            if resp.succeeded() {
+                return Ok(Holder {
+                    owner: entry.owner,
+                    session_id: entry.session_id,
+                    token,
+                    server_expiry_unix_ms: 0,
+                });
+            }
+        }
+        Err(backend_err(
+            "the holder kept changing during force-revoke; try again",
+        ))
+    }
+
+    pub async fn describe(&self, key: &str) -> Result<Option<Holder>, LockError> {
+        let k = self.lock_key(key);
+        let got = self
+            .call(None, |mut c| {
+                let k = k.clone();
+                async move { c.get(k, None::<GetOptions>).await }
+            })
+            .await?;
+        let Some(kv) = got.kvs().first().cloned() else {
+            return Ok(None);
+        };
+        let entry = Self::decode(kv.value());
+        let server_expiry_unix_ms = self.expiry_hint(kv.lease()).await.unwrap_or_default();
+        Ok(Some(Holder {
+            owner: entry.owner,
+            session_id: entry.session_id,
+            token: kv.create_revision() as u64,
+            server_expiry_unix_ms,
+        }))
+    }
+
+    /// The audit records written by force-revoke, oldest first (tests and operators).
+    pub async fn audit_records(&self) -> Result<Vec<serde_json::Value>, LockError> {
+        let k = format!("{}audit/", self.prefix);
+        let got = self
+            .call(None, |mut c| {
+                let k = k.clone();
+                async move { c.get(k, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await?;
+        let mut records: Vec<(i64, serde_json::Value)> = got
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                serde_json::from_slice(kv.value())
+                    .ok()
+                    .map(|v| (kv.create_revision(), v))
+            })
+            .collect();
+        records.sort_by_key(|(rev, _)| *rev);
+        Ok(records.into_iter().map(|(_, v)| v).collect())
+    }
+
+    pub async fn ping(&self) -> bool {
+        self.call(None, |mut c| async move { c.status().await })
+            .await
+            .is_ok()
+    }
+}

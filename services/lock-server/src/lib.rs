@@ -1,0 +1,146 @@
+//! The lock service (spec 2.2, 2.4, 2.5 INV-04/INV-06, 2.6 steps 1-2). It owns only mutual
+//! exclusion of grants and knows nothing of payouts or money: the guards downstream enforce
+//! everything else with the token it mints.
+//!
+//! Architecture invariant: no timer in this process decides expiry. etcd's lease (replicated) or
+//! PostgreSQL's clock does; the only timers here bound how long a caller waits.
+
+pub mod backend;
+pub mod bench;
+pub mod checker;
+pub mod error;
+pub mod issued;
+pub mod service;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use error::LockError;
+pub use service::LockServiceImpl;
+
+use backend::{etcd::EtcdBackend, postgres::PgBackend, Backend};
+use payout_proto::lock::lock_service_server::LockServiceServer;
+
+/// The name under which grpc.health.v1 reports this service.
+pub const HEALTH_SERVICE_NAME: &str = "lock.v1.LockService";
+
+#[derive(Debug, Clone)]
+pub enum BackendConfig {
+    Etcd {
+        endpoints: Vec<String>,
+        prefix: String,
+    },
+    Postgres {
+        database_url: String,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub backend: BackendConfig,
+    /// Where this server remembers the highest token it issued per key (INV-04), outside the backend.
+    pub issued_tokens_path: PathBuf,
+}
+
+/// Connects the backend (applying lockdb's migrations for PostgreSQL), opens the issued-token
+/// record and registers the metrics.
+pub async fn build(
+    config: &Config,
+    metrics: &service_kit::Metrics,
+) -> Result<LockServiceImpl, LockError> {
+    let backend = match &config.backend {
+        BackendConfig::Etcd { endpoints, prefix } => {
+            Backend::Etcd(Box::new(EtcdBackend::connect(endpoints, prefix).await?))
+        }
+        BackendConfig::Postgres { database_url } => {
+            Backend::Postgres(PgBackend::connect(database_url).await?)
+        }
+    };
+    let issued = issued::IssuedTokens::open(&config.issued_tokens_path)?;
+    Ok(LockServiceImpl::new(
+        backend,
+        issued,
+        service::LockMetrics::register(metrics),
+    ))
+}
+
+/// Serves the lock service and grpc.health.v1 on `listener` until `shutdown`.
+pub async fn serve(
+    service: LockServiceImpl,
+    listener: tokio::net::TcpListener,
+    shutdown: service_kit::Shutdown,
+) -> Result<(), LockError> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let probe = service.clone();
+    let health_task = tokio::spawn(async move {
+        use tonic_health::ServingStatus;
+        loop {
+            let status = if probe.backend().ping().await {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            reporter
+                .set_service_status(HEALTH_SERVICE_NAME, status)
+                .await;
+            reporter.set_service_status("", status).await;
+            tokio::time::sleep(Duration::from_millis(service::HEALTH_PERIOD_MS)).await;
+        }
+    });
+    let result = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(LockServiceServer::new(service))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.wait(),
+        )
+        .await
+        .map_err(|e| LockError::Backend {
+            backend: "grpc-server",
+            detail: e.to_string(),
+        });
+    health_task.abort();
+    result
+}
+
+/// A lock-server running in this process on a loopback port: for tests and the benchmark.
+pub struct InProcess {
+    pub endpoint: String,
+    pub service: LockServiceImpl,
+    pub metrics: service_kit::Metrics,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<(), LockError>>,
+}
+
+impl InProcess {
+    pub async fn start(config: &Config) -> Result<Self, LockError> {
+        let metrics = service_kit::Metrics::default();
+        let service = build(config, &metrics).await?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| LockError::Backend {
+                backend: "grpc-server",
+                detail: e.to_string(),
+            })?;
+        let endpoint = format!(
+            "http://{}",
+            listener
+                .local_addr()
+                .expect("bound listener has an address")
+        );
+        let (shutdown, stop) = service_kit::Shutdown::new();
+        let task = tokio::spawn(serve(service.clone(), listener, shutdown));
+        Ok(Self {
+            endpoint,
+            service,
+            metrics,
+            stop,
+            task,
+        })
+    }
+
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}

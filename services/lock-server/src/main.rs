@@ -1,0 +1,85 @@
+//! `lock-server`: the lock service process.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum BackendKind {
+    Etcd,
+    Postgres,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Lock service: sessions and grants with fencing tokens")]
+struct Args {
+    #[arg(long, env = "LOCK_LISTEN", default_value = "127.0.0.1:7100")]
+    listen: SocketAddr,
+    #[arg(long, env = "LOCK_METRICS_LISTEN", default_value = "127.0.0.1:9100")]
+    metrics_listen: SocketAddr,
+    #[arg(long, env = "LOCK_BACKEND", value_enum, default_value = "etcd")]
+    backend: BackendKind,
+    /// Comma-separated etcd client URLs.
+    #[arg(
+        long,
+        env = "LOCK_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:2379"
+    )]
+    etcd_endpoints: Vec<String>,
+    #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = "/payout/lock/")]
+    etcd_prefix: String,
+    /// lockdb URL, for `--backend postgres`.
+    #[arg(long, env = "LOCK_DATABASE_URL")]
+    database_url: Option<String>,
+    /// The INV-04 record of the highest token issued per key. Must survive restarts of this
+    /// process and must NOT live in the backend it checks.
+    #[arg(
+        long,
+        env = "LOCK_ISSUED_TOKENS_PATH",
+        default_value = "lock-server-issued-tokens.json"
+    )]
+    issued_tokens_path: PathBuf,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    service_kit::init_tracing("lock-server");
+    let args = Args::parse();
+    let backend = match args.backend {
+        BackendKind::Etcd => lock_server::BackendConfig::Etcd {
+            endpoints: args.etcd_endpoints,
+            prefix: args.etcd_prefix,
+        },
+        BackendKind::Postgres => lock_server::BackendConfig::Postgres {
+            database_url: args
+                .database_url
+                .context("--database-url is required with --backend postgres")?,
+        },
+    };
+    let config = lock_server::Config {
+        backend,
+        issued_tokens_path: args.issued_tokens_path,
+    };
+    let metrics = service_kit::Metrics::default();
+    let service = lock_server::build(&config, &metrics)
+        .await
+        .context("starting the lock service")?;
+    let shutdown = service_kit::Shutdown::on_signal();
+    let metrics_listener = service_kit::bind(args.metrics_listen).await?;
+    let metrics_shutdown = shutdown.clone();
+    tokio::spawn(service_kit::serve_metrics(
+        metrics_listener,
+        metrics,
+        metrics_shutdown.wait(),
+    ));
+    let listener = service_kit::bind(args.listen).await?;
+    tracing::info!(listen = %args.listen, backend = service.backend().name(), "lock-server serving");
+    lock_server::serve(service, listener, shutdown)
+        .await
+        .context("serving")?;
+    tracing::info!("lock-server stopped");
+    Ok(())
+}

@@ -1,0 +1,522 @@
+//! The gRPC `LockService`: validation, bounded waiting, the INV-04 check, events and metrics on top
+//! of a backend. Conversion between wire types and backend types happens here and nowhere else.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use payout_proto::lock as pb;
+use prometheus::IntCounterVec;
+use tonic::{Request, Response, Status};
+
+use crate::backend::{Attempt, Backend, GrantInfo, HandleRef};
+use crate::error::LockError;
+use crate::issued::{AdmitError, IssuedTokens};
+
+/// Owner identities are names of workers or operators, not documents.
+pub const OWNER_LENGTH_MAX: usize = 256;
+/// Lock keys are `payout:{account_id}`-sized; the bound keeps etcd keys and index rows small.
+pub const KEY_LENGTH_MAX: usize = 512;
+/// etcd leases have whole-second granularity; below a second a client's safety margin would eat
+/// the whole TTL.
+pub const SESSION_TTL_MS_MIN: u64 = 1_000;
+/// A dead client blocks its keys for at most this long; longer TTLs trade liveness for nothing.
+pub const SESSION_TTL_MS_MAX: u64 = 300_000;
+/// One Acquire call waits at most this long: a gRPC call held open longer ties up a server task
+/// and a connection for a caller that can just as well call again.
+pub const WAIT_MS_MAX: u64 = 60_000;
+/// How often the health status is refreshed from a backend ping.
+pub const HEALTH_PERIOD_MS: u64 = 1_000;
+
+/// Every event of spec 2.4 as a counter label.
+pub mod event {
+    pub const ACQUIRED: &str = "acquired";
+    pub const REACQUIRED: &str = "reacquired";
+    pub const RENEWED: &str = "renewed";
+    pub const RELEASED: &str = "released";
+    pub const EXPIRED: &str = "expired";
+    pub const REVOKED: &str = "revoked";
+    pub const NOT_ACQUIRED: &str = "not_acquired";
+    pub const TOKEN_REGRESSION: &str = "token_regression";
+    pub const SESSION_CREATED: &str = "session_created";
+    pub const SESSION_CLOSED: &str = "session_closed";
+}
+
+#[derive(Clone)]
+pub struct LockMetrics {
+    events: IntCounterVec,
+    token_regressions: IntCounterVec,
+}
+
+impl LockMetrics {
+    pub fn register(metrics: &service_kit::Metrics) -> Self {
+        Self {
+            events: metrics.counter_vec("lock_events_total", "Lock service events by kind and backend", &[
+                "event", "backend",
+            ]),
+            token_regressions: metrics.counter_vec(
+                "lock_token_regression_total",
+                "INV-04 alarms: a backend returned a token not above one already issued for the key",
+                &["backend"],
+            ),
+        }
+    }
+}
+
+struct Inner {
+    backend: Backend,
+    issued: Arc<IssuedTokens>,
+    metrics: LockMetrics,
+    /// Introspection only (Describe): waiters currently parked in this process, per key.
+    waiters: Mutex<HashMap<String, u64>>,
+}
+
+#[derive(Clone)]
+pub struct LockServiceImpl {
+    inner: Arc<Inner>,
+}
+
+/// Counts a parked waiter for Describe, and uncounts it however the call ends (also on cancel).
+struct WaiterGuard<'a> {
+    waiters: &'a Mutex<HashMap<String, u64>>,
+    key: String,
+}
+
+impl<'a> WaiterGuard<'a> {
+    fn new(waiters: &'a Mutex<HashMap<String, u64>>, key: &str) -> Self {
+        *waiters
+            .lock()
+            .expect("waiters")
+            .entry(key.to_string())
+            .or_default() += 1;
+        Self {
+            waiters,
+            key: key.to_string(),
+        }
+    }
+}
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        let mut waiters = self.waiters.lock().expect("waiters");
+        if let Some(n) = waiters.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                waiters.remove(&self.key);
+            }
+        }
+    }
+}
+
+fn check_text(field: &'static str, value: &str, max: usize) -> Result<(), LockError> {
+    if value.trim().is_empty() {
+        return Err(LockError::invalid(field, "required"));
+    }
+    if value.len() > max {
+        return Err(LockError::invalid(
+            field,
+            format!("longer than {max} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+fn handle_from(h: Option<pb::Handle>) -> Result<HandleRef, LockError> {
+    let h = h.ok_or_else(|| LockError::invalid("handle", "required"))?;
+    check_text("key", &h.key, KEY_LENGTH_MAX)?;
+    check_text("owner", &h.owner, OWNER_LENGTH_MAX)?;
+    check_text("session_id", &h.session_id, OWNER_LENGTH_MAX)?;
+    if h.token == 0 {
+        return Err(LockError::invalid("token", "zero is never a token"));
+    }
+    Ok(HandleRef {
+        key: h.key,
+        owner: h.owner,
+        session_id: h.session_id,
+        token: h.token,
+    })
+}
+
+fn grant_to_pb(g: &GrantInfo) -> pb::Grant {
+    pb::Grant {
+        key: g.key.clone(),
+        owner: g.owner.clone(),
+        token: g.token,
+        session_id: g.session_id.clone(),
+        server_expiry_unix_ms: g.server_expiry_unix_ms,
+        ttl_ms: g.ttl_ms,
+    }
+}
+
+impl LockServiceImpl {
+    pub fn new(backend: Backend, issued: Arc<IssuedTokens>, metrics: LockMetrics) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                backend,
+                issued,
+                metrics,
+                waiters: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.inner.backend
+    }
+
+    pub fn issued_tokens(&self) -> &IssuedTokens {
+        &self.inner.issued
+    }
+
+    fn count(&self, event: &str) {
+        self.inner
+            .metrics
+            .events
+            .with_label_values(&[event, self.inner.backend.name()])
+            .inc();
+    }
+
+    /// Counter value, for tests and `payoutctl`.
+    pub fn event_count(&self, event: &str) -> u64 {
+        self.inner
+            .metrics
+            .events
+            .with_label_values(&[event, self.inner.backend.name()])
+            .get()
+    }
+
+    pub fn token_regression_count(&self) -> u64 {
+        self.inner
+            .metrics
+            .token_regressions
+            .with_label_values(&[self.inner.backend.name()])
+            .get()
+    }
+
+    fn observe_error(&self, e: &LockError) {
+        if let LockError::SessionNotFound { session_id } = e {
+            tracing::info!(event = event::EXPIRED, session_id = %session_id, backend = self.inner.backend.name(), "session expired or gone");
+            self.count(event::EXPIRED);
+        }
+    }
+
+    pub async fn create_session(
+        &self,
+        owner: &str,
+        ttl_ms: u64,
+    ) -> Result<(String, u64), LockError> {
+        check_text("owner", owner, OWNER_LENGTH_MAX)?;
+        if !(SESSION_TTL_MS_MIN..=SESSION_TTL_MS_MAX).contains(&ttl_ms) {
+            return Err(LockError::invalid(
+                "ttl_ms",
+                format!("must be within {SESSION_TTL_MS_MIN}..={SESSION_TTL_MS_MAX}"),
+            ));
+        }
+        let s = self.inner.backend.create_session(owner, ttl_ms).await?;
+        tracing::info!(event = event::SESSION_CREATED, owner, session_id = %s.session_id, ttl_ms = s.ttl_ms, "session created");
+        self.count(event::SESSION_CREATED);
+        Ok((s.session_id, s.ttl_ms))
+    }
+
+    pub async fn keep_alive(&self, session_id: &str) -> Result<u64, LockError> {
+        check_text("session_id", session_id, OWNER_LENGTH_MAX)?;
+        self.inner
+            .backend
+            .keep_alive(session_id)
+            .await
+            .inspect_err(|e| self.observe_error(e))
+    }
+
+    pub async fn close_session(&self, session_id: &str) -> Result<(), LockError> {
+        check_text("session_id", session_id, OWNER_LENGTH_MAX)?;
+        let keys = self.inner.backend.close_session(session_id).await?;
+        for key in &keys {
+            tracing::info!(event = event::RELEASED, key = %key, session_id, cause = "session_closed", "lock released with its session");
+            self.count(event::RELEASED);
+        }
+        tracing::info!(
+            event = event::SESSION_CLOSED,
+            session_id,
+            locks_released = keys.len(),
+            "session closed"
+        );
+        self.count(event::SESSION_CLOSED);
+        Ok(())
+    }
+
+    pub async fn acquire(
+        &self,
+        key: &str,
+        owner: &str,
+        session_id: &str,
+        wait_ms: u64,
+    ) -> Result<pb::AcquireResponse, LockError> {
+        check_text("key", key, KEY_LENGTH_MAX)?;
+        check_text("owner", owner, OWNER_LENGTH_MAX)?;
+        check_text("session_id", session_id, OWNER_LENGTH_MAX)?;
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(wait_ms.min(WAIT_MS_MAX));
+        let mut waiter: Option<WaiterGuard<'_>> = None;
+        loop {
+            let mut subscription = self.inner.backend.subscribe();
+            let attempt = self
+                .inner
+                .backend
+                .try_acquire(key, owner, session_id)
+                .await
+                .inspect_err(|e| self.observe_error(e))?;
+            match attempt {
+                Attempt::Granted(grant) => {
+                    self.admit(&grant).await?;
+                    let ev = if grant.minted {
+                        event::ACQUIRED
+                    } else {
+                        event::REACQUIRED
+                    };
+                    tracing::info!(
+                        event = ev,
+                        key,
+                        owner,
+                        session_id,
+                        token = grant.token,
+                        backend = self.inner.backend.name(),
+                        "lock granted"
+                    );
+                    self.count(ev);
+                    return Ok(pb::AcquireResponse {
+                        result: Some(pb::acquire_response::Result::Grant(grant_to_pb(&grant))),
+                    });
+                }
+                Attempt::Held { holder, wait_from } => {
+                    if Instant::now() >= deadline {
+                        let waited_ms = started.elapsed().as_millis() as u64;
+                        tracing::info!(event = event::NOT_ACQUIRED, key, owner, session_id, holder_owner = %holder.owner, holder_token = holder.token, waited_ms, "lock not acquired");
+                        self.count(event::NOT_ACQUIRED);
+                        return Ok(pb::AcquireResponse {
+                            result: Some(pb::acquire_response::Result::NotAcquired(
+                                pb::NotAcquired {
+                                    key: key.to_string(),
+                                    holder_owner: holder.owner,
+                                    holder_token: holder.token,
+                                    waited_ms,
+                                },
+                            )),
+                        });
+                    }
+                    if waiter.is_none() {
+                        waiter = Some(WaiterGuard::new(&self.inner.waiters, key));
+                    }
+                    self.inner
+                        .backend
+                        .wait_for_release(key, &wait_from, deadline, subscription.as_mut())
+                        .await?;
+                }
+            }
+        }
+    }
+
+    /// INV-04 check, before any grant leaves this process.
+    async fn admit(&self, grant: &GrantInfo) -> Result<(), LockError> {
+        match self
+            .inner
+            .issued
+            .admit(&grant.key, grant.token, grant.minted)
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(AdmitError::Store(e)) => Err(e),
+            Err(AdmitError::Regression(r)) => {
+                tracing::error!(
+                    event = event::TOKEN_REGRESSION,
+                    alert = true,
+                    key = %grant.key,
+                    owner = %grant.owner,
+                    session_id = %grant.session_id,
+                    token = grant.token,
+                    highest_issued_token = r.highest_issued_token,
+                    backend = self.inner.backend.name(),
+                    "INV-04 broken: the backend returned a token not above one already issued for this key; grant refused (see RESTORE.md)"
+                );
+                self.count(event::TOKEN_REGRESSION);
+                self.inner
+                    .metrics
+                    .token_regressions
+                    .with_label_values(&[self.inner.backend.name()])
+                    .inc();
+                Err(LockError::TokenRegression {
+                    key: grant.key.clone(),
+                    returned_token: grant.token,
+                    highest_issued_token: r.highest_issued_token,
+                })
+            }
+        }
+    }
+
+    pub async fn renew(&self, handle: HandleRef) -> Result<GrantInfo, LockError> {
+        let grant = self
+            .inner
+            .backend
+            .renew(&handle)
+            .await
+            .inspect_err(|e| self.observe_error(e))?;
+        tracing::info!(event = event::RENEWED, key = %handle.key, owner = %handle.owner, session_id = %handle.session_id, token = handle.token, "lock renewed");
+        self.count(event::RENEWED);
+        Ok(grant)
+    }
+
+    pub async fn release(&self, handle: HandleRef) -> Result<(), LockError> {
+        self.inner.backend.release(&handle).await.inspect_err(|e| {
+            if let LockError::NotHolder { current_token, .. } = e {
+                tracing::warn!(key = %handle.key, owner = %handle.owner, session_id = %handle.session_id, token = handle.token, current_token, "release refused: not the holder");
+            }
+        })?;
+        tracing::info!(event = event::RELEASED, key = %handle.key, owner = %handle.owner, session_id = %handle.session_id, token = handle.token, "lock released");
+        self.count(event::RELEASED);
+        Ok(())
+    }
+
+    pub async fn force_revoke(
+        &self,
+        key: &str,
+        operator: &str,
+        reason: &str,
+    ) -> Result<pb::ForceRevokeResponse, LockError> {
+        check_text("key", key, KEY_LENGTH_MAX)?;
+        check_text("operator", operator, OWNER_LENGTH_MAX)?;
+        check_text("reason", reason, KEY_LENGTH_MAX)?;
+        let holder = self
+            .inner
+            .backend
+            .force_revoke(key, operator, reason)
+            .await?;
+        // Alert level: break-glass happened; the deposed holder is fenced by the next, higher token.
+        tracing::error!(
+            event = event::REVOKED,
+            alert = true,
+            key,
+            owner = %holder.owner,
+            session_id = %holder.session_id,
+            token = holder.token,
+            operator,
+            reason,
+            "lock force-revoked by an operator"
+        );
+        self.count(event::REVOKED);
+        Ok(pb::ForceRevokeResponse {
+            key: key.to_string(),
+            revoked_owner: holder.owner,
+            revoked_session_id: holder.session_id,
+            revoked_token: holder.token,
+        })
+    }
+
+    pub async fn describe(&self, key: &str) -> Result<pb::DescribeResponse, LockError> {
+        check_text("key", key, KEY_LENGTH_MAX)?;
+        let holder = self.inner.backend.describe(key).await?;
+        let waiter_count = self
+            .inner
+            .waiters
+            .lock()
+            .expect("waiters")
+            .get(key)
+            .copied()
+            .unwrap_or(0);
+        Ok(match holder {
+            Some(h) => pb::DescribeResponse {
+                key: key.to_string(),
+                held: true,
+                holder_owner: h.owner,
+                holder_session_id: h.session_id,
+                token: h.token,
+                server_expiry_unix_ms: h.server_expiry_unix_ms,
+                waiter_count,
+            },
+            None => pb::DescribeResponse {
+                key: key.to_string(),
+                waiter_count,
+                ..Default::default()
+            },
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl pb::lock_service_server::LockService for LockServiceImpl {
+    async fn create_session(
+        &self,
+        r: Request<pb::CreateSessionRequest>,
+    ) -> Result<Response<pb::CreateSessionResponse>, Status> {
+        let r = r.into_inner();
+        let (session_id, ttl_ms) =
+            LockServiceImpl::create_session(self, &r.owner, r.ttl_ms).await?;
+        Ok(Response::new(pb::CreateSessionResponse {
+            session_id,
+            ttl_ms,
+        }))
+    }
+
+    async fn keep_alive(
+        &self,
+        r: Request<pb::KeepAliveRequest>,
+    ) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        let ttl_ms = LockServiceImpl::keep_alive(self, &r.into_inner().session_id).await?;
+        Ok(Response::new(pb::KeepAliveResponse { ttl_ms }))
+    }
+
+    async fn close_session(
+        &self,
+        r: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        LockServiceImpl::close_session(self, &r.into_inner().session_id).await?;
+        Ok(Response::new(pb::CloseSessionResponse {}))
+    }
+
+    async fn acquire(
+        &self,
+        r: Request<pb::AcquireRequest>,
+    ) -> Result<Response<pb::AcquireResponse>, Status> {
+        let r = r.into_inner();
+        Ok(Response::new(
+            LockServiceImpl::acquire(self, &r.key, &r.owner, &r.session_id, r.wait_ms).await?,
+        ))
+    }
+
+    async fn renew(
+        &self,
+        r: Request<pb::RenewRequest>,
+    ) -> Result<Response<pb::RenewResponse>, Status> {
+        let handle = handle_from(r.into_inner().handle)?;
+        let grant = LockServiceImpl::renew(self, handle).await?;
+        Ok(Response::new(pb::RenewResponse {
+            grant: Some(grant_to_pb(&grant)),
+        }))
+    }
+
+    async fn release(
+        &self,
+        r: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let handle = handle_from(r.into_inner().handle)?;
+        LockServiceImpl::release(self, handle).await?;
+        Ok(Response::new(pb::ReleaseResponse {}))
+    }
+
+    async fn force_revoke(
+        &self,
+        r: Request<pb::ForceRevokeRequest>,
+    ) -> Result<Response<pb::ForceRevokeResponse>, Status> {
+        let r = r.into_inner();
+        Ok(Response::new(
+            LockServiceImpl::force_revoke(self, &r.key, &r.operator, &r.reason).await?,
+        ))
+    }
+
+    async fn describe(
+        &self,
+        r: Request<pb::DescribeRequest>,
+    ) -> Result<Response<pb::DescribeResponse>, Status> {
+        Ok(Response::new(
+            LockServiceImpl::describe(self, &r.into_inner().key).await?,
+        ))
+    }
+}

@@ -1,0 +1,789 @@
+//! The lock service against REAL etcd and REAL PostgreSQL (testkit). Every behavioural test runs
+//! against both backends through the same client code.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lock_client::{Acquired, ClientError, FencingToken, Grant, LockClient, Rejection, Session};
+use lock_server::checker::{self, GrantRecord};
+use lock_server::{BackendConfig, Config, InProcess};
+use rand::RngExt;
+use testkit::{PgServer, Stack};
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Etcd,
+    Postgres,
+}
+
+/// The etcd backend's shortest lease (whole seconds; etcd's minimum is about 1.5 s and is rounded
+/// up): short so expiry tests are quick.
+const TTL: Duration = Duration::from_secs(2);
+
+struct Server {
+    server: InProcess,
+    client: LockClient,
+    _dir: tempfile::TempDir,
+}
+
+async fn start(kind: Kind) -> Server {
+    let stack = Stack::shared();
+    let backend = match kind {
+        Kind::Etcd => BackendConfig::Etcd {
+            endpoints: stack.etcd_endpoints(),
+            prefix: stack.unique_prefix("lock"),
+        },
+        Kind::Postgres => BackendConfig::Postgres {
+            database_url: stack.fresh_db(PgServer::Main).await,
+        },
+    };
+    start_with(backend).await
+}
+
+async fn start_with(backend: BackendConfig) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config {
+        backend,
+        issued_tokens_path: dir.path().join("issued-tokens.json"),
+    };
+    let server = InProcess::start(&config).await.expect("lock-server starts");
+    let client = LockClient::connect(server.endpoint.clone())
+        .await
+        .expect("client connects");
+    Server {
+        server,
+        client,
+        _dir: dir,
+    }
+}
+
+fn rejection(e: &ClientError) -> &Rejection {
+    e.rejection()
+        .unwrap_or_else(|| panic!("expected a typed rejection, got {e:?}"))
+}
+
+async fn grant(session: &Session, key: &str) -> Grant {
+    match session
+        .acquire(key, Duration::ZERO)
+        .await
+        .expect("acquire answers")
+    {
+        Acquired::Granted(g) => g,
+        Acquired::NotAcquired { holder_owner, .. } => {
+            panic!("{key} unexpectedly held by {holder_owner}")
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grants, idempotence, refusals
+
+async fn grants_and_refusals(kind: Kind) {
+    let s = start(kind).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let b = s.client.open_session("worker-b", TTL).await.unwrap();
+
+    let g1 = grant(&a, "payout:acc-1").await;
+    assert!(g1.is_held());
+    // A retried acquire by the same owner and session mints nothing: the same token.
+    let again = grant(&a, "payout:acc-1").await;
+    assert_eq!(
+        again.token(),
+        g1.token(),
+        "idempotent re-acquire returns the same token"
+    );
+    assert_eq!(s.server.service.event_count("acquired"), 1);
+    assert_eq!(s.server.service.event_count("reacquired"), 1);
+
+    // Another owner is not granted.
+    match b.acquire("payout:acc-1", Duration::ZERO).await.unwrap() {
+        Acquired::NotAcquired {
+            holder_owner,
+            holder_token,
+        } => {
+            assert_eq!(holder_owner, "worker-a");
+            assert_eq!(holder_token, g1.token().get());
+        }
+        Acquired::Granted(g) => panic!("two holders: {g:?}"),
+    }
+
+    // Release by a non-holder (the other session presenting the holder's token) is refused.
+    let forged =
+        Grant::reestablish(&s.client, "payout:acc-1", "worker-b", b.id(), g1.token()).await;
+    assert!(matches!(
+        rejection(&forged.unwrap_err()),
+        Rejection::NotHolder(_)
+    ));
+    let mut rpc = s.client.rpc();
+    let refused = rpc
+        .release(payout_proto::lock::ReleaseRequest {
+            handle: Some(payout_proto::lock::Handle {
+                key: "payout:acc-1".into(),
+                owner: "worker-b".into(),
+                session_id: b.id().into(),
+                token: g1.token().get(),
+            }),
+        })
+        .await
+        .unwrap_err();
+    match rejection(&refused.into()) {
+        Rejection::NotHolder(n) => assert_eq!(n.current_token, g1.token().get()),
+        other => panic!("expected NotHolder, got {other:?}"),
+    }
+
+    // Describe is introspection of the same facts.
+    let d = s.client.describe("payout:acc-1").await.unwrap();
+    assert!(d.held);
+    assert_eq!(
+        (d.holder_owner.as_str(), d.token),
+        ("worker-a", g1.token().get())
+    );
+
+    // A handle re-established elsewhere (another worker process) renews and releases it.
+    let adopted = Grant::reestablish(&s.client, "payout:acc-1", "worker-a", a.id(), g1.token())
+        .await
+        .unwrap();
+    assert!(adopted.is_held());
+    adopted.renew().await.unwrap();
+    adopted.release().await.unwrap();
+    // The old handle is no longer the holder.
+    assert!(matches!(
+        rejection(&g1.release().await.unwrap_err()),
+        Rejection::NotHolder(_)
+    ));
+
+    // The token sequence outlives the entry: the next grant is higher.
+    let g2 = grant(&b, "payout:acc-1").await;
+    assert!(g2.token() > again.token());
+
+    // A waiter is woken by the release (watch / NOTIFY), long before its bound.
+    let a2 = a.clone();
+    let waiter = tokio::spawn(async move {
+        let t0 = Instant::now();
+        let r = a2
+            .acquire("payout:acc-1", Duration::from_secs(20))
+            .await
+            .unwrap();
+        (r.granted().map(|g| g.token()), t0.elapsed())
+    });
+    testkit::eventually(Duration::from_secs(5), "waiter registered", || {
+        let c = s.client.clone();
+        async move {
+            c.describe("payout:acc-1")
+                .await
+                .ok()
+                .filter(|d| d.waiter_count == 1)
+        }
+    })
+    .await
+    .unwrap();
+    let g2_token = g2.token();
+    g2.release().await.unwrap();
+    let (token, waited) = waiter.await.unwrap();
+    assert!(token.expect("waiter granted") > g2_token);
+    assert!(
+        waited < Duration::from_secs(10),
+        "woken by the release, not the bound: {waited:?}"
+    );
+
+    // Typed argument refusals.
+    let e = s
+        .client
+        .force_revoke("payout:acc-1", "", "reason")
+        .await
+        .unwrap_err();
+    assert!(matches!(rejection(&e), Rejection::InvalidArgument(_)));
+    let e = s
+        .client
+        .force_revoke("payout:acc-1", "ops@example", " ")
+        .await
+        .unwrap_err();
+    assert!(matches!(rejection(&e), Rejection::InvalidArgument(_)));
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_grants_and_refusals() {
+    grants_and_refusals(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_grants_and_refusals() {
+    grants_and_refusals(Kind::Postgres).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Session death, force-revoke
+
+async fn session_death_and_force_revoke(kind: Kind) {
+    let s = start(kind).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let b = s.client.open_session("worker-b", TTL).await.unwrap();
+    let keys = ["k1", "k2", "k3"];
+    let mut tokens = Vec::new();
+    for k in keys {
+        tokens.push(grant(&a, k).await.token());
+    }
+    // One action releases every lock of the session.
+    a.close().await.unwrap();
+    assert!(!a.is_alive());
+    for (k, t) in keys.iter().zip(&tokens) {
+        let g = grant(&b, k).await;
+        assert!(g.token() > *t, "{k}: next token above the dead session's");
+    }
+
+    // Force-revoke: audited, alerted, and the next token is higher.
+    let held = grant(&b, "revoked").await;
+    let r = s
+        .client
+        .force_revoke("revoked", "ops@example", "stuck worker, ticket 42")
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.revoked_token, r.revoked_owner.as_str()),
+        (held.token().get(), "worker-b")
+    );
+    assert_eq!(s.server.service.event_count("revoked"), 1);
+    let c = s.client.open_session("worker-c", TTL).await.unwrap();
+    let next = grant(&c, "revoked").await;
+    assert!(
+        next.token() > held.token(),
+        "force-revoke must make the next token higher"
+    );
+    // The deposed holder can neither renew nor release.
+    assert!(matches!(
+        rejection(&held.renew().await.unwrap_err()),
+        Rejection::NotHolder(_)
+    ));
+    // Revoking a free key is a typed refusal.
+    next.release().await.unwrap();
+    let e = s
+        .client
+        .force_revoke("revoked", "ops@example", "again")
+        .await
+        .unwrap_err();
+    assert!(matches!(rejection(&e), Rejection::NotHeld(_)));
+    // The audit record exists in the backend.
+    match s.server.service.backend() {
+        lock_server::backend::Backend::Etcd(e) => {
+            let audit = e.audit_records().await.unwrap();
+            assert_eq!(audit.len(), 1);
+            assert_eq!(audit[0]["operator"], "ops@example");
+            assert_eq!(audit[0]["revoked_token"], held.token().get());
+        }
+        lock_server::backend::Backend::Postgres(p) => {
+            let (operator, token): (String, i64) =
+                sqlx::query_as("SELECT operator, revoked_token FROM lock_audit")
+                    .fetch_one(p.pool())
+                    .await
+                    .unwrap();
+            assert_eq!(
+                (operator.as_str(), token as u64),
+                ("ops@example", held.token().get())
+            );
+        }
+    }
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_session_death_and_force_revoke() {
+    session_death_and_force_revoke(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_session_death_and_force_revoke() {
+    session_death_and_force_revoke(Kind::Postgres).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expiry: the client gives up before the server; renew after expiry fails
+
+async fn expiry(kind: Kind) {
+    let s = start(kind).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let g = grant(&a, "expiring").await;
+    let mut lost = g.lost();
+    // A partitioned client: no more keep-alives.
+    a.stop_keep_alive();
+    lost.wait_for(|l| *l).await.unwrap();
+    let client_lost_at = Instant::now();
+    assert!(!g.is_held());
+    // Server expiry: the moment Describe first reports the key free (10 ms polls).
+    let c = s.client.clone();
+    let server_expired_at = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if !c.describe("expiring").await.unwrap().held {
+                return Instant::now();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the server expires the session");
+    let margin = server_expired_at.saturating_duration_since(client_lost_at);
+    println!(
+        "{kind:?}: client reported loss {} ms before the server expired the session",
+        margin.as_millis()
+    );
+    assert!(
+        server_expired_at > client_lost_at,
+        "the client must give up before the server"
+    );
+    // Renew after expiry fails, typed.
+    let e = g.renew().await.unwrap_err();
+    assert!(
+        matches!(
+            rejection(&e),
+            Rejection::NotHolder(_) | Rejection::SessionNotFound(_)
+        ),
+        "renew after expiry: {e:?}"
+    );
+    // Acquire on a lost session fails closed locally.
+    assert!(matches!(
+        a.acquire("other", Duration::ZERO).await,
+        Err(ClientError::SessionLost)
+    ));
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_expiry() {
+    expiry(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_expiry() {
+    expiry(Kind::Postgres).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Contention, checked by the history checker
+
+/// Workers, keys and rounds: enough contention to exercise every transition on a 2-core machine
+/// in a few seconds.
+const WORKERS: usize = 6;
+const KEYS: usize = 3;
+const ROUNDS: usize = 12;
+
+async fn contention(
+    endpoint: String,
+    label: &str,
+    during: impl std::future::Future<Output = ()>,
+) -> Vec<GrantRecord> {
+    let epoch = Instant::now();
+    let history = Arc::new(Mutex::new(Vec::new()));
+    let ns = move |t: Instant| t.saturating_duration_since(epoch).as_nanos() as u64;
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS {
+        let history = history.clone();
+        let client = LockClient::connect(endpoint.clone()).await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            let owner = format!("w{w}");
+            let mut session: Option<Session> = None;
+            let mut expiries_left = 1;
+            for _ in 0..ROUNDS {
+                let s = match &session {
+                    Some(s) if s.is_alive() => s.clone(),
+                    _ => match client.open_session(&owner, TTL).await {
+                        Ok(s) => {
+                            session = Some(s.clone());
+                            s
+                        }
+                        Err(_) => continue,
+                    },
+                };
+                let (key, hold_ms, action) = {
+                    let mut rng = rand::rng();
+                    (
+                        format!("key-{}", rng.random_range(0..KEYS)),
+                        rng.random_range(0..40u64),
+                        rng.random_range(0..10u32),
+                    )
+                };
+                // Fail closed: an error is simply no grant.
+                let Ok(Acquired::Granted(g)) = s.acquire(&key, Duration::from_millis(1500)).await
+                else {
+                    continue;
+                };
+                let start = Instant::now();
+                let token = g.token().get();
+                tokio::time::sleep(Duration::from_millis(hold_ms)).await;
+                let end = match action {
+                    // Crash: the session is closed without releasing.
+                    0 => {
+                        let end = Instant::now().min(g.deadline());
+                        let _ = s.close().await;
+                        session = None;
+                        end
+                    }
+                    // Expiry: the client stops heart-beating and waits to notice the loss.
+                    1 if expiries_left > 0 => {
+                        expiries_left -= 1;
+                        s.stop_keep_alive();
+                        let mut lost = g.lost();
+                        let _ = lost.wait_for(|l| *l).await;
+                        session = None;
+                        g.deadline()
+                    }
+                    _ => {
+                        let end = Instant::now().min(g.deadline());
+                        let _ = g.release().await;
+                        end
+                    }
+                };
+                history.lock().unwrap().push(GrantRecord {
+                    key: key.clone(),
+                    owner: owner.clone(),
+                    token,
+                    start_ns: ns(start),
+                    end_ns: ns(end),
+                });
+            }
+            if let Some(s) = session {
+                let _ = s.close().await;
+            }
+        }));
+    }
+    during.await;
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let history = history.lock().unwrap().clone();
+    println!("{label}: {} grants recorded", history.len());
+    history
+}
+
+async fn contention_checked(kind: Kind) {
+    let s = start(kind).await;
+    let history = contention(s.server.endpoint.clone(), &format!("{kind:?}"), async {}).await;
+    assert!(
+        history.len() >= WORKERS * ROUNDS / 3,
+        "too few grants to mean anything: {}",
+        history.len()
+    );
+    if let Err(v) = checker::check(&history) {
+        panic!("{kind:?}: mutual exclusion or token order violated: {v:#?}");
+    }
+    assert_eq!(s.server.service.token_regression_count(), 0);
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_contention_history_is_linearizable() {
+    contention_checked(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_contention_history_is_linearizable() {
+    contention_checked(Kind::Postgres).await;
+}
+
+/// A three-member etcd cluster whose leader is killed mid-run: no two holders, tokens still
+/// increase, and sessions are not mass-evicted by the election.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_three_members_leader_killed_mid_run() {
+    let stack = Stack::builder()
+        .etcd_members(3)
+        .start()
+        .expect("3-member stack");
+    let leader = stack.etcd.leader().await.unwrap();
+    // The leader first: the lock-server talks to it, so the kill also forces its fail-over.
+    let mut endpoints = stack.etcd_endpoints();
+    endpoints.swap(0, leader);
+    let s = start_with(BackendConfig::Etcd {
+        endpoints,
+        prefix: "/leader-kill/".into(),
+    })
+    .await;
+    // A long-lived holder whose session must survive the election.
+    let survivor = s
+        .client
+        .open_session("survivor", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let kept = grant(&survivor, "kept").await;
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        stack.etcd.members[leader].process.kill().unwrap();
+        println!("killed etcd leader m{leader}");
+    };
+    let history = contention(s.server.endpoint.clone(), "etcd-3-leader-kill", kill).await;
+    assert!(
+        history.len() >= WORKERS * ROUNDS / 4,
+        "too few grants: {}",
+        history.len()
+    );
+    if let Err(v) = checker::check(&history) {
+        panic!("leader kill: violated: {v:#?}");
+    }
+    // Not mass-evicted: the survivor's session and grant are intact after the election.
+    assert!(
+        kept.is_held(),
+        "the survivor's session must not be lost to the election"
+    );
+    kept.renew().await.expect("renew after the election");
+    let d = s.client.describe("kept").await.unwrap();
+    assert_eq!((d.held, d.token), (true, kept.token().get()));
+    s.server.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// INV-04: a restore that rewinds the backend is caught; the documented procedure prevents it
+
+fn etcd_spec(
+    dir: &Path,
+    name: &str,
+    data_dir: &Path,
+    client_port: u16,
+    peer_port: u16,
+) -> testkit::ProcessSpec {
+    let client = format!("http://127.0.0.1:{client_port}");
+    let peer = format!("http://127.0.0.1:{peer_port}");
+    testkit::ProcessSpec::new(name, "etcd", dir.join(format!("{name}.log")))
+        .args(["--name", "m0"])
+        .args(["--data-dir".into(), data_dir.as_os_str().to_owned()])
+        .args([
+            "--listen-client-urls",
+            &client,
+            "--advertise-client-urls",
+            &client,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+        ])
+        .args([
+            "--initial-cluster",
+            &format!("m0={peer}"),
+            "--initial-cluster-token",
+            "restore-test",
+        ])
+        .args(["--log-level", "warn", "--logger", "zap"])
+}
+
+fn etcdctl(endpoint: &str, args: &[&str]) {
+    let out = std::process::Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .arg("--endpoints")
+        .arg(endpoint)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "etcdctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn restore(dir: &Path, snapshot: &Path, data_dir: &Path, peer_port: u16) {
+    let peer = format!("http://127.0.0.1:{peer_port}");
+    let out = std::process::Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .args(["snapshot", "restore"])
+        .arg(snapshot)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args([
+            "--name",
+            "m0",
+            "--initial-cluster",
+            &format!("m0={peer}"),
+            "--initial-advertise-peer-urls",
+            &peer,
+        ])
+        .args(["--initial-cluster-token", "restore-test"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "restore: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn etcd_ready(endpoint: &str) {
+    testkit::eventually(Duration::from_secs(30), "etcd ready", || async {
+        let mut c = etcd_client::Client::connect([endpoint], None).await.ok()?;
+        c.status().await.ok().map(|_| ())
+    })
+    .await
+    .unwrap();
+}
+
+/// Attempts one grant on `key` through a fresh lock-server using `issued` as its INV-04 record.
+async fn grant_via(
+    endpoint: &str,
+    issued: &Path,
+    key: &str,
+) -> (Result<FencingToken, ClientError>, u64) {
+    let config = Config {
+        backend: BackendConfig::Etcd {
+            endpoints: vec![endpoint.to_string()],
+            prefix: "/restore/".into(),
+        },
+        issued_tokens_path: issued.to_path_buf(),
+    };
+    let server = InProcess::start(&config).await.unwrap();
+    let client = LockClient::connect(server.endpoint.clone()).await.unwrap();
+    let session = client.open_session("restorer", TTL).await.unwrap();
+    let result = session.acquire(key, Duration::ZERO).await.map(|a| match a {
+        Acquired::Granted(g) => g.token(),
+        Acquired::NotAcquired { .. } => panic!("{key} held"),
+    });
+    let regressions = server.service.token_regression_count();
+    let _ = session.close().await;
+    server.stop().await;
+    (result, regressions)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restore_from_snapshot_raises_token_regression_unless_revision_advanced() {
+    let dir = tempfile::tempdir().unwrap();
+    let issued = dir.path().join("issued-tokens.json");
+    let (client_port, peer_port) = (testkit::free_port(), testkit::free_port());
+    let endpoint = format!("http://127.0.0.1:{client_port}");
+    let original = testkit::ManagedProcess::start(etcd_spec(
+        dir.path(),
+        "etcd-a",
+        &dir.path().join("a"),
+        client_port,
+        peer_port,
+    ))
+    .unwrap();
+    etcd_ready(&endpoint).await;
+
+    let (first, _) = grant_via(&endpoint, &issued, "k").await;
+    let first = first.unwrap();
+    let snapshot = dir.path().join("snap.db");
+    etcdctl(&endpoint, &["snapshot", "save", snapshot.to_str().unwrap()]);
+    // Life goes on after the backup: more grants, higher tokens.
+    let mut last = first;
+    for _ in 0..5 {
+        let (t, _) = grant_via(&endpoint, &issued, "k").await;
+        last = t.unwrap();
+    }
+    assert!(last > first);
+    original.kill().unwrap();
+
+    // Disaster recovery WITHOUT the procedure: restore the old snapshot and serve.
+    restore(dir.path(), &snapshot, &dir.path().join("b"), peer_port);
+    let restored = testkit::ManagedProcess::start(etcd_spec(
+        dir.path(),
+        "etcd-b",
+        &dir.path().join("b"),
+        client_port,
+        peer_port,
+    ))
+    .unwrap();
+    etcd_ready(&endpoint).await;
+    let (result, regressions) = grant_via(&endpoint, &issued, "k").await;
+    let e = result.expect_err("a rewound etcd must not produce a grant");
+    match rejection(&e) {
+        Rejection::TokenRegression(r) => {
+            println!(
+                "token_regression raised: etcd returned {} after {} had been issued",
+                r.returned_token, r.highest_issued_token
+            );
+            assert_eq!(r.highest_issued_token, last.get());
+            assert!(r.returned_token <= last.get());
+        }
+        other => panic!("expected TokenRegression, got {other:?}"),
+    }
+    assert_eq!(regressions, 1, "the token_regression counter fired");
+    restored.kill().unwrap();
+
+    // WITH the procedure (RESTORE.md): restore, then advance the revision past every token issued
+    // before, then serve.
+    restore(dir.path(), &snapshot, &dir.path().join("c"), peer_port);
+    let procedure = testkit::ManagedProcess::start(etcd_spec(
+        dir.path(),
+        "etcd-c",
+        &dir.path().join("c"),
+        client_port,
+        peer_port,
+    ))
+    .unwrap();
+    etcd_ready(&endpoint).await;
+    let mut etcd = etcd_client::Client::connect([endpoint.as_str()], None)
+        .await
+        .unwrap();
+    let highest_seen = last.get() as i64;
+    loop {
+        let r = etcd
+            .put("/restore-procedure/scratch", "advance", None)
+            .await
+            .unwrap();
+        if r.header().unwrap().revision() > highest_seen {
+            break;
+        }
+    }
+    let (result, regressions) = grant_via(&endpoint, &issued, "k").await;
+    let token = result.expect("after the procedure grants are issued again");
+    assert!(
+        token > last,
+        "the first token after the procedure is above every token issued before"
+    );
+    assert_eq!(regressions, 0);
+    procedure.kill().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
+    let s = start(Kind::Postgres).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let mut last = grant(&a, "k").await;
+    for _ in 0..3 {
+        last.release().await.unwrap();
+        last = grant(&a, "k").await;
+    }
+    let highest = last.token();
+    last.release().await.unwrap();
+    let lock_server::backend::Backend::Postgres(pg) = s.server.service.backend() else {
+        unreachable!()
+    };
+    // What restoring an older backup does to the sequence.
+    sqlx::query("SELECT setval('lock_token_seq', 1)")
+        .execute(pg.pool())
+        .await
+        .unwrap();
+    let e = a
+        .acquire("k", Duration::ZERO)
+        .await
+        .expect_err("a rewound sequence must not produce a grant");
+    assert!(
+        matches!(rejection(&e), Rejection::TokenRegression(_)),
+        "{e:?}"
+    );
+    assert_eq!(s.server.service.token_regression_count(), 1);
+    // The regressed entry belongs to the session; end it, then apply the procedure.
+    a.close().await.unwrap();
+    sqlx::query("SELECT setval('lock_token_seq', $1)")
+        .bind(highest.as_i64() + 1_000)
+        .execute(pg.pool())
+        .await
+        .unwrap();
+    let b = s.client.open_session("worker-b", TTL).await.unwrap();
+    let after = grant(&b, "k").await;
+    assert!(after.token() > highest);
+    assert_eq!(
+        s.server.service.token_regression_count(),
+        1,
+        "no new alarm after the procedure"
+    );
+    s.server.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn benchmark_runs_and_reports_both_paths() {
+    let report = lock_server::bench::run(&Stack::shared().etcd_endpoints(), 200, 4)
+        .await
+        .unwrap();
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    assert_eq!(report.service.operations, 200);
+    assert_eq!(report.raw_etcd.operations, 200);
+    assert!(report.service.p99_us > 0 && report.raw_etcd.p99_us > 0);
+}

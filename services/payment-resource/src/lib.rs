@@ -1,0 +1,78 @@
+//! The payment resource: paydb, with the account fence as the first guard (spec 2.5 INV-01,
+//! INV-05), the payout state machine of spec 2.3 (INV-08), the double-entry ledger (INV-03) and
+//! the GL outbox (spec 002, with this service in the role of "Wallet").
+//!
+//! Architecture invariants:
+//! - Only this service writes `account.fence`, and only through one conditional statement at the
+//!   start of a mutating transaction (`store::FENCE_ADVANCE_SQL`); it never reads the fence and
+//!   then writes it.
+//! - This service knows nothing of the lock service or etcd: the only thing it shares with them is
+//!   the integer token a caller presents.
+//! - Transitions come only from `payout_domain::TRANSITIONS` via `PayoutState::apply`.
+//! - The ledger and the audit trail are append-only, enforced by paydb's triggers.
+
+pub mod api;
+pub mod client;
+pub mod error;
+pub mod fixture;
+pub mod model;
+pub mod outbox;
+pub mod store;
+
+use std::time::Duration;
+
+pub use error::{InvalidReason, PaymentError};
+pub use store::{Store, StoreOptions};
+
+/// The gRPC service name, as `grpc.health.v1` reports it.
+pub const SERVICE_NAME: &str = "payment.v1.PaymentResource";
+
+/// Applies paydb's migrations (idempotent; every start runs them).
+pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    sqlx::migrate!("../../migrations/paydb").run(pool).await
+}
+
+/// How long in-flight requests may drain after shutdown is signalled. Clients keep HTTP/2
+/// connections open indefinitely, so an unbounded graceful stop would wait for them forever; a
+/// request cut off here rolls back its transaction, which is always safe.
+pub const SHUTDOWN_DRAIN_MS: u64 = 3_000;
+
+/// Serves `payment.v1.PaymentResource` and `grpc.health.v1` on `listener` until `shutdown`.
+/// Tests run it in-process on a port-0 listener; the binary on its configured address.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    store: Store,
+    shutdown: service_kit::Shutdown,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let health_task = tokio::spawn(service_kit::health_from_db(
+        reporter,
+        SERVICE_NAME,
+        store.pool().clone(),
+        Duration::from_millis(service_kit::HEALTH_PERIOD_MS),
+    ));
+    let server = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(
+            payout_proto::payment::payment_resource_server::PaymentResourceServer::new(
+                api::PaymentApi::new(store),
+            ),
+        )
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener),
+            shutdown.clone().wait(),
+        );
+    let drain_deadline = async {
+        shutdown.wait().await;
+        tokio::time::sleep(Duration::from_millis(SHUTDOWN_DRAIN_MS)).await;
+    };
+    let result = tokio::select! {
+        result = server => result,
+        () = drain_deadline => {
+            tracing::warn!(drain_ms = SHUTDOWN_DRAIN_MS, "connections still open after the drain period; stopping");
+            Ok(())
+        }
+    };
+    health_task.abort();
+    result
+}

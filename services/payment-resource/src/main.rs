@@ -1,0 +1,118 @@
+//! `payment-resource serve` runs the service; `payment-resource fixture` loads accounts.
+
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use payment_resource::{fixture, migrate, serve, Store, StoreOptions};
+use service_kit::{Metrics, Shutdown};
+
+#[derive(Parser)]
+#[command(
+    name = "payment-resource",
+    about = "paydb's first guard, payout state machine, ledger and GL outbox"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve payment.v1.PaymentResource, grpc.health.v1 and /metrics.
+    Serve {
+        #[arg(
+            long,
+            env = "PAYMENT_RESOURCE_LISTEN",
+            default_value = "127.0.0.1:50052"
+        )]
+        listen: SocketAddr,
+        #[arg(
+            long,
+            env = "PAYMENT_RESOURCE_METRICS_LISTEN",
+            default_value = "127.0.0.1:9102"
+        )]
+        metrics_listen: SocketAddr,
+        #[arg(long, env = "PAYDB_URL")]
+        database_url: String,
+    },
+    /// Open accounts with opening balances (idempotent), through the same code as OpenAccount.
+    Fixture {
+        #[arg(long, env = "PAYDB_URL")]
+        database_url: String,
+        /// A JSON file: [{"account_id":"acct-1","currency":"EUR","opening_balance_minor":100000}].
+        #[arg(long, conflicts_with_all = ["accounts"])]
+        file: Option<std::path::PathBuf>,
+        /// How many numbered accounts ({prefix}1..{prefix}N) to open.
+        #[arg(long)]
+        accounts: Option<usize>,
+        #[arg(long, default_value = "acct-")]
+        prefix: String,
+        #[arg(long, default_value_t = 1_000_000)]
+        balance_minor: i64,
+        #[arg(long, default_value = "EUR")]
+        currency: String,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    service_kit::init_tracing("payment-resource");
+    match Cli::parse().command {
+        Command::Serve {
+            listen,
+            metrics_listen,
+            database_url,
+        } => {
+            let pool = service_kit::connect_pg(&database_url).await?;
+            migrate(&pool).await.context("applying paydb migrations")?;
+            let metrics = Metrics::default();
+            // The binary has no way to disable the fence predicate: default options only.
+            let store = Store::new(pool, StoreOptions::default(), &metrics);
+            let shutdown = Shutdown::on_signal();
+            let listener = service_kit::bind(listen).await?;
+            let metrics_listener = service_kit::bind(metrics_listen).await?;
+            tracing::info!(%listen, %metrics_listen, "payment-resource serving");
+            let metrics_task = tokio::spawn(service_kit::serve_metrics(
+                metrics_listener,
+                metrics,
+                shutdown.clone().wait(),
+            ));
+            serve(listener, store, shutdown)
+                .await
+                .context("gRPC server")?;
+            metrics_task.await.context("metrics task")??;
+            tracing::info!("payment-resource stopped");
+        }
+        Command::Fixture {
+            database_url,
+            file,
+            accounts,
+            prefix,
+            balance_minor,
+            currency,
+        } => {
+            let pool = service_kit::connect_pg(&database_url).await?;
+            migrate(&pool).await.context("applying paydb migrations")?;
+            let wanted = match (file, accounts) {
+                (Some(path), _) => {
+                    let text = std::fs::read_to_string(&path)
+                        .with_context(|| format!("reading {}", path.display()))?;
+                    serde_json::from_str(&text)
+                        .with_context(|| format!("parsing {}", path.display()))?
+                }
+                (None, Some(n)) => fixture::numbered(&prefix, n, balance_minor, &currency),
+                (None, None) => anyhow::bail!("give --accounts N or --file accounts.json"),
+            };
+            let store = Store::new(pool, StoreOptions::default(), &Metrics::default());
+            let opened = fixture::load(&store, &wanted)
+                .await
+                .context("opening fixture accounts")?;
+            for a in &opened {
+                println!("{} {} {}", a.account_id, a.currency, a.balance_minor);
+            }
+            tracing::info!(count = opened.len(), "fixture accounts opened");
+        }
+    }
+    Ok(())
+}

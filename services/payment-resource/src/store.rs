@@ -1,0 +1,1403 @@
+//! paydb access: the fence predicate (the first guard), the transitions of the 2.3 table, the
+//! ledger postings and their outbox rows. Every mutation of a payout runs in one transaction that
+//! begins with the conditional fence advance; nothing here reads the fence and then writes it.
+
+use chrono::{DateTime, Utc};
+use payout_domain::{lock_key, AccountId, Actor, Currency, PayoutEvent, PayoutId, PayoutState};
+use serde_json::{json, Value};
+use service_kit::prometheus::IntCounterVec;
+use sqlx::{PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::error::{InvalidReason, PaymentError};
+use crate::model::{
+    AbandonRequest, Account, AuditEvent, Evidence, Fence, LedgerCheck, LedgerEntry,
+    LedgerViolation, NewPayout, OperatorDecision, Payout, PostOutcome, RailOutcome,
+};
+use crate::outbox;
+
+/// Most audit events returned with a payout: a payout has a handful of transitions; a long tail
+/// means a storm of refused or fenced-out attempts, and the first thousand tell the story.
+pub const HISTORY_EVENTS_MAX: i64 = 1_000;
+/// Most violations one CheckLedger returns: one is already an incident; the reply stays small.
+pub const LEDGER_VIOLATIONS_MAX: i64 = 1_000;
+
+/// The name of the partial unique index that refuses a second in-flight payout per account.
+const ONE_IN_FLIGHT_INDEX: &str = "payout_one_in_flight_per_account";
+const IN_FLIGHT_STATES_SQL: &str = "('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS')";
+
+/// The guard, as one statement: advance the fence of the payout's account to the presented token
+/// if the token is not below it, and return the row (locked until commit). No row: fenced out (or
+/// no such payout). The account id comes from the payout, whose account never changes.
+const FENCE_ADVANCE_SQL: &str = "UPDATE account SET fence = $2, updated_at = now() \
+     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND fence <= $2 \
+     RETURNING id, fence, balance_minor, now()";
+/// The same statement without the predicate: used only by the negative-control tests, to show
+/// that the stale write then lands. `GREATEST` keeps the fence non-decreasing, which the database
+/// enforces independently.
+const FENCE_ADVANCE_WITHOUT_PREDICATE_SQL: &str =
+    "UPDATE account SET fence = GREATEST(fence, $2), updated_at = now() \
+     WHERE id = (SELECT account_id FROM payout WHERE id = $1) \
+     RETURNING id, fence, balance_minor, now()";
+
+const PAYOUT_COLUMNS: &str = "id, account_id, amount_minor, currency, beneficiary_ref, state, client_reference, \
+     claimed_by, token_stamp, failure_reason, rail_ref, rail_outcome, transaction_group, created_at, claimed_at, \
+     submitted_at, settled_at, updated_at";
+const ACCOUNT_COLUMNS: &str =
+    "id, currency, balance_minor, opening_balance_minor, fence, version, created_at, updated_at";
+const ENTRY_COLUMNS: &str =
+    "id, transaction_group, line_number, account_id, currency, amount_minor, counterparty, payout_id, token, created_at";
+const AUDIT_COLUMNS: &str =
+    "id, payout_id, account_id, kind, actor, owner, token, from_state, to_state, event, detail::text AS detail, at";
+
+/// Options of the store. The only one is the test-only switch that disables the fence predicate;
+/// the binary's configuration has no way to reach it.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    fence_predicate: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            fence_predicate: true,
+        }
+    }
+}
+
+impl StoreOptions {
+    /// NEGATIVE CONTROL ONLY: the guard's predicate is dropped, so a stale token's write lands.
+    /// Tests use it to show that the guarded tests detect what they claim to.
+    #[doc(hidden)]
+    pub fn without_fence_predicate_for_tests() -> Self {
+        Self {
+            fence_predicate: false,
+        }
+    }
+    pub fn fence_predicate_enabled(&self) -> bool {
+        self.fence_predicate
+    }
+}
+
+#[derive(Clone)]
+struct Counters {
+    fenced_out: IntCounterVec,
+    refused_transitions: IntCounterVec,
+    account_busy: IntCounterVec,
+    transitions: IntCounterVec,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    pool: PgPool,
+    options: StoreOptions,
+    counters: Counters,
+}
+
+#[derive(sqlx::FromRow)]
+struct PayoutRow {
+    id: String,
+    account_id: String,
+    amount_minor: i64,
+    currency: String,
+    beneficiary_ref: String,
+    state: String,
+    client_reference: String,
+    claimed_by: Option<String>,
+    token_stamp: Option<i64>,
+    failure_reason: Option<String>,
+    rail_ref: Option<String>,
+    rail_outcome: Option<String>,
+    transaction_group: Option<Uuid>,
+    created_at: DateTime<Utc>,
+    claimed_at: Option<DateTime<Utc>>,
+    submitted_at: Option<DateTime<Utc>>,
+    settled_at: Option<DateTime<Utc>>,
+    updated_at: DateTime<Utc>,
+}
+
+fn stored<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) -> Result<T, PaymentError> {
+    r.map_err(|e| PaymentError::InvariantBroken(format!("stored {what} is invalid: {e}")))
+}
+
+fn token_of(value: Option<i64>) -> Option<u64> {
+    value.and_then(|t| u64::try_from(t).ok())
+}
+
+impl PayoutRow {
+    fn into_model(self) -> Result<Payout, PaymentError> {
+        Ok(Payout {
+            payout_id: stored("payout id", PayoutId::parse(self.id))?,
+            account_id: stored("account id", AccountId::parse(self.account_id))?,
+            amount_minor: self.amount_minor,
+            currency: stored("currency", Currency::parse(&self.currency))?,
+            beneficiary_ref: self.beneficiary_ref,
+            state: PayoutState::parse(&self.state).ok_or_else(|| {
+                PaymentError::InvariantBroken(format!("stored state {:?} is unknown", self.state))
+            })?,
+            client_reference: self.client_reference,
+            claimed_by: self.claimed_by,
+            token_stamp: token_of(self.token_stamp),
+            failure_reason: self.failure_reason,
+            rail_ref: self.rail_ref,
+            rail_outcome: self.rail_outcome,
+            transaction_group: self.transaction_group,
+            created_at: self.created_at,
+            claimed_at: self.claimed_at,
+            submitted_at: self.submitted_at,
+            settled_at: self.settled_at,
+            updated_at: self.updated_at,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct AccountRow {
+    id: String,
+    currency: String,
+    balance_minor: i64,
+    opening_balance_minor: i64,
+    fence: i64,
+    version: i64,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+}
+
+impl AccountRow {
+    fn into_model(self) -> Result<Account, PaymentError> {
+        Ok(Account {
+            account_id: stored("account id", AccountId::parse(self.id))?,
+            currency: stored("currency", Currency::parse(&self.currency))?,
+            balance_minor: self.balance_minor,
+            opening_balance_minor: self.opening_balance_minor,
+            fence: stored("fence", u64::try_from(self.fence))?,
+            version: self.version,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct EntryRow {
+    id: i64,
+    transaction_group: Uuid,
+    line_number: i16,
+    account_id: String,
+    currency: String,
+    amount_minor: i64,
+    counterparty: String,
+    payout_id: Option<String>,
+    token: Option<i64>,
+    created_at: DateTime<Utc>,
+}
+
+impl From<EntryRow> for LedgerEntry {
+    fn from(r: EntryRow) -> Self {
+        LedgerEntry {
+            id: r.id,
+            transaction_group: r.transaction_group,
+            line_number: r.line_number,
+            account_id: r.account_id,
+            currency: r.currency,
+            amount_minor: r.amount_minor,
+            counterparty: r.counterparty,
+            payout_id: r.payout_id,
+            token: token_of(r.token),
+            created_at: r.created_at,
+        }
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct AuditRow {
+    id: i64,
+    payout_id: Option<String>,
+    account_id: Option<String>,
+    kind: String,
+    actor: String,
+    owner: Option<String>,
+    token: Option<i64>,
+    from_state: Option<String>,
+    to_state: Option<String>,
+    event: Option<String>,
+    detail: String,
+    at: DateTime<Utc>,
+}
+
+impl AuditRow {
+    fn into_model(self) -> AuditEvent {
+        AuditEvent {
+            id: self.id,
+            payout_id: self.payout_id,
+            account_id: self.account_id,
+            kind: self.kind,
+            actor: self.actor,
+            owner: self.owner,
+            token: token_of(self.token),
+            from_state: self.from_state,
+            to_state: self.to_state,
+            event: self.event,
+            detail: serde_json::from_str(&self.detail).unwrap_or(Value::Null),
+            at: self.at,
+        }
+    }
+}
+
+/// One audit row to append.
+struct Audit<'a> {
+    payout_id: Option<&'a str>,
+    account_id: Option<&'a str>,
+    kind: &'static str,
+    actor: &'a str,
+    owner: Option<&'a str>,
+    token: Option<i64>,
+    from_state: Option<&'a str>,
+    to_state: Option<&'a str>,
+    event: Option<&'a str>,
+    detail: Value,
+}
+
+async fn insert_audit<'e, E: sqlx::PgExecutor<'e>>(
+    executor: E,
+    a: &Audit<'_>,
+) -> Result<AuditEvent, sqlx::Error> {
+    let row: AuditRow = sqlx::query_as(&format!(
+        "INSERT INTO audit_event (payout_id, account_id, kind, actor, owner, token, from_state, to_state, event, detail) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb) RETURNING {AUDIT_COLUMNS}"
+    ))
+    .bind(a.payout_id)
+    .bind(a.account_id)
+    .bind(a.kind)
+    .bind(a.actor)
+    .bind(a.owner)
+    .bind(a.token)
+    .bind(a.from_state)
+    .bind(a.to_state)
+    .bind(a.event)
+    .bind(a.detail.to_string())
+    .fetch_one(executor)
+    .await?;
+    Ok(row.into_model())
+}
+
+/// A transaction that has passed the guard: the account row is locked and its fence advanced,
+/// the payout row is locked.
+struct Fenced {
+    tx: Transaction<'static, Postgres>,
+    payout: Payout,
+    balance_minor: i64,
+    now: DateTime<Utc>,
+}
+
+/// The columns a transition sets besides its state and token stamp.
+#[derive(Default)]
+struct Changes {
+    claimed_by: Option<String>,
+    claimed_now: bool,
+    submitted_now: bool,
+    settled_now: bool,
+    failure_reason: Option<String>,
+    rail_ref: Option<String>,
+    rail_outcome: Option<&'static str>,
+    transaction_group: Option<Uuid>,
+}
+
+fn is_constraint(err: &sqlx::Error, name: &str) -> bool {
+    err.as_database_error().and_then(|e| e.constraint()) == Some(name)
+}
+
+impl Store {
+    pub fn new(pool: PgPool, options: StoreOptions, metrics: &service_kit::Metrics) -> Self {
+        let counters = Counters {
+            fenced_out: metrics.counter_vec(
+                "payment_fenced_out_total",
+                "Mutations rejected because the token was below the account fence (INV-05). Alert on any.",
+                &["operation"],
+            ),
+            refused_transitions: metrics.counter_vec(
+                "payment_refused_transitions_total",
+                "Transitions refused by the 2.3 table (INV-08 defect signal). Alert on any.",
+                &["from", "event"],
+            ),
+            account_busy: metrics.counter_vec(
+                "payment_account_busy_total",
+                "Claims refused because another payout of the account is in flight.",
+                &["operation"],
+            ),
+            transitions: metrics.counter_vec(
+                "payment_transitions_total",
+                "Payout transitions performed.",
+                &["from", "to"],
+            ),
+        };
+        Self {
+            pool,
+            options,
+            counters,
+        }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    // ----- the guard -----
+
+    async fn begin_fenced(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        operation: &str,
+    ) -> Result<Fenced, PaymentError> {
+        let mut tx = self.pool.begin().await?;
+        let sql = if self.options.fence_predicate {
+            FENCE_ADVANCE_SQL
+        } else {
+            FENCE_ADVANCE_WITHOUT_PREDICATE_SQL
+        };
+        let advanced: Option<(String, i64, i64, DateTime<Utc>)> = sqlx::query_as(sql)
+            .bind(payout_id.as_str())
+            .bind(fence.token().as_i64())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some((_account, _fence, balance_minor, now)) = advanced else {
+            tx.rollback().await?;
+            return Err(self
+                .fenced_out_or_unknown(payout_id, fence, operation)
+                .await);
+        };
+        let row: PayoutRow = sqlx::query_as(&format!(
+            "SELECT {PAYOUT_COLUMNS} FROM payout WHERE id = $1 FOR UPDATE"
+        ))
+        .bind(payout_id.as_str())
+        .fetch_one(&mut *tx)
+        .await?;
+        Ok(Fenced {
+            tx,
+            payout: row.into_model()?,
+            balance_minor,
+            now,
+        })
+    }
+
+    /// After the guard found no row: either the payout does not exist, or the token is stale. The
+    /// rejection is recorded in its own transaction (the rejected one was rolled back whole).
+    async fn fenced_out_or_unknown(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        operation: &str,
+    ) -> PaymentError {
+        let found: Result<Option<(String, i64)>, sqlx::Error> = sqlx::query_as(
+            "SELECT p.account_id, a.fence FROM payout p JOIN account a ON a.id = p.account_id WHERE p.id = $1",
+        )
+        .bind(payout_id.as_str())
+        .fetch_optional(&self.pool)
+        .await;
+        let (account_id, stored_fence) = match found {
+            Ok(Some(found)) => found,
+            Ok(None) => {
+                return PaymentError::PayoutNotFound {
+                    payout_id: payout_id.to_string(),
+                }
+            }
+            Err(e) => return e.into(),
+        };
+        let key = lock_key(
+            &AccountId::parse(account_id.clone()).unwrap_or_else(|_| unreachable_account()),
+        );
+        let presented = fence.token().get();
+        let stored = u64::try_from(stored_fence).unwrap_or(0);
+        self.counters
+            .fenced_out
+            .with_label_values(&[operation])
+            .inc();
+        tracing::warn!(
+            event = "fenced_out", key, presented, stored, owner = fence.owner(), payout_id = %payout_id,
+            account_id, operation, "stale token rejected by the account fence"
+        );
+        let audit = Audit {
+            payout_id: Some(payout_id.as_str()),
+            account_id: Some(&account_id),
+            kind: "fenced_out",
+            actor: Actor::Holder.as_str(),
+            owner: Some(fence.owner()),
+            token: Some(fence.token().as_i64()),
+            from_state: None,
+            to_state: None,
+            event: Some(operation),
+            detail: json!({"key": key, "presented": presented, "stored": stored, "owner": fence.owner(), "operation": operation}),
+        };
+        if let Err(e) = insert_audit(&self.pool, &audit).await {
+            // The rejection stands (nothing was written); only its evidence row is missing.
+            tracing::error!(error = %e, payout_id = %payout_id, "could not record the fenced_out audit event");
+        }
+        PaymentError::FencedOut {
+            key,
+            presented,
+            stored,
+            owner: fence.owner().to_string(),
+            account_id,
+            payout_id: payout_id.to_string(),
+        }
+    }
+
+    /// A transition the table does not allow: nothing changes but the audit trail and a counter.
+    async fn refuse(
+        &self,
+        fenced: Fenced,
+        refusal: payout_domain::RefusedTransition,
+        actor: Actor,
+        fence: Option<&Fence>,
+    ) -> PaymentError {
+        let payout = fenced.payout.clone();
+        if let Err(e) = fenced.tx.rollback().await {
+            return e.into();
+        }
+        self.refuse_outside_transaction(&payout, refusal, actor, fence)
+            .await
+    }
+
+    async fn refuse_outside_transaction(
+        &self,
+        payout: &Payout,
+        refusal: payout_domain::RefusedTransition,
+        actor: Actor,
+        fence: Option<&Fence>,
+    ) -> PaymentError {
+        let error = PaymentError::refused(payout.payout_id.as_str(), refusal, actor);
+        let PaymentError::RefusedTransition {
+            from,
+            event,
+            required,
+            ..
+        } = &error
+        else {
+            return error;
+        };
+        self.counters
+            .refused_transitions
+            .with_label_values(&[from.as_str(), event.as_str()])
+            .inc();
+        tracing::warn!(
+            event = "refused_transition", payout_id = %payout.payout_id, account_id = %payout.account_id,
+            from, transition_event = event, actor = actor.as_str(), token = fence.map(|f| f.token().get()),
+            "transition refused by the payout state table"
+        );
+        let audit = Audit {
+            payout_id: Some(payout.payout_id.as_str()),
+            account_id: Some(payout.account_id.as_str()),
+            kind: "refused_transition",
+            actor: actor.as_str(),
+            owner: fence.map(|f| f.owner()),
+            token: fence.map(|f| f.token().as_i64()),
+            from_state: Some(from),
+            to_state: None,
+            event: Some(event),
+            detail: json!({"required_actor": required}),
+        };
+        if let Err(e) = insert_audit(&self.pool, &audit).await {
+            tracing::error!(error = %e, payout_id = %payout.payout_id, "could not record the refused_transition audit event");
+        }
+        error
+    }
+
+    /// Writes the transition and its audit row, then commits.
+    #[allow(clippy::too_many_arguments)]
+    async fn commit_transition(
+        &self,
+        mut fenced: Fenced,
+        event: PayoutEvent,
+        actor: Actor,
+        fence: &Fence,
+        to: PayoutState,
+        changes: Changes,
+        detail: Value,
+    ) -> Result<Payout, PaymentError> {
+        let from = fenced.payout.state;
+        let updated: Result<Option<PayoutRow>, sqlx::Error> = sqlx::query_as(&format!(
+            "UPDATE payout SET state = $2, token_stamp = $3, version = version + 1, updated_at = now(), \
+               claimed_by = COALESCE($4, claimed_by), \
+               claimed_at = CASE WHEN $5 THEN now() ELSE claimed_at END, \
+               submitted_at = CASE WHEN $6 THEN now() ELSE submitted_at END, \
+               settled_at = CASE WHEN $7 THEN now() ELSE settled_at END, \
+               failure_reason = COALESCE($8, failure_reason), \
+               rail_ref = COALESCE($9, rail_ref), \
+               rail_outcome = COALESCE($10, rail_outcome), \
+               transaction_group = COALESCE($11, transaction_group) \
+             WHERE id = $1 AND state = $12 RETURNING {PAYOUT_COLUMNS}"
+        ))
+        .bind(fenced.payout.payout_id.as_str())
+        .bind(to.as_str())
+        .bind(fence.token().as_i64())
+        .bind(changes.claimed_by.as_deref())
+        .bind(changes.claimed_now)
+        .bind(changes.submitted_now)
+        .bind(changes.settled_now)
+        .bind(changes.failure_reason.as_deref())
+        .bind(changes.rail_ref.as_deref())
+        .bind(changes.rail_outcome)
+        .bind(changes.transaction_group)
+        .bind(from.as_str())
+        .fetch_optional(&mut *fenced.tx)
+        .await;
+        let updated = match updated {
+            Ok(Some(row)) => row.into_model()?,
+            Ok(None) => {
+                // The row is locked FOR UPDATE by this transaction: its state cannot have moved.
+                return Err(PaymentError::InvariantBroken(format!(
+                    "payout {} left state {from} under its row lock",
+                    fenced.payout.payout_id
+                )));
+            }
+            Err(e) if is_constraint(&e, ONE_IN_FLIGHT_INDEX) => {
+                let payout = fenced.payout.clone();
+                fenced.tx.rollback().await?;
+                return Err(self.account_busy(&payout, fence).await);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        insert_audit(
+            &mut *fenced.tx,
+            &Audit {
+                payout_id: Some(updated.payout_id.as_str()),
+                account_id: Some(updated.account_id.as_str()),
+                kind: "transition",
+                actor: actor.as_str(),
+                owner: Some(fence.owner()),
+                token: Some(fence.token().as_i64()),
+                from_state: Some(from.as_str()),
+                to_state: Some(to.as_str()),
+                event: Some(event.as_str()),
+                detail,
+            },
+        )
+        .await?;
+        fenced.tx.commit().await?;
+        self.counters
+            .transitions
+            .with_label_values(&[from.as_str(), to.as_str()])
+            .inc();
+        tracing::info!(
+            payout_id = %updated.payout_id, account_id = %updated.account_id, token = fence.token().get(),
+            owner = fence.owner(), from = from.as_str(), to = to.as_str(), transition_event = event.as_str(),
+            "payout transition"
+        );
+        Ok(updated)
+    }
+
+    async fn account_busy(&self, payout: &Payout, fence: &Fence) -> PaymentError {
+        let in_flight: Result<Option<String>, sqlx::Error> = sqlx::query_scalar(&format!(
+            "SELECT id FROM payout WHERE account_id = $1 AND state IN {IN_FLIGHT_STATES_SQL} LIMIT 1"
+        ))
+        .bind(payout.account_id.as_str())
+        .fetch_optional(&self.pool)
+        .await;
+        let in_flight = match in_flight {
+            Ok(found) => found.unwrap_or_default(),
+            Err(e) => return e.into(),
+        };
+        self.counters
+            .account_busy
+            .with_label_values(&["claim"])
+            .inc();
+        tracing::warn!(
+            event = "account_busy", payout_id = %payout.payout_id, account_id = %payout.account_id,
+            in_flight_payout_id = in_flight, token = fence.token().get(), "claim refused: another payout is in flight"
+        );
+        let audit = Audit {
+            payout_id: Some(payout.payout_id.as_str()),
+            account_id: Some(payout.account_id.as_str()),
+            kind: "account_busy",
+            actor: Actor::Holder.as_str(),
+            owner: Some(fence.owner()),
+            token: Some(fence.token().as_i64()),
+            from_state: Some(payout.state.as_str()),
+            to_state: None,
+            event: Some(PayoutEvent::Claim.as_str()),
+            detail: json!({"in_flight_payout_id": in_flight}),
+        };
+        if let Err(e) = insert_audit(&self.pool, &audit).await {
+            tracing::error!(error = %e, "could not record the account_busy audit event");
+        }
+        PaymentError::AccountBusy {
+            account_id: payout.account_id.to_string(),
+            in_flight_payout_id: in_flight,
+        }
+    }
+
+    /// Applies `event` as `actor` to a fenced payout: refused (and recorded) if the table says so.
+    async fn transition(
+        &self,
+        fenced: Fenced,
+        event: PayoutEvent,
+        actor: Actor,
+        fence: &Fence,
+        changes: Changes,
+        detail: Value,
+    ) -> Result<Payout, PaymentError> {
+        match fenced.payout.state.apply(event, actor) {
+            Ok(to) => {
+                self.commit_transition(fenced, event, actor, fence, to, changes, detail)
+                    .await
+            }
+            Err(refusal) => Err(self.refuse(fenced, refusal, actor, Some(fence)).await),
+        }
+    }
+
+    // ----- accounts -----
+
+    /// Opens an account with an opening balance: its own balanced ledger group against the
+    /// currency's FUNDING account, plus its outbox row, in one transaction. Idempotent for the
+    /// same content. Fixture data: accounts are created out of band, without a grant.
+    pub async fn open_account(
+        &self,
+        account_id: &AccountId,
+        currency: &Currency,
+        opening_balance_minor: i64,
+    ) -> Result<Account, PaymentError> {
+        if opening_balance_minor < 0 {
+            return Err(PaymentError::invalid(
+                "opening_balance_minor",
+                InvalidReason::OpeningBalanceNegative,
+            ));
+        }
+        let mut tx = self.pool.begin().await?;
+        let inserted: Option<AccountRow> = sqlx::query_as(&format!(
+            "INSERT INTO account (id, currency, balance_minor, opening_balance_minor) VALUES ($1, $2, $3, $3) \
+             ON CONFLICT (id) DO NOTHING RETURNING {ACCOUNT_COLUMNS}"
+        ))
+        .bind(account_id.as_str())
+        .bind(currency.as_str())
+        .bind(opening_balance_minor)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(inserted) = inserted else {
+            tx.rollback().await?;
+            let existing = self.get_account(account_id).await?;
+            if existing.currency == *currency
+                && existing.opening_balance_minor == opening_balance_minor
+            {
+                return Ok(existing);
+            }
+            return Err(PaymentError::AccountExistsWithDifferentContent {
+                account_id: account_id.to_string(),
+            });
+        };
+        ensure_system_accounts(&mut tx, currency).await?;
+        if opening_balance_minor > 0 {
+            let key = outbox::account_opening_key(account_id);
+            let group = outbox::transaction_group(&key);
+            let funding = outbox::funding_account(currency);
+            insert_entry(
+                &mut tx,
+                group,
+                1,
+                account_id.as_str(),
+                currency,
+                opening_balance_minor,
+                &funding,
+                None,
+                None,
+            )
+            .await?;
+            insert_entry(
+                &mut tx,
+                group,
+                2,
+                &funding,
+                currency,
+                -opening_balance_minor,
+                account_id.as_str(),
+                None,
+                None,
+            )
+            .await?;
+            assert_group_balanced(&mut tx, group).await?;
+            let payload = outbox::account_opening_payload(
+                account_id,
+                currency,
+                opening_balance_minor,
+                group,
+                inserted.created_at,
+            );
+            insert_outbox(&mut tx, account_id.as_str(), &key, &payload).await?;
+        }
+        insert_audit(
+            &mut *tx,
+            &Audit {
+                payout_id: None,
+                account_id: Some(account_id.as_str()),
+                kind: "account_opened",
+                actor: "FIXTURE",
+                owner: Some(outbox::FIXTURE_ACTOR),
+                token: None,
+                from_state: None,
+                to_state: None,
+                event: None,
+                detail: json!({"currency": currency.as_str(), "opening_balance_minor": opening_balance_minor}),
+            },
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(account_id = %account_id, currency = %currency, opening_balance_minor, "account opened");
+        inserted.into_model()
+    }
+
+    pub async fn get_account(&self, account_id: &AccountId) -> Result<Account, PaymentError> {
+        let row: Option<AccountRow> = sqlx::query_as(&format!(
+            "SELECT {ACCOUNT_COLUMNS} FROM account WHERE id = $1"
+        ))
+        .bind(account_id.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.ok_or_else(|| PaymentError::AccountNotFound {
+            account_id: account_id.to_string(),
+        })?
+        .into_model()
+    }
+
+    // ----- payouts -----
+
+    /// Creates a PENDING payout. The same id with the same content returns the existing payout;
+    /// with different content it is refused. Nothing is written on bad input.
+    pub async fn create_payout(&self, new: &NewPayout) -> Result<Payout, PaymentError> {
+        let mut tx = self.pool.begin().await?;
+        let currency: Option<String> =
+            sqlx::query_scalar("SELECT currency FROM account WHERE id = $1")
+                .bind(new.account_id.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(currency) = currency else {
+            return Err(PaymentError::AccountNotFound {
+                account_id: new.account_id.to_string(),
+            });
+        };
+        if currency != new.currency.as_str() {
+            return Err(PaymentError::invalid(
+                "currency",
+                InvalidReason::CurrencyMismatch,
+            ));
+        }
+        let client_reference = payout_domain::ClientReference::for_payout(&new.payout_id);
+        let inserted: Option<PayoutRow> = sqlx::query_as(&format!(
+            "INSERT INTO payout (id, account_id, amount_minor, currency, beneficiary_ref, client_reference) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING RETURNING {PAYOUT_COLUMNS}"
+        ))
+        .bind(new.payout_id.as_str())
+        .bind(new.account_id.as_str())
+        .bind(new.amount_minor.get())
+        .bind(new.currency.as_str())
+        .bind(new.beneficiary_ref.as_str())
+        .bind(client_reference.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(inserted) = inserted else {
+            tx.rollback().await?;
+            let (existing, _) = self.get_payout(&new.payout_id).await?;
+            let same = existing.account_id == new.account_id
+                && existing.amount_minor == new.amount_minor.get()
+                && existing.currency == new.currency
+                && existing.beneficiary_ref == new.beneficiary_ref.as_str();
+            if same {
+                return Ok(existing);
+            }
+            return Err(PaymentError::PayoutExistsWithDifferentContent {
+                payout_id: new.payout_id.to_string(),
+            });
+        };
+        let payout = inserted.into_model()?;
+        insert_audit(
+            &mut *tx,
+            &Audit {
+                payout_id: Some(payout.payout_id.as_str()),
+                account_id: Some(payout.account_id.as_str()),
+                kind: "payout_created",
+                actor: "CREATOR",
+                owner: None,
+                token: None,
+                from_state: None,
+                to_state: Some(PayoutState::Pending.as_str()),
+                event: None,
+                detail: json!({"amount_minor": payout.amount_minor, "currency": payout.currency.as_str(),
+                               "client_reference": payout.client_reference}),
+            },
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(payout_id = %payout.payout_id, account_id = %payout.account_id, amount_minor = payout.amount_minor, "payout created");
+        Ok(payout)
+    }
+
+    pub async fn get_payout(
+        &self,
+        payout_id: &PayoutId,
+    ) -> Result<(Payout, Vec<AuditEvent>), PaymentError> {
+        let row: Option<PayoutRow> = sqlx::query_as(&format!(
+            "SELECT {PAYOUT_COLUMNS} FROM payout WHERE id = $1"
+        ))
+        .bind(payout_id.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        let payout = row
+            .ok_or_else(|| PaymentError::PayoutNotFound {
+                payout_id: payout_id.to_string(),
+            })?
+            .into_model()?;
+        let history: Vec<AuditRow> = sqlx::query_as(&format!(
+            "SELECT {AUDIT_COLUMNS} FROM audit_event WHERE payout_id = $1 ORDER BY id LIMIT $2"
+        ))
+        .bind(payout_id.as_str())
+        .bind(HISTORY_EVENTS_MAX)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok((
+            payout,
+            history.into_iter().map(AuditRow::into_model).collect(),
+        ))
+    }
+
+    /// PENDING -> CLAIMED (funds sufficient) or FAILED (insufficient, with the reason: an answer,
+    /// not an error); CLAIMED -> CLAIMED, a re-claim by a later holder replacing the claimer.
+    pub async fn claim(&self, payout_id: &PayoutId, fence: &Fence) -> Result<Payout, PaymentError> {
+        let fenced = self.begin_fenced(payout_id, fence, "claim").await?;
+        let payout = &fenced.payout;
+        let insufficient =
+            payout.state == PayoutState::Pending && fenced.balance_minor < payout.amount_minor;
+        let detail = json!({"balance_minor": fenced.balance_minor, "amount_minor": payout.amount_minor,
+                            "previous_claimer": payout.claimed_by});
+        let (event, changes) = if insufficient {
+            let reason = format!(
+                "INSUFFICIENT_FUNDS: balance_minor {} < amount_minor {}",
+                fenced.balance_minor, payout.amount_minor
+            );
+            (
+                PayoutEvent::FundsInsufficient,
+                Changes {
+                    failure_reason: Some(reason),
+                    ..Changes::default()
+                },
+            )
+        } else {
+            (
+                PayoutEvent::Claim,
+                Changes {
+                    claimed_by: Some(fence.owner().to_string()),
+                    claimed_now: true,
+                    ..Changes::default()
+                },
+            )
+        };
+        self.transition(fenced, event, Actor::Holder, fence, changes, detail)
+            .await
+    }
+
+    /// CLAIMED -> RAIL_SUBMITTED: the proxy recorded the submission intent.
+    pub async fn mark_submitted(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+    ) -> Result<Payout, PaymentError> {
+        let fenced = self
+            .begin_fenced(payout_id, fence, "mark_submitted")
+            .await?;
+        let changes = Changes {
+            submitted_now: true,
+            ..Changes::default()
+        };
+        self.transition(
+            fenced,
+            PayoutEvent::SubmissionAccepted,
+            Actor::Holder,
+            fence,
+            changes,
+            json!({}),
+        )
+        .await
+    }
+
+    /// RAIL_SUBMITTED -> RAIL_ACKED (acked), FAILED (declined) or RAIL_AMBIGUOUS (timeout, or no
+    /// recorded outcome). Ambiguity is reached, never skipped.
+    pub async fn record_outcome(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        outcome: &RailOutcome,
+        detail_text: &str,
+    ) -> Result<Payout, PaymentError> {
+        let fenced = self
+            .begin_fenced(payout_id, fence, "record_outcome")
+            .await?;
+        let (event, changes, name) = match outcome {
+            RailOutcome::Acked { rail_ref } => (
+                PayoutEvent::RailAcked,
+                Changes {
+                    rail_ref: Some(rail_ref.clone()),
+                    rail_outcome: Some("ACKED"),
+                    ..Changes::default()
+                },
+                "ACKED",
+            ),
+            RailOutcome::Declined { decline_code } => (
+                PayoutEvent::RailDeclined,
+                Changes {
+                    failure_reason: Some(format!("RAIL_DECLINED: {decline_code}")),
+                    rail_outcome: Some("DECLINED"),
+                    ..Changes::default()
+                },
+                "DECLINED",
+            ),
+            RailOutcome::Timeout => (
+                PayoutEvent::RailTimeout,
+                Changes {
+                    rail_outcome: Some("TIMEOUT"),
+                    ..Changes::default()
+                },
+                "TIMEOUT",
+            ),
+            RailOutcome::OutcomeMissing => (
+                PayoutEvent::OutcomeMissing,
+                Changes {
+                    rail_outcome: Some("OUTCOME_MISSING"),
+                    ..Changes::default()
+                },
+                "OUTCOME_MISSING",
+            ),
+        };
+        let detail = json!({"outcome": name, "rail_ref": changes.rail_ref, "failure_reason": changes.failure_reason,
+                            "detail": detail_text});
+        self.transition(fenced, event, Actor::Holder, fence, changes, detail)
+            .await
+    }
+
+    /// RAIL_AMBIGUOUS -> RAIL_ACKED (the rail has the movement) or FAILED (definitively absent).
+    /// Actor: resolver. Evidence and its source are recorded.
+    pub async fn resolve_ambiguity(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        evidence: &Evidence,
+        evidence_source: &str,
+    ) -> Result<Payout, PaymentError> {
+        let fenced = self
+            .begin_fenced(payout_id, fence, "resolve_ambiguity")
+            .await?;
+        let (event, changes, name) = match evidence {
+            Evidence::Found { rail_ref } => (
+                PayoutEvent::EvidenceFound,
+                Changes {
+                    rail_ref: Some(rail_ref.clone()),
+                    rail_outcome: Some("EVIDENCE_FOUND"),
+                    ..Changes::default()
+                },
+                "FOUND",
+            ),
+            Evidence::Absent => (
+                PayoutEvent::EvidenceAbsent,
+                Changes {
+                    failure_reason: Some(format!("RAIL_ABSENT: evidence from {evidence_source}")),
+                    rail_outcome: Some("EVIDENCE_ABSENT"),
+                    ..Changes::default()
+                },
+                "ABSENT",
+            ),
+        };
+        let detail = json!({"evidence": name, "evidence_source": evidence_source, "rail_ref": changes.rail_ref});
+        self.transition(fenced, event, Actor::Resolver, fence, changes, detail)
+            .await
+    }
+
+    /// PENDING -> ABANDONED, or RAIL_AMBIGUOUS -> ABANDONED when the caller asserts that the
+    /// resolution SLA has passed. Actor: operator, under a grant like every mutation (INV-07).
+    pub async fn abandon(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        request: &AbandonRequest,
+    ) -> Result<Payout, PaymentError> {
+        let fenced = self.begin_fenced(payout_id, fence, "abandon").await?;
+        let from = fenced.payout.state;
+        let to = match from.apply(PayoutEvent::OperatorAbandon, Actor::Operator) {
+            Ok(to) => to,
+            Err(refusal) => {
+                return Err(self
+                    .refuse(fenced, refusal, Actor::Operator, Some(fence))
+                    .await)
+            }
+        };
+        let detail = json!({"operator": request.operator, "reason": request.reason,
+                            "resolution_sla_passed": request.resolution_sla_passed, "sla_check": request.sla_check});
+        if from == PayoutState::RailAmbiguous && !request.resolution_sla_passed {
+            let payout = fenced.payout.clone();
+            fenced.tx.rollback().await?;
+            tracing::warn!(payout_id = %payout.payout_id, operator = request.operator, "abandon refused: resolution SLA not passed");
+            insert_audit(
+                &self.pool,
+                &Audit {
+                    payout_id: Some(payout.payout_id.as_str()),
+                    account_id: Some(payout.account_id.as_str()),
+                    kind: "resolution_sla_not_passed",
+                    actor: Actor::Operator.as_str(),
+                    owner: Some(fence.owner()),
+                    token: Some(fence.token().as_i64()),
+                    from_state: Some(from.as_str()),
+                    to_state: None,
+                    event: Some(PayoutEvent::OperatorAbandon.as_str()),
+                    detail,
+                },
+            )
+            .await?;
+            return Err(PaymentError::ResolutionSlaNotPassed {
+                payout_id: payout_id.to_string(),
+            });
+        }
+        let changes = Changes {
+            failure_reason: Some(format!(
+                "ABANDONED by {}: {}",
+                request.operator, request.reason
+            )),
+            ..Changes::default()
+        };
+        self.commit_transition(
+            fenced,
+            PayoutEvent::OperatorAbandon,
+            Actor::Operator,
+            fence,
+            to,
+            changes,
+            detail,
+        )
+        .await
+    }
+
+    /// RAIL_ACKED -> POSTED in one transaction: two ledger rows summing to zero (customer debit,
+    /// payout-clearing credit, one group, the token stamped), the balance, the payout, one outbox
+    /// row. On a POSTED payout it answers as the first posting did and changes nothing.
+    pub async fn post(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+    ) -> Result<PostOutcome, PaymentError> {
+        let mut fenced = self.begin_fenced(payout_id, fence, "post").await?;
+        if fenced.payout.state == PayoutState::Posted {
+            let payout = fenced.payout.clone();
+            fenced.tx.rollback().await?;
+            return self.posted_answer(payout).await;
+        }
+        let to = match fenced
+            .payout
+            .state
+            .apply(PayoutEvent::Posted, Actor::Holder)
+        {
+            Ok(to) => to,
+            Err(refusal) => {
+                return Err(self
+                    .refuse(fenced, refusal, Actor::Holder, Some(fence))
+                    .await)
+            }
+        };
+        let payout = fenced.payout.clone();
+        let key = outbox::payout_posting_key(&payout.payout_id);
+        let group = outbox::transaction_group(&key);
+        let clearing = outbox::payout_clearing_account(&payout.currency);
+        let token = Some(fence.token().as_i64());
+        let tx = &mut fenced.tx;
+        ensure_system_accounts(tx, &payout.currency).await?;
+        let mut entries = Vec::with_capacity(2);
+        entries.push(
+            insert_entry(
+                tx,
+                group,
+                1,
+                payout.account_id.as_str(),
+                &payout.currency,
+                -payout.amount_minor,
+                &clearing,
+                Some(payout.payout_id.as_str()),
+                token,
+            )
+            .await?,
+        );
+        entries.push(
+            insert_entry(
+                tx,
+                group,
+                2,
+                &clearing,
+                &payout.currency,
+                payout.amount_minor,
+                payout.account_id.as_str(),
+                Some(payout.payout_id.as_str()),
+                token,
+            )
+            .await?,
+        );
+        let balance_minor: i64 = sqlx::query_scalar(
+            "UPDATE account SET balance_minor = balance_minor - $2, version = version + 1, updated_at = now() \
+             WHERE id = $1 RETURNING balance_minor",
+        )
+        .bind(payout.account_id.as_str())
+        .bind(payout.amount_minor)
+        .fetch_one(&mut **tx)
+        .await?;
+        // INV-03, stated where it is written (the database asserts it again at commit).
+        assert_group_balanced(tx, group).await?;
+        let entries_sum_minor: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(amount_minor), 0)::bigint FROM ledger_entry WHERE account_id = $1",
+        )
+        .bind(payout.account_id.as_str())
+        .fetch_one(&mut **tx)
+        .await?;
+        if entries_sum_minor != balance_minor {
+            tracing::error!(payout_id = %payout.payout_id, balance_minor, entries_sum_minor, "INV-03 broken: balance differs from entries");
+            return Err(PaymentError::InvariantBroken(format!(
+                "account {} balance {balance_minor} differs from the sum of its entries {entries_sum_minor}",
+                payout.account_id
+            )));
+        }
+        let payload = outbox::payout_posting_payload(&outbox::PayoutPosting {
+            payout_id: &payout.payout_id,
+            account_id: &payout.account_id,
+            beneficiary_ref: &payout.beneficiary_ref,
+            currency: &payout.currency,
+            amount_minor: payout.amount_minor,
+            owner: fence.owner(),
+            token: fence.token(),
+            transaction_group: group,
+            occurred_at: fenced.now,
+        });
+        insert_outbox(tx, payout.account_id.as_str(), &key, &payload).await?;
+        let changes = Changes {
+            settled_now: true,
+            transaction_group: Some(group),
+            ..Changes::default()
+        };
+        let detail = json!({"transaction_group": group.to_string(), "outbox_idempotency_key": key,
+                            "balance_minor": balance_minor});
+        let posted = self
+            .commit_transition(
+                fenced,
+                PayoutEvent::Posted,
+                Actor::Holder,
+                fence,
+                to,
+                changes,
+                detail,
+            )
+            .await?;
+        Ok(PostOutcome {
+            payout: posted,
+            transaction_group: group,
+            entries,
+            outbox_idempotency_key: key,
+            already_posted: false,
+        })
+    }
+
+    async fn posted_answer(&self, payout: Payout) -> Result<PostOutcome, PaymentError> {
+        let group = payout.transaction_group.ok_or_else(|| {
+            PaymentError::InvariantBroken(format!(
+                "POSTED payout {} has no transaction group",
+                payout.payout_id
+            ))
+        })?;
+        let rows: Vec<EntryRow> = sqlx::query_as(&format!(
+            "SELECT {ENTRY_COLUMNS} FROM ledger_entry WHERE transaction_group = $1 ORDER BY line_number"
+        ))
+        .bind(group)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(PostOutcome {
+            outbox_idempotency_key: outbox::payout_posting_key(&payout.payout_id),
+            payout,
+            transaction_group: group,
+            entries: rows.into_iter().map(LedgerEntry::from).collect(),
+            already_posted: true,
+        })
+    }
+
+    /// Appends an operator's signal (accepted or refused) to the payout's audit trail, so that a
+    /// decision is on record before it is acted on.
+    pub async fn record_operator_decision(
+        &self,
+        decision: &OperatorDecision,
+    ) -> Result<AuditEvent, PaymentError> {
+        let account_id: Option<String> =
+            sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
+                .bind(decision.payout_id.as_str())
+                .fetch_optional(&self.pool)
+                .await?;
+        let Some(account_id) = account_id else {
+            return Err(PaymentError::PayoutNotFound {
+                payout_id: decision.payout_id.to_string(),
+            });
+        };
+        let event = insert_audit(
+            &self.pool,
+            &Audit {
+                payout_id: Some(decision.payout_id.as_str()),
+                account_id: Some(&account_id),
+                kind: "operator_decision",
+                actor: Actor::Operator.as_str(),
+                owner: Some(&decision.operator),
+                token: decision.token.map(|t| t.as_i64()),
+                from_state: None,
+                to_state: None,
+                event: None,
+                detail: json!({"decision": decision.decision, "reason": decision.reason, "accepted": decision.accepted,
+                               "note": decision.note}),
+            },
+        )
+        .await?;
+        tracing::info!(payout_id = %decision.payout_id, operator = decision.operator, decision = decision.decision,
+            accepted = decision.accepted, "operator decision recorded");
+        Ok(event)
+    }
+
+    /// INV-03 over everything: each group sums to zero per currency, each customer balance equals
+    /// the sum of its entries. What the reconciler calls.
+    pub async fn check_ledger(&self) -> Result<LedgerCheck, PaymentError> {
+        let mut tx = self.pool.begin().await?;
+        // One snapshot for all the queries, so that a posting committing meanwhile is either
+        // entirely in or entirely out.
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .execute(&mut *tx)
+            .await?;
+        let groups_checked: i64 =
+            sqlx::query_scalar("SELECT count(DISTINCT transaction_group) FROM ledger_entry")
+                .fetch_one(&mut *tx)
+                .await?;
+        let accounts_checked: i64 = sqlx::query_scalar("SELECT count(*) FROM account")
+            .fetch_one(&mut *tx)
+            .await?;
+        let unbalanced: Vec<(Uuid, String, i64)> = sqlx::query_as(
+            "SELECT transaction_group, currency, sum(amount_minor)::bigint FROM ledger_entry \
+             GROUP BY transaction_group, currency HAVING sum(amount_minor) <> 0 LIMIT $1",
+        )
+        .bind(LEDGER_VIOLATIONS_MAX)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mismatched: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT a.id, a.balance_minor, coalesce(s.total, 0)::bigint FROM account a \
+             LEFT JOIN (SELECT account_id, sum(amount_minor) AS total FROM ledger_entry GROUP BY account_id) s \
+               ON s.account_id = a.id \
+             WHERE a.balance_minor <> coalesce(s.total, 0) LIMIT $1",
+        )
+        .bind(LEDGER_VIOLATIONS_MAX)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let mut violations: Vec<LedgerViolation> = unbalanced
+            .into_iter()
+            .map(
+                |(transaction_group, currency, sum_minor)| LedgerViolation::GroupUnbalanced {
+                    transaction_group,
+                    currency,
+                    sum_minor,
+                },
+            )
+            .collect();
+        violations.extend(mismatched.into_iter().map(
+            |(account_id, balance_minor, entries_sum_minor)| LedgerViolation::BalanceMismatch {
+                account_id,
+                balance_minor,
+                entries_sum_minor,
+            },
+        ));
+        if !violations.is_empty() {
+            tracing::error!(
+                count = violations.len(),
+                "INV-03 violations found in the ledger"
+            );
+        }
+        Ok(LedgerCheck {
+            groups_checked,
+            accounts_checked,
+            violations,
+        })
+    }
+}
+
+fn unreachable_account() -> AccountId {
+    // account ids in paydb satisfy the same CHECK as AccountId::parse; this is never reached.
+    AccountId::parse("invalid-stored-account").expect("a valid literal")
+}
+
+async fn ensure_system_accounts(
+    tx: &mut Transaction<'static, Postgres>,
+    currency: &Currency,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO system_account (id, class, currency) VALUES ($1, 'PAYOUT_CLEARING', $3), ($2, 'FUNDING', $3) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(outbox::payout_clearing_account(currency))
+    .bind(outbox::funding_account(currency))
+    .bind(currency.as_str())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn insert_entry(
+    tx: &mut Transaction<'static, Postgres>,
+    group: Uuid,
+    line_number: i16,
+    account_id: &str,
+    currency: &Currency,
+    amount_minor: i64,
+    counterparty: &str,
+    payout_id: Option<&str>,
+    token: Option<i64>,
+) -> Result<LedgerEntry, sqlx::Error> {
+    let row: EntryRow = sqlx::query_as(&format!(
+        "INSERT INTO ledger_entry (transaction_group, line_number, account_id, currency, amount_minor, counterparty, \
+         payout_id, token) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {ENTRY_COLUMNS}"
+    ))
+    .bind(group)
+    .bind(line_number)
+    .bind(account_id)
+    .bind(currency.as_str())
+    .bind(amount_minor)
+    .bind(counterparty)
+    .bind(payout_id)
+    .bind(token)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(row.into())
+}
+
+async fn assert_group_balanced(
+    tx: &mut Transaction<'static, Postgres>,
+    group: Uuid,
+) -> Result<(), PaymentError> {
+    let sum_minor: i64 =
+        sqlx::query_scalar("SELECT coalesce(sum(amount_minor), 0)::bigint FROM ledger_entry WHERE transaction_group = $1")
+            .bind(group)
+            .fetch_one(&mut **tx)
+            .await?;
+    if sum_minor != 0 {
+        tracing::error!(%group, sum_minor, "INV-03 broken: ledger group does not sum to zero");
+        return Err(PaymentError::InvariantBroken(format!(
+            "ledger group {group} sums to {sum_minor}"
+        )));
+    }
+    Ok(())
+}
+
+async fn insert_outbox(
+    tx: &mut Transaction<'static, Postgres>,
+    account_id: &str,
+    key: &str,
+    payload: &Value,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO ledger_outbox (account_id, idempotency_key, payload) VALUES ($1, $2, $3::jsonb)")
+        .bind(account_id)
+        .bind(key)
+        .bind(payload.to_string())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,275 @@
+//! The process boundary: proto messages to and from the proxy's domain, in this one place.
+
+use payout_domain::{
+    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
+};
+use payout_proto::railproxy as pb;
+
+use crate::model::{
+    Evidence, InvalidArgument, Outcome, Resolution, Submission, SubmitPayout, OWNER_LENGTH_MAX,
+};
+
+/// Parses a submit request. Every check is specific; the first failing field is reported.
+pub fn parse_submit(request: &pb::SubmitRequest) -> Result<SubmitPayout, InvalidArgument> {
+    let payout_id = PayoutId::parse(request.payout_id.as_str())
+        .map_err(|e| InvalidArgument::new("payout_id", e))?;
+    let account_id = AccountId::parse(request.account_id.as_str())
+        .map_err(|e| InvalidArgument::new("account_id", e))?;
+    let token = FencingToken::new(request.token).map_err(|e| InvalidArgument::new("token", e))?;
+    if request.owner.is_empty() {
+        return Err(InvalidArgument::new("owner", "owner is empty"));
+    }
+    if request.owner.len() > OWNER_LENGTH_MAX {
+        return Err(InvalidArgument::new(
+            "owner",
+            format!("owner is longer than {OWNER_LENGTH_MAX} bytes"),
+        ));
+    }
+    if request.client_reference.is_empty() {
+        return Err(InvalidArgument::new(
+            "client_reference",
+            "client reference is empty",
+        ));
+    }
+    let derived = ClientReference::for_payout(&payout_id);
+    if request.client_reference != derived.as_str() {
+        return Err(InvalidArgument::new(
+            "client_reference",
+            format!(
+                "must be {derived}, derived from the payout id (it is never chosen by the caller)"
+            ),
+        ));
+    }
+    let amount_minor = AmountMinor::new(request.amount_minor)
+        .map_err(|e| InvalidArgument::new("amount_minor", e))?;
+    let currency =
+        Currency::parse(&request.currency).map_err(|e| InvalidArgument::new("currency", e))?;
+    let beneficiary_ref = BeneficiaryRef::parse(request.beneficiary_ref.as_str())
+        .map_err(|e| InvalidArgument::new("beneficiary_ref", e))?;
+    Ok(SubmitPayout {
+        payout_id,
+        account_id,
+        token,
+        owner: request.owner.clone(),
+        client_reference: derived,
+        amount_minor,
+        currency,
+        beneficiary_ref,
+    })
+}
+
+pub fn submit_request(request: &SubmitPayout) -> pb::SubmitRequest {
+    pb::SubmitRequest {
+        payout_id: request.payout_id.to_string(),
+        account_id: request.account_id.to_string(),
+        token: request.token.get(),
+        owner: request.owner.clone(),
+        client_reference: request.client_reference.to_string(),
+        amount_minor: request.amount_minor.get(),
+        currency: request.currency.to_string(),
+        beneficiary_ref: request.beneficiary_ref.to_string(),
+    }
+}
+
+pub fn outcome_to_proto(outcome: &Outcome) -> pb::Outcome {
+    match outcome {
+        Outcome::Pending => pb::Outcome::Pending,
+        Outcome::Acked { .. } => pb::Outcome::Acked,
+        Outcome::Rejected { .. } => pb::Outcome::Rejected,
+        Outcome::Timeout { .. } => pb::Outcome::Timeout,
+    }
+}
+
+pub fn submission_to_proto(s: &Submission) -> pb::Submission {
+    let (rail_ref, decline_code, failure_detail) = match &s.outcome {
+        Outcome::Pending => (String::new(), String::new(), String::new()),
+        Outcome::Acked { rail_ref } => (rail_ref.clone(), String::new(), String::new()),
+        Outcome::Rejected { decline_code } => (String::new(), decline_code.clone(), String::new()),
+        Outcome::Timeout { detail } => (String::new(), String::new(), detail.clone()),
+    };
+    pb::Submission {
+        payout_id: s.payout_id.to_string(),
+        account_id: s.account_id.to_string(),
+        token: s.token.get(),
+        owner: s.owner.clone(),
+        client_reference: s.client_reference.to_string(),
+        amount_minor: s.amount_minor.get(),
+        currency: s.currency.to_string(),
+        beneficiary_ref: s.beneficiary_ref.to_string(),
+        outcome: outcome_to_proto(&s.outcome) as i32,
+        ambiguous: s.outcome.is_ambiguous(),
+        rail_ref,
+        decline_code,
+        failure_detail,
+        created_at_unix_ms: s.created_at_unix_ms,
+        resolved_at_unix_ms: s.resolved_at_unix_ms.unwrap_or(0),
+    }
+}
+
+/// A malformed message from the server: a bug on one side of the boundary.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed {what} from the rail proxy: {detail}")]
+pub struct Malformed {
+    pub what: &'static str,
+    pub detail: String,
+}
+
+fn malformed(what: &'static str, detail: impl std::fmt::Display) -> Malformed {
+    Malformed {
+        what,
+        detail: detail.to_string(),
+    }
+}
+
+pub fn submission_from_proto(s: &pb::Submission) -> Result<Submission, Malformed> {
+    let what = "submission";
+    let outcome = match pb::Outcome::try_from(s.outcome).map_err(|e| malformed(what, e))? {
+        pb::Outcome::Pending => Outcome::Pending,
+        pb::Outcome::Acked => Outcome::Acked {
+            rail_ref: s.rail_ref.clone(),
+        },
+        pb::Outcome::Rejected => Outcome::Rejected {
+            decline_code: s.decline_code.clone(),
+        },
+        pb::Outcome::Timeout => Outcome::Timeout {
+            detail: s.failure_detail.clone(),
+        },
+        pb::Outcome::Unspecified => return Err(malformed(what, "outcome unspecified")),
+    };
+    if s.ambiguous != outcome.is_ambiguous() {
+        return Err(malformed(what, "ambiguous flag disagrees with the outcome"));
+    }
+    Ok(Submission {
+        payout_id: PayoutId::parse(s.payout_id.as_str()).map_err(|e| malformed(what, e))?,
+        account_id: AccountId::parse(s.account_id.as_str()).map_err(|e| malformed(what, e))?,
+        token: FencingToken::new(s.token).map_err(|e| malformed(what, e))?,
+        owner: s.owner.clone(),
+        client_reference: ClientReference::parse(&s.client_reference)
+            .map_err(|e| malformed(what, e))?,
+        amount_minor: AmountMinor::new(s.amount_minor).map_err(|e| malformed(what, e))?,
+        currency: Currency::parse(&s.currency).map_err(|e| malformed(what, e))?,
+        beneficiary_ref: BeneficiaryRef::parse(s.beneficiary_ref.as_str())
+            .map_err(|e| malformed(what, e))?,
+        outcome,
+        created_at_unix_ms: s.created_at_unix_ms,
+        resolved_at_unix_ms: (s.resolved_at_unix_ms != 0).then_some(s.resolved_at_unix_ms),
+    })
+}
+
+pub fn resolution_to_proto(r: &Resolution) -> pb::Resolution {
+    let (evidence, rail_refs, detail) = match &r.evidence {
+        Evidence::Found { rail_refs } => (pb::Evidence::Found, rail_refs.clone(), String::new()),
+        Evidence::Absent => (pb::Evidence::Absent, vec![], String::new()),
+        Evidence::Unknown { detail } => (pb::Evidence::Unknown, vec![], detail.clone()),
+    };
+    pb::Resolution {
+        payout_id: r.payout_id.to_string(),
+        asked_by: r.asked_by.clone(),
+        asked_at_unix_ms: r.asked_at_unix_ms,
+        evidence: evidence as i32,
+        rail_refs,
+        detail,
+    }
+}
+
+pub fn resolution_from_proto(r: &pb::Resolution) -> Result<Resolution, Malformed> {
+    let what = "resolution";
+    let evidence = match pb::Evidence::try_from(r.evidence).map_err(|e| malformed(what, e))? {
+        pb::Evidence::Found => Evidence::Found {
+            rail_refs: r.rail_refs.clone(),
+        },
+        pb::Evidence::Absent => Evidence::Absent,
+        pb::Evidence::Unknown => Evidence::Unknown {
+            detail: r.detail.clone(),
+        },
+        pb::Evidence::Unspecified => return Err(malformed(what, "evidence unspecified")),
+    };
+    Ok(Resolution {
+        payout_id: PayoutId::parse(r.payout_id.as_str()).map_err(|e| malformed(what, e))?,
+        asked_by: r.asked_by.clone(),
+        asked_at_unix_ms: r.asked_at_unix_ms,
+        evidence,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn good() -> pb::SubmitRequest {
+        pb::SubmitRequest {
+            payout_id: "p-1".into(),
+            account_id: "a-1".into(),
+            token: 5,
+            owner: "worker-1".into(),
+            client_reference: "cref-p-1".into(),
+            amount_minor: 100,
+            currency: "EUR".into(),
+            beneficiary_ref: "ben-1".into(),
+        }
+    }
+
+    type Mutation = Box<dyn Fn(&mut pb::SubmitRequest)>;
+
+    #[test]
+    fn bad_inputs_name_their_field() {
+        let cases: Vec<(&str, Mutation)> = vec![
+            ("payout_id", Box::new(|r| r.payout_id.clear())),
+            ("account_id", Box::new(|r| r.account_id.clear())),
+            ("token", Box::new(|r| r.token = 0)),
+            ("owner", Box::new(|r| r.owner.clear())),
+            ("client_reference", Box::new(|r| r.client_reference.clear())),
+            (
+                "client_reference",
+                Box::new(|r| r.client_reference = "cref-p-2".into()),
+            ),
+            ("amount_minor", Box::new(|r| r.amount_minor = 0)),
+            ("amount_minor", Box::new(|r| r.amount_minor = -1)),
+            ("currency", Box::new(|r| r.currency = "XXX".into())),
+            ("currency", Box::new(|r| r.currency = "eur".into())),
+            ("beneficiary_ref", Box::new(|r| r.beneficiary_ref.clear())),
+        ];
+        for (field, mutate) in cases {
+            let mut request = good();
+            mutate(&mut request);
+            assert_eq!(
+                parse_submit(&request).unwrap_err().field,
+                field,
+                "{request:?}"
+            );
+        }
+        assert!(parse_submit(&good()).is_ok());
+    }
+
+    #[test]
+    fn submissions_round_trip() {
+        let request = parse_submit(&good()).unwrap();
+        for outcome in [
+            Outcome::Pending,
+            Outcome::Acked {
+                rail_ref: "rr-1".into(),
+            },
+            Outcome::Rejected {
+                decline_code: "NO".into(),
+            },
+            Outcome::Timeout {
+                detail: "timed out".into(),
+            },
+        ] {
+            let s = Submission {
+                payout_id: request.payout_id.clone(),
+                account_id: request.account_id.clone(),
+                token: request.token,
+                owner: request.owner.clone(),
+                client_reference: request.client_reference.clone(),
+                amount_minor: request.amount_minor,
+                currency: request.currency.clone(),
+                beneficiary_ref: request.beneficiary_ref.clone(),
+                outcome,
+                created_at_unix_ms: 1,
+                resolved_at_unix_ms: Some(2),
+            };
+            assert_eq!(submission_from_proto(&submission_to_proto(&s)).unwrap(), s);
+        }
+    }
+}

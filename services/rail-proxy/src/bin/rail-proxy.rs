@@ -1,0 +1,67 @@
+//! The rail proxy's binary: configuration, migrations, the gRPC server, `/metrics`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use rail_proxy::{Failpoint, ProxyConfig};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum FailpointArg {
+    AbortAfterIntent,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rail-proxy",
+    about = "The second guard: fenced, at-most-once submissions to the rail"
+)]
+struct Args {
+    #[arg(long, env = "RAIL_PROXY_LISTEN", default_value = "127.0.0.1:50053")]
+    listen: SocketAddr,
+    #[arg(
+        long,
+        env = "RAIL_PROXY_METRICS_LISTEN",
+        default_value = "127.0.0.1:9093"
+    )]
+    metrics_listen: SocketAddr,
+    /// proxydb: a database in a different PostgreSQL server from paydb.
+    #[arg(long, env = "RAIL_PROXY_DATABASE_URL")]
+    database_url: String,
+    #[arg(long, env = "RAIL_PROXY_RAIL_URL")]
+    rail_url: String,
+    #[arg(long, env = "RAIL_PROXY_RAIL_TIMEOUT_MS", default_value_t = rail_proxy::RAIL_CALL_TIMEOUT_MS_DEFAULT)]
+    rail_timeout_ms: u64,
+    /// TEST ONLY, deliberately without an environment variable: crash at a named point.
+    #[arg(long, hide = true)]
+    test_failpoint: Option<FailpointArg>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    service_kit::init_tracing("rail-proxy");
+    let args = Args::parse();
+    let failpoint = args.test_failpoint.map(|f| match f {
+        FailpointArg::AbortAfterIntent => Failpoint::AbortAfterIntent,
+    });
+    let config = ProxyConfig::new(args.rail_url)
+        .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms))
+        .with_failpoint(failpoint);
+    let pool = service_kit::connect_pg(&args.database_url).await?;
+    rail_proxy::migrate(&pool)
+        .await
+        .context("applying proxydb migrations")?;
+    let shutdown = service_kit::Shutdown::on_signal();
+    let metrics = service_kit::Metrics::default();
+    let metrics_listener = service_kit::bind(args.metrics_listen).await?;
+    tokio::spawn(service_kit::serve_metrics(
+        metrics_listener,
+        metrics.clone(),
+        shutdown.clone().wait(),
+    ));
+    let listener = service_kit::bind(args.listen).await?;
+    rail_proxy::run(listener, pool, config, metrics, shutdown)
+        .await
+        .context("rail proxy")
+}

@@ -1,0 +1,154 @@
+//! The proxy's domain: a validated submit request, the submission record and its outcome, and
+//! the rail's evidence. Used on both sides of the gRPC boundary (the server and the client).
+
+use payout_domain::{
+    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
+};
+
+/// Longest holder identity accepted; it is diagnostics, and bounded like every other input.
+pub const OWNER_LENGTH_MAX: usize = 256;
+
+/// A submit request, valid by construction. The client reference is derived, never passed in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmitPayout {
+    pub payout_id: PayoutId,
+    pub account_id: AccountId,
+    pub token: FencingToken,
+    pub owner: String,
+    pub client_reference: ClientReference,
+    pub amount_minor: AmountMinor,
+    pub currency: Currency,
+    pub beneficiary_ref: BeneficiaryRef,
+}
+
+impl SubmitPayout {
+    pub fn new(
+        payout_id: PayoutId,
+        account_id: AccountId,
+        token: FencingToken,
+        owner: impl Into<String>,
+        amount_minor: AmountMinor,
+        currency: Currency,
+        beneficiary_ref: BeneficiaryRef,
+    ) -> Self {
+        let client_reference = ClientReference::for_payout(&payout_id);
+        Self {
+            payout_id,
+            account_id,
+            token,
+            owner: owner.into(),
+            client_reference,
+            amount_minor,
+            currency,
+            beneficiary_ref,
+        }
+    }
+
+    /// The lock key whose token sequence this request's token belongs to.
+    pub fn lock_key(&self) -> String {
+        payout_domain::lock_key(&self.account_id)
+    }
+}
+
+/// What the proxy recorded about the rail call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Intent recorded, no outcome: the proxy died between the intent and the rail's answer.
+    /// May have moved money.
+    Pending,
+    /// The rail accepted. Money has left.
+    Acked { rail_ref: String },
+    /// The rail declined. No money moved.
+    Rejected { decline_code: String },
+    /// Timeout, connection failure, reset or 5xx. May have moved money. Never retried.
+    Timeout { detail: String },
+}
+
+impl Outcome {
+    /// "We may have moved money": the ambiguous outcomes, which are never failures and are
+    /// resolved only by external evidence.
+    pub fn is_ambiguous(&self) -> bool {
+        matches!(self, Self::Pending | Self::Timeout { .. })
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Pending => "PENDING",
+            Self::Acked { .. } => "ACKED",
+            Self::Rejected { .. } => "REJECTED",
+            Self::Timeout { .. } => "TIMEOUT",
+        }
+    }
+}
+
+/// The durable record of one submission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submission {
+    pub payout_id: PayoutId,
+    pub account_id: AccountId,
+    pub token: FencingToken,
+    pub owner: String,
+    pub client_reference: ClientReference,
+    pub amount_minor: AmountMinor,
+    pub currency: Currency,
+    pub beneficiary_ref: BeneficiaryRef,
+    pub outcome: Outcome,
+    pub created_at_unix_ms: i64,
+    pub resolved_at_unix_ms: Option<i64>,
+}
+
+impl Submission {
+    /// Whether `request` carries the same payment as this record (a retry rather than a conflict).
+    pub fn same_payload(&self, request: &SubmitPayout) -> bool {
+        self.account_id == request.account_id
+            && self.amount_minor == request.amount_minor
+            && self.currency == request.currency
+            && self.beneficiary_ref == request.beneficiary_ref
+    }
+}
+
+/// What the rail said when asked by client reference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Evidence {
+    /// Settled movement(s) exist; more than one reference is a duplicate payment.
+    Found { rail_refs: Vec<String> },
+    /// Authoritatively nothing (the rail's settlement window has passed).
+    Absent,
+    /// The rail cannot say yet, or could not be asked (`detail` says which).
+    Unknown { detail: String },
+}
+
+impl Evidence {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Found { .. } => "FOUND",
+            Self::Absent => "ABSENT",
+            Self::Unknown { .. } => "UNKNOWN",
+        }
+    }
+}
+
+/// One inquiry's evidence, kept beside the submission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolution {
+    pub payout_id: PayoutId,
+    pub asked_by: String,
+    pub asked_at_unix_ms: i64,
+    pub evidence: Evidence,
+}
+
+/// A rejected field of a submit request: which field, and why. Nothing was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {reason}")]
+pub struct InvalidArgument {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+impl InvalidArgument {
+    pub fn new(field: &'static str, reason: impl std::fmt::Display) -> Self {
+        Self {
+            field,
+            reason: reason.to_string(),
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! The proxy's client of the rail's HTTP/JSON API. It sends a payment **once**: no retry layer,
+//! no pooled connection that the HTTP stack could transparently resend on, an explicit timeout.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Evidence, SubmitPayout};
+
+/// How long one payment call may take before its outcome is recorded as TIMEOUT. Long enough for
+/// a slow rail's normal tail (seconds), short enough that a worker's activity timeout (which
+/// must exceed it) stays small. Deployments may lower it, never disable it.
+pub const RAIL_CALL_TIMEOUT_MS_DEFAULT: u64 = 5_000;
+/// Upper bound of the configurable timeout: beyond it a hung rail would hold worker slots.
+pub const RAIL_CALL_TIMEOUT_MS_MAX: u64 = 60_000;
+/// Bound of one lookup by client reference (an inquiry; safe to repeat, unlike a payment).
+pub const RAIL_LOOKUP_TIMEOUT_MS: u64 = 10_000;
+/// Connecting is part of the call; a rail that cannot be reached in this long is reported as
+/// ambiguous like any other transport failure.
+pub const RAIL_CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// Longest part of a rail's error body kept in `failure_detail`.
+const DETAIL_BYTES_MAX: usize = 512;
+
+/// What one payment call produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RailAnswer {
+    Acked {
+        rail_ref: String,
+    },
+    Rejected {
+        decline_code: String,
+    },
+    /// Anything that is not a clear accept or a clear decline: may have moved money.
+    Ambiguous {
+        detail: String,
+    },
+}
+
+#[derive(Serialize)]
+struct PaymentOrder<'a> {
+    client_reference: &'a str,
+    amount_minor: i64,
+    currency: &'a str,
+    beneficiary_ref: &'a str,
+}
+
+#[derive(Deserialize)]
+struct PaymentAnswer {
+    status: String,
+    rail_ref: Option<String>,
+    code: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct LookupAnswer {
+    state: String,
+    #[serde(default)]
+    movements: Vec<LookupMovement>,
+}
+
+#[derive(Deserialize)]
+struct LookupMovement {
+    rail_ref: String,
+}
+
+#[derive(Clone)]
+pub struct Rail {
+    base_url: String,
+    http: reqwest::Client,
+    timeout: Duration,
+}
+
+fn truncate(text: &str) -> &str {
+    let mut end = text.len().min(DETAIL_BYTES_MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+impl Rail {
+    pub fn new(base_url: impl Into<String>, timeout: Duration) -> Self {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(RAIL_CONNECT_TIMEOUT_MS))
+            // No retry of any kind: reqwest's default policy resends on protocol NACKs.
+            .retry(reqwest::retry::never())
+            // No idle connection is reused, so the HTTP stack can never resend a request that
+            // failed on a stale pooled connection: every payment has its own connection.
+            .pool_max_idle_per_host(0)
+            .http1_only()
+            .build()
+            .expect("a plain HTTP client builds");
+        Self {
+            base_url: base_url.into().trim_end_matches('/').to_string(),
+            http,
+            timeout,
+        }
+    }
+
+    /// Sends the payment once and classifies the answer. Never retries.
+    pub async fn pay_once(&self, request: &SubmitPayout) -> RailAnswer {
+        let order = PaymentOrder {
+            client_reference: request.client_reference.as_str(),
+            amount_minor: request.amount_minor.get(),
+            currency: request.currency.as_str(),
+            beneficiary_ref: request.beneficiary_ref.as_str(),
+        };
+        let sent = self
+            .http
+            .post(format!("{}/v1/payments", self.base_url))
+            .timeout(self.timeout)
+            .json(&order)
+            .send()
+            .await;
+        let response = match sent {
+            Ok(response) => response,
+            Err(e) => {
+                return RailAnswer::Ambiguous {
+                    detail: transport_detail(&e),
+                }
+            }
+        };
+        let status = response.status().as_u16();
+        let body = match response.text().await {
+            Ok(body) => body,
+            Err(e) => {
+                return RailAnswer::Ambiguous {
+                    detail: format!(
+                        "reading the answer of status {status}: {}",
+                        transport_detail(&e)
+                    ),
+                }
+            }
+        };
+        match serde_json::from_str::<PaymentAnswer>(&body) {
+            Ok(PaymentAnswer {
+                status: s,
+                rail_ref: Some(rail_ref),
+                ..
+            }) if status == 200 && s == "accepted" && !rail_ref.is_empty() => {
+                RailAnswer::Acked { rail_ref }
+            }
+            Ok(PaymentAnswer {
+                status: s,
+                code: Some(code),
+                ..
+            }) if (status == 200 || status == 422) && s == "declined" && !code.is_empty() => {
+                RailAnswer::Rejected { decline_code: code }
+            }
+            _ => RailAnswer::Ambiguous {
+                detail: format!("rail answered {status}: {}", truncate(&body)),
+            },
+        }
+    }
+
+    /// Asks the rail what it settled for a client reference.
+    pub async fn lookup(&self, client_reference: &str) -> Evidence {
+        let sent = self
+            .http
+            .get(format!("{}/v1/payments", self.base_url))
+            .query(&[("client_reference", client_reference)])
+            .timeout(Duration::from_millis(RAIL_LOOKUP_TIMEOUT_MS))
+            .send()
+            .await;
+        let response = match sent {
+            Ok(response) if response.status().is_success() => response,
+            Ok(response) => {
+                return Evidence::Unknown {
+                    detail: format!("rail lookup answered {}", response.status().as_u16()),
+                }
+            }
+            Err(e) => {
+                return Evidence::Unknown {
+                    detail: format!("rail lookup failed: {}", transport_detail(&e)),
+                }
+            }
+        };
+        match response.json::<LookupAnswer>().await {
+            Ok(answer) if answer.state == "found" && !answer.movements.is_empty() => {
+                Evidence::Found {
+                    rail_refs: answer.movements.into_iter().map(|m| m.rail_ref).collect(),
+                }
+            }
+            Ok(answer) if answer.state == "absent" => Evidence::Absent,
+            Ok(answer) if answer.state == "unknown" => Evidence::Unknown {
+                detail: "inside the rail's settlement window".into(),
+            },
+            Ok(answer) => Evidence::Unknown {
+                detail: format!("unrecognised lookup state {:?}", answer.state),
+            },
+            Err(e) => Evidence::Unknown {
+                detail: format!("unreadable lookup answer: {}", transport_detail(&e)),
+            },
+        }
+    }
+}
+
+fn transport_detail(e: &reqwest::Error) -> String {
+    let kind = if e.is_timeout() {
+        "timeout"
+    } else if e.is_connect() {
+        "connection failure"
+    } else if e.is_body() || e.is_decode() {
+        "broken answer"
+    } else {
+        "transport failure"
+    };
+    let mut detail = format!("{kind}: {e}");
+    let mut source = std::error::Error::source(e);
+    while let Some(inner) = source {
+        detail.push_str(&format!(": {inner}"));
+        source = inner.source();
+    }
+    truncate(&detail).to_string()
+}

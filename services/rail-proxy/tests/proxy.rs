@@ -1,0 +1,714 @@
+//! The rail proxy against real PostgreSQL (proxydb on its own server) and the real stub over HTTP.
+//! The stub's `/admin/movements` is the ground truth of every "did we pay twice?" assertion.
+
+use std::time::Duration;
+
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId};
+use payout_proto::railproxy as pb;
+use rail_proxy::client::{ProxyError, RailProxyClient};
+use rail_proxy::{Evidence, Outcome, ProxyConfig, RunningProxy, SubmitPayout};
+use rail_stub::{FaultMode, RunningStub, StubConfig};
+use testkit::{PgServer, Stack};
+
+/// Short enough that the hanging-rail case is quick, far above the stub's zero latency.
+const TEST_RAIL_TIMEOUT_MS: u64 = 700;
+const WAIT: Duration = Duration::from_secs(20);
+
+struct Rig {
+    stub: RunningStub,
+    proxy: RunningProxy,
+    client: RailProxyClient,
+    pool: sqlx::PgPool,
+    db_url: String,
+}
+
+async fn rig_with(
+    stub_config: StubConfig,
+    configure: impl FnOnce(ProxyConfig) -> ProxyConfig,
+) -> Rig {
+    let db_url = Stack::shared().fresh_db(PgServer::Proxy).await;
+    let pool = service_kit::connect_pg(&db_url).await.unwrap();
+    let stub = RunningStub::start(stub_config).await.unwrap();
+    let config = configure(
+        ProxyConfig::new(stub.base_url())
+            .with_rail_timeout(Duration::from_millis(TEST_RAIL_TIMEOUT_MS)),
+    );
+    let proxy = RunningProxy::start(pool.clone(), config).await.unwrap();
+    let client = RailProxyClient::connect(proxy.endpoint()).await.unwrap();
+    Rig {
+        stub,
+        proxy,
+        client,
+        pool,
+        db_url,
+    }
+}
+
+async fn rig() -> Rig {
+    rig_with(
+        StubConfig {
+            settlement_window: Duration::from_millis(1_500),
+            ..Default::default()
+        },
+        |c| c,
+    )
+    .await
+}
+
+fn payout(payout: &str, account: &str, token: u64, owner: &str) -> SubmitPayout {
+    SubmitPayout::new(
+        PayoutId::parse(payout).unwrap(),
+        AccountId::parse(account).unwrap(),
+        FencingToken::new(token).unwrap(),
+        owner,
+        AmountMinor::new(1_000).unwrap(),
+        Currency::parse("EUR").unwrap(),
+        BeneficiaryRef::parse("ben-1").unwrap(),
+    )
+}
+
+async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+/// (movements, payment requests) at the stub for one payout's client reference.
+async fn at_rail(rig: &Rig, request: &SubmitPayout) -> (u64, u64) {
+    let truth = rig.stub.client().ground_truth().await.unwrap();
+    let reference = request.client_reference.as_str();
+    (
+        truth.movement_counts.get(reference).copied().unwrap_or(0),
+        truth
+            .submit_request_counts
+            .get(reference)
+            .copied()
+            .unwrap_or(0),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_holders_race_at_most_one_movement_and_the_stale_holder_is_fenced() {
+    // The rail is slow, so both holders are in flight together.
+    let stub = StubConfig {
+        faults: rail_stub::FaultConfig {
+            latency_ms_min: 100,
+            latency_ms_max: 100,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let rig = rig_with(stub, |c| c).await;
+    for round in 0..5 {
+        let stale = payout(
+            &format!("p-race-{round}"),
+            &format!("acct-race-{round}"),
+            10,
+            "worker-old",
+        );
+        let fresh = payout(
+            &format!("p-race-{round}"),
+            &format!("acct-race-{round}"),
+            11,
+            "worker-new",
+        );
+        let (mut a, mut b) = (rig.client.clone(), rig.client.clone());
+        let (ra, rb) = tokio::join!(async { a.submit(&stale).await }, async {
+            b.submit(&fresh).await
+        });
+        match (&ra, &rb) {
+            (
+                Err(ProxyError::FencedOut {
+                    presented: 10,
+                    stored: 11,
+                    ..
+                }),
+                Ok(s),
+            ) => assert_eq!(s.token.get(), 11),
+            (
+                Ok(s),
+                Err(ProxyError::Duplicate {
+                    existing,
+                    payload_matches: true,
+                }),
+            ) => {
+                assert_eq!((s.token.get(), existing.token.get()), (10, 10))
+            }
+            other => panic!("round {round}: unexpected pair {other:?}"),
+        }
+        assert_eq!(
+            at_rail(&rig, &stale).await,
+            (1, 1),
+            "round {round}: exactly one payment request and movement"
+        );
+    }
+
+    // Deterministically: the newer holder went first; the stale holder is fenced out on the same
+    // payout AND on another payout of the same account (the hole a per-payout fence would leave).
+    // The payment resource is not involved at all: this proxy is the only guard in the test.
+    let fresh = payout("p-fence", "acct-fence", 21, "worker-new");
+    assert!(matches!(
+        rig.client.clone().submit(&fresh).await.unwrap().outcome,
+        Outcome::Acked { .. }
+    ));
+    for target in ["p-fence", "p-fence-other"] {
+        let stale = payout(target, "acct-fence", 20, "worker-old");
+        match rig.client.clone().submit(&stale).await {
+            Err(ProxyError::FencedOut {
+                key,
+                presented,
+                stored,
+                owner,
+                stored_owner,
+                payout_id,
+            }) => {
+                assert_eq!(
+                    (
+                        key.as_str(),
+                        presented,
+                        stored,
+                        owner.as_str(),
+                        stored_owner.as_str(),
+                        payout_id.as_str()
+                    ),
+                    (
+                        "payout:acct-fence",
+                        20,
+                        21,
+                        "worker-old",
+                        "worker-new",
+                        target
+                    )
+                );
+            }
+            other => panic!("expected FencedOut, got {other:?}"),
+        }
+        assert_eq!(
+            at_rail(&rig, &stale).await,
+            (
+                u64::from(target == "p-fence"),
+                u64::from(target == "p-fence")
+            )
+        );
+    }
+    // Equal passes (the same grant performs several writes), and a fenced attempt left no row.
+    let again = payout("p-fence-third", "acct-fence", 21, "worker-new");
+    assert!(matches!(
+        rig.client.clone().submit(&again).await.unwrap().outcome,
+        Outcome::Acked { .. }
+    ));
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM rail_submission WHERE payout_id = 'p-fence-other'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE kind = 'FENCED' AND account_id = 'acct-fence'"
+        )
+        .await,
+        2
+    );
+    assert!(rig
+        .proxy
+        .metrics
+        .render()
+        .contains("fenced_out_total{guard=\"rail-proxy\"}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_concurrent_submits_for_one_payout_reach_the_rail_once() {
+    let stub = StubConfig {
+        faults: rail_stub::FaultConfig {
+            latency_ms_min: 50,
+            latency_ms_max: 50,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let rig = rig_with(stub, |c| c).await;
+    const CALLERS: usize = 16;
+    let request = payout("p-many", "acct-many", 5, "worker-1");
+    let calls = (0..CALLERS).map(|_| {
+        let (mut client, request) = (rig.client.clone(), request.clone());
+        tokio::spawn(async move { client.submit(&request).await })
+    });
+    let results: Vec<_> = futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    let winners: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    assert_eq!(winners.len(), 1, "{results:?}");
+    for result in &results {
+        if let Err(e) = result {
+            match e {
+                ProxyError::Duplicate {
+                    existing,
+                    payload_matches,
+                } => {
+                    assert!(*payload_matches);
+                    assert_eq!(existing.payout_id, request.payout_id);
+                    assert_eq!(existing.client_reference, request.client_reference);
+                }
+                other => panic!("expected Duplicate, got {other:?}"),
+            }
+        }
+    }
+    assert_eq!(at_rail(&rig, &request).await, (1, 1));
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE kind = 'DUPLICATE'"
+        )
+        .await,
+        CALLERS as i64 - 1
+    );
+    // A retry after the outcome also gets the existing, now resolved, record and sends nothing.
+    match rig.client.clone().submit(&request).await {
+        Err(ProxyError::Duplicate { existing, .. }) => {
+            assert!(matches!(existing.outcome, Outcome::Acked { .. }))
+        }
+        other => panic!("expected Duplicate, got {other:?}"),
+    }
+    assert_eq!(at_rail(&rig, &request).await, (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_fault_mode_maps_to_its_outcome_once_and_evidence_sits_beside_it() {
+    let mut rig = rig().await;
+    let modes = [
+        FaultMode::Accept,
+        FaultMode::Decline,
+        FaultMode::FailBeforeActing,
+        FaultMode::AcceptThenFail,
+        FaultMode::AcceptThenHang,
+        FaultMode::ResetBeforeActing,
+        FaultMode::AcceptThenReset,
+    ];
+    let mut cases = Vec::new();
+    for (i, mode) in modes.into_iter().enumerate() {
+        let request = payout(
+            &format!("p-fault-{i}"),
+            &format!("acct-fault-{i}"),
+            3,
+            "worker-1",
+        );
+        rig.stub
+            .client()
+            .force(request.client_reference.as_str(), Some(mode))
+            .await
+            .unwrap();
+        let submission = rig
+            .client
+            .submit(&request)
+            .await
+            .unwrap_or_else(|e| panic!("{mode:?}: {e:?}"));
+        match (mode, &submission.outcome) {
+            (FaultMode::Accept, Outcome::Acked { rail_ref }) => {
+                assert!(rail_ref.starts_with("rr-"))
+            }
+            (FaultMode::Decline, Outcome::Rejected { decline_code }) => {
+                assert_eq!(decline_code, "INSUFFICIENT_FUNDS")
+            }
+            (
+                FaultMode::FailBeforeActing | FaultMode::AcceptThenFail,
+                Outcome::Timeout { detail },
+            ) => assert!(detail.contains("rail answered 5"), "{detail}"),
+            (FaultMode::AcceptThenHang, Outcome::Timeout { detail }) => {
+                assert!(detail.starts_with("timeout"), "{detail}")
+            }
+            (
+                FaultMode::ResetBeforeActing | FaultMode::AcceptThenReset,
+                Outcome::Timeout { .. },
+            ) => {}
+            (mode, outcome) => panic!("{mode:?} recorded as {outcome:?}"),
+        }
+        assert_eq!(
+            submission.outcome.is_ambiguous(),
+            !matches!(mode, FaultMode::Accept | FaultMode::Decline)
+        );
+        let record = rig
+            .client
+            .lookup(&request.payout_id)
+            .await
+            .unwrap()
+            .expect("recorded");
+        assert_eq!(
+            record.submission, submission,
+            "the answer is what was recorded"
+        );
+        assert_eq!(
+            at_rail(&rig, &request).await,
+            (u64::from(mode.moves_money()), 1),
+            "{mode:?}: sent once, never retried"
+        );
+        cases.push((mode, request, submission));
+    }
+    // The raw wire says "ambiguous" explicitly.
+    let raw = rig
+        .client
+        .raw()
+        .lookup(pb::LookupRequest {
+            payout_id: "p-fault-4".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let raw = raw.submission.unwrap();
+    assert_eq!(
+        (raw.outcome, raw.ambiguous),
+        (pb::Outcome::Timeout as i32, true)
+    );
+
+    // Inquiries: FOUND at once for a moved payment; UNKNOWN inside the window, then ABSENT.
+    for (mode, request, submission) in &cases {
+        if mode.moves_money() {
+            let inquiry = rig
+                .client
+                .inquire(&request.payout_id, "reconciler-1")
+                .await
+                .unwrap();
+            assert!(
+                matches!(&inquiry.resolution.evidence, Evidence::Found { rail_refs } if rail_refs.len() == 1),
+                "{mode:?}"
+            );
+            assert_eq!(
+                &inquiry.submission, submission,
+                "an inquiry never changes the outcome"
+            );
+        }
+    }
+    let (_, not_moved, _) = &cases[2];
+    let first = rig
+        .client
+        .inquire(&not_moved.payout_id, "reconciler-1")
+        .await
+        .unwrap();
+    assert!(
+        matches!(first.resolution.evidence, Evidence::Unknown { .. }),
+        "{first:?}"
+    );
+    let mut client = rig.client.clone();
+    let payout_id = not_moved.payout_id.clone();
+    testkit::eventually(WAIT, "an authoritative ABSENT", || {
+        let (mut client, payout_id) = (client.clone(), payout_id.clone());
+        async move {
+            (client
+                .inquire(&payout_id, "reconciler-1")
+                .await
+                .unwrap()
+                .resolution
+                .evidence
+                == Evidence::Absent)
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    let record = client.lookup(&payout_id).await.unwrap().unwrap();
+    assert!(
+        matches!(record.submission.outcome, Outcome::Timeout { .. }),
+        "the outcome stays TIMEOUT"
+    );
+    assert!(record.resolutions.len() >= 2);
+    assert!(record
+        .resolutions
+        .iter()
+        .all(|r| r.asked_by == "reconciler-1"));
+    assert_eq!(
+        record.resolutions.last().unwrap().evidence,
+        Evidence::Absent
+    );
+
+    // The database itself refuses to rewrite history.
+    for sql in [
+        "UPDATE rail_submission SET outcome = 'ACKED', rail_ref = 'rr-x' WHERE payout_id = 'p-fault-2'",
+        "UPDATE rail_submission SET amount_minor = 1 WHERE payout_id = 'p-fault-0'",
+        "DELETE FROM rail_submission WHERE payout_id = 'p-fault-1'",
+        "TRUNCATE rail_submission CASCADE",
+        "DELETE FROM resolution",
+        "UPDATE account_high_water SET high_water = 1",
+    ] {
+        assert!(sqlx::query(sql).execute(&rig.pool).await.is_err(), "{sql} must be refused");
+    }
+    // No inquiry or lookup ever reached the rail's payment endpoint.
+    let truth = rig.stub.client().ground_truth().await.unwrap();
+    assert_eq!(truth.submit_requests_total, modes.len() as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_proxy_killed_between_intent_and_rail_call_leaves_an_ambiguous_null() {
+    let rig = rig().await;
+    let port = testkit::free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = testkit::ProcessSpec::new(
+        "rail-proxy",
+        env!("CARGO_BIN_EXE_rail-proxy"),
+        dir.path().join("proxy.log"),
+    )
+    .args([
+        "--listen".to_string(),
+        format!("127.0.0.1:{port}"),
+        "--metrics-listen".to_string(),
+        format!("127.0.0.1:{}", testkit::free_port()),
+        "--database-url".to_string(),
+        rig.db_url.clone(),
+        "--rail-url".to_string(),
+        rig.stub.base_url(),
+        "--test-failpoint".to_string(),
+        "abort-after-intent".to_string(),
+    ]);
+    let process = testkit::ManagedProcess::start(spec).unwrap();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let mut doomed = testkit::eventually(WAIT, "the proxy binary to listen", || {
+        let endpoint = endpoint.clone();
+        async move { RailProxyClient::connect(endpoint).await.ok() }
+    })
+    .await
+    .unwrap();
+    let request = payout("p-crash", "acct-crash", 7, "worker-1");
+    let died = doomed.submit(&request).await;
+    assert!(matches!(died, Err(ProxyError::Rpc(_))), "{died:?}");
+    testkit::eventually(WAIT, "the proxy to be dead", || async {
+        (!process.is_running()).then_some(())
+    })
+    .await
+    .unwrap();
+
+    // A surviving proxy on the same proxydb reports the NULL outcome as "may have moved money".
+    let mut client = rig.client.clone();
+    let record = client
+        .lookup(&request.payout_id)
+        .await
+        .unwrap()
+        .expect("the intent was committed");
+    assert_eq!(record.submission.outcome, Outcome::Pending);
+    assert!(record.submission.outcome.is_ambiguous());
+    assert_eq!(record.submission.resolved_at_unix_ms, None);
+    // Nobody may resubmit it, whatever the token: the answer is the existing record, nothing is sent.
+    let later = payout("p-crash", "acct-crash", 8, "worker-2");
+    match client.submit(&later).await {
+        Err(ProxyError::Duplicate { existing, .. }) => {
+            assert_eq!(existing.outcome, Outcome::Pending)
+        }
+        other => panic!("expected Duplicate, got {other:?}"),
+    }
+    assert_eq!(at_rail(&rig, &request).await, (0, 0));
+    // Resolution is by evidence only: the rail saw nothing, so after its window: ABSENT.
+    testkit::eventually(WAIT, "an authoritative ABSENT", || {
+        let (mut client, payout_id) = (client.clone(), request.payout_id.clone());
+        async move {
+            (client
+                .inquire(&payout_id, "reconciler-1")
+                .await
+                .unwrap()
+                .resolution
+                .evidence
+                == Evidence::Absent)
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        client
+            .lookup(&request.payout_id)
+            .await
+            .unwrap()
+            .unwrap()
+            .submission
+            .outcome,
+        Outcome::Pending
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_the_guard_the_same_race_pays_twice() {
+    let stub = StubConfig {
+        faults: rail_stub::FaultConfig {
+            latency_ms_min: 50,
+            latency_ms_max: 50,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let rig = rig_with(stub, |c| c.disable_guards_for_negative_control()).await;
+    let stale = payout("p-control", "acct-control", 10, "worker-old");
+    let fresh = payout("p-control", "acct-control", 11, "worker-new");
+    let (mut a, mut b) = (rig.client.clone(), rig.client.clone());
+    let (ra, rb) = tokio::join!(async { a.submit(&stale).await }, async {
+        b.submit(&fresh).await
+    });
+    assert!(ra.is_ok() && rb.is_ok(), "{ra:?} {rb:?}");
+    assert_eq!(
+        at_rail(&rig, &stale).await,
+        (2, 2),
+        "without the guard the rail pays twice: what the guard prevents"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_input_gets_a_specific_error_and_writes_nothing() {
+    let mut rig = rig().await;
+    let good = pb::SubmitRequest {
+        payout_id: "p-bad".into(),
+        account_id: "acct-bad".into(),
+        token: 4,
+        owner: "worker-1".into(),
+        client_reference: "cref-p-bad".into(),
+        amount_minor: 100,
+        currency: "EUR".into(),
+        beneficiary_ref: "ben-1".into(),
+    };
+    let table: Vec<(&str, pb::SubmitRequest)> = vec![
+        (
+            "token",
+            pb::SubmitRequest {
+                token: 0,
+                ..good.clone()
+            },
+        ),
+        (
+            "currency",
+            pb::SubmitRequest {
+                currency: "XXX".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "currency",
+            pb::SubmitRequest {
+                currency: "".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "amount_minor",
+            pb::SubmitRequest {
+                amount_minor: 0,
+                ..good.clone()
+            },
+        ),
+        (
+            "amount_minor",
+            pb::SubmitRequest {
+                amount_minor: -5,
+                ..good.clone()
+            },
+        ),
+        (
+            "payout_id",
+            pb::SubmitRequest {
+                payout_id: "".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "account_id",
+            pb::SubmitRequest {
+                account_id: "".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "client_reference",
+            pb::SubmitRequest {
+                client_reference: "".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "client_reference",
+            pb::SubmitRequest {
+                client_reference: "cref-someone-else".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "beneficiary_ref",
+            pb::SubmitRequest {
+                beneficiary_ref: "".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "owner",
+            pb::SubmitRequest {
+                owner: "".into(),
+                ..good.clone()
+            },
+        ),
+    ];
+    for (field, request) in table {
+        let status = rig
+            .client
+            .raw()
+            .submit(request.clone())
+            .await
+            .expect_err(field);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}");
+        let detail =
+            service_kit::rejection::decode::<pb::Rejection>(&status).expect("typed detail");
+        match detail.kind {
+            Some(pb::rejection::Kind::InvalidArgument(i)) => {
+                assert_eq!(i.field, field, "{request:?}")
+            }
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+    for table in [
+        "rail_submission",
+        "account_high_water",
+        "guard_event",
+        "resolution",
+    ] {
+        assert_eq!(
+            count(&rig.pool, &format!("SELECT count(*) FROM {table}")).await,
+            0,
+            "{table}"
+        );
+    }
+    assert_eq!(
+        rig.stub
+            .client()
+            .ground_truth()
+            .await
+            .unwrap()
+            .submit_requests_total,
+        0
+    );
+    // Lookup and Inquire validate too, and say NOT_FOUND for an unknown payout.
+    assert!(
+        matches!(rig.client.inquire(&PayoutId::parse("p-bad").unwrap(), "").await, Err(ProxyError::InvalidArgument { field, .. }) if field == "asked_by")
+    );
+    assert!(matches!(
+        rig.client
+            .inquire(&PayoutId::parse("p-bad").unwrap(), "r")
+            .await,
+        Err(ProxyError::NotFound { .. })
+    ));
+    assert!(rig
+        .client
+        .lookup(&PayoutId::parse("p-bad").unwrap())
+        .await
+        .unwrap()
+        .is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_benchmark_measures_both_paths_in_one_run() {
+    let db_url = Stack::shared().fresh_db(PgServer::Proxy).await;
+    let report = rail_proxy::bench::run(&db_url, 200, 8).await.unwrap();
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    assert_eq!(
+        report.stub_movements, 400,
+        "one movement per call, none repeated"
+    );
+    assert_eq!((report.proxy.calls, report.direct.calls), (200, 200));
+    assert!(
+        report.proxy.p50_ms > 0.0 && report.direct.p50_ms > 0.0 && report.throughput_ratio > 0.0
+    );
+}

@@ -1,0 +1,171 @@
+//! An HTTP client of the stub for tests, tools and the benchmark's direct-call baseline. The
+//! rail proxy deliberately does not use it: it has its own client of the rail's wire format.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::{FaultConfig, FaultMode, ForcedMode, GroundTruth, LookupAnswer, PaymentOrder};
+
+/// Bound on admin calls; they answer from memory.
+pub const ADMIN_TIMEOUT_MS: u64 = 10_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StubClientError {
+    #[error("rail stub request failed: {0}")]
+    Http(#[from] reqwest::Error),
+    #[error("rail stub answered {status}: {body}")]
+    Status { status: u16, body: String },
+}
+
+/// What one direct payment request got back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DirectAnswer {
+    Accepted {
+        rail_ref: String,
+    },
+    Declined {
+        code: String,
+    },
+    /// Any other status; the body as text.
+    Failed {
+        status: u16,
+        body: String,
+    },
+}
+
+#[derive(Clone)]
+pub struct StubClient {
+    base_url: String,
+    http: reqwest::Client,
+}
+
+#[derive(Deserialize)]
+struct Answer {
+    status: String,
+    rail_ref: Option<String>,
+    code: Option<String>,
+}
+
+impl StubClient {
+    pub fn new(base_url: impl Into<String>) -> Self {
+        Self::with_timeout(base_url, Duration::from_millis(ADMIN_TIMEOUT_MS))
+    }
+
+    /// A client whose every call gives up after `timeout` (a test of the hanging rail).
+    pub fn with_timeout(base_url: impl Into<String>, timeout: Duration) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .retry(reqwest::retry::never())
+            .build()
+            .expect("a plain HTTP client builds");
+        Self {
+            base_url: base_url.into(),
+            http,
+        }
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    /// One payment request, sent once. Transport errors (timeouts, resets) are `Err`.
+    pub async fn pay(&self, order: &PaymentOrder) -> Result<DirectAnswer, StubClientError> {
+        let response = self
+            .http
+            .post(format!("{}/v1/payments", self.base_url))
+            .json(order)
+            .send()
+            .await?;
+        let status = response.status().as_u16();
+        let body = response.text().await?;
+        let parsed: Option<Answer> = serde_json::from_str(&body).ok();
+        Ok(match parsed {
+            Some(Answer {
+                status: s,
+                rail_ref: Some(rail_ref),
+                ..
+            }) if status == 200 && s == "accepted" => DirectAnswer::Accepted { rail_ref },
+            Some(Answer {
+                status: s,
+                code: Some(code),
+                ..
+            }) if s == "declined" => DirectAnswer::Declined { code },
+            _ => DirectAnswer::Failed { status, body },
+        })
+    }
+
+    pub async fn lookup(&self, client_reference: &str) -> Result<LookupAnswer, StubClientError> {
+        let response = self
+            .http
+            .get(format!("{}/v1/payments", self.base_url))
+            .query(&[("client_reference", client_reference)])
+            .send()
+            .await?;
+        Self::json(response).await
+    }
+
+    pub async fn ground_truth(&self) -> Result<GroundTruth, StubClientError> {
+        Self::json(
+            self.http
+                .get(format!("{}/admin/movements", self.base_url))
+                .send()
+                .await?,
+        )
+        .await
+    }
+
+    pub async fn set_faults(&self, config: &FaultConfig) -> Result<(), StubClientError> {
+        Self::empty(
+            self.http
+                .post(format!("{}/admin/faults", self.base_url))
+                .json(config)
+                .send()
+                .await?,
+        )
+        .await
+    }
+
+    pub async fn force(
+        &self,
+        client_reference: &str,
+        mode: Option<FaultMode>,
+    ) -> Result<(), StubClientError> {
+        let body = ForcedMode {
+            client_reference: client_reference.to_string(),
+            mode,
+        };
+        Self::empty(
+            self.http
+                .post(format!("{}/admin/forced", self.base_url))
+                .json(&body)
+                .send()
+                .await?,
+        )
+        .await
+    }
+
+    async fn json<T: serde::de::DeserializeOwned>(
+        response: reqwest::Response,
+    ) -> Result<T, StubClientError> {
+        if !response.status().is_success() {
+            let status = response.status().as_u16();
+            return Err(StubClientError::Status {
+                status,
+                body: response.text().await.unwrap_or_default(),
+            });
+        }
+        Ok(response.json().await?)
+    }
+
+    async fn empty(response: reqwest::Response) -> Result<(), StubClientError> {
+        if !response.status().is_success() {
+            let status = response.status().as_u16();
+            return Err(StubClientError::Status {
+                status,
+                body: response.text().await.unwrap_or_default(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,413 @@
+//! The rail stub: a stand-in for a third-party payment network, speaking HTTP/JSON.
+//!
+//! It behaves like the rail the design fears: **non-idempotent** (the same request twice moves
+//! money twice), slow, occasionally ambiguous, and it settles an accepted payment whatever the
+//! caller saw. Its `GET /admin/movements` is the ground truth every test uses to answer "did we
+//! ever pay twice?".
+//!
+//! | endpoint | answers |
+//! |---|---|
+//! | `POST /v1/payments` `{client_reference, amount_minor, currency, beneficiary_ref}` | 200 `{status:"accepted", rail_ref}`, 422 `{status:"declined", code}`, 400 `{status:"invalid"}`, 5xx, a reset connection, or nothing |
+//! | `GET /v1/payments?client_reference=X` | `{state:"found", movements}`, `{state:"absent"}` (authoritative), `{state:"unknown"}` (inside the settlement window) |
+//! | `GET /admin/movements` | [`GroundTruth`] |
+//! | `GET`/`POST /admin/faults` | [`FaultConfig`] |
+//! | `POST /admin/forced` `{client_reference, mode}` | forces (or with `mode: null` clears) one reference's mode |
+//! | `GET /healthz`, `GET /metrics` | liveness, Prometheus counters |
+
+pub mod book;
+pub mod client;
+mod conn;
+pub mod faults;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use service_kit::Shutdown;
+
+pub use book::{GroundTruth, Lookup, Movement, PaymentOrder};
+pub use faults::{FaultConfig, FaultMode};
+
+use book::Book;
+use conn::{ConnectionHandle, ResettableListener};
+use faults::SplitMix64;
+
+/// How long an accept-then-hang response is held at most before the connection is reset. Far
+/// above any sane client timeout (the proxy's is seconds), and bounded so that a forgotten
+/// connection does not stay open for the life of the process.
+pub const HANG_HOLD_MS_MAX: u64 = 600_000;
+
+/// Largest payment request body accepted; a payment order is a few hundred bytes.
+pub const REQUEST_BODY_BYTES_MAX: usize = 16 * 1024;
+
+/// Default settlement window: how long after the last attempt a lookup may still say "unknown".
+pub const SETTLEMENT_WINDOW_MS_DEFAULT: u64 = 2_000;
+
+#[derive(Debug, Clone)]
+pub struct StubConfig {
+    /// Until this long after the last payment attempt for a reference, an empty lookup answers
+    /// `unknown`; after it, `absent` is authoritative.
+    pub settlement_window: Duration,
+    /// The durable movements file; `None` keeps movements in memory only (benchmarks).
+    pub movements_file: Option<PathBuf>,
+    pub faults: FaultConfig,
+}
+
+impl Default for StubConfig {
+    fn default() -> Self {
+        Self {
+            settlement_window: Duration::from_millis(SETTLEMENT_WINDOW_MS_DEFAULT),
+            movements_file: None,
+            faults: FaultConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StubError {
+    #[error(transparent)]
+    Book(#[from] book::BookError),
+    #[error("invalid fault configuration: {0}")]
+    Faults(#[from] faults::FaultConfigError),
+    #[error("serving HTTP: {0}")]
+    Serve(std::io::Error),
+}
+
+struct Faults {
+    config: FaultConfig,
+    rng: SplitMix64,
+}
+
+struct AppState {
+    book: Book,
+    faults: Mutex<Faults>,
+    shutdown: Shutdown,
+    metrics: service_kit::Metrics,
+    submits: service_kit::prometheus::IntCounterVec,
+}
+
+type Shared = Arc<AppState>;
+
+/// Serves the stub on `listener` until `shutdown` fires. Opens (and repairs a torn tail of) the
+/// movements file first.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    config: StubConfig,
+    shutdown: Shutdown,
+) -> Result<(), StubError> {
+    config.faults.validate()?;
+    let book = Book::open(config.movements_file.as_deref(), config.settlement_window)?;
+    let metrics = service_kit::Metrics::default();
+    let submits = metrics.counter_vec(
+        "rail_stub_payment_requests_total",
+        "Payment requests by fault mode.",
+        &["mode"],
+    );
+    let rng = SplitMix64::new(config.faults.seed);
+    let state = Arc::new(AppState {
+        book,
+        faults: Mutex::new(Faults {
+            config: config.faults,
+            rng,
+        }),
+        shutdown: shutdown.clone(),
+        metrics,
+        submits,
+    });
+    let app = Router::new()
+        .route("/v1/payments", post(submit).get(lookup))
+        .route("/admin/movements", get(movements))
+        .route("/admin/faults", get(get_faults).post(set_faults))
+        .route("/admin/forced", post(set_forced))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(render_metrics))
+        .with_state(state);
+    tracing::info!(addr = ?listener.local_addr().ok(), "rail stub listening");
+    axum::serve(
+        ResettableListener(listener),
+        app.into_make_service_with_connect_info::<ConnectionHandle>(),
+    )
+    .with_graceful_shutdown(shutdown.wait())
+    .await
+    .map_err(StubError::Serve)
+}
+
+/// A stub running in this process, for tests and the benchmark.
+pub struct RunningStub {
+    pub addr: SocketAddr,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<(), StubError>>,
+}
+
+impl RunningStub {
+    /// Binds 127.0.0.1 on a free port and serves `config` there.
+    pub async fn start(config: StubConfig) -> Result<Self, StubError> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(StubError::Serve)?;
+        let addr = listener.local_addr().map_err(StubError::Serve)?;
+        let (shutdown, stop) = Shutdown::new();
+        config.faults.validate()?;
+        let task = tokio::spawn(run(listener, config, shutdown));
+        Ok(Self { addr, stop, task })
+    }
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    pub fn client(&self) -> client::StubClient {
+        client::StubClient::new(self.base_url())
+    }
+    /// Stops serving (held responses are reset) and waits for the server to end.
+    pub async fn stop(self) -> Result<(), StubError> {
+        let _ = self.stop.send(true);
+        self.task.await.expect("stub task does not panic")
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Answer {
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rail_ref: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    code: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<String>,
+}
+
+fn answer(
+    status: StatusCode,
+    kind: &'static str,
+    rail_ref: Option<String>,
+    code: Option<String>,
+    message: Option<String>,
+) -> Response {
+    (
+        status,
+        Json(Answer {
+            status: kind,
+            rail_ref,
+            code,
+            message,
+        }),
+    )
+        .into_response()
+}
+
+fn invalid(message: impl Into<String>) -> Response {
+    answer(
+        StatusCode::BAD_REQUEST,
+        "invalid",
+        None,
+        None,
+        Some(message.into()),
+    )
+}
+
+async fn submit(
+    State(state): State<Shared>,
+    ConnectInfo(connection): ConnectInfo<ConnectionHandle>,
+    body: Bytes,
+) -> Response {
+    if body.len() > REQUEST_BODY_BYTES_MAX {
+        return invalid("request body too large");
+    }
+    let order: PaymentOrder = match serde_json::from_slice(&body) {
+        Ok(order) => order,
+        Err(e) => return invalid(format!("not a payment order: {e}")),
+    };
+    if order.client_reference.is_empty()
+        || order.beneficiary_ref.is_empty()
+        || order.currency.len() != 3
+    {
+        return invalid(
+            "client_reference, beneficiary_ref and a three-letter currency are required",
+        );
+    }
+    if order.amount_minor <= 0 {
+        return invalid("amount_minor must be positive");
+    }
+    let _attempt = state.book.begin_attempt(&order.client_reference);
+    let (mode, latency_ms, decline_code) = {
+        let mut faults = state.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let Faults { config, rng } = &mut *faults;
+        (
+            config.choose(&order.client_reference, rng),
+            config.latency_ms(rng),
+            config.decline_code.clone(),
+        )
+    };
+    state
+        .submits
+        .with_label_values(&[&format!("{mode:?}")])
+        .inc();
+    tracing::info!(client_reference = %order.client_reference, amount_minor = order.amount_minor, ?mode, latency_ms, "payment request");
+    if latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(latency_ms)).await;
+    }
+    let movement = if mode.moves_money() {
+        let settle_state = state.clone();
+        let settle_order = order.clone();
+        match tokio::task::spawn_blocking(move || settle_state.book.settle(&settle_order)).await {
+            Ok(Ok(movement)) => Some(movement),
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "could not record a movement; answering 500 without acting");
+                return answer(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "error",
+                    None,
+                    None,
+                    Some("storage failure".into()),
+                );
+            }
+            Err(e) => panic!("settling task failed: {e}"),
+        }
+    } else {
+        None
+    };
+    match mode {
+        FaultMode::Accept => {
+            let rail_ref = movement.map(|m| m.rail_ref);
+            answer(StatusCode::OK, "accepted", rail_ref, None, None)
+        }
+        FaultMode::Decline => answer(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "declined",
+            None,
+            Some(decline_code),
+            None,
+        ),
+        FaultMode::FailBeforeActing => answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "error",
+            None,
+            None,
+            Some("temporarily unavailable".into()),
+        ),
+        FaultMode::AcceptThenFail => answer(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "error",
+            None,
+            None,
+            Some("internal error".into()),
+        ),
+        FaultMode::AcceptThenHang => {
+            tokio::select! {
+                _ = state.shutdown.clone().wait() => {}
+                _ = tokio::time::sleep(Duration::from_millis(HANG_HOLD_MS_MAX)) => {}
+            }
+            connection.reset();
+            answer(StatusCode::INTERNAL_SERVER_ERROR, "error", None, None, None)
+        }
+        FaultMode::ResetBeforeActing | FaultMode::AcceptThenReset => {
+            connection.reset();
+            answer(StatusCode::INTERNAL_SERVER_ERROR, "error", None, None, None)
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct LookupQuery {
+    client_reference: Option<String>,
+}
+
+/// The lookup answer on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LookupAnswer {
+    /// `found`, `absent` or `unknown`.
+    pub state: String,
+    #[serde(default)]
+    pub movements: Vec<Movement>,
+}
+
+async fn lookup(State(state): State<Shared>, Query(query): Query<LookupQuery>) -> Response {
+    let Some(reference) = query.client_reference.filter(|r| !r.is_empty()) else {
+        return invalid("client_reference is required");
+    };
+    let delay_ms = state
+        .faults
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .config
+        .lookup_latency_ms;
+    if delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+    }
+    let answer = match state.book.lookup(&reference) {
+        Lookup::Found(movements) => LookupAnswer {
+            state: "found".into(),
+            movements,
+        },
+        Lookup::Absent => LookupAnswer {
+            state: "absent".into(),
+            movements: vec![],
+        },
+        Lookup::Unknown => LookupAnswer {
+            state: "unknown".into(),
+            movements: vec![],
+        },
+    };
+    Json(answer).into_response()
+}
+
+async fn movements(State(state): State<Shared>) -> Json<GroundTruth> {
+    Json(state.book.ground_truth())
+}
+
+async fn get_faults(State(state): State<Shared>) -> Json<FaultConfig> {
+    Json(
+        state
+            .faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .config
+            .clone(),
+    )
+}
+
+async fn set_faults(State(state): State<Shared>, body: Bytes) -> Response {
+    let config: FaultConfig = match serde_json::from_slice(&body) {
+        Ok(config) => config,
+        Err(e) => return invalid(format!("not a fault configuration: {e}")),
+    };
+    if let Err(e) = config.validate() {
+        return invalid(e.to_string());
+    }
+    tracing::info!(?config, "fault configuration replaced");
+    let mut faults = state.faults.lock().unwrap_or_else(|p| p.into_inner());
+    faults.rng = SplitMix64::new(config.seed);
+    faults.config = config;
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// `POST /admin/forced`: one reference's forced mode; `mode: null` clears it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ForcedMode {
+    pub client_reference: String,
+    pub mode: Option<FaultMode>,
+}
+
+async fn set_forced(State(state): State<Shared>, body: Bytes) -> Response {
+    let forced: ForcedMode = match serde_json::from_slice(&body) {
+        Ok(forced) => forced,
+        Err(e) => return invalid(format!("not a forced mode: {e}")),
+    };
+    let mut faults = state.faults.lock().unwrap_or_else(|p| p.into_inner());
+    match forced.mode {
+        Some(mode) => faults.config.forced.insert(forced.client_reference, mode),
+        None => faults.config.forced.remove(&forced.client_reference),
+    };
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn render_metrics(State(state): State<Shared>) -> String {
+    state.metrics.render()
+}

@@ -1,0 +1,162 @@
+//! The stub over real HTTP: non-idempotence, every fault mode, the settlement window, and the
+//! ground truth surviving a SIGKILL of the binary.
+
+use std::time::Duration;
+
+use rail_stub::client::{DirectAnswer, StubClient};
+use rail_stub::{FaultMode, PaymentOrder, RunningStub, StubConfig};
+
+fn order(reference: &str) -> PaymentOrder {
+    PaymentOrder {
+        client_reference: reference.into(),
+        amount_minor: 250,
+        currency: "EUR".into(),
+        beneficiary_ref: "ben-1".into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_request_twice_moves_money_twice() {
+    let stub = RunningStub::start(StubConfig::default()).await.unwrap();
+    let client = stub.client();
+    let a = client.pay(&order("cref-twice")).await.unwrap();
+    let b = client.pay(&order("cref-twice")).await.unwrap();
+    assert!(
+        matches!((&a, &b), (DirectAnswer::Accepted { rail_ref: x }, DirectAnswer::Accepted { rail_ref: y }) if x != y)
+    );
+    let truth = client.ground_truth().await.unwrap();
+    assert_eq!(truth.movement_counts["cref-twice"], 2);
+    assert_eq!(truth.submit_request_counts["cref-twice"], 2);
+    stub.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_mode_does_what_it_says() {
+    let stub = RunningStub::start(StubConfig::default()).await.unwrap();
+    let admin = stub.client();
+    let client = StubClient::with_timeout(stub.base_url(), Duration::from_millis(500));
+    let modes = [
+        FaultMode::Accept,
+        FaultMode::Decline,
+        FaultMode::FailBeforeActing,
+        FaultMode::AcceptThenFail,
+        FaultMode::AcceptThenHang,
+        FaultMode::ResetBeforeActing,
+        FaultMode::AcceptThenReset,
+    ];
+    for mode in modes {
+        let reference = format!("cref-{mode:?}");
+        admin.force(&reference, Some(mode)).await.unwrap();
+        let answer = client.pay(&order(&reference)).await;
+        match mode {
+            FaultMode::Accept => assert!(
+                matches!(answer, Ok(DirectAnswer::Accepted { .. })),
+                "{answer:?}"
+            ),
+            FaultMode::Decline => {
+                assert!(
+                    matches!(answer, Ok(DirectAnswer::Declined { ref code }) if code == "INSUFFICIENT_FUNDS"),
+                    "{answer:?}"
+                )
+            }
+            FaultMode::FailBeforeActing => assert!(
+                matches!(answer, Ok(DirectAnswer::Failed { status: 503, .. })),
+                "{answer:?}"
+            ),
+            FaultMode::AcceptThenFail => assert!(
+                matches!(answer, Ok(DirectAnswer::Failed { status: 500, .. })),
+                "{answer:?}"
+            ),
+            FaultMode::AcceptThenHang => {
+                let e = answer.expect_err("the response never comes");
+                assert!(
+                    matches!(&e, rail_stub::client::StubClientError::Http(h) if h.is_timeout()),
+                    "{e:?}"
+                );
+            }
+            FaultMode::ResetBeforeActing | FaultMode::AcceptThenReset => {
+                let e = answer.expect_err("the connection is dropped without a response");
+                assert!(
+                    matches!(&e, rail_stub::client::StubClientError::Http(h) if !h.is_timeout()),
+                    "{e:?}"
+                );
+            }
+        }
+        let truth = admin.ground_truth().await.unwrap();
+        let moved = truth.movement_counts.get(&reference).copied().unwrap_or(0);
+        assert_eq!(
+            moved,
+            u64::from(mode.moves_money()),
+            "{mode:?}: an accepted payment is settled whatever the caller saw"
+        );
+        assert_eq!(truth.submit_request_counts[&reference], 1, "{mode:?}");
+    }
+    stub.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookups_are_unknown_inside_the_settlement_window_then_authoritative() {
+    let config = StubConfig {
+        settlement_window: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let stub = RunningStub::start(config).await.unwrap();
+    let client = stub.client();
+    client
+        .force("cref-none", Some(FaultMode::FailBeforeActing))
+        .await
+        .unwrap();
+    client.pay(&order("cref-none")).await.unwrap();
+    assert_eq!(client.lookup("cref-none").await.unwrap().state, "unknown");
+    testkit::eventually(
+        Duration::from_secs(5),
+        "an authoritative absent",
+        || async { (client.lookup("cref-none").await.unwrap().state == "absent").then_some(()) },
+    )
+    .await
+    .unwrap();
+    client.pay(&order("cref-paid")).await.unwrap();
+    let found = client.lookup("cref-paid").await.unwrap();
+    assert_eq!((found.state.as_str(), found.movements.len()), ("found", 1));
+    stub.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn movements_survive_a_sigkill_of_the_stub() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = testkit::free_port();
+    let spec = testkit::ProcessSpec::new(
+        "rail-stub",
+        env!("CARGO_BIN_EXE_rail-stub"),
+        dir.path().join("stub.log"),
+    )
+    .args([
+        "--listen".to_string(),
+        format!("127.0.0.1:{port}"),
+        "--movements-file".to_string(),
+        dir.path().join("movements.jsonl").display().to_string(),
+    ]);
+    let process = testkit::ManagedProcess::start(spec).unwrap();
+    let client = StubClient::new(format!("http://127.0.0.1:{port}"));
+    let up = || async { client.ground_truth().await.ok() };
+    testkit::eventually(Duration::from_secs(10), "the stub to listen", up)
+        .await
+        .unwrap();
+    client.pay(&order("cref-durable")).await.unwrap();
+    client.pay(&order("cref-durable")).await.unwrap();
+    process.kill().unwrap();
+    process.restart().unwrap();
+    let truth = testkit::eventually(Duration::from_secs(10), "the restarted stub", up)
+        .await
+        .unwrap();
+    assert_eq!(truth.movement_counts["cref-durable"], 2);
+    let third = client.pay(&order("cref-other")).await.unwrap();
+    assert_eq!(
+        third,
+        DirectAnswer::Accepted {
+            rail_ref: "rr-00000003".into()
+        },
+        "sequence continues after restart"
+    );
+    process.terminate().unwrap();
+}

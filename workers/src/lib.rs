@@ -1,0 +1,95 @@
+//! The payout worker: registers `PayoutWorkflow` and its activities on the `payouts` task queue
+//! and polls until told to stop. Any number of replicas may run at once: correctness never
+//! depends on which one runs a task (the guards and the proxy decide), only liveness does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use payout_activities::{Backend, PayoutActivities};
+use payout_workflows::PayoutWorkflow;
+use temporalio_client::{Client, ClientOptions, ConnectionOptions, Url};
+use temporalio_sdk::{Runtime, Worker, WorkerOptions};
+
+/// On SIGTERM the worker stops polling and lets in-flight activities finish for this long; then
+/// it cancels them and hands the work back to Temporal (another replica picks it up). It is
+/// above the longest activity start-to-close (the rail submission's 30 s) so that a submission
+/// in flight is allowed to record its ending rather than becoming ambiguous.
+pub const GRACEFUL_SHUTDOWN_PERIOD: Duration = Duration::from_secs(35);
+/// Cached workflow executions per worker: each is a small state machine; this bounds memory at a
+/// batch of a few hundred in-flight payouts per replica.
+pub const MAX_CACHED_WORKFLOWS: usize = 1_000;
+
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "payout-worker", about = "Temporal worker for payout workflows")]
+pub struct WorkerConfig {
+    /// Temporal frontend, host:port (Temporal's own variable name).
+    #[arg(long, env = "TEMPORAL_ADDRESS", default_value = "127.0.0.1:7233")]
+    pub temporal_address: String,
+    #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
+    pub temporal_namespace: String,
+    #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = payout_workflows::TASK_QUEUE)]
+    pub task_queue: String,
+    /// This replica's identity: the lock owner and the claimer recorded by the guards.
+    #[arg(long, env = "PAYOUT_WORKER_IDENTITY")]
+    pub identity: Option<String>,
+    /// lock-server gRPC endpoint, e.g. http://127.0.0.1:50051
+    #[arg(long, env = "LOCK_SERVER_URL")]
+    pub lock_server_url: Option<String>,
+    /// payment-resource gRPC endpoint.
+    #[arg(long, env = "PAYMENT_RESOURCE_URL")]
+    pub payment_resource_url: Option<String>,
+    /// rail-proxy gRPC endpoint.
+    #[arg(long, env = "RAIL_PROXY_URL")]
+    pub rail_proxy_url: Option<String>,
+}
+
+impl WorkerConfig {
+    pub fn identity(&self) -> String {
+        self.identity
+            .clone()
+            .unwrap_or_else(|| format!("payout-worker-{}", std::process::id()))
+    }
+}
+
+pub async fn connect(config: &WorkerConfig) -> anyhow::Result<Client> {
+    let url = Url::parse(&format!("http://{}", config.temporal_address))
+        .context("TEMPORAL_ADDRESS must be host:port")?;
+    Client::connect(
+        ConnectionOptions::new(url)
+            .identity(config.identity())
+            .build(),
+        ClientOptions::new(config.temporal_namespace.clone()).build(),
+    )
+    .await
+    .with_context(|| format!("connecting to Temporal at {}", config.temporal_address))
+}
+
+/// Runs the worker until `stop` resolves, then shuts it down gracefully and returns when every
+/// in-flight task has completed or been handed back.
+pub async fn run(
+    config: &WorkerConfig,
+    backend: Arc<dyn Backend>,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let runtime = Runtime::from_current_tokio(Default::default())?;
+    let client = connect(config).await?;
+    let mut options = WorkerOptions::new(config.task_queue.clone())
+        .register_workflow::<PayoutWorkflow>()?
+        .register_activities(PayoutActivities::new(backend))
+        .build();
+    options.graceful_shutdown_period = Some(GRACEFUL_SHUTDOWN_PERIOD);
+    options.max_cached_workflows = MAX_CACHED_WORKFLOWS;
+    options.client_identity_override = Some(config.identity());
+    let mut worker = Worker::new(&runtime, client, options)?;
+    let shutdown = worker.shutdown_handle();
+    tracing::info!(task_queue = %config.task_queue, identity = %config.identity(), "worker polling");
+    let (result, ()) = tokio::join!(worker.run(), async {
+        stop.await;
+        tracing::info!("shutdown requested: finishing in-flight tasks");
+        shutdown();
+    });
+    result.context("worker stopped with an error")?;
+    tracing::info!("worker stopped");
+    Ok(())
+}

@@ -1,0 +1,139 @@
+//! Every activity call's timeouts and retry policy, stated once with the reason for each number.
+//! Nothing here relies on a Temporal default: "no policy" would mean unlimited retries.
+
+use std::time::Duration;
+
+use temporalio_common::RetryPolicy;
+use temporalio_sdk::ActivityOptions;
+
+/// The task queue the payout worker polls.
+pub const TASK_QUEUE: &str = "payouts";
+
+/// One guard call is one short PostgreSQL transaction behind one gRPC hop; ten seconds is far
+/// beyond a healthy answer and short enough that a lost worker is noticed quickly.
+pub const GUARD_CALL_START_TO_CLOSE: Duration = Duration::from_secs(10);
+/// Acquire waits at most the lock client's bounded wait (5 s) for a release, plus the hop.
+pub const ACQUIRE_START_TO_CLOSE: Duration = Duration::from_secs(15);
+/// The proxy gives the rail its own bounded timeout (10 s) and must then record the ending;
+/// thirty seconds covers both. Overrunning it is an ambiguous outcome, never a retry.
+pub const SUBMIT_START_TO_CLOSE: Duration = Duration::from_secs(30);
+/// A rail lookup through the proxy: the proxy's bounded rail timeout plus the hop.
+pub const INQUIRE_START_TO_CLOSE: Duration = Duration::from_secs(15);
+
+/// First retry quickly: most transient faults are a restarting service or a connection reset.
+const RETRY_INITIAL_INTERVAL: Duration = Duration::from_millis(500);
+/// Doubling reaches the ceiling in about six attempts.
+const RETRY_BACKOFF_COEFFICIENT: f64 = 2.0;
+/// An outage of a service should not turn into a retry storm; thirty seconds between attempts
+/// keeps a long outage cheap and a short one quickly recovered.
+const RETRY_INTERVAL_MAX: Duration = Duration::from_secs(30);
+/// Steps that are safe to repeat (acquire, lookups, fenced state transitions the table refuses
+/// on repetition, posting a RAIL_ACKED payout) retry until the service answers: a RAIL_ACKED
+/// payout whose posting stopped retrying would leave money moved and the ledger without its
+/// row. Zero is Temporal's "no attempt limit"; the interval ceiling bounds the cost.
+const SAFE_RETRY_ATTEMPTS_MAX: u32 = 0;
+/// The rail submission: one attempt, ever (spec 2.3). Anything unclear is RAIL_AMBIGUOUS.
+const SUBMIT_ATTEMPTS_MAX: u32 = 1;
+
+/// The refusals are non-retryable on the failure itself; naming them here as well keeps them
+/// non-retryable even if an activity forgot the flag.
+const REFUSALS: [&str; 7] = [
+    "FencedOut",
+    "GrantLost",
+    "DuplicateSubmission",
+    "RefusedTransition",
+    "AccountBusy",
+    "ResolutionSlaNotPassed",
+    "InvalidRequest",
+];
+
+fn safe_to_repeat() -> RetryPolicy {
+    RetryPolicy::builder()
+        .initial_interval(RETRY_INITIAL_INTERVAL)
+        .backoff_coefficient(RETRY_BACKOFF_COEFFICIENT)
+        .maximum_interval(RETRY_INTERVAL_MAX)
+        .maximum_attempts(SAFE_RETRY_ATTEMPTS_MAX)
+        .non_retryable_error_types(REFUSALS)
+        .build()
+}
+
+fn options(start_to_close: Duration, retry: RetryPolicy) -> ActivityOptions {
+    ActivityOptions::with_start_to_close_timeout(start_to_close)
+        .retry_policy(retry)
+        .build()
+}
+
+/// Claim, mark submitted, record outcome, resolve, abandon, post, reads, operator decisions.
+pub fn guard_call() -> ActivityOptions {
+    options(GUARD_CALL_START_TO_CLOSE, safe_to_repeat())
+}
+
+pub fn acquire() -> ActivityOptions {
+    options(ACQUIRE_START_TO_CLOSE, safe_to_repeat())
+}
+
+pub fn inquire() -> ActivityOptions {
+    options(INQUIRE_START_TO_CLOSE, safe_to_repeat())
+}
+
+/// At most one attempt: `maximum_attempts(1)`.
+pub fn submit() -> ActivityOptions {
+    options(
+        SUBMIT_START_TO_CLOSE,
+        RetryPolicy::builder()
+            .maximum_attempts(SUBMIT_ATTEMPTS_MAX)
+            .non_retryable_error_types(REFUSALS)
+            .build(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use payout_activities::refusal::Refusal;
+
+    #[test]
+    fn every_refusal_name_is_non_retryable() {
+        let samples = [
+            Refusal::FencedOut {
+                key: String::new(),
+                presented: 1,
+                stored: 2,
+                owner: String::new(),
+            },
+            Refusal::GrantLost {
+                key: String::new(),
+                token: 1,
+                reason: String::new(),
+            },
+            Refusal::DuplicateSubmission {
+                payout_id: String::new(),
+                existing_outcome: None,
+            },
+            Refusal::RefusedTransition {
+                payout_id: String::new(),
+                from: String::new(),
+                event: String::new(),
+            },
+            Refusal::AccountBusy {
+                account_id: String::new(),
+                in_flight_payout_id: String::new(),
+            },
+            Refusal::ResolutionSlaNotPassed {
+                payout_id: String::new(),
+            },
+            Refusal::InvalidRequest {
+                detail: String::new(),
+            },
+        ];
+        for refusal in samples {
+            assert!(REFUSALS.contains(&refusal.name()), "{}", refusal.name());
+        }
+    }
+
+    #[test]
+    fn the_submission_has_exactly_one_attempt() {
+        let policy = submit().retry_policy.expect("explicit policy");
+        assert_eq!(policy.maximum_attempts(), 1);
+    }
+}

@@ -1,0 +1,589 @@
+//! `PayoutWorkflow`: one durable workflow per payout (id `payout-{payout_id}`).
+//!
+//! The workflow is a loop driven by the state the payment resource reports: each step is one
+//! fenced activity whose answer is the payout's new state. Losing the grant (the client's
+//! deadline passed, or a guard fenced us out) means: acquire a new grant (a higher token), read
+//! the payout, continue from there (the recovery re-claim of spec 2.3). Temporal's history is
+//! diagnostic only: the guards and the proxy's uniqueness make a replayed or duplicated step
+//! harmless.
+
+use std::collections::VecDeque;
+use std::time::{Duration, SystemTime};
+
+use payout_activities::refusal::Refusal;
+use payout_activities::types::*;
+use payout_activities::PayoutActivities;
+use payout_domain::{ClientReference, FencingToken, PayoutId, PayoutState};
+use serde::{Deserialize, Serialize};
+use temporalio_common::search_attributes::SearchAttributeKey;
+use temporalio_macros::{workflow, workflow_methods};
+use temporalio_sdk::{
+    ActivityExecutionError, ApplicationFailure, SyncWorkflowContext, WorkflowContext,
+    WorkflowContextView, WorkflowResult,
+};
+
+use crate::options;
+
+/// Keyword search attributes registered at server start (temporal/search-attributes).
+pub const PAYOUT_STATE: SearchAttributeKey<String> = SearchAttributeKey::keyword("PayoutState");
+pub const ACCOUNT_ID: SearchAttributeKey<String> = SearchAttributeKey::keyword("AccountId");
+
+/// While the key is held by another payout of the account, ask again after this long: the other
+/// payout usually settles within seconds, and each attempt costs a few history events.
+pub const LOCK_RETRY_INTERVAL: Duration = Duration::from_secs(2);
+/// A refused transition means another step got there first; we re-read and continue. More than
+/// this many in a row means the workflow and the resource disagree: stop loudly.
+pub const CONSECUTIVE_REFUSALS_MAX: u32 = 3;
+/// Each lost grant produces a higher token and a re-read; this many in one run is a livelock
+/// (or a lock service in trouble), which an operator must look at.
+pub const GRANT_LOSSES_MAX: u32 = 20;
+/// After the resolution SLA, the rail is still asked, at a doubling interval up to this ceiling,
+/// so that a workflow waiting for an operator does not grow its history without bound.
+pub const POST_SLA_INQUIRY_INTERVAL_MAX: Duration = Duration::from_secs(3_600);
+
+/// The operator's `abandon` signal: `temporal workflow signal --name abandon --input
+/// '{"operator":"alice","reason":"finance ticket 42"}'`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbandonSignal {
+    pub operator: String,
+    pub reason: String,
+}
+
+/// The `status` query's answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PayoutStatus {
+    pub payout_id: String,
+    pub state: PayoutState,
+    pub token: Option<FencingToken>,
+    pub claimer: String,
+    pub last_event: String,
+    pub resolution_sla_passed: bool,
+}
+
+/// The workflow's result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PayoutResult {
+    pub payout_id: PayoutId,
+    pub state: PayoutState,
+    pub token: Option<FencingToken>,
+    pub rail_ref: String,
+    pub failure_reason: String,
+}
+
+#[workflow]
+#[derive(Default)]
+pub struct PayoutWorkflow {
+    payout_id: String,
+    state: Option<PayoutState>,
+    token: Option<FencingToken>,
+    claimer: String,
+    last_event: String,
+    resolution_sla_passed: bool,
+    abandon_requests: VecDeque<AbandonSignal>,
+    abandon_accepted: Option<AbandonSignal>,
+}
+
+/// How a step ended when it did not produce a new snapshot.
+enum StepError {
+    /// Our grant can no longer be vouched for, or a guard holds a later token.
+    GrantLost(Refusal),
+    /// Another step got there first; re-read the payout.
+    Refused(Refusal),
+    /// Anything else: the workflow stops (the activity already retried by its policy).
+    Fatal(Box<ActivityExecutionError>),
+}
+
+fn classify(error: ActivityExecutionError) -> StepError {
+    match Refusal::from_failure(&error) {
+        Some(r @ (Refusal::GrantLost { .. } | Refusal::FencedOut { .. })) => {
+            StepError::GrantLost(r)
+        }
+        Some(r @ Refusal::RefusedTransition { .. }) => StepError::Refused(r),
+        _ => StepError::Fatal(Box::new(error)),
+    }
+}
+
+/// Per-run local facts that are not the payout's state.
+#[derive(Default)]
+struct RunFacts {
+    grant: Option<Grant>,
+    /// Set before the submission activity is scheduled: from then on, this run never submits.
+    proxy_called: bool,
+    /// What the single submission answered (or the existing record, on DUPLICATE).
+    known_outcome: Option<RailOutcome>,
+    ambiguous_since: Option<SystemTime>,
+    inquiry_interval: Option<Duration>,
+}
+
+#[workflow_methods]
+impl PayoutWorkflow {
+    #[run(name = "PayoutWorkflow")]
+    pub async fn run(
+        ctx: &mut WorkflowContext<Self>,
+        input: PayoutInput,
+    ) -> WorkflowResult<PayoutResult> {
+        ctx.state_mut(|s| s.payout_id = input.payout_id.to_string());
+        let mut facts = RunFacts::default();
+        let mut snapshot = ctx
+            .execute_activity(
+                PayoutActivities::get_payout,
+                input.payout_id.clone(),
+                options::guard_call(),
+            )
+            .await?;
+        observe(ctx, &input, &snapshot, "STARTED");
+        let mut refusals_in_a_row = 0;
+        let mut grant_losses = 0;
+
+        loop {
+            process_signals(ctx, &input, &facts).await?;
+            if snapshot.state.is_terminal() {
+                break;
+            }
+            let grant = match facts.grant.clone() {
+                Some(grant) => grant,
+                None => {
+                    let grant = acquire(ctx, &input, &facts).await?;
+                    ctx.state_mut(|s| s.token = Some(grant.token));
+                    facts.grant = Some(grant.clone());
+                    if grant_losses > 0 {
+                        // Continue from the state the resource reports, under the new token.
+                        snapshot = read(ctx, &input).await?;
+                        observe(ctx, &input, &snapshot, "REACQUIRED");
+                        continue;
+                    }
+                    grant
+                }
+            };
+            let step = step(ctx, &input, &grant, &snapshot, &mut facts).await;
+            match step {
+                Ok((next, event)) => {
+                    refusals_in_a_row = 0;
+                    snapshot = next;
+                    observe(ctx, &input, &snapshot, event);
+                }
+                Err(StepError::GrantLost(refusal)) => {
+                    grant_losses += 1;
+                    if grant_losses > GRANT_LOSSES_MAX {
+                        return Err(fatal("GrantLostTooOften", refusal.to_string()).into());
+                    }
+                    ctx.state_mut(|s| s.last_event = format!("GRANT_LOST: {refusal}"));
+                    facts.grant = None;
+                }
+                Err(StepError::Refused(refusal)) => {
+                    refusals_in_a_row += 1;
+                    if refusals_in_a_row > CONSECUTIVE_REFUSALS_MAX {
+                        return Err(
+                            fatal("TransitionsKeepBeingRefused", refusal.to_string()).into()
+                        );
+                    }
+                    snapshot = read(ctx, &input).await?;
+                    observe(ctx, &input, &snapshot, "REREAD_AFTER_REFUSAL");
+                }
+                Err(StepError::Fatal(error)) => return Err((*error).into()),
+            }
+        }
+
+        if let Some(grant) = facts.grant.take() {
+            ctx.execute_activity(
+                PayoutActivities::release_grant,
+                FencedInput {
+                    payout_id: input.payout_id.clone(),
+                    grant,
+                },
+                options::guard_call(),
+            )
+            .await?;
+        }
+        ctx.state_mut(|s| s.last_event = format!("RELEASED in {}", snapshot.state));
+        Ok(PayoutResult {
+            payout_id: input.payout_id.clone(),
+            state: snapshot.state,
+            token: ctx.state(|s| s.token),
+            rail_ref: snapshot.rail_ref,
+            failure_reason: snapshot.failure_reason,
+        })
+    }
+
+    /// Queued here; decided (and recorded in the resource's audit trail) by the run loop before
+    /// anything acts on it.
+    #[signal(name = "abandon")]
+    pub fn abandon(&mut self, _ctx: &mut SyncWorkflowContext<Self>, request: AbandonSignal) {
+        self.abandon_requests.push_back(request);
+    }
+
+    #[query(name = "status")]
+    pub fn status(&self, _ctx: &WorkflowContextView) -> PayoutStatus {
+        PayoutStatus {
+            payout_id: self.payout_id.clone(),
+            state: self.state.unwrap_or(PayoutState::Pending),
+            token: self.token,
+            claimer: self.claimer.clone(),
+            last_event: self.last_event.clone(),
+            resolution_sla_passed: self.resolution_sla_passed,
+        }
+    }
+}
+
+fn fatal(name: &str, detail: String) -> ApplicationFailure {
+    ApplicationFailure::builder(detail)
+        .type_name(name.to_string())
+        .non_retryable(true)
+        .build()
+}
+
+/// Keeps the query state and the search attributes current.
+fn observe(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutInput,
+    snapshot: &PayoutSnapshot,
+    event: &str,
+) {
+    let changed = ctx.state_mut(|s| {
+        let changed = s.state != Some(snapshot.state);
+        s.state = Some(snapshot.state);
+        s.claimer = snapshot.claimed_by.clone();
+        s.last_event = format!("{event} -> {}", snapshot.state);
+        changed
+    });
+    if changed {
+        ctx.upsert_search_attributes([
+            PAYOUT_STATE.value_set(snapshot.state.as_str().to_string()),
+            ACCOUNT_ID.value_set(input.account_id.to_string()),
+        ]);
+    }
+}
+
+async fn read(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutInput,
+) -> Result<PayoutSnapshot, ActivityExecutionError> {
+    ctx.execute_activity(
+        PayoutActivities::get_payout,
+        input.payout_id.clone(),
+        options::guard_call(),
+    )
+    .await
+}
+
+/// Acquires `payout:{account}`; while another holder has it, waits on a durable timer, deciding
+/// any operator signal that arrives meanwhile.
+async fn acquire(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutInput,
+    facts: &RunFacts,
+) -> Result<Grant, temporalio_sdk::WorkflowTermination> {
+    loop {
+        let outcome = ctx
+            .execute_activity(
+                PayoutActivities::acquire_grant,
+                AcquireInput {
+                    payout_id: input.payout_id.clone(),
+                    account_id: input.account_id.clone(),
+                },
+                options::acquire(),
+            )
+            .await?;
+        match outcome {
+            AcquireOutcome::Granted(grant) => return Ok(grant),
+            AcquireOutcome::NotAcquired {
+                holder_owner,
+                holder_token,
+            } => {
+                ctx.state_mut(|s| {
+                    s.last_event =
+                        format!("WAITING_FOR_LOCK held by {holder_owner} (token {holder_token})")
+                });
+                temporalio_sdk::workflows::select! {
+                    _ = ctx.timer(LOCK_RETRY_INTERVAL) => {},
+                    _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {},
+                };
+                process_signals(ctx, input, facts).await?;
+            }
+        }
+    }
+}
+
+/// Decides every queued `abandon`: honoured for PENDING, and for RAIL_AMBIGUOUS past the SLA;
+/// refused otherwise. Each decision is written to the payment resource's audit trail first.
+async fn process_signals(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutInput,
+    facts: &RunFacts,
+) -> Result<(), ActivityExecutionError> {
+    while let Some(request) = ctx.state_mut(|s| s.abandon_requests.pop_front()) {
+        let (state, sla_passed, already) = ctx.state(|s| {
+            (
+                s.state.unwrap_or(PayoutState::Pending),
+                s.resolution_sla_passed,
+                s.abandon_accepted.is_some(),
+            )
+        });
+        let (accepted, note) = if already {
+            (false, "an abandon is already being carried out".to_string())
+        } else {
+            match state {
+                PayoutState::Pending => (true, "PENDING: operator cancel".to_string()),
+                PayoutState::RailAmbiguous if sla_passed => {
+                    (true, "RAIL_AMBIGUOUS past the resolution SLA".to_string())
+                }
+                PayoutState::RailAmbiguous => (
+                    false,
+                    "RAIL_AMBIGUOUS but the resolution SLA has not passed".to_string(),
+                ),
+                other => (false, format!("state {other} does not allow abandon")),
+            }
+        };
+        ctx.execute_activity(
+            PayoutActivities::record_operator_decision,
+            OperatorDecisionInput {
+                payout_id: input.payout_id.clone(),
+                operator: request.operator.clone(),
+                decision: "abandon".into(),
+                reason: request.reason.clone(),
+                accepted,
+                note: note.clone(),
+                token: facts.grant.as_ref().map(|g| g.token),
+            },
+            options::guard_call(),
+        )
+        .await?;
+        ctx.state_mut(|s| {
+            s.last_event = format!(
+                "ABANDON {} by {}: {note}",
+                if accepted { "ACCEPTED" } else { "REFUSED" },
+                request.operator
+            );
+            if accepted {
+                s.abandon_accepted = Some(request);
+            }
+        });
+    }
+    Ok(())
+}
+
+/// One step from the reported state, under `grant`.
+async fn step(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutInput,
+    grant: &Grant,
+    snapshot: &PayoutSnapshot,
+    facts: &mut RunFacts,
+) -> Result<(PayoutSnapshot, &'static str), StepError> {
+    let fenced = FencedInput {
+        payout_id: input.payout_id.clone(),
+        grant: grant.clone(),
+    };
+    let abandon = ctx.state(|s| s.abandon_accepted.clone());
+    match snapshot.state {
+        PayoutState::Pending if abandon.is_some() => {
+            let request = abandon.expect("checked");
+            abandon_payout(ctx, input, grant, request, false, String::new()).await
+        }
+        PayoutState::Pending => {
+            let claimed = ctx
+                .execute_activity(PayoutActivities::claim, fenced, options::guard_call())
+                .await
+                .map_err(classify)?;
+            Ok((claimed, "CLAIM"))
+        }
+        PayoutState::Claimed if snapshot.token_stamp < grant.token.get() => {
+            // The recovery re-claim under a later token (CLAIMED -> CLAIMED, claimer replaced).
+            let claimed = ctx
+                .execute_activity(PayoutActivities::claim, fenced, options::guard_call())
+                .await
+                .map_err(classify)?;
+            Ok((claimed, "RECLAIM"))
+        }
+        PayoutState::Claimed => {
+            // Marked before the proxy is called: a crash in between leaves RAIL_SUBMITTED, which
+            // every later holder treats as "maybe sent" and asks the proxy about.
+            let marked = ctx
+                .execute_activity(
+                    PayoutActivities::mark_submitted,
+                    fenced,
+                    options::guard_call(),
+                )
+                .await
+                .map_err(classify)?;
+            Ok((marked, "MARK_SUBMITTED"))
+        }
+        PayoutState::RailSubmitted => {
+            if !facts.proxy_called && facts.known_outcome.is_none() {
+                // This run has not called the proxy. If an earlier run (or a crash) did, the
+                // proxy refuses the new submission as DUPLICATE and its record resolves it; it
+                // never sends a second one.
+                facts.proxy_called = true;
+                facts.known_outcome = Some(submit(ctx, input, grant, facts).await?);
+            }
+            let outcome = facts
+                .known_outcome
+                .clone()
+                .unwrap_or(RailOutcome::OutcomeMissing);
+            let recorded = ctx
+                .execute_activity(
+                    PayoutActivities::record_outcome,
+                    RecordOutcomeInput {
+                        payout_id: input.payout_id.clone(),
+                        grant: grant.clone(),
+                        outcome,
+                    },
+                    options::guard_call(),
+                )
+                .await
+                .map_err(classify)?;
+            Ok((recorded, "RECORD_OUTCOME"))
+        }
+        PayoutState::RailAcked => {
+            let posted = ctx
+                .execute_activity(PayoutActivities::post_ledger, fenced, options::guard_call())
+                .await
+                .map_err(classify)?;
+            Ok((posted, "POST"))
+        }
+        PayoutState::RailAmbiguous => ambiguity_step(ctx, input, grant, snapshot, facts).await,
+        PayoutState::Posted | PayoutState::Failed | PayoutState::Abandoned => {
+            Ok((snapshot.clone(), "TERMINAL"))
+        }
+    }
+}
+
+/// The single submission. Its answer becomes the outcome to record; a DUPLICATE is resolved
+/// from the proxy's existing record; anything unclear is TIMEOUT (RAIL_AMBIGUOUS). Never retried.
+async fn submit(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutInput,
+    grant: &Grant,
+    facts: &mut RunFacts,
+) -> Result<RailOutcome, StepError> {
+    let answer = ctx
+        .execute_activity(
+            PayoutActivities::submit_to_rail,
+            SubmitInput {
+                payout_id: input.payout_id.clone(),
+                account_id: input.account_id.clone(),
+                amount_minor: input.amount_minor,
+                currency: input.currency.clone(),
+                beneficiary_ref: input.beneficiary_ref.clone(),
+                client_reference: ClientReference::for_payout(&input.payout_id),
+                grant: grant.clone(),
+            },
+            options::submit(),
+        )
+        .await;
+    Ok(match answer {
+        Ok(SubmitAnswer::Acked { rail_ref }) => RailOutcome::Acked { rail_ref },
+        Ok(SubmitAnswer::Declined { decline_code }) => RailOutcome::Declined { decline_code },
+        Ok(SubmitAnswer::Ambiguous { detail }) => RailOutcome::Timeout { detail },
+        Err(error) => match Refusal::from_failure(&error) {
+            Some(Refusal::DuplicateSubmission {
+                existing_outcome, ..
+            }) => existing_outcome.unwrap_or(RailOutcome::OutcomeMissing),
+            Some(r @ (Refusal::GrantLost { .. } | Refusal::FencedOut { .. })) => {
+                // Refused before the rail was contacted: nothing was sent under this grant.
+                facts.proxy_called = false;
+                return Err(StepError::GrantLost(r));
+            }
+            // A timeout, a lost worker, a transport error: we may have moved money.
+            _ => RailOutcome::Timeout {
+                detail: error.to_string(),
+            },
+        },
+    })
+}
+
+/// RAIL_AMBIGUOUS: wait the settlement window on a durable timer (deciding signals meanwhile),
+/// then ask the rail. Found -> RAIL_ACKED; absent -> FAILED; unknown -> ask again later.
+async fn ambiguity_step(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutInput,
+    grant: &Grant,
+    snapshot: &PayoutSnapshot,
+    facts: &mut RunFacts,
+) -> Result<(PayoutSnapshot, &'static str), StepError> {
+    let now = ctx.workflow_time().unwrap_or(SystemTime::UNIX_EPOCH);
+    let since = *facts.ambiguous_since.get_or_insert(now);
+    let sla = Duration::from_millis(input.ambiguity.resolution_sla_ms);
+    let elapsed = now.duration_since(since).unwrap_or_default();
+    if let Some(request) = ctx.state(|s| s.abandon_accepted.clone()) {
+        let sla_check = format!(
+            "ambiguous for {} ms in this run, resolution SLA {} ms",
+            elapsed.as_millis(),
+            sla.as_millis()
+        );
+        return abandon_payout(ctx, input, grant, request, true, sla_check).await;
+    }
+    let interval = *facts
+        .inquiry_interval
+        .get_or_insert(Duration::from_millis(input.ambiguity.settlement_window_ms));
+    let signalled = temporalio_sdk::workflows::select! {
+        _ = ctx.timer(interval) => false,
+        _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => true,
+    };
+    if signalled {
+        // The run loop decides the signal first; nothing else changed.
+        return Ok((snapshot.clone(), "SIGNAL_RECEIVED"));
+    }
+    let inquiry = ctx
+        .execute_activity(
+            PayoutActivities::inquire_rail,
+            InquireInput {
+                payout_id: input.payout_id.clone(),
+                client_reference: ClientReference::for_payout(&input.payout_id),
+            },
+            options::inquire(),
+        )
+        .await
+        .map_err(classify)?;
+    let evidence = match inquiry {
+        Inquiry::Found { rail_ref } => Evidence::Found { rail_ref },
+        Inquiry::Absent => Evidence::Absent,
+        Inquiry::Unknown { .. } => {
+            let now = ctx.workflow_time().unwrap_or(SystemTime::UNIX_EPOCH);
+            if now.duration_since(since).unwrap_or_default() >= sla {
+                ctx.state_mut(|s| s.resolution_sla_passed = true);
+                facts.inquiry_interval = Some((interval * 2).min(POST_SLA_INQUIRY_INTERVAL_MAX));
+            }
+            return Ok((snapshot.clone(), "INQUIRY_UNKNOWN"));
+        }
+    };
+    let resolved = ctx
+        .execute_activity(
+            PayoutActivities::resolve_ambiguity,
+            ResolveInput {
+                payout_id: input.payout_id.clone(),
+                grant: grant.clone(),
+                evidence,
+            },
+            options::guard_call(),
+        )
+        .await
+        .map_err(classify)?;
+    Ok((resolved, "RESOLVE_AMBIGUITY"))
+}
+
+async fn abandon_payout(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutInput,
+    grant: &Grant,
+    request: AbandonSignal,
+    resolution_sla_passed: bool,
+    sla_check: String,
+) -> Result<(PayoutSnapshot, &'static str), StepError> {
+    let abandoned = ctx
+        .execute_activity(
+            PayoutActivities::abandon,
+            AbandonInput {
+                payout_id: input.payout_id.clone(),
+                grant: grant.clone(),
+                operator: request.operator,
+                reason: request.reason,
+                resolution_sla_passed,
+                sla_check,
+            },
+            options::guard_call(),
+        )
+        .await
+        .map_err(classify)?;
+    Ok((abandoned, "OPERATOR_ABANDON"))
+}

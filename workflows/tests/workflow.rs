@@ -1,0 +1,473 @@
+//! The payout workflow on a real Temporal dev server (testkit), against activities whose
+//! services are the controllable in-memory world of `payout-activities` (feature
+//! `test-backend`). Each test runs its own worker on its own task queue with its own world.
+//!
+//! Histories: with `PAYOUT_RECORD_HISTORIES=1` each test exports its workflow's history with
+//! `temporal workflow show --output json` into `tests/histories/`; `replay_committed_histories`
+//! replays every committed file against the current workflow code.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use payout_activities::in_memory::{InMemoryBackend, RailScript};
+use payout_activities::types::{AmbiguityPolicy, Inquiry, PayoutInput};
+use payout_activities::PayoutActivities;
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
+use payout_workflows::{PayoutResult, PayoutStatus, PayoutWorkflow};
+use temporalio_client::{
+    Client, ClientOptions, ConnectionOptions, Url, WorkflowFetchHistoryOptions,
+    WorkflowGetResultOptions, WorkflowQueryOptions, WorkflowStartOptions,
+};
+use temporalio_sdk::workflow_replayer::{WorkflowReplayer, WorkflowReplayerOptions};
+use temporalio_sdk::{Runtime, Worker, WorkerOptions};
+use testkit::Stack;
+
+/// A payout settles in well under a second here; this bounds a test that went wrong.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
+const HISTORIES_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/histories");
+
+async fn client() -> Client {
+    let address = Stack::shared().temporal().address();
+    let url = Url::parse(&format!("http://{address}")).unwrap();
+    Client::connect(
+        ConnectionOptions::new(url)
+            .identity("payout-workflow-tests".to_string())
+            .build(),
+        ClientOptions::new(testkit::temporal::NAMESPACE).build(),
+    )
+    .await
+    .unwrap()
+}
+
+fn input(name: &str, amount: i64, ambiguity: AmbiguityPolicy) -> PayoutInput {
+    let unique = Stack::shared().unique_prefix(name).replace(['/', ':'], "-");
+    let unique = unique.trim_matches('-').to_string();
+    PayoutInput {
+        payout_id: PayoutId::parse(format!("p-{unique}")).unwrap(),
+        account_id: AccountId::parse(format!("a-{unique}")).unwrap(),
+        amount_minor: AmountMinor::new(amount).unwrap(),
+        currency: Currency::parse("EUR").unwrap(),
+        beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
+        ambiguity,
+    }
+}
+
+fn fast_ambiguity() -> AmbiguityPolicy {
+    AmbiguityPolicy {
+        settlement_window_ms: 200,
+        resolution_sla_ms: 600_000,
+    }
+}
+
+/// Runs a worker for `world` on its own task queue while `body` runs, then shuts it down.
+async fn with_worker<F, Fut, T>(world: &InMemoryBackend, queue: &str, body: F) -> T
+where
+    F: FnOnce(Client, String) -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let runtime = Runtime::from_current_tokio(Default::default()).unwrap();
+    let client = client().await;
+    let options = WorkerOptions::new(queue)
+        .register_workflow::<PayoutWorkflow>()
+        .unwrap()
+        .register_activities(PayoutActivities::new(Arc::new(world.clone())))
+        .build();
+    let mut worker = Worker::new(&runtime, client.clone(), options).unwrap();
+    let shutdown = worker.shutdown_handle();
+    let (run, out) = tokio::join!(worker.run(), async {
+        let out = body(client, queue.to_string()).await;
+        shutdown();
+        out
+    });
+    run.unwrap();
+    out
+}
+
+async fn start(client: &Client, queue: &str, input: &PayoutInput) -> String {
+    let id = payout_domain::workflow_id(&input.payout_id);
+    client
+        .start_workflow(
+            PayoutWorkflow::run,
+            input.clone(),
+            WorkflowStartOptions::new(queue, id.clone()).build(),
+        )
+        .await
+        .unwrap();
+    id
+}
+
+async fn result(client: &Client, id: &str) -> PayoutResult {
+    let handle = client.get_workflow_handle::<PayoutWorkflow>(id);
+    tokio::time::timeout(
+        SETTLE_TIMEOUT,
+        handle.get_result(WorkflowGetResultOptions::default()),
+    )
+    .await
+    .expect("workflow settles in time")
+    .unwrap()
+}
+
+async fn status(client: &Client, id: &str) -> PayoutStatus {
+    client
+        .get_workflow_handle::<PayoutWorkflow>(id)
+        .query(PayoutWorkflow::status, (), WorkflowQueryOptions::default())
+        .await
+        .unwrap()
+}
+
+/// The operator path: exactly what an operator types.
+fn signal_abandon(id: &str, operator: &str, reason: &str) {
+    let input = serde_json::json!({ "operator": operator, "reason": reason }).to_string();
+    Stack::shared()
+        .temporal()
+        .cli(&[
+            "workflow",
+            "signal",
+            "--namespace",
+            "default",
+            "--workflow-id",
+            id,
+            "--name",
+            "abandon",
+            "--input",
+            &input,
+        ])
+        .unwrap();
+}
+
+/// Exports the finished workflow's history from the server, in the JSON shape the SDK's
+/// `WorkflowHistory::from_json` reads. (The CLI's `temporal workflow show --output json` is
+/// protobuf-JSON, which this SDK version cannot parse: its history types are not pbjson.)
+async fn record_history(client: &Client, name: &str, id: &str) {
+    if std::env::var_os("PAYOUT_RECORD_HISTORIES").is_none() {
+        return;
+    }
+    let json = client
+        .get_workflow_handle::<PayoutWorkflow>(id)
+        .fetch_history(WorkflowFetchHistoryOptions::builder().build())
+        .to_json()
+        .await
+        .unwrap();
+    std::fs::write(format!("{HISTORIES_DIR}/{name}.json"), json).unwrap();
+}
+
+fn queue(name: &str) -> String {
+    Stack::shared().unique_prefix(&format!("q-{name}"))
+}
+
+#[tokio::test]
+async fn normal_path_posts_once_and_keeps_search_attributes_current() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("normal", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Ack);
+    let q = queue("normal");
+    let (id, done, st) = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        let done = result(&client, &id).await;
+        let st = status(&client, &id).await;
+        (id, done, st)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Posted);
+    assert!(done.rail_ref.starts_with("rail-cref-"));
+    assert_eq!(world.rail_movements(&done.payout_id), 1);
+    assert_eq!(world.postings(&done.payout_id), 1);
+    assert_eq!(world.balance(&world_account(&done)), 4_000);
+    assert_eq!(st.state, PayoutState::Posted);
+    assert_eq!(st.token, done.token);
+    assert_eq!(st.claimer, "worker-a");
+    assert!(st.last_event.contains("RELEASED"), "{}", st.last_event);
+    // The grant is released at the end.
+    assert!(world.lock_holder(&world_account(&done)).is_none());
+    // Operators find it by its search attributes.
+    let listed = Stack::shared()
+        .temporal()
+        .cli(&[
+            "workflow",
+            "list",
+            "--namespace",
+            "default",
+            "--query",
+            &format!(
+                "PayoutState='POSTED' AND AccountId='{}'",
+                world_account(&done)
+            ),
+        ])
+        .unwrap();
+    assert!(listed.contains(&id), "{listed}");
+    record_history(&client().await, "normal_path", &id).await;
+}
+
+fn world_account(done: &PayoutResult) -> AccountId {
+    AccountId::parse(done.payout_id.as_str().replacen("p-", "a-", 1)).unwrap()
+}
+
+#[tokio::test]
+async fn decline_fails_without_posting() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("decline", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Decline);
+    let q = queue("decline");
+    let (id, done) = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        (id.clone(), result(&client, &id).await)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Failed);
+    assert_eq!(done.failure_reason, "INSUFFICIENT_BENEFICIARY_DETAILS");
+    assert_eq!(world.postings(&done.payout_id), 0);
+    assert_eq!(world.balance(&world_account(&done)), 5_000);
+    record_history(&client().await, "decline", &id).await;
+}
+
+#[tokio::test]
+async fn insufficient_funds_fails_without_a_rail_call() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("funds", 9_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Ack);
+    let q = queue("funds");
+    let done = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        result(&client, &id).await
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Failed);
+    assert_eq!(done.failure_reason, "FUNDS_INSUFFICIENT");
+    assert_eq!(world.submit_calls(&done.payout_id), 0);
+}
+
+#[tokio::test]
+async fn timeout_after_acceptance_is_ambiguous_then_resolved_found_and_posted() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("amb-found", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
+    world.script_inquiries(
+        &input.payout_id,
+        vec![Inquiry::Unknown {
+            detail: "not settled yet".into(),
+        }],
+    );
+    let q = queue("amb-found");
+    let (id, done) = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        (id.clone(), result(&client, &id).await)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Posted);
+    assert_eq!(world.submit_calls(&done.payout_id), 1, "never resubmitted");
+    assert_eq!(world.rail_movements(&done.payout_id), 1);
+    assert_eq!(world.postings(&done.payout_id), 1);
+    record_history(&client().await, "ambiguous_found", &id).await;
+}
+
+#[tokio::test]
+async fn timeout_before_rail_is_ambiguous_then_resolved_absent_and_failed() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("amb-absent", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::TimeoutBeforeRail);
+    let q = queue("amb-absent");
+    let done = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        result(&client, &id).await
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Failed);
+    assert_eq!(world.submit_calls(&done.payout_id), 1);
+    assert_eq!(world.postings(&done.payout_id), 0);
+}
+
+#[tokio::test]
+async fn a_failed_submission_activity_is_never_retried_and_becomes_ambiguous() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("amb-crash", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::ActivityFailsAfterRail);
+    let q = queue("amb-crash");
+    let done = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        result(&client, &id).await
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Posted);
+    assert_eq!(
+        world.submit_calls(&done.payout_id),
+        1,
+        "maximum_attempts(1): the failed attempt is not retried"
+    );
+    assert_eq!(world.rail_movements(&done.payout_id), 1);
+    assert_eq!(world.postings(&done.payout_id), 1);
+}
+
+#[tokio::test]
+async fn a_lost_grant_is_reacquired_with_a_higher_token_and_the_payout_continues() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("lost-grant", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Ack);
+    world.expire_session_after_submit();
+    let q = queue("lost-grant");
+    let (id, done) = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        (id.clone(), result(&client, &id).await)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Posted);
+    assert_eq!(world.submit_calls(&done.payout_id), 1, "not resubmitted");
+    assert_eq!(world.rail_movements(&done.payout_id), 1);
+    assert_eq!(world.postings(&done.payout_id), 1);
+    // The first grant's token was 1; the re-acquired one is higher and is the fence now.
+    let token = done.token.expect("a grant").get();
+    assert!(token > 1, "re-acquired token {token}");
+    assert_eq!(world.fence(&world_account(&done)), token);
+    record_history(&client().await, "lost_grant", &id).await;
+}
+
+#[tokio::test]
+async fn abandon_of_a_pending_payout_is_recorded_then_honoured() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("abandon-pending", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Ack);
+    // Another payout of the account holds the lock: this one waits in PENDING.
+    let other = world.hold_lock_elsewhere(&input.account_id);
+    let q = queue("abandon-pending");
+    let w = world.clone();
+    let (id, done) = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        testkit::eventually(SETTLE_TIMEOUT, "waiting for the lock", || async {
+            status(&client, &id)
+                .await
+                .last_event
+                .starts_with("WAITING_FOR_LOCK")
+                .then_some(())
+        })
+        .await
+        .unwrap();
+        signal_abandon(&id, "alice", "customer withdrew the request");
+        testkit::eventually(SETTLE_TIMEOUT, "the decision recorded", || async {
+            (!w.decisions().is_empty()).then_some(())
+        })
+        .await
+        .unwrap();
+        w.release_elsewhere(&other);
+        (id.clone(), result(&client, &id).await)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Abandoned);
+    let decisions = world.decisions();
+    assert_eq!(decisions.len(), 1);
+    assert!(decisions[0].accepted);
+    assert_eq!(decisions[0].operator, "alice");
+    assert_eq!(world.submit_calls(&done.payout_id), 0);
+    record_history(&client().await, "abandon_pending", &id).await;
+}
+
+#[tokio::test]
+async fn abandon_is_refused_before_the_sla_and_honoured_after_it() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input(
+        "abandon-amb",
+        1_000,
+        AmbiguityPolicy {
+            settlement_window_ms: 300,
+            resolution_sla_ms: 3_000,
+        },
+    );
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
+    let unknown = Inquiry::Unknown {
+        detail: "rail cannot say".into(),
+    };
+    world.script_inquiries(&input.payout_id, vec![unknown; 1_000]);
+    let q = queue("abandon-amb");
+    let w = world.clone();
+    let (id, done) = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        testkit::eventually(SETTLE_TIMEOUT, "RAIL_AMBIGUOUS", || async {
+            (status(&client, &id).await.state == PayoutState::RailAmbiguous).then_some(())
+        })
+        .await
+        .unwrap();
+        // Before the SLA: refused, and the refusal is recorded.
+        signal_abandon(&id, "bob", "too early");
+        testkit::eventually(SETTLE_TIMEOUT, "the refusal recorded", || async {
+            (w.decisions().len() == 1).then_some(())
+        })
+        .await
+        .unwrap();
+        assert!(!w.decisions()[0].accepted);
+        assert_eq!(status(&client, &id).await.state, PayoutState::RailAmbiguous);
+        // Time alone resolves nothing: past the SLA the payout is still ambiguous.
+        testkit::eventually(SETTLE_TIMEOUT, "the SLA passed", || async {
+            status(&client, &id)
+                .await
+                .resolution_sla_passed
+                .then_some(())
+        })
+        .await
+        .unwrap();
+        assert_eq!(status(&client, &id).await.state, PayoutState::RailAmbiguous);
+        signal_abandon(&id, "carol", "finance ticket 42");
+        (id.clone(), result(&client, &id).await)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Abandoned);
+    let decisions = world.decisions();
+    assert_eq!(decisions.len(), 2);
+    assert!(decisions[1].accepted);
+    assert_eq!(decisions[1].operator, "carol");
+    assert_eq!(world.submit_calls(&done.payout_id), 1);
+    assert_eq!(world.postings(&done.payout_id), 0);
+    record_history(&client().await, "abandon_ambiguous", &id).await;
+}
+
+#[tokio::test]
+async fn replay_committed_histories() {
+    let mut files: Vec<_> = std::fs::read_dir(HISTORIES_DIR)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    for required in ["normal_path", "decline"] {
+        assert!(
+            files.iter().any(|p| p.file_stem().unwrap() == required),
+            "history {required}.json must be committed"
+        );
+    }
+    let replayer = WorkflowReplayer::new(
+        WorkflowReplayerOptions::new()
+            .register_workflow::<PayoutWorkflow>()
+            .unwrap()
+            .build(),
+    )
+    .unwrap();
+    for file in files {
+        let bytes = std::fs::read(&file).unwrap();
+        let history = temporalio_client::WorkflowHistory::from_json(&bytes).unwrap();
+        replayer
+            .replay_workflow(history)
+            .await
+            .unwrap_or_else(|e| panic!("{} does not replay: {e}", file.display()));
+    }
+    // Negative control: a history whose second activity differs from what the code schedules
+    // must be reported as nondeterministic, or the replays above prove nothing.
+    let bytes = std::fs::read_to_string(format!("{HISTORIES_DIR}/normal_path.json")).unwrap();
+    let tampered = bytes.replacen(
+        r#""activity_type":{"name":"AcquireGrant"}"#,
+        r#""activity_type":{"name":"Claim"}"#,
+        1,
+    );
+    assert_ne!(bytes, tampered, "the history names AcquireGrant");
+    let history = temporalio_client::WorkflowHistory::from_json(tampered.as_bytes()).unwrap();
+    assert!(
+        replayer.replay_workflow(history).await.is_err(),
+        "a changed activity sequence must fail replay"
+    );
+}
