@@ -6,6 +6,7 @@ pub mod etcd;
 pub mod postgres;
 pub mod process;
 pub mod stack;
+pub mod system;
 pub mod temporal;
 pub mod util;
 

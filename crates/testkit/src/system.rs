@@ -1,0 +1,306 @@
+//! Every service of the payout system as a real process over a [`Stack`]: lock-server,
+//! payment-resource, rail-stub, rail-proxy, general-ledger, outbox-dispatcher and N workers.
+//! Each `System` has its own databases, etcd prefix and Temporal task queue, so several can share
+//! one stack. The binaries must be built (`cargo build --bins`); the test command does that.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::process::{Lifetime, ManagedProcess, ProcessSpec};
+use crate::stack::{PgServer, Stack};
+use crate::util::{free_port, workspace_bin};
+
+/// A service applies its migrations and binds within this on a loaded two-core machine.
+pub const SERVICE_READY_TIMEOUT_MS: u64 = 60_000;
+
+#[derive(Debug, Clone)]
+pub struct SystemOptions {
+    pub workers: usize,
+    /// The rail stub's initial fault configuration (`POST /admin/faults` shape), if any.
+    pub rail_faults_json: Option<String>,
+    /// After this, the rail's lookups are authoritative.
+    pub settlement_window_ms: u64,
+    /// The proxy gives up on the rail after this (and records TIMEOUT).
+    pub rail_timeout_ms: u64,
+    /// Extra environment for every worker (e.g. lease TTLs for fault tests).
+    pub worker_env: Vec<(String, String)>,
+    pub lifetime: Lifetime,
+    /// Where logs and the stub's movement file go; a directory under the stack's state if `None`.
+    pub dir: Option<PathBuf>,
+    /// Fixed listen ports (payoutctl's long-lived system); free ports if `None`.
+    pub ports: Option<SystemPorts>,
+    /// Fixed database names (payoutctl); fresh per-system databases if `None`.
+    pub databases: Option<Databases>,
+    /// Task queue; a unique one if `None`.
+    pub task_queue: Option<String>,
+}
+
+impl Default for SystemOptions {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            rail_faults_json: None,
+            settlement_window_ms: 2_000,
+            rail_timeout_ms: 2_000,
+            worker_env: Vec::new(),
+            lifetime: Lifetime::Attached,
+            dir: None,
+            ports: None,
+            databases: None,
+            task_queue: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct SystemPorts {
+    pub lock_server: u16,
+    pub payment_resource: u16,
+    pub rail_stub: u16,
+    pub rail_proxy: u16,
+    pub general_ledger: u16,
+    /// `/metrics` of each service, in the order above, then the dispatcher's.
+    pub metrics: Vec<u16>,
+}
+
+impl SystemPorts {
+    pub fn free() -> Self {
+        Self {
+            lock_server: free_port(),
+            payment_resource: free_port(),
+            rail_stub: free_port(),
+            rail_proxy: free_port(),
+            general_ledger: free_port(),
+            metrics: (0..6).map(|_| free_port()).collect(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Databases {
+    pub paydb: String,
+    pub proxydb: String,
+    pub gldb: String,
+}
+
+pub struct System {
+    pub ports: SystemPorts,
+    pub databases: Databases,
+    pub task_queue: String,
+    pub temporal_address: String,
+    pub dir: PathBuf,
+    pub lock_server: ManagedProcess,
+    pub payment_resource: ManagedProcess,
+    pub rail_stub: ManagedProcess,
+    pub rail_proxy: ManagedProcess,
+    pub general_ledger: ManagedProcess,
+    pub dispatcher: ManagedProcess,
+    pub workers: Vec<ManagedProcess>,
+    worker_template: ProcessSpec,
+}
+
+fn url(port: u16) -> String {
+    format!("http://127.0.0.1:{port}")
+}
+
+impl System {
+    /// Starts every service and waits until each answers. Temporal is started if it is not yet.
+    pub async fn start(stack: &Stack, options: SystemOptions) -> anyhow::Result<Self> {
+        let n = free_port();
+        let dir = options.dir.clone().unwrap_or_else(|| stack.state_dir().join(format!("system-{n}")));
+        std::fs::create_dir_all(&dir)?;
+        let temporal = stack.try_temporal()?;
+        let databases = match &options.databases {
+            Some(d) => d.clone(),
+            None => Databases {
+                paydb: stack.fresh_db(PgServer::Main).await,
+                proxydb: stack.fresh_db(PgServer::Proxy).await,
+                gldb: stack.fresh_db(PgServer::Main).await,
+            },
+        };
+        let ports = options.ports.clone().unwrap_or_else(SystemPorts::free);
+        let task_queue = options.task_queue.clone().unwrap_or_else(|| format!("payouts-{}-{n}", std::process::id()));
+        let etcd_prefix = format!("/payout/{n}/lock/");
+        let log = |name: &str| dir.join(format!("{name}.log"));
+        let spec = |name: &str| {
+            Ok::<_, anyhow::Error>(ProcessSpec::new(name, workspace_bin(name), log(name)).lifetime(options.lifetime))
+        };
+        let m = &ports.metrics;
+
+        let lock_server = ManagedProcess::start(
+            spec("lock-server")?
+                .args(["--listen".into(), format!("127.0.0.1:{}", ports.lock_server)])
+                .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[0])])
+                .args(["--backend", "etcd"])
+                .args(["--etcd-endpoints".into(), stack.etcd_endpoints().join(",")])
+                .args(["--etcd-prefix".into(), etcd_prefix])
+                .args(["--issued-tokens-path".into(), dir.join("lock-issued-tokens.json").into_os_string()]),
+        )?;
+        let payment_resource = ManagedProcess::start(
+            spec("payment-resource")?
+                .arg("serve")
+                .args(["--listen".into(), format!("127.0.0.1:{}", ports.payment_resource)])
+                .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[1])])
+                .args(["--database-url", &databases.paydb]),
+        )?;
+        let mut stub = spec("rail-stub")?
+            .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_stub)])
+            .args(["--movements-file".into(), dir.join("rail-movements.jsonl").into_os_string()])
+            .args(["--settlement-window-ms".into(), options.settlement_window_ms.to_string()]);
+        if let Some(faults) = &options.rail_faults_json {
+            stub = stub.args(["--faults-json", faults]);
+        }
+        let rail_stub = ManagedProcess::start(stub)?;
+        let rail_proxy = ManagedProcess::start(
+            spec("rail-proxy")?
+                .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_proxy)])
+                .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[3])])
+                .args(["--database-url", &databases.proxydb])
+                .args(["--rail-url".into(), url(ports.rail_stub)])
+                .args(["--rail-timeout-ms".into(), options.rail_timeout_ms.to_string()]),
+        )?;
+        let general_ledger = ManagedProcess::start(
+            spec("general-ledger")?
+                .args(["--database-url", &databases.gldb])
+                .args(["--listen".into(), format!("127.0.0.1:{}", ports.general_ledger)])
+                .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[4])])
+                .arg("serve"),
+        )?;
+        let worker_template = {
+            let mut w = spec("payout-worker")?
+                .env("TEMPORAL_ADDRESS", temporal.address())
+                .env("TEMPORAL_NAMESPACE", crate::temporal::NAMESPACE)
+                .env("PAYOUT_TASK_QUEUE", task_queue.clone())
+                .env("LOCK_SERVER_URL", url(ports.lock_server))
+                .env("PAYMENT_RESOURCE_URL", url(ports.payment_resource))
+                .env("RAIL_PROXY_URL", url(ports.rail_proxy));
+            for (k, v) in &options.worker_env {
+                w = w.env(k, v.clone());
+            }
+            w
+        };
+
+        // The payment resource migrates paydb (which holds the outbox) before the dispatcher reads it.
+        wait_grpc(ports.payment_resource, &payment_resource).await?;
+        let dispatcher = ManagedProcess::start(
+            spec("outbox-dispatcher")?
+                .args(["--database-url", &databases.paydb])
+                .arg("run")
+                .args(["--gl-endpoint".into(), url(ports.general_ledger)])
+                .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[5])]),
+        )?;
+        wait_grpc(ports.lock_server, &lock_server).await?;
+        wait_grpc(ports.rail_proxy, &rail_proxy).await?;
+        wait_grpc(ports.general_ledger, &general_ledger).await?;
+        wait_tcp(ports.rail_stub, &rail_stub).await?;
+        wait_tcp(m[5], &dispatcher).await?;
+
+        let mut system = Self {
+            ports,
+            databases,
+            task_queue,
+            temporal_address: temporal.address(),
+            dir,
+            lock_server,
+            payment_resource,
+            rail_stub,
+            rail_proxy,
+            general_ledger,
+            dispatcher,
+            workers: Vec::new(),
+            worker_template,
+        };
+        for _ in 0..options.workers {
+            system.add_worker()?;
+        }
+        Ok(system)
+    }
+
+    /// Starts one more worker (identity `worker-<index>`).
+    pub fn add_worker(&mut self) -> anyhow::Result<&ManagedProcess> {
+        let index = self.workers.len();
+        let name = format!("payout-worker-{index}");
+        let mut spec = self.worker_template.clone().env("PAYOUT_WORKER_IDENTITY", format!("worker-{index}"));
+        spec.name = name.clone();
+        spec.log_path = self.dir.join(format!("{name}.log"));
+        self.workers.push(ManagedProcess::start(spec)?);
+        Ok(self.workers.last().expect("just pushed"))
+    }
+
+    pub fn lock_url(&self) -> String {
+        url(self.ports.lock_server)
+    }
+    pub fn payment_url(&self) -> String {
+        url(self.ports.payment_resource)
+    }
+    pub fn proxy_url(&self) -> String {
+        url(self.ports.rail_proxy)
+    }
+    pub fn rail_url(&self) -> String {
+        url(self.ports.rail_stub)
+    }
+    pub fn gl_url(&self) -> String {
+        url(self.ports.general_ledger)
+    }
+
+    /// Every process of the system with its name, for status displays and fault injection.
+    pub fn processes(&self) -> Vec<&ManagedProcess> {
+        let mut all = vec![
+            &self.lock_server,
+            &self.payment_resource,
+            &self.rail_stub,
+            &self.rail_proxy,
+            &self.general_ledger,
+            &self.dispatcher,
+        ];
+        all.extend(self.workers.iter());
+        all
+    }
+}
+
+/// Waits until `grpc.health.v1` says SERVING on `port`.
+pub async fn wait_grpc(port: u16, process: &ManagedProcess) -> anyhow::Result<()> {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    crate::util::eventually(
+        Duration::from_millis(SERVICE_READY_TIMEOUT_MS),
+        &format!("{} serving", process.name()),
+        || async {
+            if !process.is_running() {
+                return Some(false);
+            }
+            let channel = tonic::transport::Endpoint::from_shared(url(port)).ok()?.connect().await.ok()?;
+            let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await.ok()?;
+            (reply.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
+                .then_some(true)
+        },
+    )
+    .await
+    .and_then(|running| {
+        anyhow::ensure!(running, "{} exited during start-up", process.name());
+        Ok(())
+    })
+    .with_context(|| format!("{} log tail:\n{}", process.name(), process.log_tail(20)))
+}
+
+/// Waits until something accepts connections on `port`.
+pub async fn wait_tcp(port: u16, process: &ManagedProcess) -> anyhow::Result<()> {
+    crate::util::eventually(
+        Duration::from_millis(SERVICE_READY_TIMEOUT_MS),
+        &format!("{} listening", process.name()),
+        || async {
+            if !process.is_running() {
+                return Some(false);
+            }
+            tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok().map(|_| true)
+        },
+    )
+    .await
+    .and_then(|running| {
+        anyhow::ensure!(running, "{} exited during start-up", process.name());
+        Ok(())
+    })
+    .with_context(|| format!("{} log tail:\n{}", process.name(), process.log_tail(20)))
+}
