@@ -1,5 +1,6 @@
 //! `payoutctl`: what an operator types. Errors are reported once, here, with their context chain.
 
+mod bench;
 mod migrate;
 mod stack;
 
@@ -19,6 +20,11 @@ enum Command {
         #[command(subcommand)]
         action: stack::Action,
     },
+    /// Benchmarks that print figures: our path and the plain path it wraps, in the same run.
+    Bench {
+        #[command(subcommand)]
+        which: bench::Which,
+    },
     /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb.
     Migrate(migrate::Args),
 }
@@ -37,6 +43,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Stack { action } => stack::run(action).await,
             Command::Migrate(args) => migrate::run(args).await,
+            Command::Bench { which } => bench::run(which).await,
         }
     });
     match result {

@@ -197,6 +197,11 @@ impl EtcdBackend {
         format!("{}locks/{key}", self.prefix)
     }
 
+    /// `{prefix}grants/{key}/{uuid}`: one permanent record per minted grant (see `try_acquire`).
+    pub fn grants_prefix(&self) -> String {
+        format!("{}grants/", self.prefix)
+    }
+
     fn encode(owner: &str, session_id: &str) -> String {
         serde_json::to_string(&Entry {
             owner: owner.to_string(),
@@ -334,13 +339,20 @@ impl EtcdBackend {
     ) -> Result<Attempt, LockError> {
         let lease = parse_lease(session_id)?;
         let k = self.lock_key(key);
+        // Every minted grant also leaves a permanent record in the same transaction, so its
+        // create revision is the token: the reconciler's evidence that a token presented at a
+        // guard was really issued (INV-07's detective control). Records are kept, not leased.
+        let grant_record = format!("{}{key}/{}", self.grants_prefix(), uuid::Uuid::new_v4());
         let txn = Txn::new()
             .when([Compare::create_revision(k.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                k.clone(),
-                Self::encode(owner, session_id),
-                Some(PutOptions::new().with_lease(lease)),
-            )])
+            .and_then([
+                TxnOp::put(
+                    k.clone(),
+                    Self::encode(owner, session_id),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                TxnOp::put(grant_record, Self::encode(owner, session_id), None),
+            ])
             .or_else([TxnOp::get(k.clone(), None)]);
         let resp = self
             .call(Some(session_id), |mut c| {

@@ -1,0 +1,590 @@
+//! The reconciler: the detective controls of spec 2.5, run after the fact.
+//!
+//! It reads only stored evidence — paydb, proxydb, gldb, the rail's own record of movements and the
+//! lock service's grant records in etcd — and checks every invariant again, independently of the
+//! code that was supposed to keep it. A primary that has been broken or removed shows up here.
+//! It never repairs anything: a finding is for a human (and for the alert on its metric).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use payout_domain::{Actor, PayoutEvent, PayoutState};
+use serde::Serialize;
+use sqlx::{PgPool, Row};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("reading {store}: {source}")]
+    Store { store: &'static str, source: sqlx::Error },
+    #[error("reading the rail's movements: {0}")]
+    Rail(String),
+    #[error("reading the lock grants from etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+}
+
+/// Where the evidence is.
+pub struct Sources {
+    pub paydb: PgPool,
+    pub proxydb: PgPool,
+    pub gldb: PgPool,
+    /// The rail (stub) base URL: its record of every movement is the ground truth of INV-02.
+    pub rail_url: Option<String>,
+    /// etcd endpoints and the lock-server's key prefix, for the grant records.
+    pub lock_grants: Option<(Vec<String>, String)>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Undelivered outbox rows are a violation (use once the dispatcher has had time to drain).
+    pub require_outbox_drained: bool,
+}
+
+/// The outcome of one check.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    pub invariant: &'static str,
+    /// How many items (payouts, groups, accounts, journals, ...) were examined.
+    pub examined: u64,
+    pub violations: Vec<String>,
+    /// Why the check could not run, if it could not (a missing source). Not a pass.
+    pub skipped: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub checks: Vec<Check>,
+    pub violations: usize,
+    pub payouts_by_state: BTreeMap<String, u64>,
+    pub rail_movements: u64,
+    pub outbox_pending: u64,
+    pub ambiguous_payouts: Vec<String>,
+}
+
+impl Report {
+    pub fn is_clean(&self) -> bool {
+        self.violations == 0
+    }
+
+    /// A readable table.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str(&format!("{:<34} {:<14} {:>9} {:>10}\n", "CHECK", "INVARIANT", "EXAMINED", "VIOLATIONS"));
+        for c in &self.checks {
+            let v = match &c.skipped {
+                Some(_) => "skipped".to_string(),
+                None => c.violations.len().to_string(),
+            };
+            out.push_str(&format!("{:<34} {:<14} {:>9} {:>10}\n", c.name, c.invariant, c.examined, v));
+        }
+        for c in &self.checks {
+            if let Some(why) = &c.skipped {
+                out.push_str(&format!("  {} skipped: {why}\n", c.name));
+            }
+            for v in c.violations.iter().take(VIOLATIONS_SHOWN_MAX) {
+                out.push_str(&format!("  VIOLATION {}: {v}\n", c.name));
+            }
+            if c.violations.len() > VIOLATIONS_SHOWN_MAX {
+                out.push_str(&format!("  ... and {} more\n", c.violations.len() - VIOLATIONS_SHOWN_MAX));
+            }
+        }
+        let states: Vec<String> = self.payouts_by_state.iter().map(|(s, n)| format!("{s}={n}")).collect();
+        out.push_str(&format!(
+            "payouts: {}; rail movements: {}; outbox pending: {}; ambiguous: {}\n",
+            states.join(" "),
+            self.rail_movements,
+            self.outbox_pending,
+            self.ambiguous_payouts.len()
+        ));
+        out.push_str(&format!("violations: {}\n", self.violations));
+        out
+    }
+}
+
+/// A report lists at most this many findings per check in its table (all are in the JSON).
+pub const VIOLATIONS_SHOWN_MAX: usize = 10;
+
+fn store(name: &'static str) -> impl Fn(sqlx::Error) -> ReconcileError {
+    move |source| ReconcileError::Store { store: name, source }
+}
+
+fn check(name: &'static str, invariant: &'static str) -> Check {
+    Check { name, invariant, examined: 0, violations: Vec::new(), skipped: None }
+}
+
+const IN_FLIGHT: &str = "('CLAIMED','RAIL_SUBMITTED','RAIL_ACKED','RAIL_AMBIGUOUS')";
+
+/// Runs every check.
+pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, ReconcileError> {
+    let mut checks = Vec::new();
+    let payouts = load_payouts(&sources.paydb).await?;
+    let payouts_by_state = payouts.values().fold(BTreeMap::new(), |mut m, p| {
+        *m.entry(p.state.clone()).or_insert(0u64) += 1;
+        m
+    });
+    let ambiguous_payouts =
+        payouts.values().filter(|p| p.state == "RAIL_AMBIGUOUS").map(|p| p.id.clone()).collect();
+
+    checks.push(one_in_flight_per_account(&sources.paydb).await?);
+    checks.push(transition_history(&sources.paydb, &payouts).await?);
+    checks.push(guard1_tokens(&sources.paydb).await?);
+    checks.push(ledger_balanced(&sources.paydb).await?);
+    checks.push(postings_match_payouts(&sources.paydb, &payouts).await?);
+    checks.push(one_submission_per_payout(&sources.proxydb, &payouts).await?);
+    checks.push(guard2_tokens(&sources.proxydb).await?);
+    let (rail, rail_movements) = rail_movements(sources, &payouts).await?;
+    checks.push(rail);
+    let (gl, outbox_pending) = gl_matches_paydb(&sources.paydb, &sources.gldb, options).await?;
+    checks.push(gl);
+    checks.push(tokens_were_granted(sources).await?);
+
+    let violations = checks.iter().map(|c| c.violations.len()).sum();
+    for c in &checks {
+        for v in &c.violations {
+            tracing::error!(check = c.name, invariant = c.invariant, violation = %v, "reconciliation violation");
+        }
+    }
+    Ok(Report { checks, violations, payouts_by_state, rail_movements, outbox_pending, ambiguous_payouts })
+}
+
+#[derive(Debug, Clone)]
+struct PayoutRow {
+    id: String,
+    state: String,
+    amount_minor: i64,
+    client_reference: String,
+}
+
+async fn load_payouts(paydb: &PgPool) -> Result<BTreeMap<String, PayoutRow>, ReconcileError> {
+    let rows = sqlx::query("SELECT id, account_id, state, amount_minor, client_reference FROM payout")
+        .fetch_all(paydb)
+        .await
+        .map_err(store("paydb"))?;
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let p = PayoutRow {
+                id: r.get("id"),
+                state: r.get("state"),
+                amount_minor: r.get("amount_minor"),
+                client_reference: r.get("client_reference"),
+            };
+            (p.id.clone(), p)
+        })
+        .collect())
+}
+
+/// INV-01's detective control: at most one payout per account is in flight.
+async fn one_in_flight_per_account(paydb: &PgPool) -> Result<Check, ReconcileError> {
+    let mut c = check("one_in_flight_payout_per_account", "INV-01");
+    c.examined = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM account")
+        .fetch_one(paydb)
+        .await
+        .map_err(store("paydb"))? as u64;
+    let rows = sqlx::query(&format!(
+        "SELECT account_id, string_agg(id, ',' ORDER BY id) AS ids FROM payout \
+         WHERE state IN {IN_FLIGHT} GROUP BY account_id HAVING count(*) > 1"
+    ))
+    .fetch_all(paydb)
+    .await
+    .map_err(store("paydb"))?;
+    for r in rows {
+        let account: String = r.get("account_id");
+        let ids: String = r.get("ids");
+        c.violations.push(format!("account {account} has several payouts in flight: {ids}"));
+    }
+    Ok(c)
+}
+
+/// INV-01 and INV-08: each payout's recorded transitions replay through the 2.3 table from
+/// PENDING to its current state, by the listed actor; nothing ever leaves a terminal state.
+async fn transition_history(paydb: &PgPool, payouts: &BTreeMap<String, PayoutRow>) -> Result<Check, ReconcileError> {
+    let mut c = check("transition_history_replays", "INV-01/INV-08");
+    let rows = sqlx::query(
+        "SELECT payout_id, from_state, to_state, event, actor FROM audit_event \
+         WHERE kind = 'transition' AND payout_id IS NOT NULL ORDER BY payout_id, id",
+    )
+    .fetch_all(paydb)
+    .await
+    .map_err(store("paydb"))?;
+    let mut history: HashMap<String, Vec<(String, String, String, String)>> = HashMap::new();
+    for r in rows {
+        history.entry(r.get("payout_id")).or_default().push((
+            r.get::<Option<String>, _>("from_state").unwrap_or_default(),
+            r.get::<Option<String>, _>("to_state").unwrap_or_default(),
+            r.get::<Option<String>, _>("event").unwrap_or_default(),
+            r.get::<String, _>("actor"),
+        ));
+    }
+    for p in payouts.values() {
+        c.examined += 1;
+        let mut state = PayoutState::Pending;
+        for (from, to, event, actor) in history.get(&p.id).map(Vec::as_slice).unwrap_or_default() {
+            if from != state.as_str() {
+                c.violations.push(format!("{}: transition recorded from {from} while the history was at {state}", p.id));
+                break;
+            }
+            let (Some(e), Some(a)) = (PayoutEvent::parse(event), parse_actor(actor)) else {
+                c.violations.push(format!("{}: unknown event {event:?} or actor {actor:?}", p.id));
+                break;
+            };
+            match state.apply(e, a) {
+                Ok(next) if next.as_str() == to => state = next,
+                Ok(next) => {
+                    c.violations.push(format!("{}: {from} --{event}--> {to}, but the table says {next}", p.id));
+                    break;
+                }
+                Err(refused) => {
+                    c.violations.push(format!("{}: recorded transition is not allowed: {refused}", p.id));
+                    break;
+                }
+            }
+        }
+        if state.as_str() != p.state && c.violations.last().is_none_or(|v| !v.starts_with(&p.id)) {
+            c.violations.push(format!("{}: state is {} but its recorded history ends at {state}", p.id, p.state));
+        }
+    }
+    Ok(c)
+}
+
+fn parse_actor(value: &str) -> Option<Actor> {
+    [Actor::Holder, Actor::Resolver, Actor::Operator].into_iter().find(|a| a.as_str() == value)
+}
+
+/// INV-04/INV-05 at the first guard: per account, the tokens of accepted transitions never go
+/// down in commit order, and the stored fence is at least every accepted token.
+async fn guard1_tokens(paydb: &PgPool) -> Result<Check, ReconcileError> {
+    let mut c = check("paydb_tokens_never_decrease", "INV-04/INV-05");
+    let rows = sqlx::query(
+        "SELECT account_id, token, payout_id FROM audit_event \
+         WHERE kind = 'transition' AND token IS NOT NULL ORDER BY account_id, id",
+    )
+    .fetch_all(paydb)
+    .await
+    .map_err(store("paydb"))?;
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for r in &rows {
+        c.examined += 1;
+        let account: String = r.get("account_id");
+        let token: i64 = r.get("token");
+        if let Some(prev) = last.get(&account) {
+            if token < *prev {
+                let payout: Option<String> = r.get("payout_id");
+                c.violations.push(format!(
+                    "account {account}: token {token} accepted after {prev} (payout {})",
+                    payout.unwrap_or_default()
+                ));
+            }
+        }
+        last.insert(account, token);
+    }
+    let fences = sqlx::query("SELECT id, fence FROM account").fetch_all(paydb).await.map_err(store("paydb"))?;
+    for r in fences {
+        let account: String = r.get("id");
+        let fence: i64 = r.get("fence");
+        if let Some(max) = last.get(&account) {
+            if fence < *max {
+                c.violations.push(format!("account {account}: fence {fence} is below accepted token {max}"));
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// INV-03: every transaction group sums to zero; every balance equals the sum of its entries.
+async fn ledger_balanced(paydb: &PgPool) -> Result<Check, ReconcileError> {
+    let mut c = check("ledger_balanced", "INV-03");
+    c.examined = sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT transaction_group) FROM ledger_entry")
+        .fetch_one(paydb)
+        .await
+        .map_err(store("paydb"))? as u64;
+    let groups = sqlx::query(
+        "SELECT transaction_group::text AS g, sum(amount_minor)::bigint AS s FROM ledger_entry \
+         GROUP BY transaction_group HAVING sum(amount_minor) <> 0",
+    )
+    .fetch_all(paydb)
+    .await
+    .map_err(store("paydb"))?;
+    for r in groups {
+        let g: String = r.get("g");
+        let s: i64 = r.get("s");
+        c.violations.push(format!("group {g} sums to {s}, not 0"));
+    }
+    let balances = sqlx::query(
+        "SELECT a.id, a.balance_minor, coalesce(sum(e.amount_minor), 0)::bigint AS summed \
+         FROM account a LEFT JOIN ledger_entry e ON e.account_id = a.id \
+         GROUP BY a.id, a.balance_minor HAVING a.balance_minor <> coalesce(sum(e.amount_minor), 0)",
+    )
+    .fetch_all(paydb)
+    .await
+    .map_err(store("paydb"))?;
+    for r in balances {
+        let id: String = r.get("id");
+        let cached: i64 = r.get("balance_minor");
+        let summed: i64 = r.get("summed");
+        c.violations.push(format!("account {id}: balance {cached} but its entries sum to {summed}"));
+    }
+    Ok(c)
+}
+
+/// A POSTED payout has exactly its two rows (the customer debited by the amount); no other payout
+/// has any.
+async fn postings_match_payouts(paydb: &PgPool, payouts: &BTreeMap<String, PayoutRow>) -> Result<Check, ReconcileError> {
+    let mut c = check("postings_match_payouts", "INV-03");
+    let rows = sqlx::query(
+        "SELECT e.payout_id, count(*) AS n, \
+                coalesce(sum(e.amount_minor) FILTER (WHERE e.account_id = p.account_id), 0)::bigint AS customer \
+         FROM ledger_entry e JOIN payout p ON p.id = e.payout_id GROUP BY e.payout_id",
+    )
+    .fetch_all(paydb)
+    .await
+    .map_err(store("paydb"))?;
+    let mut posted: HashMap<String, (i64, i64)> = HashMap::new();
+    for r in rows {
+        posted.insert(r.get("payout_id"), (r.get("n"), r.get("customer")));
+    }
+    for p in payouts.values() {
+        c.examined += 1;
+        let rows = posted.get(&p.id).copied();
+        match (p.state.as_str(), rows) {
+            ("POSTED", Some((2, customer))) if customer == -p.amount_minor => {}
+            ("POSTED", other) => c.violations.push(format!("{} is POSTED but its ledger rows are {other:?}", p.id)),
+            (_, Some(rows)) => c.violations.push(format!("{} is {} but has ledger rows {rows:?}", p.id, p.state)),
+            (_, None) => {}
+        }
+    }
+    Ok(c)
+}
+
+/// INV-02 at the proxy: one submission record per payout, and only for payouts that exist.
+async fn one_submission_per_payout(proxydb: &PgPool, payouts: &BTreeMap<String, PayoutRow>) -> Result<Check, ReconcileError> {
+    let mut c = check("one_submission_per_payout", "INV-02");
+    let rows = sqlx::query("SELECT payout_id, count(*) AS n FROM rail_submission GROUP BY payout_id")
+        .fetch_all(proxydb)
+        .await
+        .map_err(store("proxydb"))?;
+    for r in rows {
+        c.examined += 1;
+        let payout: String = r.get("payout_id");
+        let n: i64 = r.get("n");
+        if n > 1 {
+            c.violations.push(format!("payout {payout} has {n} submissions"));
+        }
+        if !payouts.contains_key(&payout) {
+            c.violations.push(format!("submission for unknown payout {payout}"));
+        }
+    }
+    Ok(c)
+}
+
+/// INV-04/INV-05 at the second guard: per account, submission tokens never go down in insertion
+/// order, and the high-water is at least every accepted token.
+async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
+    let mut c = check("proxydb_tokens_never_decrease", "INV-04/INV-05");
+    let rows = sqlx::query("SELECT account_id, fence_token, payout_id FROM rail_submission ORDER BY account_id, id")
+        .fetch_all(proxydb)
+        .await
+        .map_err(store("proxydb"))?;
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for r in &rows {
+        c.examined += 1;
+        let account: String = r.get("account_id");
+        let token: i64 = r.get("fence_token");
+        if let Some(prev) = last.get(&account) {
+            if token < *prev {
+                let payout: String = r.get("payout_id");
+                c.violations.push(format!("account {account}: submission token {token} after {prev} (payout {payout})"));
+            }
+        }
+        last.insert(account, token);
+    }
+    let hw = sqlx::query("SELECT account_id, high_water FROM account_high_water")
+        .fetch_all(proxydb)
+        .await
+        .map_err(store("proxydb"))?;
+    for r in hw {
+        let account: String = r.get("account_id");
+        let high: i64 = r.get("high_water");
+        if let Some(max) = last.get(&account) {
+            if high < *max {
+                c.violations.push(format!("account {account}: high-water {high} below submitted token {max}"));
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// INV-02 against the rail's own record: at most one movement per payout; a POSTED payout has
+/// exactly one; every movement belongs to a payout that went through the proxy and whose state
+/// admits that money moved.
+async fn rail_movements(sources: &Sources, payouts: &BTreeMap<String, PayoutRow>) -> Result<(Check, u64), ReconcileError> {
+    let mut c = check("rail_movements_at_most_once", "INV-02");
+    let Some(url) = &sources.rail_url else {
+        c.skipped = Some("no rail URL given".into());
+        return Ok((c, 0));
+    };
+    let truth = rail_stub::client::StubClient::new(url.clone())
+        .ground_truth()
+        .await
+        .map_err(|e| ReconcileError::Rail(e.to_string()))?;
+    let submitted: BTreeSet<String> = sqlx::query_scalar("SELECT client_reference FROM rail_submission")
+        .fetch_all(&sources.proxydb)
+        .await
+        .map_err(store("proxydb"))?
+        .into_iter()
+        .collect();
+    let by_reference: HashMap<&str, &PayoutRow> = payouts.values().map(|p| (p.client_reference.as_str(), p)).collect();
+    for (reference, count) in &truth.movement_counts {
+        c.examined += 1;
+        if *count > 1 {
+            c.violations.push(format!("DUPLICATE PAYMENT: {count} rail movements for {reference}"));
+        }
+        if !submitted.contains(reference) {
+            c.violations.push(format!("rail movement for {reference} without a proxy submission record"));
+        }
+        match by_reference.get(reference.as_str()) {
+            None => c.violations.push(format!("rail movement for {reference}, which is no payout of ours")),
+            Some(p) if matches!(p.state.as_str(), "POSTED" | "RAIL_ACKED" | "RAIL_AMBIGUOUS" | "RAIL_SUBMITTED") => {}
+            Some(p) => c.violations.push(format!(
+                "money moved for {} but the payout is {} (books say it did not)",
+                p.id, p.state
+            )),
+        }
+    }
+    for p in payouts.values().filter(|p| p.state == "POSTED") {
+        if truth.movement_counts.get(&p.client_reference).copied().unwrap_or(0) != 1 {
+            c.violations.push(format!("{} is POSTED without exactly one rail movement", p.id));
+        }
+    }
+    Ok((c, truth.movements.len() as u64))
+}
+
+/// The GL holds exactly the postings paydb's outbox carried, one journal per row, same amounts.
+async fn gl_matches_paydb(paydb: &PgPool, gldb: &PgPool, options: &Options) -> Result<(Check, u64), ReconcileError> {
+    let mut c = check("gl_matches_paydb", "outbox/GL");
+    let outbox = sqlx::query("SELECT idempotency_key, payload, delivered_at IS NOT NULL AS delivered FROM ledger_outbox")
+        .fetch_all(paydb)
+        .await
+        .map_err(store("paydb"))?;
+    let journals = sqlx::query(
+        "SELECT j.idempotency_key, e.line_number, e.amount::text AS amount \
+         FROM journals j JOIN entries e ON e.journal_id = j.id WHERE j.source_service = 'payment-resource'",
+    )
+    .fetch_all(gldb)
+    .await
+    .map_err(store("gldb"))?;
+    let mut gl: HashMap<String, BTreeMap<i32, String>> = HashMap::new();
+    for r in journals {
+        let amount: String = r.get("amount");
+        gl.entry(r.get("idempotency_key")).or_default().insert(r.get("line_number"), normalize_decimal(&amount));
+    }
+    let mut pending = 0;
+    let mut keys = BTreeSet::new();
+    for r in outbox {
+        c.examined += 1;
+        let key: String = r.get("idempotency_key");
+        let payload: serde_json::Value = r.get("payload");
+        let delivered: bool = r.get("delivered");
+        keys.insert(key.clone());
+        let expected: BTreeMap<i32, String> = payload["entries"]
+            .as_array()
+            .map(|entries| {
+                entries
+                    .iter()
+                    .map(|e| {
+                        (
+                            e["line_number"].as_i64().unwrap_or(0) as i32,
+                            normalize_decimal(e["amount"].as_str().unwrap_or("")),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        match gl.get(&key) {
+            Some(lines) if *lines == expected => {}
+            Some(lines) => c.violations.push(format!("journal {key}: GL lines {lines:?} differ from paydb's {expected:?}")),
+            None if delivered => c.violations.push(format!("outbox row {key} marked delivered but absent from the GL")),
+            None => {
+                pending += 1;
+                if options.require_outbox_drained {
+                    c.violations.push(format!("outbox row {key} not delivered"));
+                }
+            }
+        }
+    }
+    for key in gl.keys().filter(|k| !keys.contains(*k)) {
+        c.violations.push(format!("GL journal {key} has no posting in paydb"));
+    }
+    Ok((c, pending))
+}
+
+/// "12.340000" and "12.34" are the same amount; "-0.50" and "-0.5" too.
+fn normalize_decimal(value: &str) -> String {
+    if !value.contains('.') {
+        return value.to_string();
+    }
+    value.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// INV-07's detective control: every token a guard accepted was minted by the lock service for
+/// that account's key (etcd keeps one permanent record per grant, whose create revision is the token).
+async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError> {
+    let mut c = check("guard_tokens_were_granted", "INV-07");
+    let Some((endpoints, prefix)) = &sources.lock_grants else {
+        c.skipped = Some("no etcd grant records given (PostgreSQL lock backend, or not configured)".into());
+        return Ok(c);
+    };
+    let mut client = etcd_client::Client::connect(endpoints, None).await?;
+    let grants_prefix = format!("{prefix}grants/");
+    let got = client
+        .get(grants_prefix.clone(), Some(etcd_client::GetOptions::new().with_prefix().with_keys_only()))
+        .await?;
+    let mut granted: HashMap<String, BTreeSet<i64>> = HashMap::new();
+    for kv in got.kvs() {
+        let key = String::from_utf8_lossy(kv.key());
+        if let Some(rest) = key.strip_prefix(&grants_prefix) {
+            if let Some((lock_key, _)) = rest.rsplit_once('/') {
+                granted.entry(lock_key.to_string()).or_default().insert(kv.create_revision());
+            }
+        }
+    }
+    let mut presented: Vec<(String, i64, String)> = Vec::new();
+    for r in sqlx::query("SELECT account_id, fence_token, payout_id FROM rail_submission")
+        .fetch_all(&sources.proxydb)
+        .await
+        .map_err(store("proxydb"))?
+    {
+        presented.push((r.get("account_id"), r.get("fence_token"), format!("submission of {}", r.get::<String, _>("payout_id"))));
+    }
+    for r in sqlx::query(
+        "SELECT DISTINCT account_id, token FROM audit_event WHERE kind = 'transition' AND token IS NOT NULL",
+    )
+    .fetch_all(&sources.paydb)
+    .await
+    .map_err(store("paydb"))?
+    {
+        presented.push((r.get("account_id"), r.get("token"), "paydb transition".into()));
+    }
+    for (account, token, what) in presented {
+        c.examined += 1;
+        let key = payout_domain::lock_key(&payout_domain::AccountId::parse(account.clone()).unwrap_or_else(|_| {
+            payout_domain::AccountId::parse("invalid").expect("literal id")
+        }));
+        if !granted.get(&key).is_some_and(|tokens| tokens.contains(&token)) {
+            c.violations.push(format!("{what}: token {token} for {key} was never granted"));
+        }
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::normalize_decimal;
+
+    #[test]
+    fn decimals_normalize() {
+        assert_eq!(normalize_decimal("12.340000000000000000"), "12.34");
+        assert_eq!(normalize_decimal("12.34"), "12.34");
+        assert_eq!(normalize_decimal("-1.000"), "-1");
+        assert_eq!(normalize_decimal("5"), "5");
+    }
+}
