@@ -28,18 +28,35 @@ pub struct Args {
 
 pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
     let stack = tokio::task::spawn_blocking(|| Stack::builder().start()).await??;
-    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
     match which {
         Which::Lock(args) => {
-            let r = lock_server::bench::run(&stack.etcd_endpoints(), args.iterations, args.concurrency)
-                .await
-                .map_err(|e| anyhow::anyhow!("lock bench: {e}"))?;
+            let r =
+                lock_server::bench::run(&stack.etcd_endpoints(), args.iterations, args.concurrency)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("lock bench: {e}"))?;
             if args.json {
-                println!("{}", serde_json::json!({"bench": "lock", "profile": profile, "report": r}));
+                println!(
+                    "{}",
+                    serde_json::json!({"bench": "lock", "profile": profile, "report": r})
+                );
             } else {
-                println!("lock: {} acquire+release, concurrency {}, {profile} build", r.iterations, r.concurrency);
-                println!("{:<28} {:>10} {:>10} {:>12}", "path", "p50 (ms)", "p99 (ms)", "ops/s");
-                for (name, s) in [("lock service (gRPC)", &r.service), ("raw etcd transactions", &r.raw_etcd)] {
+                println!(
+                    "lock: {} acquire+release, concurrency {}, {profile} build",
+                    r.iterations, r.concurrency
+                );
+                println!(
+                    "{:<28} {:>10} {:>10} {:>12}",
+                    "path", "p50 (ms)", "p99 (ms)", "ops/s"
+                );
+                for (name, s) in [
+                    ("lock service (gRPC)", &r.service),
+                    ("raw etcd transactions", &r.raw_etcd),
+                ] {
                     println!(
                         "{:<28} {:>10.2} {:>10.2} {:>12.0}",
                         name,
@@ -48,7 +65,10 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                         s.ops_per_s
                     );
                 }
-                println!("p99 ratio service/raw: {:.2} (target at most 2)", r.p99_ratio);
+                println!(
+                    "p99 ratio service/raw: {:.2} (target at most 2)",
+                    r.p99_ratio
+                );
             }
         }
         Which::Proxy(args) => {
@@ -57,12 +77,27 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 .await
                 .map_err(|e| anyhow::anyhow!("proxy bench: {e}"))?;
             if args.json {
-                println!("{}", serde_json::json!({"bench": "proxy", "profile": profile, "report": r}));
+                println!(
+                    "{}",
+                    serde_json::json!({"bench": "proxy", "profile": profile, "report": r})
+                );
             } else {
-                println!("proxy: {} payouts, concurrency {}, {profile} build", r.iterations, r.concurrency);
-                println!("{:<28} {:>10} {:>10} {:>12}", "path", "p50 (ms)", "p99 (ms)", "per s");
-                for (name, f) in [("rail proxy Submit", &r.proxy), ("stub called directly", &r.direct)] {
-                    println!("{:<28} {:>10.2} {:>10.2} {:>12.0}", name, f.p50_ms, f.p99_ms, f.throughput_per_s);
+                println!(
+                    "proxy: {} payouts, concurrency {}, {profile} build",
+                    r.iterations, r.concurrency
+                );
+                println!(
+                    "{:<28} {:>10} {:>10} {:>12}",
+                    "path", "p50 (ms)", "p99 (ms)", "per s"
+                );
+                for (name, f) in [
+                    ("rail proxy Submit", &r.proxy),
+                    ("stub called directly", &r.direct),
+                ] {
+                    println!(
+                        "{:<28} {:>10.2} {:>10.2} {:>12.0}",
+                        name, f.p50_ms, f.p99_ms, f.throughput_per_s
+                    );
                 }
                 println!(
                     "throughput ratio direct/proxy: {:.2}; guard cost per payout at p50: {:.2} ms; stub movements {}",
@@ -76,14 +111,32 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 .await
                 .map_err(|e| anyhow::anyhow!("ledger bench: {e}"))?;
             if args.json {
-                println!("{}", serde_json::json!({"bench": "ledger", "profile": profile, "report": r}));
+                println!(
+                    "{}",
+                    serde_json::json!({"bench": "ledger", "profile": profile, "report": r})
+                );
             } else {
-                println!("ledger: {} two-entry journals, concurrency {}, {profile} build", r.iterations, r.concurrency);
-                println!("{:<28} {:>10} {:>10} {:>12}", "path", "p50 (ms)", "p99 (ms)", "journals/s");
-                for (name, s) in [("AppendJournal (gRPC)", &r.append_journal_grpc), ("plain SQL transactions", &r.plain_sql)] {
-                    println!("{:<28} {:>10.2} {:>10.2} {:>12.0}", name, s.p50_ms, s.p99_ms, s.journals_per_second);
+                println!(
+                    "ledger: {} two-entry journals, concurrency {}, {profile} build",
+                    r.iterations, r.concurrency
+                );
+                println!(
+                    "{:<28} {:>10} {:>10} {:>12}",
+                    "path", "p50 (ms)", "p99 (ms)", "journals/s"
+                );
+                for (name, s) in [
+                    ("AppendJournal (gRPC)", &r.append_journal_grpc),
+                    ("plain SQL transactions", &r.plain_sql),
+                ] {
+                    println!(
+                        "{:<28} {:>10.2} {:>10.2} {:>12.0}",
+                        name, s.p50_ms, s.p99_ms, s.journals_per_second
+                    );
                 }
-                println!("ratio AppendJournal/plain SQL: {:.2} (target at least {:.2})", r.ratio, r.target_ratio);
+                println!(
+                    "ratio AppendJournal/plain SQL: {:.2} (target at least {:.2})",
+                    r.ratio, r.target_ratio
+                );
             }
         }
     }

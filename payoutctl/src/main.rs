@@ -2,12 +2,17 @@
 
 mod bench;
 mod migrate;
+mod reconcile;
 mod stack;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "payoutctl", version, about = "Operate the fenced payout system")]
+#[command(
+    name = "payoutctl",
+    version,
+    about = "Operate the fenced payout system"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -25,6 +30,8 @@ enum Command {
         #[command(subcommand)]
         which: bench::Which,
     },
+    /// Check every invariant across paydb, proxydb, gldb, the rail and the lock grants.
+    Reconcile(reconcile::Args),
     /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb.
     Migrate(migrate::Args),
 }
@@ -44,6 +51,7 @@ fn main() -> std::process::ExitCode {
             Command::Stack { action } => stack::run(action).await,
             Command::Migrate(args) => migrate::run(args).await,
             Command::Bench { which } => bench::run(which).await,
+            Command::Reconcile(args) => reconcile::run(args).await,
         }
     });
     match result {

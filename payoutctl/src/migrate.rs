@@ -37,8 +37,13 @@ pub fn migrator(database: &str) -> &'static Migrator {
 
 pub async fn apply(database: &str, url: &str) -> anyhow::Result<()> {
     use anyhow::Context;
-    let pool = sqlx::PgPool::connect(url).await.with_context(|| format!("connecting to {database}"))?;
-    migrator(database).run(&pool).await.with_context(|| format!("migrating {database}"))?;
+    let pool = sqlx::PgPool::connect(url)
+        .await
+        .with_context(|| format!("connecting to {database}"))?;
+    migrator(database)
+        .run(&pool)
+        .await
+        .with_context(|| format!("migrating {database}"))?;
     pool.close().await;
     Ok(())
 }

@@ -8,9 +8,12 @@ use anyhow::Context;
 use clap::{Args as ClapArgs, Subcommand};
 use serde::{Deserialize, Serialize};
 use testkit::stack::StackPorts;
+use testkit::system::{Databases, System, SystemOptions, SystemPorts};
 use testkit::{Lifetime, Stack};
 
 pub const DEFAULT_STATE_DIR: &str = ".state/stack";
+/// The task queue of the local stack's workers.
+pub const TASK_QUEUE: &str = "payouts";
 const RECORD_FILE: &str = "stack.json";
 /// How long `down` waits for a part to exit on SIGTERM before SIGKILL.
 const STOP_GRACE_MS: u64 = 15_000;
@@ -58,6 +61,19 @@ pub struct UpArgs {
     pub temporal_port: u16,
     #[arg(long, env = "PAYOUT_TEMPORAL_UI_PORT", default_value_t = 8233)]
     pub temporal_ui_port: u16,
+    /// Our services listen on base+1.. (lock-server, payment-resource, rail-stub, rail-proxy,
+    /// general-ledger) and serve /metrics on base+11..base+16.
+    #[arg(long, env = "PAYOUT_SERVICE_PORT_BASE", default_value_t = 50050)]
+    pub service_port_base: u16,
+    /// Payout workers to run.
+    #[arg(long, env = "PAYOUT_WORKERS", default_value_t = 2)]
+    pub workers: usize,
+    /// The rail stub's settlement window: lookups are authoritative after it.
+    #[arg(long, default_value_t = 2000)]
+    pub settlement_window_ms: u64,
+    /// Infrastructure only (PostgreSQL, etcd, Temporal), none of our services.
+    #[arg(long)]
+    pub infra_only: bool,
 }
 
 /// What `up` leaves behind for `down`, `status`, `migrate` and the run.
@@ -65,7 +81,39 @@ pub struct UpArgs {
 pub struct StackRecord {
     pub ports: StackPorts,
     pub parts: Vec<Part>,
+    /// Our services, when they were started.
+    #[serde(default)]
+    pub system: Option<SystemRecord>,
 }
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SystemRecord {
+    pub ports: SystemPorts,
+    pub databases: Databases,
+    pub task_queue: String,
+    pub settlement_window_ms: u64,
+}
+
+impl SystemRecord {
+    fn url(port: u16) -> String {
+        format!("http://127.0.0.1:{port}")
+    }
+    pub fn payment_url(&self) -> String {
+        Self::url(self.ports.payment_resource)
+    }
+    pub fn proxy_url(&self) -> String {
+        Self::url(self.ports.rail_proxy)
+    }
+    pub fn rail_url(&self) -> String {
+        Self::url(self.ports.rail_stub)
+    }
+    pub fn lock_url(&self) -> String {
+        Self::url(self.ports.lock_server)
+    }
+}
+
+/// The lock-server's etcd key prefix in the local stack.
+pub const LOCK_ETCD_PREFIX: &str = "/payout/lock/";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Part {
@@ -77,8 +125,12 @@ pub struct Part {
 impl StackRecord {
     pub fn load(state_dir: &Path) -> anyhow::Result<Self> {
         let path = state_dir.join(RECORD_FILE);
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("no stack record at {} (run `payoutctl stack up`)", path.display()))?;
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "no stack record at {} (run `payoutctl stack up`)",
+                path.display()
+            )
+        })?;
         serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
     }
 
@@ -104,7 +156,11 @@ impl StackRecord {
     }
 
     pub fn etcd_endpoints(&self) -> Vec<String> {
-        self.ports.etcd_clients.iter().map(|p| format!("http://127.0.0.1:{p}")).collect()
+        self.ports
+            .etcd_clients
+            .iter()
+            .map(|p| format!("http://127.0.0.1:{p}"))
+            .collect()
     }
 
     pub fn temporal_address(&self) -> String {
@@ -124,7 +180,7 @@ pub async fn run(action: Action) -> anyhow::Result<std::process::ExitCode> {
     match action {
         Action::Up(args) => up(args).await,
         Action::Down(args) => down(&args.state_dir),
-        Action::Status(args) => status(&args.state.state_dir, args.json),
+        Action::Status(args) => status(&args.state.state_dir, args.json).await,
     }
 }
 
@@ -134,7 +190,7 @@ async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
     if let Ok(record) = StackRecord::load(dir) {
         if record.parts.iter().all(|p| alive(p.pid)) {
             println!("stack already up");
-            return status(dir, false);
+            return status(dir, false).await;
         }
         // Partly up: stop what is left, then start everything from the same data.
         down(dir)?;
@@ -143,7 +199,9 @@ async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
         pg_main: args.pg_main_port,
         pg_proxy: args.pg_proxy_port,
         // Client ports step by 10 so the peer ports chosen beside them never collide.
-        etcd_clients: (0..args.etcd_members).map(|i| args.etcd_port + 10 * i as u16).collect(),
+        etcd_clients: (0..args.etcd_members)
+            .map(|i| args.etcd_port + 10 * i as u16)
+            .collect(),
         temporal: args.temporal_port,
         temporal_ui: args.temporal_ui_port,
         // The dev server's HTTP API and metrics ports sit beside the UI's.
@@ -188,16 +246,78 @@ async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
             address: member.endpoint(),
         });
     }
-    parts.push(Part { name: "temporal".into(), pid: temporal.process.pid().expect("started"), address: temporal.address() });
-    let record = StackRecord { ports, parts };
+    parts.push(Part {
+        name: "temporal".into(),
+        pid: temporal.process.pid().expect("started"),
+        address: temporal.address(),
+    });
+    let mut record = StackRecord {
+        ports,
+        parts,
+        system: None,
+    };
     record.save(dir)?;
-    // The processes are detached: dropping the handles leaves them running.
-    drop(stack);
     for (name, url) in record.database_urls() {
         crate::migrate::apply(name, &url).await?;
     }
-    println!("stack up in {:.1}s (state in {})", started.elapsed().as_secs_f64(), dir.display());
-    status(dir, false)
+    if !args.infra_only {
+        let base = args.service_port_base;
+        let system_ports = SystemPorts {
+            lock_server: base + 1,
+            payment_resource: base + 2,
+            rail_stub: base + 3,
+            rail_proxy: base + 4,
+            general_ledger: base + 5,
+            metrics: (11..17).map(|i| base + i).collect(),
+        };
+        let databases = Databases {
+            paydb: record.pg_url(record.ports.pg_main, "paydb"),
+            proxydb: record.pg_url(record.ports.pg_proxy, "proxydb"),
+            gldb: record.pg_url(record.ports.pg_main, "gldb"),
+        };
+        let options = SystemOptions {
+            workers: args.workers,
+            settlement_window_ms: args.settlement_window_ms,
+            lifetime: Lifetime::Detached,
+            dir: Some(dir.join("system")),
+            ports: Some(system_ports.clone()),
+            databases: Some(databases.clone()),
+            task_queue: Some(TASK_QUEUE.to_string()),
+            etcd_prefix: Some(LOCK_ETCD_PREFIX.to_string()),
+            ..SystemOptions::default()
+        };
+        let system = System::start(&stack, options).await?;
+        for process in system.processes() {
+            let address = match process.name() {
+                "lock-server" => SystemRecord::url(system_ports.lock_server),
+                "payment-resource" => SystemRecord::url(system_ports.payment_resource),
+                "rail-stub" => SystemRecord::url(system_ports.rail_stub),
+                "rail-proxy" => SystemRecord::url(system_ports.rail_proxy),
+                "general-ledger" => SystemRecord::url(system_ports.general_ledger),
+                _ => "-".to_string(),
+            };
+            record.parts.push(Part {
+                name: process.name().to_string(),
+                pid: process.pid().unwrap_or(0),
+                address,
+            });
+        }
+        record.system = Some(SystemRecord {
+            ports: system_ports,
+            databases,
+            task_queue: TASK_QUEUE.to_string(),
+            settlement_window_ms: args.settlement_window_ms,
+        });
+        record.save(dir)?;
+    }
+    // The processes are detached: dropping the handles leaves them running.
+    drop(stack);
+    println!(
+        "stack up in {:.1}s (state in {})",
+        started.elapsed().as_secs_f64(),
+        dir.display()
+    );
+    status(dir, false).await
 }
 
 fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
@@ -218,7 +338,10 @@ fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
             std::thread::sleep(Duration::from_millis(50));
         }
         if alive(part.pid) {
-            eprintln!("{} did not stop within {STOP_GRACE_MS} ms; killing it", part.name);
+            eprintln!(
+                "{} did not stop within {STOP_GRACE_MS} ms; killing it",
+                part.name
+            );
             // SAFETY: as above.
             unsafe {
                 libc::kill(-(part.pid as i32), libc::SIGKILL);
@@ -227,7 +350,12 @@ fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
             while alive(part.pid) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            anyhow::ensure!(!alive(part.pid), "{} (pid {}) survived SIGKILL", part.name, part.pid);
+            anyhow::ensure!(
+                !alive(part.pid),
+                "{} (pid {}) survived SIGKILL",
+                part.name,
+                part.pid
+            );
         }
         println!("stopped {}", part.name);
     }
@@ -243,20 +371,31 @@ struct PartStatus {
     healthy: bool,
 }
 
-fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> {
+async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> {
     let record = StackRecord::load(dir)?;
     let mut rows = Vec::new();
     for part in &record.parts {
         let running = alive(part.pid);
-        let healthy = running && healthy(part, &record);
-        rows.push(PartStatus { name: part.name.clone(), address: part.address.clone(), pid: part.pid, running, healthy });
+        let healthy = running && healthy(part, &record).await;
+        rows.push(PartStatus {
+            name: part.name.clone(),
+            address: part.address.clone(),
+            pid: part.pid,
+            running,
+            healthy,
+        });
     }
     let ui_ok = testkit::util::http_get(record.ports.temporal_ui, "/", Duration::from_secs(2))
         .is_ok_and(|(code, _)| (200..400).contains(&code));
     rows.push(PartStatus {
         name: "temporal-ui".into(),
         address: record.ui_url(),
-        pid: record.parts.iter().find(|p| p.name == "temporal").map(|p| p.pid).unwrap_or(0),
+        pid: record
+            .parts
+            .iter()
+            .find(|p| p.name == "temporal")
+            .map(|p| p.pid)
+            .unwrap_or(0),
         running: ui_ok,
         healthy: ui_ok,
     });
@@ -273,34 +412,89 @@ fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> {
             })
         );
     } else {
-        println!("{:<16} {:<28} {:>8}  {}", "PART", "ADDRESS", "PID", "HEALTH");
+        println!(
+            "{:<16} {:<28} {:>8}  {}",
+            "PART", "ADDRESS", "PID", "HEALTH"
+        );
         for r in &rows {
-            let health = if r.healthy { "healthy" } else if r.running { "UNHEALTHY" } else { "DOWN" };
+            let health = if r.healthy {
+                "healthy"
+            } else if r.running {
+                "UNHEALTHY"
+            } else {
+                "DOWN"
+            };
             println!("{:<16} {:<28} {:>8}  {}", r.name, r.address, r.pid, health);
         }
         println!();
         println!("Temporal UI: {}", record.ui_url());
-        println!("Temporal frontend: {} (namespace default)", record.temporal_address());
+        println!(
+            "Temporal frontend: {} (namespace default)",
+            record.temporal_address()
+        );
     }
-    Ok(if all_ok { std::process::ExitCode::SUCCESS } else { std::process::ExitCode::FAILURE })
+    Ok(if all_ok {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    })
 }
 
-fn healthy(part: &Part, record: &StackRecord) -> bool {
+async fn healthy(part: &Part, record: &StackRecord) -> bool {
+    let port = |url: &str| {
+        url.rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok())
+            .unwrap_or(0)
+    };
+    match part.name.as_str() {
+        "lock-server" | "payment-resource" | "rail-proxy" | "general-ledger" => {
+            return testkit::system::probe_grpc(port(&part.address)).await;
+        }
+        "rail-stub" => {
+            return testkit::util::http_get(
+                port(&part.address),
+                "/healthz",
+                Duration::from_secs(2),
+            )
+            .is_ok_and(|(code, _)| code == 200);
+        }
+        // The dispatcher and the workers have no listener to probe; running is their health.
+        name if name == "outbox-dispatcher" || name.starts_with("payout-worker") => return true,
+        _ => {}
+    }
     let timeout = Duration::from_secs(2);
     if part.name.starts_with("postgres") {
         let port = part.address.rsplit(':').next().unwrap_or_default();
-        let Ok(bin) = testkit::postgres::bin_dir() else { return false };
+        let Ok(bin) = testkit::postgres::bin_dir() else {
+            return false;
+        };
         std::process::Command::new(bin.join("pg_isready"))
             .args(["-h", "127.0.0.1", "-p", port, "-U", "postgres", "-q"])
             .status()
             .is_ok_and(|s| s.success())
     } else if part.name.starts_with("etcd") {
-        let port: u16 = part.address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0);
-        testkit::util::http_get(port, "/health", timeout).is_ok_and(|(code, body)| code == 200 && body.contains("\"true\""))
+        let port: u16 = part
+            .address
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        testkit::util::http_get(port, "/health", timeout)
+            .is_ok_and(|(code, body)| code == 200 && body.contains("\"true\""))
     } else if part.name == "temporal" {
-        let Ok(cli) = testkit::temporal::cli_path() else { return false };
+        let Ok(cli) = testkit::temporal::cli_path() else {
+            return false;
+        };
         std::process::Command::new(cli)
-            .args(["operator", "namespace", "describe", "--namespace", "default", "--address"])
+            .args([
+                "operator",
+                "namespace",
+                "describe",
+                "--namespace",
+                "default",
+                "--address",
+            ])
             .arg(record.temporal_address())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

@@ -17,7 +17,8 @@ fn payoutctl(state: &Path, args: &[&str], ports: &[(&str, u16)]) -> std::process
 
 fn status_json(state: &Path) -> (bool, serde_json::Value) {
     let out = payoutctl(state, &["stack", "status", "--json"], &[]);
-    let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json is JSON");
+    let value: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("status --json is JSON");
     (out.status.success(), value)
 }
 
@@ -34,43 +35,85 @@ async fn stack_up_status_down_up_keeps_data() {
     ];
     let up = payoutctl(&state, &["stack", "up"], &ports);
     let stop = scopeguard(&state);
-    assert!(up.status.success(), "up failed: {}", String::from_utf8_lossy(&up.stderr));
+    assert!(
+        up.status.success(),
+        "up failed: {}",
+        String::from_utf8_lossy(&up.stderr)
+    );
     let (ok, status) = status_json(&state);
     assert!(ok, "status: {status}");
     let parts = status["parts"].as_array().unwrap();
-    for name in ["postgres-main", "postgres-proxy", "etcd-m0", "temporal", "temporal-ui"] {
-        let part = parts.iter().find(|p| p["name"] == name).unwrap_or_else(|| panic!("{name} in {status}"));
+    for name in [
+        "postgres-main",
+        "postgres-proxy",
+        "etcd-m0",
+        "temporal",
+        "temporal-ui",
+    ] {
+        let part = parts
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap_or_else(|| panic!("{name} in {status}"));
         assert_eq!(part["healthy"], true, "{name}: {status}");
     }
     // The UI serves its page.
     let ui_port = ports[4].1;
-    let (code, body) = testkit::util::http_get(ui_port, "/", std::time::Duration::from_secs(5)).unwrap();
+    let (code, body) =
+        testkit::util::http_get(ui_port, "/", std::time::Duration::from_secs(5)).unwrap();
     assert!((200..400).contains(&code), "UI answered {code}");
-    assert!(body.to_lowercase().contains("<html") || code >= 300, "UI page: {body:.200}");
+    assert!(
+        body.to_lowercase().contains("<html") || code >= 300,
+        "UI page: {body:.200}"
+    );
 
     // Write into paydb, go down, come up: the row is still there.
     let paydb = status["databases"]["paydb"].as_str().unwrap().to_string();
     {
         let pool = sqlx::PgPool::connect(&paydb).await.unwrap();
-        sqlx::query("CREATE TABLE kit_persisted (x int)").execute(&pool).await.unwrap();
-        sqlx::query("INSERT INTO kit_persisted VALUES (42)").execute(&pool).await.unwrap();
+        sqlx::query("CREATE TABLE kit_persisted (x int)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO kit_persisted VALUES (42)")
+            .execute(&pool)
+            .await
+            .unwrap();
         pool.close().await;
     }
-    let pids: Vec<i32> = parts.iter().filter_map(|p| p["pid"].as_i64()).map(|p| p as i32).collect();
+    let pids: Vec<i32> = parts
+        .iter()
+        .filter_map(|p| p["pid"].as_i64())
+        .map(|p| p as i32)
+        .collect();
     let down = payoutctl(&state, &["stack", "down"], &[]);
-    assert!(down.status.success(), "down: {} {}", String::from_utf8_lossy(&down.stdout), String::from_utf8_lossy(&down.stderr));
+    assert!(
+        down.status.success(),
+        "down: {} {}",
+        String::from_utf8_lossy(&down.stdout),
+        String::from_utf8_lossy(&down.stderr)
+    );
     eprintln!("down said: {}", String::from_utf8_lossy(&down.stdout));
     for pid in &pids {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        assert!(!testkit::util::pid_alive(*pid as u32), "pid {pid} still alive after down: {stat}");
+        assert!(
+            !testkit::util::pid_alive(*pid as u32),
+            "pid {pid} still alive after down: {stat}"
+        );
     }
     let (ok, _) = status_json(&state);
     assert!(!ok, "status must fail while the stack is down");
 
     let up = payoutctl(&state, &["stack", "up"], &ports);
-    assert!(up.status.success(), "second up failed: {}", String::from_utf8_lossy(&up.stderr));
+    assert!(
+        up.status.success(),
+        "second up failed: {}",
+        String::from_utf8_lossy(&up.stderr)
+    );
     let pool = sqlx::PgPool::connect(&paydb).await.unwrap();
-    let x: i32 = sqlx::query_scalar("SELECT x FROM kit_persisted").fetch_one(&pool).await.unwrap();
+    let x: i32 = sqlx::query_scalar("SELECT x FROM kit_persisted")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     assert_eq!(x, 42);
     pool.close().await;
     drop(stop);

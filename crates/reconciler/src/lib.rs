@@ -14,7 +14,10 @@ use sqlx::{PgPool, Row};
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     #[error("reading {store}: {source}")]
-    Store { store: &'static str, source: sqlx::Error },
+    Store {
+        store: &'static str,
+        source: sqlx::Error,
+    },
     #[error("reading the rail's movements: {0}")]
     Rail(String),
     #[error("reading the lock grants from etcd: {0}")]
@@ -68,13 +71,19 @@ impl Report {
     /// A readable table.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        out.push_str(&format!("{:<34} {:<14} {:>9} {:>10}\n", "CHECK", "INVARIANT", "EXAMINED", "VIOLATIONS"));
+        out.push_str(&format!(
+            "{:<34} {:<14} {:>9} {:>10}\n",
+            "CHECK", "INVARIANT", "EXAMINED", "VIOLATIONS"
+        ));
         for c in &self.checks {
             let v = match &c.skipped {
                 Some(_) => "skipped".to_string(),
                 None => c.violations.len().to_string(),
             };
-            out.push_str(&format!("{:<34} {:<14} {:>9} {:>10}\n", c.name, c.invariant, c.examined, v));
+            out.push_str(&format!(
+                "{:<34} {:<14} {:>9} {:>10}\n",
+                c.name, c.invariant, c.examined, v
+            ));
         }
         for c in &self.checks {
             if let Some(why) = &c.skipped {
@@ -84,10 +93,17 @@ impl Report {
                 out.push_str(&format!("  VIOLATION {}: {v}\n", c.name));
             }
             if c.violations.len() > VIOLATIONS_SHOWN_MAX {
-                out.push_str(&format!("  ... and {} more\n", c.violations.len() - VIOLATIONS_SHOWN_MAX));
+                out.push_str(&format!(
+                    "  ... and {} more\n",
+                    c.violations.len() - VIOLATIONS_SHOWN_MAX
+                ));
             }
         }
-        let states: Vec<String> = self.payouts_by_state.iter().map(|(s, n)| format!("{s}={n}")).collect();
+        let states: Vec<String> = self
+            .payouts_by_state
+            .iter()
+            .map(|(s, n)| format!("{s}={n}"))
+            .collect();
         out.push_str(&format!(
             "payouts: {}; rail movements: {}; outbox pending: {}; ambiguous: {}\n",
             states.join(" "),
@@ -104,11 +120,20 @@ impl Report {
 pub const VIOLATIONS_SHOWN_MAX: usize = 10;
 
 fn store(name: &'static str) -> impl Fn(sqlx::Error) -> ReconcileError {
-    move |source| ReconcileError::Store { store: name, source }
+    move |source| ReconcileError::Store {
+        store: name,
+        source,
+    }
 }
 
 fn check(name: &'static str, invariant: &'static str) -> Check {
-    Check { name, invariant, examined: 0, violations: Vec::new(), skipped: None }
+    Check {
+        name,
+        invariant,
+        examined: 0,
+        violations: Vec::new(),
+        skipped: None,
+    }
 }
 
 const IN_FLIGHT: &str = "('CLAIMED','RAIL_SUBMITTED','RAIL_ACKED','RAIL_AMBIGUOUS')";
@@ -121,8 +146,11 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
         *m.entry(p.state.clone()).or_insert(0u64) += 1;
         m
     });
-    let ambiguous_payouts =
-        payouts.values().filter(|p| p.state == "RAIL_AMBIGUOUS").map(|p| p.id.clone()).collect();
+    let ambiguous_payouts = payouts
+        .values()
+        .filter(|p| p.state == "RAIL_AMBIGUOUS")
+        .map(|p| p.id.clone())
+        .collect();
 
     checks.push(one_in_flight_per_account(&sources.paydb).await?);
     checks.push(transition_history(&sources.paydb, &payouts).await?);
@@ -143,7 +171,14 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
             tracing::error!(check = c.name, invariant = c.invariant, violation = %v, "reconciliation violation");
         }
     }
-    Ok(Report { checks, violations, payouts_by_state, rail_movements, outbox_pending, ambiguous_payouts })
+    Ok(Report {
+        checks,
+        violations,
+        payouts_by_state,
+        rail_movements,
+        outbox_pending,
+        ambiguous_payouts,
+    })
 }
 
 #[derive(Debug, Clone)]
@@ -155,10 +190,11 @@ struct PayoutRow {
 }
 
 async fn load_payouts(paydb: &PgPool) -> Result<BTreeMap<String, PayoutRow>, ReconcileError> {
-    let rows = sqlx::query("SELECT id, account_id, state, amount_minor, client_reference FROM payout")
-        .fetch_all(paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let rows =
+        sqlx::query("SELECT id, account_id, state, amount_minor, client_reference FROM payout")
+            .fetch_all(paydb)
+            .await
+            .map_err(store("paydb"))?;
     Ok(rows
         .into_iter()
         .map(|r| {
@@ -190,14 +226,19 @@ async fn one_in_flight_per_account(paydb: &PgPool) -> Result<Check, ReconcileErr
     for r in rows {
         let account: String = r.get("account_id");
         let ids: String = r.get("ids");
-        c.violations.push(format!("account {account} has several payouts in flight: {ids}"));
+        c.violations.push(format!(
+            "account {account} has several payouts in flight: {ids}"
+        ));
     }
     Ok(c)
 }
 
 /// INV-01 and INV-08: each payout's recorded transitions replay through the 2.3 table from
 /// PENDING to its current state, by the listed actor; nothing ever leaves a terminal state.
-async fn transition_history(paydb: &PgPool, payouts: &BTreeMap<String, PayoutRow>) -> Result<Check, ReconcileError> {
+async fn transition_history(
+    paydb: &PgPool,
+    payouts: &BTreeMap<String, PayoutRow>,
+) -> Result<Check, ReconcileError> {
     let mut c = check("transition_history_replays", "INV-01/INV-08");
     let rows = sqlx::query(
         "SELECT payout_id, from_state, to_state, event, actor FROM audit_event \
@@ -220,34 +261,51 @@ async fn transition_history(paydb: &PgPool, payouts: &BTreeMap<String, PayoutRow
         let mut state = PayoutState::Pending;
         for (from, to, event, actor) in history.get(&p.id).map(Vec::as_slice).unwrap_or_default() {
             if from != state.as_str() {
-                c.violations.push(format!("{}: transition recorded from {from} while the history was at {state}", p.id));
+                c.violations.push(format!(
+                    "{}: transition recorded from {from} while the history was at {state}",
+                    p.id
+                ));
                 break;
             }
             let (Some(e), Some(a)) = (PayoutEvent::parse(event), parse_actor(actor)) else {
-                c.violations.push(format!("{}: unknown event {event:?} or actor {actor:?}", p.id));
+                c.violations.push(format!(
+                    "{}: unknown event {event:?} or actor {actor:?}",
+                    p.id
+                ));
                 break;
             };
             match state.apply(e, a) {
                 Ok(next) if next.as_str() == to => state = next,
                 Ok(next) => {
-                    c.violations.push(format!("{}: {from} --{event}--> {to}, but the table says {next}", p.id));
+                    c.violations.push(format!(
+                        "{}: {from} --{event}--> {to}, but the table says {next}",
+                        p.id
+                    ));
                     break;
                 }
                 Err(refused) => {
-                    c.violations.push(format!("{}: recorded transition is not allowed: {refused}", p.id));
+                    c.violations.push(format!(
+                        "{}: recorded transition is not allowed: {refused}",
+                        p.id
+                    ));
                     break;
                 }
             }
         }
         if state.as_str() != p.state && c.violations.last().is_none_or(|v| !v.starts_with(&p.id)) {
-            c.violations.push(format!("{}: state is {} but its recorded history ends at {state}", p.id, p.state));
+            c.violations.push(format!(
+                "{}: state is {} but its recorded history ends at {state}",
+                p.id, p.state
+            ));
         }
     }
     Ok(c)
 }
 
 fn parse_actor(value: &str) -> Option<Actor> {
-    [Actor::Holder, Actor::Resolver, Actor::Operator].into_iter().find(|a| a.as_str() == value)
+    [Actor::Holder, Actor::Resolver, Actor::Operator]
+        .into_iter()
+        .find(|a| a.as_str() == value)
 }
 
 /// INV-04/INV-05 at the first guard: per account, the tokens of accepted transitions never go
@@ -277,13 +335,18 @@ async fn guard1_tokens(paydb: &PgPool) -> Result<Check, ReconcileError> {
         }
         last.insert(account, token);
     }
-    let fences = sqlx::query("SELECT id, fence FROM account").fetch_all(paydb).await.map_err(store("paydb"))?;
+    let fences = sqlx::query("SELECT id, fence FROM account")
+        .fetch_all(paydb)
+        .await
+        .map_err(store("paydb"))?;
     for r in fences {
         let account: String = r.get("id");
         let fence: i64 = r.get("fence");
         if let Some(max) = last.get(&account) {
             if fence < *max {
-                c.violations.push(format!("account {account}: fence {fence} is below accepted token {max}"));
+                c.violations.push(format!(
+                    "account {account}: fence {fence} is below accepted token {max}"
+                ));
             }
         }
     }
@@ -293,10 +356,11 @@ async fn guard1_tokens(paydb: &PgPool) -> Result<Check, ReconcileError> {
 /// INV-03: every transaction group sums to zero; every balance equals the sum of its entries.
 async fn ledger_balanced(paydb: &PgPool) -> Result<Check, ReconcileError> {
     let mut c = check("ledger_balanced", "INV-03");
-    c.examined = sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT transaction_group) FROM ledger_entry")
-        .fetch_one(paydb)
-        .await
-        .map_err(store("paydb"))? as u64;
+    c.examined =
+        sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT transaction_group) FROM ledger_entry")
+            .fetch_one(paydb)
+            .await
+            .map_err(store("paydb"))? as u64;
     let groups = sqlx::query(
         "SELECT transaction_group::text AS g, sum(amount_minor)::bigint AS s FROM ledger_entry \
          GROUP BY transaction_group HAVING sum(amount_minor) <> 0",
@@ -321,14 +385,19 @@ async fn ledger_balanced(paydb: &PgPool) -> Result<Check, ReconcileError> {
         let id: String = r.get("id");
         let cached: i64 = r.get("balance_minor");
         let summed: i64 = r.get("summed");
-        c.violations.push(format!("account {id}: balance {cached} but its entries sum to {summed}"));
+        c.violations.push(format!(
+            "account {id}: balance {cached} but its entries sum to {summed}"
+        ));
     }
     Ok(c)
 }
 
 /// A POSTED payout has exactly its two rows (the customer debited by the amount); no other payout
 /// has any.
-async fn postings_match_payouts(paydb: &PgPool, payouts: &BTreeMap<String, PayoutRow>) -> Result<Check, ReconcileError> {
+async fn postings_match_payouts(
+    paydb: &PgPool,
+    payouts: &BTreeMap<String, PayoutRow>,
+) -> Result<Check, ReconcileError> {
     let mut c = check("postings_match_payouts", "INV-03");
     let rows = sqlx::query(
         "SELECT e.payout_id, count(*) AS n, \
@@ -347,8 +416,14 @@ async fn postings_match_payouts(paydb: &PgPool, payouts: &BTreeMap<String, Payou
         let rows = posted.get(&p.id).copied();
         match (p.state.as_str(), rows) {
             ("POSTED", Some((2, customer))) if customer == -p.amount_minor => {}
-            ("POSTED", other) => c.violations.push(format!("{} is POSTED but its ledger rows are {other:?}", p.id)),
-            (_, Some(rows)) => c.violations.push(format!("{} is {} but has ledger rows {rows:?}", p.id, p.state)),
+            ("POSTED", other) => c.violations.push(format!(
+                "{} is POSTED but its ledger rows are {other:?}",
+                p.id
+            )),
+            (_, Some(rows)) => c.violations.push(format!(
+                "{} is {} but has ledger rows {rows:?}",
+                p.id, p.state
+            )),
             (_, None) => {}
         }
     }
@@ -356,21 +431,27 @@ async fn postings_match_payouts(paydb: &PgPool, payouts: &BTreeMap<String, Payou
 }
 
 /// INV-02 at the proxy: one submission record per payout, and only for payouts that exist.
-async fn one_submission_per_payout(proxydb: &PgPool, payouts: &BTreeMap<String, PayoutRow>) -> Result<Check, ReconcileError> {
+async fn one_submission_per_payout(
+    proxydb: &PgPool,
+    payouts: &BTreeMap<String, PayoutRow>,
+) -> Result<Check, ReconcileError> {
     let mut c = check("one_submission_per_payout", "INV-02");
-    let rows = sqlx::query("SELECT payout_id, count(*) AS n FROM rail_submission GROUP BY payout_id")
-        .fetch_all(proxydb)
-        .await
-        .map_err(store("proxydb"))?;
+    let rows =
+        sqlx::query("SELECT payout_id, count(*) AS n FROM rail_submission GROUP BY payout_id")
+            .fetch_all(proxydb)
+            .await
+            .map_err(store("proxydb"))?;
     for r in rows {
         c.examined += 1;
         let payout: String = r.get("payout_id");
         let n: i64 = r.get("n");
         if n > 1 {
-            c.violations.push(format!("payout {payout} has {n} submissions"));
+            c.violations
+                .push(format!("payout {payout} has {n} submissions"));
         }
         if !payouts.contains_key(&payout) {
-            c.violations.push(format!("submission for unknown payout {payout}"));
+            c.violations
+                .push(format!("submission for unknown payout {payout}"));
         }
     }
     Ok(c)
@@ -380,10 +461,12 @@ async fn one_submission_per_payout(proxydb: &PgPool, payouts: &BTreeMap<String, 
 /// order, and the high-water is at least every accepted token.
 async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
     let mut c = check("proxydb_tokens_never_decrease", "INV-04/INV-05");
-    let rows = sqlx::query("SELECT account_id, fence_token, payout_id FROM rail_submission ORDER BY account_id, id")
-        .fetch_all(proxydb)
-        .await
-        .map_err(store("proxydb"))?;
+    let rows = sqlx::query(
+        "SELECT account_id, fence_token, payout_id FROM rail_submission ORDER BY account_id, id",
+    )
+    .fetch_all(proxydb)
+    .await
+    .map_err(store("proxydb"))?;
     let mut last: HashMap<String, i64> = HashMap::new();
     for r in &rows {
         c.examined += 1;
@@ -392,7 +475,9 @@ async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
         if let Some(prev) = last.get(&account) {
             if token < *prev {
                 let payout: String = r.get("payout_id");
-                c.violations.push(format!("account {account}: submission token {token} after {prev} (payout {payout})"));
+                c.violations.push(format!(
+                    "account {account}: submission token {token} after {prev} (payout {payout})"
+                ));
             }
         }
         last.insert(account, token);
@@ -406,7 +491,9 @@ async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
         let high: i64 = r.get("high_water");
         if let Some(max) = last.get(&account) {
             if high < *max {
-                c.violations.push(format!("account {account}: high-water {high} below submitted token {max}"));
+                c.violations.push(format!(
+                    "account {account}: high-water {high} below submitted token {max}"
+                ));
             }
         }
     }
@@ -416,7 +503,10 @@ async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
 /// INV-02 against the rail's own record: at most one movement per payout; a POSTED payout has
 /// exactly one; every movement belongs to a payout that went through the proxy and whose state
 /// admits that money moved.
-async fn rail_movements(sources: &Sources, payouts: &BTreeMap<String, PayoutRow>) -> Result<(Check, u64), ReconcileError> {
+async fn rail_movements(
+    sources: &Sources,
+    payouts: &BTreeMap<String, PayoutRow>,
+) -> Result<(Check, u64), ReconcileError> {
     let mut c = check("rail_movements_at_most_once", "INV-02");
     let Some(url) = &sources.rail_url else {
         c.skipped = Some("no rail URL given".into());
@@ -426,24 +516,38 @@ async fn rail_movements(sources: &Sources, payouts: &BTreeMap<String, PayoutRow>
         .ground_truth()
         .await
         .map_err(|e| ReconcileError::Rail(e.to_string()))?;
-    let submitted: BTreeSet<String> = sqlx::query_scalar("SELECT client_reference FROM rail_submission")
-        .fetch_all(&sources.proxydb)
-        .await
-        .map_err(store("proxydb"))?
-        .into_iter()
+    let submitted: BTreeSet<String> =
+        sqlx::query_scalar("SELECT client_reference FROM rail_submission")
+            .fetch_all(&sources.proxydb)
+            .await
+            .map_err(store("proxydb"))?
+            .into_iter()
+            .collect();
+    let by_reference: HashMap<&str, &PayoutRow> = payouts
+        .values()
+        .map(|p| (p.client_reference.as_str(), p))
         .collect();
-    let by_reference: HashMap<&str, &PayoutRow> = payouts.values().map(|p| (p.client_reference.as_str(), p)).collect();
     for (reference, count) in &truth.movement_counts {
         c.examined += 1;
         if *count > 1 {
-            c.violations.push(format!("DUPLICATE PAYMENT: {count} rail movements for {reference}"));
+            c.violations.push(format!(
+                "DUPLICATE PAYMENT: {count} rail movements for {reference}"
+            ));
         }
         if !submitted.contains(reference) {
-            c.violations.push(format!("rail movement for {reference} without a proxy submission record"));
+            c.violations.push(format!(
+                "rail movement for {reference} without a proxy submission record"
+            ));
         }
         match by_reference.get(reference.as_str()) {
-            None => c.violations.push(format!("rail movement for {reference}, which is no payout of ours")),
-            Some(p) if matches!(p.state.as_str(), "POSTED" | "RAIL_ACKED" | "RAIL_AMBIGUOUS" | "RAIL_SUBMITTED") => {}
+            None => c.violations.push(format!(
+                "rail movement for {reference}, which is no payout of ours"
+            )),
+            Some(p)
+                if matches!(
+                    p.state.as_str(),
+                    "POSTED" | "RAIL_ACKED" | "RAIL_AMBIGUOUS" | "RAIL_SUBMITTED"
+                ) => {}
             Some(p) => c.violations.push(format!(
                 "money moved for {} but the payout is {} (books say it did not)",
                 p.id, p.state
@@ -451,20 +555,35 @@ async fn rail_movements(sources: &Sources, payouts: &BTreeMap<String, PayoutRow>
         }
     }
     for p in payouts.values().filter(|p| p.state == "POSTED") {
-        if truth.movement_counts.get(&p.client_reference).copied().unwrap_or(0) != 1 {
-            c.violations.push(format!("{} is POSTED without exactly one rail movement", p.id));
+        if truth
+            .movement_counts
+            .get(&p.client_reference)
+            .copied()
+            .unwrap_or(0)
+            != 1
+        {
+            c.violations.push(format!(
+                "{} is POSTED without exactly one rail movement",
+                p.id
+            ));
         }
     }
     Ok((c, truth.movements.len() as u64))
 }
 
 /// The GL holds exactly the postings paydb's outbox carried, one journal per row, same amounts.
-async fn gl_matches_paydb(paydb: &PgPool, gldb: &PgPool, options: &Options) -> Result<(Check, u64), ReconcileError> {
+async fn gl_matches_paydb(
+    paydb: &PgPool,
+    gldb: &PgPool,
+    options: &Options,
+) -> Result<(Check, u64), ReconcileError> {
     let mut c = check("gl_matches_paydb", "outbox/GL");
-    let outbox = sqlx::query("SELECT idempotency_key, payload, delivered_at IS NOT NULL AS delivered FROM ledger_outbox")
-        .fetch_all(paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let outbox = sqlx::query(
+        "SELECT idempotency_key, payload, delivered_at IS NOT NULL AS delivered FROM ledger_outbox",
+    )
+    .fetch_all(paydb)
+    .await
+    .map_err(store("paydb"))?;
     let journals = sqlx::query(
         "SELECT j.idempotency_key, e.line_number, e.amount::text AS amount \
          FROM journals j JOIN entries e ON e.journal_id = j.id WHERE j.source_service = 'payment-resource'",
@@ -475,7 +594,9 @@ async fn gl_matches_paydb(paydb: &PgPool, gldb: &PgPool, options: &Options) -> R
     let mut gl: HashMap<String, BTreeMap<i32, String>> = HashMap::new();
     for r in journals {
         let amount: String = r.get("amount");
-        gl.entry(r.get("idempotency_key")).or_default().insert(r.get("line_number"), normalize_decimal(&amount));
+        gl.entry(r.get("idempotency_key"))
+            .or_default()
+            .insert(r.get("line_number"), normalize_decimal(&amount));
     }
     let mut pending = 0;
     let mut keys = BTreeSet::new();
@@ -501,8 +622,12 @@ async fn gl_matches_paydb(paydb: &PgPool, gldb: &PgPool, options: &Options) -> R
             .unwrap_or_default();
         match gl.get(&key) {
             Some(lines) if *lines == expected => {}
-            Some(lines) => c.violations.push(format!("journal {key}: GL lines {lines:?} differ from paydb's {expected:?}")),
-            None if delivered => c.violations.push(format!("outbox row {key} marked delivered but absent from the GL")),
+            Some(lines) => c.violations.push(format!(
+                "journal {key}: GL lines {lines:?} differ from paydb's {expected:?}"
+            )),
+            None if delivered => c.violations.push(format!(
+                "outbox row {key} marked delivered but absent from the GL"
+            )),
             None => {
                 pending += 1;
                 if options.require_outbox_drained {
@@ -512,7 +637,8 @@ async fn gl_matches_paydb(paydb: &PgPool, gldb: &PgPool, options: &Options) -> R
         }
     }
     for key in gl.keys().filter(|k| !keys.contains(*k)) {
-        c.violations.push(format!("GL journal {key} has no posting in paydb"));
+        c.violations
+            .push(format!("GL journal {key} has no posting in paydb"));
     }
     Ok((c, pending))
 }
@@ -522,7 +648,10 @@ fn normalize_decimal(value: &str) -> String {
     if !value.contains('.') {
         return value.to_string();
     }
-    value.trim_end_matches('0').trim_end_matches('.').to_string()
+    value
+        .trim_end_matches('0')
+        .trim_end_matches('.')
+        .to_string()
 }
 
 /// INV-07's detective control: every token a guard accepted was minted by the lock service for
@@ -530,20 +659,31 @@ fn normalize_decimal(value: &str) -> String {
 async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError> {
     let mut c = check("guard_tokens_were_granted", "INV-07");
     let Some((endpoints, prefix)) = &sources.lock_grants else {
-        c.skipped = Some("no etcd grant records given (PostgreSQL lock backend, or not configured)".into());
+        c.skipped =
+            Some("no etcd grant records given (PostgreSQL lock backend, or not configured)".into());
         return Ok(c);
     };
     let mut client = etcd_client::Client::connect(endpoints, None).await?;
     let grants_prefix = format!("{prefix}grants/");
     let got = client
-        .get(grants_prefix.clone(), Some(etcd_client::GetOptions::new().with_prefix().with_keys_only()))
+        .get(
+            grants_prefix.clone(),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
         .await?;
     let mut granted: HashMap<String, BTreeSet<i64>> = HashMap::new();
     for kv in got.kvs() {
         let key = String::from_utf8_lossy(kv.key());
         if let Some(rest) = key.strip_prefix(&grants_prefix) {
             if let Some((lock_key, _)) = rest.rsplit_once('/') {
-                granted.entry(lock_key.to_string()).or_default().insert(kv.create_revision());
+                granted
+                    .entry(lock_key.to_string())
+                    .or_default()
+                    .insert(kv.create_revision());
             }
         }
     }
@@ -553,7 +693,11 @@ async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError>
         .await
         .map_err(store("proxydb"))?
     {
-        presented.push((r.get("account_id"), r.get("fence_token"), format!("submission of {}", r.get::<String, _>("payout_id"))));
+        presented.push((
+            r.get("account_id"),
+            r.get("fence_token"),
+            format!("submission of {}", r.get::<String, _>("payout_id")),
+        ));
     }
     for r in sqlx::query(
         "SELECT DISTINCT account_id, token FROM audit_event WHERE kind = 'transition' AND token IS NOT NULL",
@@ -566,11 +710,17 @@ async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError>
     }
     for (account, token, what) in presented {
         c.examined += 1;
-        let key = payout_domain::lock_key(&payout_domain::AccountId::parse(account.clone()).unwrap_or_else(|_| {
-            payout_domain::AccountId::parse("invalid").expect("literal id")
-        }));
-        if !granted.get(&key).is_some_and(|tokens| tokens.contains(&token)) {
-            c.violations.push(format!("{what}: token {token} for {key} was never granted"));
+        let key = payout_domain::lock_key(
+            &payout_domain::AccountId::parse(account.clone()).unwrap_or_else(|_| {
+                payout_domain::AccountId::parse("invalid").expect("literal id")
+            }),
+        );
+        if !granted
+            .get(&key)
+            .is_some_and(|tokens| tokens.contains(&token))
+        {
+            c.violations
+                .push(format!("{what}: token {token} for {key} was never granted"));
         }
     }
     Ok(c)

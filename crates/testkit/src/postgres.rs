@@ -212,7 +212,9 @@ impl UidGid for std::process::Command {
 /// then refuses to start. A zombie cannot be using the data directory, so its lock file goes.
 /// The same holds for the lock file of its Unix socket.
 fn remove_stale_lock_file(pid_file: &Path) -> anyhow::Result<()> {
-    let Ok(text) = std::fs::read_to_string(pid_file) else { return Ok(()) };
+    let Ok(text) = std::fs::read_to_string(pid_file) else {
+        return Ok(());
+    };
     let pid: Option<u32> = text.lines().next().and_then(|l| l.trim().parse().ok());
     if let Some(pid) = pid {
         if !crate::util::pid_alive(pid) {

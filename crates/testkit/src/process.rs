@@ -260,7 +260,9 @@ impl ManagedProcess {
         }
         // SIGTERM to the leader only: a server shuts its own children down in order (a
         // PostgreSQL backend that gets SIGTERM itself is treated as a crash by the postmaster).
-        let pid = self.pid().with_context(|| format!("{} is not running", self.spec.name))?;
+        let pid = self
+            .pid()
+            .with_context(|| format!("{} is not running", self.spec.name))?;
         // SAFETY: plain syscalls on the child this kit started.
         unsafe {
             libc::kill(pid as i32, libc::SIGTERM);

@@ -224,7 +224,10 @@ impl Stack {
         if let Some(t) = self.temporal.get() {
             return Ok(t);
         }
-        let ports = self.temporal_ports.clone().unwrap_or_else(|| TemporalPorts::free(self.temporal_ui));
+        let ports = self
+            .temporal_ports
+            .clone()
+            .unwrap_or_else(|| TemporalPorts::free(self.temporal_ui));
         let dev = TemporalDev::start(&self.state.join("temporal"), ports, self.lifetime)?;
         Ok(self.temporal.get_or_init(|| dev))
     }

@@ -35,6 +35,8 @@ pub struct SystemOptions {
     pub databases: Option<Databases>,
     /// Task queue; a unique one if `None`.
     pub task_queue: Option<String>,
+    /// The lock-server's etcd key prefix; a unique one if `None`.
+    pub etcd_prefix: Option<String>,
 }
 
 impl Default for SystemOptions {
@@ -50,6 +52,7 @@ impl Default for SystemOptions {
             ports: None,
             databases: None,
             task_queue: None,
+            etcd_prefix: None,
         }
     }
 }
@@ -87,6 +90,7 @@ pub struct Databases {
 
 pub struct System {
     pub ports: SystemPorts,
+    pub etcd_prefix: String,
     pub databases: Databases,
     pub task_queue: String,
     pub temporal_address: String,
@@ -109,7 +113,10 @@ impl System {
     /// Starts every service and waits until each answers. Temporal is started if it is not yet.
     pub async fn start(stack: &Stack, options: SystemOptions) -> anyhow::Result<Self> {
         let n = free_port();
-        let dir = options.dir.clone().unwrap_or_else(|| stack.state_dir().join(format!("system-{n}")));
+        let dir = options
+            .dir
+            .clone()
+            .unwrap_or_else(|| stack.state_dir().join(format!("system-{n}")));
         std::fs::create_dir_all(&dir)?;
         let temporal = stack.try_temporal()?;
         let databases = match &options.databases {
@@ -121,34 +128,57 @@ impl System {
             },
         };
         let ports = options.ports.clone().unwrap_or_else(SystemPorts::free);
-        let task_queue = options.task_queue.clone().unwrap_or_else(|| format!("payouts-{}-{n}", std::process::id()));
-        let etcd_prefix = format!("/payout/{n}/lock/");
+        let task_queue = options
+            .task_queue
+            .clone()
+            .unwrap_or_else(|| format!("payouts-{}-{n}", std::process::id()));
+        let etcd_prefix = options
+            .etcd_prefix
+            .clone()
+            .unwrap_or_else(|| format!("/payout/{n}/lock/"));
         let log = |name: &str| dir.join(format!("{name}.log"));
         let spec = |name: &str| {
-            Ok::<_, anyhow::Error>(ProcessSpec::new(name, workspace_bin(name), log(name)).lifetime(options.lifetime))
+            Ok::<_, anyhow::Error>(
+                ProcessSpec::new(name, workspace_bin(name), log(name)).lifetime(options.lifetime),
+            )
         };
         let m = &ports.metrics;
 
         let lock_server = ManagedProcess::start(
             spec("lock-server")?
-                .args(["--listen".into(), format!("127.0.0.1:{}", ports.lock_server)])
+                .args([
+                    "--listen".into(),
+                    format!("127.0.0.1:{}", ports.lock_server),
+                ])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[0])])
                 .args(["--backend", "etcd"])
                 .args(["--etcd-endpoints".into(), stack.etcd_endpoints().join(",")])
-                .args(["--etcd-prefix".into(), etcd_prefix])
-                .args(["--issued-tokens-path".into(), dir.join("lock-issued-tokens.json").into_os_string()]),
+                .args(["--etcd-prefix".into(), etcd_prefix.clone()])
+                .args([
+                    "--issued-tokens-path".into(),
+                    dir.join("lock-issued-tokens.json").into_os_string(),
+                ]),
         )?;
         let payment_resource = ManagedProcess::start(
             spec("payment-resource")?
                 .arg("serve")
-                .args(["--listen".into(), format!("127.0.0.1:{}", ports.payment_resource)])
+                .args([
+                    "--listen".into(),
+                    format!("127.0.0.1:{}", ports.payment_resource),
+                ])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[1])])
                 .args(["--database-url", &databases.paydb]),
         )?;
         let mut stub = spec("rail-stub")?
             .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_stub)])
-            .args(["--movements-file".into(), dir.join("rail-movements.jsonl").into_os_string()])
-            .args(["--settlement-window-ms".into(), options.settlement_window_ms.to_string()]);
+            .args([
+                "--movements-file".into(),
+                dir.join("rail-movements.jsonl").into_os_string(),
+            ])
+            .args([
+                "--settlement-window-ms".into(),
+                options.settlement_window_ms.to_string(),
+            ]);
         if let Some(faults) = &options.rail_faults_json {
             stub = stub.args(["--faults-json", faults]);
         }
@@ -159,12 +189,18 @@ impl System {
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[3])])
                 .args(["--database-url", &databases.proxydb])
                 .args(["--rail-url".into(), url(ports.rail_stub)])
-                .args(["--rail-timeout-ms".into(), options.rail_timeout_ms.to_string()]),
+                .args([
+                    "--rail-timeout-ms".into(),
+                    options.rail_timeout_ms.to_string(),
+                ]),
         )?;
         let general_ledger = ManagedProcess::start(
             spec("general-ledger")?
                 .args(["--database-url", &databases.gldb])
-                .args(["--listen".into(), format!("127.0.0.1:{}", ports.general_ledger)])
+                .args([
+                    "--listen".into(),
+                    format!("127.0.0.1:{}", ports.general_ledger),
+                ])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[4])])
                 .arg("serve"),
         )?;
@@ -199,6 +235,7 @@ impl System {
 
         let mut system = Self {
             ports,
+            etcd_prefix,
             databases,
             task_queue,
             temporal_address: temporal.address(),
@@ -222,7 +259,10 @@ impl System {
     pub fn add_worker(&mut self) -> anyhow::Result<&ManagedProcess> {
         let index = self.workers.len();
         let name = format!("payout-worker-{index}");
-        let mut spec = self.worker_template.clone().env("PAYOUT_WORKER_IDENTITY", format!("worker-{index}"));
+        let mut spec = self
+            .worker_template
+            .clone()
+            .env("PAYOUT_WORKER_IDENTITY", format!("worker-{index}"));
         spec.name = name.clone();
         spec.log_path = self.dir.join(format!("{name}.log"));
         self.workers.push(ManagedProcess::start(spec)?);
@@ -271,9 +311,19 @@ pub async fn wait_grpc(port: u16, process: &ManagedProcess) -> anyhow::Result<()
             if !process.is_running() {
                 return Some(false);
             }
-            let channel = tonic::transport::Endpoint::from_shared(url(port)).ok()?.connect().await.ok()?;
-            let reply = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await.ok()?;
-            (reply.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
+            let channel = tonic::transport::Endpoint::from_shared(url(port))
+                .ok()?
+                .connect()
+                .await
+                .ok()?;
+            let reply = HealthClient::new(channel)
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+                .ok()?;
+            (reply.into_inner().status
+                == tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
                 .then_some(true)
         },
     )
@@ -294,7 +344,10 @@ pub async fn wait_tcp(port: u16, process: &ManagedProcess) -> anyhow::Result<()>
             if !process.is_running() {
                 return Some(false);
             }
-            tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok().map(|_| true)
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .ok()
+                .map(|_| true)
         },
     )
     .await
@@ -303,4 +356,32 @@ pub async fn wait_tcp(port: u16, process: &ManagedProcess) -> anyhow::Result<()>
         Ok(())
     })
     .with_context(|| format!("{} log tail:\n{}", process.name(), process.log_tail(20)))
+}
+
+/// One `grpc.health.v1` probe: SERVING or not, within a second.
+pub async fn probe_grpc(port: u16) -> bool {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let probe = async {
+        let channel = tonic::transport::Endpoint::from_shared(url(port))
+            .ok()?
+            .connect()
+            .await
+            .ok()?;
+        let reply = HealthClient::new(channel)
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .ok()?;
+        Some(
+            reply.into_inner().status
+                == tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+        )
+    };
+    tokio::time::timeout(Duration::from_secs(1), probe)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
 }

@@ -166,7 +166,10 @@ pub fn hand_over(dir: &std::path::Path, user: Option<(u32, u32)>) -> anyhow::Res
 pub fn pid_alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state is the first field after the parenthesised command name.
-        Ok(stat) => stat.rsplit_once(')').map(|(_, rest)| rest.trim_start()).is_some_and(|r| !r.starts_with('Z')),
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| rest.trim_start())
+            .is_some_and(|r| !r.starts_with('Z')),
         Err(_) => false,
     }
 }

@@ -1,0 +1,274 @@
+//! The reconciler against a real system (every service a process): a payout driven by hand
+//! under a real lock grant reconciles clean; then each primary is broken behind the services'
+//! backs, and the check that owns it must report it. A check that stays green here would be
+//! decoration.
+
+use std::time::Duration;
+
+use payment_resource::client::PaymentClient;
+use payment_resource::model::{Fence, NewPayout, RailOutcome};
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
+use rail_proxy::client::RailProxyClient;
+use rail_proxy::model::{Outcome, SubmitPayout};
+use reconciler::{Options, Report, Sources};
+use testkit::system::{System, SystemOptions};
+use testkit::Stack;
+
+async fn sources(system: &System) -> Sources {
+    Sources {
+        paydb: sqlx::PgPool::connect(&system.databases.paydb)
+            .await
+            .unwrap(),
+        proxydb: sqlx::PgPool::connect(&system.databases.proxydb)
+            .await
+            .unwrap(),
+        gldb: sqlx::PgPool::connect(&system.databases.gldb).await.unwrap(),
+        rail_url: Some(system.rail_url()),
+        lock_grants: Some((Stack::shared().etcd_endpoints(), system.etcd_prefix.clone())),
+    }
+}
+
+fn violations<'a>(report: &'a Report, check: &str) -> &'a [String] {
+    &report
+        .checks
+        .iter()
+        .find(|c| c.name == check)
+        .unwrap_or_else(|| panic!("no check {check}"))
+        .violations
+}
+
+/// One payout through claim, submit, outcome and posting, by hand, under a real grant.
+async fn pay(system: &System, account: &str, payout: &str, amount: i64) {
+    let lock = lock_client::LockClient::connect(system.lock_url())
+        .await
+        .unwrap();
+    let session = lock
+        .open_session("reconciler-test", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let account_id = AccountId::parse(account).unwrap();
+    let grant = match session
+        .acquire(
+            &payout_domain::lock_key(&account_id),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+    {
+        lock_client::Acquired::Granted(g) => g,
+        other => panic!("lock not granted: {other:?}"),
+    };
+    let payments = PaymentClient::connect(system.payment_url()).await.unwrap();
+    let eur = Currency::parse("EUR").unwrap();
+    let _ = payments
+        .open_account(&account_id, &eur, 100_000)
+        .await
+        .unwrap();
+    let payout_id = PayoutId::parse(payout).unwrap();
+    let new = NewPayout {
+        payout_id: payout_id.clone(),
+        account_id: account_id.clone(),
+        amount_minor: AmountMinor::new(amount).unwrap(),
+        currency: eur.clone(),
+        beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
+    };
+    payments.create_payout(&new).await.unwrap();
+    let fence = Fence::new("reconciler-test", grant.token()).unwrap();
+    payments.claim(&payout_id, &fence).await.unwrap();
+    payments.mark_submitted(&payout_id, &fence).await.unwrap();
+    let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+    let submission = proxy
+        .submit(&SubmitPayout::new(
+            payout_id.clone(),
+            account_id.clone(),
+            grant.token(),
+            "reconciler-test",
+            new.amount_minor,
+            eur,
+            new.beneficiary_ref.clone(),
+        ))
+        .await
+        .unwrap();
+    let Outcome::Acked { rail_ref } = submission.outcome else {
+        panic!("rail did not ack: {submission:?}")
+    };
+    payments
+        .record_outcome(&payout_id, &fence, &RailOutcome::Acked { rail_ref }, "")
+        .await
+        .unwrap();
+    payments.post(&payout_id, &fence).await.unwrap();
+    grant.release().await.unwrap();
+}
+
+async fn drained(system: &System) {
+    let paydb = sqlx::PgPool::connect(&system.databases.paydb)
+        .await
+        .unwrap();
+    testkit::eventually(Duration::from_secs(30), "outbox drained", || async {
+        let pending: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NULL")
+                .fetch_one(&paydb)
+                .await
+                .ok()?;
+        (pending == 0).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+/// Runs `sql` on `url` with triggers off (superuser, replication role): a primary bypassed.
+async fn behind_the_back(url: &str, sql: &str) {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET session_replication_role = replica")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sql)
+        .execute(&mut *conn)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+#[tokio::test]
+async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
+    let system = System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 0,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    pay(&system, "acct-r1", "po-r1", 1_250).await;
+    pay(&system, "acct-r2", "po-r2", 700).await;
+    drained(&system).await;
+    let src = sources(&system).await;
+    let strict = Options {
+        require_outbox_drained: true,
+    };
+
+    let report = reconciler::reconcile(&src, &strict).await.unwrap();
+    assert!(
+        report.is_clean(),
+        "a clean run must reconcile clean:\n{}",
+        report.render()
+    );
+    assert!(
+        report.checks.iter().all(|c| c.skipped.is_none()),
+        "{}",
+        report.render()
+    );
+    assert_eq!(report.rail_movements, 2);
+    assert_eq!(report.payouts_by_state.get("POSTED"), Some(&2));
+
+    // INV-02: the rail is paid a second time for po-r1 behind the proxy's back.
+    let stub = rail_stub::client::StubClient::new(system.rail_url());
+    stub.pay(&rail_stub::PaymentOrder {
+        client_reference: "cref-po-r1".into(),
+        amount_minor: 1_250,
+        currency: "EUR".into(),
+        beneficiary_ref: "ben-1".into(),
+    })
+    .await
+    .unwrap();
+    // INV-03: an entry that unbalances its group and its account.
+    behind_the_back(
+        &system.databases.paydb,
+        "INSERT INTO ledger_entry (transaction_group, line_number, account_id, currency, amount_minor, counterparty) \
+         VALUES (gen_random_uuid(), 1, 'acct-r2', 'EUR', -5, 'sys:payout-clearing:EUR')",
+    )
+    .await;
+    // INV-04/05 and INV-07 at the proxy: a submission under a lower token that nobody granted.
+    behind_the_back(
+        &system.databases.proxydb,
+        "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, currency, beneficiary_ref) \
+         VALUES ('po-ghost', 'acct-r1', 1, 'ghost', 'cref-po-ghost', 10, 'EUR', 'ben-1')",
+    )
+    .await;
+    // INV-08: a terminal payout moved back to an in-flight state, beside another in flight (INV-01).
+    behind_the_back(
+        &system.databases.paydb,
+        "DROP INDEX IF EXISTS payout_one_in_flight_per_account",
+    )
+    .await;
+    behind_the_back(
+        &system.databases.paydb,
+        "UPDATE payout SET state = 'RAIL_ACKED' WHERE id IN ('po-r1', 'po-r2')",
+    )
+    .await;
+    behind_the_back(
+        &system.databases.paydb,
+        "UPDATE payout SET account_id = 'acct-r1' WHERE id = 'po-r2'",
+    )
+    .await;
+    // The GL: a journal whose posting never existed in paydb.
+    behind_the_back(
+        &system.databases.gldb,
+        "INSERT INTO journals (id, source_service, idempotency_key, payload_hash, source_transaction_id, tracking_code, \
+           effect_kind, effect_version, occurred_at, correlation_id, actor_id) \
+         VALUES (gen_random_uuid(), 'payment-resource', 'payment-resource:payout:po-ghost:posting:v1', repeat('0', 64), \
+           'po-ghost', '', 'PAYOUT_POSTED', 1, now(), 'po-ghost', 'ghost')",
+    )
+    .await;
+    behind_the_back(
+        &system.databases.gldb,
+        "INSERT INTO entries (journal_id, line_number, account_id, asset_id, amount) \
+         SELECT id, 1, (SELECT id FROM ledger_accounts LIMIT 1), 'EUR', 1 FROM journals \
+         WHERE idempotency_key = 'payment-resource:payout:po-ghost:posting:v1'",
+    )
+    .await;
+
+    let report = reconciler::reconcile(&src, &strict).await.unwrap();
+    let text = report.render();
+    assert!(!report.is_clean(), "{text}");
+    let dup = violations(&report, "rail_movements_at_most_once");
+    assert!(
+        dup.iter()
+            .any(|v| v.contains("DUPLICATE PAYMENT") && v.contains("cref-po-r1")),
+        "{text}"
+    );
+    assert!(
+        violations(&report, "ledger_balanced").len() >= 2,
+        "group and balance: {text}"
+    );
+    assert!(
+        !violations(&report, "proxydb_tokens_never_decrease").is_empty(),
+        "{text}"
+    );
+    assert!(
+        violations(&report, "guard_tokens_were_granted")
+            .iter()
+            .any(|v| v.contains("po-ghost")),
+        "{text}"
+    );
+    assert!(
+        !violations(&report, "transition_history_replays").is_empty(),
+        "{text}"
+    );
+    assert!(
+        !violations(&report, "one_in_flight_payout_per_account").is_empty(),
+        "{text}"
+    );
+    assert!(
+        violations(&report, "postings_match_payouts")
+            .iter()
+            .any(|v| v.contains("RAIL_ACKED")),
+        "{text}"
+    );
+    assert!(
+        violations(&report, "gl_matches_paydb")
+            .iter()
+            .any(|v| v.contains("po-ghost")),
+        "{text}"
+    );
+    assert!(
+        !violations(&report, "one_submission_per_payout").is_empty(),
+        "unknown payout: {text}"
+    );
+}
