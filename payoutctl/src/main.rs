@@ -3,6 +3,7 @@
 mod bench;
 mod migrate;
 mod reconcile;
+mod run;
 mod stack;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +31,8 @@ enum Command {
         #[command(subcommand)]
         which: bench::Which,
     },
+    /// The main job: a batch of payouts through the whole system under rail faults, then the reconciler.
+    Run(run::Args),
     /// Check every invariant across paydb, proxydb, gldb, the rail and the lock grants.
     Reconcile(reconcile::Args),
     /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb.
@@ -52,6 +55,7 @@ fn main() -> std::process::ExitCode {
             Command::Migrate(args) => migrate::run(args).await,
             Command::Bench { which } => bench::run(which).await,
             Command::Reconcile(args) => reconcile::run(args).await,
+            Command::Run(args) => run::run(args).await,
         }
     });
     match result {

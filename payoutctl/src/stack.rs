@@ -101,14 +101,8 @@ impl SystemRecord {
     pub fn payment_url(&self) -> String {
         Self::url(self.ports.payment_resource)
     }
-    pub fn proxy_url(&self) -> String {
-        Self::url(self.ports.rail_proxy)
-    }
     pub fn rail_url(&self) -> String {
         Self::url(self.ports.rail_stub)
-    }
-    pub fn lock_url(&self) -> String {
-        Self::url(self.ports.lock_server)
     }
 }
 
@@ -184,13 +178,29 @@ pub async fn run(action: Action) -> anyhow::Result<std::process::ExitCode> {
     }
 }
 
+/// `up` without the status table (for `payoutctl run`).
+pub async fn up_quiet(args: UpArgs) -> anyhow::Result<()> {
+    start(args).await
+}
+
 async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
+    let dir = args.state.state_dir.clone();
+    if let Ok(record) = StackRecord::load(&dir) {
+        if record.parts.iter().all(|p| alive(p.pid)) {
+            println!("stack already up");
+            return status(&dir, false).await;
+        }
+    }
+    start(args).await?;
+    status(&dir, false).await
+}
+
+async fn start(args: UpArgs) -> anyhow::Result<()> {
     let dir = &args.state.state_dir;
     std::fs::create_dir_all(dir)?;
     if let Ok(record) = StackRecord::load(dir) {
         if record.parts.iter().all(|p| alive(p.pid)) {
-            println!("stack already up");
-            return status(dir, false).await;
+            return Ok(());
         }
         // Partly up: stop what is left, then start everything from the same data.
         down(dir)?;
@@ -312,12 +322,8 @@ async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
     }
     // The processes are detached: dropping the handles leaves them running.
     drop(stack);
-    println!(
-        "stack up in {:.1}s (state in {})",
-        started.elapsed().as_secs_f64(),
-        dir.display()
-    );
-    status(dir, false).await
+    eprintln!("stack up in {:.1}s (state in {})", started.elapsed().as_secs_f64(), dir.display());
+    Ok(())
 }
 
 fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
