@@ -149,6 +149,7 @@ impl InMemoryBackend {
                 owner: "other-worker".into(),
                 session_id: "session-other".into(),
                 token: FencingToken::new(w.revision).expect("revisions start at 1"),
+                task_queue: String::new(),
             };
             w.locks.insert(grant.key.clone(), grant.clone());
             grant
@@ -262,6 +263,7 @@ impl Backend for InMemoryBackend {
                 owner: w.owner.clone(),
                 session_id: w.session.clone(),
                 token: FencingToken::new(w.revision).expect("revisions start at 1"),
+                task_queue: String::new(),
             };
             w.locks.insert(key, grant.clone());
             AcquireOutcome::Granted(grant)

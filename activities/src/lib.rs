@@ -12,6 +12,7 @@ pub mod backend;
 #[cfg(feature = "test-backend")]
 pub mod in_memory;
 pub mod refusal;
+pub mod services;
 pub mod types;
 
 pub use activities::PayoutActivities;

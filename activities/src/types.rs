@@ -53,6 +53,11 @@ pub struct Grant {
     pub owner: String,
     pub session_id: String,
     pub token: FencingToken,
+    /// The task queue of the worker process whose lock session holds this grant: every fenced
+    /// activity under the grant runs there, because only that process keeps the session alive
+    /// and can vouch for the grant. Empty means the workflow's own queue (a one-worker setup).
+    #[serde(default)]
+    pub task_queue: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

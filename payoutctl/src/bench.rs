@@ -27,7 +27,9 @@ pub struct Args {
 }
 
 pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
-    let stack = tokio::task::spawn_blocking(|| Stack::builder().start()).await??;
+    // Durable PostgreSQL (fsync on), as in a deployment: both sides of each comparison pay for
+    // their commits the way production would.
+    let stack = tokio::task::spawn_blocking(|| Stack::builder().durable(true).start()).await??;
     let profile = if cfg!(debug_assertions) {
         "debug"
     } else {

@@ -42,6 +42,10 @@ pub struct WorkerConfig {
     /// rail-proxy gRPC endpoint.
     #[arg(long, env = "RAIL_PROXY_URL")]
     pub rail_proxy_url: Option<String>,
+    /// The lock session's lease TTL. Short values make a frozen worker lose its grants fast
+    /// (fault tests); the default suits a deployment.
+    #[arg(long, env = "PAYOUT_LOCK_TTL_MS", default_value_t = payout_activities::services::LOCK_TTL_MS_DEFAULT)]
+    pub lock_ttl_ms: u64,
 }
 
 impl WorkerConfig {
@@ -49,6 +53,22 @@ impl WorkerConfig {
         self.identity
             .clone()
             .unwrap_or_else(|| format!("payout-worker-{}", std::process::id()))
+    }
+
+    /// This process's own task queue, where the fenced activities of its grants are routed. It
+    /// is unique per process (pid and start time), so a restarted worker with the same identity
+    /// never receives tasks meant for its previous incarnation's session.
+    pub fn private_task_queue(&self) -> String {
+        let started_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        format!(
+            "{}/{}/{}-{started_ns}",
+            self.task_queue,
+            self.identity(),
+            std::process::id()
+        )
     }
 }
 
@@ -67,29 +87,57 @@ pub async fn connect(config: &WorkerConfig) -> anyhow::Result<Client> {
 
 /// Runs the worker until `stop` resolves, then shuts it down gracefully and returns when every
 /// in-flight task has completed or been handed back.
+///
+/// Two pollers share one backend: the shared `config.task_queue` (workflows and the unfenced
+/// activities: acquire, reads, inquiries) and, when `private_task_queue` is given, this process's
+/// own queue, where the workflow routes every fenced activity of a grant this process holds
+/// (`Grant::task_queue`): only the process whose session holds a grant can vouch for it.
 pub async fn run(
     config: &WorkerConfig,
     backend: Arc<dyn Backend>,
+    private_task_queue: Option<String>,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let runtime = Runtime::from_current_tokio(Default::default())?;
     let client = connect(config).await?;
     let mut options = WorkerOptions::new(config.task_queue.clone())
         .register_workflow::<PayoutWorkflow>()?
-        .register_activities(PayoutActivities::new(backend))
+        .register_activities(PayoutActivities::new(backend.clone()))
         .build();
     options.graceful_shutdown_period = Some(GRACEFUL_SHUTDOWN_PERIOD);
     options.max_cached_workflows = MAX_CACHED_WORKFLOWS;
     options.client_identity_override = Some(config.identity());
-    let mut worker = Worker::new(&runtime, client, options)?;
+    let mut worker = Worker::new(&runtime, client.clone(), options)?;
+    let mut private = match &private_task_queue {
+        Some(queue) => {
+            let mut options = WorkerOptions::new(queue.clone())
+                .register_activities(PayoutActivities::new(backend))
+                .build();
+            options.graceful_shutdown_period = Some(GRACEFUL_SHUTDOWN_PERIOD);
+            options.client_identity_override = Some(config.identity());
+            Some(Worker::new(&runtime, client, options)?)
+        }
+        None => None,
+    };
     let shutdown = worker.shutdown_handle();
-    tracing::info!(task_queue = %config.task_queue, identity = %config.identity(), "worker polling");
-    let (result, ()) = tokio::join!(worker.run(), async {
+    let private_shutdown = private.as_ref().map(|w| w.shutdown_handle());
+    tracing::info!(task_queue = %config.task_queue, private_task_queue = ?private_task_queue, identity = %config.identity(), "worker polling");
+    let private_run = async {
+        match private.as_mut() {
+            Some(w) => w.run().await,
+            None => Ok(()),
+        }
+    };
+    let (result, private_result, ()) = tokio::join!(worker.run(), private_run, async {
         stop.await;
         tracing::info!("shutdown requested: finishing in-flight tasks");
         shutdown();
+        if let Some(s) = private_shutdown {
+            s();
+        }
     });
     result.context("worker stopped with an error")?;
+    private_result.context("private-queue worker stopped with an error")?;
     tracing::info!("worker stopped");
     Ok(())
 }

@@ -28,6 +28,7 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
         lock_server_url: None,
         payment_resource_url: None,
         rail_proxy_url: None,
+        lock_ttl_ms: 10_000,
     };
     let world = InMemoryBackend::new("worker-test");
     let input = PayoutInput {
@@ -42,7 +43,7 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
     world.create_payout(&input, RailScript::Ack);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let backend: Arc<dyn payout_activities::Backend> = Arc::new(world.clone());
-    let worker = payout_worker::run(&config, backend, async {
+    let worker = payout_worker::run(&config, backend, None, async {
         let _ = stop_rx.await;
     });
     let body = async {

@@ -15,11 +15,24 @@ use temporalio_client::WorkflowIdReusePolicy;
 use temporalio_client::WorkflowStartOptions;
 use temporalio_common::search_attributes::SearchAttributes;
 
-/// How a payout's workflow is started: id `payout-{payout_id}`, on the `payouts` queue, refusing
+pub mod client;
+
+/// How a payout's workflow is started: id `payout-{payout_id}`, on `task_queue` (the workers'
+/// queue; [`TASK_QUEUE`] in a deployment, a unique one per test system), refusing
 /// a second start for the same payout even after the first has closed, with the search
 /// attributes set from the first moment.
-pub fn start_options(input: &PayoutInput) -> WorkflowStartOptions {
-    WorkflowStartOptions::new(TASK_QUEUE, payout_domain::workflow_id(&input.payout_id))
+pub fn start_options(task_queue: &str, input: &PayoutInput) -> WorkflowStartOptions {
+    start_options_with_id(task_queue, input, payout_domain::workflow_id(&input.payout_id))
+}
+
+/// The same with another workflow id: only for proving that a second workflow for one payout
+/// (an operator mistake) moves no money twice. Production always uses [`start_options`].
+pub fn start_options_with_id(
+    task_queue: &str,
+    input: &PayoutInput,
+    workflow_id: String,
+) -> WorkflowStartOptions {
+    WorkflowStartOptions::new(task_queue, workflow_id)
         .id_reuse_policy(WorkflowIdReusePolicy::RejectDuplicate)
         .search_attributes(SearchAttributes::new([
             PAYOUT_STATE.value_set(payout_domain::PayoutState::Pending.as_str().to_string()),

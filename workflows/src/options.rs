@@ -20,6 +20,12 @@ pub const SUBMIT_START_TO_CLOSE: Duration = Duration::from_secs(30);
 /// A rail lookup through the proxy: the proxy's bounded rail timeout plus the hop.
 pub const INQUIRE_START_TO_CLOSE: Duration = Duration::from_secs(15);
 
+/// A fenced activity runs on the task queue of the worker process that holds the grant. That
+/// process polls its queue continuously, so a task still waiting after this long means the
+/// process is gone or frozen: the workflow then treats the grant as lost and acquires a new one
+/// on any live worker. Generous enough for a busy worker's backlog during a batch.
+pub const FENCED_SCHEDULE_TO_START: Duration = Duration::from_secs(15);
+
 /// First retry quickly: most transient faults are a restarting service or a connection reset.
 const RETRY_INITIAL_INTERVAL: Duration = Duration::from_millis(500);
 /// Doubling reaches the ceiling in about six attempts.
@@ -61,6 +67,17 @@ fn options(start_to_close: Duration, retry: RetryPolicy) -> ActivityOptions {
     ActivityOptions::with_start_to_close_timeout(start_to_close)
         .retry_policy(retry)
         .build()
+}
+
+/// Routes a fenced call to the worker process whose session holds `grant` (see
+/// `Grant::task_queue`), bounded by [`FENCED_SCHEDULE_TO_START`]. A grant without a queue (a
+/// one-worker setup) runs on the workflow's own queue.
+pub fn fenced(mut options: ActivityOptions, grant: &payout_activities::types::Grant) -> ActivityOptions {
+    if !grant.task_queue.is_empty() {
+        options.task_queue = Some(grant.task_queue.clone());
+        options.schedule_to_start_timeout = Some(FENCED_SCHEDULE_TO_START);
+    }
+    options
 }
 
 /// Claim, mark submitted, record outcome, resolve, abandon, post, reads, operator decisions.

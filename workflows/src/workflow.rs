@@ -15,6 +15,7 @@ use payout_activities::types::*;
 use payout_activities::PayoutActivities;
 use payout_domain::{ClientReference, FencingToken, PayoutId, PayoutState};
 use serde::{Deserialize, Serialize};
+use temporalio_common::error::TimeoutType;
 use temporalio_common::search_attributes::SearchAttributeKey;
 use temporalio_macros::{workflow, workflow_methods};
 use temporalio_sdk::{
@@ -93,7 +94,26 @@ enum StepError {
     Fatal(Box<ActivityExecutionError>),
 }
 
-fn classify(error: ActivityExecutionError) -> StepError {
+/// A fenced activity that timed out waiting in its grant's worker queue: that worker is gone or
+/// frozen, so nobody can vouch for the grant any more. Nothing ran under it.
+fn never_started(error: &ActivityExecutionError) -> bool {
+    error
+        .as_timeout()
+        .is_some_and(|t| t.timeout_type() == TimeoutType::ScheduleToStart)
+}
+
+fn worker_gone(grant: &Grant) -> Refusal {
+    Refusal::GrantLost {
+        key: grant.key.clone(),
+        token: grant.token.get(),
+        reason: format!("no worker picked the task up from {}", grant.task_queue),
+    }
+}
+
+fn classify(error: ActivityExecutionError, grant: &Grant) -> StepError {
+    if never_started(&error) {
+        return StepError::GrantLost(worker_gone(grant));
+    }
     match Refusal::from_failure(&error) {
         Some(r @ (Refusal::GrantLost { .. } | Refusal::FencedOut { .. })) => {
             StepError::GrantLost(r)
@@ -189,9 +209,9 @@ impl PayoutWorkflow {
                 PayoutActivities::release_grant,
                 FencedInput {
                     payout_id: input.payout_id.clone(),
-                    grant,
+                    grant: grant.clone(),
                 },
-                options::guard_call(),
+                options::fenced(options::guard_call(), &grant),
             )
             .await?;
         }
@@ -382,17 +402,25 @@ async fn step(
         }
         PayoutState::Pending => {
             let claimed = ctx
-                .execute_activity(PayoutActivities::claim, fenced, options::guard_call())
+                .execute_activity(
+                    PayoutActivities::claim,
+                    fenced,
+                    options::fenced(options::guard_call(), grant),
+                )
                 .await
-                .map_err(classify)?;
+                .map_err(|e| classify(e, grant))?;
             Ok((claimed, "CLAIM"))
         }
         PayoutState::Claimed if snapshot.token_stamp < grant.token.get() => {
             // The recovery re-claim under a later token (CLAIMED -> CLAIMED, claimer replaced).
             let claimed = ctx
-                .execute_activity(PayoutActivities::claim, fenced, options::guard_call())
+                .execute_activity(
+                    PayoutActivities::claim,
+                    fenced,
+                    options::fenced(options::guard_call(), grant),
+                )
                 .await
-                .map_err(classify)?;
+                .map_err(|e| classify(e, grant))?;
             Ok((claimed, "RECLAIM"))
         }
         PayoutState::Claimed => {
@@ -402,10 +430,10 @@ async fn step(
                 .execute_activity(
                     PayoutActivities::mark_submitted,
                     fenced,
-                    options::guard_call(),
+                    options::fenced(options::guard_call(), grant),
                 )
                 .await
-                .map_err(classify)?;
+                .map_err(|e| classify(e, grant))?;
             Ok((marked, "MARK_SUBMITTED"))
         }
         PayoutState::RailSubmitted => {
@@ -428,17 +456,21 @@ async fn step(
                         grant: grant.clone(),
                         outcome,
                     },
-                    options::guard_call(),
+                    options::fenced(options::guard_call(), grant),
                 )
                 .await
-                .map_err(classify)?;
+                .map_err(|e| classify(e, grant))?;
             Ok((recorded, "RECORD_OUTCOME"))
         }
         PayoutState::RailAcked => {
             let posted = ctx
-                .execute_activity(PayoutActivities::post_ledger, fenced, options::guard_call())
+                .execute_activity(
+                    PayoutActivities::post_ledger,
+                    fenced,
+                    options::fenced(options::guard_call(), grant),
+                )
                 .await
-                .map_err(classify)?;
+                .map_err(|e| classify(e, grant))?;
             Ok((posted, "POST"))
         }
         PayoutState::RailAmbiguous => ambiguity_step(ctx, input, grant, snapshot, facts).await,
@@ -468,13 +500,18 @@ async fn submit(
                 client_reference: ClientReference::for_payout(&input.payout_id),
                 grant: grant.clone(),
             },
-            options::submit(),
+            options::fenced(options::submit(), grant),
         )
         .await;
     Ok(match answer {
         Ok(SubmitAnswer::Acked { rail_ref }) => RailOutcome::Acked { rail_ref },
         Ok(SubmitAnswer::Declined { decline_code }) => RailOutcome::Declined { decline_code },
         Ok(SubmitAnswer::Ambiguous { detail }) => RailOutcome::Timeout { detail },
+        Err(error) if never_started(&error) => {
+            // The grant's worker never picked the submission up: nothing was sent under it.
+            facts.proxy_called = false;
+            return Err(StepError::GrantLost(worker_gone(grant)));
+        }
         Err(error) => match Refusal::from_failure(&error) {
             Some(Refusal::DuplicateSubmission {
                 existing_outcome, ..
@@ -534,7 +571,7 @@ async fn ambiguity_step(
             options::inquire(),
         )
         .await
-        .map_err(classify)?;
+        .map_err(|e| classify(e, grant))?;
     let evidence = match inquiry {
         Inquiry::Found { rail_ref } => Evidence::Found { rail_ref },
         Inquiry::Absent => Evidence::Absent,
@@ -555,10 +592,10 @@ async fn ambiguity_step(
                 grant: grant.clone(),
                 evidence,
             },
-            options::guard_call(),
+            options::fenced(options::guard_call(), grant),
         )
         .await
-        .map_err(classify)?;
+        .map_err(|e| classify(e, grant))?;
     Ok((resolved, "RESOLVE_AMBIGUITY"))
 }
 
@@ -581,9 +618,9 @@ async fn abandon_payout(
                 resolution_sla_passed,
                 sla_check,
             },
-            options::guard_call(),
+            options::fenced(options::guard_call(), grant),
         )
         .await
-        .map_err(classify)?;
+        .map_err(|e| classify(e, grant))?;
     Ok((abandoned, "OPERATOR_ABANDON"))
 }
