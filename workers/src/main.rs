@@ -11,9 +11,7 @@ async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("payout-worker");
     let config = WorkerConfig::parse();
     let required = |name: &str, value: &Option<String>| {
-        value
-            .clone()
-            .with_context(|| format!("{name} is required"))
+        value.clone().with_context(|| format!("{name} is required"))
     };
     let private_task_queue = config.private_task_queue();
     let backend = ServiceBackend::connect(ServiceConfig {

@@ -22,7 +22,11 @@ pub mod client;
 /// a second start for the same payout even after the first has closed, with the search
 /// attributes set from the first moment.
 pub fn start_options(task_queue: &str, input: &PayoutInput) -> WorkflowStartOptions {
-    start_options_with_id(task_queue, input, payout_domain::workflow_id(&input.payout_id))
+    start_options_with_id(
+        task_queue,
+        input,
+        payout_domain::workflow_id(&input.payout_id),
+    )
 }
 
 /// The same with another workflow id: only for proving that a second workflow for one payout

@@ -72,7 +72,10 @@ fn options(start_to_close: Duration, retry: RetryPolicy) -> ActivityOptions {
 /// Routes a fenced call to the worker process whose session holds `grant` (see
 /// `Grant::task_queue`), bounded by [`FENCED_SCHEDULE_TO_START`]. A grant without a queue (a
 /// one-worker setup) runs on the workflow's own queue.
-pub fn fenced(mut options: ActivityOptions, grant: &payout_activities::types::Grant) -> ActivityOptions {
+pub fn fenced(
+    mut options: ActivityOptions,
+    grant: &payout_activities::types::Grant,
+) -> ActivityOptions {
     if !grant.task_queue.is_empty() {
         options.task_queue = Some(grant.task_queue.clone());
         options.schedule_to_start_timeout = Some(FENCED_SCHEDULE_TO_START);

@@ -1,0 +1,510 @@
+//! The real backend: the lock service (`lock-client`), the payment resource (first guard) and
+//! the rail proxy (second guard), behind [`Backend`].
+//!
+//! The lock session is one per worker process, owned by the process: opened at start, kept alive
+//! in the background, replaced by a new one (new grants, higher tokens) once it is lost. Grants
+//! live in this process only; a [`Grant`] in workflow history names its session and this
+//! process's own task queue, where every fenced activity under it is routed. A grant made by
+//! another process (a worker that died, or a previous incarnation of this one) is never adopted:
+//! [`Backend::check_held`] reports it as `GrantLost` and the workflow acquires a new one.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use lock_client::{Acquired, ClientError, LockClient, Session};
+use payment_resource::client::PaymentClient;
+use payment_resource::error::PaymentError;
+use payment_resource::model;
+use payout_domain::{lock_key, PayoutId};
+use rail_proxy::client::{ProxyError, RailProxyClient};
+use rail_proxy::model::{Evidence as ProxyEvidence, Outcome, SubmitPayout};
+
+use crate::backend::{Answer, Backend};
+use crate::refusal::{ActivityFailure, Refusal};
+use crate::types::*;
+
+/// The lease TTL default. The worker's session must survive a loaded machine's scheduling
+/// hiccups (keep-alives go every TTL/3), and a dead worker's keys must come free quickly enough
+/// that its payouts resume within seconds: ten seconds does both. Tests that pause a worker set a
+/// shorter one (`PAYOUT_LOCK_TTL_MS`).
+pub const LOCK_TTL_MS_DEFAULT: u64 = 10_000;
+/// Below this the local deadline (TTL minus the client's 500 ms margin) leaves no room to work.
+pub const LOCK_TTL_MS_MIN: u64 = 1_500;
+/// Acquire waits at most this for a release at the lock server; the workflow then waits on a
+/// durable timer and asks again, so a long wait here would only pin an activity slot.
+pub const ACQUIRE_WAIT_MS: u64 = 2_000;
+
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// This worker's identity: the lock owner and the claimer the guards record.
+    pub owner: String,
+    /// This process's own task queue, where the fenced activities of its grants run.
+    pub private_task_queue: String,
+    pub lock_server_url: String,
+    pub payment_resource_url: String,
+    pub rail_proxy_url: String,
+    pub lock_ttl: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("lock service: {0}")]
+    Lock(#[from] ClientError),
+    #[error("payment resource: {0}")]
+    Payment(#[from] PaymentError),
+    #[error("rail proxy: {0}")]
+    Proxy(#[from] tonic::transport::Error),
+    #[error("PAYOUT_LOCK_TTL_MS {0} is below the minimum {LOCK_TTL_MS_MIN}")]
+    TtlTooShort(u128),
+}
+
+pub struct ServiceBackend {
+    config: ServiceConfig,
+    lock: LockClient,
+    /// The process's session; replaced (never revived) once lost.
+    session: tokio::sync::Mutex<Session>,
+    /// The live grant handles of this process, by key.
+    grants: Mutex<HashMap<String, lock_client::Grant>>,
+    payment: PaymentClient,
+    proxy: RailProxyClient,
+}
+
+impl ServiceBackend {
+    pub async fn connect(config: ServiceConfig) -> Result<Self, ConnectError> {
+        if config.lock_ttl.as_millis() < u128::from(LOCK_TTL_MS_MIN) {
+            return Err(ConnectError::TtlTooShort(config.lock_ttl.as_millis()));
+        }
+        let lock = LockClient::connect(config.lock_server_url.clone()).await?;
+        let session = lock.open_session(&config.owner, config.lock_ttl).await?;
+        tracing::info!(owner = %config.owner, session_id = session.id(), ttl_ms = config.lock_ttl.as_millis() as u64, "lock session opened");
+        let payment = PaymentClient::connect(config.payment_resource_url.clone()).await?;
+        let proxy = RailProxyClient::connect(config.rail_proxy_url.clone()).await?;
+        Ok(Self {
+            config,
+            lock,
+            session: tokio::sync::Mutex::new(session),
+            grants: Mutex::new(HashMap::new()),
+            payment,
+            proxy,
+        })
+    }
+
+    /// Ends the session on a graceful stop: the server frees every key of this worker at once,
+    /// so the payouts it handed back continue elsewhere without waiting for the lease.
+    pub async fn close(&self) {
+        self.grants.lock().expect("grants").clear();
+        let session = self.session.lock().await;
+        if let Err(e) = session.close().await {
+            tracing::warn!(error = %e, "closing the lock session failed; its lease will expire");
+        }
+    }
+
+    /// The live session, or a new one if the current one is lost.
+    async fn live_session(&self) -> Result<Session, ActivityFailure> {
+        let mut session = self.session.lock().await;
+        if !session.is_alive() {
+            let fresh = self
+                .lock
+                .open_session(&self.config.owner, self.config.lock_ttl)
+                .await
+                .map_err(|e| ActivityFailure::Transient(format!("opening a lock session: {e}")))?;
+            tracing::warn!(
+                old = session.id(),
+                new = fresh.id(),
+                "lock session lost; opened a new one"
+            );
+            *session = fresh;
+        }
+        Ok(session.clone())
+    }
+
+    fn fence(grant: &Grant) -> Result<model::Fence, ActivityFailure> {
+        model::Fence::new(grant.owner.clone(), grant.token).map_err(payment_failure)
+    }
+}
+
+fn payment_failure(e: PaymentError) -> ActivityFailure {
+    match e {
+        PaymentError::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+            ..
+        } => Refusal::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+        }
+        .into(),
+        PaymentError::RefusedTransition {
+            payout_id,
+            from,
+            event,
+            ..
+        } => Refusal::RefusedTransition {
+            payout_id,
+            from,
+            event,
+        }
+        .into(),
+        PaymentError::AccountBusy {
+            account_id,
+            in_flight_payout_id,
+        } => Refusal::AccountBusy {
+            account_id,
+            in_flight_payout_id,
+        }
+        .into(),
+        PaymentError::ResolutionSlaNotPassed { payout_id } => {
+            Refusal::ResolutionSlaNotPassed { payout_id }.into()
+        }
+        // The database or the network: a retry may cure it.
+        e @ (PaymentError::Storage(_) | PaymentError::Transport { .. }) => {
+            ActivityFailure::Transient(e.to_string())
+        }
+        // Malformed requests, unknown payouts, broken invariants: a bug; never retried.
+        e => Refusal::InvalidRequest {
+            detail: e.to_string(),
+        }
+        .into(),
+    }
+}
+
+fn snapshot(p: model::Payout) -> PayoutSnapshot {
+    PayoutSnapshot {
+        payout_id: p.payout_id,
+        state: p.state,
+        claimed_by: p.claimed_by.unwrap_or_default(),
+        token_stamp: p.token_stamp.unwrap_or(0),
+        rail_ref: p.rail_ref.unwrap_or_default(),
+        rail_outcome: p.rail_outcome.unwrap_or_default(),
+        failure_reason: p.failure_reason.unwrap_or_default(),
+    }
+}
+
+/// What the proxy's record says, in the workflow's terms. PENDING (intent without an ending) is
+/// "no recorded outcome": ambiguous.
+fn recorded_outcome(outcome: &Outcome) -> Option<RailOutcome> {
+    match outcome {
+        Outcome::Acked { rail_ref } => Some(RailOutcome::Acked {
+            rail_ref: rail_ref.clone(),
+        }),
+        Outcome::Rejected { decline_code } => Some(RailOutcome::Declined {
+            decline_code: decline_code.clone(),
+        }),
+        Outcome::Timeout { detail } => Some(RailOutcome::Timeout {
+            detail: detail.clone(),
+        }),
+        Outcome::Pending => None,
+    }
+}
+
+fn boxed<'a, T: Send + 'a>(
+    f: impl std::future::Future<Output = Result<T, ActivityFailure>> + Send + 'a,
+) -> Answer<'a, T> {
+    Box::pin(f)
+}
+
+impl Backend for ServiceBackend {
+    fn acquire(&self, input: AcquireInput) -> Answer<'_, AcquireOutcome> {
+        boxed(async move {
+            let key = lock_key(&input.account_id);
+            let session = self.live_session().await?;
+            let acquired = session
+                .acquire(&key, Duration::from_millis(ACQUIRE_WAIT_MS))
+                .await
+                .map_err(|e| ActivityFailure::Transient(format!("acquire {key}: {e}")))?;
+            match acquired {
+                Acquired::Granted(handle) => {
+                    let grant = Grant {
+                        key: key.clone(),
+                        owner: handle.owner().to_string(),
+                        session_id: handle.session_id().to_string(),
+                        token: handle.token(),
+                        task_queue: self.config.private_task_queue.clone(),
+                    };
+                    tracing::info!(payout_id = %input.payout_id, account_id = %input.account_id, key, token = grant.token.get(), "grant held");
+                    self.grants.lock().expect("grants").insert(key, handle);
+                    Ok(AcquireOutcome::Granted(grant))
+                }
+                Acquired::NotAcquired {
+                    holder_owner,
+                    holder_token,
+                } => Ok(AcquireOutcome::NotAcquired {
+                    holder_owner,
+                    holder_token,
+                }),
+            }
+        })
+    }
+
+    fn check_held(&self, grant: &Grant) -> Result<(), Refusal> {
+        let lost = |reason: &str| Refusal::GrantLost {
+            key: grant.key.clone(),
+            token: grant.token.get(),
+            reason: reason.to_string(),
+        };
+        let grants = self.grants.lock().expect("grants");
+        let Some(handle) = grants.get(&grant.key) else {
+            return Err(lost("this worker process holds no grant on the key (another process made it, or it was released)"));
+        };
+        if handle.token() != grant.token || handle.session_id() != grant.session_id {
+            return Err(lost("this worker's grant on the key is a different one"));
+        }
+        if !handle.is_held() {
+            return Err(lost("the lock client's conservative deadline has passed"));
+        }
+        Ok(())
+    }
+
+    fn release(&self, grant: Grant) -> Answer<'_, ()> {
+        boxed(async move {
+            let handle = {
+                let mut grants = self.grants.lock().expect("grants");
+                match grants.get(&grant.key) {
+                    Some(h) if h.token() == grant.token && h.session_id() == grant.session_id => {
+                        grants.remove(&grant.key)
+                    }
+                    _ => None,
+                }
+            };
+            // Not ours (any more): the session that held it ended, or the key went to a later
+            // grant. Either way there is nothing of ours to free.
+            let Some(handle) = handle else { return Ok(()) };
+            match handle.release().await {
+                Ok(()) => Ok(()),
+                Err(ClientError::Rejected { .. }) | Err(ClientError::SessionLost) => Ok(()),
+                Err(e) => Err(ActivityFailure::Transient(format!("release: {e}"))),
+            }
+        })
+    }
+
+    fn get_payout(&self, payout_id: PayoutId) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let found = self
+                .payment
+                .get_payout(&payout_id)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(found.payout))
+        })
+    }
+
+    fn claim(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let p = self
+                .payment
+                .claim(&input.payout_id, &fence)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn mark_submitted(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let p = self
+                .payment
+                .mark_submitted(&input.payout_id, &fence)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn record_outcome(&self, input: RecordOutcomeInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let (outcome, detail) = match input.outcome {
+                RailOutcome::Acked { rail_ref } => {
+                    (model::RailOutcome::Acked { rail_ref }, String::new())
+                }
+                RailOutcome::Declined { decline_code } => {
+                    (model::RailOutcome::Declined { decline_code }, String::new())
+                }
+                RailOutcome::Timeout { detail } => (model::RailOutcome::Timeout, detail),
+                RailOutcome::OutcomeMissing => (model::RailOutcome::OutcomeMissing, String::new()),
+            };
+            // The payment resource bounds free text; a long transport error is cut, not refused.
+            let detail: String = detail.chars().take(model::TEXT_LENGTH_MAX / 2).collect();
+            let p = self
+                .payment
+                .record_outcome(&input.payout_id, &fence, &outcome, &detail)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn post(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let posted = self
+                .payment
+                .post(&input.payout_id, &fence)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(posted.payout))
+        })
+    }
+
+    fn resolve(&self, input: ResolveInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let evidence = match input.evidence {
+                Evidence::Found { rail_ref } => model::Evidence::Found { rail_ref },
+                Evidence::Absent => model::Evidence::Absent,
+            };
+            let source = format!(
+                "rail lookup through the rail proxy, by {}",
+                input.grant.owner
+            );
+            let p = self
+                .payment
+                .resolve_ambiguity(&input.payout_id, &fence, &evidence, &source)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let request = model::AbandonRequest {
+                operator: input.operator,
+                reason: input.reason,
+                resolution_sla_passed: input.resolution_sla_passed,
+                sla_check: input.sla_check,
+            };
+            let p = self
+                .payment
+                .abandon(&input.payout_id, &fence, &request)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()> {
+        boxed(async move {
+            let decision = model::OperatorDecision {
+                payout_id: input.payout_id,
+                operator: input.operator,
+                decision: input.decision,
+                reason: input.reason,
+                accepted: input.accepted,
+                note: input.note,
+                token: input.token,
+            };
+            self.payment
+                .record_operator_decision(&decision)
+                .await
+                .map_err(payment_failure)?;
+            Ok(())
+        })
+    }
+
+    fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {
+        boxed(async move {
+            let request = SubmitPayout::new(
+                input.payout_id.clone(),
+                input.account_id.clone(),
+                input.grant.token,
+                input.grant.owner.clone(),
+                input.amount_minor,
+                input.currency.clone(),
+                input.beneficiary_ref.clone(),
+            );
+            // The reference is derived from the payout id on both sides; a difference is a bug.
+            if request.client_reference != input.client_reference {
+                return Err(Refusal::InvalidRequest {
+                    detail: format!(
+                        "client reference {} is not the one derived from payout {}",
+                        input.client_reference, input.payout_id
+                    ),
+                }
+                .into());
+            }
+            let mut proxy = self.proxy.clone();
+            match proxy.submit(&request).await {
+                Ok(submission) => Ok(match submission.outcome {
+                    Outcome::Acked { rail_ref } => SubmitAnswer::Acked { rail_ref },
+                    Outcome::Rejected { decline_code } => SubmitAnswer::Declined { decline_code },
+                    Outcome::Timeout { detail } => SubmitAnswer::Ambiguous { detail },
+                    Outcome::Pending => SubmitAnswer::Ambiguous {
+                        detail: "the proxy recorded the intent but no outcome".into(),
+                    },
+                }),
+                Err(ProxyError::FencedOut {
+                    key,
+                    presented,
+                    stored,
+                    owner,
+                    ..
+                }) => Err(Refusal::FencedOut {
+                    key,
+                    presented,
+                    stored,
+                    owner,
+                }
+                .into()),
+                Err(ProxyError::Duplicate { existing, .. }) => Err(Refusal::DuplicateSubmission {
+                    payout_id: input.payout_id.to_string(),
+                    existing_outcome: recorded_outcome(&existing.outcome),
+                }
+                .into()),
+                Err(ProxyError::InvalidArgument { field, reason }) => {
+                    Err(Refusal::InvalidRequest {
+                        detail: format!("rail proxy refused {field}: {reason}"),
+                    }
+                    .into())
+                }
+                // Everything else is an unclear answer: money may have moved.
+                Err(e) => Ok(SubmitAnswer::Ambiguous {
+                    detail: e.to_string(),
+                }),
+            }
+        })
+    }
+
+    fn inquire(&self, input: InquireInput) -> Answer<'_, Inquiry> {
+        boxed(async move {
+            let mut proxy = self.proxy.clone();
+            match proxy.inquire(&input.payout_id, &self.config.owner).await {
+                Ok(answer) => Ok(match answer.resolution.evidence {
+                    ProxyEvidence::Found { rail_refs } => {
+                        if rail_refs.len() > 1 {
+                            tracing::error!(payout_id = %input.payout_id, ?rail_refs, "the rail shows more than one movement for one payout");
+                        }
+                        match rail_refs.into_iter().next() {
+                            Some(rail_ref) => Inquiry::Found { rail_ref },
+                            None => Inquiry::Unknown {
+                                detail: "FOUND without a reference".into(),
+                            },
+                        }
+                    }
+                    ProxyEvidence::Absent => Inquiry::Absent,
+                    ProxyEvidence::Unknown { detail } => Inquiry::Unknown { detail },
+                }),
+                // No intent recorded at the proxy: the rail was never called through it. A stale
+                // request could still be on its way, so this is not "absent" evidence.
+                Err(ProxyError::NotFound { .. }) => Ok(Inquiry::Unknown {
+                    detail: "the rail proxy holds no submission for this payout".into(),
+                }),
+                Err(ProxyError::InvalidArgument { field, reason }) => {
+                    Err(Refusal::InvalidRequest {
+                        detail: format!("rail proxy refused {field}: {reason}"),
+                    }
+                    .into())
+                }
+                Err(e) => Err(ActivityFailure::Transient(e.to_string())),
+            }
+        })
+    }
+}

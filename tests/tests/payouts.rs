@@ -1,0 +1,575 @@
+//! The payout workflow end to end, on the real stack: Temporal, etcd, PostgreSQL, and every
+//! service as its own process (testkit `System`), with `payout-worker` processes running the
+//! service-backed activities. Ground truth is the rail stub's book (`/admin/movements`) and
+//! paydb's ledger rows, never the workflow's own account of itself.
+//!
+//! One shared `System` serves the tests that do not disturb services (each test has its own
+//! accounts); the operator-abandon-after-SLA test needs a rail whose lookups never answer, so it
+//! has a second `System`.
+//!
+//! Run: `cargo build --bins -p lock-server -p payment-resource -p rail-stub -p rail-proxy
+//! -p general-ledger -p outbox-dispatcher -p payout-worker && cargo test -p system-tests`.
+
+use std::time::Duration;
+
+use lock_client::{Acquired, LockClient};
+use payment_resource::client::PaymentClient;
+use payment_resource::model::NewPayout;
+use payout_activities::types::{AmbiguityPolicy, PayoutInput};
+use payout_domain::{
+    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, PayoutId, PayoutState,
+};
+use payout_workflows::client as wf;
+use payout_workflows::{PayoutResult, PayoutStatus};
+use rail_stub::client::StubClient;
+use rail_stub::FaultMode;
+use temporalio_client::Client;
+use testkit::system::{System, SystemOptions};
+use testkit::Stack;
+use tokio::sync::OnceCell;
+
+/// A payout through every service settles in a few seconds; an ambiguous one within its
+/// settlement window plus a lookup. This bounds a test that went wrong.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// The rail proxy gives up on the rail after this in the shared system: the ambiguous paths
+/// stay fast.
+const RAIL_TIMEOUT_MS: u64 = 2_000;
+
+static SHARED: OnceCell<System> = OnceCell::const_new();
+static SILENT_RAIL: OnceCell<System> = OnceCell::const_new();
+
+async fn shared() -> &'static System {
+    SHARED
+        .get_or_init(|| async {
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 2,
+                    settlement_window_ms: 1_000,
+                    rail_timeout_ms: RAIL_TIMEOUT_MS,
+                    worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the shared system starts")
+        })
+        .await
+}
+
+/// A rail whose lookups never answer in time: the proxy reports UNKNOWN, so only an operator
+/// can end an ambiguous payout.
+async fn silent_rail() -> &'static System {
+    SILENT_RAIL
+        .get_or_init(|| async {
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 1,
+                    settlement_window_ms: 1_000,
+                    rail_timeout_ms: RAIL_TIMEOUT_MS,
+                    rail_faults_json: Some(r#"{"lookup_latency_ms": 60000}"#.into()),
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the silent-rail system starts")
+        })
+        .await
+}
+
+struct Ctx {
+    system: &'static System,
+    temporal: Client,
+    payment: PaymentClient,
+    stub: StubClient,
+    paydb: sqlx::PgPool,
+}
+
+impl Ctx {
+    async fn new(system: &'static System) -> Self {
+        let temporal = wf::connect(
+            &system.temporal_address,
+            testkit::temporal::NAMESPACE,
+            "system-tests",
+        )
+        .await
+        .unwrap();
+        let payment = PaymentClient::connect(system.payment_url()).await.unwrap();
+        let paydb = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&system.databases.paydb)
+            .await
+            .unwrap();
+        Self {
+            system,
+            temporal,
+            payment,
+            stub: StubClient::new(system.rail_url()),
+            paydb,
+        }
+    }
+
+    /// Opens an account with `balance_minor` and creates one payout of `amount_minor` on it.
+    async fn payout(
+        &self,
+        name: &str,
+        balance_minor: i64,
+        amount_minor: i64,
+        ambiguity: AmbiguityPolicy,
+    ) -> PayoutInput {
+        let unique = Stack::shared().unique_prefix(name).replace(['/', ':'], "-");
+        let unique = unique.trim_matches('-').to_string();
+        let currency = Currency::parse("EUR").unwrap();
+        let input = PayoutInput {
+            payout_id: PayoutId::parse(format!("p-{unique}")).unwrap(),
+            account_id: AccountId::parse(format!("a-{unique}")).unwrap(),
+            amount_minor: AmountMinor::new(amount_minor).unwrap(),
+            currency: currency.clone(),
+            beneficiary_ref: BeneficiaryRef::parse("ben-e2e").unwrap(),
+            ambiguity,
+        };
+        self.payment
+            .open_account(&input.account_id, &currency, balance_minor)
+            .await
+            .unwrap();
+        self.payment
+            .create_payout(&NewPayout {
+                payout_id: input.payout_id.clone(),
+                account_id: input.account_id.clone(),
+                amount_minor: input.amount_minor,
+                currency,
+                beneficiary_ref: input.beneficiary_ref.clone(),
+            })
+            .await
+            .unwrap();
+        input
+    }
+
+    async fn force(&self, input: &PayoutInput, mode: FaultMode) {
+        let cref = ClientReference::for_payout(&input.payout_id);
+        self.stub.force(cref.as_str(), Some(mode)).await.unwrap();
+    }
+
+    async fn start(&self, input: &PayoutInput) -> String {
+        wf::start_payout(&self.temporal, &self.system.task_queue, input)
+            .await
+            .unwrap()
+    }
+
+    async fn result(&self, workflow_id: &str) -> PayoutResult {
+        wf::wait_result(&self.temporal, workflow_id, SETTLE_TIMEOUT)
+            .await
+            .unwrap()
+    }
+
+    async fn status(&self, workflow_id: &str) -> PayoutStatus {
+        wf::status(&self.temporal, workflow_id).await.unwrap()
+    }
+
+    async fn wait_status(
+        &self,
+        workflow_id: &str,
+        what: &str,
+        check: impl Fn(&PayoutStatus) -> bool,
+    ) -> PayoutStatus {
+        testkit::eventually(SETTLE_TIMEOUT, what, || async {
+            let s = wf::status(&self.temporal, workflow_id).await.ok()?;
+            check(&s).then_some(s)
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Rail ground truth: (movements, payment requests received) for the payout's reference.
+    async fn rail(&self, input: &PayoutInput) -> (u64, u64) {
+        let cref = ClientReference::for_payout(&input.payout_id);
+        let truth = self.stub.ground_truth().await.unwrap();
+        (
+            truth
+                .movement_counts
+                .get(cref.as_str())
+                .copied()
+                .unwrap_or(0),
+            truth
+                .submit_request_counts
+                .get(cref.as_str())
+                .copied()
+                .unwrap_or(0),
+        )
+    }
+
+    async fn ledger_rows(&self, input: &PayoutInput) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM ledger_entry WHERE payout_id = $1")
+            .bind(input.payout_id.as_str())
+            .fetch_one(&self.paydb)
+            .await
+            .unwrap()
+    }
+
+    async fn balance(&self, input: &PayoutInput) -> i64 {
+        self.payment
+            .get_account(&input.account_id)
+            .await
+            .unwrap()
+            .balance_minor
+    }
+
+    async fn operator_decisions(&self, input: &PayoutInput) -> Vec<serde_json::Value> {
+        self.payment
+            .get_payout(&input.payout_id)
+            .await
+            .unwrap()
+            .history
+            .into_iter()
+            .filter(|e| e.kind == "operator_decision")
+            .map(|e| e.detail)
+            .collect()
+    }
+
+    /// The operator path, exactly as typed: `temporal workflow signal ... --name abandon`.
+    fn signal_abandon(&self, workflow_id: &str, operator: &str, reason: &str) {
+        let input = serde_json::json!({ "operator": operator, "reason": reason }).to_string();
+        Stack::shared()
+            .temporal()
+            .cli(&[
+                "workflow",
+                "signal",
+                "--namespace",
+                testkit::temporal::NAMESPACE,
+                "--workflow-id",
+                workflow_id,
+                "--name",
+                "abandon",
+                "--input",
+                &input,
+            ])
+            .unwrap();
+    }
+}
+
+/// With `PAYOUT_RECORD_HISTORIES=1`, exports a history recorded against the real services into
+/// the workflow crate's committed histories, which `replay_committed_histories` replays.
+async fn record_history(ctx: &Ctx, name: &str, workflow_id: &str) {
+    if std::env::var_os("PAYOUT_RECORD_HISTORIES").is_none() {
+        return;
+    }
+    let json = ctx
+        .temporal
+        .get_workflow_handle::<payout_workflows::PayoutWorkflow>(workflow_id)
+        .fetch_history(temporalio_client::WorkflowFetchHistoryOptions::builder().build())
+        .to_json()
+        .await
+        .unwrap();
+    let dir = testkit::workspace_root().join("workflows/tests/histories");
+    std::fs::write(dir.join(format!("{name}.json")), json).unwrap();
+}
+
+fn fast_ambiguity() -> AmbiguityPolicy {
+    AmbiguityPolicy {
+        settlement_window_ms: 500,
+        resolution_sla_ms: 600_000,
+    }
+}
+
+#[tokio::test]
+async fn normal_path_moves_money_once_and_posts_two_balanced_rows() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx.payout("normal", 10_000, 1_000, fast_ambiguity()).await;
+    let id = ctx.start(&input).await;
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert!(!done.rail_ref.is_empty());
+    assert_eq!(ctx.rail(&input).await, (1, 1), "one request, one movement");
+    assert_eq!(ctx.ledger_rows(&input).await, 2);
+    assert_eq!(ctx.balance(&input).await, 9_000);
+    let status = ctx.status(&id).await;
+    assert!(status.claimer.starts_with("worker-"), "{status:?}");
+    record_history(&ctx, "real_backend_normal_path", &id).await;
+    // A duplicate start for the same payout is refused by Temporal (id reuse policy).
+    let again = wf::start_payout(&ctx.temporal, &ctx.system.task_queue, &input).await;
+    assert!(
+        matches!(again, Err(wf::PayoutClientError::AlreadyStarted { .. })),
+        "{again:?}"
+    );
+}
+
+#[tokio::test]
+async fn decline_fails_without_money_or_ledger() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx.payout("decline", 10_000, 1_000, fast_ambiguity()).await;
+    ctx.force(&input, FaultMode::Decline).await;
+    let done = ctx.result(&ctx.start(&input).await).await;
+    assert_eq!(done.state, PayoutState::Failed, "{done:?}");
+    assert!(done.failure_reason.contains("RAIL_DECLINED"), "{done:?}");
+    assert_eq!(ctx.rail(&input).await, (0, 1));
+    assert_eq!(ctx.ledger_rows(&input).await, 0);
+    assert_eq!(ctx.balance(&input).await, 10_000);
+}
+
+#[tokio::test]
+async fn insufficient_funds_fails_without_a_rail_call() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx.payout("funds", 500, 1_000, fast_ambiguity()).await;
+    let done = ctx.result(&ctx.start(&input).await).await;
+    assert_eq!(done.state, PayoutState::Failed, "{done:?}");
+    assert!(
+        done.failure_reason.starts_with("INSUFFICIENT_FUNDS"),
+        "{done:?}"
+    );
+    assert_eq!(ctx.rail(&input).await, (0, 0), "the rail never saw it");
+    assert_eq!(ctx.ledger_rows(&input).await, 0);
+}
+
+#[tokio::test]
+async fn accepted_then_silent_is_ambiguous_then_found_and_posted_never_resubmitted() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx
+        .payout("amb-found", 10_000, 1_000, fast_ambiguity())
+        .await;
+    ctx.force(&input, FaultMode::AcceptThenHang).await;
+    let id = ctx.start(&input).await;
+    ctx.wait_status(&id, "RAIL_AMBIGUOUS reached", |s| {
+        s.state == PayoutState::RailAmbiguous
+    })
+    .await;
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert_eq!(
+        ctx.rail(&input).await,
+        (1, 1),
+        "one movement, never resubmitted"
+    );
+    assert_eq!(ctx.ledger_rows(&input).await, 2);
+    assert_eq!(ctx.balance(&input).await, 9_000);
+}
+
+#[tokio::test]
+async fn failed_before_acting_is_ambiguous_then_absent_and_failed() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx
+        .payout("amb-absent", 10_000, 1_000, fast_ambiguity())
+        .await;
+    ctx.force(&input, FaultMode::FailBeforeActing).await;
+    let id = ctx.start(&input).await;
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Failed, "{done:?}");
+    assert!(done.failure_reason.contains("RAIL_ABSENT"), "{done:?}");
+    assert_eq!(ctx.rail(&input).await, (0, 1), "asked once, nothing moved");
+    assert_eq!(ctx.ledger_rows(&input).await, 0);
+}
+
+#[tokio::test]
+async fn abandon_of_a_pending_payout_is_recorded_then_honoured() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx
+        .payout("abandon-pending", 10_000, 1_000, fast_ambiguity())
+        .await;
+    // Another holder (this test) has the account's key: the payout waits in PENDING.
+    let lock = LockClient::connect(ctx.system.lock_url()).await.unwrap();
+    let session = lock
+        .open_session("operator-test-holder", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let Acquired::Granted(grant) = session
+        .acquire(
+            &payout_domain::lock_key(&input.account_id),
+            Duration::from_secs(1),
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("the test acquires the free key")
+    };
+    let id = ctx.start(&input).await;
+    ctx.wait_status(&id, "waiting for the lock", |s| {
+        s.last_event.starts_with("WAITING_FOR_LOCK")
+    })
+    .await;
+    ctx.signal_abandon(&id, "alice", "customer withdrew the request");
+    ctx.wait_status(&id, "the abandon accepted", |s| {
+        s.last_event.starts_with("ABANDON ACCEPTED")
+    })
+    .await;
+    // Recorded in the payment resource's audit trail before anything acted on it.
+    let decisions = ctx.operator_decisions(&input).await;
+    assert_eq!(decisions.len(), 1, "{decisions:?}");
+    assert_eq!(
+        ctx.payment
+            .get_payout(&input.payout_id)
+            .await
+            .unwrap()
+            .payout
+            .state,
+        PayoutState::Pending
+    );
+    grant.release().await.unwrap();
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Abandoned, "{done:?}");
+    assert_eq!(ctx.rail(&input).await, (0, 0));
+    assert_eq!(ctx.ledger_rows(&input).await, 0);
+    session.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn abandon_is_refused_before_the_sla_and_honoured_past_it() {
+    let ctx = Ctx::new(silent_rail().await).await;
+    // The rail's lookups take 10 s (the proxy's bound) and say UNKNOWN: the first inquiry ends
+    // well inside the 15 s SLA, the second one past it.
+    let input = ctx
+        .payout(
+            "abandon-amb",
+            10_000,
+            1_000,
+            AmbiguityPolicy {
+                settlement_window_ms: 300,
+                resolution_sla_ms: 15_000,
+            },
+        )
+        .await;
+    ctx.force(&input, FaultMode::FailBeforeActing).await;
+    let id = ctx.start(&input).await;
+    ctx.wait_status(&id, "RAIL_AMBIGUOUS", |s| {
+        s.state == PayoutState::RailAmbiguous
+    })
+    .await;
+    ctx.signal_abandon(&id, "bob", "too early");
+    let refused = ctx
+        .wait_status(&id, "the refusal", |s| {
+            s.last_event.starts_with("ABANDON REFUSED")
+        })
+        .await;
+    assert_eq!(refused.state, PayoutState::RailAmbiguous);
+    assert!(!refused.resolution_sla_passed);
+    // Time alone resolves nothing: past the SLA the payout is still ambiguous.
+    let past = ctx
+        .wait_status(&id, "the SLA passed", |s| s.resolution_sla_passed)
+        .await;
+    assert_eq!(past.state, PayoutState::RailAmbiguous);
+    ctx.signal_abandon(&id, "carol", "finance ticket 42");
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Abandoned, "{done:?}");
+    let decisions = ctx.operator_decisions(&input).await;
+    assert_eq!(decisions.len(), 2, "{decisions:?}");
+    assert_eq!(
+        ctx.rail(&input).await,
+        (0, 1),
+        "submitted once, never again"
+    );
+    assert_eq!(ctx.ledger_rows(&input).await, 0);
+}
+
+/// History is diagnostic only: a second workflow for the same payout under another id, running
+/// at the same time, and then an operator's `temporal workflow reset` of the finished one to its
+/// first workflow task (which re-runs every step from the start): one rail movement, one
+/// posting, whatever Temporal replays.
+#[tokio::test]
+async fn a_second_workflow_and_a_reset_move_no_money_twice() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx.payout("history", 10_000, 1_000, fast_ambiguity()).await;
+    let id = ctx.start(&input).await;
+    let twin = wf::start_payout_with_id(
+        &ctx.temporal,
+        &ctx.system.task_queue,
+        &input,
+        &format!("{id}-operator-mistake"),
+    )
+    .await
+    .unwrap();
+    let (done, twin_done) = tokio::join!(ctx.result(&id), ctx.result(&twin));
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert_eq!(twin_done.state, PayoutState::Posted, "{twin_done:?}");
+    assert_eq!(ctx.rail(&input).await, (1, 1));
+    assert_eq!(ctx.ledger_rows(&input).await, 2);
+
+    Stack::shared()
+        .temporal()
+        .cli(&[
+            "workflow",
+            "reset",
+            "--namespace",
+            testkit::temporal::NAMESPACE,
+            "--workflow-id",
+            &id,
+            "--type",
+            "FirstWorkflowTask",
+            "--reason",
+            "system test: history is diagnostic only",
+        ])
+        .unwrap();
+    // The reset run is the workflow's current run; its result is awaited by id.
+    let reset = ctx.result(&id).await;
+    assert_eq!(reset.state, PayoutState::Posted, "{reset:?}");
+    assert_eq!(ctx.rail(&input).await, (1, 1), "no second movement");
+    assert_eq!(ctx.ledger_rows(&input).await, 2, "no second posting");
+    assert_eq!(ctx.balance(&input).await, 9_000);
+}
+
+/// See the kill test: the timeouts that must pass before the survivor may act, with room for a
+/// loaded machine.
+const KILLED_WORKER_SETTLE_TIMEOUT: Duration = Duration::from_secs(240);
+
+static FAULTS: OnceCell<System> = OnceCell::const_new();
+
+/// A system whose processes the test may kill: two workers with a short lease (3 s), so a dead
+/// worker's key comes free quickly.
+async fn faults() -> &'static System {
+    FAULTS
+        .get_or_init(|| async {
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 2,
+                    settlement_window_ms: 1_000,
+                    rail_timeout_ms: RAIL_TIMEOUT_MS,
+                    worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the fault system starts")
+        })
+        .await
+}
+
+/// The worker holding the grant is SIGKILLed while its submission is in flight (the rail
+/// accepted and went silent). The surviving worker finds the grant's worker gone, acquires a
+/// higher token once the lease expires, records the ambiguity, and resolves it from the rail's
+/// evidence: POSTED, one movement, one rail request (never resubmitted), two ledger rows.
+#[tokio::test]
+async fn a_worker_killed_between_submit_and_outcome_ends_resolved_never_resubmitted() {
+    let system = faults().await;
+    let ctx = Ctx::new(system).await;
+    let input = ctx.payout("killed", 10_000, 1_000, fast_ambiguity()).await;
+    ctx.force(&input, FaultMode::AcceptThenHang).await;
+    let id = ctx.start(&input).await;
+    let submitted = ctx
+        .wait_status(&id, "RAIL_SUBMITTED", |s| {
+            s.state == PayoutState::RailSubmitted
+        })
+        .await;
+    let first_token = submitted.token.expect("a grant").get();
+    let index: usize = submitted
+        .claimer
+        .strip_prefix("worker-")
+        .and_then(|n| n.parse().ok())
+        .expect("claimer is worker-N");
+    system.workers[index].kill().unwrap();
+    // The submission's start-to-close (30 s), the dead worker's queue's schedule-to-start
+    // (15 s), its lease (3 s) and a workflow task timeout on its sticky queue: about a minute.
+    let done = wf::wait_result(&ctx.temporal, &id, KILLED_WORKER_SETTLE_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    let last_token = done.token.expect("a grant").get();
+    assert!(
+        last_token > first_token,
+        "the survivor holds a higher token ({last_token} > {first_token})"
+    );
+    assert_eq!(ctx.rail(&input).await, (1, 1), "never resubmitted");
+    assert_eq!(ctx.ledger_rows(&input).await, 2);
+    assert!(
+        !system.workers[index].is_running(),
+        "the killed worker stayed dead"
+    );
+}
