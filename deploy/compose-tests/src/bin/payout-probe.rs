@@ -1,0 +1,53 @@
+//! The containers' health check (no gRPC health client ships in Debian's packages):
+//!
+//! - `payout-probe grpc 127.0.0.1:50052`: `grpc.health.v1.Health/Check` answers SERVING.
+//! - `payout-probe http 127.0.0.1:8090 /healthz`: a plain HTTP GET answers 200.
+//! - `payout-probe connected 7233`: this container holds an ESTABLISHED TCP connection to some
+//!   host's port 7233 (the worker, which serves nothing, is healthy once it polls Temporal).
+//!
+//! Exit status 0 means healthy; anything else prints why on stderr.
+
+use clap::{Parser, Subcommand};
+use compose_tests::probe;
+
+#[derive(Parser)]
+#[command(about = "Health probe for the compose deployment's containers")]
+struct Cli {
+    #[command(subcommand)]
+    check: Check,
+    /// Gives up after this long (a health check must answer before Docker's own timeout).
+    #[arg(long, default_value_t = 2_000)]
+    timeout_ms: u64,
+}
+
+#[derive(Subcommand)]
+enum Check {
+    /// grpc.health.v1 Check("") == SERVING.
+    Grpc { addr: String },
+    /// HTTP GET answers 200.
+    Http {
+        addr: String,
+        #[arg(default_value = "/")]
+        path: String,
+    },
+    /// An ESTABLISHED TCP connection to this remote port exists.
+    Connected { remote_port: u16 },
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let timeout = std::time::Duration::from_millis(cli.timeout_ms);
+    let result = match cli.check {
+        Check::Grpc { addr } => probe::grpc(&addr, timeout).await,
+        Check::Http { addr, path } => probe::http(&addr, &path, timeout).await,
+        Check::Connected { remote_port } => probe::connected(remote_port),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("unhealthy: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
