@@ -213,8 +213,12 @@ impl Backend for ServiceBackend {
         boxed(async move {
             let key = lock_key(&input.account_id);
             let session = self.live_session().await?;
+            // One grant per payout, not per worker: a worker runs many workflows on one session,
+            // and acquire is idempotent per (owner, session). With the worker's identity as the
+            // owner, two payouts of one account on one worker would share one grant.
+            let owner = format!("{}/{}", self.config.owner, input.payout_id);
             let acquired = session
-                .acquire(&key, Duration::from_millis(ACQUIRE_WAIT_MS))
+                .acquire_as(&key, &owner, Duration::from_millis(ACQUIRE_WAIT_MS))
                 .await
                 .map_err(|e| ActivityFailure::Transient(format!("acquire {key}: {e}")))?;
             match acquired {

@@ -32,6 +32,10 @@ pub const ACCOUNT_ID: SearchAttributeKey<String> = SearchAttributeKey::keyword("
 /// While the key is held by another payout of the account, ask again after this long: the other
 /// payout usually settles within seconds, and each attempt costs a few history events.
 pub const LOCK_RETRY_INTERVAL: Duration = Duration::from_secs(2);
+/// While another payout of the account is in flight (AccountBusy at claim), ask again after this
+/// long, holding no grant meanwhile. Longer than the lock retry: the other payout first has to
+/// get its own grant back.
+pub const ACCOUNT_BUSY_RETRY_INTERVAL: Duration = Duration::from_secs(3);
 /// A refused transition means another step got there first; we re-read and continue. More than
 /// this many in a row means the workflow and the resource disagree: stop loudly.
 pub const CONSECUTIVE_REFUSALS_MAX: u32 = 3;
@@ -90,6 +94,9 @@ enum StepError {
     GrantLost(Refusal),
     /// Another step got there first; re-read the payout.
     Refused(Refusal),
+    /// Another payout of the account is in flight (its holder lost the grant and this payout
+    /// took the key in between): give the key back so that payout can finish first.
+    AccountBusy(Refusal),
     /// Anything else: the workflow stops (the activity already retried by its policy).
     Fatal(Box<ActivityExecutionError>),
 }
@@ -119,6 +126,7 @@ fn classify(error: ActivityExecutionError, grant: &Grant) -> StepError {
             StepError::GrantLost(r)
         }
         Some(r @ Refusal::RefusedTransition { .. }) => StepError::Refused(r),
+        Some(r @ Refusal::AccountBusy { .. }) => StepError::AccountBusy(r),
         _ => StepError::Fatal(Box::new(error)),
     }
 }
@@ -199,6 +207,31 @@ impl PayoutWorkflow {
                     }
                     snapshot = read(ctx, &input).await?;
                     observe(ctx, &input, &snapshot, "REREAD_AFTER_REFUSAL");
+                }
+                Err(StepError::AccountBusy(refusal)) => {
+                    // Not a failure of this payout: it waits, PENDING and unclaimed, holding
+                    // nothing. Releasing lets the in-flight payout's own workflow take the key
+                    // back; this one asks again after a durable pause, deciding signals meanwhile.
+                    ctx.state_mut(|s| s.last_event = format!("WAITING_FOR_ACCOUNT: {refusal}"));
+                    if let Some(grant) = facts.grant.take() {
+                        // A release that cannot run (its worker is gone) is harmless: the
+                        // session's lease frees the key.
+                        let _ = ctx
+                            .execute_activity(
+                                PayoutActivities::release_grant,
+                                FencedInput {
+                                    payout_id: input.payout_id.clone(),
+                                    grant: grant.clone(),
+                                },
+                                options::fenced(options::guard_call(), &grant),
+                            )
+                            .await;
+                    }
+                    temporalio_sdk::workflows::select! {
+                        _ = ctx.timer(ACCOUNT_BUSY_RETRY_INTERVAL) => {},
+                        _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {},
+                    };
+                    snapshot = read(ctx, &input).await?;
                 }
                 Err(StepError::Fatal(error)) => return Err((*error).into()),
             }
@@ -566,15 +599,19 @@ async fn ambiguity_step(
             PayoutActivities::inquire_rail,
             InquireInput {
                 payout_id: input.payout_id.clone(),
+                account_id: input.account_id.clone(),
                 client_reference: ClientReference::for_payout(&input.payout_id),
+                grant: grant.clone(),
             },
-            options::inquire(),
+            // Fenced: it runs where the grant lives, and a FENCED answer means re-acquire.
+            options::fenced(options::inquire(), grant),
         )
         .await
         .map_err(|e| classify(e, grant))?;
     let evidence = match inquiry {
         Inquiry::Found { rail_ref } => Evidence::Found { rail_ref },
-        Inquiry::Absent => Evidence::Absent,
+        // Sealed at the proxy: never sent and never will be, definitive absence.
+        Inquiry::Absent | Inquiry::NeverSent => Evidence::Absent,
         Inquiry::Unknown { .. } => {
             let now = ctx.workflow_time().unwrap_or(SystemTime::UNIX_EPOCH);
             if now.duration_since(since).unwrap_or_default() >= sla {

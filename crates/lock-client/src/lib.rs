@@ -315,22 +315,29 @@ impl Session {
     /// grant is returned only if the server granted it to this owner and session AND the local
     /// deadline has not passed by the time the answer arrives.
     pub async fn acquire(&self, key: &str, wait: Duration) -> Result<Acquired, ClientError> {
+        let owner = self.inner.owner.clone();
+        self.acquire_as(key, &owner, wait).await
+    }
+
+    /// Acquires on this session under a narrower owner than the session's: one process runs
+    /// many units of work (a worker runs many workflows), and each must hold its own grant.
+    /// Acquire is idempotent per (owner, session), so two units sharing the session's owner
+    /// would both be handed the same grant: mutual exclusion between them would be gone.
+    pub async fn acquire_as(&self, key: &str, owner: &str, wait: Duration) -> Result<Acquired, ClientError> {
         if !self.is_alive() {
             return Err(ClientError::SessionLost);
         }
         let mut rpc = self.inner.client.rpc.clone();
         let request = pb::AcquireRequest {
             key: key.to_string(),
-            owner: self.inner.owner.clone(),
+            owner: owner.to_string(),
             session_id: self.inner.session_id.clone(),
             wait_ms: wait.as_millis() as u64,
         };
         let r = bounded(wait + LockClient::timeout(), rpc.acquire(request)).await?;
         match r.result {
             Some(pb::acquire_response::Result::Grant(g)) => {
-                if g.key != key
-                    || g.owner != self.inner.owner
-                    || g.session_id != self.inner.session_id
+                if g.key != key || g.owner != owner || g.session_id != self.inner.session_id
                 {
                     return Err(ClientError::Malformed(
                         "grant for another key, owner or session",
@@ -344,6 +351,7 @@ impl Session {
                 tracing::info!(key, owner = %g.owner, session_id = %g.session_id, token = g.token, "lock acquired");
                 Ok(Acquired::Granted(Grant {
                     key: g.key,
+                    owner: g.owner,
                     token,
                     server_expiry_unix_ms: g.server_expiry_unix_ms,
                     session: self.clone(),
@@ -483,6 +491,8 @@ impl Acquired {
 /// A grant handle: key, owner, session, the REQUIRED token, and the local deadline.
 pub struct Grant {
     key: String,
+    /// The grant's owner: the session's owner, or a narrower one (`Session::acquire_as`).
+    owner: String,
     token: FencingToken,
     server_expiry_unix_ms: i64,
     session: Session,
@@ -492,7 +502,7 @@ impl std::fmt::Debug for Grant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Grant")
             .field("key", &self.key)
-            .field("owner", &self.session.owner())
+            .field("owner", &self.owner)
             .field("session_id", &self.session.id())
             .field("token", &self.token)
             .finish()
@@ -504,7 +514,7 @@ impl Grant {
         &self.key
     }
     pub fn owner(&self) -> &str {
-        self.session.owner()
+        &self.owner
     }
     pub fn session_id(&self) -> &str {
         self.session.id()
@@ -536,7 +546,7 @@ impl Grant {
     fn handle(&self) -> pb::Handle {
         pb::Handle {
             key: self.key.clone(),
-            owner: self.session.owner().to_string(),
+            owner: self.owner.clone(),
             session_id: self.session.id().to_string(),
             token: self.token.get(),
         }
@@ -619,6 +629,7 @@ impl Grant {
         );
         Ok(Grant {
             key: key.to_string(),
+            owner: owner.to_string(),
             token,
             server_expiry_unix_ms: grant.server_expiry_unix_ms,
             session,
