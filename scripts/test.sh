@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, every crate's unit and integration tests against the
-# real stack (each test binary starts its own PostgreSQL, etcd and Temporal via crates/testkit).
+# real stack (each test binary starts its own PostgreSQL, etcd and Temporal via crates/testkit),
+# then the docker compose deployment's suite (which says so and passes when no Docker engine runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
@@ -12,4 +13,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== build the binaries that tests start as processes"
 cargo build --workspace --bins --locked
 echo "== tests"
-cargo test --workspace --locked --no-fail-fast
+# The compose suite needs its images built first: deploy/compose-test.sh below does that.
+cargo test --workspace --locked --no-fail-fast --exclude compose-tests
+echo "== docker compose suite"
+deploy/compose-test.sh
