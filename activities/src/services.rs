@@ -18,7 +18,7 @@ use payment_resource::error::PaymentError;
 use payment_resource::model;
 use payout_domain::{lock_key, PayoutId};
 use rail_proxy::client::{ProxyError, RailProxyClient};
-use rail_proxy::model::{Evidence as ProxyEvidence, Outcome, SubmitPayout};
+use rail_proxy::model::{Evidence as ProxyEvidence, InquirePayout, Outcome, SubmitPayout};
 
 use crate::backend::{Answer, Backend};
 use crate::refusal::{ActivityFailure, Refusal};
@@ -198,7 +198,9 @@ fn recorded_outcome(outcome: &Outcome) -> Option<RailOutcome> {
         Outcome::Timeout { detail } => Some(RailOutcome::Timeout {
             detail: detail.clone(),
         }),
-        Outcome::Pending => None,
+        // Sealed unsent by a fenced inquiry: the sealer resolves the payout from its evidence;
+        // a submitter that finds the seal records nothing definitive of its own.
+        Outcome::Pending | Outcome::NotSent { .. } => None,
     }
 }
 
@@ -444,6 +446,12 @@ impl Backend for ServiceBackend {
                     Outcome::Pending => SubmitAnswer::Ambiguous {
                         detail: "the proxy recorded the intent but no outcome".into(),
                     },
+                    // A submit never answers with a seal (it would be a DUPLICATE); should it,
+                    // the conservative reading is "unknown", which the inquiry then resolves.
+                    Outcome::NotSent { .. } => SubmitAnswer::Ambiguous {
+                        detail: "the proxy answered a submit with a sealed (NOT_SENT) record"
+                            .into(),
+                    },
                 }),
                 Err(ProxyError::FencedOut {
                     key,
@@ -479,8 +487,18 @@ impl Backend for ServiceBackend {
 
     fn inquire(&self, input: InquireInput) -> Answer<'_, Inquiry> {
         boxed(async move {
+            // The inquiry is a fenced call (it may seal the payout): only a live grant of this
+            // process presents its token.
+            self.check_held(&input.grant)?;
+            let request = InquirePayout::new(
+                input.payout_id.clone(),
+                input.account_id.clone(),
+                input.grant.token,
+                input.grant.owner.clone(),
+                self.config.owner.clone(),
+            );
             let mut proxy = self.proxy.clone();
-            match proxy.inquire(&input.payout_id, &self.config.owner).await {
+            match proxy.inquire(&request).await {
                 Ok(answer) => Ok(match answer.resolution.evidence {
                     ProxyEvidence::Found { rail_refs } => {
                         if rail_refs.len() > 1 {
@@ -494,10 +512,25 @@ impl Backend for ServiceBackend {
                         }
                     }
                     ProxyEvidence::Absent => Inquiry::Absent,
+                    ProxyEvidence::NeverSent => Inquiry::NeverSent,
                     ProxyEvidence::Unknown { detail } => Inquiry::Unknown { detail },
                 }),
-                // No intent recorded at the proxy: the rail was never called through it. A stale
-                // request could still be on its way, so this is not "absent" evidence.
+                // A later token holds the account at the proxy: this grant is stale.
+                Err(ProxyError::FencedOut {
+                    key,
+                    presented,
+                    stored,
+                    owner,
+                    ..
+                }) => Err(Refusal::FencedOut {
+                    key,
+                    presented,
+                    stored,
+                    owner,
+                }
+                .into()),
+                // Only a proxy that does not seal answers this: no record, and a stale request
+                // could still be on its way, so this is not "absent" evidence.
                 Err(ProxyError::NotFound { .. }) => Ok(Inquiry::Unknown {
                     detail: "the rail proxy holds no submission for this payout".into(),
                 }),

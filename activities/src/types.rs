@@ -134,10 +134,14 @@ pub struct RecordOutcomeInput {
     pub outcome: RailOutcome,
 }
 
+/// The fenced inquiry: the resolver presents the grant it holds while RAIL_AMBIGUOUS, because
+/// the proxy advances its high-water with it and may seal the payout (spec 2.6 steps 6-9).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InquireInput {
     pub payout_id: PayoutId,
+    pub account_id: AccountId,
     pub client_reference: ClientReference,
+    pub grant: Grant,
 }
 
 /// The rail's lookup by client reference, through the proxy.
@@ -146,8 +150,11 @@ pub enum Inquiry {
     Found {
         rail_ref: String,
     },
-    /// Definitively absent (the rail says so after its settlement window).
+    /// Definitively absent (the rail says so after its settlement window, and after the
+    /// submission's instruction expired at the rail).
     Absent,
+    /// The proxy never sent the payout and has sealed it, so it never will: read like `Absent`.
+    NeverSent,
     /// The rail could not say: ask again later. Time is not evidence.
     Unknown {
         detail: String,

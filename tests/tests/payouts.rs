@@ -573,3 +573,148 @@ async fn a_worker_killed_between_submit_and_outcome_ends_resolved_never_resubmit
         "the killed worker stayed dead"
     );
 }
+
+/// Issue 7, end to end: the worker holding the grant is frozen (SIGSTOP) the moment paydb shows
+/// RAIL_SUBMITTED, past its lease. The other worker takes over with a higher token, finds no
+/// outcome, goes RAIL_AMBIGUOUS and asks the proxy with its grant. Then the frozen worker resumes.
+/// Whatever the freeze caught, there is at most one rail movement and exactly one terminal state
+/// consistent with the rail. When the freeze landed before the submission reached the proxy
+/// (the hole), the resolver's fenced inquiry sealed the payout: FAILED with no movement, and the
+/// frozen holder's submission, replayed deterministically as it would arrive, is FENCED at the
+/// proxy, while one at the resolver's own token is a DUPLICATE: nothing is ever sent.
+static FROZEN: OnceCell<System> = OnceCell::const_new();
+
+/// Its own two workers (3 s lease): a frozen worker here must not take a worker away from the
+/// killed-worker test running beside it.
+async fn frozen_system() -> &'static System {
+    FROZEN
+        .get_or_init(|| async {
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 2,
+                    settlement_window_ms: 1_000,
+                    rail_timeout_ms: RAIL_TIMEOUT_MS,
+                    worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the frozen-worker system starts")
+        })
+        .await
+}
+
+#[tokio::test]
+async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_payout() {
+    use rail_proxy::client::{ProxyError, RailProxyClient};
+    use rail_proxy::model::SubmitPayout;
+
+    let system = frozen_system().await;
+    let ctx = Ctx::new(system).await;
+    let input = ctx.payout("frozen", 10_000, 1_000, fast_ambiguity()).await;
+    let proxydb = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&system.databases.proxydb)
+        .await
+        .unwrap();
+    let id = ctx.start(&input).await;
+    // Polled on paydb directly (not through Temporal) so the freeze lands as early as possible
+    // after MarkSubmitted, before the submission activity's round trips through Temporal.
+    let claimer: String =
+        testkit::eventually(SETTLE_TIMEOUT, "RAIL_SUBMITTED in paydb", || async {
+            let row: Option<(String, Option<String>)> =
+                sqlx::query_as("SELECT state, claimed_by FROM payout WHERE id = $1")
+                    .bind(input.payout_id.as_str())
+                    .fetch_optional(&ctx.paydb)
+                    .await
+                    .ok()?;
+            match row {
+                Some((state, Some(claimer))) if state == "RAIL_SUBMITTED" => Some(claimer),
+                _ => None,
+            }
+        })
+        .await
+        .unwrap();
+    let index: usize = claimer
+        .strip_prefix("worker-")
+        .and_then(|n| n.parse().ok())
+        .expect("claimer is worker-N");
+    system.workers[index].pause().unwrap();
+    let frozen_token: i64 = sqlx::query_scalar("SELECT fence FROM account WHERE id = $1")
+        .bind(input.account_id.as_str())
+        .fetch_one(&ctx.paydb)
+        .await
+        .unwrap();
+    let done = wf::wait_result(&ctx.temporal, &id, KILLED_WORKER_SETTLE_TIMEOUT).await;
+    system.workers[index].resume().unwrap();
+    let done = done.unwrap();
+    let resolver_token = done.token.expect("a grant").get();
+    assert!(resolver_token > frozen_token as u64, "{done:?}");
+    let record: Option<(Option<String>, i64)> =
+        sqlx::query_as("SELECT outcome, fence_token FROM rail_submission WHERE payout_id = $1")
+            .bind(input.payout_id.as_str())
+            .fetch_optional(&proxydb)
+            .await
+            .unwrap();
+    let (moved, requests) = ctx.rail(&input).await;
+    assert!(moved <= 1, "at most one rail movement ({moved})");
+    match done.state {
+        PayoutState::Posted => assert_eq!((moved, ctx.ledger_rows(&input).await), (1, 2)),
+        PayoutState::Failed => assert_eq!((moved, ctx.ledger_rows(&input).await), (0, 0)),
+        other => panic!("unexpected terminal state {other}: {done:?}"),
+    }
+    let sealed = matches!(&record, Some((Some(outcome), _)) if outcome == "NOT_SENT");
+    eprintln!(
+        "freeze landed before the proxy: {sealed}; record {record:?}; rail ({moved}, {requests})"
+    );
+    if sealed {
+        assert_eq!(done.state, PayoutState::Failed);
+        assert_eq!((moved, requests), (0, 0), "nothing ever reached the rail");
+        let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+        let late = |token: u64, owner: &str| {
+            SubmitPayout::new(
+                input.payout_id.clone(),
+                input.account_id.clone(),
+                payout_domain::FencingToken::new(token).unwrap(),
+                owner,
+                input.amount_minor,
+                input.currency.clone(),
+                input.beneficiary_ref.clone(),
+            )
+        };
+        let stale = proxy.submit(&late(frozen_token as u64, &claimer)).await;
+        assert!(
+            matches!(stale, Err(ProxyError::FencedOut { presented, stored, .. }) if presented == frozen_token as u64 && stored >= resolver_token),
+            "{stale:?}"
+        );
+        let at_resolver = proxy.submit(&late(resolver_token, "late-resolver")).await;
+        assert!(
+            matches!(&at_resolver, Err(ProxyError::Duplicate { existing, .. }) if existing.is_sealed()),
+            "{at_resolver:?}"
+        );
+        assert_eq!(ctx.rail(&input).await, (0, 0));
+    }
+    // The frozen holder's own attempts after it resumed, if it made any, were refused by a guard
+    // (it cannot have acted: its grant is stale at both).
+    let fenced_at_proxy: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM guard_event WHERE payout_id = $1 AND kind = 'FENCED'",
+    )
+    .bind(input.payout_id.as_str())
+    .fetch_one(&proxydb)
+    .await
+    .unwrap();
+    let fenced_at_paydb: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_event WHERE payout_id = $1 AND kind = 'fenced_out'",
+    )
+    .bind(input.payout_id.as_str())
+    .fetch_one(&ctx.paydb)
+    .await
+    .unwrap();
+    eprintln!("fenced_out: proxy {fenced_at_proxy}, paydb {fenced_at_paydb}");
+    assert_eq!(
+        ctx.rail(&input).await.0,
+        moved,
+        "nothing moved after the resume"
+    );
+}

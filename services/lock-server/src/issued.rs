@@ -1,5 +1,6 @@
 //! INV-04's detective control: the highest token this lock-server has issued per key, kept
-//! durably OUTSIDE the backend it checks (a JSON file replaced atomically by rename).
+//! durably OUTSIDE the backend it checks: an append-only file of `{"k": key, "t": token}` lines,
+//! one `fdatasync` per group commit, compacted (rewritten atomically by rename) at start.
 //!
 //! A backend restored from an old snapshot, or a PostgreSQL sequence rewound by a restore, would
 //! hand out tokens that were already used; every guard downstream would still run and still pass,
@@ -38,11 +39,15 @@ pub struct Regression {
 
 struct State {
     tokens: BTreeMap<String, u64>,
+    /// Raised tokens not yet on disk, in order.
+    pending: Vec<(String, u64)>,
     version: u64,
 }
 
 pub struct IssuedTokens {
     path: PathBuf,
+    /// The log, opened for appending after the start-up compaction.
+    log: Arc<Mutex<std::fs::File>>,
     state: Mutex<State>,
     flush_wanted: Arc<Notify>,
     persisted_version: watch::Sender<u64>,
@@ -54,17 +59,21 @@ impl IssuedTokens {
     pub fn open(path: impl Into<PathBuf>) -> Result<Arc<Self>, LockError> {
         let path = path.into();
         let tokens: BTreeMap<String, u64> = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| store_err(&path, e))?,
+            Ok(bytes) => parse(&bytes).map_err(|e| store_err(&path, e))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => return Err(store_err(&path, e)),
         };
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| store_err(&path, e))?;
         }
+        // Compact: one line per key, written atomically, then appended to from here on.
+        write_atomically(&path, &tokens).map_err(|e| store_err(&path, e))?;
+        let log = std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| store_err(&path, e))?;
         let (persisted_version, _) = watch::channel(0);
         let me = Arc::new(Self {
             path,
-            state: Mutex::new(State { tokens, version: 0 }),
+            log: Arc::new(Mutex::new(log)),
+            state: Mutex::new(State { tokens, pending: Vec::new(), version: 0 }),
             flush_wanted: Arc::new(Notify::new()),
             persisted_version,
         });
@@ -104,6 +113,7 @@ impl IssuedTokens {
             }
             if token > highest {
                 state.tokens.insert(key.to_string(), token);
+                state.pending.push((key.to_string(), token));
                 state.version += 1;
             }
             state.version
@@ -151,25 +161,35 @@ impl Drop for IssuedTokens {
 async fn flusher(me: std::sync::Weak<IssuedTokens>, wanted: Arc<Notify>) {
     loop {
         let Some(this) = me.upgrade() else { return };
-        let (snapshot, version) = {
-            let state = this.state.lock().expect("issued tokens");
-            (state.tokens.clone(), state.version)
+        let (batch, version) = {
+            let mut state = this.state.lock().expect("issued tokens");
+            (std::mem::take(&mut state.pending), state.version)
         };
         if version > *this.persisted_version.borrow() {
-            let path = this.path.clone();
-            let written =
-                tokio::task::spawn_blocking(move || write_atomically(&path, &snapshot)).await;
+            let log = this.log.clone();
+            let lines = batch.clone();
+            let written = tokio::task::spawn_blocking(move || append(&log, &lines)).await;
+            let written = match written {
+                Ok(result) => result.map_err(|e| e.to_string()),
+                Err(panicked) => Err(panicked.to_string()),
+            };
             match written {
-                Ok(Ok(())) => {
+                Ok(()) => {
                     this.persisted_version.send_replace(version);
                 }
-                Ok(Err(e)) => {
-                    tracing::error!(path = %this.path.display(), error = %e, "issued-token record not written");
+                Err(error) => {
+                    tracing::error!(path = %this.path.display(), %error, "issued-token record not written");
+                    // Put the batch back in front of anything newer and try again after a pause.
+                    {
+                        let mut state = this.state.lock().expect("issued tokens");
+                        let newer = std::mem::take(&mut state.pending);
+                        state.pending = batch;
+                        state.pending.extend(newer);
+                    }
                     drop(this);
                     tokio::time::sleep(Duration::from_millis(FLUSH_RETRY_MS)).await;
                     continue;
                 }
-                Err(e) => tracing::error!(error = %e, "issued-token writer panicked"),
             }
             continue;
         }
@@ -179,11 +199,53 @@ async fn flusher(me: std::sync::Weak<IssuedTokens>, wanted: Arc<Notify>) {
     }
 }
 
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Line {
+    k: String,
+    t: u64,
+}
+
+/// Appends the batch and makes it durable with one `fdatasync`.
+fn append(log: &Mutex<std::fs::File>, batch: &[(String, u64)]) -> std::io::Result<()> {
+    let mut bytes = Vec::new();
+    for (k, t) in batch {
+        serde_json::to_writer(&mut bytes, &Line { k: k.clone(), t: *t }).map_err(std::io::Error::other)?;
+        bytes.push(b'\n');
+    }
+    let mut file = log.lock().expect("issued-token log");
+    file.write_all(&bytes)?;
+    file.sync_data()
+}
+
+/// Reads the log: the highest token per key. A last line cut short by a crash was never
+/// acknowledged (its fsync did not return), so it is ignored; a bad line elsewhere is corruption.
+fn parse(bytes: &[u8]) -> Result<BTreeMap<String, u64>, String> {
+    let mut tokens = BTreeMap::new();
+    let text = std::str::from_utf8(bytes).map_err(|e| e.to_string())?;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    for (i, line) in lines.iter().enumerate() {
+        match serde_json::from_str::<Line>(line) {
+            Ok(Line { k, t }) => {
+                let entry = tokens.entry(k).or_insert(0);
+                *entry = (*entry).max(t);
+            }
+            Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {}
+            Err(e) => return Err(format!("line {}: {e}", i + 1)),
+        }
+    }
+    Ok(tokens)
+}
+
 fn write_atomically(path: &Path, tokens: &BTreeMap<String, u64>) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     {
         let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(&serde_json::to_vec(tokens).map_err(std::io::Error::other)?)?;
+        let mut bytes = Vec::new();
+        for (k, t) in tokens {
+            serde_json::to_writer(&mut bytes, &Line { k: k.clone(), t: *t }).map_err(std::io::Error::other)?;
+            bytes.push(b'\n');
+        }
+        file.write_all(&bytes)?;
         file.sync_all()?;
     }
     std::fs::rename(&tmp, path)?;
@@ -222,5 +284,29 @@ mod tests {
         ));
         reopened.admit("k", 11, true).await.unwrap();
         reopened.admit("other", 1, true).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_torn_last_line_is_ignored_and_corruption_elsewhere_refuses_to_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("issued.log");
+        {
+            let store = IssuedTokens::open(&path).unwrap();
+            store.admit("a", 5, true).await.unwrap();
+            store.admit("a", 8, true).await.unwrap();
+            store.admit("b", 3, true).await.unwrap();
+        }
+        // A crash in the middle of an append: the unacknowledged tail is cut short.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.extend_from_slice(b"{\"k\":\"a\",\"t\":9");
+        std::fs::write(&path, &bytes).unwrap();
+        let reopened = IssuedTokens::open(&path).unwrap();
+        assert_eq!(reopened.highest("a"), Some(8));
+        assert_eq!(reopened.highest("b"), Some(3));
+        drop(reopened);
+        // Damage before the last line is not a crash artefact: refuse to start rather than forget.
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, format!("garbage\n{text}")).unwrap();
+        assert!(IssuedTokens::open(&path).is_err());
     }
 }

@@ -6,8 +6,58 @@ use payout_domain::{
 use payout_proto::railproxy as pb;
 
 use crate::model::{
-    Evidence, InvalidArgument, Outcome, Resolution, Submission, SubmitPayout, OWNER_LENGTH_MAX,
+    Evidence, InquirePayout, InvalidArgument, Outcome, Payment, Resolution, Submission,
+    SubmitPayout, OWNER_LENGTH_MAX,
 };
+
+/// Longest `asked_by` accepted; diagnostics, bounded like every other input.
+pub const ASKED_BY_LENGTH_MAX: usize = 256;
+
+fn check_owner(owner: &str) -> Result<(), InvalidArgument> {
+    if owner.is_empty() {
+        return Err(InvalidArgument::new("owner", "owner is empty"));
+    }
+    if owner.len() > OWNER_LENGTH_MAX {
+        return Err(InvalidArgument::new(
+            "owner",
+            format!("owner is longer than {OWNER_LENGTH_MAX} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// Parses a fenced inquiry: the payout, the resolver's fence, who asks.
+pub fn parse_inquire(request: &pb::InquireRequest) -> Result<InquirePayout, InvalidArgument> {
+    let payout_id = PayoutId::parse(request.payout_id.as_str())
+        .map_err(|e| InvalidArgument::new("payout_id", e))?;
+    if request.asked_by.is_empty() || request.asked_by.len() > ASKED_BY_LENGTH_MAX {
+        return Err(InvalidArgument::new(
+            "asked_by",
+            format!("must be 1..={ASKED_BY_LENGTH_MAX} bytes"),
+        ));
+    }
+    let account_id = AccountId::parse(request.account_id.as_str())
+        .map_err(|e| InvalidArgument::new("account_id", e))?;
+    let token = FencingToken::new(request.token).map_err(|e| InvalidArgument::new("token", e))?;
+    check_owner(&request.owner)?;
+    Ok(InquirePayout {
+        payout_id,
+        account_id,
+        token,
+        owner: request.owner.clone(),
+        asked_by: request.asked_by.clone(),
+    })
+}
+
+pub fn inquire_request(request: &InquirePayout) -> pb::InquireRequest {
+    pb::InquireRequest {
+        payout_id: request.payout_id.to_string(),
+        asked_by: request.asked_by.clone(),
+        account_id: request.account_id.to_string(),
+        token: request.token.get(),
+        owner: request.owner.clone(),
+    }
+}
 
 /// Parses a submit request. Every check is specific; the first failing field is reported.
 pub fn parse_submit(request: &pb::SubmitRequest) -> Result<SubmitPayout, InvalidArgument> {
@@ -16,15 +66,7 @@ pub fn parse_submit(request: &pb::SubmitRequest) -> Result<SubmitPayout, Invalid
     let account_id = AccountId::parse(request.account_id.as_str())
         .map_err(|e| InvalidArgument::new("account_id", e))?;
     let token = FencingToken::new(request.token).map_err(|e| InvalidArgument::new("token", e))?;
-    if request.owner.is_empty() {
-        return Err(InvalidArgument::new("owner", "owner is empty"));
-    }
-    if request.owner.len() > OWNER_LENGTH_MAX {
-        return Err(InvalidArgument::new(
-            "owner",
-            format!("owner is longer than {OWNER_LENGTH_MAX} bytes"),
-        ));
-    }
+    check_owner(&request.owner)?;
     if request.client_reference.is_empty() {
         return Err(InvalidArgument::new(
             "client_reference",
@@ -77,15 +119,42 @@ pub fn outcome_to_proto(outcome: &Outcome) -> pb::Outcome {
         Outcome::Acked { .. } => pb::Outcome::Acked,
         Outcome::Rejected { .. } => pb::Outcome::Rejected,
         Outcome::Timeout { .. } => pb::Outcome::Timeout,
+        Outcome::NotSent { .. } => pb::Outcome::NotSent,
     }
 }
 
 pub fn submission_to_proto(s: &Submission) -> pb::Submission {
-    let (rail_ref, decline_code, failure_detail) = match &s.outcome {
-        Outcome::Pending => (String::new(), String::new(), String::new()),
-        Outcome::Acked { rail_ref } => (rail_ref.clone(), String::new(), String::new()),
-        Outcome::Rejected { decline_code } => (String::new(), decline_code.clone(), String::new()),
-        Outcome::Timeout { detail } => (String::new(), String::new(), detail.clone()),
+    let (rail_ref, decline_code, failure_detail, sealed_by) = match &s.outcome {
+        Outcome::Pending => (String::new(), String::new(), String::new(), String::new()),
+        Outcome::Acked { rail_ref } => (
+            rail_ref.clone(),
+            String::new(),
+            String::new(),
+            String::new(),
+        ),
+        Outcome::Rejected { decline_code } => (
+            String::new(),
+            decline_code.clone(),
+            String::new(),
+            String::new(),
+        ),
+        Outcome::Timeout { detail } => {
+            (String::new(), String::new(), detail.clone(), String::new())
+        }
+        Outcome::NotSent { sealed_by } => (
+            String::new(),
+            String::new(),
+            String::new(),
+            sealed_by.clone(),
+        ),
+    };
+    let (amount_minor, currency, beneficiary_ref) = match &s.payment {
+        Some(p) => (
+            p.amount_minor.get(),
+            p.currency.to_string(),
+            p.beneficiary_ref.to_string(),
+        ),
+        None => (0, String::new(), String::new()),
     };
     pb::Submission {
         payout_id: s.payout_id.to_string(),
@@ -93,9 +162,9 @@ pub fn submission_to_proto(s: &Submission) -> pb::Submission {
         token: s.token.get(),
         owner: s.owner.clone(),
         client_reference: s.client_reference.to_string(),
-        amount_minor: s.amount_minor.get(),
-        currency: s.currency.to_string(),
-        beneficiary_ref: s.beneficiary_ref.to_string(),
+        amount_minor,
+        currency,
+        beneficiary_ref,
         outcome: outcome_to_proto(&s.outcome) as i32,
         ambiguous: s.outcome.is_ambiguous(),
         rail_ref,
@@ -103,6 +172,8 @@ pub fn submission_to_proto(s: &Submission) -> pb::Submission {
         failure_detail,
         created_at_unix_ms: s.created_at_unix_ms,
         resolved_at_unix_ms: s.resolved_at_unix_ms.unwrap_or(0),
+        valid_until_unix_ms: s.valid_until_unix_ms.unwrap_or(0),
+        sealed_by,
     }
 }
 
@@ -134,11 +205,30 @@ pub fn submission_from_proto(s: &pb::Submission) -> Result<Submission, Malformed
         pb::Outcome::Timeout => Outcome::Timeout {
             detail: s.failure_detail.clone(),
         },
+        pb::Outcome::NotSent => Outcome::NotSent {
+            sealed_by: s.sealed_by.clone(),
+        },
         pb::Outcome::Unspecified => return Err(malformed(what, "outcome unspecified")),
     };
     if s.ambiguous != outcome.is_ambiguous() {
         return Err(malformed(what, "ambiguous flag disagrees with the outcome"));
     }
+    let payment = if matches!(outcome, Outcome::NotSent { .. }) {
+        if s.sealed_by.is_empty() || s.amount_minor != 0 || s.valid_until_unix_ms != 0 {
+            return Err(malformed(
+                what,
+                "a sealed record names its sealer and carries no payment",
+            ));
+        }
+        None
+    } else {
+        Some(Payment {
+            amount_minor: AmountMinor::new(s.amount_minor).map_err(|e| malformed(what, e))?,
+            currency: Currency::parse(&s.currency).map_err(|e| malformed(what, e))?,
+            beneficiary_ref: BeneficiaryRef::parse(s.beneficiary_ref.as_str())
+                .map_err(|e| malformed(what, e))?,
+        })
+    };
     Ok(Submission {
         payout_id: PayoutId::parse(s.payout_id.as_str()).map_err(|e| malformed(what, e))?,
         account_id: AccountId::parse(s.account_id.as_str()).map_err(|e| malformed(what, e))?,
@@ -146,13 +236,11 @@ pub fn submission_from_proto(s: &pb::Submission) -> Result<Submission, Malformed
         owner: s.owner.clone(),
         client_reference: ClientReference::parse(&s.client_reference)
             .map_err(|e| malformed(what, e))?,
-        amount_minor: AmountMinor::new(s.amount_minor).map_err(|e| malformed(what, e))?,
-        currency: Currency::parse(&s.currency).map_err(|e| malformed(what, e))?,
-        beneficiary_ref: BeneficiaryRef::parse(s.beneficiary_ref.as_str())
-            .map_err(|e| malformed(what, e))?,
+        payment,
         outcome,
         created_at_unix_ms: s.created_at_unix_ms,
         resolved_at_unix_ms: (s.resolved_at_unix_ms != 0).then_some(s.resolved_at_unix_ms),
+        valid_until_unix_ms: (s.valid_until_unix_ms != 0).then_some(s.valid_until_unix_ms),
     })
 }
 
@@ -161,6 +249,7 @@ pub fn resolution_to_proto(r: &Resolution) -> pb::Resolution {
         Evidence::Found { rail_refs } => (pb::Evidence::Found, rail_refs.clone(), String::new()),
         Evidence::Absent => (pb::Evidence::Absent, vec![], String::new()),
         Evidence::Unknown { detail } => (pb::Evidence::Unknown, vec![], detail.clone()),
+        Evidence::NeverSent => (pb::Evidence::NeverSent, vec![], String::new()),
     };
     pb::Resolution {
         payout_id: r.payout_id.to_string(),
@@ -182,6 +271,7 @@ pub fn resolution_from_proto(r: &pb::Resolution) -> Result<Resolution, Malformed
         pb::Evidence::Unknown => Evidence::Unknown {
             detail: r.detail.clone(),
         },
+        pb::Evidence::NeverSent => Evidence::NeverSent,
         pb::Evidence::Unspecified => return Err(malformed(what, "evidence unspecified")),
     };
     Ok(Resolution {
@@ -242,6 +332,32 @@ mod tests {
     }
 
     #[test]
+    fn an_inquiry_must_present_a_fence() {
+        let good = pb::InquireRequest {
+            payout_id: "p-1".into(),
+            asked_by: "worker-2".into(),
+            account_id: "a-1".into(),
+            token: 7,
+            owner: "worker-2".into(),
+        };
+        let parsed = parse_inquire(&good).unwrap();
+        assert_eq!(inquire_request(&parsed), good);
+        type InquireMutation = Box<dyn Fn(&mut pb::InquireRequest)>;
+        let cases: Vec<(&str, InquireMutation)> = vec![
+            ("payout_id", Box::new(|r| r.payout_id.clear())),
+            ("asked_by", Box::new(|r| r.asked_by.clear())),
+            ("account_id", Box::new(|r| r.account_id.clear())),
+            ("token", Box::new(|r| r.token = 0)),
+            ("owner", Box::new(|r| r.owner.clear())),
+        ];
+        for (field, mutate) in cases {
+            let mut request = good.clone();
+            mutate(&mut request);
+            assert_eq!(parse_inquire(&request).unwrap_err().field, field);
+        }
+    }
+
+    #[test]
     fn submissions_round_trip() {
         let request = parse_submit(&good()).unwrap();
         for outcome in [
@@ -255,19 +371,26 @@ mod tests {
             Outcome::Timeout {
                 detail: "timed out".into(),
             },
+            Outcome::NotSent {
+                sealed_by: "worker-2".into(),
+            },
         ] {
+            let sealed = matches!(outcome, Outcome::NotSent { .. });
             let s = Submission {
                 payout_id: request.payout_id.clone(),
                 account_id: request.account_id.clone(),
                 token: request.token,
                 owner: request.owner.clone(),
                 client_reference: request.client_reference.clone(),
-                amount_minor: request.amount_minor,
-                currency: request.currency.clone(),
-                beneficiary_ref: request.beneficiary_ref.clone(),
+                payment: (!sealed).then(|| Payment {
+                    amount_minor: request.amount_minor,
+                    currency: request.currency.clone(),
+                    beneficiary_ref: request.beneficiary_ref.clone(),
+                }),
                 outcome,
                 created_at_unix_ms: 1,
                 resolved_at_unix_ms: Some(2),
+                valid_until_unix_ms: (!sealed).then_some(3),
             };
             assert_eq!(submission_from_proto(&submission_to_proto(&s)).unwrap(), s);
         }

@@ -9,6 +9,8 @@
 //! - `Err(ProxyError::Rpc(_))` (deadline, connection lost): unknown whether the intent was written;
 //!   calling `submit` again is safe (it can only answer DUPLICATE with the record) and so is
 //!   `lookup`.
+//! - `inquire` is fenced like `submit` (`FencedOut` for a stale resolver). `Evidence::NeverSent`
+//!   (the payout is sealed: never sent, never will be) is read exactly like `Evidence::Absent`.
 
 use payout_domain::PayoutId;
 use payout_proto::railproxy as pb;
@@ -16,7 +18,7 @@ use pb::rail_proxy_client::RailProxyClient as Grpc;
 use tonic::transport::Channel;
 
 use crate::api::{self, Malformed};
-use crate::model::{Outcome, Resolution, Submission, SubmitPayout};
+use crate::model::{InquirePayout, Outcome, Resolution, Submission, SubmitPayout};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ProxyError {
@@ -188,19 +190,14 @@ impl RailProxyClient {
         }))
     }
 
-    /// Asks the rail about a payout's client reference; the evidence is recorded, the outcome kept.
-    pub async fn inquire(
-        &mut self,
-        payout_id: &PayoutId,
-        asked_by: &str,
-    ) -> Result<Inquiry, ProxyError> {
-        let request = pb::InquireRequest {
-            payout_id: payout_id.to_string(),
-            asked_by: asked_by.to_string(),
-        };
+    /// The fenced inquiry: advances the account's high-water with the resolver's token, seals a
+    /// payout that has no submission (answer `NeverSent`), otherwise asks the rail by client
+    /// reference (`Absent` only once the instruction has expired there). The evidence is
+    /// recorded; an existing outcome is kept.
+    pub async fn inquire(&mut self, request: &InquirePayout) -> Result<Inquiry, ProxyError> {
         let response = self
             .inner
-            .inquire(request)
+            .inquire(api::inquire_request(request))
             .await
             .map_err(ProxyError::from_status)?
             .into_inner();

@@ -24,7 +24,10 @@ use std::time::Duration;
 use payout_proto::railproxy::rail_proxy_server::RailProxyServer;
 use service_kit::Shutdown;
 
-pub use model::{Evidence, InvalidArgument, Outcome, Resolution, Submission, SubmitPayout};
+pub use model::{
+    Evidence, InquirePayout, InvalidArgument, Outcome, Payment, Resolution, Submission,
+    SubmitPayout,
+};
 pub use rail::{RAIL_CALL_TIMEOUT_MS_DEFAULT, RAIL_CALL_TIMEOUT_MS_MAX};
 pub use store::MIGRATOR;
 
@@ -39,12 +42,25 @@ pub(crate) enum Guards {
     DisabledForNegativeControl,
 }
 
-/// Test-only crash points.
+/// Test-only crash and stall points.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failpoint {
     /// `std::process::abort()` right after the intent commits, before the rail is called: the
     /// "proxy died between intent and answer" case, which must leave a NULL outcome.
     AbortAfterIntent,
+    /// Stall this long right after the intent commits, before the rail is called: the "proxy
+    /// paused between intent and send" case, which the instruction's expiry must make harmless.
+    PauseAfterIntent { ms: u64 },
+}
+
+/// The two protections a test may switch off, each only through a hidden setter that no binary
+/// calls, to show what it prevents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Protections {
+    /// A fenced inquiry that finds no submission seals the payout (NOT_SENT).
+    pub seal: bool,
+    /// Every payment instruction carries `valid_until`, and ABSENT waits for it to pass.
+    pub expiry: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -53,6 +69,7 @@ pub struct ProxyConfig {
     /// Timeout of the single payment call; bounded by [`RAIL_CALL_TIMEOUT_MS_MAX`].
     pub rail_timeout: Duration,
     guards: Guards,
+    pub(crate) protections: Protections,
     failpoint: Option<Failpoint>,
 }
 
@@ -72,6 +89,10 @@ impl ProxyConfig {
             rail_base_url: rail_base_url.into(),
             rail_timeout: Duration::from_millis(RAIL_CALL_TIMEOUT_MS_DEFAULT),
             guards: Guards::Enforced,
+            protections: Protections {
+                seal: true,
+                expiry: true,
+            },
             failpoint: None,
         }
     }
@@ -87,6 +108,23 @@ impl ProxyConfig {
     #[doc(hidden)]
     pub fn disable_guards_for_negative_control(mut self) -> Self {
         self.guards = Guards::DisabledForNegativeControl;
+        self
+    }
+
+    /// TEST ONLY: the negative control of the seal. A fenced inquiry still advances the
+    /// high-water but never seals an unsubmitted payout, so a late Submit with a token at or
+    /// above the inquirer's is accepted and sent. No binary calls this.
+    #[doc(hidden)]
+    pub fn disable_seal_for_negative_control(mut self) -> Self {
+        self.protections.seal = false;
+        self
+    }
+
+    /// TEST ONLY: the negative control of the expiry. Payment instructions carry no
+    /// `valid_until`, and an inquiry takes the rail's ABSENT at its word. No binary calls this.
+    #[doc(hidden)]
+    pub fn disable_instruction_expiry_for_negative_control(mut self) -> Self {
+        self.protections.expiry = false;
         self
     }
 

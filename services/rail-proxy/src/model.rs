@@ -50,6 +50,41 @@ impl SubmitPayout {
     }
 }
 
+/// A fenced inquiry: the resolver presents its grant like a submitter does (spec 2.6 steps 6-9).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InquirePayout {
+    pub payout_id: PayoutId,
+    pub account_id: AccountId,
+    pub token: FencingToken,
+    /// The holder presenting the token.
+    pub owner: String,
+    /// Who asked, kept with the evidence (and as the sealer of a NOT_SENT record).
+    pub asked_by: String,
+}
+
+impl InquirePayout {
+    pub fn new(
+        payout_id: PayoutId,
+        account_id: AccountId,
+        token: FencingToken,
+        owner: impl Into<String>,
+        asked_by: impl Into<String>,
+    ) -> Self {
+        Self {
+            payout_id,
+            account_id,
+            token,
+            owner: owner.into(),
+            asked_by: asked_by.into(),
+        }
+    }
+
+    /// The lock key whose token sequence this request's token belongs to.
+    pub fn lock_key(&self) -> String {
+        payout_domain::lock_key(&self.account_id)
+    }
+}
+
 /// What the proxy recorded about the rail call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -62,6 +97,9 @@ pub enum Outcome {
     Rejected { decline_code: String },
     /// Timeout, connection failure, reset or 5xx. May have moved money. Never retried.
     Timeout { detail: String },
+    /// Sealed by a fenced inquiry before any intent existed: the rail was never called for this
+    /// payout and never will be (the record is born final; every later Submit is a DUPLICATE).
+    NotSent { sealed_by: String },
 }
 
 impl Outcome {
@@ -76,33 +114,52 @@ impl Outcome {
             Self::Acked { .. } => "ACKED",
             Self::Rejected { .. } => "REJECTED",
             Self::Timeout { .. } => "TIMEOUT",
+            Self::NotSent { .. } => "NOT_SENT",
         }
     }
 }
 
-/// The durable record of one submission.
+/// The payment a submission carries (and the rail was, or may have been, sent).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payment {
+    pub amount_minor: AmountMinor,
+    pub currency: Currency,
+    pub beneficiary_ref: BeneficiaryRef,
+}
+
+/// The durable record of one submission, or of a payout sealed unsent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Submission {
     pub payout_id: PayoutId,
     pub account_id: AccountId,
+    /// The submitter's token, or the sealer's for a NOT_SENT record.
     pub token: FencingToken,
     pub owner: String,
     pub client_reference: ClientReference,
-    pub amount_minor: AmountMinor,
-    pub currency: Currency,
-    pub beneficiary_ref: BeneficiaryRef,
+    /// `None` exactly for a sealed (NOT_SENT) record, which never carried a payment.
+    pub payment: Option<Payment>,
     pub outcome: Outcome,
     pub created_at_unix_ms: i64,
     pub resolved_at_unix_ms: Option<i64>,
+    /// The instruction's expiry at the rail; `None` for sealed records and records written
+    /// before expiry existed (migration 0002).
+    pub valid_until_unix_ms: Option<i64>,
 }
 
 impl Submission {
     /// Whether `request` carries the same payment as this record (a retry rather than a conflict).
     pub fn same_payload(&self, request: &SubmitPayout) -> bool {
         self.account_id == request.account_id
-            && self.amount_minor == request.amount_minor
-            && self.currency == request.currency
-            && self.beneficiary_ref == request.beneficiary_ref
+            && self.payment.as_ref().is_some_and(|p| {
+                p.amount_minor == request.amount_minor
+                    && p.currency == request.currency
+                    && p.beneficiary_ref == request.beneficiary_ref
+            })
+    }
+
+    /// Sealed unsent: the rail was never called for this payout and never will be.
+    pub fn is_sealed(&self) -> bool {
+        matches!(self.outcome, Outcome::NotSent { .. })
     }
 }
 
@@ -113,8 +170,11 @@ pub enum Evidence {
     Found { rail_refs: Vec<String> },
     /// Authoritatively nothing (the rail's settlement window has passed).
     Absent,
-    /// The rail cannot say yet, or could not be asked (`detail` says which).
+    /// The rail cannot say yet, or could not be asked, or the submission's instruction is still
+    /// valid at the rail (`detail` says which).
     Unknown { detail: String },
+    /// The payout is sealed at the proxy: never sent, never will be. Read exactly like `Absent`.
+    NeverSent,
 }
 
 impl Evidence {
@@ -123,6 +183,7 @@ impl Evidence {
             Self::Found { .. } => "FOUND",
             Self::Absent => "ABSENT",
             Self::Unknown { .. } => "UNKNOWN",
+            Self::NeverSent => "NEVER_SENT",
         }
     }
 }

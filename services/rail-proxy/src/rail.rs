@@ -42,6 +42,10 @@ struct PaymentOrder<'a> {
     amount_minor: i64,
     currency: &'a str,
     beneficiary_ref: &'a str,
+    /// The instruction's expiry: the rail refuses (declines `EXPIRED`, moves nothing) a payment
+    /// that reaches it after this instant.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    valid_until_unix_ms: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -97,13 +101,19 @@ impl Rail {
         }
     }
 
-    /// Sends the payment once and classifies the answer. Never retries.
-    pub async fn pay_once(&self, request: &SubmitPayout) -> RailAnswer {
+    /// Sends the payment once, valid at the rail until `valid_until_unix_ms`, and classifies
+    /// the answer. Never retries.
+    pub async fn pay_once(
+        &self,
+        request: &SubmitPayout,
+        valid_until_unix_ms: Option<i64>,
+    ) -> RailAnswer {
         let order = PaymentOrder {
             client_reference: request.client_reference.as_str(),
             amount_minor: request.amount_minor.get(),
             currency: request.currency.as_str(),
             beneficiary_ref: request.beneficiary_ref.as_str(),
+            valid_until_unix_ms,
         };
         let sent = self
             .http

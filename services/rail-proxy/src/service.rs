@@ -11,9 +11,9 @@ use sqlx::PgPool;
 use tonic::{Code, Request, Response, Status};
 
 use crate::api;
-use crate::model::{Evidence, InvalidArgument, Outcome, Submission, SubmitPayout};
+use crate::model::{Evidence, InvalidArgument, Outcome, Payment, Submission, SubmitPayout};
 use crate::rail::{Rail, RailAnswer};
-use crate::store::{self, Intent, StoreError};
+use crate::store::{self, InquiryGuard, Intent, StoreError};
 use crate::{Failpoint, Guards, ProxyConfig};
 
 /// Attempts to store an outcome after the rail answered. Storing is conditional on a NULL
@@ -21,14 +21,17 @@ use crate::{Failpoint, Guards, ProxyConfig};
 /// connection blip, and beyond them the submission stays NULL, which is reported as ambiguous.
 const OUTCOME_RECORD_ATTEMPTS_MAX: u32 = 3;
 const OUTCOME_RECORD_BACKOFF_MS: u64 = 200;
-/// Longest `asked_by` accepted.
-const ASKED_BY_LENGTH_MAX: usize = 256;
+/// The rail's clock and proxydb's (which computed `valid_until`) may disagree: the rail's ABSENT
+/// is taken as definitive only this long after `valid_until` on proxydb's clock. One second is
+/// far above the skew of NTP-disciplined hosts and small against a settlement window.
+pub const RAIL_CLOCK_SKEW_MARGIN_MS: i64 = 1_000;
 
 pub(crate) struct Counters {
     pub fenced_out: IntCounterVec,
     pub duplicates: IntCounterVec,
     pub outcomes: IntCounterVec,
     pub inquiries: IntCounterVec,
+    pub seals: IntCounterVec,
     pub rail_duplicates: IntCounterVec,
 }
 
@@ -43,6 +46,11 @@ impl Counters {
             ),
             outcomes: metrics.counter_vec("rail_proxy_outcomes_total", "Recorded outcomes of rail calls.", &["outcome"]),
             inquiries: metrics.counter_vec("rail_proxy_inquiries_total", "Inquiries by evidence.", &["evidence"]),
+            seals: metrics.counter_vec(
+                "rail_proxy_seals_total",
+                "Payouts sealed unsent (NOT_SENT) by a fenced inquiry.",
+                &[],
+            ),
             rail_duplicates: metrics.counter_vec(
                 "rail_proxy_rail_duplicate_movements_total",
                 "Inquiries that found more than one movement for one client reference (safety event).",
@@ -85,6 +93,41 @@ fn not_found(payout_id: &PayoutId) -> Status {
     )
 }
 
+/// A stale token at the proxy (Submit or Inquire): the typed rejection, the alert, the counter.
+#[allow(clippy::too_many_arguments)]
+fn fenced_out(
+    counters: &Counters,
+    operation: &str,
+    key: String,
+    presented: u64,
+    stored: u64,
+    owner: &str,
+    stored_owner: String,
+    payout_id: &PayoutId,
+) -> Status {
+    counters.fenced_out.with_label_values(&["rail-proxy"]).inc();
+    tracing::error!(
+        event = "fenced_out", alert = true, operation, key = %key, presented, stored,
+        owner, stored_owner = %stored_owner, payout_id = %payout_id,
+        "stale token refused at the rail proxy; nothing sent, nothing sealed"
+    );
+    let detail = pb::Rejection {
+        kind: Some(pb::rejection::Kind::FencedOut(pb::FencedOut {
+            key: key.clone(),
+            presented,
+            stored,
+            owner: owner.to_string(),
+            stored_owner,
+            payout_id: payout_id.to_string(),
+        })),
+    };
+    rejection::status(
+        Code::FailedPrecondition,
+        format!("fenced out: token {presented} is below the high-water {stored} of {key}"),
+        &detail,
+    )
+}
+
 fn store_failure(e: StoreError) -> Status {
     match e {
         StoreError::Invariant(_) => {
@@ -99,12 +142,23 @@ fn store_failure(e: StoreError) -> Status {
 }
 
 impl ProxyService {
-    async fn call_rail_and_record(&self, request: SubmitPayout) -> Result<Submission, Status> {
+    async fn call_rail_and_record(
+        &self,
+        request: SubmitPayout,
+        valid_until_unix_ms: Option<i64>,
+    ) -> Result<Submission, Status> {
         let inner = self.0.clone();
         // The rail call and the recording run in their own task: a caller that disconnects
         // must not cancel the recording of what the rail did.
         let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
-            let answer = inner.rail.pay_once(&request).await;
+            if let Some(Failpoint::PauseAfterIntent { ms }) = inner.config.failpoint {
+                tracing::error!(
+                    ms,
+                    "failpoint pause-after-intent: stalling between the intent and the rail call"
+                );
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            let answer = inner.rail.pay_once(&request, valid_until_unix_ms).await;
             let outcome = match answer {
                 RailAnswer::Acked { rail_ref } => Outcome::Acked { rail_ref },
                 RailAnswer::Rejected { decline_code } => Outcome::Rejected { decline_code },
@@ -166,7 +220,7 @@ impl ProxyService {
     /// The negative control's path: no high-water, no uniqueness, nothing recorded.
     async fn unguarded(&self, request: SubmitPayout) -> Result<Submission, Status> {
         tracing::error!("rail proxy guards are DISABLED (test-only negative control)");
-        let outcome = match self.0.rail.pay_once(&request).await {
+        let outcome = match self.0.rail.pay_once(&request, None).await {
             RailAnswer::Acked { rail_ref } => Outcome::Acked { rail_ref },
             RailAnswer::Rejected { decline_code } => Outcome::Rejected { decline_code },
             RailAnswer::Ambiguous { detail } => Outcome::Timeout { detail },
@@ -177,12 +231,15 @@ impl ProxyService {
             token: request.token,
             owner: request.owner,
             client_reference: request.client_reference,
-            amount_minor: request.amount_minor,
-            currency: request.currency,
-            beneficiary_ref: request.beneficiary_ref,
+            payment: Some(Payment {
+                amount_minor: request.amount_minor,
+                currency: request.currency,
+                beneficiary_ref: request.beneficiary_ref,
+            }),
             outcome,
             created_at_unix_ms: rail_stub::book::unix_ms_now(),
             resolved_at_unix_ms: Some(rail_stub::book::unix_ms_now()),
+            valid_until_unix_ms: None,
         })
     }
 }
@@ -199,29 +256,25 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
             if self.0.config.guards == Guards::DisabledForNegativeControl {
                 return self.unguarded(request).await;
             }
-            match store::record_intent(&self.0.pool, &request).await.map_err(store_failure)? {
-                Intent::Fenced { stored, stored_owner } => {
-                    self.0.counters.fenced_out.with_label_values(&["rail-proxy"]).inc();
-                    tracing::error!(
-                        event = "fenced_out", alert = true, key = %request.lock_key(), presented = request.token.get(),
-                        stored, stored_owner = %stored_owner, "stale token refused at the rail proxy; nothing sent"
-                    );
-                    let detail = pb::Rejection {
-                        kind: Some(pb::rejection::Kind::FencedOut(pb::FencedOut {
-                            key: request.lock_key(),
-                            presented: request.token.get(),
-                            stored,
-                            owner: request.owner.clone(),
-                            stored_owner,
-                            payout_id: request.payout_id.to_string(),
-                        })),
-                    };
-                    Err(rejection::status(
-                        Code::FailedPrecondition,
-                        format!("fenced out: token {} is below the high-water {stored} of {}", request.token, request.lock_key()),
-                        &detail,
-                    ))
-                }
+            // The instruction is valid at the rail for as long as the proxy waits for it, counted
+            // from the intent: a send delayed beyond that is refused by the rail, not executed.
+            let valid_for_ms = self
+                .0
+                .config
+                .protections
+                .expiry
+                .then(|| self.0.config.rail_timeout.as_millis() as u64);
+            match store::record_intent(&self.0.pool, &request, valid_for_ms).await.map_err(store_failure)? {
+                Intent::Fenced { stored, stored_owner } => Err(fenced_out(
+                    &self.0.counters,
+                    "submit",
+                    request.lock_key(),
+                    request.token.get(),
+                    stored,
+                    &request.owner,
+                    stored_owner,
+                    &request.payout_id,
+                )),
                 Intent::Duplicate { existing } => {
                     self.0.counters.duplicates.with_label_values(&[] as &[&str]).inc();
                     let payload_matches = existing.same_payload(&request);
@@ -242,13 +295,18 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                         &detail,
                     ))
                 }
-                Intent::Recorded(_) => {
-                    tracing::info!("intent recorded; calling the rail once");
+                Intent::Recorded(submission) => {
+                    tracing::info!(valid_until_unix_ms = submission.valid_until_unix_ms, "intent recorded; calling the rail once");
                     if self.0.config.failpoint == Some(Failpoint::AbortAfterIntent) {
                         tracing::error!("failpoint abort-after-intent: aborting between the intent and the rail call");
                         std::process::abort();
                     }
-                    self.call_rail_and_record(request).await
+                    if self.0.config.protections.expiry && submission.valid_until_unix_ms.is_none() {
+                        return Err(store_failure(StoreError::Invariant(
+                            "an intent was recorded without valid_until".into(),
+                        )));
+                    }
+                    self.call_rail_and_record(request, submission.valid_until_unix_ms).await
                 }
             }
         }
@@ -281,53 +339,96 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         &self,
         request: Request<pb::InquireRequest>,
     ) -> Result<Response<pb::InquireResponse>, Status> {
-        let request = request.into_inner();
-        let payout_id = PayoutId::parse(request.payout_id.as_str())
-            .map_err(|e| invalid(InvalidArgument::new("payout_id", e)))?;
-        if request.asked_by.is_empty() || request.asked_by.len() > ASKED_BY_LENGTH_MAX {
-            return Err(invalid(InvalidArgument::new(
-                "asked_by",
-                format!("must be 1..={ASKED_BY_LENGTH_MAX} bytes"),
-            )));
-        }
-        let Some((submission, _)) = store::find(&self.0.pool, &payout_id)
-            .await
-            .map_err(store_failure)?
-        else {
-            return Err(not_found(&payout_id));
-        };
-        let evidence = self
-            .0
-            .rail
-            .lookup(submission.client_reference.as_str())
-            .await;
-        self.0
-            .counters
-            .inquiries
-            .with_label_values(&[evidence.name()])
-            .inc();
-        if let Evidence::Found { rail_refs } = &evidence {
-            if rail_refs.len() > 1 {
-                self.0
-                    .counters
-                    .rail_duplicates
-                    .with_label_values(&[] as &[&str])
-                    .inc();
-                tracing::error!(event = "rail_duplicate_movement", page = true, payout_id = %payout_id, ?rail_refs, "the rail moved money more than once for one payout");
-            }
-            if matches!(submission.outcome, Outcome::Rejected { .. }) {
-                tracing::error!(event = "outcome_contradicted", page = true, payout_id = %payout_id, "the rail shows a movement for a declined submission");
-            }
-        }
-        let resolution =
-            store::record_resolution(&self.0.pool, &payout_id, &request.asked_by, &evidence)
+        let request = api::parse_inquire(request.get_ref()).map_err(invalid)?;
+        let span = tracing::info_span!("inquire", payout_id = %request.payout_id, account_id = %request.account_id, token = request.token.get(), owner = %request.owner, asked_by = %request.asked_by);
+        async {
+            let payout_id = &request.payout_id;
+            let guard = store::guard_inquiry(&self.0.pool, &request, self.0.config.protections.seal)
                 .await
                 .map_err(store_failure)?;
-        tracing::info!(payout_id = %payout_id, asked_by = %request.asked_by, evidence = evidence.name(), outcome = submission.outcome.name(), "inquiry recorded");
-        Ok(Response::new(pb::InquireResponse {
-            submission: Some(api::submission_to_proto(&submission)),
-            resolution: Some(api::resolution_to_proto(&resolution)),
-        }))
+            let (submission, evidence) = match guard {
+                InquiryGuard::Fenced { stored, stored_owner } => {
+                    return Err(fenced_out(
+                        &self.0.counters,
+                        "inquire",
+                        request.lock_key(),
+                        request.token.get(),
+                        stored,
+                        &request.owner,
+                        stored_owner,
+                        payout_id,
+                    ));
+                }
+                // Only the negative control gets here: no record, as before the seal existed.
+                InquiryGuard::Unsealed => return Err(not_found(payout_id)),
+                InquiryGuard::Sealed { submission, by_this_inquiry } => {
+                    if by_this_inquiry {
+                        self.0.counters.seals.with_label_values(&[] as &[&str]).inc();
+                    }
+                    tracing::warn!(
+                        event = "payout_sealed", by_this_inquiry, sealed_token = submission.token.get(), sealed_owner = %submission.owner,
+                        "no submission for this payout: sealed unsent; every later Submit is a DUPLICATE"
+                    );
+                    // Evidence still wins over our own record: a movement for a sealed payout
+                    // can only come from a path around the proxy, which must page.
+                    let evidence = match self.0.rail.lookup(submission.client_reference.as_str()).await {
+                        found @ Evidence::Found { .. } => {
+                            tracing::error!(event = "sealed_payout_moved", page = true, "the rail shows a movement for a payout the proxy never sent");
+                            found
+                        }
+                        _ => Evidence::NeverSent,
+                    };
+                    (submission, evidence)
+                }
+                InquiryGuard::Submitted { submission, now_unix_ms } => {
+                    let evidence = self.0.rail.lookup(submission.client_reference.as_str()).await;
+                    let evidence = match (evidence, submission.valid_until_unix_ms) {
+                        // The instruction may still reach the rail and be executed: the rail's
+                        // "absent" is not definitive until it has expired there.
+                        (Evidence::Absent, Some(valid_until)) if self.0.config.protections.expiry
+                            && now_unix_ms <= valid_until.saturating_add(RAIL_CLOCK_SKEW_MARGIN_MS) =>
+                        {
+                            Evidence::Unknown {
+                                detail: format!(
+                                    "the payment instruction is valid at the rail until {valid_until} (unix ms, plus a {RAIL_CLOCK_SKEW_MARGIN_MS} ms clock margin); absence is not definitive before"
+                                ),
+                            }
+                        }
+                        (evidence, _) => evidence,
+                    };
+                    (submission, evidence)
+                }
+            };
+            self.0
+                .counters
+                .inquiries
+                .with_label_values(&[evidence.name()])
+                .inc();
+            if let Evidence::Found { rail_refs } = &evidence {
+                if rail_refs.len() > 1 {
+                    self.0
+                        .counters
+                        .rail_duplicates
+                        .with_label_values(&[] as &[&str])
+                        .inc();
+                    tracing::error!(event = "rail_duplicate_movement", page = true, ?rail_refs, "the rail moved money more than once for one payout");
+                }
+                if matches!(submission.outcome, Outcome::Rejected { .. } | Outcome::NotSent { .. }) {
+                    tracing::error!(event = "outcome_contradicted", page = true, outcome = submission.outcome.name(), "the rail shows a movement for a submission that moved nothing");
+                }
+            }
+            let resolution =
+                store::record_resolution(&self.0.pool, payout_id, &request.asked_by, &evidence)
+                    .await
+                    .map_err(store_failure)?;
+            tracing::info!(evidence = evidence.name(), outcome = submission.outcome.name(), "inquiry recorded");
+            Ok(Response::new(pb::InquireResponse {
+                submission: Some(api::submission_to_proto(&submission)),
+                resolution: Some(api::resolution_to_proto(&resolution)),
+            }))
+        }
+        .instrument_in(span)
+        .await
     }
 }
 

@@ -6,7 +6,9 @@ use payout_domain::{
 };
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
-use crate::model::{Evidence, Outcome, Resolution, Submission, SubmitPayout};
+use crate::model::{
+    Evidence, InquirePayout, Outcome, Payment, Resolution, Submission, SubmitPayout,
+};
 
 /// The migrations of proxydb, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/proxydb");
@@ -33,11 +35,34 @@ pub enum Intent {
     Duplicate { existing: Submission },
 }
 
+/// The guard's answer to a fenced inquiry, decided in one transaction.
+#[derive(Debug, Clone)]
+pub enum InquiryGuard {
+    /// The token is below the account's high-water. Nothing was recorded but a guard event.
+    Fenced { stored: u64, stored_owner: String },
+    /// The payout had no submission: it is now sealed (NOT_SENT, final) by this inquiry
+    /// (`by_this_inquiry`), or was sealed by an earlier one. The rail was never called for it
+    /// and never will be.
+    Sealed {
+        submission: Submission,
+        by_this_inquiry: bool,
+    },
+    /// A submission exists: the rail must be asked. `now_unix_ms` is proxydb's clock at the
+    /// guard, the clock `valid_until` was computed on.
+    Submitted {
+        submission: Submission,
+        now_unix_ms: i64,
+    },
+    /// No submission, and sealing is disabled (the negative control only).
+    Unsealed,
+}
+
 const COLUMNS: &str =
     "payout_id, account_id, fence_token, owner, client_reference, amount_minor, currency, \
-     beneficiary_ref, outcome, rail_ref, decline_code, failure_detail, \
+     beneficiary_ref, outcome, rail_ref, decline_code, failure_detail, sealed_by, \
      (extract(epoch FROM created_at) * 1000)::bigint AS created_ms, \
-     (extract(epoch FROM resolved_at) * 1000)::bigint AS resolved_ms";
+     (extract(epoch FROM resolved_at) * 1000)::bigint AS resolved_ms, \
+     (extract(epoch FROM valid_until) * 1000)::bigint AS valid_until_ms";
 
 fn invariant(detail: impl std::fmt::Display) -> StoreError {
     StoreError::Invariant(detail.to_string())
@@ -59,7 +84,32 @@ fn submission_from_row(row: &sqlx::postgres::PgRow) -> Result<Submission, StoreE
         Some("TIMEOUT") => Outcome::Timeout {
             detail: failure_detail.unwrap_or_default(),
         },
+        Some("NOT_SENT") => Outcome::NotSent {
+            sealed_by: row
+                .try_get::<Option<String>, _>("sealed_by")?
+                .ok_or_else(|| invariant("NOT_SENT without sealed_by"))?,
+        },
         Some(other) => return Err(invariant(format!("unknown outcome {other:?}"))),
+    };
+    let amount_minor: Option<i64> = row.try_get("amount_minor")?;
+    let currency: Option<String> = row.try_get("currency")?;
+    let beneficiary_ref: Option<String> = row.try_get("beneficiary_ref")?;
+    let payment = match (amount_minor, currency, beneficiary_ref) {
+        (None, None, None) if matches!(outcome, Outcome::NotSent { .. }) => None,
+        (Some(amount_minor), Some(currency), Some(beneficiary_ref))
+            if !matches!(outcome, Outcome::NotSent { .. }) =>
+        {
+            Some(Payment {
+                amount_minor: AmountMinor::new(amount_minor).map_err(invariant)?,
+                currency: Currency::parse(&currency).map_err(invariant)?,
+                beneficiary_ref: BeneficiaryRef::parse(beneficiary_ref).map_err(invariant)?,
+            })
+        }
+        _ => {
+            return Err(invariant(
+                "a submission carries a whole payment exactly when it is not sealed",
+            ))
+        }
     };
     let token: i64 = row.try_get("fence_token")?;
     Ok(Submission {
@@ -69,46 +119,79 @@ fn submission_from_row(row: &sqlx::postgres::PgRow) -> Result<Submission, StoreE
         owner: row.try_get("owner")?,
         client_reference: ClientReference::parse(&row.try_get::<String, _>("client_reference")?)
             .map_err(invariant)?,
-        amount_minor: AmountMinor::new(row.try_get("amount_minor")?).map_err(invariant)?,
-        currency: Currency::parse(&row.try_get::<String, _>("currency")?).map_err(invariant)?,
-        beneficiary_ref: BeneficiaryRef::parse(row.try_get::<String, _>("beneficiary_ref")?)
-            .map_err(invariant)?,
+        payment,
         outcome,
         created_at_unix_ms: row.try_get("created_ms")?,
         resolved_at_unix_ms: row.try_get("resolved_ms")?,
+        valid_until_unix_ms: row.try_get("valid_until_ms")?,
     })
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Who presented which token for which payout, at which call: the fields of a guard event.
+struct Presented<'a> {
+    operation: &'static str,
+    payout_id: &'a PayoutId,
+    account_id: &'a AccountId,
+    lock_key: String,
+    token: FencingToken,
+    owner: &'a str,
+}
+
+impl<'a> Presented<'a> {
+    fn submit(request: &'a SubmitPayout) -> Self {
+        Self {
+            operation: "SUBMIT",
+            payout_id: &request.payout_id,
+            account_id: &request.account_id,
+            lock_key: request.lock_key(),
+            token: request.token,
+            owner: &request.owner,
+        }
+    }
+    fn inquire(request: &'a InquirePayout) -> Self {
+        Self {
+            operation: "INQUIRE",
+            payout_id: &request.payout_id,
+            account_id: &request.account_id,
+            lock_key: request.lock_key(),
+            token: request.token,
+            owner: &request.owner,
+        }
+    }
+}
+
 async fn guard_event(
     tx: &mut Transaction<'_, Postgres>,
     kind: &str,
-    request: &SubmitPayout,
+    presented: &Presented<'_>,
     stored: i64,
     stored_owner: &str,
 ) -> Result<(), StoreError> {
     sqlx::query(
-        "INSERT INTO guard_event (kind, payout_id, account_id, lock_key, presented, stored, owner, stored_owner) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        "INSERT INTO guard_event (kind, payout_id, account_id, lock_key, presented, stored, owner, stored_owner, operation) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
     )
     .bind(kind)
-    .bind(request.payout_id.as_str())
-    .bind(request.account_id.as_str())
-    .bind(request.lock_key())
-    .bind(request.token.as_i64())
+    .bind(presented.payout_id.as_str())
+    .bind(presented.account_id.as_str())
+    .bind(&presented.lock_key)
+    .bind(presented.token.as_i64())
     .bind(stored)
-    .bind(&request.owner)
+    .bind(presented.owner)
     .bind(stored_owner)
+    .bind(presented.operation)
     .execute(&mut **tx)
     .await?;
     Ok(())
 }
 
-/// Steps 6-7 of the token's journey, in one transaction, before the rail is contacted:
-/// the conditional high-water advance (equal passes, lower is refused), then the intent row,
-/// unique per payout. The high-water row lock serialises every submission of one account.
-pub async fn record_intent(pool: &PgPool, request: &SubmitPayout) -> Result<Intent, StoreError> {
-    let mut tx = pool.begin().await?;
+/// Step 7's conditional high-water advance, the one statement both Submit and Inquire run first
+/// in their transaction: equal passes, lower is refused (then a FENCED guard event is written and
+/// `Some((stored, stored_owner))` returned). The row lock it takes serialises the account.
+async fn advance_high_water(
+    tx: &mut Transaction<'_, Postgres>,
+    presented: &Presented<'_>,
+) -> Result<Option<(u64, String)>, StoreError> {
     let advanced = sqlx::query(
         "INSERT INTO account_high_water (account_id, high_water, owner) VALUES ($1, $2, $3) \
          ON CONFLICT (account_id) DO UPDATE \
@@ -116,36 +199,56 @@ pub async fn record_intent(pool: &PgPool, request: &SubmitPayout) -> Result<Inte
            WHERE account_high_water.high_water <= EXCLUDED.high_water \
          RETURNING high_water",
     )
-    .bind(request.account_id.as_str())
-    .bind(request.token.as_i64())
-    .bind(&request.owner)
-    .fetch_optional(&mut *tx)
+    .bind(presented.account_id.as_str())
+    .bind(presented.token.as_i64())
+    .bind(presented.owner)
+    .fetch_optional(&mut **tx)
     .await?;
-    if advanced.is_none() {
-        // The conflicting row is locked by the statement above, so this read is the value that refused us.
-        let row =
-            sqlx::query("SELECT high_water, owner FROM account_high_water WHERE account_id = $1")
-                .bind(request.account_id.as_str())
-                .fetch_one(&mut *tx)
-                .await?;
-        let stored: i64 = row.try_get("high_water")?;
-        let stored_owner: String = row.try_get("owner")?;
-        if request.token.admitted_by(stored as u64) {
-            return Err(invariant(format!(
-                "high-water {stored} refused token {} that it admits",
-                request.token
-            )));
-        }
-        guard_event(&mut tx, "FENCED", request, stored, &stored_owner).await?;
+    if advanced.is_some() {
+        return Ok(None);
+    }
+    // The conflicting row is locked by the statement above, so this read is the value that refused us.
+    let row = sqlx::query("SELECT high_water, owner FROM account_high_water WHERE account_id = $1")
+        .bind(presented.account_id.as_str())
+        .fetch_one(&mut **tx)
+        .await?;
+    let stored: i64 = row.try_get("high_water")?;
+    let stored_owner: String = row.try_get("owner")?;
+    if presented.token.admitted_by(stored as u64) {
+        return Err(invariant(format!(
+            "high-water {stored} refused token {} that it admits",
+            presented.token
+        )));
+    }
+    guard_event(tx, "FENCED", presented, stored, &stored_owner).await?;
+    Ok(Some((stored as u64, stored_owner)))
+}
+
+/// Steps 6-7 of the token's journey, in one transaction, before the rail is contacted:
+/// the conditional high-water advance (equal passes, lower is refused), then the intent row,
+/// unique per payout, with its expiry at the rail `valid_for_ms` after the intent (`None` only
+/// for the negative control of the expiry, which writes none).
+pub async fn record_intent(
+    pool: &PgPool,
+    request: &SubmitPayout,
+    valid_for_ms: Option<u64>,
+) -> Result<Intent, StoreError> {
+    let mut tx = pool.begin().await?;
+    let presented = Presented::submit(request);
+    if let Some((stored, stored_owner)) = advance_high_water(&mut tx, &presented).await? {
         tx.commit().await?;
         return Ok(Intent::Fenced {
-            stored: stored as u64,
+            stored,
             stored_owner,
         });
     }
+    let valid_for_ms = valid_for_ms
+        .map(|ms| i64::try_from(ms).map_err(invariant))
+        .transpose()?;
     let inserted = sqlx::query(&format!(
         "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, \
-           currency, beneficiary_ref) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+           currency, beneficiary_ref, valid_until) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now() + $9 * interval '1 millisecond') \
          ON CONFLICT DO NOTHING RETURNING {COLUMNS}"
     ))
     .bind(request.payout_id.as_str())
@@ -156,6 +259,7 @@ pub async fn record_intent(pool: &PgPool, request: &SubmitPayout) -> Result<Inte
     .bind(request.amount_minor.get())
     .bind(request.currency.as_str())
     .bind(request.beneficiary_ref.as_str())
+    .bind(valid_for_ms)
     .fetch_optional(&mut *tx)
     .await?;
     if let Some(row) = inserted {
@@ -174,13 +278,87 @@ pub async fn record_intent(pool: &PgPool, request: &SubmitPayout) -> Result<Inte
     guard_event(
         &mut tx,
         "DUPLICATE",
-        request,
+        &presented,
         existing.token.as_i64(),
         &existing.owner,
     )
     .await?;
     tx.commit().await?;
     Ok(Intent::Duplicate { existing })
+}
+
+/// The fenced inquiry's guard, in ONE transaction: the same conditional high-water advance as a
+/// Submit, then, if the payout has no submission, the seal: a NOT_SENT row, born final, whose
+/// `payout_id UNIQUE` makes every later Submit a DUPLICATE. `seal` is false only for the
+/// negative control. The high-water row lock serialises this with every Submit of the account,
+/// so a Submit either committed its intent before (the rail must be asked) or finds the seal.
+pub async fn guard_inquiry(
+    pool: &PgPool,
+    request: &InquirePayout,
+    seal: bool,
+) -> Result<InquiryGuard, StoreError> {
+    let mut tx = pool.begin().await?;
+    let presented = Presented::inquire(request);
+    if let Some((stored, stored_owner)) = advance_high_water(&mut tx, &presented).await? {
+        tx.commit().await?;
+        return Ok(InquiryGuard::Fenced {
+            stored,
+            stored_owner,
+        });
+    }
+    let now_unix_ms: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint")
+        .fetch_one(&mut *tx)
+        .await?;
+    let existing = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM rail_submission WHERE payout_id = $1"
+    ))
+    .bind(request.payout_id.as_str())
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(row) = existing {
+        let submission = submission_from_row(&row)?;
+        if submission.account_id != request.account_id {
+            return Err(invariant(format!(
+                "payout {} was submitted for account {} but inquired for {}",
+                request.payout_id, submission.account_id, request.account_id
+            )));
+        }
+        tx.commit().await?;
+        return Ok(if submission.is_sealed() {
+            InquiryGuard::Sealed {
+                submission,
+                by_this_inquiry: false,
+            }
+        } else {
+            InquiryGuard::Submitted {
+                submission,
+                now_unix_ms,
+            }
+        });
+    }
+    if !seal {
+        tx.commit().await?;
+        return Ok(InquiryGuard::Unsealed);
+    }
+    let client_reference = ClientReference::for_payout(&request.payout_id);
+    let row = sqlx::query(&format!(
+        "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, outcome, \
+           sealed_by, resolved_at) VALUES ($1, $2, $3, $4, $5, 'NOT_SENT', $6, now()) RETURNING {COLUMNS}"
+    ))
+    .bind(request.payout_id.as_str())
+    .bind(request.account_id.as_str())
+    .bind(request.token.as_i64())
+    .bind(&request.owner)
+    .bind(client_reference.as_str())
+    .bind(&request.asked_by)
+    .fetch_one(&mut *tx)
+    .await?;
+    let sealed = submission_from_row(&row)?;
+    tx.commit().await?;
+    Ok(InquiryGuard::Sealed {
+        submission: sealed,
+        by_this_inquiry: true,
+    })
 }
 
 /// Sets the outcome of a submission, which must still be NULL (the database refuses anything else).
@@ -194,6 +372,7 @@ pub async fn record_outcome(
         Outcome::Acked { rail_ref } => ("ACKED", Some(rail_ref.as_str()), None, None),
         Outcome::Rejected { decline_code } => ("REJECTED", None, Some(decline_code.as_str()), None),
         Outcome::Timeout { detail } => ("TIMEOUT", None, None, Some(detail.as_str())),
+        Outcome::NotSent { .. } => return Err(invariant("NOT_SENT is only ever born, never set")),
     };
     let row = sqlx::query(&format!(
         "UPDATE rail_submission SET outcome = $2, rail_ref = $3, decline_code = $4, failure_detail = $5, \
@@ -255,6 +434,7 @@ fn resolution_from_row(
         "UNKNOWN" => Evidence::Unknown {
             detail: row.try_get("detail")?,
         },
+        "NEVER_SENT" => Evidence::NeverSent,
         other => return Err(invariant(format!("unknown evidence {other:?}"))),
     };
     Ok(Resolution {
@@ -273,7 +453,7 @@ pub async fn record_resolution(
 ) -> Result<Resolution, StoreError> {
     let (rail_refs, detail) = match evidence {
         Evidence::Found { rail_refs } => (rail_refs.clone(), String::new()),
-        Evidence::Absent => (vec![], String::new()),
+        Evidence::Absent | Evidence::NeverSent => (vec![], String::new()),
         Evidence::Unknown { detail } => (vec![], detail.clone()),
     };
     let row = sqlx::query(

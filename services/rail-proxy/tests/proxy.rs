@@ -6,7 +6,7 @@ use std::time::Duration;
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId};
 use payout_proto::railproxy as pb;
 use rail_proxy::client::{ProxyError, RailProxyClient};
-use rail_proxy::{Evidence, Outcome, ProxyConfig, RunningProxy, SubmitPayout};
+use rail_proxy::{Evidence, InquirePayout, Outcome, ProxyConfig, RunningProxy, SubmitPayout};
 use rail_stub::{FaultMode, RunningStub, StubConfig};
 use testkit::{PgServer, Stack};
 
@@ -64,6 +64,28 @@ fn payout(payout: &str, account: &str, token: u64, owner: &str) -> SubmitPayout 
         AmountMinor::new(1_000).unwrap(),
         Currency::parse("EUR").unwrap(),
         BeneficiaryRef::parse("ben-1").unwrap(),
+    )
+}
+
+/// A fenced inquiry by `owner` holding `token` on the payout's account.
+fn inquiry(payout_id: &PayoutId, account: &str, token: u64, owner: &str) -> InquirePayout {
+    InquirePayout::new(
+        payout_id.clone(),
+        AccountId::parse(account).unwrap(),
+        FencingToken::new(token).unwrap(),
+        owner,
+        owner,
+    )
+}
+
+/// The same payout's inquiry under the submitter's own grant.
+fn inquiry_of(request: &SubmitPayout, owner: &str) -> InquirePayout {
+    InquirePayout::new(
+        request.payout_id.clone(),
+        request.account_id.clone(),
+        request.token,
+        owner,
+        owner,
     )
 }
 
@@ -368,7 +390,7 @@ async fn every_fault_mode_maps_to_its_outcome_once_and_evidence_sits_beside_it()
         if mode.moves_money() {
             let inquiry = rig
                 .client
-                .inquire(&request.payout_id, "reconciler-1")
+                .inquire(&inquiry_of(request, "reconciler-1"))
                 .await
                 .unwrap();
             assert!(
@@ -384,7 +406,7 @@ async fn every_fault_mode_maps_to_its_outcome_once_and_evidence_sits_beside_it()
     let (_, not_moved, _) = &cases[2];
     let first = rig
         .client
-        .inquire(&not_moved.payout_id, "reconciler-1")
+        .inquire(&inquiry_of(not_moved, "reconciler-1"))
         .await
         .unwrap();
     assert!(
@@ -393,16 +415,11 @@ async fn every_fault_mode_maps_to_its_outcome_once_and_evidence_sits_beside_it()
     );
     let mut client = rig.client.clone();
     let payout_id = not_moved.payout_id.clone();
+    let asked = inquiry_of(not_moved, "reconciler-1");
     testkit::eventually(WAIT, "an authoritative ABSENT", || {
-        let (mut client, payout_id) = (client.clone(), payout_id.clone());
+        let (mut client, asked) = (client.clone(), asked.clone());
         async move {
-            (client
-                .inquire(&payout_id, "reconciler-1")
-                .await
-                .unwrap()
-                .resolution
-                .evidence
-                == Evidence::Absent)
+            (client.inquire(&asked).await.unwrap().resolution.evidence == Evidence::Absent)
                 .then_some(())
         }
     })
@@ -498,16 +515,11 @@ async fn a_proxy_killed_between_intent_and_rail_call_leaves_an_ambiguous_null() 
     }
     assert_eq!(at_rail(&rig, &request).await, (0, 0));
     // Resolution is by evidence only: the rail saw nothing, so after its window: ABSENT.
+    let asked = inquiry_of(&later, "reconciler-1");
     testkit::eventually(WAIT, "an authoritative ABSENT", || {
-        let (mut client, payout_id) = (client.clone(), request.payout_id.clone());
+        let (mut client, asked) = (client.clone(), asked.clone());
         async move {
-            (client
-                .inquire(&payout_id, "reconciler-1")
-                .await
-                .unwrap()
-                .resolution
-                .evidence
-                == Evidence::Absent)
+            (client.inquire(&asked).await.unwrap().resolution.evidence == Evidence::Absent)
                 .then_some(())
         }
     })
@@ -680,16 +692,30 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
             .submit_requests_total,
         0
     );
-    // Lookup and Inquire validate too, and say NOT_FOUND for an unknown payout.
+    // Inquire validates too (it must present a fence); Lookup says NOT_FOUND for an unknown payout.
+    let mut no_asker = inquiry(&PayoutId::parse("p-bad").unwrap(), "acct-bad", 1, "r");
+    no_asker.asked_by.clear();
     assert!(
-        matches!(rig.client.inquire(&PayoutId::parse("p-bad").unwrap(), "").await, Err(ProxyError::InvalidArgument { field, .. }) if field == "asked_by")
+        matches!(rig.client.inquire(&no_asker).await, Err(ProxyError::InvalidArgument { field, .. }) if field == "asked_by")
     );
-    assert!(matches!(
-        rig.client
-            .inquire(&PayoutId::parse("p-bad").unwrap(), "r")
-            .await,
-        Err(ProxyError::NotFound { .. })
-    ));
+    let mut raw = rig.client.clone();
+    let unfenced = raw
+        .raw()
+        .inquire(pb::InquireRequest {
+            payout_id: "p-bad".into(),
+            asked_by: "r".into(),
+            account_id: "acct-bad".into(),
+            token: 0,
+            owner: "r".into(),
+        })
+        .await
+        .expect_err("an inquiry without a token is refused");
+    assert_eq!(unfenced.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        count(&rig.pool, "SELECT count(*) FROM rail_submission").await,
+        0,
+        "nothing sealed"
+    );
     assert!(rig
         .client
         .lookup(&PayoutId::parse("p-bad").unwrap())
@@ -710,5 +736,322 @@ async fn the_benchmark_measures_both_paths_in_one_run() {
     assert_eq!((report.proxy.calls, report.direct.calls), (200, 200));
     assert!(
         report.proxy.p50_ms > 0.0 && report.direct.p50_ms > 0.0 && report.throughput_ratio > 0.0
+    );
+}
+
+/// Issue 7, at the proxy: holder A (token 10) is delayed before its Submit reaches the proxy;
+/// holder B (token 11) inquires first. B's fenced inquiry advances the high-water and seals the
+/// payout (NEVER_SENT). A's late Submit is FENCED, and even a Submit with a token at or above
+/// B's is a DUPLICATE: nothing ever reaches the rail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fenced_inquiry_seals_an_unsent_payout_so_a_late_submit_sends_nothing() {
+    let mut rig = rig().await;
+    let a = payout("p-seal", "acct-seal", 10, "worker-a");
+    let asked = inquiry(&a.payout_id, "acct-seal", 11, "worker-b");
+    let sealed = rig.client.inquire(&asked).await.unwrap();
+    assert_eq!(sealed.resolution.evidence, Evidence::NeverSent);
+    assert_eq!(
+        sealed.submission.outcome,
+        Outcome::NotSent {
+            sealed_by: "worker-b".into()
+        }
+    );
+    assert_eq!(
+        (
+            sealed.submission.token.get(),
+            sealed.submission.payment.as_ref()
+        ),
+        (11, None)
+    );
+    assert!(!sealed.submission.outcome.is_ambiguous());
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT high_water FROM account_high_water WHERE account_id = 'acct-seal'"
+        )
+        .await,
+        11
+    );
+
+    // A resumes: its stale token is fenced by the high-water the inquiry advanced.
+    match rig.client.submit(&a).await {
+        Err(ProxyError::FencedOut {
+            presented: 10,
+            stored: 11,
+            stored_owner,
+            ..
+        }) => assert_eq!(stored_owner, "worker-b"),
+        other => panic!("expected FencedOut, got {other:?}"),
+    }
+    // A Submit at or above the sealer's token (a late one from B itself, or a later holder) is a
+    // DUPLICATE of the sealed record.
+    for (token, owner) in [(11, "worker-b"), (12, "worker-c")] {
+        let late = payout("p-seal", "acct-seal", token, owner);
+        match rig.client.submit(&late).await {
+            Err(ProxyError::Duplicate { existing, .. }) => {
+                assert!(existing.is_sealed(), "{existing:?}")
+            }
+            other => panic!("token {token}: expected Duplicate, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        at_rail(&rig, &a).await,
+        (0, 0),
+        "nothing ever reached the rail"
+    );
+    // The seal is final: asked again it still answers NEVER_SENT, and the database refuses to
+    // turn it into anything else.
+    let again = rig
+        .client
+        .inquire(&inquiry(&a.payout_id, "acct-seal", 12, "worker-c"))
+        .await
+        .unwrap();
+    assert_eq!(again.resolution.evidence, Evidence::NeverSent);
+    assert_eq!(
+        again.submission.owner, "worker-b",
+        "the record names its sealer"
+    );
+    for sql in [
+        "UPDATE rail_submission SET outcome = 'ACKED', rail_ref = 'rr-x', sealed_by = NULL WHERE payout_id = 'p-seal'",
+        "DELETE FROM rail_submission WHERE payout_id = 'p-seal'",
+        // An intent may never be turned into a seal, nor a row born with a real outcome.
+        "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, outcome, rail_ref, resolved_at, amount_minor, currency, beneficiary_ref) \
+           VALUES ('p-born', 'acct-x', 1, 'w', 'cref-p-born', 'ACKED', 'rr-1', now(), 1, 'EUR', 'b')",
+    ] {
+        assert!(sqlx::query(sql).execute(&rig.pool).await.is_err(), "{sql} must be refused");
+    }
+    // A stale inquirer is fenced like a stale submitter, and seals nothing.
+    let stale = rig
+        .client
+        .inquire(&inquiry(
+            &PayoutId::parse("p-seal-other").unwrap(),
+            "acct-seal",
+            9,
+            "worker-z",
+        ))
+        .await;
+    assert!(
+        matches!(
+            stale,
+            Err(ProxyError::FencedOut {
+                presented: 9,
+                stored: 12,
+                ..
+            })
+        ),
+        "{stale:?}"
+    );
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM rail_submission WHERE payout_id = 'p-seal-other'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE payout_id LIKE 'p-seal%' AND kind = 'FENCED'"
+        )
+        .await,
+        2,
+        "A's submit and the stale inquiry"
+    );
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE payout_id = 'p-seal-other' AND operation = 'INQUIRE'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE payout_id = 'p-seal' AND kind = 'DUPLICATE'"
+        )
+        .await,
+        2
+    );
+    assert!(rig
+        .proxy
+        .metrics
+        .render()
+        .contains("rail_proxy_seals_total 1"));
+}
+
+/// The negative control of the seal: the same sequence with sealing switched off. A's stale
+/// token is still fenced (the high-water advanced), but a late Submit at or above the
+/// inquirer's token is accepted and moves money for a payout the inquiry concluded was never
+/// sent: the money-losing hole of issue 7.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_the_seal_a_late_submit_moves_money() {
+    let mut rig = rig_with(
+        StubConfig {
+            settlement_window: Duration::from_millis(1_500),
+            ..Default::default()
+        },
+        |c| c.disable_seal_for_negative_control(),
+    )
+    .await;
+    let a = payout("p-unsealed", "acct-unsealed", 10, "worker-a");
+    let asked = inquiry(&a.payout_id, "acct-unsealed", 11, "worker-b");
+    assert!(matches!(
+        rig.client.inquire(&asked).await,
+        Err(ProxyError::NotFound { .. })
+    ));
+    assert!(matches!(
+        rig.client.submit(&a).await,
+        Err(ProxyError::FencedOut {
+            presented: 10,
+            stored: 11,
+            ..
+        })
+    ));
+    let late = payout("p-unsealed", "acct-unsealed", 11, "worker-b");
+    let sent = rig.client.submit(&late).await.unwrap();
+    assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
+    assert_eq!(
+        at_rail(&rig, &a).await,
+        (1, 1),
+        "without the seal the late submit moves money"
+    );
+}
+
+/// The proxy paused between the intent and the send for longer than its rail timeout: while the
+/// instruction is still valid an inquiry answers UNKNOWN (never ABSENT), and the late send is
+/// refused by the rail as EXPIRED, so no movement can follow a concluded absence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_send_delayed_past_valid_until_is_refused_and_absent_waits_for_expiry() {
+    const PAUSE_MS: u64 = 2_500;
+    let mut rig = rig_with(
+        StubConfig {
+            settlement_window: Duration::from_millis(100),
+            ..Default::default()
+        },
+        |c| {
+            c.with_failpoint(Some(rail_proxy::Failpoint::PauseAfterIntent {
+                ms: PAUSE_MS,
+            }))
+        },
+    )
+    .await;
+    let request = payout("p-expiry", "acct-expiry", 5, "worker-1");
+    let mut submitter = rig.client.clone();
+    let submitted = {
+        let request = request.clone();
+        tokio::spawn(async move { submitter.submit(&request).await })
+    };
+    let record = testkit::eventually(WAIT, "the intent", || {
+        let (mut client, payout_id) = (rig.client.clone(), request.payout_id.clone());
+        async move { client.lookup(&payout_id).await.unwrap() }
+    })
+    .await
+    .unwrap();
+    let valid_until = record
+        .submission
+        .valid_until_unix_ms
+        .expect("every intent carries its expiry");
+    assert_eq!(
+        valid_until - record.submission.created_at_unix_ms,
+        TEST_RAIL_TIMEOUT_MS as i64,
+        "valid for the proxy's rail timeout from the intent"
+    );
+    // The rail has seen nothing and its settlement window is long past: it says "absent". The
+    // instruction is still valid, so the proxy does not believe it yet.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        rig.stub
+            .client()
+            .lookup(request.client_reference.as_str())
+            .await
+            .unwrap()
+            .state,
+        "absent"
+    );
+    let early = rig
+        .client
+        .inquire(&inquiry_of(&request, "worker-2"))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&early.resolution.evidence, Evidence::Unknown { detail } if detail.contains("valid at the rail until")),
+        "{early:?}"
+    );
+    // The paused send goes out after valid_until: the rail refuses it, nothing moves.
+    let outcome = submitted.await.unwrap().unwrap().outcome;
+    assert_eq!(
+        outcome,
+        Outcome::Rejected {
+            decline_code: rail_stub::EXPIRED_DECLINE_CODE.into()
+        }
+    );
+    let truth = rig.stub.client().ground_truth().await.unwrap();
+    assert_eq!(
+        truth.movement_counts.get(request.client_reference.as_str()),
+        None
+    );
+    assert_eq!(
+        truth.expired_request_counts[request.client_reference.as_str()],
+        1
+    );
+    // After the expiry (and the clock margin), the rail's absence is definitive.
+    let asked = inquiry_of(&request, "worker-2");
+    testkit::eventually(WAIT, "an authoritative ABSENT", || {
+        let (mut client, asked) = (rig.client.clone(), asked.clone());
+        async move {
+            (client.inquire(&asked).await.unwrap().resolution.evidence == Evidence::Absent)
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// The negative control of the expiry: the same pause without `valid_until`. The proxy takes the
+/// rail's ABSENT at its word while the send is still pending, and the late send then moves money
+/// for a payout already concluded absent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_expiry_a_paused_send_moves_money_after_absent() {
+    const PAUSE_MS: u64 = 2_500;
+    let mut rig = rig_with(
+        StubConfig {
+            settlement_window: Duration::from_millis(100),
+            ..Default::default()
+        },
+        |c| {
+            c.with_failpoint(Some(rail_proxy::Failpoint::PauseAfterIntent {
+                ms: PAUSE_MS,
+            }))
+            .disable_instruction_expiry_for_negative_control()
+        },
+    )
+    .await;
+    let request = payout("p-no-expiry", "acct-no-expiry", 5, "worker-1");
+    let mut submitter = rig.client.clone();
+    let submitted = {
+        let request = request.clone();
+        tokio::spawn(async move { submitter.submit(&request).await })
+    };
+    testkit::eventually(WAIT, "the intent", || {
+        let (mut client, payout_id) = (rig.client.clone(), request.payout_id.clone());
+        async move { client.lookup(&payout_id).await.unwrap() }
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let concluded = rig
+        .client
+        .inquire(&inquiry_of(&request, "worker-2"))
+        .await
+        .unwrap();
+    assert_eq!(concluded.resolution.evidence, Evidence::Absent);
+    let outcome = submitted.await.unwrap().unwrap().outcome;
+    assert!(matches!(outcome, Outcome::Acked { .. }), "{outcome:?}");
+    assert_eq!(
+        at_rail(&rig, &request).await,
+        (1, 1),
+        "money moved after ABSENT"
     );
 }

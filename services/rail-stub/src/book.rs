@@ -25,6 +25,19 @@ pub struct Movement {
     pub accepted_at_unix_ms: i64,
 }
 
+/// A payment request on the wire: the order, and the instant after which the rail must refuse
+/// it (absent: valid forever, like a rail without expiry).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PaymentRequest {
+    #[serde(flatten)]
+    pub order: PaymentOrder,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub valid_until_unix_ms: Option<i64>,
+}
+
+/// The decline code of a payment request that reached the rail after its `valid_until`.
+pub const EXPIRED_DECLINE_CODE: &str = "EXPIRED";
+
 /// What a payment request carries.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PaymentOrder {
@@ -69,6 +82,8 @@ struct Inner {
     in_flight: HashMap<String, u32>,
     /// Every payment request ever received in this process's life, per reference.
     submit_requests: BTreeMap<String, u64>,
+    /// Payment requests refused because they arrived after their `valid_until`, per reference.
+    expired_requests: BTreeMap<String, u64>,
     file: Option<(PathBuf, File)>,
 }
 
@@ -89,6 +104,10 @@ pub struct GroundTruth {
     /// means somebody sent the same reference twice (a retry or a duplicate).
     pub submit_request_counts: BTreeMap<String, u64>,
     pub submit_requests_total: u64,
+    /// Payment requests refused (`EXPIRED`, nothing moved) because they reached the rail after
+    /// their `valid_until`, per client reference.
+    #[serde(default)]
+    pub expired_request_counts: BTreeMap<String, u64>,
 }
 
 pub fn unix_ms_now() -> i64 {
@@ -206,6 +225,15 @@ impl Book {
         Ok(movement)
     }
 
+    /// Records a payment request refused as expired (no movement).
+    pub fn record_expired(&self, reference: &str) {
+        *self
+            .lock()
+            .expired_requests
+            .entry(reference.to_string())
+            .or_default() += 1;
+    }
+
     pub fn lookup(&self, reference: &str) -> Lookup {
         let inner = self.lock();
         if let Some(indexes) = inner.by_reference.get(reference) {
@@ -243,6 +271,7 @@ impl Book {
             movement_counts,
             submit_request_counts: inner.submit_requests.clone(),
             submit_requests_total: inner.submit_requests.values().sum(),
+            expired_request_counts: inner.expired_requests.clone(),
         }
     }
 }

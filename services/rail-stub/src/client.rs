@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::{FaultConfig, FaultMode, ForcedMode, GroundTruth, LookupAnswer, PaymentOrder};
+use crate::{
+    FaultConfig, FaultMode, ForcedMode, GroundTruth, LookupAnswer, PaymentOrder, PaymentRequest,
+};
 
 /// Bound on admin calls; they answer from memory.
 pub const ADMIN_TIMEOUT_MS: u64 = 10_000;
@@ -71,10 +73,22 @@ impl StubClient {
 
     /// One payment request, sent once. Transport errors (timeouts, resets) are `Err`.
     pub async fn pay(&self, order: &PaymentOrder) -> Result<DirectAnswer, StubClientError> {
+        self.pay_request(&PaymentRequest {
+            order: order.clone(),
+            valid_until_unix_ms: None,
+        })
+        .await
+    }
+
+    /// One payment request with its optional expiry, sent once.
+    pub async fn pay_request(
+        &self,
+        request: &PaymentRequest,
+    ) -> Result<DirectAnswer, StubClientError> {
         let response = self
             .http
             .post(format!("{}/v1/payments", self.base_url))
-            .json(order)
+            .json(request)
             .send()
             .await?;
         let status = response.status().as_u16();

@@ -7,7 +7,7 @@
 //!
 //! | endpoint | answers |
 //! |---|---|
-//! | `POST /v1/payments` `{client_reference, amount_minor, currency, beneficiary_ref}` | 200 `{status:"accepted", rail_ref}`, 422 `{status:"declined", code}`, 400 `{status:"invalid"}`, 5xx, a reset connection, or nothing |
+//! | `POST /v1/payments` `{client_reference, amount_minor, currency, beneficiary_ref, valid_until_unix_ms?}` | 200 `{status:"accepted", rail_ref}`, 422 `{status:"declined", code}` (`code: "EXPIRED"` when the request is acted on after its `valid_until_unix_ms`: nothing moves), 400 `{status:"invalid"}`, 5xx, a reset connection, or nothing |
 //! | `GET /v1/payments?client_reference=X` | `{state:"found", movements}`, `{state:"absent"}` (authoritative), `{state:"unknown"}` (inside the settlement window) |
 //! | `GET /admin/movements` | [`GroundTruth`] |
 //! | `GET`/`POST /admin/faults` | [`FaultConfig`] |
@@ -33,7 +33,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use service_kit::Shutdown;
 
-pub use book::{GroundTruth, Lookup, Movement, PaymentOrder};
+pub use book::{GroundTruth, Lookup, Movement, PaymentOrder, PaymentRequest, EXPIRED_DECLINE_CODE};
 pub use faults::{FaultConfig, FaultMode};
 
 use book::Book;
@@ -220,8 +220,11 @@ async fn submit(
     if body.len() > REQUEST_BODY_BYTES_MAX {
         return invalid("request body too large");
     }
-    let order: PaymentOrder = match serde_json::from_slice(&body) {
-        Ok(order) => order,
+    let PaymentRequest {
+        order,
+        valid_until_unix_ms,
+    } = match serde_json::from_slice(&body) {
+        Ok(request) => request,
         Err(e) => return invalid(format!("not a payment order: {e}")),
     };
     if order.client_reference.is_empty()
@@ -252,6 +255,24 @@ async fn submit(
     tracing::info!(client_reference = %order.client_reference, amount_minor = order.amount_minor, ?mode, latency_ms, "payment request");
     if latency_ms > 0 {
         tokio::time::sleep(Duration::from_millis(latency_ms)).await;
+    }
+    // Checked at the moment the rail would act, after its own latency: an instruction that
+    // reaches this point after its expiry is refused, whatever fault mode was chosen.
+    if let Some(valid_until) = valid_until_unix_ms {
+        let now = book::unix_ms_now();
+        if now > valid_until {
+            state.book.record_expired(&order.client_reference);
+            tracing::warn!(client_reference = %order.client_reference, valid_until, now, "payment instruction expired; refused, nothing moved");
+            return answer(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "declined",
+                None,
+                Some(EXPIRED_DECLINE_CODE.to_string()),
+                Some(format!(
+                    "the instruction expired at {valid_until} (unix ms)"
+                )),
+            );
+        }
     }
     let movement = if mode.moves_money() {
         let settle_state = state.clone();

@@ -160,3 +160,60 @@ async fn movements_survive_a_sigkill_of_the_stub() {
     );
     process.terminate().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instruction_acted_on_after_its_valid_until_is_refused_and_moves_nothing() {
+    // The rail takes 300 ms to act: an instruction valid for 100 ms reaches that point expired.
+    let config = StubConfig {
+        faults: rail_stub::FaultConfig {
+            latency_ms_min: 300,
+            latency_ms_max: 300,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let stub = RunningStub::start(config).await.unwrap();
+    let client = stub.client();
+    let now = rail_stub::book::unix_ms_now();
+    let late = rail_stub::PaymentRequest {
+        order: order("cref-late"),
+        valid_until_unix_ms: Some(now + 100),
+    };
+    assert_eq!(
+        client.pay_request(&late).await.unwrap(),
+        DirectAnswer::Declined {
+            code: rail_stub::EXPIRED_DECLINE_CODE.into()
+        }
+    );
+    // Already expired on arrival: refused too.
+    let stale = rail_stub::PaymentRequest {
+        order: order("cref-stale"),
+        valid_until_unix_ms: Some(now - 1),
+    };
+    assert!(matches!(
+        client.pay_request(&stale).await.unwrap(),
+        DirectAnswer::Declined { code } if code == rail_stub::EXPIRED_DECLINE_CODE
+    ));
+    // Control: the same rail executes an instruction still valid when it acts, and one without
+    // any expiry (what the proxy sent before instructions expired).
+    let valid = rail_stub::PaymentRequest {
+        order: order("cref-valid"),
+        valid_until_unix_ms: Some(rail_stub::book::unix_ms_now() + 60_000),
+    };
+    assert!(matches!(
+        client.pay_request(&valid).await.unwrap(),
+        DirectAnswer::Accepted { .. }
+    ));
+    assert!(matches!(
+        client.pay(&order("cref-forever")).await.unwrap(),
+        DirectAnswer::Accepted { .. }
+    ));
+    let truth = client.ground_truth().await.unwrap();
+    for reference in ["cref-late", "cref-stale"] {
+        assert_eq!(truth.movement_counts.get(reference), None, "{reference}");
+        assert_eq!(truth.expired_request_counts[reference], 1, "{reference}");
+    }
+    assert_eq!(truth.movement_counts["cref-valid"], 1);
+    assert_eq!(truth.movement_counts["cref-forever"], 1);
+    stub.stop().await.unwrap();
+}
