@@ -552,6 +552,8 @@ async fn a_worker_killed_between_submit_and_outcome_ends_resolved_never_resubmit
     let index: usize = submitted
         .claimer
         .strip_prefix("worker-")
+        // The claimer is the grant's owner: `worker-N/{payout_id}` (one grant per payout).
+        .and_then(|rest| rest.split('/').next())
         .and_then(|n| n.parse().ok())
         .expect("claimer is worker-N");
     system.workers[index].kill().unwrap();
@@ -638,6 +640,8 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
         .unwrap();
     let index: usize = claimer
         .strip_prefix("worker-")
+        // The claimer is the grant's owner: `worker-N/{payout_id}` (one grant per payout).
+        .and_then(|rest| rest.split('/').next())
         .and_then(|n| n.parse().ok())
         .expect("claimer is worker-N");
     system.workers[index].pause().unwrap();

@@ -542,9 +542,11 @@ impl Harness<'_> {
     }
 
     /// The worker container whose identity (`worker-<hostname>`, the hostname being the short
-    /// container id) claimed the payout.
+    /// container id) claimed the payout. The claimer is the grant's owner,
+    /// `worker-<hostname>/<payout_id>`: one grant per payout.
     fn worker_of(&self, claimer: &str) -> anyhow::Result<String> {
-        let host = claimer.strip_prefix("worker-").unwrap_or(claimer);
+        let identity = claimer.split('/').next().unwrap_or(claimer);
+        let host = identity.strip_prefix("worker-").unwrap_or(identity);
         self.project
             .service_containers("worker")?
             .into_iter()
