@@ -516,8 +516,10 @@ async fn rail_movements(
         .ground_truth()
         .await
         .map_err(|e| ReconcileError::Rail(e.to_string()))?;
+    // A sealed record (outcome NOT_SENT: an inquiry found nothing submitted and closed the
+    // payout) is not a submission: money moving for it went around the proxy.
     let submitted: BTreeSet<String> =
-        sqlx::query_scalar("SELECT client_reference FROM rail_submission")
+        sqlx::query_scalar("SELECT client_reference FROM rail_submission WHERE outcome IS DISTINCT FROM 'NOT_SENT'")
             .fetch_all(&sources.proxydb)
             .await
             .map_err(store("proxydb"))?
