@@ -105,17 +105,34 @@ async fn ensure_up(args: &Args) -> anyhow::Result<StackRecord> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
-    anyhow::ensure!(args.payouts > 0 && args.accounts > 0, "--payouts and --accounts must be positive");
-    let rates = [args.decline_rate, args.timeout_after_accept_rate, args.fail_after_accept_rate, args.lost_response_rate];
-    anyhow::ensure!(rates.iter().all(|r| (0.0..=1.0).contains(r)), "fault rates are probabilities in [0, 1]");
-    anyhow::ensure!(rates.iter().sum::<f64>() <= 1.0, "the rail's fault rates must sum to at most 1");
+    anyhow::ensure!(
+        args.payouts > 0 && args.accounts > 0,
+        "--payouts and --accounts must be positive"
+    );
+    let rates = [
+        args.decline_rate,
+        args.timeout_after_accept_rate,
+        args.fail_after_accept_rate,
+        args.lost_response_rate,
+    ];
+    anyhow::ensure!(
+        rates.iter().all(|r| (0.0..=1.0).contains(r)),
+        "fault rates are probabilities in [0, 1]"
+    );
+    anyhow::ensure!(
+        rates.iter().sum::<f64>() <= 1.0,
+        "the rail's fault rates must sum to at most 1"
+    );
     let say = |line: String| {
         if !args.json {
             println!("{line}");
         }
     };
     let record = ensure_up(&args).await?;
-    let system = record.system.clone().context("the stack runs no services")?;
+    let system = record
+        .system
+        .clone()
+        .context("the stack runs no services")?;
     say(format!("stack up; Temporal UI {}", record.ui_url()));
 
     // The rail misbehaves as asked, reproducibly.
@@ -136,13 +153,23 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     .map_err(|e| anyhow::anyhow!("configuring the rail stub's faults: {e}"))?;
 
     // Fixture accounts and the payouts, created in the payment resource before any workflow.
-    let run_id = format!("r{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs());
-    let payments = PaymentClient::connect(system.payment_url()).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let run_id = format!(
+        "r{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs()
+    );
+    let payments = PaymentClient::connect(system.payment_url())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let eur = Currency::parse("EUR").expect("supported");
     let mut accounts = Vec::new();
     for i in 0..args.accounts {
         let id = AccountId::parse(format!("{run_id}-acct-{i:03}"))?;
-        payments.open_account(&id, &eur, OPENING_BALANCE_MINOR).await.map_err(|e| anyhow::anyhow!("open account: {e}"))?;
+        payments
+            .open_account(&id, &eur, OPENING_BALANCE_MINOR)
+            .await
+            .map_err(|e| anyhow::anyhow!("open account: {e}"))?;
         accounts.push(id);
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
@@ -179,7 +206,10 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             .map_err(|e| anyhow::anyhow!("create payout: {e}"))?;
         inputs.push(input);
     }
-    say(format!("{} accounts and {} payouts created (run {run_id})", args.accounts, args.payouts));
+    say(format!(
+        "{} accounts and {} payouts created (run {run_id})",
+        args.accounts, args.payouts
+    ));
 
     // Start every workflow, then await each result; the latency is start to final state.
     let client = Arc::new(
@@ -207,7 +237,12 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             Ok::<_, anyhow::Error>((input.payout_id, t0.elapsed()))
         });
     }
-    let progress = tokio::spawn(progress_lines(system.databases.paydb.clone(), run_id.clone(), args.payouts, args.json));
+    let progress = tokio::spawn(progress_lines(
+        system.databases.paydb.clone(),
+        run_id.clone(),
+        args.payouts,
+        args.json,
+    ));
     let mut latencies = Vec::new();
     let mut failures = Vec::new();
     while let Some(joined) = tasks.join_next().await {
@@ -225,28 +260,44 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     // Drain the outbox, then reconcile everything (the whole stack, not only this run).
     let paydb = sqlx::PgPool::connect(&system.databases.paydb).await?;
     testkit::eventually(Duration::from_secs(120), "the outbox to drain", || async {
-        let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NULL")
-            .fetch_one(&paydb)
-            .await
-            .ok()?;
+        let pending: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NULL")
+                .fetch_one(&paydb)
+                .await
+                .ok()?;
         (pending == 0).then_some(())
     })
     .await?;
     let sources = crate::reconcile::sources(&record).await?;
-    let report = reconciler::reconcile(&sources, &reconciler::Options { require_outbox_drained: true }).await?;
+    let report = reconciler::reconcile(
+        &sources,
+        &reconciler::Options {
+            require_outbox_drained: true,
+        },
+    )
+    .await?;
 
     let mut final_states = BTreeMap::new();
-    for row in sqlx::query_as::<_, (String, i64)>("SELECT state, count(*) FROM payout WHERE id LIKE $1 GROUP BY state")
-        .bind(format!("{run_id}-p-%"))
-        .fetch_all(&paydb)
-        .await?
+    for row in sqlx::query_as::<_, (String, i64)>(
+        "SELECT state, count(*) FROM payout WHERE id LIKE $1 GROUP BY state",
+    )
+    .bind(format!("{run_id}-p-%"))
+    .fetch_all(&paydb)
+    .await?
     {
         final_states.insert(row.0, row.1 as u64);
     }
-    let truth = stub.ground_truth().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let truth = stub
+        .ground_truth()
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let prefix = format!("cref-{run_id}-p-");
-    let run_counts: Vec<u64> =
-        truth.movement_counts.iter().filter(|(k, _)| k.starts_with(&prefix)).map(|(_, v)| *v).collect();
+    let run_counts: Vec<u64> = truth
+        .movement_counts
+        .iter()
+        .filter(|(k, _)| k.starts_with(&prefix))
+        .map(|(_, v)| *v)
+        .collect();
     let ambiguous_resolved: i64 = sqlx::query_scalar(
         "SELECT count(DISTINCT payout_id) FROM audit_event WHERE kind = 'transition' \
          AND event IN ('EVIDENCE_FOUND', 'EVIDENCE_ABSENT') AND payout_id LIKE $1",
@@ -262,7 +313,13 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         let i = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
         latencies[i].as_secs_f64() * 1000.0
     };
-    let check_clean = |name: &str| report.checks.iter().find(|c| c.name == name).is_some_and(|c| c.violations.is_empty());
+    let check_clean = |name: &str| {
+        report
+            .checks
+            .iter()
+            .find(|c| c.name == name)
+            .is_some_and(|c| c.violations.is_empty())
+    };
     let summary = Summary {
         run_id: run_id.clone(),
         payouts: args.payouts,
@@ -272,7 +329,10 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         throughput_payouts_per_s: latencies.len() as f64 / elapsed.as_secs_f64(),
         latency_ms_p50: pct(0.50),
         latency_ms_p99: pct(0.99),
-        latency_ms_max: latencies.last().map(|d| d.as_secs_f64() * 1000.0).unwrap_or(0.0),
+        latency_ms_max: latencies
+            .last()
+            .map(|d| d.as_secs_f64() * 1000.0)
+            .unwrap_or(0.0),
         rail_movements: run_counts.iter().sum(),
         rail_movements_per_payout_max: run_counts.iter().copied().max().unwrap_or(0),
         ambiguous_resolved_by_evidence: ambiguous_resolved as u64,
@@ -288,8 +348,15 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         println!();
         print!("{}", report.render());
         println!();
-        println!("run {run_id}: {} payouts over {} accounts in {:.1}s", summary.payouts, summary.accounts, summary.elapsed_s);
-        let states: Vec<String> = summary.final_states.iter().map(|(s, n)| format!("{s} {n}")).collect();
+        println!(
+            "run {run_id}: {} payouts over {} accounts in {:.1}s",
+            summary.payouts, summary.accounts, summary.elapsed_s
+        );
+        let states: Vec<String> = summary
+            .final_states
+            .iter()
+            .map(|(s, n)| format!("{s} {n}"))
+            .collect();
         println!("final states: {}", states.join(", "));
         println!(
             "throughput {:.1} payouts/s; latency submission to final state p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
@@ -297,21 +364,32 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         );
         println!(
             "rail movements {} (at most {} per payout); ambiguous payouts resolved by evidence {}",
-            summary.rail_movements, summary.rail_movements_per_payout_max, summary.ambiguous_resolved_by_evidence
+            summary.rail_movements,
+            summary.rail_movements_per_payout_max,
+            summary.ambiguous_resolved_by_evidence
         );
         println!(
             "ledger balanced: {}; GL matches paydb: {}; reconciliation violations: {}",
             summary.ledger_balanced, summary.gl_matches_paydb, summary.reconciliation_violations
         );
-        println!("inspect every payout in the Temporal UI: {} (workflow ids like {})", summary.temporal_ui, summary.workflow_ids_look_like);
+        println!(
+            "inspect every payout in the Temporal UI: {} (workflow ids like {})",
+            summary.temporal_ui, summary.workflow_ids_look_like
+        );
     }
     let ok = failures.is_empty() && report.is_clean() && summary.rail_movements_per_payout_max <= 1;
-    Ok(if ok { std::process::ExitCode::SUCCESS } else { std::process::ExitCode::FAILURE })
+    Ok(if ok {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    })
 }
 
 /// A line a second: how many of this run's payouts are in each state.
 async fn progress_lines(paydb_url: String, run_id: String, total: usize, quiet: bool) {
-    let Ok(pool) = sqlx::PgPool::connect(&paydb_url).await else { return };
+    let Ok(pool) = sqlx::PgPool::connect(&paydb_url).await else {
+        return;
+    };
     let started = Instant::now();
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -324,11 +402,18 @@ async fn progress_lines(paydb_url: String, run_id: String, total: usize, quiet: 
         else {
             continue;
         };
-        let terminal: i64 =
-            rows.iter().filter(|(s, _)| matches!(s.as_str(), "POSTED" | "FAILED" | "ABANDONED")).map(|(_, n)| n).sum();
+        let terminal: i64 = rows
+            .iter()
+            .filter(|(s, _)| matches!(s.as_str(), "POSTED" | "FAILED" | "ABANDONED"))
+            .map(|(_, n)| n)
+            .sum();
         if !quiet {
             let states: Vec<String> = rows.iter().map(|(s, n)| format!("{s} {n}")).collect();
-            println!("[{:>4}s] {terminal}/{total} settled | {}", started.elapsed().as_secs(), states.join(", "));
+            println!(
+                "[{:>4}s] {terminal}/{total} settled | {}",
+                started.elapsed().as_secs(),
+                states.join(", ")
+            );
         }
     }
 }

@@ -322,7 +322,11 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
     }
     // The processes are detached: dropping the handles leaves them running.
     drop(stack);
-    eprintln!("stack up in {:.1}s (state in {})", started.elapsed().as_secs_f64(), dir.display());
+    eprintln!(
+        "stack up in {:.1}s (state in {})",
+        started.elapsed().as_secs_f64(),
+        dir.display()
+    );
     Ok(())
 }
 
@@ -418,10 +422,7 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
             })
         );
     } else {
-        println!(
-            "{:<16} {:<28} {:>8}  {}",
-            "PART", "ADDRESS", "PID", "HEALTH"
-        );
+        println!("{:<17} {:<28} {:>8}  HEALTH", "PART", "ADDRESS", "PID");
         for r in &rows {
             let health = if r.healthy {
                 "healthy"

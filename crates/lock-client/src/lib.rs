@@ -323,7 +323,12 @@ impl Session {
     /// many units of work (a worker runs many workflows), and each must hold its own grant.
     /// Acquire is idempotent per (owner, session), so two units sharing the session's owner
     /// would both be handed the same grant: mutual exclusion between them would be gone.
-    pub async fn acquire_as(&self, key: &str, owner: &str, wait: Duration) -> Result<Acquired, ClientError> {
+    pub async fn acquire_as(
+        &self,
+        key: &str,
+        owner: &str,
+        wait: Duration,
+    ) -> Result<Acquired, ClientError> {
         if !self.is_alive() {
             return Err(ClientError::SessionLost);
         }
@@ -337,8 +342,7 @@ impl Session {
         let r = bounded(wait + LockClient::timeout(), rpc.acquire(request)).await?;
         match r.result {
             Some(pb::acquire_response::Result::Grant(g)) => {
-                if g.key != key || g.owner != owner || g.session_id != self.inner.session_id
-                {
+                if g.key != key || g.owner != owner || g.session_id != self.inner.session_id {
                     return Err(ClientError::Malformed(
                         "grant for another key, owner or session",
                     ));

@@ -518,13 +518,14 @@ async fn rail_movements(
         .map_err(|e| ReconcileError::Rail(e.to_string()))?;
     // A sealed record (outcome NOT_SENT: an inquiry found nothing submitted and closed the
     // payout) is not a submission: money moving for it went around the proxy.
-    let submitted: BTreeSet<String> =
-        sqlx::query_scalar("SELECT client_reference FROM rail_submission WHERE outcome IS DISTINCT FROM 'NOT_SENT'")
-            .fetch_all(&sources.proxydb)
-            .await
-            .map_err(store("proxydb"))?
-            .into_iter()
-            .collect();
+    let submitted: BTreeSet<String> = sqlx::query_scalar(
+        "SELECT client_reference FROM rail_submission WHERE outcome IS DISTINCT FROM 'NOT_SENT'",
+    )
+    .fetch_all(&sources.proxydb)
+    .await
+    .map_err(store("proxydb"))?
+    .into_iter()
+    .collect();
     let by_reference: HashMap<&str, &PayoutRow> = payouts
         .values()
         .map(|p| (p.client_reference.as_str(), p))

@@ -68,12 +68,19 @@ impl IssuedTokens {
         }
         // Compact: one line per key, written atomically, then appended to from here on.
         write_atomically(&path, &tokens).map_err(|e| store_err(&path, e))?;
-        let log = std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| store_err(&path, e))?;
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(|e| store_err(&path, e))?;
         let (persisted_version, _) = watch::channel(0);
         let me = Arc::new(Self {
             path,
             log: Arc::new(Mutex::new(log)),
-            state: Mutex::new(State { tokens, pending: Vec::new(), version: 0 }),
+            state: Mutex::new(State {
+                tokens,
+                pending: Vec::new(),
+                version: 0,
+            }),
             flush_wanted: Arc::new(Notify::new()),
             persisted_version,
         });
@@ -209,7 +216,14 @@ struct Line {
 fn append(log: &Mutex<std::fs::File>, batch: &[(String, u64)]) -> std::io::Result<()> {
     let mut bytes = Vec::new();
     for (k, t) in batch {
-        serde_json::to_writer(&mut bytes, &Line { k: k.clone(), t: *t }).map_err(std::io::Error::other)?;
+        serde_json::to_writer(
+            &mut bytes,
+            &Line {
+                k: k.clone(),
+                t: *t,
+            },
+        )
+        .map_err(std::io::Error::other)?;
         bytes.push(b'\n');
     }
     let mut file = log.lock().expect("issued-token log");
@@ -242,7 +256,14 @@ fn write_atomically(path: &Path, tokens: &BTreeMap<String, u64>) -> std::io::Res
         let mut file = std::fs::File::create(&tmp)?;
         let mut bytes = Vec::new();
         for (k, t) in tokens {
-            serde_json::to_writer(&mut bytes, &Line { k: k.clone(), t: *t }).map_err(std::io::Error::other)?;
+            serde_json::to_writer(
+                &mut bytes,
+                &Line {
+                    k: k.clone(),
+                    t: *t,
+                },
+            )
+            .map_err(std::io::Error::other)?;
             bytes.push(b'\n');
         }
         file.write_all(&bytes)?;

@@ -99,23 +99,48 @@ async fn grants_and_refusals(kind: Kind) {
     // Two units of work on ONE session (two workflows on one worker) are two owners: the second
     // is not handed the first one's grant. Negative control: under the session's own owner both
     // get the same grant (the idempotent re-acquire above), which is why workers use acquire_as.
-    let unit_1 = match a.acquire_as("payout:acc-2", "worker-a/p-1", Duration::ZERO).await.unwrap() {
+    let unit_1 = match a
+        .acquire_as("payout:acc-2", "worker-a/p-1", Duration::ZERO)
+        .await
+        .unwrap()
+    {
         Acquired::Granted(g) => g,
         other => panic!("first unit not granted: {other:?}"),
     };
     assert_eq!(unit_1.owner(), "worker-a/p-1");
-    match a.acquire_as("payout:acc-2", "worker-a/p-2", Duration::ZERO).await.unwrap() {
+    match a
+        .acquire_as("payout:acc-2", "worker-a/p-2", Duration::ZERO)
+        .await
+        .unwrap()
+    {
         Acquired::NotAcquired { holder_owner, .. } => assert_eq!(holder_owner, "worker-a/p-1"),
-        Acquired::Granted(g) => panic!("a second unit on the same session shares the key: token {}", g.token()),
+        Acquired::Granted(g) => panic!(
+            "a second unit on the same session shares the key: token {}",
+            g.token()
+        ),
     }
-    let unit_1_again = match a.acquire_as("payout:acc-2", "worker-a/p-1", Duration::ZERO).await.unwrap() {
+    let unit_1_again = match a
+        .acquire_as("payout:acc-2", "worker-a/p-1", Duration::ZERO)
+        .await
+        .unwrap()
+    {
         Acquired::Granted(g) => g,
         other => panic!("idempotent re-acquire by the same unit: {other:?}"),
     };
     assert_eq!(unit_1_again.token(), unit_1.token());
-    unit_1.release().await.expect("the unit releases its own grant");
-    match a.acquire_as("payout:acc-2", "worker-a/p-2", Duration::ZERO).await.unwrap() {
-        Acquired::Granted(g) => assert!(g.token() > unit_1_again.token(), "a new grant mints a higher token"),
+    unit_1
+        .release()
+        .await
+        .expect("the unit releases its own grant");
+    match a
+        .acquire_as("payout:acc-2", "worker-a/p-2", Duration::ZERO)
+        .await
+        .unwrap()
+    {
+        Acquired::Granted(g) => assert!(
+            g.token() > unit_1_again.token(),
+            "a new grant mints a higher token"
+        ),
         other => panic!("second unit after release: {other:?}"),
     }
 
