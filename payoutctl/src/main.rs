@@ -1,6 +1,7 @@
 //! `payoutctl`: what an operator types. Errors are reported once, here, with their context chain.
 
 mod bench;
+mod chaos;
 mod migrate;
 mod reconcile;
 mod run;
@@ -35,6 +36,8 @@ enum Command {
     Run(run::Args),
     /// Check every invariant across paydb, proxydb, gldb, the rail and the lock grants.
     Reconcile(reconcile::Args),
+    /// Fault injection: a workload under a seeded nemesis, then an independent checker (exit 1 on a violation).
+    Chaos(chaos::Args),
     /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb.
     Migrate(migrate::Args),
 }
@@ -56,6 +59,7 @@ fn main() -> std::process::ExitCode {
             Command::Bench { which } => bench::run(which).await,
             Command::Reconcile(args) => reconcile::run(args).await,
             Command::Run(args) => run::run(args).await,
+            Command::Chaos(args) => chaos::run(args).await,
         }
     });
     match result {

@@ -15,6 +15,18 @@ fn payoutctl(state: &Path, args: &[&str], ports: &[(&str, u16)]) -> std::process
     cmd.output().expect("payoutctl runs")
 }
 
+/// The first port of `len` consecutive free ports (our services listen on base+1..base+16).
+fn free_port_block(len: u16) -> u16 {
+    loop {
+        let base = free_port();
+        if base.checked_add(len).is_some()
+            && (0..len).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok())
+        {
+            return base;
+        }
+    }
+}
+
 fn status_json(state: &Path) -> (bool, serde_json::Value) {
     let out = payoutctl(state, &["stack", "status", "--json"], &[]);
     let value: serde_json::Value =
@@ -26,12 +38,17 @@ fn status_json(state: &Path) -> (bool, serde_json::Value) {
 async fn stack_up_status_down_up_keeps_data() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("stack");
+    // One block of free ports, laid out so that the ports each part derives from its own
+    // (etcd's peer port = client + 1; Temporal's HTTP and metrics = UI + 1, + 2; our services =
+    // base + 1..16) never land on another part's.
+    let b = free_port_block(40);
     let ports = [
-        ("PAYOUT_PG_MAIN_PORT", free_port()),
-        ("PAYOUT_PG_PROXY_PORT", free_port()),
-        ("PAYOUT_ETCD_PORT", free_port()),
-        ("PAYOUT_TEMPORAL_PORT", free_port()),
-        ("PAYOUT_TEMPORAL_UI_PORT", free_port()),
+        ("PAYOUT_PG_MAIN_PORT", b),
+        ("PAYOUT_PG_PROXY_PORT", b + 1),
+        ("PAYOUT_ETCD_PORT", b + 2),
+        ("PAYOUT_TEMPORAL_PORT", b + 5),
+        ("PAYOUT_TEMPORAL_UI_PORT", b + 6),
+        ("PAYOUT_SERVICE_PORT_BASE", b + 10),
     ];
     let up = payoutctl(&state, &["stack", "up"], &ports);
     let stop = scopeguard(&state);

@@ -7,6 +7,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+pub mod resolve;
+pub mod service;
+
 use payout_domain::{Actor, PayoutEvent, PayoutState};
 use serde::Serialize;
 use sqlx::{PgPool, Row};
@@ -61,6 +64,8 @@ pub struct Report {
     pub rail_movements: u64,
     pub outbox_pending: u64,
     pub ambiguous_payouts: Vec<String>,
+    /// Orphaned RAIL_AMBIGUOUS payouts handled before the checks ran (`--resolve-orphans`).
+    pub resolutions: Vec<resolve::Resolution>,
 }
 
 impl Report {
@@ -111,6 +116,23 @@ impl Report {
             self.outbox_pending,
             self.ambiguous_payouts.len()
         ));
+        if !self.resolutions.is_empty() {
+            out.push_str(&format!(
+                "{:<24} {:<12} {:<11} {:<14} {:>6}  DETAIL\n",
+                "ORPHAN", "WORKFLOW", "EVIDENCE", "NEW STATE", "TOKEN"
+            ));
+            for r in &self.resolutions {
+                out.push_str(&format!(
+                    "{:<24} {:<12} {:<11} {:<14} {:>6}  {}\n",
+                    r.payout_id,
+                    r.workflow,
+                    r.evidence,
+                    r.new_state,
+                    r.token.map(|t| t.to_string()).unwrap_or_default(),
+                    r.detail
+                ));
+            }
+        }
         out.push_str(&format!("violations: {}\n", self.violations));
         out
     }
@@ -178,6 +200,7 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
         rail_movements,
         outbox_pending,
         ambiguous_payouts,
+        resolutions: Vec::new(),
     })
 }
 
