@@ -71,6 +71,9 @@ pub struct UpArgs {
     /// The rail stub's settlement window: lookups are authoritative after it.
     #[arg(long, default_value_t = 2000)]
     pub settlement_window_ms: u64,
+    /// Seconds between the reconciler's scheduled runs (a Temporal schedule).
+    #[arg(long, default_value_t = 300)]
+    pub reconcile_interval_s: u64,
     /// Infrastructure only (PostgreSQL, etcd, Temporal), none of our services.
     #[arg(long)]
     pub infra_only: bool,
@@ -312,6 +315,60 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 address,
             });
         }
+        // The reconciler on its Temporal schedule, with its own /metrics (base + 17).
+        let etcd = record.etcd_endpoints().join(",");
+        let reconciler = testkit::ManagedProcess::start(
+            testkit::ProcessSpec::new(
+                "reconciler",
+                testkit::workspace_bin("reconciler"),
+                dir.join("system").join("reconciler.log"),
+            )
+            .lifetime(Lifetime::Detached)
+            .arg("serve")
+            .args([
+                "--paydb-url",
+                &databases.paydb,
+                "--proxydb-url",
+                &databases.proxydb,
+            ])
+            .args(["--gldb-url", &databases.gldb, "--etcd-endpoints", &etcd])
+            .args([
+                "--rail-url".to_string(),
+                SystemRecord::url(system_ports.rail_stub),
+            ])
+            .args(["--lock-prefix", LOCK_ETCD_PREFIX])
+            .args([
+                "--lock-server-url".to_string(),
+                SystemRecord::url(system_ports.lock_server),
+            ])
+            .args([
+                "--rail-proxy-url".to_string(),
+                SystemRecord::url(system_ports.rail_proxy),
+            ])
+            .args([
+                "--payment-resource-url".to_string(),
+                SystemRecord::url(system_ports.payment_resource),
+            ])
+            .args(["--temporal-address".to_string(), record.temporal_address()])
+            .args([
+                "--temporal-cli".into(),
+                testkit::temporal::cli_path()?.into_os_string(),
+            ])
+            .args([
+                "--metrics-listen".to_string(),
+                format!("127.0.0.1:{}", base + 17),
+            ])
+            .args([
+                "--interval-s".to_string(),
+                args.reconcile_interval_s.to_string(),
+            ])
+            .arg("--resolve-orphans"),
+        )?;
+        record.parts.push(Part {
+            name: "reconciler".into(),
+            pid: reconciler.pid().unwrap_or(0),
+            address: format!("http://127.0.0.1:{}/metrics", base + 17),
+        });
         record.system = Some(SystemRecord {
             ports: system_ports,
             databases,
@@ -468,6 +525,11 @@ async fn healthy(part: &Part, record: &StackRecord) -> bool {
         }
         // The dispatcher and the workers have no listener to probe; running is their health.
         name if name == "outbox-dispatcher" || name.starts_with("payout-worker") => return true,
+        "reconciler" => {
+            let metrics = part.address.trim_end_matches("/metrics");
+            return testkit::util::http_get(port(metrics), "/metrics", Duration::from_secs(2))
+                .is_ok_and(|(code, _)| code == 200);
+        }
         _ => {}
     }
     let timeout = Duration::from_secs(2);
