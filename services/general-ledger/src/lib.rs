@@ -141,12 +141,7 @@ pub async fn serve(
         GeneralLedgerServiceServer::with_interceptor(api, move |request| interceptor(request));
     let address = listener.local_addr().ok();
     tracing::info!(?address, "general ledger serving");
-    // Nagle's algorithm against the client's delayed ACKs adds ~40 ms to every small response;
-    // tonic sets TCP_NODELAY only on listeners it binds itself.
-    let incoming = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::TcpListenerStream::new(listener),
-        |stream| stream.and_then(|s| s.set_nodelay(true).map(|()| s)),
-    );
+    let incoming = service_kit::incoming(listener);
     let result = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(service)

@@ -90,10 +90,7 @@ pub async fn serve(
     let result = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(LockServiceServer::new(service))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown.wait(),
-        )
+        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
         .await
         .map_err(|e| LockError::Backend {
             backend: "grpc-server",

@@ -58,10 +58,7 @@ pub async fn serve(
                 api::PaymentApi::new(store),
             ),
         )
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener),
-            shutdown.clone().wait(),
-        );
+        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.clone().wait());
     let drain_deadline = async {
         shutdown.wait().await;
         tokio::time::sleep(Duration::from_millis(SHUTDOWN_DRAIN_MS)).await;

@@ -180,10 +180,7 @@ pub async fn run(
     let result = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(RailProxyServer::new(service))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown.wait(),
-        )
+        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
         .await;
     health_task.abort();
     Ok(result?)
