@@ -1,0 +1,283 @@
+//! The chaos harness: the whole system under a nemesis, then an independent checker.
+//!
+//! [`run`] starts every service over a stack (3-member etcd, two PostgreSQL servers, Temporal),
+//! creates a contended workload, starts the payouts through Temporal while the [`nemesis`]
+//! injects its seeded schedule, waits (bounded) for every payout to settle and the outbox to
+//! drain, and hands the databases and the rail's book to the [`checker`], which knows nothing of
+//! the code under test. [`negative`] holds the negative controls.
+
+pub mod checker;
+pub mod guards;
+pub mod negative;
+pub mod nemesis;
+pub mod workload;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use testkit::system::{System, SystemOptions};
+use testkit::Stack;
+
+pub use checker::{CheckResult, Evidence, Violation};
+pub use guards::DisableGuard;
+
+/// Workers hold leases this long, so a SIGSTOP of a few seconds outlives the lease.
+pub const WORKER_LOCK_TTL_MS: u64 = 3_000;
+/// The proxy gives up on the rail after this: long enough for the slow tail, short enough that
+/// accept-then-hang turns ambiguous quickly.
+pub const RAIL_TIMEOUT_MS: u64 = 2_000;
+/// After this the rail's lookups are authoritative.
+pub const SETTLEMENT_WINDOW_MS: u64 = 1_000;
+
+#[derive(Debug, Clone)]
+pub struct ChaosConfig {
+    pub seed: u64,
+    pub payouts: usize,
+    /// Accounts; several payouts per account give contention on each lock key.
+    pub accounts: usize,
+    pub faults: usize,
+    pub workers: usize,
+    pub disable: DisableGuard,
+    /// The faults are spread over this long (starting when the payouts start).
+    pub fault_window: Duration,
+    /// After the faults stop, give the system this long to settle.
+    pub settle_timeout: Duration,
+    /// Print progress (the schedule, fault by fault) on stderr.
+    pub verbose: bool,
+}
+
+impl ChaosConfig {
+    /// A run of `payouts` payouts and `faults` faults with defaults derived from them.
+    pub fn new(seed: u64, payouts: usize, faults: usize) -> Self {
+        Self {
+            seed,
+            payouts,
+            accounts: (payouts / 4).max(2),
+            faults,
+            workers: 2,
+            disable: DisableGuard::None,
+            // About two seconds per fault: each fault takes a second or more to inject and heal.
+            fault_window: Duration::from_millis((faults as u64 * 2_000).max(10_000)),
+            settle_timeout: Duration::from_secs(180),
+            verbose: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub seed: u64,
+    pub payouts: usize,
+    pub accounts: usize,
+    pub guards_disabled: String,
+    pub final_states: BTreeMap<String, u64>,
+    pub faults_scheduled: usize,
+    pub faults_injected_by_kind: BTreeMap<String, u64>,
+    pub fault_errors: Vec<String>,
+    pub schedule: Vec<String>,
+    pub safety_events: BTreeMap<String, i64>,
+    pub rail_movements: u64,
+    pub checks: Vec<CheckResult>,
+    pub violations: usize,
+    pub settled: bool,
+    pub settle_time_s: f64,
+    pub fault_phase_s: f64,
+    pub wall_time_s: f64,
+}
+
+impl Report {
+    pub fn is_clean(&self) -> bool {
+        self.violations == 0
+    }
+
+    pub fn render(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "chaos run: seed {} | {} payouts over {} accounts | guards disabled: {}",
+            self.seed, self.payouts, self.accounts, self.guards_disabled
+        );
+        let states: Vec<String> = self
+            .final_states
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        let _ = writeln!(s, "final states: {}", states.join(", "));
+        let kinds: Vec<String> = self
+            .faults_injected_by_kind
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        let injected: u64 = self.faults_injected_by_kind.values().sum();
+        let _ = writeln!(
+            s,
+            "faults injected {injected}/{}: {}",
+            self.faults_scheduled,
+            kinds.join(", ")
+        );
+        for e in &self.fault_errors {
+            let _ = writeln!(s, "  fault error: {e}");
+        }
+        let events: Vec<String> = self
+            .safety_events
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        let _ = writeln!(s, "safety events: {}", events.join(", "));
+        let _ = writeln!(s, "rail movements: {}", self.rail_movements);
+        for c in &self.checks {
+            let _ = writeln!(
+                s,
+                "  [{}] {} ({} checked){}",
+                if c.violations.is_empty() {
+                    "ok"
+                } else {
+                    "VIOLATED"
+                },
+                c.name,
+                c.checked,
+                if c.violations.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {} violations", c.violations.len())
+                }
+            );
+            for v in c.violations.iter().take(5) {
+                let _ = writeln!(s, "      {}", v.detail);
+            }
+        }
+        let _ = writeln!(
+            s,
+            "violations: {} | settled: {} in {:.1}s after faults stopped | fault phase {:.1}s | wall {:.1}s",
+            self.violations, self.settled, self.settle_time_s, self.fault_phase_s, self.wall_time_s
+        );
+        s
+    }
+}
+
+pub(crate) fn say(verbose: bool, line: impl AsRef<str>) {
+    if verbose {
+        eprintln!("[chaos] {}", line.as_ref());
+    }
+}
+
+/// One whole run over `stack` (which should have a 3-member etcd cluster and be this run's
+/// alone: the nemesis restarts its PostgreSQL servers and etcd members).
+pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> {
+    anyhow::ensure!(
+        config.payouts > 0 && config.accounts > 0,
+        "payouts and accounts must be positive"
+    );
+    let wall = Instant::now();
+    let mut system = System::start(
+        stack,
+        SystemOptions {
+            workers: config.workers,
+            settlement_window_ms: SETTLEMENT_WINDOW_MS,
+            rail_timeout_ms: RAIL_TIMEOUT_MS,
+            worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), WORKER_LOCK_TTL_MS.to_string())],
+            ..SystemOptions::default()
+        },
+    )
+    .await?;
+    say(
+        config.verbose,
+        format!(
+            "system up in {:.1}s (logs in {})",
+            wall.elapsed().as_secs_f64(),
+            system.dir.display()
+        ),
+    );
+    let in_process = guards::replace_services(&mut system, config.disable).await?;
+
+    let schedule = nemesis::Schedule::generate(
+        config.seed,
+        config.faults,
+        config.fault_window,
+        config.workers,
+        config.disable,
+    );
+    for line in schedule.describe() {
+        say(config.verbose, format!("schedule: {line}"));
+    }
+    let work = workload::Workload::create(&system, config).await?;
+    say(
+        config.verbose,
+        format!(
+            "{} payouts created over {} accounts",
+            work.inputs.len(),
+            config.accounts
+        ),
+    );
+
+    let fault_start = Instant::now();
+    let (started, outcome) = tokio::join!(
+        work.start_all(&system),
+        nemesis::execute(
+            stack,
+            &system,
+            &schedule,
+            &work,
+            config.disable,
+            config.verbose
+        ),
+    );
+    started?;
+    // Whatever the nemesis left paused resumes; the rail behaves from now on.
+    for w in &system.workers {
+        let _ = w.resume();
+    }
+    work.calm_rail(&system).await;
+    let fault_phase = fault_start.elapsed();
+    say(
+        config.verbose,
+        format!(
+            "faults stopped after {:.1}s; waiting for the system to settle",
+            fault_phase.as_secs_f64()
+        ),
+    );
+
+    let settle_start = Instant::now();
+    let settled = {
+        let supervisor = async {
+            loop {
+                tokio::task::block_in_place(|| {
+                    nemesis::supervise(&system, config.disable, config.verbose)
+                });
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        };
+        tokio::select! {
+            settled = workload::wait_settled(&system, config.settle_timeout, config.verbose) => settled,
+            () = supervisor => unreachable!("the supervisor loops forever"),
+        }
+    };
+    let settle_time = settle_start.elapsed();
+
+    let evidence = Evidence::collect(&system).await?;
+    let checks = checker::check(&evidence);
+    let violations = checks.iter().map(|c| c.violations.len()).sum();
+    let report = Report {
+        seed: config.seed,
+        payouts: config.payouts,
+        accounts: config.accounts,
+        guards_disabled: config.disable.name().to_string(),
+        final_states: evidence.final_states(),
+        faults_scheduled: schedule.faults.len(),
+        faults_injected_by_kind: outcome.injected,
+        fault_errors: outcome.errors,
+        schedule: schedule.describe(),
+        safety_events: evidence.safety_events(),
+        rail_movements: evidence.movements.len() as u64,
+        checks,
+        violations,
+        settled,
+        settle_time_s: settle_time.as_secs_f64(),
+        fault_phase_s: fault_phase.as_secs_f64(),
+        wall_time_s: wall.elapsed().as_secs_f64(),
+    };
+    drop(in_process);
+    Ok(report)
+}

@@ -1,0 +1,188 @@
+//! Negative controls: a targeted stale-holder scenario, run with the guards on and off, so the
+//! checker's verdict shows each guard is load-bearing and each alone sufficient against a
+//! duplicate payment (spec 2.5, "two conclusions").
+//!
+//! The scenario, per payout, with real grants from the lock-server (etcd tokens):
+//! 1. holder A acquires the account's lock (token t1) and is paused just after its client-side
+//!    lease check passed (the harness simply does not proceed with A);
+//! 2. an operator force-revokes the lock; holder B acquires it (t2 > t1) and claims the payout;
+//! 3. A wakes up and claims with t1 (the payment resource's fence must refuse it), then submits
+//!    to the rail proxy with t1;
+//! 4. B submits with t2 (the proxy's uniqueness and high-water must refuse the second one).
+//!
+//! With both guards off, the rail moves the money twice. With either one on, once.
+
+use std::time::Duration;
+
+use lock_client::{Acquired, LockClient};
+use payment_resource::client::PaymentClient;
+use payment_resource::model::{Fence, NewPayout};
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId};
+use rail_proxy::client::RailProxyClient;
+use rail_proxy::SubmitPayout;
+use serde::Serialize;
+use testkit::system::{System, SystemOptions};
+use testkit::Stack;
+
+use super::checker::{self, CheckResult, Evidence};
+use super::guards::{replace_services, DisableGuard};
+
+/// The scenario's leases outlive it; the operator's revoke is what ends A's.
+const SCENARIO_TTL: Duration = Duration::from_secs(30);
+const ACQUIRE_WAIT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StaleStep {
+    pub payout: String,
+    pub t1: u64,
+    pub t2: u64,
+    pub stale_claim_accepted: bool,
+    pub stale_submit_accepted: bool,
+    pub fresh_submit_accepted: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct NegativeReport {
+    pub guards_disabled: String,
+    pub steps: Vec<StaleStep>,
+    pub rail_movements: usize,
+    pub safety_events: std::collections::BTreeMap<String, i64>,
+    pub checks: Vec<CheckResult>,
+}
+
+impl NegativeReport {
+    pub fn violations_of(&self, check: &str) -> usize {
+        self.checks
+            .iter()
+            .filter(|c| c.name == check)
+            .map(|c| c.violations.len())
+            .sum()
+    }
+    pub fn duplicate_payments(&self) -> usize {
+        self.violations_of("at_most_one_movement_per_payout")
+    }
+    pub fn stale_writes(&self) -> usize {
+        self.violations_of("paydb_tokens_never_decrease")
+            + self.violations_of("proxy_tokens_never_decrease")
+    }
+}
+
+fn fence(owner: &str, token: u64) -> anyhow::Result<Fence> {
+    Fence::new(
+        owner,
+        FencingToken::new(token).map_err(|e| anyhow::anyhow!("{e:?}"))?,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// Runs the stale-holder scenario on `payouts` payouts (one account each) over a fresh system
+/// with `disable` guards replaced by unguarded in-process services.
+pub async fn stale_holder(
+    stack: &Stack,
+    disable: DisableGuard,
+    payouts: usize,
+) -> anyhow::Result<NegativeReport> {
+    let mut system = System::start(
+        stack,
+        SystemOptions {
+            workers: 0,
+            ..SystemOptions::default()
+        },
+    )
+    .await?;
+    let _in_process = replace_services(&mut system, disable).await?;
+    let payments = PaymentClient::connect(system.payment_url())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let lock = LockClient::connect(system.lock_url()).await?;
+    let eur = Currency::parse("EUR").expect("supported");
+    let mut steps = Vec::new();
+    for i in 0..payouts {
+        let account = AccountId::parse(format!("neg-{}-a{i}", disable.name()))?;
+        let payout_id = PayoutId::parse(format!("neg-{}-p{i}", disable.name()))?;
+        let amount = AmountMinor::new(1_000)?;
+        let beneficiary = BeneficiaryRef::parse("ben-neg")?;
+        payments
+            .open_account(&account, &eur, 100_000)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        payments
+            .create_payout(&NewPayout {
+                payout_id: payout_id.clone(),
+                account_id: account.clone(),
+                amount_minor: amount,
+                currency: eur.clone(),
+                beneficiary_ref: beneficiary.clone(),
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let key = payout_domain::lock_key(&account);
+
+        // 1. A holds the lock (t1), then stalls.
+        let session_a = lock.open_session("stale-holder-a", SCENARIO_TTL).await?;
+        let Acquired::Granted(grant_a) = session_a.acquire(&key, ACQUIRE_WAIT).await? else {
+            anyhow::bail!("A could not acquire {key}");
+        };
+        let t1 = grant_a.token().get();
+        // 2. The operator revokes A's grant; B acquires (t2) and claims.
+        lock.force_revoke(&key, "negative-control-operator", "A is paused")
+            .await?;
+        let session_b = lock.open_session("fresh-holder-b", SCENARIO_TTL).await?;
+        let Acquired::Granted(grant_b) = session_b.acquire(&key, ACQUIRE_WAIT).await? else {
+            anyhow::bail!("B could not acquire {key} after the revoke");
+        };
+        let t2 = grant_b.token().get();
+        anyhow::ensure!(t2 > t1, "tokens must increase: t1 {t1}, t2 {t2}");
+        payments
+            .claim(&payout_id, &fence("fresh-holder-b", t2)?)
+            .await
+            .map_err(|e| anyhow::anyhow!("B's claim: {e}"))?;
+        // 3. A wakes up and carries on with its stale token.
+        let stale_claim_accepted = payments
+            .claim(&payout_id, &fence("stale-holder-a", t1)?)
+            .await
+            .is_ok();
+        let submit = |owner: &str, token: u64| {
+            SubmitPayout::new(
+                payout_id.clone(),
+                account.clone(),
+                FencingToken::new(token).expect("non-zero"),
+                owner,
+                amount,
+                eur.clone(),
+                beneficiary.clone(),
+            )
+        };
+        let mut proxy = RailProxyClient::connect(system.proxy_url()).await?;
+        let stale_submit_accepted =
+            stale_claim_accepted && proxy.submit(&submit("stale-holder-a", t1)).await.is_ok();
+        // 4. B submits.
+        let fresh_submit_accepted = proxy.submit(&submit("fresh-holder-b", t2)).await.is_ok();
+        steps.push(StaleStep {
+            payout: payout_id.to_string(),
+            t1,
+            t2,
+            stale_claim_accepted,
+            stale_submit_accepted,
+            fresh_submit_accepted,
+        });
+        let _ = grant_b.release().await;
+        let _ = session_a.close().await;
+        let _ = session_b.close().await;
+    }
+    let evidence = Evidence::collect(&system).await?;
+    let checks = vec![
+        checker::at_most_one_movement_per_payout(&evidence),
+        checker::paydb_tokens_never_decrease(&evidence),
+        checker::proxy_tokens_never_decrease(&evidence),
+        checker::ledger_groups_balanced(&evidence),
+        checker::balances_equal_entries(&evidence),
+    ];
+    Ok(NegativeReport {
+        guards_disabled: disable.name().to_string(),
+        steps,
+        rail_movements: evidence.movements.len(),
+        safety_events: evidence.safety_events(),
+        checks,
+    })
+}

@@ -1,0 +1,234 @@
+//! The workload: accounts with contention (several payouts per account, a few larger than the
+//! account can fund), every payout started through Temporal, the rail misbehaving.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use payment_resource::client::PaymentClient;
+use payment_resource::model::NewPayout;
+use payout_activities::types::{AmbiguityPolicy, PayoutInput};
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
+use rail_stub::client::StubClient;
+use rail_stub::FaultConfig;
+use rand::{RngExt, SeedableRng};
+use testkit::system::System;
+
+use super::{say, ChaosConfig};
+
+/// Opening balance per account: enough for a few payouts, so a few of the larger ones fail.
+pub const OPENING_BALANCE_MINOR: i64 = 200_000;
+/// Share of payouts larger than any account can fund.
+pub const INSUFFICIENT_RATE: f64 = 0.06;
+/// Workflow starts in flight at once.
+const START_CONCURRENCY_MAX: usize = 16;
+/// Payouts wait at most this long for their account's lock; contention queues behind it.
+const RESOLUTION_SLA_MS: u64 = 600_000;
+
+pub struct Workload {
+    pub run_id: String,
+    pub inputs: Vec<PayoutInput>,
+    pub accounts: Vec<AccountId>,
+    pub seed: u64,
+}
+
+/// The rail's misbehaviour during the fault phase: every fault mode the stub has, seeded.
+pub fn rail_faults(seed: u64, intensity: f64) -> FaultConfig {
+    FaultConfig {
+        seed,
+        latency_ms_min: 0,
+        latency_ms_max: 30,
+        latency_tail_rate: 0.05 * intensity,
+        latency_tail_ms: 1_500,
+        decline_rate: 0.04,
+        fail_before_acting_rate: 0.03 * intensity,
+        accept_then_fail_rate: 0.03 * intensity,
+        accept_then_hang_rate: 0.03 * intensity,
+        reset_before_acting_rate: 0.03 * intensity,
+        accept_then_reset_rate: 0.02 * intensity,
+        lookup_latency_ms: (300.0 * intensity) as u64,
+        ..FaultConfig::default()
+    }
+}
+
+impl Workload {
+    pub async fn create(system: &System, config: &ChaosConfig) -> anyhow::Result<Self> {
+        let stub = StubClient::new(system.rail_url());
+        stub.set_faults(&rail_faults(config.seed, 1.0))
+            .await
+            .map_err(|e| anyhow::anyhow!("rail faults: {e}"))?;
+        let run_id = format!("c{}", config.seed);
+        let payments = PaymentClient::connect(system.payment_url())
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let eur = Currency::parse("EUR").expect("supported");
+        let mut accounts = Vec::new();
+        for i in 0..config.accounts {
+            let id = AccountId::parse(format!("{run_id}-a{i:04}"))?;
+            payments
+                .open_account(&id, &eur, OPENING_BALANCE_MINOR)
+                .await
+                .map_err(|e| anyhow::anyhow!("open account: {e}"))?;
+            accounts.push(id);
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(config.seed);
+        let policy = AmbiguityPolicy {
+            settlement_window_ms: super::SETTLEMENT_WINDOW_MS + 500,
+            resolution_sla_ms: RESOLUTION_SLA_MS,
+        };
+        let mut inputs = Vec::new();
+        for i in 0..config.payouts {
+            let account = accounts[rng.random_range(0..accounts.len())].clone();
+            let amount = if rng.random_bool(INSUFFICIENT_RATE) {
+                OPENING_BALANCE_MINOR + 1
+            } else {
+                rng.random_range(100..20_000)
+            };
+            let input = PayoutInput {
+                payout_id: PayoutId::parse(format!("{run_id}-p{i:05}"))?,
+                account_id: account,
+                amount_minor: AmountMinor::new(amount)?,
+                currency: eur.clone(),
+                beneficiary_ref: BeneficiaryRef::parse(format!(
+                    "ben-{}",
+                    rng.random_range(0..100)
+                ))?,
+                ambiguity: policy,
+            };
+            payments
+                .create_payout(&NewPayout {
+                    payout_id: input.payout_id.clone(),
+                    account_id: input.account_id.clone(),
+                    amount_minor: input.amount_minor,
+                    currency: input.currency.clone(),
+                    beneficiary_ref: input.beneficiary_ref.clone(),
+                })
+                .await
+                .map_err(|e| anyhow::anyhow!("create payout: {e}"))?;
+            inputs.push(input);
+        }
+        Ok(Self {
+            run_id,
+            inputs,
+            accounts,
+            seed: config.seed,
+        })
+    }
+
+    /// Starts every payout's workflow (starts only: settling is observed in the databases).
+    pub async fn start_all(&self, system: &System) -> anyhow::Result<()> {
+        let client = Arc::new(
+            payout_workflows::client::connect(
+                &system.temporal_address,
+                testkit::temporal::NAMESPACE,
+                "chaos",
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+        );
+        let semaphore = Arc::new(tokio::sync::Semaphore::new(START_CONCURRENCY_MAX));
+        let mut tasks = tokio::task::JoinSet::new();
+        for input in self.inputs.clone() {
+            let client = client.clone();
+            let semaphore = semaphore.clone();
+            let queue = system.task_queue.clone();
+            tasks.spawn(async move {
+                let _permit = semaphore.acquire_owned().await.expect("semaphore open");
+                payout_workflows::client::start_payout(&client, &queue, &input)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("starting {}: {e}", input.payout_id))
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            joined??;
+        }
+        Ok(())
+    }
+
+    /// The faults stop: the rail answers promptly and truthfully again.
+    pub async fn calm_rail(&self, system: &System) {
+        let stub = StubClient::new(system.rail_url());
+        let _ = stub
+            .set_faults(&FaultConfig {
+                seed: self.seed,
+                ..FaultConfig::default()
+            })
+            .await;
+    }
+}
+
+/// Polls paydb until every payout is terminal or RAIL_AMBIGUOUS with evidence at the proxy, and
+/// the outbox has drained; false if `timeout` passed first.
+pub async fn wait_settled(system: &System, timeout: Duration, verbose: bool) -> bool {
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    let (Ok(paydb), Ok(proxydb)) = (
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&system.databases.paydb)
+            .await,
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&system.databases.proxydb)
+            .await,
+    ) else {
+        return false;
+    };
+    loop {
+        let counts = unsettled(&paydb, &proxydb).await;
+        let unsettled = counts.map(|(open, ambiguous)| open + ambiguous);
+        let pending: Option<i64> = sqlx::query_scalar(
+            "SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NULL AND quarantined_at IS NULL",
+        )
+        .fetch_one(&paydb)
+        .await
+        .ok();
+        if let (Some(0), Some(0)) = (unsettled, pending) {
+            return true;
+        }
+        if started.elapsed() >= timeout {
+            // RAIL_AMBIGUOUS with evidence is an accepted end state once the time is up.
+            if let (Some((0, _)), Some(0)) = (counts, pending) {
+                return true;
+            }
+            say(verbose, format!("not settled after {timeout:?}: {unsettled:?} payouts open, {pending:?} outbox rows pending"));
+            return false;
+        }
+        if last_report.elapsed() >= Duration::from_secs(10) {
+            last_report = Instant::now();
+            say(
+                verbose,
+                format!("settling: {unsettled:?} payouts open, {pending:?} outbox rows pending"),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// (payouts neither terminal nor RAIL_AMBIGUOUS with a submission the proxy recorded,
+/// RAIL_AMBIGUOUS payouts with that evidence).
+async fn unsettled(paydb: &sqlx::PgPool, proxydb: &sqlx::PgPool) -> Option<(i64, i64)> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT id, state FROM payout WHERE state NOT IN ('POSTED', 'FAILED', 'ABANDONED')",
+    )
+    .fetch_all(paydb)
+    .await
+    .ok()?;
+    let mut open = 0;
+    let mut ambiguous = 0;
+    for (id, state) in rows {
+        if state == "RAIL_AMBIGUOUS" {
+            let evidence: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM rail_submission WHERE payout_id = $1")
+                    .bind(&id)
+                    .fetch_one(proxydb)
+                    .await
+                    .ok()?;
+            if evidence > 0 {
+                ambiguous += 1;
+                continue;
+            }
+        }
+        open += 1;
+    }
+    Some((open, ambiguous))
+}
