@@ -397,8 +397,14 @@ fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
         // SIGTERM to the part's leader only: it stops its own children in order. SIGKILL to
         // the whole group only if it overstays its grace.
         // SAFETY: signals to processes `up` started (each part leads its own process group).
+        // PostgreSQL's fast shutdown is SIGINT (SIGTERM would wait for every client to leave).
+        let signal = if part.name.starts_with("postgres") {
+            libc::SIGINT
+        } else {
+            libc::SIGTERM
+        };
         unsafe {
-            libc::kill(part.pid as i32, libc::SIGTERM);
+            libc::kill(part.pid as i32, signal);
         }
         let deadline = Instant::now() + Duration::from_millis(STOP_GRACE_MS);
         while alive(part.pid) && Instant::now() < deadline {

@@ -117,17 +117,36 @@ pub mod pool {
     pub const CONNECTIONS_MAX: u32 = 16;
     /// A request waits at most this long for a connection before failing fast (UNAVAILABLE).
     pub const ACQUIRE_TIMEOUT_MS: u64 = 5_000;
+    /// At start-up, a database restart (seconds) is waited out; a database gone for a minute is an
+    /// outage the supervisor must see.
+    pub const CONNECT_ATTEMPTS_MAX: u32 = 60;
+    pub const CONNECT_RETRY_MS: u64 = 1_000;
 }
 
-/// Connects a bounded pool. Fails if the database is unreachable now; later outages surface as
-/// per-request errors and in the health status.
+/// Connects a bounded pool. A database that is down at start-up (restarting, failing over) is
+/// retried for a bounded time instead of the process exiting at once; past the bound the error
+/// stands and the process's supervisor decides. Later outages surface as per-request errors and in
+/// the health status.
 pub async fn connect_pg(url: &str) -> anyhow::Result<sqlx::PgPool> {
-    sqlx::postgres::PgPoolOptions::new()
-        .max_connections(pool::CONNECTIONS_MAX)
-        .acquire_timeout(Duration::from_millis(pool::ACQUIRE_TIMEOUT_MS))
-        .connect(url)
-        .await
-        .with_context(|| format!("connecting to {}", redact(url)))
+    let mut attempt = 1;
+    loop {
+        let connected = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(pool::CONNECTIONS_MAX)
+            .acquire_timeout(Duration::from_millis(pool::ACQUIRE_TIMEOUT_MS))
+            .connect(url)
+            .await;
+        match connected {
+            Ok(pool) => return Ok(pool),
+            Err(error) if attempt < pool::CONNECT_ATTEMPTS_MAX => {
+                tracing::warn!(database = %redact(url), attempt, %error, "database not reachable yet; retrying");
+                tokio::time::sleep(Duration::from_millis(pool::CONNECT_RETRY_MS)).await;
+                attempt += 1;
+            }
+            Err(error) => {
+                return Err(error).with_context(|| format!("connecting to {}", redact(url)))
+            }
+        }
+    }
 }
 
 /// Keeps the `grpc.health.v1` status of `service_name` (and of the empty name, which is what

@@ -255,6 +255,12 @@ impl ManagedProcess {
 
     /// SIGTERM, then SIGKILL after [`TERMINATE_GRACE_MS`].
     pub fn terminate(&self) -> anyhow::Result<()> {
+        self.terminate_with(libc::SIGTERM)
+    }
+
+    /// Asks the leader to stop with `signal` (PostgreSQL's fast shutdown is SIGINT: SIGTERM is its
+    /// "smart" shutdown, which waits for every client to leave), then SIGKILL after the grace.
+    pub fn terminate_with(&self, signal: i32) -> anyhow::Result<()> {
         if !self.is_running() {
             return Ok(());
         }
@@ -265,7 +271,7 @@ impl ManagedProcess {
             .with_context(|| format!("{} is not running", self.spec.name))?;
         // SAFETY: plain syscalls on the child this kit started.
         unsafe {
-            libc::kill(pid as i32, libc::SIGTERM);
+            libc::kill(pid as i32, signal);
         }
         // A paused process only sees SIGTERM once it runs again.
         let _ = self.signal_group(libc::SIGCONT);
