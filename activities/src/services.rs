@@ -280,10 +280,21 @@ impl Backend for ServiceBackend {
             // Not ours (any more): the session that held it ended, or the key went to a later
             // grant. Either way there is nothing of ours to free.
             let Some(handle) = handle else { return Ok(()) };
+            // The handle goes back unless the release is settled: a release that failed in
+            // transit (lock service restarting) is retried by the activity's policy, and the
+            // retry must still find the handle, or the key stays held by this live session
+            // and every later payout of the account waits forever.
             match handle.release().await {
                 Ok(()) => Ok(()),
                 Err(ClientError::Rejected { .. }) | Err(ClientError::SessionLost) => Ok(()),
-                Err(e) => Err(ActivityFailure::Transient(format!("release: {e}"))),
+                Err(e) => {
+                    self.grants
+                        .lock()
+                        .expect("grants")
+                        .entry(grant.key.clone())
+                        .or_insert(handle);
+                    Err(ActivityFailure::Transient(format!("release: {e}")))
+                }
             }
         })
     }

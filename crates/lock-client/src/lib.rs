@@ -581,7 +581,9 @@ impl Grant {
     }
 
     /// Compare-and-delete on this handle. Refused (`NotHolder`) if it no longer holds the key.
-    pub async fn release(self) -> Result<(), ClientError> {
+    /// Takes `&self` so that a release that failed in transit can be tried again with the same
+    /// handle; a second release of a released key is refused, never harmful.
+    pub async fn release(&self) -> Result<(), ClientError> {
         let mut rpc = self.session.inner.client.rpc.clone();
         bounded(
             LockClient::timeout(),
