@@ -6,6 +6,7 @@ mod migrate;
 mod reconcile;
 mod run;
 mod stack;
+mod target;
 
 use clap::{Parser, Subcommand};
 

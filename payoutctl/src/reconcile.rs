@@ -2,12 +2,12 @@
 
 use clap::Args as ClapArgs;
 
-use crate::stack::{StackRecord, LOCK_ETCD_PREFIX};
+use crate::target::{Resolved, Target};
 
 #[derive(ClapArgs)]
 pub struct Args {
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::stack::DEFAULT_STATE_DIR)]
-    pub state_dir: std::path::PathBuf,
+    #[command(flatten)]
+    pub target: Target,
     /// Undelivered outbox rows count as violations.
     #[arg(long)]
     pub require_drained: bool,
@@ -16,29 +16,25 @@ pub struct Args {
     pub json: bool,
 }
 
-pub async fn sources(record: &StackRecord) -> anyhow::Result<reconciler::Sources> {
+pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
     use anyhow::Context;
-    let system = record
-        .system
-        .as_ref()
-        .context("the stack runs no services (it was started with --infra-only)")?;
     let connect = |url: String| async move {
         sqlx::PgPool::connect(&url)
             .await
             .with_context(|| format!("connecting {url}"))
     };
     Ok(reconciler::Sources {
-        paydb: connect(system.databases.paydb.clone()).await?,
-        proxydb: connect(system.databases.proxydb.clone()).await?,
-        gldb: connect(system.databases.gldb.clone()).await?,
-        rail_url: Some(system.rail_url()),
-        lock_grants: Some((record.etcd_endpoints(), LOCK_ETCD_PREFIX.to_string())),
+        paydb: connect(target.paydb.clone()).await?,
+        proxydb: connect(target.proxydb.clone()).await?,
+        gldb: connect(target.gldb.clone()).await?,
+        rail_url: Some(target.rail_url.clone()),
+        lock_grants: Some((target.etcd_endpoints.clone(), target.lock_prefix.clone())),
     })
 }
 
 pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
-    let record = StackRecord::load(&args.state_dir)?;
-    let sources = sources(&record).await?;
+    let target = args.target.resolve()?;
+    let sources = sources(&target).await?;
     let report = reconciler::reconcile(
         &sources,
         &reconciler::Options {

@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use clap::{Args as ClapArgs, Parser};
 use payment_resource::client::PaymentClient;
 use payment_resource::model::NewPayout;
@@ -20,8 +19,9 @@ use crate::stack::{StackRecord, UpArgs};
 
 #[derive(ClapArgs)]
 pub struct Args {
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::stack::DEFAULT_STATE_DIR)]
-    pub state_dir: std::path::PathBuf,
+    /// The local stack (started if it is not up), or an existing deployment by its endpoints.
+    #[command(flatten)]
+    pub target: crate::target::Target,
     /// Payouts to submit.
     #[arg(long, default_value_t = 300)]
     pub payouts: usize,
@@ -90,18 +90,23 @@ struct UpOnly {
     up: UpArgs,
 }
 
-/// Makes sure the stack and the services are up; starts them if not.
-async fn ensure_up(args: &Args) -> anyhow::Result<StackRecord> {
-    if let Ok(record) = StackRecord::load(&args.state_dir) {
-        if record.system.is_some() && record.parts.iter().all(|p| testkit::util::pid_alive(p.pid)) {
-            return Ok(record);
-        }
+/// Makes sure the local stack and the services are up (starting them if not), unless the run
+/// targets an existing deployment; then resolves every endpoint.
+async fn ensure_up(args: &Args) -> anyhow::Result<crate::target::Resolved> {
+    if args.target.is_external() {
+        return args.target.resolve();
     }
-    let workers = args.workers.to_string();
-    let state = args.state_dir.display().to_string();
-    let up = UpOnly::parse_from(["payoutctl", "--workers", &workers, "--state-dir", &state]).up;
-    crate::stack::up_quiet(up).await?;
-    StackRecord::load(&args.state_dir)
+    let dir = &args.target.state_dir;
+    let up = StackRecord::load(dir).is_ok_and(|r| {
+        r.system.is_some() && r.parts.iter().all(|p| testkit::util::pid_alive(p.pid))
+    });
+    if !up {
+        let workers = args.workers.to_string();
+        let state = dir.display().to_string();
+        let up = UpOnly::parse_from(["payoutctl", "--workers", &workers, "--state-dir", &state]).up;
+        crate::stack::up_quiet(up).await?;
+    }
+    args.target.resolve()
 }
 
 pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
@@ -128,15 +133,11 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             println!("{line}");
         }
     };
-    let record = ensure_up(&args).await?;
-    let system = record
-        .system
-        .clone()
-        .context("the stack runs no services")?;
-    say(format!("stack up; Temporal UI {}", record.ui_url()));
+    let system = ensure_up(&args).await?;
+    say(format!("system up; Temporal UI {}", system.ui_url));
 
     // The rail misbehaves as asked, reproducibly.
-    let stub = rail_stub::client::StubClient::new(system.rail_url());
+    let stub = rail_stub::client::StubClient::new(system.rail_url.clone());
     let half = args.lost_response_rate / 2.0;
     stub.set_faults(&rail_stub::FaultConfig {
         seed: args.seed,
@@ -159,7 +160,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             .duration_since(std::time::UNIX_EPOCH)?
             .as_secs()
     );
-    let payments = PaymentClient::connect(system.payment_url())
+    let payments = PaymentClient::connect(system.payment_url.clone())
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let eur = Currency::parse("EUR").expect("supported");
@@ -213,7 +214,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
 
     // Start every workflow, then await each result; the latency is start to final state.
     let client = Arc::new(
-        payout_workflows::client::connect(&record.temporal_address(), "default", "payoutctl")
+        payout_workflows::client::connect(&system.temporal_address, "default", "payoutctl")
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?,
     );
@@ -238,7 +239,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         });
     }
     let progress = tokio::spawn(progress_lines(
-        system.databases.paydb.clone(),
+        system.paydb.clone(),
         run_id.clone(),
         args.payouts,
         args.json,
@@ -258,7 +259,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     }
 
     // Drain the outbox, then reconcile everything (the whole stack, not only this run).
-    let paydb = sqlx::PgPool::connect(&system.databases.paydb).await?;
+    let paydb = sqlx::PgPool::connect(&system.paydb).await?;
     testkit::eventually(Duration::from_secs(120), "the outbox to drain", || async {
         let pending: i64 =
             sqlx::query_scalar("SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NULL")
@@ -268,7 +269,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         (pending == 0).then_some(())
     })
     .await?;
-    let sources = crate::reconcile::sources(&record).await?;
+    let sources = crate::reconcile::sources(&system).await?;
     let report = reconciler::reconcile(
         &sources,
         &reconciler::Options {
@@ -339,7 +340,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         ledger_balanced: check_clean("ledger_balanced") && check_clean("postings_match_payouts"),
         gl_matches_paydb: check_clean("gl_matches_paydb"),
         reconciliation_violations: report.violations,
-        temporal_ui: record.ui_url(),
+        temporal_ui: system.ui_url.clone(),
         workflow_ids_look_like: format!("payout-{run_id}-p-00000"),
     };
     if args.json {
