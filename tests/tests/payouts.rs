@@ -556,6 +556,16 @@ async fn a_worker_killed_between_submit_and_outcome_ends_resolved_never_resubmit
         .and_then(|rest| rest.split('/').next())
         .and_then(|n| n.parse().ok())
         .expect("claimer is worker-N");
+    // Kill only once the submission has reached the rail (which accepts and goes silent): the
+    // worker dies between submit and outcome, not before its submission left (that case is the
+    // frozen-worker test's).
+    testkit::eventually(
+        SETTLE_TIMEOUT,
+        "the rail to receive the submission",
+        || async { (ctx.rail(&input).await.1 == 1).then_some(()) },
+    )
+    .await
+    .unwrap();
     system.workers[index].kill().unwrap();
     // The submission's start-to-close (30 s), the dead worker's queue's schedule-to-start
     // (15 s), its lease (3 s) and a workflow task timeout on its sticky queue: about a minute.
@@ -721,4 +731,144 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
         moved,
         "nothing moved after the resume"
     );
+}
+
+static OPERATOR: OnceCell<System> = OnceCell::const_new();
+
+/// Its own two workers (3 s lease) and a patient rail proxy (20 s), so that a submission stays
+/// in flight long enough for an operator to act on it.
+async fn operator_system() -> &'static System {
+    OPERATOR
+        .get_or_init(|| async {
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 2,
+                    settlement_window_ms: 1_000,
+                    rail_timeout_ms: 20_000,
+                    worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the operator system starts")
+        })
+        .await
+}
+
+/// The activity id of the submission while it is pending, from `temporal workflow describe`.
+fn pending_submission(workflow_id: &str) -> Option<String> {
+    let out = Stack::shared()
+        .temporal()
+        .cli(&[
+            "workflow",
+            "describe",
+            "--workflow-id",
+            workflow_id,
+            "--output",
+            "json",
+        ])
+        .ok()?;
+    let described: serde_json::Value = serde_json::from_str(&out).ok()?;
+    described["pendingActivities"]
+        .as_array()?
+        .iter()
+        .find(|a| a["activityType"]["name"] == "SubmitToRail")
+        .and_then(|a| a["activityId"].as_str().map(String::from))
+}
+
+/// History is diagnostic only, against an operator: while the submission is in flight and its
+/// worker is frozen, the operator raises the submission's retry policy to several attempts,
+/// re-routes it to the shared queue where the other worker polls, and resets the activity so it
+/// is dispatched again. The extra attempt runs on a worker that holds no grant for the payout
+/// and is refused before any guard call; the payout is recovered under a higher token from the
+/// rail's evidence. Ground truth: one rail request, one movement, two ledger rows.
+#[tokio::test]
+async fn an_operator_retrying_and_resetting_the_submission_moves_no_money_twice() {
+    let system = operator_system().await;
+    let ctx = Ctx::new(system).await;
+    let input = ctx
+        .payout("operator", 10_000, 1_000, fast_ambiguity())
+        .await;
+    ctx.force(&input, FaultMode::AcceptThenHang).await;
+    let id = ctx.start(&input).await;
+    let activity_id = testkit::eventually(SETTLE_TIMEOUT, "the submission in flight", || async {
+        pending_submission(&id)
+    })
+    .await
+    .unwrap();
+    let status = ctx.status(&id).await;
+    let first_token = status.token.expect("a grant").get();
+    let index: usize = status
+        .claimer
+        .strip_prefix("worker-")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .expect("claimer is worker-N/{payout}");
+    system.workers[index].pause().unwrap();
+    let temporal = Stack::shared().temporal();
+    temporal
+        .cli(&[
+            "activity",
+            "update-options",
+            "--workflow-id",
+            &id,
+            "--activity-id",
+            &activity_id,
+            "--retry-maximum-attempts",
+            "5",
+            "--task-queue",
+            &system.task_queue,
+        ])
+        .unwrap();
+    temporal
+        .cli(&[
+            "activity",
+            "reset",
+            "--workflow-id",
+            &id,
+            "--activity-id",
+            &activity_id,
+        ])
+        .unwrap();
+    let done = wf::wait_result(&ctx.temporal, &id, KILLED_WORKER_SETTLE_TIMEOUT).await;
+    system.workers[index].resume().unwrap();
+    let done = done.unwrap();
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert!(
+        done.token.expect("a grant").get() > first_token,
+        "recovered under a higher token"
+    );
+    // The operator's actions took effect: the submission was dispatched again (attempt >= 2)
+    // and that attempt was refused for want of the grant, not sent.
+    let history = temporal
+        .cli(&["workflow", "show", "--workflow-id", &id, "--output", "json"])
+        .unwrap();
+    let history: serde_json::Value = serde_json::from_str(&history).unwrap();
+    let events = history["events"].as_array().expect("events");
+    let retried = events.iter().any(|e| {
+        e["activityTaskStartedEventAttributes"]["attempt"]
+            .as_i64()
+            .unwrap_or(1)
+            >= 2
+            || e["activityTaskStartedEventAttributes"]["attempt"]
+                .as_str()
+                .is_some_and(|a| a != "1")
+    });
+    let refused = events.iter().any(|e| {
+        e["activityTaskFailedEventAttributes"]
+            .to_string()
+            .contains("GrantLost")
+            || e["activityTaskFailedEventAttributes"]
+                .to_string()
+                .contains("holds no grant")
+    });
+    assert!(
+        retried || refused,
+        "the operator's retry and reset led to another attempt: {history}"
+    );
+    // Let the frozen worker's own late attempt finish before counting.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(ctx.rail(&input).await, (1, 1), "one request, one movement");
+    assert_eq!(ctx.ledger_rows(&input).await, 2, "one posting");
 }
