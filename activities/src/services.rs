@@ -61,6 +61,8 @@ pub enum ConnectError {
 
 pub struct ServiceBackend {
     config: ServiceConfig,
+    /// Test-only stall points (see [`StallPoints`]); empty unless the test variable is set.
+    stalls: StallPoints,
     lock: LockClient,
     /// The process's session; replaced (never revived) once lost.
     session: tokio::sync::Mutex<Session>,
@@ -80,8 +82,10 @@ impl ServiceBackend {
         tracing::info!(owner = %config.owner, session_id = session.id(), ttl_ms = config.lock_ttl.as_millis() as u64, "lock session opened");
         let payment = PaymentClient::connect(config.payment_resource_url.clone()).await?;
         let proxy = RailProxyClient::connect(config.rail_proxy_url.clone()).await?;
+        let stalls = StallPoints::from_env(&config.owner);
         Ok(Self {
             config,
+            stalls,
             lock,
             session: tokio::sync::Mutex::new(session),
             grants: Mutex::new(HashMap::new()),
@@ -324,6 +328,7 @@ impl Backend for ServiceBackend {
 
     fn mark_submitted(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
+            self.stalls.stall("mark_submitted", &input.payout_id).await;
             let fence = Self::fence(&input.grant)?;
             let p = self
                 .payment
@@ -429,6 +434,7 @@ impl Backend for ServiceBackend {
 
     fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {
         boxed(async move {
+            self.stalls.stall("submit", &input.payout_id).await;
             let request = SubmitPayout::new(
                 input.payout_id.clone(),
                 input.account_id.clone(),
@@ -554,5 +560,65 @@ impl Backend for ServiceBackend {
                 Err(e) => Err(ActivityFailure::Transient(e.to_string())),
             }
         })
+    }
+}
+
+/// The test-only variable naming stall points; a deployment never sets it.
+pub const STALL_ENV: &str = "PAYOUT_TEST_STALL_AFTER_CHECK";
+
+/// Test-only fault injection: `PAYOUT_TEST_STALL_AFTER_CHECK=<identity>:<step>:<payout_id>:<ms>[,...]`
+/// makes the worker whose identity matches wait `ms`, once, after its grant check passed and
+/// before the guard call of `step` (`mark_submitted` or `submit`) for that payout. That is the
+/// window the conservative local deadline narrows but cannot close; a test freezes the worker
+/// inside it to show the guards (not the lease check) refusing the stale token. It changes no
+/// decision and disables nothing; unset, there are no stall points.
+#[derive(Default)]
+struct StallPoints {
+    points: Vec<(String, String, u64)>,
+    fired: Mutex<std::collections::HashSet<(String, String)>>,
+}
+
+impl StallPoints {
+    fn from_env(identity: &str) -> Self {
+        let Ok(spec) = std::env::var(STALL_ENV) else {
+            return Self::default();
+        };
+        let points = spec
+            .split(',')
+            .filter_map(|p| {
+                let parts: Vec<&str> = p.trim().split(':').collect();
+                match parts.as_slice() {
+                    [who, step, payout, ms] if *who == identity => {
+                        Some((step.to_string(), payout.to_string(), ms.parse().ok()?))
+                    }
+                    _ => None,
+                }
+            })
+            .collect();
+        Self {
+            points,
+            fired: Mutex::default(),
+        }
+    }
+
+    async fn stall(&self, step: &str, payout: &PayoutId) {
+        let Some((_, _, ms)) = self
+            .points
+            .iter()
+            .find(|(s, p, _)| s == step && p == payout.as_str())
+        else {
+            return;
+        };
+        if !self
+            .fired
+            .lock()
+            .expect("stall points")
+            .insert((step.to_string(), payout.to_string()))
+        {
+            return;
+        }
+        tracing::warn!(step, payout_id = %payout, stall_ms = ms, "test stall point: waiting after the grant check");
+        tokio::time::sleep(Duration::from_millis(*ms)).await;
+        tracing::warn!(step, payout_id = %payout, "test stall point: continuing to the guard");
     }
 }

@@ -872,3 +872,146 @@ async fn an_operator_retrying_and_resetting_the_submission_moves_no_money_twice(
     assert_eq!(ctx.rail(&input).await, (1, 1), "one request, one movement");
     assert_eq!(ctx.ledger_rows(&input).await, 2, "one posting");
 }
+
+static STALLED: OnceCell<System> = OnceCell::const_new();
+const STALL_PAYDB_PAYOUT: &str = "stall-paydb";
+const STALL_PROXY_PAYOUT: &str = "stall-proxy";
+
+/// One worker (`worker-0`, 3 s lease) with test-only stall points: it waits 20 s after its grant
+/// check, before its MarkSubmitted of one payout and before its Submit of another. The test
+/// brings a second worker in itself.
+async fn stalled_system() -> &'static System {
+    STALLED
+        .get_or_init(|| async {
+            let stalls = format!(
+                "worker-0:mark_submitted:{STALL_PAYDB_PAYOUT}:20000,worker-0:submit:{STALL_PROXY_PAYOUT}:20000"
+            );
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 1,
+                    settlement_window_ms: 1_000,
+                    rail_timeout_ms: RAIL_TIMEOUT_MS,
+                    worker_env: vec![
+                        ("PAYOUT_LOCK_TTL_MS".into(), "3000".into()),
+                        (payout_activities::services::STALL_ENV.into(), stalls),
+                    ],
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the stalled system starts")
+        })
+        .await
+}
+
+async fn explicit_payout(ctx: &Ctx, payout: &str, account: &str) -> PayoutInput {
+    let currency = Currency::parse("EUR").unwrap();
+    let input = PayoutInput {
+        payout_id: PayoutId::parse(payout).unwrap(),
+        account_id: AccountId::parse(account).unwrap(),
+        amount_minor: AmountMinor::new(1_000).unwrap(),
+        currency: currency.clone(),
+        beneficiary_ref: BeneficiaryRef::parse("ben-e2e").unwrap(),
+        ambiguity: fast_ambiguity(),
+    };
+    ctx.payment
+        .open_account(&input.account_id, &currency, 10_000)
+        .await
+        .unwrap();
+    ctx.payment
+        .create_payout(&NewPayout {
+            payout_id: input.payout_id.clone(),
+            account_id: input.account_id.clone(),
+            amount_minor: input.amount_minor,
+            currency,
+            beneficiary_ref: input.beneficiary_ref.clone(),
+        })
+        .await
+        .unwrap();
+    input
+}
+
+/// Issue 7: a worker paused (SIGSTOP) past its lease while it holds grants, frozen where the
+/// lease check cannot help (after the check passed, before the guard call: a test-only stall
+/// point holds it there). Another worker takes over with higher tokens and finishes both payouts.
+/// Then the first worker resumes and makes its stale calls: MarkSubmitted reaches the payment
+/// resource and is fenced out (account fence above its token), Submit reaches the rail proxy and
+/// is fenced out (high-water above its token). Ground truth: one movement for the payout that was
+/// submitted (POSTED once), none for the one the resolver sealed (FAILED).
+#[tokio::test]
+async fn a_worker_paused_past_its_lease_is_fenced_out_at_both_guards() {
+    let system = stalled_system().await;
+    let ctx = Ctx::new(system).await;
+    let p = explicit_payout(&ctx, STALL_PAYDB_PAYOUT, "stall-acct-1").await;
+    let q = explicit_payout(&ctx, STALL_PROXY_PAYOUT, "stall-acct-2").await;
+    let (id_p, id_q) = (ctx.start(&p).await, ctx.start(&q).await);
+    let log = system.workers[0].log_path().to_path_buf();
+    testkit::eventually(
+        SETTLE_TIMEOUT,
+        "worker-0 inside both stall points",
+        || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let waiting = text
+                .lines()
+                .filter(|l| l.contains("test stall point: waiting"))
+                .count();
+            (waiting >= 2).then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    let stale_p = ctx.status(&id_p).await.token.expect("a grant").get();
+    let stale_q = ctx.status(&id_q).await.token.expect("a grant").get();
+    system.workers[0].pause().unwrap();
+    let rescuer = system.start_worker("worker-1").unwrap();
+    let (done_p, done_q) = tokio::join!(
+        wf::wait_result(&ctx.temporal, &id_p, KILLED_WORKER_SETTLE_TIMEOUT),
+        wf::wait_result(&ctx.temporal, &id_q, KILLED_WORKER_SETTLE_TIMEOUT),
+    );
+    system.workers[0].resume().unwrap();
+    let (done_p, done_q) = (done_p.unwrap(), done_q.unwrap());
+    assert_eq!(done_p.state, PayoutState::Posted, "{done_p:?}");
+    assert!(done_p.token.expect("a grant").get() > stale_p);
+    assert_eq!(
+        done_q.state,
+        PayoutState::Failed,
+        "sealed as never sent: {done_q:?}"
+    );
+    assert!(done_q.token.expect("a grant").get() > stale_q);
+
+    // The resumed worker's stale calls arrive and are refused by the guards, each on its own.
+    let proxydb = sqlx::PgPool::connect(&system.databases.proxydb)
+        .await
+        .unwrap();
+    testkit::eventually(SETTLE_TIMEOUT, "the stale calls refused at both guards", || async {
+        let paydb: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM audit_event WHERE kind = 'fenced_out' AND payout_id = $1 AND token = $2",
+        )
+        .bind(STALL_PAYDB_PAYOUT)
+        .bind(stale_p as i64)
+        .fetch_one(&ctx.paydb)
+        .await
+        .ok()?;
+        let proxy: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM guard_event WHERE kind = 'FENCED' AND payout_id = $1 AND presented = $2",
+        )
+        .bind(STALL_PROXY_PAYOUT)
+        .bind(stale_q as i64)
+        .fetch_one(&proxydb)
+        .await
+        .ok()?;
+        (paydb >= 1 && proxy >= 1).then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(ctx.rail(&p).await, (1, 1), "posted once, paid once");
+    assert_eq!(
+        ctx.rail(&q).await,
+        (0, 0),
+        "the stale submission never reached the rail"
+    );
+    assert_eq!(ctx.ledger_rows(&p).await, 2);
+    assert_eq!(ctx.ledger_rows(&q).await, 0);
+    drop(rescuer);
+}

@@ -258,15 +258,22 @@ impl System {
     /// Starts one more worker (identity `worker-<index>`).
     pub fn add_worker(&mut self) -> anyhow::Result<&ManagedProcess> {
         let index = self.workers.len();
-        let name = format!("payout-worker-{index}");
+        let worker = self.start_worker(&format!("worker-{index}"))?;
+        self.workers.push(worker);
+        Ok(self.workers.last().expect("just pushed"))
+    }
+
+    /// Starts a worker with `identity` that the caller owns (a test that brings a worker in
+    /// mid-scenario); its log is `payout-<identity>.log` in the system's directory.
+    pub fn start_worker(&self, identity: &str) -> anyhow::Result<ManagedProcess> {
+        let name = format!("payout-{identity}");
         let mut spec = self
             .worker_template
             .clone()
-            .env("PAYOUT_WORKER_IDENTITY", format!("worker-{index}"));
+            .env("PAYOUT_WORKER_IDENTITY", identity.to_string());
         spec.name = name.clone();
         spec.log_path = self.dir.join(format!("{name}.log"));
-        self.workers.push(ManagedProcess::start(spec)?);
-        Ok(self.workers.last().expect("just pushed"))
+        ManagedProcess::start(spec)
     }
 
     pub fn lock_url(&self) -> String {
