@@ -41,18 +41,9 @@ static SILENT_RAIL: OnceCell<System> = OnceCell::const_new();
 async fn shared() -> &'static System {
     SHARED
         .get_or_init(|| async {
-            System::start(
-                Stack::shared(),
-                SystemOptions {
-                    workers: 2,
-                    settlement_window_ms: 1_000,
-                    rail_timeout_ms: RAIL_TIMEOUT_MS,
-                    worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
-                    ..SystemOptions::default()
-                },
-            )
-            .await
-            .expect("the shared system starts")
+            two_workers_short_lease(RAIL_TIMEOUT_MS)
+                .await
+                .expect("the shared system starts")
         })
         .await
 }
@@ -511,23 +502,30 @@ const KILLED_WORKER_SETTLE_TIMEOUT: Duration = Duration::from_secs(240);
 
 static FAULTS: OnceCell<System> = OnceCell::const_new();
 
+/// Two workers with a 3 s lease, so a dead or frozen worker's key comes free quickly; the rail
+/// proxy gives up on the rail after `rail_timeout_ms`.
+async fn two_workers_short_lease(rail_timeout_ms: u64) -> anyhow::Result<System> {
+    System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 2,
+            settlement_window_ms: 1_000,
+            rail_timeout_ms,
+            worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
+            ..SystemOptions::default()
+        },
+    )
+    .await
+}
+
 /// A system whose processes the test may kill: two workers with a short lease (3 s), so a dead
 /// worker's key comes free quickly.
 async fn faults() -> &'static System {
     FAULTS
         .get_or_init(|| async {
-            System::start(
-                Stack::shared(),
-                SystemOptions {
-                    workers: 2,
-                    settlement_window_ms: 1_000,
-                    rail_timeout_ms: RAIL_TIMEOUT_MS,
-                    worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
-                    ..SystemOptions::default()
-                },
-            )
-            .await
-            .expect("the fault system starts")
+            two_workers_short_lease(RAIL_TIMEOUT_MS)
+                .await
+                .expect("the fault system starts")
         })
         .await
 }
@@ -601,18 +599,9 @@ static FROZEN: OnceCell<System> = OnceCell::const_new();
 async fn frozen_system() -> &'static System {
     FROZEN
         .get_or_init(|| async {
-            System::start(
-                Stack::shared(),
-                SystemOptions {
-                    workers: 2,
-                    settlement_window_ms: 1_000,
-                    rail_timeout_ms: RAIL_TIMEOUT_MS,
-                    worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
-                    ..SystemOptions::default()
-                },
-            )
-            .await
-            .expect("the frozen-worker system starts")
+            two_workers_short_lease(RAIL_TIMEOUT_MS)
+                .await
+                .expect("the frozen-worker system starts")
         })
         .await
 }
@@ -740,18 +729,9 @@ static OPERATOR: OnceCell<System> = OnceCell::const_new();
 async fn operator_system() -> &'static System {
     OPERATOR
         .get_or_init(|| async {
-            System::start(
-                Stack::shared(),
-                SystemOptions {
-                    workers: 2,
-                    settlement_window_ms: 1_000,
-                    rail_timeout_ms: 20_000,
-                    worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), "3000".into())],
-                    ..SystemOptions::default()
-                },
-            )
-            .await
-            .expect("the operator system starts")
+            two_workers_short_lease(20_000)
+                .await
+                .expect("the operator system starts")
         })
         .await
 }
