@@ -470,19 +470,7 @@ impl Backend for ServiceBackend {
                             .into(),
                     },
                 }),
-                Err(ProxyError::FencedOut {
-                    key,
-                    presented,
-                    stored,
-                    owner,
-                    ..
-                }) => Err(Refusal::FencedOut {
-                    key,
-                    presented,
-                    stored,
-                    owner,
-                }
-                .into()),
+                Err(e @ ProxyError::FencedOut { .. }) => Err(proxy_fenced_out(e)),
                 Err(ProxyError::Duplicate { existing, .. }) => Err(Refusal::DuplicateSubmission {
                     payout_id: input.payout_id.to_string(),
                     existing_outcome: recorded_outcome(&existing.outcome),
@@ -533,19 +521,7 @@ impl Backend for ServiceBackend {
                     ProxyEvidence::Unknown { detail } => Inquiry::Unknown { detail },
                 }),
                 // A later token holds the account at the proxy: this grant is stale.
-                Err(ProxyError::FencedOut {
-                    key,
-                    presented,
-                    stored,
-                    owner,
-                    ..
-                }) => Err(Refusal::FencedOut {
-                    key,
-                    presented,
-                    stored,
-                    owner,
-                }
-                .into()),
+                Err(e @ ProxyError::FencedOut { .. }) => Err(proxy_fenced_out(e)),
                 // Only a proxy that does not seal answers this: no record, and a stale request
                 // could still be on its way, so this is not "absent" evidence.
                 Err(ProxyError::NotFound { .. }) => Ok(Inquiry::Unknown {
@@ -620,5 +596,26 @@ impl StallPoints {
         tracing::warn!(step, payout_id = %payout, stall_ms = ms, "test stall point: waiting after the grant check");
         tokio::time::sleep(Duration::from_millis(*ms)).await;
         tracing::warn!(step, payout_id = %payout, "test stall point: continuing to the guard");
+    }
+}
+
+/// The rail proxy's refusal of a stale token, as the workflow's `FencedOut` (one mapping for
+/// Submit and Inquire): the worker re-acquires, exactly as after the payment resource's refusal.
+fn proxy_fenced_out(error: ProxyError) -> ActivityFailure {
+    match error {
+        ProxyError::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+            ..
+        } => Refusal::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+        }
+        .into(),
+        other => unreachable!("only called with FencedOut, got {other:?}"),
     }
 }

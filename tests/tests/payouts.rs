@@ -256,6 +256,16 @@ async fn record_history(ctx: &Ctx, name: &str, workflow_id: &str) {
     std::fs::write(dir.join(format!("{name}.json")), json).unwrap();
 }
 
+/// The index of the worker that holds a payout's grant. The claimer is the grant's owner,
+/// `worker-N/{payout_id}` (one grant per payout, not per worker).
+fn worker_index(claimer: &str) -> usize {
+    claimer
+        .strip_prefix("worker-")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("claimer {claimer:?} is not worker-N/{{payout}}"))
+}
+
 fn fast_ambiguity() -> AmbiguityPolicy {
     AmbiguityPolicy {
         settlement_window_ms: 500,
@@ -547,13 +557,7 @@ async fn a_worker_killed_between_submit_and_outcome_ends_resolved_never_resubmit
         })
         .await;
     let first_token = submitted.token.expect("a grant").get();
-    let index: usize = submitted
-        .claimer
-        .strip_prefix("worker-")
-        // The claimer is the grant's owner: `worker-N/{payout_id}` (one grant per payout).
-        .and_then(|rest| rest.split('/').next())
-        .and_then(|n| n.parse().ok())
-        .expect("claimer is worker-N");
+    let index = worker_index(&submitted.claimer);
     // Kill only once the submission has reached the rail (which accepts and goes silent): the
     // worker dies between submit and outcome, not before its submission left (that case is the
     // frozen-worker test's).
@@ -637,12 +641,7 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
         })
         .await
         .unwrap();
-    let index: usize = claimer
-        .strip_prefix("worker-")
-        // The claimer is the grant's owner: `worker-N/{payout_id}` (one grant per payout).
-        .and_then(|rest| rest.split('/').next())
-        .and_then(|n| n.parse().ok())
-        .expect("claimer is worker-N");
+    let index = worker_index(&claimer);
     system.workers[index].pause().unwrap();
     let frozen_token: i64 = sqlx::query_scalar("SELECT fence FROM account WHERE id = $1")
         .bind(input.account_id.as_str())
@@ -779,12 +778,7 @@ async fn an_operator_retrying_and_resetting_the_submission_moves_no_money_twice(
     .unwrap();
     let status = ctx.status(&id).await;
     let first_token = status.token.expect("a grant").get();
-    let index: usize = status
-        .claimer
-        .strip_prefix("worker-")
-        .and_then(|rest| rest.split('/').next())
-        .and_then(|n| n.parse().ok())
-        .expect("claimer is worker-N/{payout}");
+    let index = worker_index(&status.claimer);
     system.workers[index].pause().unwrap();
     let temporal = Stack::shared().temporal();
     temporal
