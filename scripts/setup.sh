@@ -6,7 +6,10 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
 need_apt=()
-for pkg in postgresql etcd-server etcd-client protobuf-compiler python3-venv; do
+# libprotobuf-dev carries google/protobuf/*.proto, which etcd-client's build imports; it is only a
+# Recommends of protobuf-compiler, so --no-install-recommends would leave it out. iproute2 and
+# iptables make the network namespaces of the fault-injection suite's partitions.
+for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
