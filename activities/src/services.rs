@@ -9,7 +9,7 @@
 //! [`Backend::check_held`] reports it as `GrantLost` and the workflow acquires a new one.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lock_client::{Acquired, ClientError, LockClient, Session};
@@ -45,6 +45,8 @@ pub struct ServiceConfig {
     pub payment_resource_url: String,
     pub rail_proxy_url: String,
     pub lock_ttl: Duration,
+    /// Where the lock client records its history (INV-06 evidence); `None`: not recorded.
+    pub lock_history_path: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +59,11 @@ pub enum ConnectError {
     Proxy(#[from] tonic::transport::Error),
     #[error("PAYOUT_LOCK_TTL_MS {0} is below the minimum {LOCK_TTL_MS_MIN}")]
     TtlTooShort(u128),
+    #[error("lock history file {path}: {source}")]
+    LockHistory {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
 pub struct ServiceBackend {
@@ -77,7 +84,16 @@ impl ServiceBackend {
         if config.lock_ttl.as_millis() < u128::from(LOCK_TTL_MS_MIN) {
             return Err(ConnectError::TtlTooShort(config.lock_ttl.as_millis()));
         }
-        let lock = LockClient::connect(config.lock_server_url.clone()).await?;
+        let mut lock = LockClient::connect(config.lock_server_url.clone()).await?;
+        if let Some(path) = &config.lock_history_path {
+            let recorder = lock_client::history::HistoryRecorder::open(path).map_err(|source| {
+                ConnectError::LockHistory {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            lock = lock.with_history(Arc::new(recorder));
+        }
         let session = lock.open_session(&config.owner, config.lock_ttl).await?;
         tracing::info!(owner = %config.owner, session_id = session.id(), ttl_ms = config.lock_ttl.as_millis() as u64, "lock session opened");
         let payment = PaymentClient::connect(config.payment_resource_url.clone()).await?;

@@ -12,12 +12,12 @@ pub struct Args {
     /// Seed of the workload, the rail's faults and the nemesis's schedule.
     #[arg(long, default_value_t = 8)]
     pub seed: u64,
-    #[arg(long, default_value_t = 80)]
+    #[arg(long, default_value_t = 200)]
     pub payouts: usize,
     /// Accounts (default: a quarter of the payouts, for contention).
     #[arg(long)]
     pub accounts: Option<usize>,
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 40)]
     pub faults: usize,
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
@@ -30,6 +30,9 @@ pub struct Args {
     /// Give the system this long to settle after the faults stop.
     #[arg(long, default_value_t = 300)]
     pub settle_timeout_s: u64,
+    /// Keep every worker on this host's network (no namespaces, so no partition faults).
+    #[arg(long)]
+    pub no_partitions: bool,
     /// One JSON object instead of the readable report.
     #[arg(long)]
     pub json: bool,
@@ -47,6 +50,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     }
     config.settle_timeout = Duration::from_secs(args.settle_timeout_s);
     config.verbose = !args.json;
+    config.partitions = !args.no_partitions;
     let stack = tokio::task::block_in_place(|| testkit::Stack::builder().etcd_members(3).start())?;
     let report = chaos::run(&stack, &config).await?;
     if args.json {

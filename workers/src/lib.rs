@@ -46,6 +46,11 @@ pub struct WorkerConfig {
     /// (fault tests); the default suits a deployment.
     #[arg(long, env = "PAYOUT_LOCK_TTL_MS", default_value_t = payout_activities::services::LOCK_TTL_MS_DEFAULT)]
     pub lock_ttl_ms: u64,
+    /// Append this worker's lock history (every grant, session deadline, loss and release, on
+    /// the monotonic clock) to this file: the evidence INV-06's detective control checks (no two
+    /// grants of one key believed held at once). Off when unset.
+    #[arg(long, env = "PAYOUT_LOCK_HISTORY_PATH")]
+    pub lock_history_path: Option<std::path::PathBuf>,
 }
 
 impl WorkerConfig {

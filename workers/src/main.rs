@@ -21,6 +21,7 @@ async fn main() -> anyhow::Result<()> {
         payment_resource_url: required("PAYMENT_RESOURCE_URL", &config.payment_resource_url)?,
         rail_proxy_url: required("RAIL_PROXY_URL", &config.rail_proxy_url)?,
         lock_ttl: Duration::from_millis(config.lock_ttl_ms),
+        lock_history_path: config.lock_history_path.clone(),
     })
     .await
     .context("connecting the worker's services")?;

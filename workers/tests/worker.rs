@@ -29,6 +29,7 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
         payment_resource_url: None,
         rail_proxy_url: None,
         lock_ttl_ms: 10_000,
+        lock_history_path: None,
     };
     let world = InMemoryBackend::new("worker-test");
     let input = PayoutInput {

@@ -9,8 +9,12 @@
 //!   stale holder keeps working; it is not safety: the token at the guards is.
 //! - Fail closed: any error on acquire is an `Err`, never a grant. There is no switch for that.
 
+pub mod history;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use history::{monotonic_ns, HistoryEvent, HistoryRecorder};
 
 pub use payout_domain::FencingToken;
 use payout_proto::lock as pb;
@@ -92,6 +96,8 @@ async fn bounded<T>(
 #[derive(Clone)]
 pub struct LockClient {
     rpc: LockServiceClient<Channel>,
+    /// Where this client records what it believed about its grants (INV-06 evidence), if anywhere.
+    history: Option<Arc<HistoryRecorder>>,
 }
 
 impl LockClient {
@@ -102,7 +108,21 @@ impl LockClient {
             .await?;
         Ok(Self {
             rpc: LockServiceClient::new(channel),
+            history: None,
         })
+    }
+
+    /// Records every grant, session deadline, loss and release of this client (and of the
+    /// sessions and grants it makes) with `recorder`: the lock history INV-06 is checked against.
+    pub fn with_history(mut self, recorder: Arc<HistoryRecorder>) -> Self {
+        self.history = Some(recorder);
+        self
+    }
+
+    fn record(&self, event: impl FnOnce() -> HistoryEvent) {
+        if let Some(h) = &self.history {
+            h.record(&event());
+        }
     }
 
     fn timeout() -> Duration {
@@ -195,15 +215,29 @@ impl LockClient {
 struct Liveness {
     deadline: Mutex<Instant>,
     lost: watch::Sender<bool>,
+    /// The session's id and the client's recorder: every deadline and the loss are recorded.
+    history: Option<(String, Arc<HistoryRecorder>)>,
 }
 
 impl Liveness {
-    fn new(deadline: Instant) -> Arc<Self> {
+    fn new(deadline: Instant, history: Option<(String, Arc<HistoryRecorder>)>) -> Arc<Self> {
         let (lost, _) = watch::channel(false);
-        Arc::new(Self {
+        let liveness = Arc::new(Self {
             deadline: Mutex::new(deadline),
             lost,
-        })
+            history,
+        });
+        liveness.record_deadline(deadline);
+        liveness
+    }
+
+    fn record_deadline(&self, deadline: Instant) {
+        if let Some((session, h)) = &self.history {
+            h.record(&HistoryEvent::Deadline {
+                session: session.clone(),
+                deadline_ns: monotonic_ns(deadline),
+            });
+        }
     }
 
     fn deadline(&self) -> Instant {
@@ -224,12 +258,20 @@ impl Liveness {
         let mut deadline = self.deadline.lock().expect("deadline");
         if candidate > *deadline {
             *deadline = candidate;
+            // Under the lock: deadlines are recorded in the order they were set.
+            self.record_deadline(candidate);
         }
     }
 
     fn mark_lost(&self, why: &str, session_id: &str) {
         if !*self.lost.borrow() {
             tracing::warn!(session_id, why, "lock session lost locally");
+            if let Some((session, h)) = &self.history {
+                h.record(&HistoryEvent::Lost {
+                    session: session.clone(),
+                    at_ns: monotonic_ns(Instant::now()),
+                });
+            }
         }
         self.lost.send_replace(true);
     }
@@ -275,7 +317,8 @@ impl Session {
         ttl: Duration,
         sent_at: Instant,
     ) -> Self {
-        let liveness = Liveness::new(local_deadline(sent_at, ttl));
+        let history = client.history.clone().map(|h| (session_id.clone(), h));
+        let liveness = Liveness::new(local_deadline(sent_at, ttl), history);
         let inner = Arc::new(SessionInner {
             client,
             owner,
@@ -353,6 +396,13 @@ impl Session {
                     return Err(ClientError::SessionLost);
                 }
                 tracing::info!(key, owner = %g.owner, session_id = %g.session_id, token = g.token, "lock acquired");
+                self.inner.client.record(|| HistoryEvent::Grant {
+                    key: g.key.clone(),
+                    owner: g.owner.clone(),
+                    token: g.token,
+                    session: g.session_id.clone(),
+                    at_ns: monotonic_ns(Instant::now()),
+                });
                 Ok(Acquired::Granted(Grant {
                     key: g.key,
                     owner: g.owner,
@@ -584,6 +634,12 @@ impl Grant {
     /// Takes `&self` so that a release that failed in transit can be tried again with the same
     /// handle; a second release of a released key is refused, never harmful.
     pub async fn release(&self) -> Result<(), ClientError> {
+        self.session.inner.client.record(|| HistoryEvent::Release {
+            key: self.key.clone(),
+            owner: self.owner.clone(),
+            token: self.token.get(),
+            at_ns: monotonic_ns(Instant::now()),
+        });
         let mut rpc = self.session.inner.client.rpc.clone();
         bounded(
             LockClient::timeout(),
@@ -640,6 +696,15 @@ impl Grant {
             server_expiry_unix_ms: grant.server_expiry_unix_ms,
             session,
         })
+        .inspect(|g| {
+            client.record(|| HistoryEvent::Grant {
+                key: g.key.clone(),
+                owner: g.owner.clone(),
+                token: g.token.get(),
+                session: g.session.id().to_string(),
+                at_ns: monotonic_ns(Instant::now()),
+            })
+        })
     }
 }
 
@@ -661,7 +726,7 @@ mod tests {
 
     #[tokio::test]
     async fn liveness_is_lost_for_good_once_marked() {
-        let l = Liveness::new(Instant::now() + Duration::from_secs(10));
+        let l = Liveness::new(Instant::now() + Duration::from_secs(10), None);
         assert!(l.is_alive());
         l.mark_lost("test", "1");
         l.extend(Instant::now(), Duration::from_secs(60));

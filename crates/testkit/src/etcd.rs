@@ -38,6 +38,10 @@ impl EtcdMember {
 
 pub struct EtcdCluster {
     pub members: Vec<EtcdMember>,
+    /// `--initial-cluster` and `--initial-cluster-token` of the first start: a restore from a
+    /// snapshot rebuilds the same membership.
+    initial_cluster: String,
+    token: String,
 }
 
 impl EtcdCluster {
@@ -110,7 +114,11 @@ impl EtcdCluster {
                 process,
             });
         }
-        let cluster = Self { members };
+        let cluster = Self {
+            members,
+            initial_cluster,
+            token,
+        };
         cluster.wait_healthy()?;
         Ok(cluster)
     }
@@ -125,6 +133,108 @@ impl EtcdCluster {
             .with_context(|| format!("log tail:\n{}", member.process.log_tail(20)))?;
         }
         Ok(())
+    }
+
+    /// Saves a snapshot of the cluster's keyspace (asked of a healthy member) to `path`, with
+    /// Debian's `etcdctl snapshot save`. Returns the revision the snapshot holds.
+    pub fn snapshot(&self, path: &Path) -> anyhow::Result<i64> {
+        let member = self
+            .members
+            .iter()
+            .find(|m| m.process.is_running() && m.is_healthy())
+            .context("no healthy etcd member to snapshot")?;
+        let _ = std::fs::remove_file(path);
+        etcdctl(&[
+            "--endpoints",
+            &member.endpoint(),
+            "snapshot",
+            "save",
+            path.to_str().context("snapshot path is UTF-8")?,
+        ])?;
+        let status = etcdctl(&[
+            "snapshot",
+            "status",
+            path.to_str().context("snapshot path is UTF-8")?,
+            "-w",
+            "json",
+        ])?;
+        let v: serde_json::Value = serde_json::from_str(&status)
+            .with_context(|| format!("etcdctl snapshot status: {status}"))?;
+        v["revision"]
+            .as_i64()
+            .with_context(|| format!("no revision in {status}"))
+    }
+
+    /// Disaster recovery as an operator does it: every member is stopped (SIGKILL), its data
+    /// directory replaced by `etcdctl snapshot restore` of `snapshot` (same names, peer URLs and
+    /// cluster token), and the cluster started again. Everything written after the snapshot is
+    /// gone, and the cluster's revision is the snapshot's again. No revision bump: that is the
+    /// restore procedure's job ([`EtcdCluster::advance_revision_past`]), which a test may skip.
+    pub fn restore_from_snapshot(&self, snapshot: &Path) -> anyhow::Result<()> {
+        for m in &self.members {
+            let _ = m.process.kill();
+        }
+        for m in &self.members {
+            let restored = m.data_dir.with_extension("restoring");
+            let _ = std::fs::remove_dir_all(&restored);
+            etcdctl(&[
+                "snapshot",
+                "restore",
+                snapshot.to_str().context("snapshot path is UTF-8")?,
+                "--name",
+                &m.name,
+                "--data-dir",
+                restored.to_str().context("data dir is UTF-8")?,
+                "--initial-cluster",
+                &self.initial_cluster,
+                "--initial-cluster-token",
+                &self.token,
+                "--initial-advertise-peer-urls",
+                &format!("http://127.0.0.1:{}", m.peer_port),
+            ])?;
+            std::fs::remove_dir_all(&m.data_dir)
+                .with_context(|| format!("removing {}", m.data_dir.display()))?;
+            std::fs::rename(&restored, &m.data_dir)?;
+        }
+        for m in &self.members {
+            m.restart()?;
+        }
+        self.wait_healthy()
+    }
+
+    /// Step 5 of the etcd restore procedure (`services/lock-server/RESTORE.md`): etcd 3.4 has no
+    /// `--bump-revision`, so a scratch key is written until the cluster's revision is above
+    /// `target` (each put advances it by one), then deleted. Returns the revision reached.
+    pub async fn advance_revision_past(&self, target: i64) -> anyhow::Result<i64> {
+        let mut client = etcd_client::Client::connect(self.endpoints(), None).await?;
+        const SCRATCH: &str = "/restore/scratch";
+        let mut revision = 0;
+        while revision <= target {
+            let r = client.put(SCRATCH, "x", None).await?;
+            revision = r.header().map(|h| h.revision()).unwrap_or_default();
+        }
+        let r = client.delete(SCRATCH, None).await?;
+        Ok(r.header().map(|h| h.revision()).unwrap_or(revision))
+    }
+
+    /// The cluster's current revision.
+    pub async fn revision(&self) -> anyhow::Result<i64> {
+        let mut client = etcd_client::Client::connect(self.endpoints(), None).await?;
+        let r = client.get("/restore/probe", None).await?;
+        Ok(r.header().map(|h| h.revision()).unwrap_or_default())
+    }
+
+    /// Revokes every lease the cluster knows (after a restore: the snapshot's, whose owners are
+    /// not keeping a restored cluster alive, or must not be trusted to). Returns how many.
+    pub async fn revoke_all_leases(&self) -> anyhow::Result<usize> {
+        let mut client = etcd_client::Client::connect(self.endpoints(), None).await?;
+        let leases = client.leases().await?;
+        let ids: Vec<i64> = leases.leases().iter().map(|l| l.id()).collect();
+        for id in &ids {
+            // A lease that expired in the meantime is already gone: not an error.
+            let _ = client.lease_revoke(*id).await;
+        }
+        Ok(ids.len())
     }
 
     pub fn endpoints(&self) -> Vec<String> {
@@ -161,6 +271,22 @@ impl EtcdCluster {
         }
         anyhow::bail!("no running etcd member knows a leader")
     }
+}
+
+/// Runs Debian's `etcdctl` (API v3) and returns its standard output.
+fn etcdctl(args: &[&str]) -> anyhow::Result<String> {
+    let binary = which("etcdctl").context("etcdctl is not installed: run scripts/setup.sh")?;
+    let out = std::process::Command::new(binary)
+        .env("ETCDCTL_API", "3")
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "etcdctl {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 pub(crate) fn which(program: &str) -> Option<PathBuf> {

@@ -266,6 +266,12 @@ impl System {
     /// Starts a worker with `identity` that the caller owns (a test that brings a worker in
     /// mid-scenario); its log is `payout-<identity>.log` in the system's directory.
     pub fn start_worker(&self, identity: &str) -> anyhow::Result<ManagedProcess> {
+        ManagedProcess::start(self.worker_spec(identity))
+    }
+
+    /// The spec of a worker with `identity`, for a caller that changes it before starting it
+    /// (e.g. to run it inside a network namespace: [`crate::netns::NetNs::wrap`]).
+    pub fn worker_spec(&self, identity: &str) -> ProcessSpec {
         let name = format!("payout-{identity}");
         let mut spec = self
             .worker_template
@@ -273,7 +279,7 @@ impl System {
             .env("PAYOUT_WORKER_IDENTITY", identity.to_string());
         spec.name = name.clone();
         spec.log_path = self.dir.join(format!("{name}.log"));
-        ManagedProcess::start(spec)
+        spec
     }
 
     pub fn lock_url(&self) -> String {

@@ -9,6 +9,9 @@ use testkit::system::System;
 
 const TERMINAL: [&str; 3] = ["POSTED", "FAILED", "ABANDONED"];
 
+/// Each worker's lock history is `{system dir}/{LOCK_HISTORY_PREFIX}{identity}.jsonl`.
+pub const LOCK_HISTORY_PREFIX: &str = "lock-history-";
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Violation {
     pub check: &'static str,
@@ -69,6 +72,16 @@ pub struct Evidence {
     pub fenced_out_paydb: i64,
     /// proxydb guard_event counts by kind.
     pub guard_events: BTreeMap<String, i64>,
+    /// paydb ledger_outbox: (idempotency key, the journal id the delivery recorded).
+    pub outbox_journals: Vec<(String, Option<String>)>,
+    /// gldb journals: (idempotency key, journal id).
+    pub gl_journal_ids: Vec<(String, String)>,
+    /// Every line of every worker's lock history (JSON objects, parsed here, not by the client).
+    pub lock_history: Vec<serde_json::Value>,
+    /// Lock history lines that did not parse (a torn last line of a killed writer is skipped).
+    pub lock_history_malformed: Vec<String>,
+    /// The operator's force-revokes (key, CLOCK_MONOTONIC ns when sent), from the harness's log.
+    pub revokes: Vec<(String, u64)>,
 }
 
 async fn pool(url: &str) -> anyhow::Result<sqlx::PgPool> {
@@ -159,7 +172,20 @@ impl Evidence {
         .await?
         .into_iter()
         .collect();
+        let outbox_journals =
+            sqlx::query_as("SELECT idempotency_key, journal_id FROM ledger_outbox")
+                .fetch_all(&paydb)
+                .await?;
+        let gl_journal_ids = sqlx::query_as("SELECT idempotency_key, id::text FROM journals")
+            .fetch_all(&gldb)
+            .await?;
+        let (lock_history, lock_history_malformed) = read_lock_histories(&system.dir)?;
         Ok(Self {
+            outbox_journals,
+            gl_journal_ids,
+            lock_history,
+            lock_history_malformed,
+            revokes: Vec::new(),
             movements,
             payouts,
             transitions,
@@ -203,7 +229,36 @@ impl Evidence {
     }
 }
 
-fn result(name: &'static str, checked: usize, details: Vec<String>) -> CheckResult {
+/// Reads every `lock-history-*.jsonl` in `dir`. A torn last line (its writer was killed in the
+/// middle of a write) is skipped; any other unparsable line is reported.
+fn read_lock_histories(
+    dir: &std::path::Path,
+) -> anyhow::Result<(Vec<serde_json::Value>, Vec<String>)> {
+    let mut events = Vec::new();
+    let mut malformed = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if !(name.starts_with(LOCK_HISTORY_PREFIX) && name.ends_with(".jsonl")) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)?;
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            match serde_json::from_str::<serde_json::Value>(line) {
+                Ok(v) => events.push(v),
+                Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {}
+                Err(e) => malformed.push(format!("{name}:{}: {e}", i + 1)),
+            }
+        }
+    }
+    Ok((events, malformed))
+}
+
+pub fn result(name: &'static str, checked: usize, details: Vec<String>) -> CheckResult {
     CheckResult {
         name,
         checked,
@@ -230,7 +285,150 @@ pub fn check(e: &Evidence) -> Vec<CheckResult> {
         proxy_tokens_never_decrease(e),
         every_payout_settled(e),
         terminal_states_never_change(e),
+        grants_never_overlap(e),
     ]
+}
+
+/// One grant as its holder believed it: from the answer's arrival to the first of its release
+/// being sent, its session found lost, its session's last local deadline, and an operator's
+/// force-revoke of its key. Each end is one the holder could not have relied on it past, so an
+/// overlap of two of these is two holders at once for real, never an artefact of delays.
+#[derive(Debug, Clone)]
+struct Belief {
+    key: String,
+    owner: String,
+    token: u64,
+    start_ns: u64,
+    end_ns: u64,
+}
+
+fn beliefs(e: &Evidence) -> (Vec<Belief>, Vec<String>) {
+    let mut problems = e.lock_history_malformed.clone();
+    let mut session_end: BTreeMap<String, (Option<u64>, Option<u64>)> = BTreeMap::new();
+    let mut releases: BTreeMap<(String, String, u64), Vec<u64>> = BTreeMap::new();
+    let mut grants = Vec::new();
+    let text = |v: &serde_json::Value, f: &str| v[f].as_str().map(str::to_string);
+    let num = |v: &serde_json::Value, f: &str| v[f].as_u64();
+    for v in &e.lock_history {
+        match v["kind"].as_str() {
+            Some("deadline") => {
+                if let (Some(s), Some(d)) = (text(v, "session"), num(v, "deadline_ns")) {
+                    let entry = session_end.entry(s).or_default();
+                    entry.0 = Some(entry.0.map_or(d, |x| x.max(d)));
+                    continue;
+                }
+            }
+            Some("lost") => {
+                if let (Some(s), Some(at)) = (text(v, "session"), num(v, "at_ns")) {
+                    let entry = session_end.entry(s).or_default();
+                    entry.1 = Some(entry.1.map_or(at, |x| x.min(at)));
+                    continue;
+                }
+            }
+            Some("release") => {
+                if let (Some(k), Some(o), Some(t), Some(at)) = (
+                    text(v, "key"),
+                    text(v, "owner"),
+                    num(v, "token"),
+                    num(v, "at_ns"),
+                ) {
+                    releases.entry((k, o, t)).or_default().push(at);
+                    continue;
+                }
+            }
+            Some("grant") => {
+                if let (Some(k), Some(o), Some(t), Some(s), Some(at)) = (
+                    text(v, "key"),
+                    text(v, "owner"),
+                    num(v, "token"),
+                    text(v, "session"),
+                    num(v, "at_ns"),
+                ) {
+                    grants.push((k, o, t, s, at));
+                    continue;
+                }
+            }
+            _ => {}
+        }
+        problems.push(format!("unreadable lock history line: {v}"));
+    }
+    let out = grants
+        .into_iter()
+        .filter_map(|(key, owner, token, session, start_ns)| {
+            let Some((deadline, lost)) = session_end.get(&session).copied() else {
+                problems.push(format!(
+                    "grant {key} token {token}: session {session} has no recorded deadline"
+                ));
+                return None;
+            };
+            let mut end_ns = deadline.unwrap_or(u64::MAX).min(lost.unwrap_or(u64::MAX));
+            if let Some(at) = releases
+                .get(&(key.clone(), owner.clone(), token))
+                .and_then(|r| r.iter().copied().filter(|at| *at >= start_ns).min())
+            {
+                end_ns = end_ns.min(at);
+            }
+            if let Some(at) = e
+                .revokes
+                .iter()
+                .filter(|(k, at)| *k == key && *at >= start_ns)
+                .map(|(_, at)| *at)
+                .min()
+            {
+                end_ns = end_ns.min(at);
+            }
+            Some(Belief {
+                key,
+                owner,
+                token,
+                start_ns,
+                end_ns: end_ns.max(start_ns),
+            })
+        })
+        .collect();
+    (out, problems)
+}
+
+/// INV-06 from the workers' recorded lock history: no two grants of one key were believed held
+/// at the same time, and one token never belonged to two owners.
+pub fn grants_never_overlap(e: &Evidence) -> CheckResult {
+    let (beliefs, mut details) = beliefs(e);
+    let mut by_key: BTreeMap<&str, Vec<&Belief>> = BTreeMap::new();
+    for b in &beliefs {
+        by_key.entry(b.key.as_str()).or_default().push(b);
+    }
+    for (key, mut grants) in by_key {
+        grants.sort_by_key(|b| (b.start_ns, b.token));
+        let mut owners: BTreeMap<u64, &str> = BTreeMap::new();
+        // The grant believed longest among those started so far, per token.
+        let mut open: Option<&Belief> = None;
+        for g in grants {
+            if let Some(o) = owners.insert(g.token, g.owner.as_str()) {
+                if o != g.owner {
+                    details.push(format!(
+                        "TOKEN REPEATED: {key} token {} granted to {o} and to {}",
+                        g.token, g.owner
+                    ));
+                }
+            }
+            if let Some(o) = open {
+                if o.token != g.token && g.start_ns < o.end_ns {
+                    details.push(format!(
+                        "TWO HOLDERS: {key} token {} ({}) still believed held {} ms after token {} ({}) was granted",
+                        o.token,
+                        o.owner,
+                        (o.end_ns - g.start_ns) / 1_000_000,
+                        g.token,
+                        g.owner
+                    ));
+                }
+            }
+            if open.is_none_or(|o| g.end_ns > o.end_ns) {
+                open = Some(g);
+            }
+        }
+    }
+    result("grants_never_overlap", beliefs.len(), details)
 }
 
 /// INV-02: at most one rail movement per payout (client reference).
@@ -338,6 +536,20 @@ pub fn gl_matches_paydb(e: &Evidence) -> CheckResult {
             e.ledger_groups.len()
         ));
     }
+    let gl_ids: BTreeMap<&str, &str> = e
+        .gl_journal_ids
+        .iter()
+        .map(|(k, id)| (k.as_str(), id.as_str()))
+        .collect();
+    for (k, recorded) in &e.outbox_journals {
+        match (recorded.as_deref(), gl_ids.get(k.as_str())) {
+            (Some(r), Some(id)) if r != *id => details.push(format!(
+                "posting {k} recorded journal {r}, the GL holds {id}: a second delivery made a second journal"
+            )),
+            (None, _) => details.push(format!("posting {k} was never recorded delivered")),
+            _ => {}
+        }
+    }
     for (k, sum) in &e.journal_sums {
         if sum.parse::<f64>().ok() != Some(0.0) {
             details.push(format!("GL journal {k} sums to {sum}"));
@@ -422,4 +634,120 @@ pub fn terminal_states_never_change(e: &Evidence) -> CheckResult {
         }
     }
     result("terminal_states_never_change", e.transitions.len(), details)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The new checks on hand-made evidence: each must fire on the history it exists to catch
+    //! (its negative control) and stay quiet on the correct one.
+    use super::*;
+    use serde_json::json;
+
+    const MS: u64 = 1_000_000;
+
+    fn grant(key: &str, owner: &str, token: u64, session: &str, at_ms: u64) -> serde_json::Value {
+        json!({"kind": "grant", "key": key, "owner": owner, "token": token, "session": session, "at_ns": at_ms * MS})
+    }
+    fn deadline(session: &str, at_ms: u64) -> serde_json::Value {
+        json!({"kind": "deadline", "session": session, "deadline_ns": at_ms * MS})
+    }
+    fn release(key: &str, owner: &str, token: u64, at_ms: u64) -> serde_json::Value {
+        json!({"kind": "release", "key": key, "owner": owner, "token": token, "at_ns": at_ms * MS})
+    }
+    fn lost(session: &str, at_ms: u64) -> serde_json::Value {
+        json!({"kind": "lost", "session": session, "at_ns": at_ms * MS})
+    }
+
+    fn overlaps(history: Vec<serde_json::Value>, revokes: Vec<(String, u64)>) -> Vec<String> {
+        let e = Evidence {
+            lock_history: history,
+            revokes,
+            ..Evidence::default()
+        };
+        grants_never_overlap(&e)
+            .violations
+            .into_iter()
+            .map(|v| v.detail)
+            .collect()
+    }
+
+    #[test]
+    fn a_release_before_the_next_grant_is_no_overlap() {
+        let v = overlaps(
+            vec![
+                deadline("s1", 10_000),
+                deadline("s2", 10_000),
+                grant("k", "a", 5, "s1", 100),
+                release("k", "a", 5, 200),
+                grant("k", "b", 9, "s2", 300),
+            ],
+            vec![],
+        );
+        assert!(v.is_empty(), "{v:?}");
+    }
+
+    #[test]
+    fn a_second_grant_inside_the_first_holders_deadline_is_two_holders() {
+        let v = overlaps(
+            vec![
+                deadline("s1", 1_000),
+                deadline("s2", 10_000),
+                grant("k", "a", 5, "s1", 100),
+                grant("k", "b", 9, "s2", 500),
+            ],
+            vec![],
+        );
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("TWO HOLDERS"), "{v:?}");
+    }
+
+    #[test]
+    fn a_lost_session_or_a_force_revoke_ends_the_belief() {
+        let history = vec![
+            deadline("s1", 5_000),
+            deadline("s2", 10_000),
+            grant("k", "a", 5, "s1", 100),
+            grant("k", "b", 9, "s2", 500),
+        ];
+        let mut with_loss = history.clone();
+        with_loss.push(lost("s1", 400));
+        assert!(overlaps(with_loss, vec![]).is_empty());
+        assert!(overlaps(history.clone(), vec![("k".into(), 450 * MS)]).is_empty());
+        // A revoke of another key ends nothing.
+        assert_eq!(overlaps(history, vec![("other".into(), 450 * MS)]).len(), 1);
+    }
+
+    #[test]
+    fn one_token_for_two_owners_is_a_repeat_and_a_missing_deadline_is_reported() {
+        let v = overlaps(
+            vec![
+                deadline("s1", 1_000),
+                deadline("s2", 1_000),
+                grant("k", "a", 5, "s1", 100),
+                release("k", "a", 5, 150),
+                grant("k", "b", 5, "s2", 200),
+            ],
+            vec![],
+        );
+        assert!(v.iter().any(|d| d.contains("TOKEN REPEATED")), "{v:?}");
+        let v = overlaps(vec![grant("k", "a", 5, "nosession", 100)], vec![]);
+        assert!(v[0].contains("no recorded deadline"), "{v:?}");
+    }
+
+    #[test]
+    fn a_redelivery_that_made_a_second_journal_is_caught() {
+        let mut e = Evidence {
+            outbox_keys: vec!["p1".into()],
+            journal_keys: vec!["p1".into()],
+            ledger_groups: vec![("g1".into(), 0, 2)],
+            outbox_journals: vec![("p1".into(), Some("j-1".into()))],
+            gl_journal_ids: vec![("p1".into(), "j-1".into())],
+            ..Evidence::default()
+        };
+        assert!(gl_matches_paydb(&e).violations.is_empty());
+        e.outbox_journals = vec![("p1".into(), Some("j-2".into()))];
+        assert_eq!(gl_matches_paydb(&e).violations.len(), 1);
+        e.outbox_journals = vec![("p1".into(), None)];
+        assert_eq!(gl_matches_paydb(&e).violations.len(), 1);
+    }
 }

@@ -45,6 +45,10 @@ pub struct ChaosConfig {
     pub settle_timeout: Duration,
     /// Print progress (the schedule, fault by fault) on stderr.
     pub verbose: bool,
+    /// Run each worker on its own network host (a network namespace) so the nemesis can cut it
+    /// off from the lock-server alone. Where this machine does not allow namespaces the run goes
+    /// on without partitions and the report says why.
+    pub partitions: bool,
 }
 
 impl ChaosConfig {
@@ -61,6 +65,7 @@ impl ChaosConfig {
             fault_window: Duration::from_millis((faults as u64 * 2_000).max(10_000)),
             settle_timeout: Duration::from_secs(180),
             verbose: false,
+            partitions: true,
         }
     }
 }
@@ -76,6 +81,8 @@ pub struct Report {
     pub faults_injected_by_kind: BTreeMap<String, u64>,
     pub fault_errors: Vec<String>,
     pub schedule: Vec<String>,
+    /// Why there were no network partitions, if there were none.
+    pub partitions_unavailable: Option<String>,
     pub safety_events: BTreeMap<String, i64>,
     pub rail_movements: u64,
     pub checks: Vec<CheckResult>,
@@ -119,6 +126,9 @@ impl Report {
         );
         for e in &self.fault_errors {
             let _ = writeln!(s, "  fault error: {e}");
+        }
+        if let Some(why) = &self.partitions_unavailable {
+            let _ = writeln!(s, "  no network partitions on this machine: {why}");
         }
         let events: Vec<String> = self
             .safety_events
@@ -174,7 +184,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     let mut system = System::start(
         stack,
         SystemOptions {
-            workers: config.workers,
+            workers: 0,
             settlement_window_ms: SETTLEMENT_WINDOW_MS,
             rail_timeout_ms: RAIL_TIMEOUT_MS,
             worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), WORKER_LOCK_TTL_MS.to_string())],
@@ -182,6 +192,31 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         },
     )
     .await?;
+    let partitions_unavailable = if config.partitions {
+        tokio::task::block_in_place(testkit::netns::NetNs::available).err()
+    } else {
+        Some("disabled for this run".to_string())
+    };
+    let mut partitions = Vec::new();
+    for i in 0..config.workers {
+        let identity = format!("worker-{i}");
+        let spec = system.worker_spec(&identity).env(
+            "PAYOUT_LOCK_HISTORY_PATH",
+            system
+                .dir
+                .join(format!("{}{identity}.jsonl", checker::LOCK_HISTORY_PREFIX))
+                .to_string_lossy(),
+        );
+        let (spec, ns) = if partitions_unavailable.is_none() {
+            let ns = tokio::task::block_in_place(testkit::netns::NetNs::create)?;
+            (ns.wrap(spec), Some(ns))
+        } else {
+            (spec, None)
+        };
+        let worker = tokio::task::block_in_place(|| testkit::ManagedProcess::start(spec))?;
+        system.workers.push(worker);
+        partitions.push(ns);
+    }
     say(
         config.verbose,
         format!(
@@ -198,6 +233,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         config.fault_window,
         config.workers,
         config.disable,
+        partitions_unavailable.is_none(),
     );
     for line in schedule.describe() {
         say(config.verbose, format!("schedule: {line}"));
@@ -212,6 +248,10 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         ),
     );
 
+    let targets = nemesis::Targets {
+        work: &work,
+        partitions: &partitions,
+    };
     let fault_start = Instant::now();
     let (started, outcome) = tokio::join!(
         work.start_all(&system),
@@ -219,7 +259,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
             stack,
             &system,
             &schedule,
-            &work,
+            &targets,
             config.disable,
             config.verbose
         ),
@@ -256,8 +296,28 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     };
     let settle_time = settle_start.elapsed();
 
-    let evidence = Evidence::collect(&system).await?;
+    let mut evidence = Evidence::collect(&system).await?;
+    evidence.revokes = outcome.revokes.clone();
     let checks = checker::check(&evidence);
+    let mut safety_events = evidence.safety_events();
+    safety_events.insert(
+        "lock_token_regression_alarms".into(),
+        outcome.regression_alarms_fired as i64,
+    );
+    safety_events.insert(
+        "outbox_rows_delivered_twice".into(),
+        outcome.outbox_rows_redelivered as i64,
+    );
+    safety_events.insert(
+        "operator_force_revokes".into(),
+        outcome.revokes.len() as i64,
+    );
+    let mut checks = checks;
+    checks.push(checker::result(
+        "restore_without_procedure_alarm_fires",
+        outcome.regression_alarms_fired as usize + outcome.regression_alarms_missed.len(),
+        outcome.regression_alarms_missed.clone(),
+    ));
     let violations = checks.iter().map(|c| c.violations.len()).sum();
     let report = Report {
         seed: config.seed,
@@ -269,7 +329,8 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         faults_injected_by_kind: outcome.injected,
         fault_errors: outcome.errors,
         schedule: schedule.describe(),
-        safety_events: evidence.safety_events(),
+        partitions_unavailable,
+        safety_events,
         rail_movements: evidence.movements.len() as u64,
         checks,
         violations,
@@ -279,5 +340,8 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         wall_time_s: wall.elapsed().as_secs_f64(),
     };
     drop(in_process);
+    // The workers go before their network hosts.
+    system.workers.clear();
+    drop(partitions);
     Ok(report)
 }

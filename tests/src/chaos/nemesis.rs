@@ -33,10 +33,24 @@ pub enum FaultKind {
     ForceRevoke,
     /// The rail's fault mix changes (hangs, 5xx, resets, slow lookups), seeded.
     RailFaults,
+    /// A worker on its own network host loses its link to the lock-server (packets dropped,
+    /// longer than its lease) while its links to the guards and Temporal stay up.
+    WorkerPartition,
+    /// etcd is restored from a snapshot taken `down_ms` earlier, with the documented procedure
+    /// (`services/lock-server/RESTORE.md`): lock-servers stopped, revision advanced past every
+    /// token seen, restored leases revoked, every client deadline passed, then lock-servers back.
+    EtcdRestore,
+    /// The same restore WITHOUT the procedure (lock-server left running, revision not advanced):
+    /// the lock-server's INV-04 alarm must refuse the rewound tokens; then the operator applies
+    /// the procedure.
+    EtcdRestoreWithoutProcedure,
+    /// Delivered outbox rows are delivered again (a dispatcher that died after the GL committed
+    /// and before it marked the row): the GL must answer with the journal it already has.
+    OutboxRedeliver,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 12] = [
+    pub const ALL: [FaultKind; 16] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -49,6 +63,10 @@ impl FaultKind {
         FaultKind::PgProxyRestart,
         FaultKind::ForceRevoke,
         FaultKind::RailFaults,
+        FaultKind::WorkerPartition,
+        FaultKind::EtcdRestore,
+        FaultKind::EtcdRestoreWithoutProcedure,
+        FaultKind::OutboxRedeliver,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -64,13 +82,17 @@ impl FaultKind {
             FaultKind::PgProxyRestart => "pg_proxy_restart",
             FaultKind::ForceRevoke => "lock_force_revoke",
             FaultKind::RailFaults => "rail_fault_mix",
+            FaultKind::WorkerPartition => "worker_partition_from_lock_server",
+            FaultKind::EtcdRestore => "etcd_restore_with_procedure",
+            FaultKind::EtcdRestoreWithoutProcedure => "etcd_restore_without_procedure",
+            FaultKind::OutboxRedeliver => "outbox_duplicate_delivery",
         }
     }
     /// Relative frequency: the worker and lock faults are the ones the guards exist for.
     fn weight(self) -> u32 {
         match self {
             FaultKind::WorkerKill | FaultKind::ForceRevoke => 3,
-            FaultKind::WorkerPause | FaultKind::RailFaults => 2,
+            FaultKind::WorkerPause | FaultKind::RailFaults | FaultKind::WorkerPartition => 2,
             _ => 1,
         }
     }
@@ -104,13 +126,21 @@ impl Schedule {
         window: Duration,
         workers: usize,
         disable: DisableGuard,
+        partitions: bool,
     ) -> Self {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x6e65_6d65_7369_7321);
         let kinds: Vec<FaultKind> = FaultKind::ALL
             .into_iter()
             .filter(|k| !(disable.fence_off() && *k == FaultKind::PaymentResourceKill))
             .filter(|k| !(disable.proxy_off() && *k == FaultKind::RailProxyKill))
-            .filter(|k| workers > 0 || !matches!(k, FaultKind::WorkerKill | FaultKind::WorkerPause))
+            .filter(|k| {
+                workers > 0
+                    || !matches!(
+                        k,
+                        FaultKind::WorkerKill | FaultKind::WorkerPause | FaultKind::WorkerPartition
+                    )
+            })
+            .filter(|k| partitions || *k != FaultKind::WorkerPartition)
             .collect();
         let total: u32 = kinds.iter().map(|k| k.weight()).sum();
         let window_ms = window.as_millis().max(1) as u64;
@@ -134,7 +164,13 @@ impl Schedule {
                         .expect("pick below the total weight")
                 };
                 let down_ms = match kind {
-                    FaultKind::WorkerPause => WORKER_LOCK_TTL_MS + rng.random_range(1_000..3_000),
+                    FaultKind::WorkerPause | FaultKind::WorkerPartition => {
+                        WORKER_LOCK_TTL_MS + rng.random_range(1_000..3_000)
+                    }
+                    // The snapshot's age: tokens are minted between it and the restore.
+                    FaultKind::EtcdRestore | FaultKind::EtcdRestoreWithoutProcedure => {
+                        rng.random_range(2_000..5_000)
+                    }
                     FaultKind::EtcdLeaderKill => rng.random_range(500..2_000),
                     _ => rng.random_range(100..1_500),
                 };
@@ -156,7 +192,7 @@ impl Schedule {
             .iter()
             .map(|f| {
                 let target = match f.kind {
-                    FaultKind::WorkerKill | FaultKind::WorkerPause => {
+                    FaultKind::WorkerKill | FaultKind::WorkerPause | FaultKind::WorkerPartition => {
                         format!(" worker-{}", f.worker)
                     }
                     _ => String::new(),
@@ -179,6 +215,22 @@ const REVOKE_CANDIDATES_MAX: usize = 40;
 pub struct Outcome {
     pub injected: BTreeMap<String, u64>,
     pub errors: Vec<String>,
+    /// The operator's force-revokes: (key, CLOCK_MONOTONIC ns when the request was sent). The
+    /// revoked grant's holder still believes it holds the key; the checker ends that belief here.
+    pub revokes: Vec<(String, u64)>,
+    /// etcd restores without the procedure whose rewound token the lock-server refused.
+    pub regression_alarms_fired: u64,
+    /// etcd restores without the procedure where a rewound token was GRANTED: INV-04 broken.
+    pub regression_alarms_missed: Vec<String>,
+    /// Outbox rows handed back to the dispatcher for a second delivery.
+    pub outbox_rows_redelivered: u64,
+}
+
+/// What the nemesis acts on besides the stack and the system.
+pub struct Targets<'a> {
+    pub work: &'a Workload,
+    /// Each worker's network namespace, where it has one (partitions need it).
+    pub partitions: &'a [Option<testkit::netns::NetNs>],
 }
 
 /// The harness plays the supervisor a deployment has (systemd, Kubernetes): a service process
@@ -218,7 +270,7 @@ pub async fn execute(
     stack: &Stack,
     system: &System,
     schedule: &Schedule,
-    work: &Workload,
+    targets: &Targets<'_>,
     disable: DisableGuard,
     verbose: bool,
 ) -> Outcome {
@@ -227,7 +279,7 @@ pub async fn execute(
     for fault in &schedule.faults {
         let due = start + Duration::from_millis(fault.at_ms);
         tokio::time::sleep_until(due.into()).await;
-        let result = inject(stack, system, fault, work).await;
+        let result = inject(stack, system, fault, targets, &mut outcome).await;
         let line = format!(
             "t+{:>6} ms {} {}",
             start.elapsed().as_millis(),
@@ -256,8 +308,10 @@ async fn inject(
     stack: &Stack,
     system: &System,
     fault: &Fault,
-    work: &Workload,
+    targets: &Targets<'_>,
+    outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
+    let work = targets.work;
     let worker = || {
         system
             .workers
@@ -308,7 +362,27 @@ async fn inject(
         FaultKind::PgProxyRestart => pg_restart(&stack.proxy)
             .await
             .map(|_| "proxy PostgreSQL restarted".into()),
-        FaultKind::ForceRevoke => force_revoke(system, fault, work).await,
+        FaultKind::ForceRevoke => force_revoke(system, fault, work, outcome).await,
+        FaultKind::WorkerPartition => {
+            let ns = targets
+                .partitions
+                .get(fault.worker)
+                .and_then(Option::as_ref)
+                .ok_or_else(|| anyhow::anyhow!("worker-{} has no network host", fault.worker))?;
+            let port = system.ports.lock_server;
+            blocking(|| ns.cut(port))?;
+            tokio::time::sleep(Duration::from_millis(fault.down_ms)).await;
+            blocking(|| ns.heal(port))?;
+            Ok(format!(
+                "worker-{} cut from the lock-server for {} ms (lease {} ms); guards reachable",
+                fault.worker, fault.down_ms, WORKER_LOCK_TTL_MS
+            ))
+        }
+        FaultKind::EtcdRestore => etcd_restore(stack, system, fault, true, outcome).await,
+        FaultKind::EtcdRestoreWithoutProcedure => {
+            etcd_restore(stack, system, fault, false, outcome).await
+        }
+        FaultKind::OutboxRedeliver => outbox_redeliver(system, fault, outcome).await,
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);
@@ -346,13 +420,26 @@ async fn pg_restart(pg: &testkit::postgres::Postgres) -> anyhow::Result<()> {
     blocking(|| pg.restart())
 }
 
-/// Revokes the lock of an account that has a payout in flight (a random account if none has).
-async fn force_revoke(system: &System, fault: &Fault, work: &Workload) -> anyhow::Result<String> {
-    let paydb = sqlx::postgres::PgPoolOptions::new()
+/// A database the nemesis reads or pokes may be restarting; a fault gives up on it after this.
+const NEMESIS_DB_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One connection for one fault's SQL, bounded by [`NEMESIS_DB_TIMEOUT`].
+async fn one_connection(url: &str) -> anyhow::Result<sqlx::PgPool> {
+    Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
-        .acquire_timeout(Duration::from_secs(3))
-        .connect(&system.databases.paydb)
-        .await?;
+        .acquire_timeout(NEMESIS_DB_TIMEOUT)
+        .connect(url)
+        .await?)
+}
+
+/// Revokes the lock of an account that has a payout in flight (a random account if none has).
+async fn force_revoke(
+    system: &System,
+    fault: &Fault,
+    work: &Workload,
+    outcome: &mut Outcome,
+) -> anyhow::Result<String> {
+    let paydb = one_connection(&system.databases.paydb).await?;
     // Accounts with a payout in flight first (their lock is most likely held), then the rest.
     let mut candidates: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT account_id FROM payout WHERE state IN ('CLAIMED', 'RAIL_SUBMITTED') ORDER BY account_id",
@@ -378,6 +465,7 @@ async fn force_revoke(system: &System, fault: &Fault, work: &Workload) -> anyhow
     let mut last = None;
     for account in candidates.iter().take(REVOKE_CANDIDATES_MAX) {
         let key = format!("payout:{account}");
+        let sent_ns = lock_client::history::monotonic_ns(Instant::now());
         match lock
             .force_revoke(
                 &key,
@@ -386,7 +474,10 @@ async fn force_revoke(system: &System, fault: &Fault, work: &Workload) -> anyhow
             )
             .await
         {
-            Ok(_) => return Ok(format!("{key} revoked ({in_flight} accounts in flight)")),
+            Ok(_) => {
+                outcome.revokes.push((key.clone(), sent_ns));
+                return Ok(format!("{key} revoked ({in_flight} accounts in flight)"));
+            }
             Err(e) => last = Some(e),
         }
     }
@@ -394,4 +485,180 @@ async fn force_revoke(system: &System, fault: &Fault, work: &Workload) -> anyhow
         || anyhow::anyhow!("no account to revoke"),
         |e| anyhow::anyhow!("no held lock found: {e}"),
     ))
+}
+
+/// Above the highest token seen when the restore procedure advances the revision: room for
+/// tokens minted while the old revision was read (production uses a far larger margin).
+const RESTORE_REVISION_MARGIN: i64 = 100;
+/// How long a restore's probe may wait for a definite answer while the cluster comes back.
+const RESTORE_PROBE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Beyond the lease TTL, so that every client's local deadline has passed for sure.
+const DEADLINE_SLACK_MS: u64 = 500;
+
+enum Probe {
+    Granted(u64),
+    /// The lock-server's `token_regression` refusal, as it described it.
+    Refused(String),
+}
+
+/// Acquires and releases the probe key once: a grant's token, or the lock-server's typed refusal.
+/// Transport errors (the cluster or the lock-server coming back) are retried, bounded.
+async fn probe(system: &System, key: &str) -> anyhow::Result<Probe> {
+    let give_up = Instant::now() + RESTORE_PROBE_TIMEOUT;
+    let mut last = String::new();
+    while Instant::now() < give_up {
+        let attempt = async {
+            let lock = lock_client::LockClient::connect(system.lock_url()).await?;
+            let session = lock
+                .open_session("chaos-restore-probe", Duration::from_secs(10))
+                .await?;
+            let answer = session.acquire(key, Duration::from_secs(3)).await;
+            let _ = session.close().await;
+            answer
+        };
+        match attempt.await {
+            Ok(lock_client::Acquired::Granted(g)) => return Ok(Probe::Granted(g.token().get())),
+            Ok(lock_client::Acquired::NotAcquired { holder_owner, .. }) => {
+                last = format!("held by {holder_owner}")
+            }
+            Err(lock_client::ClientError::Rejected {
+                kind: lock_client::Rejection::TokenRegression(t),
+                ..
+            }) => return Ok(Probe::Refused(format!("{t:?}"))),
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    anyhow::bail!("no definite answer for {key} within {RESTORE_PROBE_TIMEOUT:?}: {last}")
+}
+
+async fn max_token(url: &str, sql: &str) -> anyhow::Result<i64> {
+    let pool = one_connection(url).await?;
+    let v: Option<i64> = sqlx::query_scalar(sql).fetch_one(&pool).await?;
+    pool.close().await;
+    Ok(v.unwrap_or(0))
+}
+
+/// Steps 2 and 5-7 of the etcd procedure (`services/lock-server/RESTORE.md`), with the
+/// lock-server already stopped at `stopped`: the revision advanced past every token seen, the
+/// restored leases revoked, every client's local deadline passed, the lock-server started.
+async fn restore_procedure(
+    stack: &Stack,
+    system: &System,
+    revision_before: i64,
+    stopped: Instant,
+) -> anyhow::Result<i64> {
+    let fences = max_token(&system.databases.paydb, "SELECT max(fence) FROM account").await?;
+    let high_waters = max_token(
+        &system.databases.proxydb,
+        "SELECT max(high_water) FROM account_high_water",
+    )
+    .await?;
+    let highest_seen = revision_before.max(fences).max(high_waters) + RESTORE_REVISION_MARGIN;
+    let reached = stack.etcd.advance_revision_past(highest_seen).await?;
+    stack.etcd.revoke_all_leases().await?;
+    let all_deadlines_passed =
+        stopped + Duration::from_millis(WORKER_LOCK_TTL_MS + DEADLINE_SLACK_MS);
+    tokio::time::sleep_until(all_deadlines_passed.into()).await;
+    blocking(|| system.lock_server.restart())?;
+    testkit::system::wait_grpc(system.ports.lock_server, &system.lock_server).await?;
+    Ok(reached)
+}
+
+/// etcd restored from a snapshot `down_ms` old, with or without the procedure. A probe grant
+/// minted just before the disaster has the highest token of its key; after the restore the
+/// probe asks again: with the procedure it must get a HIGHER token; without it the lock-server
+/// must refuse the rewound one (`token_regression`), after which the operator applies the
+/// procedure.
+async fn etcd_restore(
+    stack: &Stack,
+    system: &System,
+    fault: &Fault,
+    procedure: bool,
+    outcome: &mut Outcome,
+) -> anyhow::Result<String> {
+    let snapshot = system.dir.join(format!("etcd-snapshot-{}.db", fault.at_ms));
+    let snapshot_revision = blocking(|| stack.etcd.snapshot(&snapshot))?;
+    tokio::time::sleep(Duration::from_millis(fault.down_ms)).await;
+    let key = format!("chaos-restore-probe-{}", fault.at_ms);
+    let Probe::Granted(before) = probe(system, &key).await? else {
+        anyhow::bail!("the probe was refused before any restore");
+    };
+    let revision_before = stack.etcd.revision().await?;
+    if procedure {
+        blocking(|| system.lock_server.kill())?;
+        let stopped = Instant::now();
+        blocking(|| stack.etcd.restore_from_snapshot(&snapshot))?;
+        let reached = restore_procedure(stack, system, revision_before, stopped).await?;
+        match probe(system, &key).await? {
+            Probe::Granted(after) if after > before => Ok(format!(
+                "snapshot at revision {snapshot_revision}, cluster at {revision_before}: restored, \
+                 advanced to {reached}; probe token {before} -> {after}"
+            )),
+            Probe::Granted(after) => {
+                let line =
+                    format!("after the procedure the probe got token {after}, not above {before}");
+                outcome.regression_alarms_missed.push(line.clone());
+                anyhow::bail!(line)
+            }
+            Probe::Refused(why) => {
+                anyhow::bail!("after the procedure the probe was still refused: {why}")
+            }
+        }
+    } else {
+        blocking(|| stack.etcd.restore_from_snapshot(&snapshot))?;
+        let verdict = probe(system, &key).await;
+        // Whatever the verdict, the operator now applies the procedure so the run can go on.
+        blocking(|| system.lock_server.kill())?;
+        let stopped = Instant::now();
+        let reached = restore_procedure(stack, system, revision_before, stopped).await?;
+        match verdict? {
+            Probe::Refused(why) => {
+                outcome.regression_alarms_fired += 1;
+                Ok(format!(
+                    "snapshot at revision {snapshot_revision}, cluster at {revision_before}: restored \
+                     without the procedure; token_regression refused the rewound grant ({why}); \
+                     procedure applied (revision {reached})"
+                ))
+            }
+            Probe::Granted(after) if after <= before => {
+                let line = format!(
+                    "restore without the procedure: rewound token {after} GRANTED for {key} (issued {before} before)"
+                );
+                outcome.regression_alarms_missed.push(line.clone());
+                anyhow::bail!(line)
+            }
+            Probe::Granted(after) => anyhow::bail!(
+                "inconclusive: the rewound cluster already passed {before} (got {after})"
+            ),
+        }
+    }
+}
+
+/// Rows of the outbox handed back for one more delivery at most.
+const REDELIVER_ROWS_MAX: i64 = 10;
+
+/// Some delivered outbox rows are marked undelivered again, as if the dispatcher had died after
+/// the GL committed and before it recorded the delivery: the next delivery is a duplicate.
+async fn outbox_redeliver(
+    system: &System,
+    fault: &Fault,
+    outcome: &mut Outcome,
+) -> anyhow::Result<String> {
+    let paydb = one_connection(&system.databases.paydb).await?;
+    let rows = 1 + (fault.seed % REDELIVER_ROWS_MAX as u64) as i64;
+    let ids: Vec<i64> = sqlx::query_scalar(
+        "UPDATE ledger_outbox SET delivered_at = NULL, journal_id = NULL, next_attempt_at = now(), \
+         claimed_by = NULL, claim_expires_at = NULL \
+         WHERE id IN (SELECT id FROM ledger_outbox WHERE delivered_at IS NOT NULL \
+                      ORDER BY md5(idempotency_key || $1) LIMIT $2) RETURNING id",
+    )
+    .bind(fault.seed.to_string())
+    .bind(rows)
+    .fetch_all(&paydb)
+    .await?;
+    paydb.close().await;
+    anyhow::ensure!(!ids.is_empty(), "no delivered outbox row yet");
+    outcome.outbox_rows_redelivered += ids.len() as u64;
+    Ok(format!("{} delivered outbox rows queued again", ids.len()))
 }

@@ -1,0 +1,166 @@
+//! A recorded lock history: what this client BELIEVED about its grants, on the machine's
+//! monotonic clock. It is the evidence of INV-06's detective control (spec 2.5: "linearizability
+//! check over recorded lock history"): a checker outside the code under test turns the records
+//! into intervals and asserts that no two grants of one key were believed held at once.
+//!
+//! One JSON object per line, appended with one `write` each (a line is never split between
+//! writers; each process writes its own file anyway). Times are `CLOCK_MONOTONIC` nanoseconds,
+//! which every process on one machine shares, so records of different processes compare.
+//!
+//! What is recorded, and why each bounds the belief from the safe side:
+//! - `grant`: the moment the grant's answer arrived (the earliest the client could rely on it);
+//! - `deadline`: every new local deadline of a session (the latest it could rely on any grant of
+//!   that session, since a grant is only trusted while its session's deadline has not passed);
+//! - `lost`: the moment the session was found lost (deadline passed, server said gone, closed);
+//! - `release`: the moment a release request was SENT (the client stopped relying on it then).
+//!
+//! Recording never decides anything: a write error is logged once and recording stops, the grant
+//! logic is unchanged.
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum HistoryEvent {
+    Grant {
+        key: String,
+        owner: String,
+        token: u64,
+        session: String,
+        at_ns: u64,
+    },
+    Deadline {
+        session: String,
+        deadline_ns: u64,
+    },
+    Lost {
+        session: String,
+        at_ns: u64,
+    },
+    Release {
+        key: String,
+        owner: String,
+        token: u64,
+        at_ns: u64,
+    },
+}
+
+/// Appends [`HistoryEvent`]s to a file.
+pub struct HistoryRecorder {
+    file: Mutex<std::fs::File>,
+    failed: AtomicBool,
+}
+
+impl HistoryRecorder {
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(Self {
+            file: Mutex::new(file),
+            failed: AtomicBool::new(false),
+        })
+    }
+
+    pub fn record(&self, event: &HistoryEvent) {
+        if self.failed.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut line = serde_json::to_vec(event).expect("history events serialize");
+        line.push(b'\n');
+        let result = self.file.lock().expect("history file").write_all(&line);
+        if let Err(e) = result {
+            self.failed.store(true, Ordering::Relaxed);
+            tracing::error!(error = %e, "lock history: write failed; recording stops");
+        }
+    }
+}
+
+/// `at` on `CLOCK_MONOTONIC` in nanoseconds: the clock `Instant` reads on Linux, but as a number
+/// that other processes can compare.
+pub fn monotonic_ns(at: Instant) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the valid, exclusively borrowed `ts`.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "CLOCK_MONOTONIC is always available on Linux");
+    let now = Instant::now();
+    let now_ns = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    if at >= now {
+        now_ns + (at - now).as_nanos() as u64
+    } else {
+        now_ns.saturating_sub((now - at).as_nanos() as u64)
+    }
+}
+
+/// Parses a history file; a torn last line (the writer was killed mid-write) is skipped, any
+/// other malformed line is an error (the evidence would be incomplete).
+pub fn read(path: &Path) -> std::io::Result<Vec<HistoryEvent>> {
+    let text = std::fs::read_to_string(path)?;
+    let lines: Vec<&str> = text.lines().collect();
+    let mut events = Vec::with_capacity(lines.len());
+    for (i, line) in lines.iter().enumerate() {
+        match serde_json::from_str(line) {
+            Ok(e) => events.push(e),
+            Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {}
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{}:{}: {e}", path.display(), i + 1),
+                ))
+            }
+        }
+    }
+    Ok(events)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn monotonic_ns_orders_like_instant_and_matches_its_spacing() {
+        let a = Instant::now();
+        let b = a + Duration::from_millis(250);
+        let (na, nb) = (monotonic_ns(a), monotonic_ns(b));
+        let spacing = nb - na;
+        assert!(
+            (249_000_000..=251_000_000).contains(&spacing),
+            "spacing {spacing} ns"
+        );
+    }
+
+    #[test]
+    fn a_torn_last_line_is_skipped_other_garbage_is_refused() {
+        let dir = std::env::temp_dir().join(format!("lock-history-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("h.jsonl");
+        let _ = std::fs::remove_file(&path);
+        let r = HistoryRecorder::open(&path).unwrap();
+        let e = HistoryEvent::Lost {
+            session: "s".into(),
+            at_ns: 7,
+        };
+        r.record(&e);
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(b"{\"kind\":\"gra").unwrap();
+        assert_eq!(read(&path).unwrap(), vec![e.clone()]);
+        f.write_all(b"\n").unwrap();
+        r.record(&e);
+        assert!(read(&path).is_err(), "a malformed line inside the file");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
