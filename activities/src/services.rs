@@ -564,16 +564,31 @@ pub const STALL_ENV: &str = "PAYOUT_TEST_STALL_AFTER_CHECK";
 /// window the conservative local deadline narrows but cannot close; a test freezes the worker
 /// inside it to show the guards (not the lease check) refusing the stale token. It changes no
 /// decision and disables nothing; unset, there are no stall points.
+///
+/// The same stall can be armed while the workers run, for whichever payout reaches the step
+/// first: with `PAYOUT_TEST_STALL_DIR=<dir>`, a file `<dir>/<step>.armed` holding `<ms>` is
+/// taken by the first worker whose check for `step` passes (an atomic rename to
+/// `<step>.taken.<identity>.<payout_id>`, so exactly one worker of all takes it), which then
+/// waits `ms`. The chaos nemesis arms it to plant a stale holder in a running system.
 #[derive(Default)]
 struct StallPoints {
     points: Vec<(String, String, u64)>,
     fired: Mutex<std::collections::HashSet<(String, String)>>,
+    armed_dir: Option<(std::path::PathBuf, String)>,
 }
+
+/// The test-only variable naming the directory of armed stall points; a deployment never sets it.
+pub const STALL_DIR_ENV: &str = "PAYOUT_TEST_STALL_DIR";
 
 impl StallPoints {
     fn from_env(identity: &str) -> Self {
+        let armed_dir = std::env::var_os(STALL_DIR_ENV)
+            .map(|dir| (std::path::PathBuf::from(dir), identity.to_string()));
         let Ok(spec) = std::env::var(STALL_ENV) else {
-            return Self::default();
+            return Self {
+                armed_dir,
+                ..Self::default()
+            };
         };
         let points = spec
             .split(',')
@@ -590,10 +605,26 @@ impl StallPoints {
         Self {
             points,
             fired: Mutex::default(),
+            armed_dir,
         }
     }
 
+    /// Takes the armed stall point of `step`, if there is one and no other worker took it first.
+    fn take_armed(&self, step: &str, payout: &PayoutId) -> Option<u64> {
+        let (dir, identity) = self.armed_dir.as_ref()?;
+        let armed = dir.join(format!("{step}.armed"));
+        let ms = std::fs::read_to_string(&armed).ok()?.trim().parse().ok()?;
+        let taken = dir.join(format!("{step}.taken.{identity}.{payout}"));
+        std::fs::rename(&armed, &taken).ok()?;
+        Some(ms)
+    }
+
     async fn stall(&self, step: &str, payout: &PayoutId) {
+        if let Some(ms) = self.take_armed(step, payout) {
+            tracing::warn!(step, payout_id = %payout, stall_ms = ms, "test stall point (armed): waiting after the grant check");
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            tracing::warn!(step, payout_id = %payout, "test stall point (armed): continuing to the guard");
+        }
         let Some((_, _, ms)) = self
             .points
             .iter()

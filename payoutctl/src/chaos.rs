@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use clap::Args as ClapArgs;
+use system_tests::chaos::nemesis::FaultKind;
 use system_tests::chaos::{self, ChaosConfig, DisableGuard};
 
 #[derive(ClapArgs)]
@@ -30,6 +31,10 @@ pub struct Args {
     /// Give the system this long to settle after the faults stop.
     #[arg(long, default_value_t = 300)]
     pub settle_timeout_s: u64,
+    /// Only these fault kinds, comma-separated (default: every kind), e.g.
+    /// `--kinds stale_holder_planted` for the negative controls' targeted run.
+    #[arg(long, value_delimiter = ',')]
+    pub kinds: Vec<String>,
     /// Keep every worker on this host's network (no namespaces, so no partition faults).
     #[arg(long)]
     pub no_partitions: bool,
@@ -51,6 +56,19 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     config.settle_timeout = Duration::from_secs(args.settle_timeout_s);
     config.verbose = !args.json;
     config.partitions = !args.no_partitions;
+    if !args.kinds.is_empty() {
+        let kinds = args
+            .kinds
+            .iter()
+            .map(|k| {
+                FaultKind::parse(k).ok_or_else(|| {
+                    let known: Vec<&str> = FaultKind::ALL.iter().map(|k| k.name()).collect();
+                    anyhow::anyhow!("unknown fault kind {k:?}; known: {}", known.join(", "))
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        config.kinds = Some(kinds);
+    }
     let stack = tokio::task::block_in_place(|| testkit::Stack::builder().etcd_members(3).start())?;
     let report = chaos::run(&stack, &config).await?;
     if args.json {
@@ -58,7 +76,16 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     } else {
         print!("{}", report.render());
     }
-    Ok(if report.is_clean() && report.settled {
+    // A run whose nemesis could not inject most of its faults proves little: say so, and fail.
+    let injected: u64 = report.faults_injected_by_kind.values().sum();
+    let enough_faults = injected as usize * 2 >= report.faults_scheduled;
+    if !enough_faults {
+        eprintln!(
+            "only {injected} of {} faults were injected; the run is not evidence",
+            report.faults_scheduled
+        );
+    }
+    Ok(if report.is_clean() && report.settled && enough_faults {
         std::process::ExitCode::SUCCESS
     } else {
         std::process::ExitCode::FAILURE

@@ -27,6 +27,8 @@ pub const WORKER_LOCK_TTL_MS: u64 = 3_000;
 /// The proxy gives up on the rail after this: long enough for the slow tail, short enough that
 /// accept-then-hang turns ambiguous quickly.
 pub const RAIL_TIMEOUT_MS: u64 = 2_000;
+/// After a planted stale holder's stall ends, its call reaches the guard within this.
+const STALE_CALL_LANDING: Duration = Duration::from_secs(5);
 /// After this the rail's lookups are authoritative.
 pub const SETTLEMENT_WINDOW_MS: u64 = 1_000;
 
@@ -49,6 +51,9 @@ pub struct ChaosConfig {
     /// off from the lock-server alone. Where this machine does not allow namespaces the run goes
     /// on without partitions and the report says why.
     pub partitions: bool,
+    /// Only these fault kinds (all when `None`): a targeted run, e.g. stale holders alone for
+    /// the negative controls.
+    pub kinds: Option<Vec<nemesis::FaultKind>>,
 }
 
 impl ChaosConfig {
@@ -66,6 +71,7 @@ impl ChaosConfig {
             settle_timeout: Duration::from_secs(180),
             verbose: false,
             partitions: true,
+            kinds: None,
         }
     }
 }
@@ -84,6 +90,8 @@ pub struct Report {
     /// Why there were no network partitions, if there were none.
     pub partitions_unavailable: Option<String>,
     pub safety_events: BTreeMap<String, i64>,
+    /// Stale holders planted in the running system (which worker, which payout, which step).
+    pub stale_holders: Vec<nemesis::Plant>,
     pub rail_movements: u64,
     pub checks: Vec<CheckResult>,
     pub violations: usize,
@@ -136,6 +144,13 @@ impl Report {
             .map(|(k, v)| format!("{k} {v}"))
             .collect();
         let _ = writeln!(s, "safety events: {}", events.join(", "));
+        for p in &self.stale_holders {
+            let _ = writeln!(
+                s,
+                "  stale holder: {} stalled {} ms before {} of {} (paused past its lease)",
+                p.worker, p.stall_ms, p.step, p.payout
+            );
+        }
         let _ = writeln!(s, "rail movements: {}", self.rail_movements);
         for c in &self.checks {
             let _ = writeln!(
@@ -197,16 +212,26 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     } else {
         Some("disabled for this run".to_string())
     };
+    // Before the workers start: they connect to the guards once at start-up.
+    let in_process = guards::replace_services(&mut system, config.disable).await?;
+    let stall_dir = system.dir.join("stall-points");
+    std::fs::create_dir_all(&stall_dir)?;
     let mut partitions = Vec::new();
     for i in 0..config.workers {
         let identity = format!("worker-{i}");
-        let spec = system.worker_spec(&identity).env(
-            "PAYOUT_LOCK_HISTORY_PATH",
-            system
-                .dir
-                .join(format!("{}{identity}.jsonl", checker::LOCK_HISTORY_PREFIX))
-                .to_string_lossy(),
-        );
+        let spec = system
+            .worker_spec(&identity)
+            .env(
+                "PAYOUT_LOCK_HISTORY_PATH",
+                system
+                    .dir
+                    .join(format!("{}{identity}.jsonl", checker::LOCK_HISTORY_PREFIX))
+                    .to_string_lossy(),
+            )
+            .env(
+                payout_activities::services::STALL_DIR_ENV,
+                stall_dir.to_string_lossy(),
+            );
         let (spec, ns) = if partitions_unavailable.is_none() {
             let ns = tokio::task::block_in_place(testkit::netns::NetNs::create)?;
             (ns.wrap(spec), Some(ns))
@@ -225,7 +250,6 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
             system.dir.display()
         ),
     );
-    let in_process = guards::replace_services(&mut system, config.disable).await?;
 
     let schedule = nemesis::Schedule::generate(
         config.seed,
@@ -234,6 +258,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         config.workers,
         config.disable,
         partitions_unavailable.is_none(),
+        config.kinds.as_deref(),
     );
     for line in schedule.describe() {
         say(config.verbose, format!("schedule: {line}"));
@@ -251,6 +276,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     let targets = nemesis::Targets {
         work: &work,
         partitions: &partitions,
+        stall_dir: &stall_dir,
     };
     let fault_start = Instant::now();
     let (started, outcome) = tokio::join!(
@@ -295,6 +321,10 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         }
     };
     let settle_time = settle_start.elapsed();
+    // A planted stale call may still be waiting in its stall: the evidence is read after it ran.
+    if let Some(done) = outcome.stale_calls_done_at() {
+        tokio::time::sleep_until((done + STALE_CALL_LANDING).into()).await;
+    }
 
     let mut evidence = Evidence::collect(&system).await?;
     evidence.revokes = outcome.revokes.clone();
@@ -331,6 +361,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         schedule: schedule.describe(),
         partitions_unavailable,
         safety_events,
+        stale_holders: outcome.plants.clone(),
         rail_movements: evidence.movements.len() as u64,
         checks,
         violations,

@@ -47,10 +47,36 @@ pub enum FaultKind {
     /// Delivered outbox rows are delivered again (a dispatcher that died after the GL committed
     /// and before it marked the row): the GL must answer with the journal it already has.
     OutboxRedeliver,
+    /// A stale holder planted in the running system: the first worker to pass its grant check
+    /// for MarkSubmitted or Submit (seeded) waits there (a test-only stall point, armed now) and
+    /// is paused past its lease; the payout goes on under a new grant; then the stalled call
+    /// reaches its guard with the old token. The guards must refuse it.
+    StaleHolder,
+}
+
+/// The step a planted stale holder stalls before, and for how long. Each wait outlasts the
+/// workflow's way around the frozen call: MarkSubmitted's start-to-close (10 s) and one retry
+/// that finds the grant lost and re-acquires; Submit's start-to-close (30 s), then RAIL_AMBIGUOUS
+/// and a fenced inquiry that seals the never-sent payout (a few seconds here).
+const STALE_STEPS: [(&str, u64); 2] = [("submit", 45_000), ("mark_submitted", 25_000)];
+/// A planted stall not taken by any worker within this long is disarmed (nothing reached it).
+const PLANT_TAKE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Beyond the lease, so that the frozen holder's grant is gone at the lock service.
+const PLANT_PAUSE_MS: u64 = WORKER_LOCK_TTL_MS + 3_000;
+
+/// One planted stale holder that a worker took.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plant {
+    pub step: String,
+    pub worker: String,
+    pub payout: String,
+    pub stall_ms: u64,
+    #[serde(skip)]
+    pub stall_ends: Option<Instant>,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 16] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -67,6 +93,7 @@ impl FaultKind {
         FaultKind::EtcdRestore,
         FaultKind::EtcdRestoreWithoutProcedure,
         FaultKind::OutboxRedeliver,
+        FaultKind::StaleHolder,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -86,13 +113,20 @@ impl FaultKind {
             FaultKind::EtcdRestore => "etcd_restore_with_procedure",
             FaultKind::EtcdRestoreWithoutProcedure => "etcd_restore_without_procedure",
             FaultKind::OutboxRedeliver => "outbox_duplicate_delivery",
+            FaultKind::StaleHolder => "stale_holder_planted",
         }
+    }
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
     }
     /// Relative frequency: the worker and lock faults are the ones the guards exist for.
     fn weight(self) -> u32 {
         match self {
             FaultKind::WorkerKill | FaultKind::ForceRevoke => 3,
-            FaultKind::WorkerPause | FaultKind::RailFaults | FaultKind::WorkerPartition => 2,
+            FaultKind::WorkerPause
+            | FaultKind::RailFaults
+            | FaultKind::WorkerPartition
+            | FaultKind::StaleHolder => 2,
             _ => 1,
         }
     }
@@ -127,6 +161,7 @@ impl Schedule {
         workers: usize,
         disable: DisableGuard,
         partitions: bool,
+        only: Option<&[FaultKind]>,
     ) -> Self {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x6e65_6d65_7369_7321);
         let kinds: Vec<FaultKind> = FaultKind::ALL
@@ -141,6 +176,7 @@ impl Schedule {
                     )
             })
             .filter(|k| partitions || *k != FaultKind::WorkerPartition)
+            .filter(|k| only.is_none_or(|o| o.contains(k)))
             .collect();
         let total: u32 = kinds.iter().map(|k| k.weight()).sum();
         let window_ms = window.as_millis().max(1) as u64;
@@ -224,6 +260,17 @@ pub struct Outcome {
     pub regression_alarms_missed: Vec<String>,
     /// Outbox rows handed back to the dispatcher for a second delivery.
     pub outbox_rows_redelivered: u64,
+    /// Stale holders planted and taken.
+    pub plants: Vec<Plant>,
+    /// Stale holders armed so far (taken or not): they alternate between the two steps.
+    pub plant_attempts: usize,
+}
+
+impl Outcome {
+    /// When the last planted stale call has been made (its stall over), if any was planted.
+    pub fn stale_calls_done_at(&self) -> Option<Instant> {
+        self.plants.iter().filter_map(|p| p.stall_ends).max()
+    }
 }
 
 /// What the nemesis acts on besides the stack and the system.
@@ -231,6 +278,8 @@ pub struct Targets<'a> {
     pub work: &'a Workload,
     /// Each worker's network namespace, where it has one (partitions need it).
     pub partitions: &'a [Option<testkit::netns::NetNs>],
+    /// The workers' `PAYOUT_TEST_STALL_DIR`, where stale holders are armed.
+    pub stall_dir: &'a std::path::Path,
 }
 
 /// The harness plays the supervisor a deployment has (systemd, Kubernetes): a service process
@@ -383,6 +432,7 @@ async fn inject(
             etcd_restore(stack, system, fault, false, outcome).await
         }
         FaultKind::OutboxRedeliver => outbox_redeliver(system, fault, outcome).await,
+        FaultKind::StaleHolder => plant_stale_holder(system, targets, outcome).await,
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);
@@ -661,4 +711,63 @@ async fn outbox_redeliver(
     anyhow::ensure!(!ids.is_empty(), "no delivered outbox row yet");
     outcome.outbox_rows_redelivered += ids.len() as u64;
     Ok(format!("{} delivered outbox rows queued again", ids.len()))
+}
+
+/// Arms a stall point for one step, waits for a worker to take it, and pauses that worker past
+/// its lease: the grant it checked is gone, the workflow carries on under a new grant, and the
+/// stalled call reaches its guard with the old token once the stall ends.
+async fn plant_stale_holder(
+    system: &System,
+    targets: &Targets<'_>,
+    outcome: &mut Outcome,
+) -> anyhow::Result<String> {
+    let (step, stall_ms) = STALE_STEPS[outcome.plant_attempts % STALE_STEPS.len()];
+    outcome.plant_attempts += 1;
+    let armed = targets.stall_dir.join(format!("{step}.armed"));
+    std::fs::write(&armed, stall_ms.to_string())?;
+    let taken_prefix = format!("{step}.taken.");
+    let give_up = Instant::now() + PLANT_TAKE_TIMEOUT;
+    let taken = loop {
+        let already: Vec<String> = outcome.plants.iter().map(|p| p.payout.clone()).collect();
+        let found = std::fs::read_dir(targets.stall_dir)?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter_map(|n| n.strip_prefix(&taken_prefix).map(str::to_string))
+            .find(|rest| {
+                rest.split_once('.')
+                    .is_some_and(|(_, payout)| !already.iter().any(|p| p == payout))
+            });
+        if let Some(rest) = found {
+            break rest;
+        }
+        if Instant::now() >= give_up {
+            // Disarm; if a worker takes it in this instant, the next look finds it.
+            if std::fs::remove_file(&armed).is_ok() {
+                anyhow::bail!("no payout reached {step} within {PLANT_TAKE_TIMEOUT:?}");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let taken_at = Instant::now();
+    let (identity, payout) = taken.split_once('.').expect("checked above");
+    let index: usize = identity
+        .strip_prefix("worker-")
+        .and_then(|i| i.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("stall taken by an unknown worker {identity}"))?;
+    let worker = system
+        .workers
+        .get(index)
+        .ok_or_else(|| anyhow::anyhow!("no worker {index}"))?;
+    blocking(|| worker.pause())?;
+    tokio::time::sleep(Duration::from_millis(PLANT_PAUSE_MS)).await;
+    blocking(|| worker.resume())?;
+    outcome.plants.push(Plant {
+        step: step.to_string(),
+        worker: identity.to_string(),
+        payout: payout.to_string(),
+        stall_ms,
+        stall_ends: Some(taken_at + Duration::from_millis(stall_ms)),
+    });
+    Ok(format!(
+        "{identity} stalls {stall_ms} ms before {step} of {payout}, paused {PLANT_PAUSE_MS} ms (lease {WORKER_LOCK_TTL_MS} ms)"
+    ))
 }

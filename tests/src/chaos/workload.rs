@@ -56,7 +56,9 @@ impl Workload {
         stub.set_faults(&rail_faults(config.seed, 1.0))
             .await
             .map_err(|e| anyhow::anyhow!("rail faults: {e}"))?;
-        let run_id = format!("c{}", config.seed);
+        // Seed and system: two runs of one seed on one Temporal server (the negative controls'
+        // configurations) must not share workflow ids.
+        let run_id = format!("c{}s{}", config.seed, system.ports.lock_server);
         let payments = PaymentClient::connect(system.payment_url())
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
