@@ -105,6 +105,9 @@ pub struct System {
     worker_template: ProcessSpec,
 }
 
+/// The lock-server's issued-token record (INV-04's memory), in the system's directory.
+pub const ISSUED_TOKENS_FILE: &str = "lock-issued-tokens.json";
+
 fn url(port: u16) -> String {
     format!("http://127.0.0.1:{port}")
 }
@@ -156,7 +159,7 @@ impl System {
                 .args(["--etcd-prefix".into(), etcd_prefix.clone()])
                 .args([
                     "--issued-tokens-path".into(),
-                    dir.join("lock-issued-tokens.json").into_os_string(),
+                    dir.join(ISSUED_TOKENS_FILE).into_os_string(),
                 ]),
         )?;
         let payment_resource = ManagedProcess::start(

@@ -54,6 +54,10 @@ pub struct ChaosConfig {
     /// Only these fault kinds (all when `None`): a targeted run, e.g. stale holders alone for
     /// the negative controls.
     pub kinds: Option<Vec<nemesis::FaultKind>>,
+    /// Negative control of INV-04's alarm: restores without the procedure also lose the
+    /// lock-server's issued-token record (as RESTORE.md forbids), so nothing refuses the rewound
+    /// tokens. Test-only: the checker must then report the missed alarm.
+    pub lose_issued_tokens_on_restore: bool,
 }
 
 impl ChaosConfig {
@@ -72,6 +76,7 @@ impl ChaosConfig {
             verbose: false,
             partitions: true,
             kinds: None,
+            lose_issued_tokens_on_restore: false,
         }
     }
 }
@@ -277,6 +282,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         work: &work,
         partitions: &partitions,
         stall_dir: &stall_dir,
+        lose_issued_tokens: config.lose_issued_tokens_on_restore,
     };
     let fault_start = Instant::now();
     let (started, outcome) = tokio::join!(

@@ -186,3 +186,58 @@ pub async fn stale_holder(
         checks,
     })
 }
+
+/// The INV-06 check's negative control on a REAL recorded history: two lock clients record their
+/// histories (`lock-client::history`) against the real lock-server and etcd; A holds a key, an
+/// operator force-revokes it, B is granted it while A still believes it holds it. Checked with
+/// the operator's revoke on record, the history is clean (break-glass ends A's belief); with the
+/// revoke withheld, the checker must see two holders. Returns (violations with the revoke,
+/// violations without it).
+pub async fn lock_history_overlap_control(stack: &Stack) -> anyhow::Result<(usize, usize)> {
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 0,
+            ..SystemOptions::default()
+        },
+    )
+    .await?;
+    let recorder = |name: &str| -> anyhow::Result<_> {
+        let path = system
+            .dir
+            .join(format!("{}{name}.jsonl", checker::LOCK_HISTORY_PREFIX));
+        Ok(std::sync::Arc::new(
+            lock_client::history::HistoryRecorder::open(&path)?,
+        ))
+    };
+    let lock_a = LockClient::connect(system.lock_url())
+        .await?
+        .with_history(recorder("control-a")?);
+    let lock_b = LockClient::connect(system.lock_url())
+        .await?
+        .with_history(recorder("control-b")?);
+    let key = "payout:history-control";
+    let session_a = lock_a.open_session("holder-a", SCENARIO_TTL).await?;
+    let Acquired::Granted(grant_a) = session_a.acquire(key, ACQUIRE_WAIT).await? else {
+        anyhow::bail!("A could not acquire {key}");
+    };
+    let revoked_at = lock_client::history::monotonic_ns(std::time::Instant::now());
+    lock_a
+        .force_revoke(key, "negative-control-operator", "A is stuck")
+        .await?;
+    let session_b = lock_b.open_session("holder-b", SCENARIO_TTL).await?;
+    let Acquired::Granted(grant_b) = session_b.acquire(key, ACQUIRE_WAIT).await? else {
+        anyhow::bail!("B could not acquire {key} after the revoke");
+    };
+    anyhow::ensure!(grant_b.token() > grant_a.token(), "tokens must increase");
+    anyhow::ensure!(grant_a.is_held(), "A still believes it holds the key");
+    let _ = grant_b.release().await;
+    let _ = session_a.close().await;
+    let _ = session_b.close().await;
+    let mut evidence = Evidence::collect(&system).await?;
+    evidence.revokes = vec![(key.to_string(), revoked_at)];
+    let with_revoke = checker::grants_never_overlap(&evidence).violations.len();
+    evidence.revokes.clear();
+    let without_revoke = checker::grants_never_overlap(&evidence).violations.len();
+    Ok((with_revoke, without_revoke))
+}

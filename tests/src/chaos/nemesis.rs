@@ -280,6 +280,9 @@ pub struct Targets<'a> {
     pub partitions: &'a [Option<testkit::netns::NetNs>],
     /// The workers' `PAYOUT_TEST_STALL_DIR`, where stale holders are armed.
     pub stall_dir: &'a std::path::Path,
+    /// Negative control of the INV-04 alarm: a restore without the procedure also loses the
+    /// lock-server's issued-token record. Test-only.
+    pub lose_issued_tokens: bool,
 }
 
 /// The harness plays the supervisor a deployment has (systemd, Kubernetes): a service process
@@ -427,9 +430,9 @@ async fn inject(
                 fault.worker, fault.down_ms, WORKER_LOCK_TTL_MS
             ))
         }
-        FaultKind::EtcdRestore => etcd_restore(stack, system, fault, true, outcome).await,
+        FaultKind::EtcdRestore => etcd_restore(stack, system, fault, true, targets, outcome).await,
         FaultKind::EtcdRestoreWithoutProcedure => {
-            etcd_restore(stack, system, fault, false, outcome).await
+            etcd_restore(stack, system, fault, false, targets, outcome).await
         }
         FaultKind::OutboxRedeliver => outbox_redeliver(system, fault, outcome).await,
         FaultKind::StaleHolder => plant_stale_holder(system, targets, outcome).await,
@@ -625,6 +628,7 @@ async fn etcd_restore(
     system: &System,
     fault: &Fault,
     procedure: bool,
+    targets: &Targets<'_>,
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
     let snapshot = system.dir.join(format!("etcd-snapshot-{}.db", fault.at_ms));
@@ -657,6 +661,14 @@ async fn etcd_restore(
         }
     } else {
         blocking(|| stack.etcd.restore_from_snapshot(&snapshot))?;
+        if targets.lose_issued_tokens {
+            // The negative control: the lock-server's memory of issued tokens is restored (lost)
+            // together with the backend, which RESTORE.md forbids. Nothing is left to notice.
+            blocking(|| system.lock_server.kill())?;
+            std::fs::remove_file(system.dir.join(testkit::system::ISSUED_TOKENS_FILE))?;
+            blocking(|| system.lock_server.restart())?;
+            testkit::system::wait_grpc(system.ports.lock_server, &system.lock_server).await?;
+        }
         let verdict = probe(system, &key).await;
         // Whatever the verdict, the operator now applies the procedure so the run can go on.
         blocking(|| system.lock_server.kill())?;
