@@ -57,8 +57,9 @@ pub enum FaultKind {
 /// The step a planted stale holder stalls before, and for how long. Each wait outlasts the
 /// workflow's way around the frozen call: MarkSubmitted's start-to-close (10 s) and one retry
 /// that finds the grant lost and re-acquires; Submit's start-to-close (30 s), then RAIL_AMBIGUOUS
-/// and a fenced inquiry that seals the never-sent payout (a few seconds here).
-const STALE_STEPS: [(&str, u64); 2] = [("submit", 45_000), ("mark_submitted", 25_000)];
+/// and a fenced inquiry that seals the never-sent payout (a few seconds here); each with room for
+/// a loaded two-core machine, since a stale call that lands before the rescue is not stale.
+const STALE_STEPS: [(&str, u64); 2] = [("submit", 55_000), ("mark_submitted", 30_000)];
 /// A planted stall not taken by any worker within this long is disarmed (nothing reached it).
 const PLANT_TAKE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Beyond the lease, so that the frozen holder's grant is gone at the lock service.
