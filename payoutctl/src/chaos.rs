@@ -35,6 +35,10 @@ pub struct Args {
     /// `--kinds stale_holder_planted` for the negative controls' targeted run.
     #[arg(long, value_delimiter = ',')]
     pub kinds: Vec<String>,
+    /// At most this many payouts open at a time (started, not yet settled): a long run is
+    /// paced like an upstream batch instead of starting thousands of workflows at once.
+    #[arg(long, default_value_t = chaos::OPEN_PAYOUTS_MAX)]
+    pub open_payouts_max: usize,
     /// Keep every worker on this host's network (no namespaces, so no partition faults).
     #[arg(long)]
     pub no_partitions: bool,
@@ -56,6 +60,8 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     config.settle_timeout = Duration::from_secs(args.settle_timeout_s);
     config.verbose = !args.json;
     config.partitions = !args.no_partitions;
+    anyhow::ensure!(args.open_payouts_max > 0, "--open-payouts-max must be positive");
+    config.open_payouts_max = args.open_payouts_max;
     if !args.kinds.is_empty() {
         let kinds = args
             .kinds

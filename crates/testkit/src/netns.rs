@@ -44,8 +44,43 @@ fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
 }
 
 impl NetNs {
+    /// Removes what a killed run left behind: namespaces (and their NAT rules) named after a
+    /// process that no longer exists. Drop cleans up after a run that ends normally.
+    fn remove_stale() {
+        let owner_gone = |name: &str, marker: char| {
+            name.strip_prefix("pw")
+                .and_then(|rest| rest.split(marker).next())
+                .and_then(|pid| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+        };
+        if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let name = line.split_whitespace().next().unwrap_or_default();
+                if owner_gone(name, 'n') {
+                    let _ = run("ip", &["netns", "del", name]);
+                }
+            }
+        }
+        if let Ok(out) = Command::new("iptables")
+            .args(["-w", "-t", "nat", "-S", "PREROUTING"])
+            .output()
+        {
+            for rule in String::from_utf8_lossy(&out.stdout).lines() {
+                let Some(dev) = rule.split_whitespace().skip_while(|w| *w != "-i").nth(1) else {
+                    continue;
+                };
+                if rule.contains("DNAT") && owner_gone(dev, 'h') {
+                    let mut args = vec!["-w", "-t", "nat", "-D"];
+                    args.extend(rule.split_whitespace().skip(1));
+                    let _ = run("iptables", &args);
+                }
+            }
+        }
+    }
+
     /// Whether namespaces can be made here: `Err` says why not (no root, no `ip`, no iptables).
     pub fn available() -> Result<(), String> {
+        Self::remove_stale();
         let probe = format!("pwprobe{}", std::process::id());
         run("ip", &["netns", "add", &probe]).map_err(|e| format!("ip netns add: {e:#}"))?;
         let iptables = run(

@@ -27,6 +27,9 @@ pub const WORKER_LOCK_TTL_MS: u64 = 3_000;
 /// The proxy gives up on the rail after this: long enough for the slow tail, short enough that
 /// accept-then-hang turns ambiguous quickly.
 pub const RAIL_TIMEOUT_MS: u64 = 2_000;
+/// Payouts open at once by default: the CI-sized runs start everything at once; a long run is
+/// paced, as a batch upstream would be (two workers settle a few payouts a second).
+pub const OPEN_PAYOUTS_MAX: usize = 400;
 /// After a planted stale holder's stall ends, its call reaches the guard within this.
 const STALE_CALL_LANDING: Duration = Duration::from_secs(5);
 /// After this the rail's lookups are authoritative.
@@ -58,6 +61,8 @@ pub struct ChaosConfig {
     /// lock-server's issued-token record (as RESTORE.md forbids), so nothing refuses the rewound
     /// tokens. Test-only: the checker must then report the missed alarm.
     pub lose_issued_tokens_on_restore: bool,
+    /// At most this many payouts started and not yet settled at a time.
+    pub open_payouts_max: usize,
 }
 
 impl ChaosConfig {
@@ -77,6 +82,7 @@ impl ChaosConfig {
             partitions: true,
             kinds: None,
             lose_issued_tokens_on_restore: false,
+            open_payouts_max: OPEN_PAYOUTS_MAX,
         }
     }
 }
@@ -286,7 +292,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     };
     let fault_start = Instant::now();
     let (started, outcome) = tokio::join!(
-        work.start_all(&system),
+        work.start_all(&system, config.open_payouts_max),
         nemesis::execute(
             stack,
             &system,

@@ -116,8 +116,15 @@ impl Workload {
         })
     }
 
-    /// Starts every payout's workflow (starts only: settling is observed in the databases).
-    pub async fn start_all(&self, system: &System) -> anyhow::Result<()> {
+    /// Starts every payout's workflow (starts only: settling is observed in the databases), with
+    /// at most `open_max` of them not yet settled at a time, as an upstream batcher would: every
+    /// open payout of a busy account polls for its lock, and thousands of them at once only
+    /// measure the churn.
+    pub async fn start_all(&self, system: &System, open_max: usize) -> anyhow::Result<()> {
+        let paydb = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&system.databases.paydb)
+            .await?;
         let client = Arc::new(
             payout_workflows::client::connect(
                 &system.temporal_address,
@@ -129,7 +136,20 @@ impl Workload {
         );
         let semaphore = Arc::new(tokio::sync::Semaphore::new(START_CONCURRENCY_MAX));
         let mut tasks = tokio::task::JoinSet::new();
-        for input in self.inputs.clone() {
+        let mut settled: i64 = 0;
+        for (started, input) in self.inputs.clone().into_iter().enumerate() {
+            while started as i64 - settled >= open_max as i64 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                // paydb may be restarting (a fault): the count is asked again.
+                if let Ok(n) = sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM payout WHERE state IN ('POSTED', 'FAILED', 'ABANDONED', 'RAIL_AMBIGUOUS')",
+                )
+                .fetch_one(&paydb)
+                .await
+                {
+                    settled = n;
+                }
+            }
             let client = client.clone();
             let semaphore = semaphore.clone();
             let queue = system.task_queue.clone();
