@@ -60,7 +60,10 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     config.settle_timeout = Duration::from_secs(args.settle_timeout_s);
     config.verbose = !args.json;
     config.partitions = !args.no_partitions;
-    anyhow::ensure!(args.open_payouts_max > 0, "--open-payouts-max must be positive");
+    anyhow::ensure!(
+        args.open_payouts_max > 0,
+        "--open-payouts-max must be positive"
+    );
     config.open_payouts_max = args.open_payouts_max;
     if !args.kinds.is_empty() {
         let kinds = args

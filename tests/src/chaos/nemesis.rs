@@ -736,28 +736,33 @@ async fn plant_stale_holder(
 ) -> anyhow::Result<String> {
     let (step, stall_ms) = STALE_STEPS[outcome.plant_attempts % STALE_STEPS.len()];
     outcome.plant_attempts += 1;
+    let taken_prefix = format!("{step}.taken.");
+    let taken_files = |dir: &std::path::Path| -> std::io::Result<Vec<String>> {
+        Ok(std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with(&taken_prefix))
+            .collect())
+    };
+    // Plants are one at a time: whatever an earlier one left is cleared, so the next taken
+    // file is this plant's (a payout may take the same step twice: its retry after a rescue).
+    for old in taken_files(targets.stall_dir)? {
+        std::fs::remove_file(targets.stall_dir.join(old))?;
+    }
     let armed = targets.stall_dir.join(format!("{step}.armed"));
     std::fs::write(&armed, stall_ms.to_string())?;
-    let taken_prefix = format!("{step}.taken.");
     let give_up = Instant::now() + PLANT_TAKE_TIMEOUT;
     let taken = loop {
-        let already: Vec<String> = outcome.plants.iter().map(|p| p.payout.clone()).collect();
-        let found = std::fs::read_dir(targets.stall_dir)?
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter_map(|n| n.strip_prefix(&taken_prefix).map(str::to_string))
-            .find(|rest| {
-                rest.split_once('.')
-                    .is_some_and(|(_, payout)| !already.iter().any(|p| p == payout))
-            });
-        if let Some(rest) = found {
-            break rest;
+        if let Some(name) = taken_files(targets.stall_dir)?.into_iter().next() {
+            break name[taken_prefix.len()..].to_string();
         }
-        if Instant::now() >= give_up {
-            // Disarm; if a worker takes it in this instant, the next look finds it.
-            if std::fs::remove_file(&armed).is_ok() {
-                anyhow::bail!("no payout reached {step} within {PLANT_TAKE_TIMEOUT:?}");
-            }
+        if Instant::now() >= give_up && std::fs::remove_file(&armed).is_ok() {
+            anyhow::bail!("no payout reached {step} within {PLANT_TAKE_TIMEOUT:?}");
         }
+        // Not removable and not taken: a worker renamed it this instant; the next look finds it.
+        anyhow::ensure!(
+            Instant::now() < give_up + PLANT_TAKE_TIMEOUT,
+            "the armed stall point of {step} vanished without a taker"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let taken_at = Instant::now();
