@@ -11,6 +11,9 @@ use testkit::stack::StackPorts;
 use testkit::system::{Databases, System, SystemOptions, SystemPorts};
 use testkit::{Lifetime, Stack};
 
+/// Services listen at `--service-port-base` + 1 ..= this (gRPC, /metrics, the reconciler's).
+const SERVICE_PORT_OFFSET_MAX: u16 = 20;
+
 pub const DEFAULT_STATE_DIR: &str = ".state/stack";
 /// The task queue of the local stack's workers.
 pub const TASK_QUEUE: &str = "payouts";
@@ -221,6 +224,13 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         temporal_http: args.temporal_ui_port + 1,
         temporal_metrics: args.temporal_ui_port + 2,
     };
+    // The services' ports, before any part picks a fresh port of its own (etcd's peers): the
+    // parts start in parallel, and a fresh pick must never be a port another part will bind.
+    if !args.infra_only {
+        testkit::util::reserve_ports(
+            (1..=SERVICE_PORT_OFFSET_MAX).map(|i| args.service_port_base + i),
+        );
+    }
     let started = Instant::now();
     let dir_for_thread = dir.clone();
     let ports_for_thread = ports.clone();

@@ -94,6 +94,20 @@ impl StackBuilder {
             lifetime: self.lifetime,
         };
         let ports = self.ports.clone();
+        if let Some(p) = &ports {
+            crate::util::reserve_ports(
+                [
+                    p.pg_main,
+                    p.pg_proxy,
+                    p.temporal,
+                    p.temporal_ui,
+                    p.temporal_http,
+                    p.temporal_metrics,
+                ]
+                .into_iter()
+                .chain(p.etcd_clients.iter().copied()),
+            );
+        }
         let (main, proxy, etcd) = std::thread::scope(|scope| {
             let main = scope.spawn(|| {
                 let port = ports.as_ref().map(|p| p.pg_main).unwrap_or_else(free_port);

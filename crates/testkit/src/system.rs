@@ -130,6 +130,19 @@ impl System {
                 gldb: stack.fresh_db(PgServer::Main).await,
             },
         };
+        if let Some(p) = &options.ports {
+            crate::util::reserve_ports(
+                [
+                    p.lock_server,
+                    p.payment_resource,
+                    p.rail_stub,
+                    p.rail_proxy,
+                    p.general_ledger,
+                ]
+                .into_iter()
+                .chain(p.metrics.iter().copied()),
+            );
+        }
         let ports = options.ports.clone().unwrap_or_else(SystemPorts::free);
         let task_queue = options
             .task_queue

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 /// A port that was free a moment ago. Ports are handed out from a per-process cursor above the
 /// ephemeral range's start so two stacks in one process never get the same port, then probed.
 pub fn free_port() -> u16 {
+    let reserved = RESERVED.lock().expect("reserved ports").clone();
     // Ports below the kernel's ephemeral range (32768+) so outgoing connections never take them.
     const FIRST: u16 = 20_000;
     const LAST: u16 = 32_000;
@@ -19,10 +20,21 @@ pub fn free_port() -> u16 {
     loop {
         let offset = CURSOR.fetch_add(1, Ordering::Relaxed);
         let port = FIRST + (base - FIRST + offset) % (LAST - FIRST);
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if !reserved.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return port;
         }
     }
+}
+
+/// Ports a part of this process's stack is configured to use but may not have bound yet (a
+/// stack brought up again on its recorded ports starts its parts in parallel): [`free_port`]
+/// never hands them out, or a part picking a fresh port could take another part's.
+static RESERVED: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Keeps [`free_port`] away from `ports` for the rest of this process.
+pub fn reserve_ports(ports: impl IntoIterator<Item = u16>) {
+    RESERVED.lock().expect("reserved ports").extend(ports);
 }
 
 /// Polls `check` until it returns `Some`, at most `timeout`. The poll interval is short because
