@@ -193,6 +193,20 @@ impl Report {
     }
 }
 
+/// A database the harness reads or pokes may be restarting (a fault); a step gives up on it
+/// after this.
+const HARNESS_DB_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One connection for one step's SQL (a fault, the pacing of the workload), bounded by
+/// [`HARNESS_DB_TIMEOUT`].
+pub(crate) async fn one_connection(url: &str) -> anyhow::Result<sqlx::PgPool> {
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(HARNESS_DB_TIMEOUT)
+        .connect(url)
+        .await?)
+}
+
 pub(crate) fn say(verbose: bool, line: impl AsRef<str>) {
     if verbose {
         eprintln!("[chaos] {}", line.as_ref());
@@ -340,7 +354,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
 
     let mut evidence = Evidence::collect(&system).await?;
     evidence.revokes = outcome.revokes.clone();
-    let checks = checker::check(&evidence);
+    let mut checks = checker::check(&evidence);
     let mut safety_events = evidence.safety_events();
     safety_events.insert(
         "lock_token_regression_alarms".into(),
@@ -354,7 +368,6 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         "operator_force_revokes".into(),
         outcome.revokes.len() as i64,
     );
-    let mut checks = checks;
     checks.push(checker::result(
         "restore_without_procedure_alarm_fires",
         outcome.regression_alarms_fired as usize + outcome.regression_alarms_missed.len(),

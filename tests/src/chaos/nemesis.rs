@@ -73,7 +73,7 @@ pub struct Plant {
     pub payout: String,
     pub stall_ms: u64,
     #[serde(skip)]
-    pub stall_ends: Option<Instant>,
+    pub stall_ends: Instant,
 }
 
 impl FaultKind {
@@ -270,7 +270,7 @@ pub struct Outcome {
 impl Outcome {
     /// When the last planted stale call has been made (its stall over), if any was planted.
     pub fn stale_calls_done_at(&self) -> Option<Instant> {
-        self.plants.iter().filter_map(|p| p.stall_ends).max()
+        self.plants.iter().map(|p| p.stall_ends).max()
     }
 }
 
@@ -474,18 +474,6 @@ async fn pg_restart(pg: &testkit::postgres::Postgres) -> anyhow::Result<()> {
     blocking(|| pg.restart())
 }
 
-/// A database the nemesis reads or pokes may be restarting; a fault gives up on it after this.
-const NEMESIS_DB_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// One connection for one fault's SQL, bounded by [`NEMESIS_DB_TIMEOUT`].
-async fn one_connection(url: &str) -> anyhow::Result<sqlx::PgPool> {
-    Ok(sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(NEMESIS_DB_TIMEOUT)
-        .connect(url)
-        .await?)
-}
-
 /// Revokes the lock of an account that has a payout in flight (a random account if none has).
 async fn force_revoke(
     system: &System,
@@ -493,7 +481,7 @@ async fn force_revoke(
     work: &Workload,
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
-    let paydb = one_connection(&system.databases.paydb).await?;
+    let paydb = super::one_connection(&system.databases.paydb).await?;
     // Accounts with a payout in flight first (their lock is most likely held), then the rest.
     let mut candidates: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT account_id FROM payout WHERE state IN ('CLAIMED', 'RAIL_SUBMITTED') ORDER BY account_id",
@@ -587,7 +575,7 @@ async fn probe(system: &System, key: &str) -> anyhow::Result<Probe> {
 }
 
 async fn max_token(url: &str, sql: &str) -> anyhow::Result<i64> {
-    let pool = one_connection(url).await?;
+    let pool = super::one_connection(url).await?;
     let v: Option<i64> = sqlx::query_scalar(sql).fetch_one(&pool).await?;
     pool.close().await;
     Ok(v.unwrap_or(0))
@@ -708,7 +696,7 @@ async fn outbox_redeliver(
     fault: &Fault,
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
-    let paydb = one_connection(&system.databases.paydb).await?;
+    let paydb = super::one_connection(&system.databases.paydb).await?;
     let rows = 1 + (fault.seed % REDELIVER_ROWS_MAX as u64) as i64;
     let ids: Vec<i64> = sqlx::query_scalar(
         "UPDATE ledger_outbox SET delivered_at = NULL, journal_id = NULL, next_attempt_at = now(), \
@@ -783,7 +771,7 @@ async fn plant_stale_holder(
         worker: identity.to_string(),
         payout: payout.to_string(),
         stall_ms,
-        stall_ends: Some(taken_at + Duration::from_millis(stall_ms)),
+        stall_ends: taken_at + Duration::from_millis(stall_ms),
     });
     Ok(format!(
         "{identity} stalls {stall_ms} ms before {step} of {payout}, paused {PLANT_PAUSE_MS} ms (lease {WORKER_LOCK_TTL_MS} ms)"

@@ -121,10 +121,7 @@ impl Workload {
     /// open payout of a busy account polls for its lock, and thousands of them at once only
     /// measure the churn.
     pub async fn start_all(&self, system: &System, open_max: usize) -> anyhow::Result<()> {
-        let paydb = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&system.databases.paydb)
-            .await?;
+        let paydb = super::one_connection(&system.databases.paydb).await?;
         let client = Arc::new(
             payout_workflows::client::connect(
                 &system.temporal_address,
