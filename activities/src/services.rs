@@ -344,14 +344,22 @@ impl Backend for ServiceBackend {
 
     fn mark_submitted(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
-            self.stalls.stall("mark_submitted", &input.payout_id).await;
-            let fence = Self::fence(&input.grant)?;
-            let p = self
-                .payment
-                .mark_submitted(&input.payout_id, &fence)
-                .await
-                .map_err(payment_failure)?;
-            Ok(snapshot(p))
+            let plant = self
+                .stalls
+                .stall("mark_submitted", &input.payout_id, input.grant.token)
+                .await;
+            let answer = async {
+                let fence = Self::fence(&input.grant)?;
+                let p = self
+                    .payment
+                    .mark_submitted(&input.payout_id, &fence)
+                    .await
+                    .map_err(payment_failure)?;
+                Ok(snapshot(p))
+            }
+            .await;
+            plant.report(&answer, |_| "accepted".to_string());
+            answer
         })
     }
 
@@ -450,59 +458,20 @@ impl Backend for ServiceBackend {
 
     fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {
         boxed(async move {
-            self.stalls.stall("submit", &input.payout_id).await;
-            let request = SubmitPayout::new(
-                input.payout_id.clone(),
-                input.account_id.clone(),
-                input.grant.token,
-                input.grant.owner.clone(),
-                input.amount_minor,
-                input.currency.clone(),
-                input.beneficiary_ref.clone(),
-            );
-            // The reference is derived from the payout id on both sides; a difference is a bug.
-            if request.client_reference != input.client_reference {
-                return Err(Refusal::InvalidRequest {
-                    detail: format!(
-                        "client reference {} is not the one derived from payout {}",
-                        input.client_reference, input.payout_id
-                    ),
+            let plant = self
+                .stalls
+                .stall("submit", &input.payout_id, input.grant.token)
+                .await;
+            let answer = self.submit_checked(input).await;
+            plant.report(&answer, |a| {
+                match a {
+                    SubmitAnswer::Acked { .. } => "accepted: acked",
+                    SubmitAnswer::Declined { .. } => "accepted: declined",
+                    SubmitAnswer::Ambiguous { .. } => "accepted: ambiguous",
                 }
-                .into());
-            }
-            let mut proxy = self.proxy.clone();
-            match proxy.submit(&request).await {
-                Ok(submission) => Ok(match submission.outcome {
-                    Outcome::Acked { rail_ref } => SubmitAnswer::Acked { rail_ref },
-                    Outcome::Rejected { decline_code } => SubmitAnswer::Declined { decline_code },
-                    Outcome::Timeout { detail } => SubmitAnswer::Ambiguous { detail },
-                    Outcome::Pending => SubmitAnswer::Ambiguous {
-                        detail: "the proxy recorded the intent but no outcome".into(),
-                    },
-                    // A submit never answers with a seal (it would be a DUPLICATE); should it,
-                    // the conservative reading is "unknown", which the inquiry then resolves.
-                    Outcome::NotSent { .. } => SubmitAnswer::Ambiguous {
-                        detail: "the proxy answered a submit with a sealed (NOT_SENT) record"
-                            .into(),
-                    },
-                }),
-                Err(e @ ProxyError::FencedOut { .. }) => Err(proxy_fenced_out(e)),
-                Err(ProxyError::Duplicate { existing, .. }) => Err(Refusal::DuplicateSubmission {
-                    payout_id: input.payout_id.to_string(),
-                    existing_outcome: recorded_outcome(&existing.outcome),
-                }
-                .into()),
-                Err(ProxyError::InvalidArgument { field, reason }) => {
-                    Err(Refusal::InvalidRequest {
-                        detail: format!("rail proxy refused {field}: {reason}"),
-                    }
-                    .into())
-                }
-                // Everything else is an unclear answer: money may have moved.
-                Err(e) => Ok(SubmitAnswer::Ambiguous {
-                    detail: e.to_string(),
-                }),
-            }
+                .to_string()
+            });
+            answer
         })
     }
 
@@ -555,6 +524,61 @@ impl Backend for ServiceBackend {
     }
 }
 
+impl ServiceBackend {
+    /// The Submit itself, once the grant check (and any test stall) is behind it.
+    async fn submit_checked(&self, input: SubmitInput) -> Result<SubmitAnswer, ActivityFailure> {
+        let request = SubmitPayout::new(
+            input.payout_id.clone(),
+            input.account_id.clone(),
+            input.grant.token,
+            input.grant.owner.clone(),
+            input.amount_minor,
+            input.currency.clone(),
+            input.beneficiary_ref.clone(),
+        );
+        // The reference is derived from the payout id on both sides; a difference is a bug.
+        if request.client_reference != input.client_reference {
+            return Err(Refusal::InvalidRequest {
+                detail: format!(
+                    "client reference {} is not the one derived from payout {}",
+                    input.client_reference, input.payout_id
+                ),
+            }
+            .into());
+        }
+        let mut proxy = self.proxy.clone();
+        match proxy.submit(&request).await {
+            Ok(submission) => Ok(match submission.outcome {
+                Outcome::Acked { rail_ref } => SubmitAnswer::Acked { rail_ref },
+                Outcome::Rejected { decline_code } => SubmitAnswer::Declined { decline_code },
+                Outcome::Timeout { detail } => SubmitAnswer::Ambiguous { detail },
+                Outcome::Pending => SubmitAnswer::Ambiguous {
+                    detail: "the proxy recorded the intent but no outcome".into(),
+                },
+                // A submit never answers with a seal (it would be a DUPLICATE); should it,
+                // the conservative reading is "unknown", which the inquiry then resolves.
+                Outcome::NotSent { .. } => SubmitAnswer::Ambiguous {
+                    detail: "the proxy answered a submit with a sealed (NOT_SENT) record".into(),
+                },
+            }),
+            Err(e @ ProxyError::FencedOut { .. }) => Err(proxy_fenced_out(e)),
+            Err(ProxyError::Duplicate { existing, .. }) => Err(Refusal::DuplicateSubmission {
+                payout_id: input.payout_id.to_string(),
+                existing_outcome: recorded_outcome(&existing.outcome),
+            }
+            .into()),
+            Err(ProxyError::InvalidArgument { field, reason }) => Err(Refusal::InvalidRequest {
+                detail: format!("rail proxy refused {field}: {reason}"),
+            }
+            .into()),
+            // Everything else is an unclear answer: money may have moved.
+            Err(e) => Ok(SubmitAnswer::Ambiguous {
+                detail: e.to_string(),
+            }),
+        }
+    }
+}
+
 /// The test-only variable naming stall points; a deployment never sets it.
 pub const STALL_ENV: &str = "PAYOUT_TEST_STALL_AFTER_CHECK";
 
@@ -568,8 +592,12 @@ pub const STALL_ENV: &str = "PAYOUT_TEST_STALL_AFTER_CHECK";
 /// The same stall can be armed while the workers run, for whichever payout reaches the step
 /// first: with `PAYOUT_TEST_STALL_DIR=<dir>`, a file `<dir>/<step>.armed` holding `<ms>` is
 /// taken by the first worker whose check for `step` passes (an atomic rename to
-/// `<step>.taken.<identity>.<payout_id>`, so exactly one worker of all takes it), which then
-/// waits `ms`. The chaos nemesis arms it to plant a stale holder in a running system.
+/// `<step>.taken.<identity>.<payout_id>`, so exactly one worker of all takes it). The taker
+/// writes the token it checked to `<step>.token.<payout_id>`, waits until the harness creates
+/// `<step>.release.<payout_id>` (at most `ms`: the harness releases it once a successor's write
+/// has reached the guard, so the call is stale by what happened, not by a guess at timing),
+/// makes its call, and writes the guard's answer to `<step>.answer.<payout_id>`. The chaos
+/// nemesis arms it to plant a stale holder in a running system.
 #[derive(Default)]
 struct StallPoints {
     points: Vec<(String, String, u64)>,
@@ -579,6 +607,45 @@ struct StallPoints {
 
 /// The test-only variable naming the directory of armed stall points; a deployment never sets it.
 pub const STALL_DIR_ENV: &str = "PAYOUT_TEST_STALL_DIR";
+/// An armed stall looks for its release this often.
+const STALL_RELEASE_POLL: Duration = Duration::from_millis(50);
+
+/// A stall taken from the armed directory: where the guard's answer is reported.
+#[must_use]
+#[derive(Default)]
+struct PlantedCall {
+    answer_file: Option<std::path::PathBuf>,
+}
+
+impl PlantedCall {
+    /// Writes how the guard answered the planted call: `accepted[: detail]`, or the refusal's
+    /// kind.
+    fn report<T>(&self, answer: &Result<T, ActivityFailure>, accepted: impl FnOnce(&T) -> String) {
+        let Some(path) = &self.answer_file else {
+            return;
+        };
+        let what = match answer {
+            Ok(t) => accepted(t),
+            Err(ActivityFailure::Refused(r)) => match r {
+                Refusal::FencedOut { .. } => "fenced_out".to_string(),
+                Refusal::DuplicateSubmission { .. } => "duplicate".to_string(),
+                Refusal::RefusedTransition { .. } => "refused_transition".to_string(),
+                other => format!("refused: {other}"),
+            },
+            Err(ActivityFailure::Transient(e)) => format!("error: {e}"),
+        };
+        tracing::warn!(answer = %what, "test stall point (armed): the guard answered the planted call");
+        write_atomically(path, &what);
+    }
+}
+
+/// Writes `text` to `path` so that a reader sees all of it or nothing (a rename).
+fn write_atomically(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path)) {
+        tracing::error!(path = %path.display(), error = %e, "test stall point: cannot write");
+    }
+}
 
 impl StallPoints {
     fn from_env(identity: &str) -> Self {
@@ -609,28 +676,45 @@ impl StallPoints {
         }
     }
 
-    /// Takes the armed stall point of `step`, if there is one and no other worker took it first.
-    fn take_armed(&self, step: &str, payout: &PayoutId) -> Option<u64> {
+    /// Takes the armed stall point of `step`, if there is one and no other worker took it first:
+    /// the longest wait for the release, and the directory.
+    fn take_armed(&self, step: &str, payout: &PayoutId) -> Option<(u64, &std::path::Path)> {
         let (dir, identity) = self.armed_dir.as_ref()?;
         let armed = dir.join(format!("{step}.armed"));
         let ms = std::fs::read_to_string(&armed).ok()?.trim().parse().ok()?;
         let taken = dir.join(format!("{step}.taken.{identity}.{payout}"));
         std::fs::rename(&armed, &taken).ok()?;
-        Some(ms)
+        Some((ms, dir))
     }
 
-    async fn stall(&self, step: &str, payout: &PayoutId) {
-        if let Some(ms) = self.take_armed(step, payout) {
-            tracing::warn!(step, payout_id = %payout, stall_ms = ms, "test stall point (armed): waiting after the grant check");
-            tokio::time::sleep(Duration::from_millis(ms)).await;
-            tracing::warn!(step, payout_id = %payout, "test stall point (armed): continuing to the guard");
+    async fn stall(
+        &self,
+        step: &str,
+        payout: &PayoutId,
+        token: payout_domain::FencingToken,
+    ) -> PlantedCall {
+        if let Some((ms, dir)) = self.take_armed(step, payout) {
+            write_atomically(
+                &dir.join(format!("{step}.token.{payout}")),
+                &token.get().to_string(),
+            );
+            tracing::warn!(step, payout_id = %payout, token = token.get(), max_ms = ms, "test stall point (armed): waiting after the grant check for the harness's release");
+            let release = dir.join(format!("{step}.release.{payout}"));
+            let give_up = tokio::time::Instant::now() + Duration::from_millis(ms);
+            while !release.exists() && tokio::time::Instant::now() < give_up {
+                tokio::time::sleep(STALL_RELEASE_POLL).await;
+            }
+            tracing::warn!(step, payout_id = %payout, released = release.exists(), "test stall point (armed): continuing to the guard");
+            return PlantedCall {
+                answer_file: Some(dir.join(format!("{step}.answer.{payout}"))),
+            };
         }
         let Some((_, _, ms)) = self
             .points
             .iter()
             .find(|(s, p, _)| s == step && p == payout.as_str())
         else {
-            return;
+            return PlantedCall::default();
         };
         if !self
             .fired
@@ -638,11 +722,12 @@ impl StallPoints {
             .expect("stall points")
             .insert((step.to_string(), payout.to_string()))
         {
-            return;
+            return PlantedCall::default();
         }
         tracing::warn!(step, payout_id = %payout, stall_ms = ms, "test stall point: waiting after the grant check");
         tokio::time::sleep(Duration::from_millis(*ms)).await;
         tracing::warn!(step, payout_id = %payout, "test stall point: continuing to the guard");
+        PlantedCall::default()
     }
 }
 

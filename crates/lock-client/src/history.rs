@@ -12,7 +12,13 @@
 //! - `deadline`: every new local deadline of a session (the latest it could rely on any grant of
 //!   that session, since a grant is only trusted while its session's deadline has not passed);
 //! - `lost`: the moment the session was found lost (deadline passed, server said gone, closed);
-//! - `release`: the moment a release request was SENT (the client stopped relying on it then).
+//! - `release`: the moment a release request was SENT (the client stopped relying on it then);
+//! - `grant_deadline`: every new deadline of one grant, from a Renew the server answered "still
+//!   the holder" (sent at some instant: the grant is relied on until that instant + TTL - margin
+//!   at most), the first from the acquire's own send time. A key can be taken from a live session
+//!   (an operator's force-revoke), so a grant is trusted only while BOTH its session's and its
+//!   own deadline are ahead;
+//! - `grant_lost`: the moment the server answered that the handle no longer holds its key.
 //!
 //! Recording never decides anything: a write error is logged once and recording stops, the grant
 //! logic is unchanged.
@@ -44,6 +50,18 @@ pub enum HistoryEvent {
         at_ns: u64,
     },
     Release {
+        key: String,
+        owner: String,
+        token: u64,
+        at_ns: u64,
+    },
+    GrantDeadline {
+        key: String,
+        owner: String,
+        token: u64,
+        deadline_ns: u64,
+    },
+    GrantLost {
         key: String,
         owner: String,
         token: u64,

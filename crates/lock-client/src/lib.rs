@@ -7,6 +7,11 @@
 //!   plus the TTL, minus [`LOCAL_DEADLINE_MARGIN`]; never the wall clock. [`Grant::is_held`] turns
 //!   false the moment it passes, and [`Grant::lost`] notifies. This narrows the window in which a
 //!   stale holder keeps working; it is not safety: the token at the guards is.
+//! - A key can be taken from a live session (an operator's force-revoke frees it without ending
+//!   the session), so each grant is also vouched for on its own: every keep-alive round renews
+//!   each live grant of the session (a Renew answers "still the holder" or refuses), and a grant
+//!   is held only while its own deadline (the last vouching Renew's SEND time + TTL - margin) is
+//!   ahead too. A deposed holder therefore stops believing within one TTL of the revoke (INV-06).
 //! - Fail closed: any error on acquire is an `Err`, never a grant. There is no switch for that.
 
 pub mod history;
@@ -288,6 +293,8 @@ struct SessionInner {
     session_id: String,
     ttl: Duration,
     liveness: Arc<Liveness>,
+    /// The grants made on this session and not yet dropped: each keep-alive round vouches for them.
+    grants: Mutex<Vec<std::sync::Weak<GrantLiveness>>>,
     keep_alive: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Test-only: keep-alives are no longer sent (a partitioned client); the loss is still
     /// announced at the deadline.
@@ -325,6 +332,7 @@ impl Session {
             session_id,
             ttl,
             liveness,
+            grants: Mutex::new(Vec::new()),
             keep_alive: Mutex::new(None),
             suspended: std::sync::atomic::AtomicBool::new(false),
         });
@@ -403,12 +411,17 @@ impl Session {
                     session: g.session_id.clone(),
                     at_ns: monotonic_ns(Instant::now()),
                 });
+                // The grant's own first deadline counts from its arrival: an acquire may wait at
+                // the server for most of a TTL, and the session's deadline already bounds the
+                // lease; the next keep-alive round (within TTL / 3) vouches for it.
+                let liveness = self.register_grant(&g.key, &g.owner, token, Instant::now());
                 Ok(Acquired::Granted(Grant {
                     key: g.key,
                     owner: g.owner,
                     token,
                     server_expiry_unix_ms: g.server_expiry_unix_ms,
                     session: self.clone(),
+                    liveness,
                 }))
             }
             Some(pb::acquire_response::Result::NotAcquired(n)) => Ok(Acquired::NotAcquired {
@@ -417,6 +430,30 @@ impl Session {
             }),
             None => Err(ClientError::Malformed("acquire answer without a result")),
         }
+    }
+
+    /// A grant's own liveness, vouched for by every keep-alive round from now on; its first
+    /// deadline counts from `vouched_at`, an instant the client knew it held the key.
+    fn register_grant(
+        &self,
+        key: &str,
+        owner: &str,
+        token: FencingToken,
+        vouched_at: Instant,
+    ) -> Arc<GrantLiveness> {
+        let liveness = Arc::new(GrantLiveness {
+            key: key.to_string(),
+            owner: owner.to_string(),
+            token,
+            deadline: Mutex::new(vouched_at),
+            revoked: std::sync::atomic::AtomicBool::new(false),
+            history: self.inner.client.history.clone(),
+        });
+        liveness.extend(vouched_at, self.inner.ttl);
+        let mut grants = self.inner.grants.lock().expect("grants");
+        grants.retain(|g| g.strong_count() > 0);
+        grants.push(Arc::downgrade(&liveness));
+        liveness
     }
 
     /// Ends the session; the server releases every lock attached to it in one action.
@@ -493,7 +530,9 @@ async fn keep_alive_loop(inner: std::sync::Weak<SessionInner>) {
         };
         match outcome {
             Ok(Ok(r)) => {
-                liveness.extend(sent_at, Duration::from_millis(r.into_inner().ttl_ms));
+                let ttl = Duration::from_millis(r.into_inner().ttl_ms);
+                liveness.extend(sent_at, ttl);
+                vouch_for_grants(&inner, &rpc, &session_id, ttl).await;
                 let wake = next.min(liveness.deadline());
                 sleep_or_lose(&liveness, &session_id, wake).await;
             }
@@ -513,6 +552,120 @@ async fn keep_alive_loop(inner: std::sync::Weak<SessionInner>) {
         }
         if *liveness.lost.borrow() {
             return;
+        }
+    }
+}
+
+/// One round of vouching: every live grant of the session is renewed at once. "Still the holder"
+/// moves the grant's own deadline to that Renew's send time + TTL - margin; a refusal (the key
+/// was revoked from under a live session, or went to another handle) ends the grant's belief
+/// now; no answer leaves the deadline where it was, to run out on its own.
+async fn vouch_for_grants(
+    inner: &std::sync::Weak<SessionInner>,
+    rpc: &LockServiceClient<Channel>,
+    session_id: &str,
+    ttl: Duration,
+) {
+    let grants: Vec<Arc<GrantLiveness>> = {
+        let Some(s) = inner.upgrade() else { return };
+        let mut grants = s.grants.lock().expect("grants");
+        grants.retain(|g| g.strong_count() > 0);
+        grants.iter().filter_map(std::sync::Weak::upgrade).collect()
+    };
+    let renewals = grants.iter().filter(|g| !g.is_revoked()).map(|g| {
+        let mut rpc = rpc.clone();
+        let handle = pb::Handle {
+            key: g.key.clone(),
+            owner: g.owner.clone(),
+            session_id: session_id.to_string(),
+            token: g.token.get(),
+        };
+        async move {
+            let sent_at = Instant::now();
+            let timeout = g
+                .deadline()
+                .saturating_duration_since(sent_at)
+                .min(LockClient::timeout());
+            let answer = bounded(
+                timeout,
+                rpc.renew(pb::RenewRequest {
+                    handle: Some(handle),
+                }),
+            )
+            .await;
+            match answer {
+                Ok(r) if r.grant.as_ref().is_some_and(|x| x.token == g.token.get()) => {
+                    g.extend(sent_at, ttl);
+                }
+                Ok(_) => g.revoke("the renewal answered with another token"),
+                Err(ClientError::Rejected {
+                    kind: Rejection::NotHolder(_) | Rejection::NotHeld(_),
+                    ..
+                }) => g.revoke("the lock service says this handle no longer holds the key"),
+                // The session itself is gone: the keep-alive loop finds out and marks it lost.
+                Err(e) => {
+                    tracing::debug!(key = %g.key, token = g.token.get(), error = %e, "renewal of a grant unanswered; its deadline runs on");
+                }
+            }
+        }
+    });
+    futures::future::join_all(renewals).await;
+}
+
+/// One grant's own liveness, apart from its session's: the key can be taken from a live session.
+struct GrantLiveness {
+    key: String,
+    owner: String,
+    token: FencingToken,
+    deadline: Mutex<Instant>,
+    revoked: std::sync::atomic::AtomicBool,
+    history: Option<Arc<HistoryRecorder>>,
+}
+
+impl GrantLiveness {
+    fn deadline(&self) -> Instant {
+        *self.deadline.lock().expect("grant deadline")
+    }
+
+    fn is_revoked(&self) -> bool {
+        self.revoked.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn is_alive(&self) -> bool {
+        !self.is_revoked() && Instant::now() < self.deadline()
+    }
+
+    /// The server said "still the holder" to a request SENT at `sent_at`.
+    fn extend(&self, sent_at: Instant, ttl: Duration) {
+        if self.is_revoked() {
+            return;
+        }
+        let candidate = local_deadline(sent_at, ttl);
+        let mut deadline = self.deadline.lock().expect("grant deadline");
+        if candidate > *deadline {
+            *deadline = candidate;
+            if let Some(h) = &self.history {
+                h.record(&HistoryEvent::GrantDeadline {
+                    key: self.key.clone(),
+                    owner: self.owner.clone(),
+                    token: self.token.get(),
+                    deadline_ns: monotonic_ns(candidate),
+                });
+            }
+        }
+    }
+
+    fn revoke(&self, why: &str) {
+        if !self.revoked.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            tracing::warn!(key = %self.key, owner = %self.owner, token = self.token.get(), why, "grant lost while its session lives");
+            if let Some(h) = &self.history {
+                h.record(&HistoryEvent::GrantLost {
+                    key: self.key.clone(),
+                    owner: self.owner.clone(),
+                    token: self.token.get(),
+                    at_ns: monotonic_ns(Instant::now()),
+                });
+            }
         }
     }
 }
@@ -550,6 +703,8 @@ pub struct Grant {
     token: FencingToken,
     server_expiry_unix_ms: i64,
     session: Session,
+    /// Vouched for by the session's keep-alive rounds while this handle lives.
+    liveness: Arc<GrantLiveness>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -583,16 +738,19 @@ impl Grant {
     pub fn server_expiry_unix_ms(&self) -> i64 {
         self.server_expiry_unix_ms
     }
-    /// The local monotonic deadline after which this grant must not be relied on.
+    /// The local monotonic deadline after which this grant must not be relied on: the earlier of
+    /// its session's and its own (last vouched for by a Renew).
     pub fn deadline(&self) -> Instant {
-        self.session.deadline()
+        self.session.deadline().min(self.liveness.deadline())
     }
-    /// False from the instant the local deadline passes (or the session is lost), before the
+    /// False from the instant either local deadline passes, the session is lost, or the lock
+    /// service answered that this handle no longer holds the key (a force-revoke), before the
     /// server's expiry. Liveness, not safety: the token at the guards is the safety.
     pub fn is_held(&self) -> bool {
-        self.session.is_alive()
+        self.session.is_alive() && self.liveness.is_alive()
     }
-    /// Turns `true` when the grant is lost locally; `changed()` wakes work that must stop.
+    /// Turns `true` when the grant's SESSION is lost locally; `changed()` wakes work that must
+    /// stop. A revoke of this one key is seen by [`Grant::is_held`], checked before every write.
     pub fn lost(&self) -> watch::Receiver<bool> {
         self.session.lost()
     }
@@ -616,17 +774,25 @@ impl Grant {
                 handle: Some(self.handle()),
             }),
         )
-        .await?;
+        .await
+        .inspect_err(|e| {
+            if matches!(
+                e.rejection(),
+                Some(Rejection::NotHolder(_) | Rejection::NotHeld(_))
+            ) {
+                self.liveness
+                    .revoke("the lock service says this handle no longer holds the key");
+            }
+        })?;
         let grant = r
             .grant
             .ok_or(ClientError::Malformed("renew answer without a grant"))?;
         if grant.token != self.token.get() {
             return Err(ClientError::Malformed("renew changed the token"));
         }
-        self.session
-            .inner
-            .liveness
-            .extend(sent_at, Duration::from_millis(grant.ttl_ms));
+        let ttl = Duration::from_millis(grant.ttl_ms);
+        self.session.inner.liveness.extend(sent_at, ttl);
+        self.liveness.extend(sent_at, ttl);
         Ok(())
     }
 
@@ -689,12 +855,14 @@ impl Grant {
             Duration::from_millis(grant.ttl_ms),
             sent_at,
         );
+        let liveness = session.register_grant(key, owner, token, sent_at);
         Ok(Grant {
             key: key.to_string(),
             owner: owner.to_string(),
             token,
             server_expiry_unix_ms: grant.server_expiry_unix_ms,
             session,
+            liveness,
         })
         .inspect(|g| {
             client.record(|| HistoryEvent::Grant {

@@ -298,6 +298,20 @@ async fn session_death_and_force_revoke(kind: Kind) {
         next.token() > held.token(),
         "force-revoke must make the next token higher"
     );
+    // The deposed holder hears of it within one lease while its session lives on (INV-06): its
+    // session's next keep-alive round renews the grant and is refused. Before lock-client vouched
+    // for each grant, `is_held()` stayed true for as long as the session lived.
+    let learned = tokio::time::timeout(TTL, async {
+        while held.is_held() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(
+        learned.is_ok(),
+        "the deposed holder still believes after one lease"
+    );
+    assert!(b.is_alive(), "the revoke took one key, not the session");
     // The deposed holder can neither renew nor release.
     assert!(matches!(
         rejection(&held.renew().await.unwrap_err()),

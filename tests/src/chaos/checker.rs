@@ -80,8 +80,24 @@ pub struct Evidence {
     pub lock_history: Vec<serde_json::Value>,
     /// Lock history lines that did not parse (a torn last line of a killed writer is skipped).
     pub lock_history_malformed: Vec<String>,
-    /// The operator's force-revokes (key, CLOCK_MONOTONIC ns when sent), from the harness's log.
-    pub revokes: Vec<(String, u64)>,
+    /// The operator's force-revokes, from the harness's log.
+    pub revokes: Vec<Revoke>,
+    /// The workers' lock lease (their sessions' TTL): a deposed holder must stop believing within
+    /// this of the revoke. Zero: not checked.
+    pub lock_ttl_ns: u64,
+}
+
+/// One operator force-revoke as the harness saw it: the lock service's answer names the grant it
+/// took (key and token), so the revoke is paired with that grant by what happened, never by
+/// comparing the harness's clock with the holder's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Revoke {
+    pub key: String,
+    pub revoked_token: u64,
+    /// CLOCK_MONOTONIC ns when the request was sent (the server acted after this).
+    pub sent_ns: u64,
+    /// CLOCK_MONOTONIC ns when the answer arrived (the server had acted before this).
+    pub answered_ns: u64,
 }
 
 async fn pool(url: &str) -> anyhow::Result<sqlx::PgPool> {
@@ -186,6 +202,7 @@ impl Evidence {
             lock_history,
             lock_history_malformed,
             revokes: Vec::new(),
+            lock_ttl_ns: 0,
             movements,
             payouts,
             transitions,
@@ -286,13 +303,15 @@ pub fn check(e: &Evidence) -> Vec<CheckResult> {
         every_payout_settled(e),
         terminal_states_never_change(e),
         grants_never_overlap(e),
+        deposed_holders_stop_within_one_lease(e),
     ]
 }
 
 /// One grant as its holder believed it: from the answer's arrival to the first of its release
-/// being sent, its session found lost, its session's last local deadline, and an operator's
-/// force-revoke of its key. Each end is one the holder could not have relied on it past, so an
-/// overlap of two of these is two holders at once for real, never an artefact of delays.
+/// being sent, its session found lost, its session's last local deadline, its own last vouched
+/// deadline, and the lock service's answer that it no longer holds the key. Each end is one the
+/// holder could not have relied on it past, so an overlap of two of these is two holders at once
+/// for real, never an artefact of delays.
 #[derive(Debug, Clone)]
 struct Belief {
     key: String,
@@ -300,15 +319,37 @@ struct Belief {
     token: u64,
     start_ns: u64,
     end_ns: u64,
+    /// An operator's force-revoke took this very grant (paired by key and token): from when it
+    /// was sent, a successor is break-glass, not a violation; the holder must still stop
+    /// believing within one lease ([`deposed_holders_stop_within_one_lease`]).
+    revoke: Option<Revoke>,
 }
+
+impl Belief {
+    /// The end that counts against a successor: an operator's revoke hands the key on at once
+    /// (spec 2.4: "Advancing is what fences the deposed holder").
+    fn exclusive_end_ns(&self) -> u64 {
+        match &self.revoke {
+            Some(r) => self.end_ns.min(r.sent_ns.max(self.start_ns)),
+            None => self.end_ns,
+        }
+    }
+}
+
+type GrantId = (String, String, u64);
 
 fn beliefs(e: &Evidence) -> (Vec<Belief>, Vec<String>) {
     let mut problems = e.lock_history_malformed.clone();
     let mut session_end: BTreeMap<String, (Option<u64>, Option<u64>)> = BTreeMap::new();
-    let mut releases: BTreeMap<(String, String, u64), Vec<u64>> = BTreeMap::new();
+    let mut releases: BTreeMap<GrantId, Vec<u64>> = BTreeMap::new();
+    let mut grant_deadlines: BTreeMap<GrantId, u64> = BTreeMap::new();
+    let mut grant_lost: BTreeMap<GrantId, u64> = BTreeMap::new();
     let mut grants = Vec::new();
     let text = |v: &serde_json::Value, f: &str| v[f].as_str().map(str::to_string);
     let num = |v: &serde_json::Value, f: &str| v[f].as_u64();
+    let grant_id = |v: &serde_json::Value| -> Option<GrantId> {
+        Some((text(v, "key")?, text(v, "owner")?, num(v, "token")?))
+    };
     for v in &e.lock_history {
         match v["kind"].as_str() {
             Some("deadline") => {
@@ -326,25 +367,30 @@ fn beliefs(e: &Evidence) -> (Vec<Belief>, Vec<String>) {
                 }
             }
             Some("release") => {
-                if let (Some(k), Some(o), Some(t), Some(at)) = (
-                    text(v, "key"),
-                    text(v, "owner"),
-                    num(v, "token"),
-                    num(v, "at_ns"),
-                ) {
-                    releases.entry((k, o, t)).or_default().push(at);
+                if let (Some(id), Some(at)) = (grant_id(v), num(v, "at_ns")) {
+                    releases.entry(id).or_default().push(at);
+                    continue;
+                }
+            }
+            Some("grant_deadline") => {
+                if let (Some(id), Some(d)) = (grant_id(v), num(v, "deadline_ns")) {
+                    let entry = grant_deadlines.entry(id).or_insert(d);
+                    *entry = (*entry).max(d);
+                    continue;
+                }
+            }
+            Some("grant_lost") => {
+                if let (Some(id), Some(at)) = (grant_id(v), num(v, "at_ns")) {
+                    let entry = grant_lost.entry(id).or_insert(at);
+                    *entry = (*entry).min(at);
                     continue;
                 }
             }
             Some("grant") => {
-                if let (Some(k), Some(o), Some(t), Some(s), Some(at)) = (
-                    text(v, "key"),
-                    text(v, "owner"),
-                    num(v, "token"),
-                    text(v, "session"),
-                    num(v, "at_ns"),
-                ) {
-                    grants.push((k, o, t, s, at));
+                if let (Some(id), Some(s), Some(at)) =
+                    (grant_id(v), text(v, "session"), num(v, "at_ns"))
+                {
+                    grants.push((id, s, at));
                     continue;
                 }
             }
@@ -354,7 +400,8 @@ fn beliefs(e: &Evidence) -> (Vec<Belief>, Vec<String>) {
     }
     let out = grants
         .into_iter()
-        .filter_map(|(key, owner, token, session, start_ns)| {
+        .filter_map(|(id, session, start_ns)| {
+            let (key, owner, token) = id.clone();
             let Some((deadline, lost)) = session_end.get(&session).copied() else {
                 problems.push(format!(
                     "grant {key} token {token}: session {session} has no recorded deadline"
@@ -363,26 +410,29 @@ fn beliefs(e: &Evidence) -> (Vec<Belief>, Vec<String>) {
             };
             let mut end_ns = deadline.unwrap_or(u64::MAX).min(lost.unwrap_or(u64::MAX));
             if let Some(at) = releases
-                .get(&(key.clone(), owner.clone(), token))
+                .get(&id)
                 .and_then(|r| r.iter().copied().filter(|at| *at >= start_ns).min())
             {
                 end_ns = end_ns.min(at);
             }
-            if let Some(at) = e
+            if let Some(d) = grant_deadlines.get(&id) {
+                end_ns = end_ns.min(*d);
+            }
+            if let Some(at) = grant_lost.get(&id) {
+                end_ns = end_ns.min(*at);
+            }
+            let revoke = e
                 .revokes
                 .iter()
-                .filter(|(k, at)| *k == key && *at >= start_ns)
-                .map(|(_, at)| *at)
-                .min()
-            {
-                end_ns = end_ns.min(at);
-            }
+                .find(|r| r.key == key && r.revoked_token == token)
+                .cloned();
             Some(Belief {
                 key,
                 owner,
                 token,
                 start_ns,
                 end_ns: end_ns.max(start_ns),
+                revoke,
             })
         })
         .collect();
@@ -412,23 +462,53 @@ pub fn grants_never_overlap(e: &Evidence) -> CheckResult {
                 }
             }
             if let Some(o) = open {
-                if o.token != g.token && g.start_ns < o.end_ns {
+                if o.token != g.token && g.start_ns < o.exclusive_end_ns() {
                     details.push(format!(
-                        "TWO HOLDERS: {key} token {} ({}) still believed held {} ms after token {} ({}) was granted",
+                        "TWO HOLDERS: {key} token {} ({}) still believed held {} ms after token {} ({}) was granted \
+                         (held from {} to {} ns; successor from {} ns; revoke of this grant: {:?})",
                         o.token,
                         o.owner,
-                        (o.end_ns - g.start_ns) / 1_000_000,
+                        (o.exclusive_end_ns() - g.start_ns) / 1_000_000,
                         g.token,
-                        g.owner
+                        g.owner,
+                        o.start_ns,
+                        o.end_ns,
+                        g.start_ns,
+                        o.revoke,
                     ));
                 }
             }
-            if open.is_none_or(|o| g.end_ns > o.end_ns) {
+            if open.is_none_or(|o| g.exclusive_end_ns() > o.exclusive_end_ns()) {
                 open = Some(g);
             }
         }
     }
     result("grants_never_overlap", beliefs.len(), details)
+}
+
+/// The other half of a force-revoke (spec 2.4: the deposed holder is fenced; INV-06: it must
+/// not go on believing): a holder whose grant an operator revoked stops relying on it within one
+/// lease of the revoke's answer (its next renewal is refused, or its deadline runs out).
+pub fn deposed_holders_stop_within_one_lease(e: &Evidence) -> CheckResult {
+    let (beliefs, _) = beliefs(e);
+    let mut details = Vec::new();
+    let mut checked = 0;
+    for b in &beliefs {
+        let Some(r) = &b.revoke else { continue };
+        checked += 1;
+        let bound = r.answered_ns.max(b.start_ns) + e.lock_ttl_ns;
+        if e.lock_ttl_ns > 0 && b.end_ns > bound {
+            details.push(format!(
+                "DEPOSED HOLDER KEPT BELIEVING: {} token {} ({}) believed held {} ms after its revoke was answered (lease {} ms)",
+                b.key,
+                b.token,
+                b.owner,
+                (b.end_ns - r.answered_ns.max(b.start_ns)) / 1_000_000,
+                e.lock_ttl_ns / 1_000_000
+            ));
+        }
+    }
+    result("deposed_holders_stop_within_one_lease", checked, details)
 }
 
 /// INV-02: at most one rail movement per payout (client reference).
@@ -658,7 +738,22 @@ mod tests {
         json!({"kind": "lost", "session": session, "at_ns": at_ms * MS})
     }
 
-    fn overlaps(history: Vec<serde_json::Value>, revokes: Vec<(String, u64)>) -> Vec<String> {
+    fn grant_deadline(key: &str, owner: &str, token: u64, at_ms: u64) -> serde_json::Value {
+        json!({"kind": "grant_deadline", "key": key, "owner": owner, "token": token, "deadline_ns": at_ms * MS})
+    }
+    fn grant_lost(key: &str, owner: &str, token: u64, at_ms: u64) -> serde_json::Value {
+        json!({"kind": "grant_lost", "key": key, "owner": owner, "token": token, "at_ns": at_ms * MS})
+    }
+    fn revoke(key: &str, token: u64, sent_ms: u64) -> Revoke {
+        Revoke {
+            key: key.into(),
+            revoked_token: token,
+            sent_ns: sent_ms * MS,
+            answered_ns: (sent_ms + 10) * MS,
+        }
+    }
+
+    fn overlaps(history: Vec<serde_json::Value>, revokes: Vec<Revoke>) -> Vec<String> {
         let e = Evidence {
             lock_history: history,
             revokes,
@@ -712,9 +807,73 @@ mod tests {
         let mut with_loss = history.clone();
         with_loss.push(lost("s1", 400));
         assert!(overlaps(with_loss, vec![]).is_empty());
-        assert!(overlaps(history.clone(), vec![("k".into(), 450 * MS)]).is_empty());
-        // A revoke of another key ends nothing.
-        assert_eq!(overlaps(history, vec![("other".into(), 450 * MS)]).len(), 1);
+        assert!(overlaps(history.clone(), vec![revoke("k", 5, 450)]).is_empty());
+        // A revoke of another key, or of another grant of this key, ends nothing.
+        assert_eq!(
+            overlaps(history.clone(), vec![revoke("other", 5, 450)]).len(),
+            1
+        );
+        assert_eq!(overlaps(history, vec![revoke("k", 4, 450)]).len(), 1);
+    }
+
+    /// Issue 13's first failure, on its evidence's shape: the operator's revoke was SENT before
+    /// the holder's grant answer arrived (the answer was in flight when the lock service took the
+    /// key), and a successor was granted at once. Paired by time (revoke after the grant's
+    /// arrival), the revoke ended nothing and the successor looked like a second holder; paired
+    /// by the token the lock service says it revoked, it is the operator's break-glass.
+    #[test]
+    fn a_revoke_sent_before_the_grant_answer_arrived_is_paired_by_its_token() {
+        let history = vec![
+            deadline("s1", 20_000),
+            deadline("s2", 20_000),
+            grant("k", "a", 147, "s1", 100),
+            grant_lost("k", "a", 147, 1_100),
+            grant("k", "b", 150, "s2", 120),
+        ];
+        assert!(overlaps(history, vec![revoke("k", 147, 90)]).is_empty());
+    }
+
+    #[test]
+    fn a_grant_ends_at_its_own_deadline_or_loss_while_its_session_lives() {
+        let base = vec![
+            deadline("s1", 20_000),
+            deadline("s2", 20_000),
+            grant("k", "a", 5, "s1", 100),
+            grant("k", "b", 9, "s2", 5_000),
+        ];
+        assert_eq!(overlaps(base.clone(), vec![]).len(), 1, "session alone");
+        let mut vouched = base.clone();
+        vouched.push(grant_deadline("k", "a", 5, 2_000));
+        vouched.push(grant_deadline("k", "a", 5, 4_000));
+        assert!(overlaps(vouched, vec![]).is_empty());
+        let mut lost_grant = base;
+        lost_grant.push(grant_lost("k", "a", 5, 3_000));
+        assert!(overlaps(lost_grant, vec![]).is_empty());
+    }
+
+    #[test]
+    fn a_deposed_holder_that_keeps_believing_past_one_lease_is_reported() {
+        let history = vec![
+            deadline("s1", 20_000),
+            deadline("s2", 20_000),
+            grant("k", "a", 5, "s1", 100),
+            grant("k", "b", 9, "s2", 500),
+        ];
+        let check = |history: Vec<serde_json::Value>| {
+            deposed_holders_stop_within_one_lease(&Evidence {
+                lock_history: history,
+                revokes: vec![revoke("k", 5, 450)],
+                lock_ttl_ns: 3_000 * MS,
+                ..Evidence::default()
+            })
+        };
+        let kept = check(history.clone());
+        assert_eq!(kept.checked, 1);
+        assert_eq!(kept.violations.len(), 1, "{:?}", kept.violations);
+        assert!(kept.violations[0].detail.contains("DEPOSED HOLDER"));
+        let mut learned = history;
+        learned.push(grant_lost("k", "a", 5, 1_500));
+        assert!(check(learned).violations.is_empty());
     }
 
     #[test]

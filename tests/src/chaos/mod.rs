@@ -19,7 +19,7 @@ use serde::Serialize;
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;
 
-pub use checker::{CheckResult, Evidence, Violation};
+pub use checker::{CheckResult, Evidence, Revoke, Violation};
 pub use guards::DisableGuard;
 
 /// Workers hold leases this long, so a SIGSTOP of a few seconds outlives the lease.
@@ -30,8 +30,6 @@ pub const RAIL_TIMEOUT_MS: u64 = 2_000;
 /// Payouts open at once by default: the CI-sized runs start everything at once; a long run is
 /// paced, as a batch upstream would be (two workers settle a few payouts a second).
 pub const OPEN_PAYOUTS_MAX: usize = 400;
-/// After a planted stale holder's stall ends, its call reaches the guard within this.
-const STALE_CALL_LANDING: Duration = Duration::from_secs(5);
 /// After this the rail's lookups are authoritative.
 pub const SETTLEMENT_WINDOW_MS: u64 = 1_000;
 
@@ -158,8 +156,14 @@ impl Report {
         for p in &self.stale_holders {
             let _ = writeln!(
                 s,
-                "  stale holder: {} stalled {} ms before {} of {} (paused past its lease)",
-                p.worker, p.stall_ms, p.step, p.payout
+                "  stale holder: {} froze before {} of {} with token {} (paused past its lease); released after a successor's token {}; the guard answered: {}{}",
+                p.worker,
+                p.step,
+                p.payout,
+                p.token,
+                p.successor_token.map_or("(none)".to_string(), |t| t.to_string()),
+                p.answer.as_deref().unwrap_or("(no answer)"),
+                p.problem.as_deref().map_or(String::new(), |e| format!(" [{e}]")),
             );
         }
         let _ = writeln!(s, "rail movements: {}", self.rail_movements);
@@ -303,6 +307,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         partitions: &partitions,
         stall_dir: &stall_dir,
         lose_issued_tokens: config.lose_issued_tokens_on_restore,
+        disable: config.disable,
     };
     let fault_start = Instant::now();
     let (started, outcome) = tokio::join!(
@@ -347,13 +352,14 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         }
     };
     let settle_time = settle_start.elapsed();
-    // A planted stale call may still be waiting in its stall: the evidence is read after it ran.
-    if let Some(done) = outcome.stale_calls_done_at() {
-        tokio::time::sleep_until((done + STALE_CALL_LANDING).into()).await;
-    }
+    // A planted stale call may still be waiting for its successor: the evidence is read after
+    // every planted call was released and answered.
+    let mut outcome = outcome;
+    outcome.finish_plants().await;
 
     let mut evidence = Evidence::collect(&system).await?;
     evidence.revokes = outcome.revokes.clone();
+    evidence.lock_ttl_ns = WORKER_LOCK_TTL_MS * 1_000_000;
     let mut checks = checker::check(&evidence);
     let mut safety_events = evidence.safety_events();
     safety_events.insert(

@@ -189,10 +189,11 @@ pub async fn stale_holder(
 
 /// The INV-06 check's negative control on a REAL recorded history: two lock clients record their
 /// histories (`lock-client::history`) against the real lock-server and etcd; A holds a key, an
-/// operator force-revokes it, B is granted it while A still believes it holds it. Checked with
-/// the operator's revoke on record, the history is clean (break-glass ends A's belief); with the
-/// revoke withheld, the checker must see two holders. Returns (violations with the revoke,
-/// violations without it).
+/// operator force-revokes it, B is granted it at once, while A has not yet heard (A's next
+/// keep-alive round, a third of the lease later, renews its grant and is refused). A must stop
+/// believing within one lease. Checked with the operator's revoke on record, the history is clean
+/// (break-glass hands the key on; A learned in time); with the revoke withheld, the checker must
+/// see two holders. Returns (violations with the revoke, violations without it).
 pub async fn lock_history_overlap_control(stack: &Stack) -> anyhow::Result<(usize, usize)> {
     let system = System::start(
         stack,
@@ -221,22 +222,43 @@ pub async fn lock_history_overlap_control(stack: &Stack) -> anyhow::Result<(usiz
     let Acquired::Granted(grant_a) = session_a.acquire(key, ACQUIRE_WAIT).await? else {
         anyhow::bail!("A could not acquire {key}");
     };
-    let revoked_at = lock_client::history::monotonic_ns(std::time::Instant::now());
-    lock_a
+    let sent_ns = lock_client::history::monotonic_ns(std::time::Instant::now());
+    let answer = lock_a
         .force_revoke(key, "negative-control-operator", "A is stuck")
         .await?;
+    let answered_ns = lock_client::history::monotonic_ns(std::time::Instant::now());
+    anyhow::ensure!(
+        answer.revoked_token == grant_a.token().get(),
+        "the revoke took A's grant: {answer:?}"
+    );
     let session_b = lock_b.open_session("holder-b", SCENARIO_TTL).await?;
     let Acquired::Granted(grant_b) = session_b.acquire(key, ACQUIRE_WAIT).await? else {
         anyhow::bail!("B could not acquire {key} after the revoke");
     };
     anyhow::ensure!(grant_b.token() > grant_a.token(), "tokens must increase");
-    anyhow::ensure!(grant_a.is_held(), "A still believes it holds the key");
+    // A's session lives on; its next keep-alive round renews the grant and is refused.
+    testkit::eventually(
+        SCENARIO_TTL,
+        "A stops believing it holds the key",
+        || async { (!grant_a.is_held()).then_some(()) },
+    )
+    .await?;
+    anyhow::ensure!(session_a.is_alive(), "A lost its grant, not its session");
     let _ = grant_b.release().await;
     let _ = session_a.close().await;
     let _ = session_b.close().await;
     let mut evidence = Evidence::collect(&system).await?;
-    evidence.revokes = vec![(key.to_string(), revoked_at)];
-    let with_revoke = checker::grants_never_overlap(&evidence).violations.len();
+    evidence.lock_ttl_ns = SCENARIO_TTL.as_nanos() as u64;
+    evidence.revokes = vec![checker::Revoke {
+        key: key.to_string(),
+        revoked_token: answer.revoked_token,
+        sent_ns,
+        answered_ns,
+    }];
+    let with_revoke = checker::grants_never_overlap(&evidence).violations.len()
+        + checker::deposed_holders_stop_within_one_lease(&evidence)
+            .violations
+            .len();
     evidence.revokes.clear();
     let without_revoke = checker::grants_never_overlap(&evidence).violations.len();
     Ok((with_revoke, without_revoke))

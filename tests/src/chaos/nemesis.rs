@@ -54,26 +54,51 @@ pub enum FaultKind {
     StaleHolder,
 }
 
-/// The step a planted stale holder stalls before, and for how long. Each wait outlasts the
-/// workflow's way around the frozen call: MarkSubmitted's start-to-close (10 s) and one retry
-/// that finds the grant lost and re-acquires; Submit's start-to-close (30 s), then RAIL_AMBIGUOUS
-/// and a fenced inquiry that seals the never-sent payout (a few seconds here); each with room for
-/// a loaded two-core machine, since a stale call that lands before the rescue is not stale.
-const STALE_STEPS: [(&str, u64); 2] = [("submit", 55_000), ("mark_submitted", 30_000)];
+/// The steps a planted stale holder stalls before, in turn.
+const STALE_STEPS: [&str; 2] = ["submit", "mark_submitted"];
+/// The planted call waits for its release at most this long (the worker's bound): the harness
+/// releases it once a successor's write has reached the guard the call goes to, which takes the
+/// workflow's way around the frozen call: MarkSubmitted's start-to-close (10 s) and a retry that
+/// finds the grant lost and re-acquires; Submit's start-to-close (30 s), RAIL_AMBIGUOUS and a
+/// fenced inquiry that seals the never-sent payout. Generous, for a loaded two-core machine.
+const PLANT_STALL_MAX: Duration = Duration::from_secs(150);
+/// After its release the planted call reaches its guard and answers within this.
+const PLANT_ANSWER_WAIT: Duration = Duration::from_secs(30);
 /// A planted stall not taken by any worker within this long is disarmed (nothing reached it).
 const PLANT_TAKE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Beyond the lease, so that the frozen holder's grant is gone at the lock service.
 const PLANT_PAUSE_MS: u64 = WORKER_LOCK_TTL_MS + 3_000;
 
-/// One planted stale holder that a worker took.
+/// One planted stale holder that a worker took, and what became of its call.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plant {
     pub step: String,
     pub worker: String,
     pub payout: String,
-    pub stall_ms: u64,
-    #[serde(skip)]
-    pub stall_ends: Instant,
+    /// The token the frozen holder checked and then presented.
+    pub token: i64,
+    /// The token a successor's write had left at the guard when the call was released: above
+    /// `token` means the call was stale when it reached the guard (by what happened, not by
+    /// timing). `None`: no successor wrote before the stall's bound, or the release failed.
+    pub successor_token: Option<i64>,
+    /// The guard's answer to the planted call (`accepted`, `fenced_out`, `duplicate`,
+    /// `refused_transition`, ...); `None`: the call never answered (its worker died).
+    pub answer: Option<String>,
+    /// Anything that kept the plant from completing.
+    pub problem: Option<String>,
+}
+
+impl Plant {
+    /// The call was made after a successor's write landed at its guard.
+    pub fn was_stale(&self) -> bool {
+        self.successor_token.is_some_and(|t| t > self.token)
+    }
+    pub fn refused(&self) -> bool {
+        matches!(
+            self.answer.as_deref(),
+            Some("fenced_out" | "duplicate" | "refused_transition")
+        )
+    }
 }
 
 impl FaultKind {
@@ -252,25 +277,37 @@ const REVOKE_CANDIDATES_MAX: usize = 40;
 pub struct Outcome {
     pub injected: BTreeMap<String, u64>,
     pub errors: Vec<String>,
-    /// The operator's force-revokes: (key, CLOCK_MONOTONIC ns when the request was sent). The
-    /// revoked grant's holder still believes it holds the key; the checker ends that belief here.
-    pub revokes: Vec<(String, u64)>,
+    /// The operator's force-revokes, each with the grant the lock service says it took: the
+    /// checker pairs each with that grant (break-glass hands the key on at once) and requires its
+    /// holder to stop believing within one lease.
+    pub revokes: Vec<super::checker::Revoke>,
     /// etcd restores without the procedure whose rewound token the lock-server refused.
     pub regression_alarms_fired: u64,
     /// etcd restores without the procedure where a rewound token was GRANTED: INV-04 broken.
     pub regression_alarms_missed: Vec<String>,
     /// Outbox rows handed back to the dispatcher for a second delivery.
     pub outbox_rows_redelivered: u64,
-    /// Stale holders planted and taken.
+    /// Stale holders planted and taken, once their calls are over ([`Outcome::finish_plants`]).
     pub plants: Vec<Plant>,
+    /// Planted holders whose calls are still to come: each task releases its call once a
+    /// successor's write has landed at the guard, and reports the guard's answer.
+    pub plant_tasks: Vec<tokio::task::JoinHandle<Plant>>,
     /// Stale holders armed so far (taken or not): they alternate between the two steps.
     pub plant_attempts: usize,
 }
 
 impl Outcome {
-    /// When the last planted stale call has been made (its stall over), if any was planted.
-    pub fn stale_calls_done_at(&self) -> Option<Instant> {
-        self.plants.iter().map(|p| p.stall_ends).max()
+    /// Waits until every planted call has been released and answered (each bounded), so the
+    /// evidence is read after they ran.
+    pub async fn finish_plants(&mut self) {
+        for task in std::mem::take(&mut self.plant_tasks) {
+            match task.await {
+                Ok(plant) => self.plants.push(plant),
+                Err(e) => self
+                    .errors
+                    .push(format!("a planted holder's task failed: {e}")),
+            }
+        }
     }
 }
 
@@ -284,6 +321,9 @@ pub struct Targets<'a> {
     /// Negative control of the INV-04 alarm: a restore without the procedure also loses the
     /// lock-server's issued-token record. Test-only.
     pub lose_issued_tokens: bool,
+    /// Which guards run: a planted call is released once a successor's write has landed where
+    /// it is recorded (the proxy off keeps no record; the payout's resolution is the sign then).
+    pub disable: DisableGuard,
 }
 
 /// The harness plays the supervisor a deployment has (systemd, Kubernetes): a service process
@@ -516,9 +556,18 @@ async fn force_revoke(
             )
             .await
         {
-            Ok(_) => {
-                outcome.revokes.push((key.clone(), sent_ns));
-                return Ok(format!("{key} revoked ({in_flight} accounts in flight)"));
+            Ok(answer) => {
+                let answered_ns = lock_client::history::monotonic_ns(Instant::now());
+                outcome.revokes.push(super::checker::Revoke {
+                    key: key.clone(),
+                    revoked_token: answer.revoked_token,
+                    sent_ns,
+                    answered_ns,
+                });
+                return Ok(format!(
+                    "{key} revoked from {} (token {}; {in_flight} accounts in flight)",
+                    answer.revoked_owner, answer.revoked_token
+                ));
             }
             Err(e) => last = Some(e),
         }
@@ -715,15 +764,18 @@ async fn outbox_redeliver(
 }
 
 /// Arms a stall point for one step, waits for a worker to take it, and pauses that worker past
-/// its lease: the grant it checked is gone, the workflow carries on under a new grant, and the
-/// stalled call reaches its guard with the old token once the stall ends.
+/// its lease: the grant it checked is gone, and the workflow carries on under a new grant. A task
+/// then releases the stalled call once a successor's write has landed at the guard the call goes
+/// to, so the call is stale when it arrives whatever the machine's speed, and records the
+/// guard's answer.
 async fn plant_stale_holder(
     system: &System,
     targets: &Targets<'_>,
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
-    let (step, stall_ms) = STALE_STEPS[outcome.plant_attempts % STALE_STEPS.len()];
+    let step = STALE_STEPS[outcome.plant_attempts % STALE_STEPS.len()];
     outcome.plant_attempts += 1;
+    let dir = targets.stall_dir;
     let taken_prefix = format!("{step}.taken.");
     let taken_files = |dir: &std::path::Path| -> std::io::Result<Vec<String>> {
         Ok(std::fs::read_dir(dir)?
@@ -731,16 +783,16 @@ async fn plant_stale_holder(
             .filter(|n| n.starts_with(&taken_prefix))
             .collect())
     };
-    // Plants are one at a time: whatever an earlier one left is cleared, so the next taken
-    // file is this plant's (a payout may take the same step twice: its retry after a rescue).
-    for old in taken_files(targets.stall_dir)? {
-        std::fs::remove_file(targets.stall_dir.join(old))?;
+    // Plants are taken one at a time: whatever an earlier one of this step left is cleared, so
+    // the next taken file is this plant's.
+    for old in taken_files(dir)? {
+        std::fs::remove_file(dir.join(old))?;
     }
-    let armed = targets.stall_dir.join(format!("{step}.armed"));
-    std::fs::write(&armed, stall_ms.to_string())?;
+    let armed = dir.join(format!("{step}.armed"));
+    std::fs::write(&armed, PLANT_STALL_MAX.as_millis().to_string())?;
     let give_up = Instant::now() + PLANT_TAKE_TIMEOUT;
     let taken = loop {
-        if let Some(name) = taken_files(targets.stall_dir)?.into_iter().next() {
+        if let Some(name) = taken_files(dir)?.into_iter().next() {
             break name[taken_prefix.len()..].to_string();
         }
         if Instant::now() >= give_up && std::fs::remove_file(&armed).is_ok() {
@@ -753,8 +805,8 @@ async fn plant_stale_holder(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let taken_at = Instant::now();
     let (identity, payout) = taken.split_once('.').expect("checked above");
+    let (identity, payout) = (identity.to_string(), payout.to_string());
     let index: usize = identity
         .strip_prefix("worker-")
         .and_then(|i| i.parse().ok())
@@ -766,14 +818,125 @@ async fn plant_stale_holder(
     blocking(|| worker.pause())?;
     tokio::time::sleep(Duration::from_millis(PLANT_PAUSE_MS)).await;
     blocking(|| worker.resume())?;
-    outcome.plants.push(Plant {
+    let token_file = dir.join(format!("{step}.token.{payout}"));
+    let token: i64 = testkit::eventually(
+        Duration::from_secs(5),
+        "the planted holder's token",
+        || async {
+            std::fs::read_to_string(&token_file)
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        },
+    )
+    .await?;
+    let watch = PlantWatch {
         step: step.to_string(),
-        worker: identity.to_string(),
-        payout: payout.to_string(),
-        stall_ms,
-        stall_ends: taken_at + Duration::from_millis(stall_ms),
-    });
+        worker: identity.clone(),
+        payout: payout.clone(),
+        token,
+        dir: dir.to_path_buf(),
+        paydb: system.databases.paydb.clone(),
+        proxydb: (!targets.disable.proxy_off()).then(|| system.databases.proxydb.clone()),
+    };
+    outcome.plant_tasks.push(tokio::spawn(watch.run()));
     Ok(format!(
-        "{identity} stalls {stall_ms} ms before {step} of {payout}, paused {PLANT_PAUSE_MS} ms (lease {WORKER_LOCK_TTL_MS} ms)"
+        "{identity} stalls before {step} of {payout} with token {token}, paused {PLANT_PAUSE_MS} ms (lease {WORKER_LOCK_TTL_MS} ms); released once a successor's write lands"
     ))
+}
+
+/// Releases one planted call once it is stale, and collects the guard's answer.
+struct PlantWatch {
+    step: String,
+    worker: String,
+    payout: String,
+    token: i64,
+    dir: std::path::PathBuf,
+    paydb: String,
+    /// Where the proxy records its high-water, when the proxy's guard runs.
+    proxydb: Option<String>,
+}
+
+impl PlantWatch {
+    async fn run(self) -> Plant {
+        let mut plant = Plant {
+            step: self.step.clone(),
+            worker: self.worker.clone(),
+            payout: self.payout.clone(),
+            token: self.token,
+            successor_token: None,
+            answer: None,
+            problem: None,
+        };
+        let deadline = Instant::now() + PLANT_STALL_MAX;
+        while Instant::now() < deadline {
+            // A database may be restarting (another fault): a failed look is looked again.
+            match self.successor_token().await {
+                Ok(Some(t)) => {
+                    plant.successor_token = Some(t);
+                    break;
+                }
+                Ok(None) | Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        if plant.successor_token.is_none() {
+            plant.problem = Some(format!(
+                "no successor wrote at the guard within {PLANT_STALL_MAX:?}; the call went on its own"
+            ));
+        } else if let Err(e) = std::fs::write(
+            self.dir
+                .join(format!("{}.release.{}", self.step, self.payout)),
+            b"",
+        ) {
+            plant.problem = Some(format!("releasing the planted call: {e}"));
+        }
+        let answer_file = self
+            .dir
+            .join(format!("{}.answer.{}", self.step, self.payout));
+        // Released, or past the worker's own bound: either way the call goes now.
+        let give_up = Instant::now() + PLANT_ANSWER_WAIT;
+        while Instant::now() < give_up {
+            if let Ok(answer) = std::fs::read_to_string(&answer_file) {
+                plant.answer = Some(answer);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        plant
+    }
+
+    /// The token a later grant left at the guard this call goes to, if it is above the planted
+    /// one: MarkSubmitted meets paydb's account fence (advanced by any write, with or without
+    /// its predicate); Submit meets the proxy's high-water (advanced by the successor's fenced
+    /// inquiry), or, with the proxy's guard off, nothing: then the payout's resolution in paydb
+    /// (after the successor's inquiry) is the sign, and its fence is the token.
+    async fn successor_token(&self) -> anyhow::Result<Option<i64>> {
+        let paydb = super::one_connection(&self.paydb).await?;
+        let (account, fence, state): (String, i64, String) = sqlx::query_as(
+            "SELECT a.id, a.fence, p.state FROM payout p JOIN account a ON a.id = p.account_id WHERE p.id = $1",
+        )
+        .bind(&self.payout)
+        .fetch_one(&paydb)
+        .await?;
+        paydb.close().await;
+        let seen = match (self.step.as_str(), &self.proxydb) {
+            ("submit", Some(proxydb)) => {
+                let proxydb = super::one_connection(proxydb).await?;
+                let high_water: Option<i64> = sqlx::query_scalar(
+                    "SELECT high_water FROM account_high_water WHERE account_id = $1",
+                )
+                .bind(&account)
+                .fetch_optional(&proxydb)
+                .await?;
+                proxydb.close().await;
+                high_water
+            }
+            ("submit", None) => {
+                matches!(state.as_str(), "FAILED" | "POSTED" | "ABANDONED").then_some(fence)
+            }
+            _ => Some(fence),
+        };
+        Ok(seen.filter(|t| *t > self.token))
+    }
 }
