@@ -52,6 +52,12 @@ struct World {
     expire_after_submit: bool,
     session: String,
     owner: String,
+    /// When each payout first became RAIL_AMBIGUOUS, as the payment resource records it.
+    ambiguous_since: BTreeMap<PayoutId, std::time::Instant>,
+    /// The resolution SLA the world's payment resource enforces (`None`: its one-hour default).
+    resolution_sla: Option<std::time::Duration>,
+    /// What each submission asked the rail to pay.
+    submitted_amounts: BTreeMap<PayoutId, i64>,
 }
 
 /// Shared handle: the test keeps one clone to script and inspect, the worker gets another.
@@ -98,11 +104,28 @@ impl InMemoryBackend {
                         rail_ref: String::new(),
                         rail_outcome: String::new(),
                         failure_reason: String::new(),
+                        instruction: Some(Instruction {
+                            account_id: input.account_id.clone(),
+                            amount_minor: input.amount_minor,
+                            currency: input.currency.clone(),
+                            beneficiary_ref: input.beneficiary_ref.clone(),
+                        }),
                     },
                 },
             );
             w.rail_script.insert(input.payout_id.clone(), rail);
         });
+    }
+
+    /// The resolution SLA this world's payment resource enforces, from its own record of when a
+    /// payout became RAIL_AMBIGUOUS (as the real one does).
+    pub fn set_resolution_sla(&self, sla: std::time::Duration) {
+        self.with(|w| w.resolution_sla = Some(sla));
+    }
+
+    /// The amount the submission of `payout` asked the rail to pay, if it was submitted.
+    pub fn submitted_amount(&self, payout: &PayoutId) -> Option<i64> {
+        self.with(|w| w.submitted_amounts.get(payout).copied())
     }
 
     /// Queues the rail's answers to lookups; once empty, lookups answer from ground truth.
@@ -138,6 +161,17 @@ impl InMemoryBackend {
     /// outcome is recorded by a later grant.
     pub fn expire_session_after_submit(&self) {
         self.with(|w| w.expire_after_submit = true);
+    }
+
+    /// A concurrent run (another workflow of the same payout) claims it under `grant`, a key it
+    /// holds elsewhere: the fence advances to its token and the payout is CLAIMED.
+    pub fn claim_elsewhere(&self, payout: &PayoutId, grant: &Grant) {
+        self.with(|w| {
+            w.fenced_transition(payout, grant, PayoutEvent::Claim, Actor::Holder)
+                .expect("the concurrent claim is admitted");
+            let p = w.payouts.get_mut(payout).expect("exists");
+            p.snapshot.claimed_by = grant.owner.clone();
+        });
     }
 
     /// Another worker's session holds the key (another payout of the account is in flight).
@@ -233,6 +267,11 @@ impl World {
                 event: event.as_str().to_string(),
             })?;
         self.fences.insert(account, grant.token.get());
+        if to == PayoutState::RailAmbiguous {
+            self.ambiguous_since
+                .entry(payout_id.clone())
+                .or_insert_with(std::time::Instant::now);
+        }
         let payout = self.payouts.get_mut(payout_id).expect("checked above");
         payout.snapshot.state = to;
         payout.snapshot.token_stamp = grant.token.get();
@@ -391,7 +430,15 @@ impl Backend for InMemoryBackend {
     fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot> {
         ready(self.with(|w| {
             let state = w.payouts[&input.payout_id].snapshot.state;
-            if state == PayoutState::RailAmbiguous && !input.resolution_sla_passed {
+            // The resource decides from its own record; the caller's belief is not consulted.
+            let sla = w
+                .resolution_sla
+                .unwrap_or(std::time::Duration::from_secs(3_600));
+            let passed = w
+                .ambiguous_since
+                .get(&input.payout_id)
+                .is_some_and(|since| since.elapsed() >= sla);
+            if state == PayoutState::RailAmbiguous && !passed {
                 return Err(Refusal::ResolutionSlaNotPassed {
                     payout_id: input.payout_id.to_string(),
                 }
@@ -411,6 +458,17 @@ impl Backend for InMemoryBackend {
     }
 
     fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()> {
+        // As the payment resource: a decision without an operator or a reason, or with more
+        // text than it stores, is refused (and nothing is recorded).
+        const TEXT_LENGTH_MAX: usize = 1024;
+        for (field, text) in [("operator", &input.operator), ("reason", &input.reason)] {
+            if text.trim().is_empty() || text.len() > TEXT_LENGTH_MAX {
+                return ready(Err(Refusal::InvalidRequest {
+                    detail: format!("{field} is missing or too long"),
+                }
+                .into()));
+            }
+        }
         self.with(|w| w.decisions.push(input));
         ready(Ok(()))
     }
@@ -418,6 +476,8 @@ impl Backend for InMemoryBackend {
     fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {
         ready(self.with(|w| {
             *w.submit_calls.entry(input.payout_id.clone()).or_default() += 1;
+            w.submitted_amounts
+                .insert(input.payout_id.clone(), input.amount_minor.get());
             // Second guard: the per-account high-water, then one submission per payout.
             let high = w.high_water.get(&input.account_id).copied().unwrap_or(0);
             if !input.grant.token.admitted_by(high) {

@@ -194,7 +194,25 @@ fn payment_failure(e: PaymentError) -> ActivityFailure {
 }
 
 fn snapshot(p: model::Payout) -> PayoutSnapshot {
+    let instruction = match (
+        payout_domain::AmountMinor::new(p.amount_minor),
+        payout_domain::BeneficiaryRef::parse(p.beneficiary_ref.clone()),
+    ) {
+        (Ok(amount_minor), Ok(beneficiary_ref)) => Some(Instruction {
+            account_id: p.account_id.clone(),
+            amount_minor,
+            currency: p.currency.clone(),
+            beneficiary_ref,
+        }),
+        // The payment resource validated both at creation; a record that does not parse is a
+        // broken invariant there, and without an instruction the workflow submits nothing.
+        (amount, beneficiary) => {
+            tracing::error!(payout_id = %p.payout_id, ?amount, ?beneficiary, "the payout record's instruction does not parse");
+            None
+        }
+    };
     PayoutSnapshot {
+        instruction,
         payout_id: p.payout_id,
         state: p.state,
         claimed_by: p.claimed_by.unwrap_or_default(),
@@ -389,6 +407,10 @@ impl Backend for ServiceBackend {
 
     fn post(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
+            let _ = self
+                .stalls
+                .stall("post", &input.payout_id, input.grant.token)
+                .await;
             let fence = Self::fence(&input.grant)?;
             let posted = self
                 .payment
@@ -584,7 +606,7 @@ pub const STALL_ENV: &str = "PAYOUT_TEST_STALL_AFTER_CHECK";
 
 /// Test-only fault injection: `PAYOUT_TEST_STALL_AFTER_CHECK=<identity>:<step>:<payout_id>:<ms>[,...]`
 /// makes the worker whose identity matches wait `ms`, once, after its grant check passed and
-/// before the guard call of `step` (`mark_submitted` or `submit`) for that payout. That is the
+/// before the guard call of `step` (`mark_submitted`, `submit` or `post`) for that payout. That is the
 /// window the conservative local deadline narrows but cannot close; a test freezes the worker
 /// inside it to show the guards (not the lease check) refusing the stale token. It changes no
 /// decision and disables nothing; unset, there are no stall points.

@@ -8,7 +8,10 @@ use payout_domain::{
 };
 use serde::{Deserialize, Serialize};
 
-/// The workflow's input: one payout, exactly as created in the payment resource.
+/// One payout as its creator describes it (what `payoutctl` creates in the payment resource and
+/// then starts a workflow for). The workflow is started with a [`PayoutStartInput`]; only the
+/// payout id is needed there: what the rail is asked to pay always comes from the payment
+/// resource's record ([`Instruction`]), never from the workflow's input.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PayoutInput {
     pub payout_id: PayoutId,
@@ -19,6 +22,201 @@ pub struct PayoutInput {
     /// How long to wait for the rail's evidence; absent means the production defaults.
     #[serde(default)]
     pub ambiguity: AmbiguityPolicy,
+}
+
+/// The workflow's input as it arrives from whoever started it (`payoutctl`, an integrator, the
+/// reconciler, an operator's `temporal workflow start --input '...'`): JSON, parsed by the
+/// workflow itself into a [`PayoutStart`], so that a missing, malformed, unknown or out-of-range
+/// field fails the workflow at once with an error naming it (a typed input would fail the first
+/// workflow task to decode, and Temporal retries that for ever while the workflow sits RUNNING).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct PayoutStartInput(pub serde_json::Value);
+
+impl From<&PayoutInput> for PayoutStartInput {
+    fn from(input: &PayoutInput) -> Self {
+        Self(serde_json::to_value(input).expect("a PayoutInput always serializes"))
+    }
+}
+
+impl From<&PayoutStart> for PayoutStartInput {
+    fn from(start: &PayoutStart) -> Self {
+        let mut fields = serde_json::Map::new();
+        fields.insert("payout_id".into(), start.payout_id.as_str().into());
+        fields.insert(
+            "ambiguity".into(),
+            serde_json::to_value(start.ambiguity).expect("the policy serializes"),
+        );
+        if start.resume {
+            fields.insert("resume".into(), true.into());
+        }
+        Self(serde_json::Value::Object(fields))
+    }
+}
+
+/// The upper bound of either ambiguity clock: a month. A longer one is a typo (seconds read as
+/// milliseconds the other way round), and would park a payout beyond any finance process.
+pub const AMBIGUITY_CLOCK_MS_MAX: u64 = 30 * 24 * 3_600_000;
+
+/// A started workflow's parsed input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayoutStart {
+    pub payout_id: PayoutId,
+    /// What the starter believes the payout is: compared with the payment resource's record
+    /// (a disagreement stops the workflow before anything is claimed), never used to pay.
+    pub believed: BelievedInstruction,
+    pub ambiguity: AmbiguityPolicy,
+    /// Started by the reconciler for a payout whose workflow ended early: a payout found
+    /// RAIL_SUBMITTED is "maybe sent" (spec 2.3: a later holder finds no recorded outcome ->
+    /// RAIL_AMBIGUOUS), resolved by inquiry, never submitted by this run.
+    pub resume: bool,
+}
+
+/// The optional fields of a start input that describe the payout.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BelievedInstruction {
+    pub account_id: Option<AccountId>,
+    pub amount_minor: Option<AmountMinor>,
+    pub currency: Option<Currency>,
+    pub beneficiary_ref: Option<BeneficiaryRef>,
+}
+
+impl BelievedInstruction {
+    /// The first field the starter got wrong, with both values: `None` if every field it gave
+    /// matches the record.
+    pub fn disagreement(&self, recorded: &Instruction) -> Option<String> {
+        fn differs<T: PartialEq + std::fmt::Display>(
+            field: &str,
+            believed: &Option<T>,
+            recorded: &T,
+        ) -> Option<String> {
+            believed
+                .as_ref()
+                .filter(|b| *b != recorded)
+                .map(|b| format!("{field}: the input says {b}, the payout record says {recorded}"))
+        }
+        differs("account_id", &self.account_id, &recorded.account_id)
+            .or_else(|| differs("amount_minor", &self.amount_minor, &recorded.amount_minor))
+            .or_else(|| differs("currency", &self.currency, &recorded.currency))
+            .or_else(|| {
+                differs(
+                    "beneficiary_ref",
+                    &self.beneficiary_ref,
+                    &recorded.beneficiary_ref,
+                )
+            })
+    }
+
+    /// The instruction these fields describe, if all are present (a history recorded before the
+    /// payment resource's snapshots carried the record: its input had every field).
+    pub fn complete(&self) -> Option<Instruction> {
+        Some(Instruction {
+            account_id: self.account_id.clone()?,
+            amount_minor: self.amount_minor?,
+            currency: self.currency.clone()?,
+            beneficiary_ref: self.beneficiary_ref.clone()?,
+        })
+    }
+}
+
+/// A start input the workflow cannot use: the field and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid workflow input: {field}: {problem}")]
+pub struct InputError {
+    pub field: String,
+    pub problem: String,
+}
+
+impl PayoutStart {
+    /// Parses a start input. Unknown fields are refused: a misspelt field (say `amount` for
+    /// `amount_minor`) must not be silently ignored in a payment instruction's neighbourhood.
+    pub fn parse(input: &PayoutStartInput) -> Result<Self, InputError> {
+        fn error(field: &str, problem: impl Into<String>) -> InputError {
+            InputError {
+                field: field.to_string(),
+                problem: problem.into(),
+            }
+        }
+        fn field<T: serde::de::DeserializeOwned>(
+            fields: &serde_json::Map<String, serde_json::Value>,
+            name: &str,
+        ) -> Result<Option<T>, InputError> {
+            match fields.get(name) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(v) => serde_json::from_value(v.clone())
+                    .map(Some)
+                    .map_err(|e| error(name, e.to_string())),
+            }
+        }
+        const KNOWN: [&str; 7] = [
+            "payout_id",
+            "account_id",
+            "amount_minor",
+            "currency",
+            "beneficiary_ref",
+            "ambiguity",
+            "resume",
+        ];
+        let fields = input
+            .0
+            .as_object()
+            .ok_or_else(|| error("(input)", "must be a JSON object"))?;
+        if let Some(unknown) = fields.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+            return Err(error(unknown, "unknown field"));
+        }
+        let payout_id: PayoutId =
+            field(fields, "payout_id")?.ok_or_else(|| error("payout_id", "missing"))?;
+        let ambiguity = match fields.get("ambiguity") {
+            None | Some(serde_json::Value::Null) => AmbiguityPolicy::default(),
+            Some(serde_json::Value::Object(a)) => {
+                if let Some(unknown) = a
+                    .keys()
+                    .find(|k| !["settlement_window_ms", "resolution_sla_ms"].contains(&k.as_str()))
+                {
+                    return Err(error(&format!("ambiguity.{unknown}"), "unknown field"));
+                }
+                let clock = |name: &str| -> Result<u64, InputError> {
+                    let full = format!("ambiguity.{name}");
+                    let value: u64 = field(a, name)
+                        .map_err(|e| error(&full, e.problem))?
+                        .ok_or_else(|| error(&full, "missing"))?;
+                    if value == 0 || value > AMBIGUITY_CLOCK_MS_MAX {
+                        return Err(error(
+                            &full,
+                            format!("{value} is outside 1..={AMBIGUITY_CLOCK_MS_MAX} ms"),
+                        ));
+                    }
+                    Ok(value)
+                };
+                AmbiguityPolicy {
+                    settlement_window_ms: clock("settlement_window_ms")?,
+                    resolution_sla_ms: clock("resolution_sla_ms")?,
+                }
+            }
+            Some(_) => return Err(error("ambiguity", "must be an object")),
+        };
+        Ok(Self {
+            payout_id,
+            believed: BelievedInstruction {
+                account_id: field(fields, "account_id")?,
+                amount_minor: field(fields, "amount_minor")?,
+                currency: field(fields, "currency")?,
+                beneficiary_ref: field(fields, "beneficiary_ref")?,
+            },
+            ambiguity,
+            resume: field(fields, "resume")?.unwrap_or(false),
+        })
+    }
+}
+
+/// What the rail is asked to pay, as the payment resource recorded the payout: the only source
+/// of a submission's account, amount, currency and beneficiary.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instruction {
+    pub account_id: AccountId,
+    pub amount_minor: AmountMinor,
+    pub currency: Currency,
+    pub beneficiary_ref: BeneficiaryRef,
 }
 
 /// The two clocks of ambiguity resolution (spec 2.3, RAIL_AMBIGUOUS). Neither resolves anything
@@ -210,4 +408,7 @@ pub struct PayoutSnapshot {
     pub rail_ref: String,
     pub rail_outcome: String,
     pub failure_reason: String,
+    /// The payout's recorded instruction (absent in histories recorded before it was carried).
+    #[serde(default)]
+    pub instruction: Option<Instruction>,
 }

@@ -27,7 +27,7 @@ pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
         paydb: connect(target.paydb.clone()).await?,
         proxydb: connect(target.proxydb.clone()).await?,
         gldb: connect(target.gldb.clone()).await?,
-        rail_url: Some(target.rail_url.clone()),
+        rail_proxy_url: Some(target.proxy_url.clone()),
         lock_grants: Some((target.etcd_endpoints.clone(), target.lock_prefix.clone())),
     })
 }

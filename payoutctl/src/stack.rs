@@ -110,6 +110,9 @@ impl SystemRecord {
     pub fn rail_url(&self) -> String {
         Self::url(self.ports.rail_stub)
     }
+    pub fn proxy_url(&self) -> String {
+        Self::url(self.ports.rail_proxy)
+    }
 }
 
 /// The lock-server's etcd key prefix in the local stack.
@@ -342,10 +345,6 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 &databases.proxydb,
             ])
             .args(["--gldb-url", &databases.gldb, "--etcd-endpoints", &etcd])
-            .args([
-                "--rail-url".to_string(),
-                SystemRecord::url(system_ports.rail_stub),
-            ])
             .args(["--lock-prefix", LOCK_ETCD_PREFIX])
             .args([
                 "--lock-server-url".to_string(),
@@ -372,7 +371,14 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 "--interval-s".to_string(),
                 args.reconcile_interval_s.to_string(),
             ])
-            .arg("--resolve-orphans"),
+            .arg("--resolve-orphans")
+            // Stranded payouts go back to a workflow on the workers' queue.
+            .arg("--resume-stranded")
+            .args(["--payout-task-queue", TASK_QUEUE])
+            .args([
+                "--settlement-window-ms".to_string(),
+                args.settlement_window_ms.to_string(),
+            ]),
         )?;
         record.parts.push(Part {
             name: "reconciler".into(),

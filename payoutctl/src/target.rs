@@ -23,6 +23,9 @@ pub struct Target {
     pub rail_url: Option<String>,
     #[arg(long, env = "PAYOUT_PAYMENT_URL")]
     pub payment_url: Option<String>,
+    /// The rail proxy: the reconciler asks the rail through its read-only lookup.
+    #[arg(long, env = "PAYOUT_PROXY_URL")]
+    pub proxy_url: Option<String>,
     /// Temporal frontend, host:port.
     #[arg(long, env = "PAYOUT_TEMPORAL_ADDRESS")]
     pub temporal_address: Option<String>,
@@ -47,6 +50,7 @@ pub struct Resolved {
     pub gldb: String,
     pub rail_url: String,
     pub payment_url: String,
+    pub proxy_url: String,
     pub temporal_address: String,
     pub ui_url: String,
     pub etcd_endpoints: Vec<String>,
@@ -78,6 +82,7 @@ impl Target {
                 gldb: need(&self.gldb_url, "gldb-url")?,
                 rail_url: need(&self.rail_url, "rail-url")?,
                 payment_url: need(&self.payment_url, "payment-url")?,
+                proxy_url: need(&self.proxy_url, "proxy-url")?,
                 ui_url: self
                     .temporal_ui
                     .clone()
@@ -100,6 +105,7 @@ impl Target {
             gldb: system.databases.gldb.clone(),
             rail_url: system.rail_url(),
             payment_url: system.payment_url(),
+            proxy_url: system.proxy_url(),
             temporal_address: record.temporal_address(),
             ui_url: record.ui_url(),
             etcd_endpoints: record.etcd_endpoints(),

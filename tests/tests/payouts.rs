@@ -60,6 +60,8 @@ async fn silent_rail() -> &'static System {
                     settlement_window_ms: 1_000,
                     rail_timeout_ms: RAIL_TIMEOUT_MS,
                     rail_faults_json: Some(r#"{"lookup_latency_ms": 60000}"#.into()),
+                    // The payment resource's own SLA, the one the abandon test's workflow uses.
+                    resolution_sla_ms: Some(15_000),
                     ..SystemOptions::default()
                 },
             )
@@ -293,6 +295,70 @@ async fn normal_path_moves_money_once_and_posts_two_balanced_rows() {
         matches!(again, Err(wf::PayoutClientError::AlreadyStarted { .. })),
         "{again:?}"
     );
+}
+
+/// An operator starts a payout's workflow by hand (`temporal workflow start`, as deploy/README
+/// shows): with a typo in the amount it is refused before anything is claimed or sent, and says
+/// which field disagrees with the payout record; with only the payout id it pays exactly what
+/// the payment resource recorded. (Before, the rail was asked for the input's amount while paydb
+/// debited the recorded one.)
+#[tokio::test]
+async fn a_workflow_started_by_hand_pays_the_record_or_is_refused_before_the_rail() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx.payout("by-hand", 10_000, 1_000, fast_ambiguity()).await;
+    let start = |workflow_id: &str, raw: serde_json::Value| {
+        Stack::shared()
+            .temporal()
+            .cli(&[
+                "workflow",
+                "start",
+                "--namespace",
+                testkit::temporal::NAMESPACE,
+                "--type",
+                "PayoutWorkflow",
+                "--task-queue",
+                &ctx.system.task_queue,
+                "--workflow-id",
+                workflow_id,
+                "--input",
+                &raw.to_string(),
+            ])
+            .unwrap();
+    };
+    let typo_id = format!("{}-typo", payout_domain::workflow_id(&input.payout_id));
+    let mut typo = serde_json::to_value(&input).unwrap();
+    typo["amount_minor"] = 100_000.into();
+    start(&typo_id, typo);
+    let refused = wf::wait_result(&ctx.temporal, &typo_id, SETTLE_TIMEOUT)
+        .await
+        .expect_err("the typo is refused");
+    let refused = format!("{refused:?}");
+    assert!(
+        refused.contains("InputDisagreesWithRecord")
+            && refused.contains("amount_minor: the input says 100000, the payout record says 1000"),
+        "{refused}"
+    );
+    assert_eq!(ctx.rail(&input).await, (0, 0), "nothing reached the rail");
+    let pending = ctx.payment.get_payout(&input.payout_id).await.unwrap();
+    assert_eq!(pending.payout.state, PayoutState::Pending);
+
+    let id = payout_domain::workflow_id(&input.payout_id);
+    start(
+        &id,
+        serde_json::json!({"payout_id": input.payout_id.as_str(), "ambiguity": fast_ambiguity()}),
+    );
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    let cref = ClientReference::for_payout(&input.payout_id);
+    let truth = ctx.stub.ground_truth().await.unwrap();
+    let paid: Vec<i64> = truth
+        .movements
+        .iter()
+        .filter(|m| m.client_reference == cref.as_str())
+        .map(|m| m.amount_minor)
+        .collect();
+    assert_eq!(paid, [1_000], "the rail paid the recorded amount, once");
+    assert_eq!(ctx.balance(&input).await, 9_000);
 }
 
 #[tokio::test]

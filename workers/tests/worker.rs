@@ -53,7 +53,7 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
         let handle = client
             .start_workflow(
                 PayoutWorkflow::run,
-                input.clone(),
+                payout_activities::types::PayoutStartInput::from(&input),
                 WorkflowStartOptions::new(queue.clone(), id).build(),
             )
             .await

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use payout_activities::types::PayoutInput;
+use payout_activities::types::{PayoutInput, PayoutStartInput};
 use temporalio_client::errors::{
     ClientConnectError, WorkflowGetResultError, WorkflowQueryError, WorkflowStartError,
 };
@@ -94,7 +94,7 @@ async fn start_with(
 ) -> Result<String, PayoutClientError> {
     let workflow_id = options.workflow_id.clone();
     match client
-        .start_workflow(PayoutWorkflow::run, input.clone(), options)
+        .start_workflow(PayoutWorkflow::run, PayoutStartInput::from(input), options)
         .await
     {
         Ok(_) => Ok(workflow_id),

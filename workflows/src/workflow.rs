@@ -47,11 +47,52 @@ pub const GRANT_LOSSES_MAX: u32 = 20;
 pub const POST_SLA_INQUIRY_INTERVAL_MAX: Duration = Duration::from_secs(3_600);
 
 /// The operator's `abandon` signal: `temporal workflow signal --name abandon --input
-/// '{"operator":"alice","reason":"finance ticket 42"}'`.
+/// '{"operator":"alice","reason":"finance ticket 42"}'`. A missing field decodes as empty and is
+/// refused (and recorded as refused) by the workflow: operator input never fails a payout.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AbandonSignal {
+    #[serde(default)]
     pub operator: String,
+    #[serde(default)]
     pub reason: String,
+}
+
+/// An operator name longer than this is refused: it is an identity, not a message.
+pub const OPERATOR_LENGTH_MAX: usize = 200;
+/// A reason longer than this is refused; the payment resource stores at most 1024 bytes of text.
+pub const REASON_LENGTH_MAX: usize = 1_000;
+/// Recorded in place of a missing operator or reason, so that the refusal itself is on record.
+const MISSING: &str = "(missing)";
+
+impl AbandonSignal {
+    /// Why the request cannot be decided on its merits, if it cannot.
+    pub fn problem(&self) -> Option<String> {
+        let (operator, reason) = (self.operator.trim(), self.reason.trim());
+        if operator.is_empty() {
+            Some("refused: the operator is missing".into())
+        } else if reason.is_empty() {
+            Some("refused: the reason is missing".into())
+        } else if operator.chars().count() > OPERATOR_LENGTH_MAX {
+            Some(format!(
+                "refused: the operator is longer than {OPERATOR_LENGTH_MAX} characters"
+            ))
+        } else if reason.chars().count() > REASON_LENGTH_MAX {
+            Some(format!(
+                "refused: the reason is longer than {REASON_LENGTH_MAX} characters"
+            ))
+        } else {
+            None
+        }
+    }
+}
+
+/// `text` as it can be recorded: trimmed, cut to `max` characters, or [`MISSING`].
+fn recordable(text: &str, max: usize) -> String {
+    let text = text.trim();
+    if text.is_empty() {
+        return MISSING.to_string();
+    }
+    text.chars().take(max).collect()
 }
 
 /// The `status` query's answer.
@@ -85,7 +126,17 @@ pub struct PayoutWorkflow {
     last_event: String,
     resolution_sla_passed: bool,
     abandon_requests: VecDeque<AbandonSignal>,
-    abandon_accepted: Option<AbandonSignal>,
+    /// An accepted abandon and the state it was accepted in: it is carried out only in that
+    /// state, and withdrawn (on record) the moment the payout is seen elsewhere.
+    abandon_accepted: Option<(AbandonSignal, PayoutState)>,
+}
+
+/// What a run works from: the payout and its recorded instruction (never the start input's
+/// description of it), and the ambiguity clocks.
+struct PayoutRun {
+    payout_id: PayoutId,
+    instruction: Instruction,
+    ambiguity: AmbiguityPolicy,
 }
 
 /// How a step ended when it did not produce a new snapshot.
@@ -97,6 +148,10 @@ enum StepError {
     /// Another payout of the account is in flight (its holder lost the grant and this payout
     /// took the key in between): give the key back so that payout can finish first.
     AccountBusy(Refusal),
+    /// The payment resource refused to carry out an accepted abandon (the payout moved on, or
+    /// its resolution SLA has not passed by the resource's own record): the abandon is
+    /// withdrawn and the payout goes on. An answer, not a failure.
+    AbandonRefused(Refusal),
     /// Anything else: the workflow stops (the activity already retried by its policy).
     Fatal(Box<ActivityExecutionError>),
 }
@@ -148,23 +203,71 @@ impl PayoutWorkflow {
     #[run(name = "PayoutWorkflow")]
     pub async fn run(
         ctx: &mut WorkflowContext<Self>,
-        input: PayoutInput,
+        input: PayoutStartInput,
     ) -> WorkflowResult<PayoutResult> {
-        ctx.state_mut(|s| s.payout_id = input.payout_id.to_string());
+        let start = match PayoutStart::parse(&input) {
+            Ok(start) => start,
+            Err(e) => {
+                ctx.state_mut(|s| s.last_event = format!("INVALID_INPUT: {e}"));
+                return Err(fatal("InvalidInput", e.to_string()).into());
+            }
+        };
+        ctx.state_mut(|s| s.payout_id = start.payout_id.to_string());
         let mut facts = RunFacts::default();
         let mut snapshot = ctx
             .execute_activity(
                 PayoutActivities::get_payout,
-                input.payout_id.clone(),
+                start.payout_id.clone(),
                 options::guard_call(),
             )
             .await?;
+        // What is paid is what the payment resource recorded; a history from before snapshots
+        // carried the record replays with the input's own (then complete) description.
+        let Some(instruction) = snapshot
+            .instruction
+            .clone()
+            .or_else(|| start.believed.complete())
+        else {
+            return Err(fatal(
+                "NoInstruction",
+                format!(
+                    "the payment resource returned no instruction for payout {}",
+                    start.payout_id
+                ),
+            )
+            .into());
+        };
+        if let Some(difference) = start.believed.disagreement(&instruction) {
+            ctx.state_mut(|s| s.last_event = format!("INPUT_DISAGREES_WITH_RECORD: {difference}"));
+            return Err(fatal(
+                "InputDisagreesWithRecord",
+                format!(
+                    "payout {}: {difference}; nothing was claimed or sent",
+                    start.payout_id
+                ),
+            )
+            .into());
+        }
+        let input = PayoutRun {
+            payout_id: start.payout_id.clone(),
+            instruction,
+            ambiguity: start.ambiguity,
+        };
         observe(ctx, &input, &snapshot, "STARTED");
+        if start.resume && snapshot.state == PayoutState::RailSubmitted {
+            // A later holder that finds no recorded outcome (spec 2.3): maybe sent. This run
+            // never submits it; it records the ambiguity and asks the rail.
+            facts.proxy_called = true;
+            ctx.state_mut(|s| {
+                s.last_event = "RESUMED in RAIL_SUBMITTED: maybe sent, resolved by inquiry".into()
+            });
+        }
         let mut refusals_in_a_row = 0;
         let mut grant_losses = 0;
 
         loop {
-            process_signals(ctx, &input, &facts).await?;
+            process_signals(ctx, &input, &facts).await;
+            withdraw_stale_abandon(ctx, &input, &facts, &snapshot).await;
             if snapshot.state.is_terminal() {
                 break;
             }
@@ -207,6 +310,17 @@ impl PayoutWorkflow {
                     }
                     snapshot = read(ctx, &input).await?;
                     observe(ctx, &input, &snapshot, "REREAD_AFTER_REFUSAL");
+                }
+                Err(StepError::AbandonRefused(refusal)) => {
+                    withdraw_abandon(
+                        ctx,
+                        &input,
+                        &facts,
+                        format!("the payment resource refused to carry it out: {refusal}"),
+                    )
+                    .await;
+                    snapshot = read(ctx, &input).await?;
+                    observe(ctx, &input, &snapshot, "REREAD_AFTER_ABANDON_REFUSED");
                 }
                 Err(StepError::AccountBusy(refusal)) => {
                     // Not a failure of this payout: it waits, PENDING and unclaimed, holding
@@ -288,7 +402,7 @@ fn fatal(name: &str, detail: String) -> ApplicationFailure {
 /// Keeps the query state and the search attributes current.
 fn observe(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    input: &PayoutInput,
+    input: &PayoutRun,
     snapshot: &PayoutSnapshot,
     event: &str,
 ) {
@@ -302,14 +416,14 @@ fn observe(
     if changed {
         ctx.upsert_search_attributes([
             PAYOUT_STATE.value_set(snapshot.state.as_str().to_string()),
-            ACCOUNT_ID.value_set(input.account_id.to_string()),
+            ACCOUNT_ID.value_set(input.instruction.account_id.to_string()),
         ]);
     }
 }
 
 async fn read(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    input: &PayoutInput,
+    input: &PayoutRun,
 ) -> Result<PayoutSnapshot, ActivityExecutionError> {
     ctx.execute_activity(
         PayoutActivities::get_payout,
@@ -323,7 +437,7 @@ async fn read(
 /// any operator signal that arrives meanwhile.
 async fn acquire(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    input: &PayoutInput,
+    input: &PayoutRun,
     facts: &RunFacts,
 ) -> Result<Grant, temporalio_sdk::WorkflowTermination> {
     loop {
@@ -332,7 +446,7 @@ async fn acquire(
                 PayoutActivities::acquire_grant,
                 AcquireInput {
                     payout_id: input.payout_id.clone(),
-                    account_id: input.account_id.clone(),
+                    account_id: input.instruction.account_id.clone(),
                 },
                 options::acquire(),
             )
@@ -351,19 +465,21 @@ async fn acquire(
                     _ = ctx.timer(LOCK_RETRY_INTERVAL) => {},
                     _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {},
                 };
-                process_signals(ctx, input, facts).await?;
+                process_signals(ctx, input, facts).await;
             }
         }
     }
 }
 
 /// Decides every queued `abandon`: honoured for PENDING, and for RAIL_AMBIGUOUS past the SLA;
-/// refused otherwise. Each decision is written to the payment resource's audit trail first.
+/// refused otherwise, and refused whatever the state when the request itself is unusable (no
+/// operator, no reason, oversize). Each decision is written to the payment resource's audit trail
+/// first; a decision the audit trail does not take is not acted on. Never fails the workflow.
 async fn process_signals(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    input: &PayoutInput,
+    input: &PayoutRun,
     facts: &RunFacts,
-) -> Result<(), ActivityExecutionError> {
+) {
     while let Some(request) = ctx.state_mut(|s| s.abandon_requests.pop_front()) {
         let (state, sla_passed, already) = ctx.state(|s| {
             (
@@ -372,7 +488,9 @@ async fn process_signals(
                 s.abandon_accepted.is_some(),
             )
         });
-        let (accepted, note) = if already {
+        let (accepted, note) = if let Some(problem) = request.problem() {
+            (false, problem)
+        } else if already {
             (false, "an abandon is already being carried out".to_string())
         } else {
             match state {
@@ -387,38 +505,107 @@ async fn process_signals(
                 other => (false, format!("state {other} does not allow abandon")),
             }
         };
-        ctx.execute_activity(
-            PayoutActivities::record_operator_decision,
-            OperatorDecisionInput {
-                payout_id: input.payout_id.clone(),
-                operator: request.operator.clone(),
-                decision: "abandon".into(),
-                reason: request.reason.clone(),
-                accepted,
-                note: note.clone(),
-                token: facts.grant.as_ref().map(|g| g.token),
-            },
-            options::guard_call(),
-        )
-        .await?;
+        let recorded = record_decision(ctx, input, facts, &request, accepted, &note).await;
+        let (accepted, note) = match recorded {
+            Ok(()) => (accepted, note),
+            Err(e) => (
+                false,
+                format!("{note}; NOT RECORDED ({e}), so not acted on"),
+            ),
+        };
         ctx.state_mut(|s| {
             s.last_event = format!(
                 "ABANDON {} by {}: {note}",
                 if accepted { "ACCEPTED" } else { "REFUSED" },
-                request.operator
+                recordable(&request.operator, OPERATOR_LENGTH_MAX)
             );
             if accepted {
-                s.abandon_accepted = Some(request);
+                s.abandon_accepted = Some((request, state));
             }
         });
     }
-    Ok(())
+}
+
+/// One operator decision into the payment resource's audit trail.
+async fn record_decision(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    facts: &RunFacts,
+    request: &AbandonSignal,
+    accepted: bool,
+    note: &str,
+) -> Result<(), ActivityExecutionError> {
+    ctx.execute_activity(
+        PayoutActivities::record_operator_decision,
+        OperatorDecisionInput {
+            payout_id: input.payout_id.clone(),
+            operator: recordable(&request.operator, OPERATOR_LENGTH_MAX),
+            decision: "abandon".into(),
+            reason: recordable(&request.reason, REASON_LENGTH_MAX),
+            accepted,
+            note: note.to_string(),
+            token: facts.grant.as_ref().map(|g| g.token),
+        },
+        options::guard_call(),
+    )
+    .await
+}
+
+/// An accepted abandon is for the state it was accepted in: once the payout is seen in another
+/// (a concurrent run claimed it, a resolution came first), it is withdrawn on record.
+async fn withdraw_stale_abandon(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    facts: &RunFacts,
+    snapshot: &PayoutSnapshot,
+) {
+    let Some((_, accepted_in)) = ctx.state(|s| s.abandon_accepted.clone()) else {
+        return;
+    };
+    if accepted_in != snapshot.state {
+        withdraw_abandon(
+            ctx,
+            input,
+            facts,
+            format!(
+                "the payout moved from {accepted_in} to {} before it was carried out",
+                snapshot.state
+            ),
+        )
+        .await;
+    }
+}
+
+/// Clears the accepted abandon and records why it was not carried out (best effort: the
+/// withdrawal is also in the workflow's status and history).
+async fn withdraw_abandon(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    facts: &RunFacts,
+    why: String,
+) {
+    let Some((request, _)) = ctx.state_mut(|s| s.abandon_accepted.take()) else {
+        return;
+    };
+    let note = format!("withdrawn: {why}");
+    let recorded = record_decision(ctx, input, facts, &request, false, &note).await;
+    ctx.state_mut(|s| {
+        s.last_event = format!(
+            "ABANDON WITHDRAWN (by {}): {why}{}",
+            recordable(&request.operator, OPERATOR_LENGTH_MAX),
+            if recorded.is_ok() {
+                ""
+            } else {
+                " [not recorded]"
+            }
+        )
+    });
 }
 
 /// One step from the reported state, under `grant`.
 async fn step(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    input: &PayoutInput,
+    input: &PayoutRun,
     grant: &Grant,
     snapshot: &PayoutSnapshot,
     facts: &mut RunFacts,
@@ -429,8 +616,12 @@ async fn step(
     };
     let abandon = ctx.state(|s| s.abandon_accepted.clone());
     match snapshot.state {
-        PayoutState::Pending if abandon.is_some() => {
-            let request = abandon.expect("checked");
+        PayoutState::Pending
+            if abandon
+                .as_ref()
+                .is_some_and(|(_, s)| *s == PayoutState::Pending) =>
+        {
+            let (request, _) = abandon.expect("checked");
             abandon_payout(ctx, input, grant, request, false, String::new()).await
         }
         PayoutState::Pending => {
@@ -475,7 +666,7 @@ async fn step(
                 // proxy refuses the new submission as DUPLICATE and its record resolves it; it
                 // never sends a second one.
                 facts.proxy_called = true;
-                facts.known_outcome = Some(submit(ctx, input, grant, facts).await?);
+                facts.known_outcome = Some(submit(ctx, input, grant, snapshot, facts).await?);
             }
             let outcome = facts
                 .known_outcome
@@ -517,19 +708,26 @@ async fn step(
 /// from the proxy's existing record; anything unclear is TIMEOUT (RAIL_AMBIGUOUS). Never retried.
 async fn submit(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    input: &PayoutInput,
+    input: &PayoutRun,
     grant: &Grant,
+    snapshot: &PayoutSnapshot,
     facts: &mut RunFacts,
 ) -> Result<RailOutcome, StepError> {
+    // The instruction the payment resource returned under this grant (MarkSubmitted's answer),
+    // or the record read when this run started: the same immutable row.
+    let instruction = snapshot
+        .instruction
+        .clone()
+        .unwrap_or_else(|| input.instruction.clone());
     let answer = ctx
         .execute_activity(
             PayoutActivities::submit_to_rail,
             SubmitInput {
                 payout_id: input.payout_id.clone(),
-                account_id: input.account_id.clone(),
-                amount_minor: input.amount_minor,
-                currency: input.currency.clone(),
-                beneficiary_ref: input.beneficiary_ref.clone(),
+                account_id: instruction.account_id,
+                amount_minor: instruction.amount_minor,
+                currency: instruction.currency,
+                beneficiary_ref: instruction.beneficiary_ref,
                 client_reference: ClientReference::for_payout(&input.payout_id),
                 grant: grant.clone(),
             },
@@ -566,7 +764,7 @@ async fn submit(
 /// then ask the rail. Found -> RAIL_ACKED; absent -> FAILED; unknown -> ask again later.
 async fn ambiguity_step(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    input: &PayoutInput,
+    input: &PayoutRun,
     grant: &Grant,
     snapshot: &PayoutSnapshot,
     facts: &mut RunFacts,
@@ -575,7 +773,7 @@ async fn ambiguity_step(
     let since = *facts.ambiguous_since.get_or_insert(now);
     let sla = Duration::from_millis(input.ambiguity.resolution_sla_ms);
     let elapsed = now.duration_since(since).unwrap_or_default();
-    if let Some(request) = ctx.state(|s| s.abandon_accepted.clone()) {
+    if let Some((request, PayoutState::RailAmbiguous)) = ctx.state(|s| s.abandon_accepted.clone()) {
         let sla_check = format!(
             "ambiguous for {} ms in this run, resolution SLA {} ms",
             elapsed.as_millis(),
@@ -599,7 +797,7 @@ async fn ambiguity_step(
             PayoutActivities::inquire_rail,
             InquireInput {
                 payout_id: input.payout_id.clone(),
-                account_id: input.account_id.clone(),
+                account_id: input.instruction.account_id.clone(),
                 client_reference: ClientReference::for_payout(&input.payout_id),
                 grant: grant.clone(),
             },
@@ -638,7 +836,7 @@ async fn ambiguity_step(
 
 async fn abandon_payout(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    input: &PayoutInput,
+    input: &PayoutRun,
     grant: &Grant,
     request: AbandonSignal,
     resolution_sla_passed: bool,
@@ -658,6 +856,16 @@ async fn abandon_payout(
             options::fenced(options::guard_call(), grant),
         )
         .await
-        .map_err(|e| classify(e, grant))?;
+        .map_err(|e| match Refusal::from_failure(&e) {
+            // Not carried out, and nothing changed: the payout goes on.
+            Some(
+                r @ (Refusal::RefusedTransition { .. }
+                | Refusal::ResolutionSlaNotPassed { .. }
+                | Refusal::InvalidRequest { .. }),
+            ) => StepError::AbandonRefused(r),
+            _ => classify(e, grant),
+        })?;
+    // Carried out: nothing is left to withdraw.
+    ctx.state_mut(|s| s.abandon_accepted = None);
     Ok((abandoned, "OPERATOR_ABANDON"))
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use payout_activities::in_memory::{InMemoryBackend, RailScript};
-use payout_activities::types::{AmbiguityPolicy, Inquiry, PayoutInput};
+use payout_activities::types::{AmbiguityPolicy, Inquiry, PayoutInput, PayoutStartInput};
 use payout_activities::PayoutActivities;
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
 use payout_workflows::{PayoutResult, PayoutStatus, PayoutWorkflow};
@@ -88,7 +88,7 @@ async fn start(client: &Client, queue: &str, input: &PayoutInput) -> String {
     client
         .start_workflow(
             PayoutWorkflow::run,
-            input.clone(),
+            PayoutStartInput::from(input),
             WorkflowStartOptions::new(queue, id.clone()).build(),
         )
         .await
@@ -113,6 +113,19 @@ async fn status(client: &Client, id: &str) -> PayoutStatus {
         .query(PayoutWorkflow::status, (), WorkflowQueryOptions::default())
         .await
         .unwrap()
+}
+
+/// Until the workflow `id` waits for its account's key (another holder has it).
+async fn waiting_for_the_lock(client: &Client, id: &str) {
+    testkit::eventually(SETTLE_TIMEOUT, "waiting for the lock", || async {
+        status(client, id)
+            .await
+            .last_event
+            .starts_with("WAITING_FOR_LOCK")
+            .then_some(())
+    })
+    .await
+    .unwrap();
 }
 
 /// The operator path: exactly what an operator types.
@@ -339,15 +352,7 @@ async fn abandon_of_a_pending_payout_is_recorded_then_honoured() {
     let w = world.clone();
     let (id, done) = with_worker(&world, &q, |client, q| async move {
         let id = start(&client, &q, &input).await;
-        testkit::eventually(SETTLE_TIMEOUT, "waiting for the lock", || async {
-            status(&client, &id)
-                .await
-                .last_event
-                .starts_with("WAITING_FOR_LOCK")
-                .then_some(())
-        })
-        .await
-        .unwrap();
+        waiting_for_the_lock(&client, &id).await;
         signal_abandon(&id, "alice", "customer withdrew the request");
         testkit::eventually(SETTLE_TIMEOUT, "the decision recorded", || async {
             (!w.decisions().is_empty()).then_some(())
@@ -380,6 +385,8 @@ async fn abandon_is_refused_before_the_sla_and_honoured_after_it() {
     );
     world.open_account(&input.account_id, 5_000);
     world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
+    // The payment resource's own SLA, the same as the workflow's here.
+    world.set_resolution_sla(Duration::from_millis(3_000));
     let unknown = Inquiry::Unknown {
         detail: "rail cannot say".into(),
     };
@@ -424,6 +431,277 @@ async fn abandon_is_refused_before_the_sla_and_honoured_after_it() {
     assert_eq!(world.submit_calls(&done.payout_id), 1);
     assert_eq!(world.postings(&done.payout_id), 0);
     record_history(&client().await, "abandon_ambiguous", &id).await;
+}
+
+/// Starts the workflow of `id`'s payout with a raw JSON input, as `temporal workflow start
+/// --input '...'` would.
+async fn start_raw(client: &Client, queue: &str, id: &str, raw: serde_json::Value) {
+    client
+        .start_workflow(
+            PayoutWorkflow::run,
+            PayoutStartInput(raw),
+            WorkflowStartOptions::new(queue, id.to_string()).build(),
+        )
+        .await
+        .unwrap();
+}
+
+/// The workflow's failure, as text (type and message), within a bound.
+async fn failure(client: &Client, id: &str) -> String {
+    let handle = client.get_workflow_handle::<PayoutWorkflow>(id);
+    let outcome = tokio::time::timeout(
+        SETTLE_TIMEOUT,
+        handle.get_result(WorkflowGetResultOptions::default()),
+    )
+    .await
+    .expect("the workflow ends in time");
+    format!("{:?}", outcome.expect_err("the workflow fails"))
+}
+
+/// A start input the workflow cannot use fails the workflow at once, non-retryably, naming the
+/// field. (With a typed input, the first workflow task failed to decode and was retried for
+/// ever, the workflow sitting RUNNING.)
+#[tokio::test]
+async fn start_inputs_it_cannot_use_fail_at_once_naming_the_field() {
+    let world = InMemoryBackend::new("worker-a");
+    let q = queue("bad-input");
+    let cases = [
+        ("payout_id", serde_json::json!({})),
+        ("payout_id", serde_json::json!({"payout_id": 5})),
+        (
+            "amount_minor",
+            serde_json::json!({"payout_id": "p-1", "amount_minor": -5}),
+        ),
+        (
+            "amount",
+            serde_json::json!({"payout_id": "p-1", "amount": 100}),
+        ),
+        (
+            "ambiguity.settlement_window_ms",
+            serde_json::json!({"payout_id": "p-1", "ambiguity": {"settlement_window_ms": 0, "resolution_sla_ms": 1000}}),
+        ),
+        ("(input)", serde_json::json!(["p-1"])),
+    ];
+    with_worker(&world, &q, |client, q| async move {
+        for (i, (field, raw)) in cases.into_iter().enumerate() {
+            let id = format!("{q}-bad-{i}").replace(['/', ':'], "-");
+            start_raw(&client, &q, &id, raw.clone()).await;
+            let failure = failure(&client, &id).await;
+            assert!(
+                failure.contains("InvalidInput") && failure.contains(field),
+                "{raw}: {failure}"
+            );
+        }
+    })
+    .await;
+}
+
+/// What the rail is asked to pay is the payment resource's record: a start input that describes
+/// the payout differently (a typo in a hand-started workflow) stops before anything is claimed,
+/// and says which field; one that gives only the payout id pays what was recorded.
+#[tokio::test]
+async fn the_rail_is_asked_for_the_recorded_payout_never_for_the_input() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("recorded", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Ack);
+    let mut typo = input.clone();
+    typo.amount_minor = AmountMinor::new(9_999).unwrap();
+    let q = queue("recorded");
+    let w = world.clone();
+    let payout = input.payout_id.clone();
+    let done = with_worker(&world, &q, |client, q| async move {
+        let id = format!("{q}-typo").replace(['/', ':'], "-");
+        start_raw(&client, &q, &id, PayoutStartInput::from(&typo).0).await;
+        let failure = failure(&client, &id).await;
+        assert!(
+            failure.contains("InputDisagreesWithRecord")
+                && failure.contains("amount_minor: the input says 9999, the payout record says 1000"),
+            "{failure}"
+        );
+        assert_eq!(w.state(&input.payout_id), PayoutState::Pending);
+        assert_eq!(w.fence(&input.account_id), 0, "nothing was claimed");
+        let id = payout_domain::workflow_id(&input.payout_id);
+        start_raw(
+            &client,
+            &q,
+            &id,
+            serde_json::json!({"payout_id": input.payout_id.as_str(), "ambiguity": fast_ambiguity()}),
+        )
+        .await;
+        result(&client, &id).await
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Posted);
+    assert_eq!(world.submitted_amount(&payout), Some(1_000));
+    assert_eq!(world.submit_calls(&payout), 1);
+}
+
+/// Operator input cannot fail a payout: an abandon without an operator, without a reason (or
+/// with neither field at all), or with an oversize reason is refused, the refusal is on record,
+/// and the payout goes on to settle. (Before, a missing field failed the signal's decoding, and
+/// an empty one was refused by the audit trail, which failed the workflow.)
+#[tokio::test]
+async fn an_unusable_abandon_is_refused_on_record_and_the_payout_goes_on() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("bad-abandon", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Ack);
+    let other = world.hold_lock_elsewhere(&input.account_id);
+    let q = queue("bad-abandon");
+    let w = world.clone();
+    let done = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        waiting_for_the_lock(&client, &id).await;
+        let long = "x".repeat(1_001);
+        for raw in [
+            "{}".to_string(),
+            serde_json::json!({"operator": "", "reason": "r"}).to_string(),
+            serde_json::json!({"operator": "dave", "reason": long}).to_string(),
+        ] {
+            Stack::shared()
+                .temporal()
+                .cli(&[
+                    "workflow",
+                    "signal",
+                    "--namespace",
+                    "default",
+                    "--workflow-id",
+                    &id,
+                    "--name",
+                    "abandon",
+                    "--input",
+                    &raw,
+                ])
+                .unwrap();
+        }
+        testkit::eventually(SETTLE_TIMEOUT, "three refusals recorded", || async {
+            (w.decisions().len() == 3).then_some(())
+        })
+        .await
+        .unwrap();
+        w.release_elsewhere(&other);
+        result(&client, &id).await
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Posted);
+    let decisions = world.decisions();
+    assert!(decisions.iter().all(|d| !d.accepted), "{decisions:?}");
+    assert_eq!(decisions[0].operator, "(missing)");
+    assert!(
+        decisions[0].note.contains("operator is missing"),
+        "{decisions:?}"
+    );
+    assert!(
+        decisions[1].note.contains("operator is missing"),
+        "{decisions:?}"
+    );
+    assert!(
+        decisions[2].note.contains("reason is longer"),
+        "{decisions:?}"
+    );
+    assert_eq!(world.submit_calls(&done.payout_id), 1);
+}
+
+/// The race: an abandon accepted while the payout was PENDING, then a concurrent run claims it
+/// first. The payment resource refuses the abandon; it is withdrawn on record, not left armed
+/// (before, it stayed armed and abandoned the payout the moment it reached RAIL_AMBIGUOUS, with
+/// no SLA and no inquiry); the payout goes on and is resolved by evidence.
+#[tokio::test]
+async fn an_abandon_overtaken_by_a_concurrent_claim_is_withdrawn_not_left_armed() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("abandon-race", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::TimeoutBeforeRail);
+    // The resource would allow an abandon of an ambiguous payout at once: only the withdrawal
+    // keeps the old acceptance from being carried out there.
+    world.set_resolution_sla(Duration::ZERO);
+    let unknown = Inquiry::Unknown {
+        detail: "not yet".into(),
+    };
+    world.script_inquiries(&input.payout_id, vec![unknown, Inquiry::Absent]);
+    let other = world.hold_lock_elsewhere(&input.account_id);
+    let q = queue("abandon-race");
+    let w = world.clone();
+    let done = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        waiting_for_the_lock(&client, &id).await;
+        signal_abandon(&id, "alice", "customer withdrew the request");
+        testkit::eventually(SETTLE_TIMEOUT, "the acceptance recorded", || async {
+            (w.decisions().len() == 1).then_some(())
+        })
+        .await
+        .unwrap();
+        // A concurrent run of the same payout claims it under the key it held.
+        w.claim_elsewhere(&input.payout_id, &other);
+        w.release_elsewhere(&other);
+        result(&client, &id).await
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Failed, "{done:?}");
+    let decisions = world.decisions();
+    assert_eq!(decisions.len(), 2, "{decisions:?}");
+    assert!(decisions[0].accepted);
+    assert!(!decisions[1].accepted);
+    assert!(decisions[1].note.starts_with("withdrawn"), "{decisions:?}");
+}
+
+/// The payment resource decides the resolution SLA from its own record: when it refuses an
+/// abandon the workflow accepted on its own clock, that is an answer (the abandon is withdrawn
+/// on record and the payout stays RAIL_AMBIGUOUS, still asking the rail), never a failure. Once
+/// the resource's SLA has passed, a new abandon is carried out. (Before, the refusal failed the
+/// workflow while it held the account's grant.)
+#[tokio::test]
+async fn the_resources_sla_refusal_is_an_answer_not_a_failure() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input(
+        "sla-refused",
+        1_000,
+        AmbiguityPolicy {
+            settlement_window_ms: 300,
+            resolution_sla_ms: 1_000,
+        },
+    );
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
+    let unknown = Inquiry::Unknown {
+        detail: "rail cannot say".into(),
+    };
+    world.script_inquiries(&input.payout_id, vec![unknown; 1_000]);
+    let q = queue("sla-refused");
+    let w = world.clone();
+    let done = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        testkit::eventually(SETTLE_TIMEOUT, "the workflow's SLA passed", || async {
+            status(&client, &id)
+                .await
+                .resolution_sla_passed
+                .then_some(())
+        })
+        .await
+        .unwrap();
+        signal_abandon(&id, "erin", "finance ticket 7");
+        let withdrawn = testkit::eventually(SETTLE_TIMEOUT, "the withdrawal", || async {
+            let s = status(&client, &id).await;
+            s.last_event.starts_with("ABANDON WITHDRAWN").then_some(s)
+        })
+        .await
+        .unwrap();
+        assert!(
+            withdrawn.last_event.contains("resolution SLA"),
+            "{withdrawn:?}"
+        );
+        assert_eq!(withdrawn.state, PayoutState::RailAmbiguous);
+        w.set_resolution_sla(Duration::ZERO);
+        signal_abandon(&id, "erin", "finance ticket 7, again");
+        result(&client, &id).await
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Abandoned, "{done:?}");
+    let decisions = world.decisions();
+    let accepted: Vec<bool> = decisions.iter().map(|d| d.accepted).collect();
+    assert_eq!(accepted, [true, false, true], "{decisions:?}");
+    assert_eq!(world.postings(&done.payout_id), 0);
 }
 
 #[tokio::test]

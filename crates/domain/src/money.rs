@@ -42,6 +42,12 @@ impl From<AmountMinor> for i64 {
     }
 }
 
+impl std::fmt::Display for AmountMinor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 /// The currencies this system settles, with their ISO 4217 minor-unit exponents. Bounded on
 /// purpose: every currency added needs its exponent right, or amounts are off by powers of ten.
 pub const SUPPORTED_CURRENCIES: [(&str, u32); 5] =

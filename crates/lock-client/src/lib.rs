@@ -8,10 +8,11 @@
 //!   false the moment it passes, and [`Grant::lost`] notifies. This narrows the window in which a
 //!   stale holder keeps working; it is not safety: the token at the guards is.
 //! - A key can be taken from a live session (an operator's force-revoke frees it without ending
-//!   the session), so each grant is also vouched for on its own: every keep-alive round renews
-//!   each live grant of the session (a Renew answers "still the holder" or refuses), and a grant
-//!   is held only while its own deadline (the last vouching Renew's SEND time + TTL - margin) is
-//!   ahead too. A deposed holder therefore stops believing within one TTL of the revoke (INV-06).
+//!   the session), so each grant is also vouched for on its own: every keep-alive names the
+//!   session's live grants and the answer says which of them it no longer holds (one read of
+//!   the backend per keep-alive, whatever the number of grants); a grant is held only while its
+//!   own deadline (the last vouching keep-alive's SEND time + TTL - margin) is ahead too. A
+//!   deposed holder therefore stops believing within one TTL of the revoke (INV-06).
 //! - Fail closed: any error on acquire is an `Err`, never a grant. There is no switch for that.
 
 pub mod history;
@@ -38,6 +39,9 @@ use tonic::transport::Channel;
 pub const LOCAL_DEADLINE_MARGIN: Duration = Duration::from_millis(500);
 /// Keep-alives are sent every TTL / this: three chances to succeed before the deadline passes.
 pub const KEEP_ALIVE_PER_TTL: u32 = 3;
+/// Grants named in one keep-alive, as the lock service bounds them: a worker holds one per
+/// account in flight, far fewer; beyond it the rest are vouched for by their deadlines running out.
+pub const VOUCH_PER_KEEP_ALIVE_MAX: usize = 1_000;
 /// A failed keep-alive is retried after this pause (bounded by the deadline, after which the
 /// session is lost for good).
 pub const KEEP_ALIVE_RETRY_MS: u64 = 100;
@@ -171,6 +175,7 @@ impl LockClient {
             Self::timeout(),
             rpc.keep_alive(pb::KeepAliveRequest {
                 session_id: session_id.to_string(),
+                vouch: Vec::new(),
             }),
         )
         .await?;
@@ -517,9 +522,31 @@ async fn keep_alive_loop(inner: std::sync::Weak<SessionInner>) {
         }
         // Wake for the next keep-alive, or at the deadline to announce the loss on time.
         let next = now + period;
+        // The grants relied on now; one registered after this is covered by its own first
+        // deadline until the next round.
+        let vouched: Vec<Arc<GrantLiveness>> = {
+            let Some(s) = inner.upgrade() else { return };
+            let mut grants = s.grants.lock().expect("grants");
+            grants.retain(|g| g.strong_count() > 0);
+            grants
+                .iter()
+                .filter_map(std::sync::Weak::upgrade)
+                .filter(|g| !g.is_revoked())
+                .take(VOUCH_PER_KEEP_ALIVE_MAX)
+                .collect()
+        };
         let sent_at = Instant::now();
         let call = rpc.keep_alive(pb::KeepAliveRequest {
             session_id: session_id.clone(),
+            vouch: vouched
+                .iter()
+                .map(|g| pb::Handle {
+                    key: g.key.clone(),
+                    owner: g.owner.clone(),
+                    session_id: session_id.clone(),
+                    token: g.token.get(),
+                })
+                .collect(),
         });
         let outcome = tokio::select! {
             r = tokio::time::timeout(deadline.saturating_duration_since(sent_at), call) => r,
@@ -530,9 +557,22 @@ async fn keep_alive_loop(inner: std::sync::Weak<SessionInner>) {
         };
         match outcome {
             Ok(Ok(r)) => {
-                let ttl = Duration::from_millis(r.into_inner().ttl_ms);
+                let r = r.into_inner();
+                let ttl = Duration::from_millis(r.ttl_ms);
+                // The losses first: a grant the answer disowns is never extended by it. An
+                // unvouched answer extends the session only.
+                for g in vouched.iter().filter(|_| !r.unvouched) {
+                    let lost = r
+                        .not_held
+                        .iter()
+                        .any(|h| h.key == g.key && h.owner == g.owner && h.token == g.token.get());
+                    if lost {
+                        g.revoke("the lock service says this session no longer holds the key");
+                    } else {
+                        g.extend(sent_at, ttl);
+                    }
+                }
                 liveness.extend(sent_at, ttl);
-                vouch_for_grants(&inner, &rpc, &session_id, ttl).await;
                 let wake = next.min(liveness.deadline());
                 sleep_or_lose(&liveness, &session_id, wake).await;
             }
@@ -554,62 +594,6 @@ async fn keep_alive_loop(inner: std::sync::Weak<SessionInner>) {
             return;
         }
     }
-}
-
-/// One round of vouching: every live grant of the session is renewed at once. "Still the holder"
-/// moves the grant's own deadline to that Renew's send time + TTL - margin; a refusal (the key
-/// was revoked from under a live session, or went to another handle) ends the grant's belief
-/// now; no answer leaves the deadline where it was, to run out on its own.
-async fn vouch_for_grants(
-    inner: &std::sync::Weak<SessionInner>,
-    rpc: &LockServiceClient<Channel>,
-    session_id: &str,
-    ttl: Duration,
-) {
-    let grants: Vec<Arc<GrantLiveness>> = {
-        let Some(s) = inner.upgrade() else { return };
-        let mut grants = s.grants.lock().expect("grants");
-        grants.retain(|g| g.strong_count() > 0);
-        grants.iter().filter_map(std::sync::Weak::upgrade).collect()
-    };
-    let renewals = grants.iter().filter(|g| !g.is_revoked()).map(|g| {
-        let mut rpc = rpc.clone();
-        let handle = pb::Handle {
-            key: g.key.clone(),
-            owner: g.owner.clone(),
-            session_id: session_id.to_string(),
-            token: g.token.get(),
-        };
-        async move {
-            let sent_at = Instant::now();
-            let timeout = g
-                .deadline()
-                .saturating_duration_since(sent_at)
-                .min(LockClient::timeout());
-            let answer = bounded(
-                timeout,
-                rpc.renew(pb::RenewRequest {
-                    handle: Some(handle),
-                }),
-            )
-            .await;
-            match answer {
-                Ok(r) if r.grant.as_ref().is_some_and(|x| x.token == g.token.get()) => {
-                    g.extend(sent_at, ttl);
-                }
-                Ok(_) => g.revoke("the renewal answered with another token"),
-                Err(ClientError::Rejected {
-                    kind: Rejection::NotHolder(_) | Rejection::NotHeld(_),
-                    ..
-                }) => g.revoke("the lock service says this handle no longer holds the key"),
-                // The session itself is gone: the keep-alive loop finds out and marks it lost.
-                Err(e) => {
-                    tracing::debug!(key = %g.key, token = g.token.get(), error = %e, "renewal of a grant unanswered; its deadline runs on");
-                }
-            }
-        }
-    });
-    futures::future::join_all(renewals).await;
 }
 
 /// One grant's own liveness, apart from its session's: the key can be taken from a live session.

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 pub mod resolve;
+pub mod resume;
 pub mod service;
 
 use payout_domain::{Actor, PayoutEvent, PayoutState};
@@ -32,8 +33,10 @@ pub struct Sources {
     pub paydb: PgPool,
     pub proxydb: PgPool,
     pub gldb: PgPool,
-    /// The rail (stub) base URL: its record of every movement is the ground truth of INV-02.
-    pub rail_url: Option<String>,
+    /// The rail proxy: its read-only per-reference rail lookup (`RailMovements`) is what INV-02
+    /// is checked against, as a real rail allows. (The fault suite's checker reads the rail
+    /// stub's whole book instead; a production rail has no such book.)
+    pub rail_proxy_url: Option<String>,
     /// etcd endpoints and the lock-server's key prefix, for the grant records.
     pub lock_grants: Option<(Vec<String>, String)>,
 }
@@ -66,6 +69,8 @@ pub struct Report {
     pub ambiguous_payouts: Vec<String>,
     /// Orphaned RAIL_AMBIGUOUS payouts handled before the checks ran (`--resolve-orphans`).
     pub resolutions: Vec<resolve::Resolution>,
+    /// Stranded payouts handed back to a workflow before the checks ran (`--resume-stranded`).
+    pub resumptions: Vec<resume::Resumption>,
 }
 
 impl Report {
@@ -133,6 +138,27 @@ impl Report {
                 ));
             }
         }
+        if !self.resumptions.is_empty() {
+            out.push_str(&format!(
+                "{:<24} {:<14} {:<12} {:<16} {:<28}  DETAIL\n",
+                "STRANDED", "STATE", "WORKFLOW", "ACTION", "KEY TAKEN FROM"
+            ));
+            for r in &self.resumptions {
+                out.push_str(&format!(
+                    "{:<24} {:<14} {:<12} {:<16} {:<28}  {}\n",
+                    if r.payout_id.is_empty() {
+                        &r.account_id
+                    } else {
+                        &r.payout_id
+                    },
+                    r.state,
+                    r.workflow,
+                    r.action,
+                    r.took_over_from.as_deref().unwrap_or("-"),
+                    r.detail
+                ));
+            }
+        }
         out.push_str(&format!("violations: {}\n", self.violations));
         out
     }
@@ -181,6 +207,7 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
     checks.push(postings_match_payouts(&sources.paydb, &payouts).await?);
     checks.push(one_submission_per_payout(&sources.proxydb, &payouts).await?);
     checks.push(guard2_tokens(&sources.proxydb).await?);
+    checks.push(submissions_match_payouts(&sources.proxydb, &payouts).await?);
     let (rail, rail_movements) = rail_movements(sources, &payouts).await?;
     checks.push(rail);
     let (gl, outbox_pending) = gl_matches_paydb(&sources.paydb, &sources.gldb, options).await?;
@@ -201,20 +228,24 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
         outbox_pending,
         ambiguous_payouts,
         resolutions: Vec::new(),
+        resumptions: Vec::new(),
     })
 }
 
 #[derive(Debug, Clone)]
 struct PayoutRow {
     id: String,
+    account_id: String,
     state: String,
     amount_minor: i64,
+    currency: String,
+    beneficiary_ref: String,
     client_reference: String,
 }
 
 async fn load_payouts(paydb: &PgPool) -> Result<BTreeMap<String, PayoutRow>, ReconcileError> {
     let rows =
-        sqlx::query("SELECT id, account_id, state, amount_minor, client_reference FROM payout")
+        sqlx::query("SELECT id, account_id, state, amount_minor, currency, beneficiary_ref, client_reference FROM payout")
             .fetch_all(paydb)
             .await
             .map_err(store("paydb"))?;
@@ -223,8 +254,11 @@ async fn load_payouts(paydb: &PgPool) -> Result<BTreeMap<String, PayoutRow>, Rec
         .map(|r| {
             let p = PayoutRow {
                 id: r.get("id"),
+                account_id: r.get("account_id"),
                 state: r.get("state"),
                 amount_minor: r.get("amount_minor"),
+                currency: r.get("currency"),
+                beneficiary_ref: r.get("beneficiary_ref"),
                 client_reference: r.get("client_reference"),
             };
             (p.id.clone(), p)
@@ -523,78 +557,159 @@ async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
     Ok(c)
 }
 
-/// INV-02 against the rail's own record: at most one movement per payout; a POSTED payout has
-/// exactly one; every movement belongs to a payout that went through the proxy and whose state
-/// admits that money moved.
+/// The instruction a submission carried is the payout's record: account, amount, currency and
+/// beneficiary of every proxy submission equal paydb's (the rail is asked to pay what the books
+/// debit, never what a workflow's input said).
+async fn submissions_match_payouts(
+    proxydb: &PgPool,
+    payouts: &BTreeMap<String, PayoutRow>,
+) -> Result<Check, ReconcileError> {
+    let mut c = check("submissions_match_payouts", "INV-02");
+    let rows: Vec<(String, String, i64, String, String)> = sqlx::query_as(
+        "SELECT payout_id, account_id, amount_minor, currency, beneficiary_ref FROM rail_submission \
+         WHERE outcome IS DISTINCT FROM 'NOT_SENT'",
+    )
+    .fetch_all(proxydb)
+    .await
+    .map_err(store("proxydb"))?;
+    for (payout_id, account_id, amount_minor, currency, beneficiary_ref) in rows {
+        c.examined += 1;
+        let Some(p) = payouts.get(&payout_id) else {
+            c.violations.push(format!(
+                "submission for {payout_id}, which is no payout of ours"
+            ));
+            continue;
+        };
+        let submitted = (&account_id, amount_minor, &currency, &beneficiary_ref);
+        let recorded = (
+            &p.account_id,
+            p.amount_minor,
+            &p.currency,
+            &p.beneficiary_ref,
+        );
+        if submitted != recorded {
+            c.violations.push(format!(
+                "WRONG INSTRUCTION: {payout_id} was submitted as {submitted:?} (account, amount, currency, beneficiary) but the payout record is {recorded:?}"
+            ));
+        }
+    }
+    Ok(c)
+}
+
+/// Rail lookups made in one run at most: bounds a run on a large book; beyond it the check says
+/// it was partial.
+pub const RAIL_LOOKUPS_PER_RUN_MAX: usize = 20_000;
+
+/// INV-02 against what the rail itself reports, through the rail proxy's read-only lookup by
+/// client reference (all a real rail offers): every payout that went through the proxy, and
+/// every POSTED payout, is looked up. More than one movement, a movement for a payout the books
+/// say did not pay (FAILED, ABANDONED, PENDING, CLAIMED), a movement whose amount, currency or
+/// beneficiary differ from the record, or a POSTED payout the rail has nothing for, is a
+/// violation. An UNKNOWN answer (inside the settlement window) is counted, not judged.
 async fn rail_movements(
     sources: &Sources,
     payouts: &BTreeMap<String, PayoutRow>,
 ) -> Result<(Check, u64), ReconcileError> {
-    let mut c = check("rail_movements_at_most_once", "INV-02");
-    let Some(url) = &sources.rail_url else {
-        c.skipped = Some("no rail URL given".into());
+    let mut c = check("rail_movements_match_the_books", "INV-02");
+    let Some(url) = &sources.rail_proxy_url else {
+        c.skipped = Some("no rail proxy URL given".into());
         return Ok((c, 0));
     };
-    let truth = rail_stub::client::StubClient::new(url.clone())
-        .ground_truth()
+    let mut proxy = rail_proxy::client::RailProxyClient::connect(url.clone())
         .await
-        .map_err(|e| ReconcileError::Rail(e.to_string()))?;
-    // A sealed record (outcome NOT_SENT: an inquiry found nothing submitted and closed the
-    // payout) is not a submission: money moving for it went around the proxy.
+        .map_err(|e| ReconcileError::Rail(format!("connecting to the rail proxy: {e}")))?;
     let submitted: BTreeSet<String> = sqlx::query_scalar(
-        "SELECT client_reference FROM rail_submission WHERE outcome IS DISTINCT FROM 'NOT_SENT'",
+        "SELECT payout_id FROM rail_submission WHERE outcome IS DISTINCT FROM 'NOT_SENT'",
     )
     .fetch_all(&sources.proxydb)
     .await
     .map_err(store("proxydb"))?
     .into_iter()
     .collect();
-    let by_reference: HashMap<&str, &PayoutRow> = payouts
+    let mut to_look_up: Vec<&PayoutRow> = payouts
         .values()
-        .map(|p| (p.client_reference.as_str(), p))
+        .filter(|p| submitted.contains(&p.id) || p.state == "POSTED")
         .collect();
-    for (reference, count) in &truth.movement_counts {
+    if to_look_up.len() > RAIL_LOOKUPS_PER_RUN_MAX {
+        c.skipped = Some(format!(
+            "partial: {} of {} payouts looked up (RAIL_LOOKUPS_PER_RUN_MAX)",
+            RAIL_LOOKUPS_PER_RUN_MAX,
+            to_look_up.len()
+        ));
+        to_look_up.truncate(RAIL_LOOKUPS_PER_RUN_MAX);
+    }
+    let (mut movements, mut unknown) = (0u64, 0u64);
+    for p in to_look_up {
+        let Ok(payout_id) = payout_domain::PayoutId::parse(p.id.clone()) else {
+            continue;
+        };
         c.examined += 1;
-        if *count > 1 {
+        let found = match proxy.rail_movements(&payout_id).await {
+            Ok(rail_proxy::rail::RailLookup::Found(found)) => found,
+            Ok(rail_proxy::rail::RailLookup::Absent) => {
+                if p.state == "POSTED" {
+                    c.violations.push(format!(
+                        "{} is POSTED but the rail reports no movement for {}",
+                        p.id, p.client_reference
+                    ));
+                }
+                continue;
+            }
+            Ok(rail_proxy::rail::RailLookup::Unknown { .. }) => {
+                unknown += 1;
+                continue;
+            }
+            Err(e) => return Err(ReconcileError::Rail(format!("lookup of {}: {e}", p.id))),
+        };
+        movements += found.len() as u64;
+        if found.len() > 1 {
             c.violations.push(format!(
-                "DUPLICATE PAYMENT: {count} rail movements for {reference}"
+                "DUPLICATE PAYMENT: {} rail movements for {} ({:?})",
+                found.len(),
+                p.client_reference,
+                found.iter().map(|m| &m.rail_ref).collect::<Vec<_>>()
             ));
         }
-        if !submitted.contains(reference) {
+        if !submitted.contains(&p.id) {
             c.violations.push(format!(
-                "rail movement for {reference} without a proxy submission record"
+                "rail movement for {} without a proxy submission record",
+                p.client_reference
             ));
         }
-        match by_reference.get(reference.as_str()) {
-            None => c.violations.push(format!(
-                "rail movement for {reference}, which is no payout of ours"
-            )),
-            Some(p)
-                if matches!(
-                    p.state.as_str(),
-                    "POSTED" | "RAIL_ACKED" | "RAIL_AMBIGUOUS" | "RAIL_SUBMITTED"
-                ) => {}
-            Some(p) => c.violations.push(format!(
+        if !matches!(
+            p.state.as_str(),
+            "POSTED" | "RAIL_ACKED" | "RAIL_AMBIGUOUS" | "RAIL_SUBMITTED"
+        ) {
+            c.violations.push(format!(
                 "money moved for {} but the payout is {} (books say it did not)",
                 p.id, p.state
-            )),
-        }
-    }
-    for p in payouts.values().filter(|p| p.state == "POSTED") {
-        if truth
-            .movement_counts
-            .get(&p.client_reference)
-            .copied()
-            .unwrap_or(0)
-            != 1
-        {
-            c.violations.push(format!(
-                "{} is POSTED without exactly one rail movement",
-                p.id
             ));
         }
+        for m in &found {
+            if (
+                m.amount_minor,
+                m.currency.as_str(),
+                m.beneficiary_ref.as_str(),
+            ) != (
+                p.amount_minor,
+                p.currency.as_str(),
+                p.beneficiary_ref.as_str(),
+            ) {
+                c.violations.push(format!(
+                    "WRONG AMOUNT: the rail paid {} {} to {} for {} ({}) but the payout record is {} {} to {}",
+                    m.amount_minor, m.currency, m.beneficiary_ref, p.id, m.rail_ref,
+                    p.amount_minor, p.currency, p.beneficiary_ref
+                ));
+            }
+        }
     }
-    Ok((c, truth.movements.len() as u64))
+    if unknown > 0 {
+        tracing::info!(
+            unknown,
+            "rail lookups inside the settlement window: not judged this run"
+        );
+    }
+    Ok((c, movements))
 }
 
 /// The GL holds exactly the postings paydb's outbox carried, one journal per row, same amounts.

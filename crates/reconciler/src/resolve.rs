@@ -11,7 +11,6 @@
 //! | NEVER_SENT | ResolveAmbiguity(absent) (sealed at the proxy) | FAILED    |
 //! | UNKNOWN    | nothing; reported                              | unchanged |
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use lock_client::{Acquired, LockClient};
@@ -21,6 +20,8 @@ use payout_domain::{AccountId, PayoutId, PayoutState};
 use rail_proxy::client::RailProxyClient;
 use rail_proxy::model::{Evidence, InquirePayout};
 use serde::Serialize;
+
+use crate::resume::{Temporal, TemporalConfig, WorkflowStatus};
 use sqlx::{PgPool, Row};
 
 /// The reconciler's lock session lease: long enough for one payout's inquiry, resolution and
@@ -29,8 +30,6 @@ pub const LOCK_TTL: Duration = Duration::from_secs(15);
 /// How long to wait for an account's key. A held key means someone is working on the account;
 /// the orphan is then left for the next run rather than queued behind them.
 pub const LOCK_WAIT: Duration = Duration::from_secs(2);
-/// Upper bound of one `temporal workflow describe`.
-pub const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Orphans handled per run: bounds one run's duration; the rest wait for the next run.
 pub const ORPHANS_PER_RUN_MAX: i64 = 500;
 /// Recorded as the evidence source and the proxy's `asked_by`.
@@ -55,64 +54,7 @@ pub struct ResolveConfig {
     pub lock_url: String,
     pub proxy_url: String,
     pub payment_url: String,
-    pub temporal: TemporalProbe,
-}
-
-/// How the workflow's status is asked: the `temporal` CLI (`workflow describe --output json`).
-#[derive(Debug, Clone)]
-pub struct TemporalProbe {
-    pub cli: PathBuf,
-    pub address: String,
-    pub namespace: String,
-}
-
-/// What Temporal says about the payout's workflow.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub enum WorkflowStatus {
-    NotFound,
-    Running,
-    /// Closed, with Temporal's status name (COMPLETED, FAILED, TERMINATED, ...).
-    Closed(String),
-}
-
-impl TemporalProbe {
-    pub async fn status(&self, workflow_id: &str) -> Result<WorkflowStatus, ResolveError> {
-        let err = |detail: String| ResolveError::Temporal {
-            workflow_id: workflow_id.to_string(),
-            detail,
-        };
-        let run = tokio::process::Command::new(&self.cli)
-            .args(["workflow", "describe", "--workflow-id", workflow_id])
-            .args(["--output", "json"])
-            .args(["--address", &self.address])
-            .args(["--namespace", &self.namespace])
-            .kill_on_drop(true)
-            .output();
-        let out = tokio::time::timeout(DESCRIBE_TIMEOUT, run)
-            .await
-            .map_err(|_| err(format!("no answer within {DESCRIBE_TIMEOUT:?}")))?
-            .map_err(|e| err(format!("running {}: {e}", self.cli.display())))?;
-        if !out.status.success() {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            if stderr.to_ascii_lowercase().contains("not found") {
-                return Ok(WorkflowStatus::NotFound);
-            }
-            return Err(err(stderr.trim().to_string()));
-        }
-        let json: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .map_err(|e| err(format!("unreadable describe output: {e}")))?;
-        let status = json["workflowExecutionInfo"]["status"]
-            .as_str()
-            .ok_or_else(|| err("describe output without workflowExecutionInfo.status".into()))?;
-        let name = status
-            .trim_start_matches("WORKFLOW_EXECUTION_STATUS_")
-            .to_string();
-        Ok(if name == "RUNNING" {
-            WorkflowStatus::Running
-        } else {
-            WorkflowStatus::Closed(name)
-        })
-    }
+    pub temporal: TemporalConfig,
 }
 
 /// One orphan handled (or deliberately left alone): payout, evidence, new state.
@@ -150,6 +92,16 @@ pub async fn resolve_orphans(
     .bind(ORPHANS_PER_RUN_MAX)
     .fetch_all(paydb)
     .await?;
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let temporal =
+        Temporal::connect(&config.temporal)
+            .await
+            .map_err(|e| ResolveError::Temporal {
+                workflow_id: "(connect)".into(),
+                detail: e.to_string(),
+            })?;
     let mut orphans = Vec::new();
     for r in rows {
         let id: String = r.get("id");
@@ -162,7 +114,14 @@ pub async fn resolve_orphans(
             continue;
         };
         let workflow_id = payout_domain::workflow_id(&payout_id);
-        match config.temporal.status(&workflow_id).await? {
+        let status = temporal
+            .status(&workflow_id)
+            .await
+            .map_err(|e| ResolveError::Temporal {
+                workflow_id: workflow_id.clone(),
+                detail: e.to_string(),
+            })?;
+        match status {
             WorkflowStatus::Running => {
                 tracing::info!(payout_id = %payout_id, workflow_id, "ambiguous payout has a running workflow; not touched");
             }
@@ -193,11 +152,7 @@ pub async fn resolve_orphans(
         .map_err(|e| connect("payment-resource")(&e))?;
     let mut out = Vec::new();
     for (payout_id, account_id, status) in orphans {
-        let workflow = match &status {
-            WorkflowStatus::NotFound => "NOT_FOUND".to_string(),
-            WorkflowStatus::Running => "RUNNING".to_string(),
-            WorkflowStatus::Closed(s) => s.clone(),
-        };
+        let workflow = status.name();
         let resolution = resolve_one(
             &session,
             proxy.clone(),

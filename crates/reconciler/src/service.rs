@@ -18,7 +18,8 @@ use temporalio_sdk::activities::{ActivityContext, ActivityError};
 use temporalio_sdk::{ActivityOptions, Runtime, WorkflowContext, WorkflowResult};
 use temporalio_sdk::{Worker, WorkerOptions};
 
-use crate::resolve::{ResolveConfig, TemporalProbe};
+use crate::resolve::ResolveConfig;
+use crate::resume::{ResumeConfig, TemporalConfig};
 use crate::{Options, Report, Sources};
 
 /// The reconciler's own task queue: its runs never compete with payouts for workers.
@@ -44,9 +45,6 @@ pub struct Config {
     pub proxydb_url: String,
     #[arg(long, env = "GLDB_URL")]
     pub gldb_url: String,
-    /// The rail (stub) base URL; without it the rail-movement check is skipped.
-    #[arg(long, env = "RAIL_URL")]
-    pub rail_url: Option<String>,
     /// Comma-separated etcd endpoints of the lock service; without them the grant check is skipped.
     #[arg(long, env = "ETCD_ENDPOINTS", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
@@ -62,9 +60,27 @@ pub struct Config {
     pub temporal_address: String,
     #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
     pub temporal_namespace: String,
-    /// The `temporal` CLI (workflow status of orphans; schedule creation).
+    /// The `temporal` CLI (schedule creation only: workflows are described and started through
+    /// Temporal's client).
     #[arg(long, env = "TEMPORAL_CLI", default_value = "temporal")]
     pub temporal_cli: PathBuf,
+    /// The payout workers' task queue, where a resumed payout's workflow runs.
+    #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = "payouts")]
+    pub payout_task_queue: String,
+    /// The rail's settlement window a resumed workflow waits before asking the rail.
+    #[arg(long, env = "PAYOUT_SETTLEMENT_WINDOW_MS", default_value_t = 30_000)]
+    pub settlement_window_ms: u64,
+    /// The resolution SLA a resumed workflow reports against (the payment resource enforces its own).
+    #[arg(long, env = "PAYOUT_RESOLUTION_SLA_MS", default_value_t = 3_600_000)]
+    pub resolution_sla_ms: u64,
+    /// Hand stranded payouts (PENDING, CLAIMED, RAIL_SUBMITTED, RAIL_ACKED with no running
+    /// workflow) back to a new workflow run, taking their account's key over from any grant
+    /// whose workflow is not running; before the checks.
+    #[arg(long, env = "RECONCILE_RESUME_STRANDED")]
+    pub resume_stranded: bool,
+    /// A payout that never had a workflow is left alone this long after its creation.
+    #[arg(long, env = "RECONCILE_NOT_STARTED_GRACE_MS", default_value_t = 60_000)]
+    pub not_started_grace_ms: u64,
     /// Undelivered outbox rows count as violations.
     #[arg(long, env = "RECONCILE_REQUIRE_DRAINED")]
     pub require_drained: bool,
@@ -88,11 +104,28 @@ impl Config {
                 .payment_resource_url
                 .clone()
                 .context("--resolve-orphans needs --payment-resource-url")?,
-            temporal: TemporalProbe {
-                cli: self.temporal_cli.clone(),
-                address: self.temporal_address.clone(),
-                namespace: self.temporal_namespace.clone(),
-            },
+            temporal: self.temporal_config(),
+        })
+    }
+
+    pub fn temporal_config(&self) -> TemporalConfig {
+        TemporalConfig {
+            address: self.temporal_address.clone(),
+            namespace: self.temporal_namespace.clone(),
+            payout_task_queue: self.payout_task_queue.clone(),
+            settlement_window_ms: self.settlement_window_ms,
+            resolution_sla_ms: self.resolution_sla_ms,
+        }
+    }
+
+    pub fn resume_config(&self) -> anyhow::Result<ResumeConfig> {
+        Ok(ResumeConfig {
+            lock_url: self
+                .lock_server_url
+                .clone()
+                .context("--resume-stranded needs --lock-server-url")?,
+            temporal: self.temporal_config(),
+            not_started_grace: Duration::from_millis(self.not_started_grace_ms),
         })
     }
 
@@ -101,15 +134,21 @@ impl Config {
             paydb: service_kit::connect_pg(&self.paydb_url).await?,
             proxydb: service_kit::connect_pg(&self.proxydb_url).await?,
             gldb: service_kit::connect_pg(&self.gldb_url).await?,
-            rail_url: self.rail_url.clone(),
+            rail_proxy_url: self.rail_proxy_url.clone(),
             lock_grants: (!self.etcd_endpoints.is_empty())
                 .then(|| (self.etcd_endpoints.clone(), self.lock_prefix.clone())),
         })
     }
 }
 
-/// Orphans first (so the checks see the resolved state), then every check.
+/// Stranded payouts handed back to workflows and orphans resolved first (so the checks see the
+/// resolved state), then every check.
 pub async fn run_once(config: &Config, sources: &Sources) -> anyhow::Result<Report> {
+    let resumptions = if config.resume_stranded {
+        crate::resume::resume_stranded(&sources.paydb, &config.resume_config()?).await?
+    } else {
+        Vec::new()
+    };
     let resolutions = if config.resolve_orphans {
         crate::resolve::resolve_orphans(&sources.paydb, &config.resolve_config()?).await?
     } else {
@@ -123,6 +162,7 @@ pub async fn run_once(config: &Config, sources: &Sources) -> anyhow::Result<Repo
     )
     .await?;
     report.resolutions = resolutions;
+    report.resumptions = resumptions;
     Ok(report)
 }
 

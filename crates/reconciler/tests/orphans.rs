@@ -146,8 +146,6 @@ fn config_args(system: &System) -> Vec<String> {
         system.databases.proxydb.clone(),
         s("--gldb-url"),
         system.databases.gldb.clone(),
-        s("--rail-url"),
-        system.rail_url(),
         s("--etcd-endpoints"),
         Stack::shared().etcd_endpoints().join(","),
         s("--lock-prefix"),
@@ -400,7 +398,7 @@ async fn orphans_are_resolved_with_evidence_only_and_the_schedule_runs() {
         "{text}"
     );
     assert!(
-        text.contains("reconciliation_violations{check=\"rail_movements_at_most_once\"} 0"),
+        text.contains("reconciliation_violations{check=\"rail_movements_match_the_books\"} 0"),
         "{text}"
     );
     assert!(

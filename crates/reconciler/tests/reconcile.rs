@@ -23,7 +23,7 @@ async fn sources(system: &System) -> Sources {
             .await
             .unwrap(),
         gldb: sqlx::PgPool::connect(&system.databases.gldb).await.unwrap(),
-        rail_url: Some(system.rail_url()),
+        rail_proxy_url: Some(system.proxy_url()),
         lock_grants: Some((Stack::shared().etcd_endpoints(), system.etcd_prefix.clone())),
     }
 }
@@ -39,6 +39,12 @@ fn violations<'a>(report: &'a Report, check: &str) -> &'a [String] {
 
 /// One payout through claim, submit, outcome and posting, by hand, under a real grant.
 async fn pay(system: &System, account: &str, payout: &str, amount: i64) {
+    pay_submitting(system, account, payout, amount, amount).await
+}
+
+/// The same, but the rail is asked for `submitted` (what a workflow built from a wrong input
+/// would have sent, before submissions came from the payout record).
+async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i64, submitted: i64) {
     let lock = lock_client::LockClient::connect(system.lock_url())
         .await
         .unwrap();
@@ -83,7 +89,7 @@ async fn pay(system: &System, account: &str, payout: &str, amount: i64) {
             account_id.clone(),
             grant.token(),
             "reconciler-test",
-            new.amount_minor,
+            AmountMinor::new(submitted).unwrap(),
             eur,
             new.beneficiary_ref.clone(),
         ))
@@ -148,6 +154,11 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
     pay(&system, "acct-r1", "po-r1", 1_250).await;
     pay(&system, "acct-r2", "po-r2", 700).await;
     drained(&system).await;
+    // The rail's lookups are authoritative only after its settlement window.
+    tokio::time::sleep(Duration::from_millis(
+        SystemOptions::default().settlement_window_ms + 500,
+    ))
+    .await;
     let src = sources(&system).await;
     let strict = Options {
         require_outbox_drained: true,
@@ -167,6 +178,8 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
     assert_eq!(report.rail_movements, 2);
     assert_eq!(report.payouts_by_state.get("POSTED"), Some(&2));
 
+    // The rail is asked to pay more than the payout record says (and paydb debits).
+    pay_submitting(&system, "acct-r3", "po-r3", 700, 9_999).await;
     // INV-02: the rail is paid a second time for po-r1 behind the proxy's back.
     let stub = rail_stub::client::StubClient::new(system.rail_url());
     stub.pay(&rail_stub::PaymentOrder {
@@ -224,14 +237,31 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
     )
     .await;
 
+    // The rail's lookups are authoritative only after its settlement window.
+    tokio::time::sleep(Duration::from_millis(
+        SystemOptions::default().settlement_window_ms + 500,
+    ))
+    .await;
+    drained(&system).await;
     let report = reconciler::reconcile(&src, &strict).await.unwrap();
     let text = report.render();
     assert!(!report.is_clean(), "{text}");
-    let dup = violations(&report, "rail_movements_at_most_once");
+    let rail = violations(&report, "rail_movements_match_the_books");
     assert!(
-        dup.iter()
+        rail.iter()
             .any(|v| v.contains("DUPLICATE PAYMENT") && v.contains("cref-po-r1")),
-        "{text}"
+        "the duplicate, found through the proxy's lookup: {text}"
+    );
+    assert!(
+        rail.iter()
+            .any(|v| v.contains("WRONG AMOUNT") && v.contains("po-r3") && v.contains("9999")),
+        "the rail paid another amount than the record: {text}"
+    );
+    assert!(
+        violations(&report, "submissions_match_payouts")
+            .iter()
+            .any(|v| v.contains("WRONG INSTRUCTION") && v.contains("po-r3")),
+        "the submission's instruction differs from the record: {text}"
     );
     assert!(
         violations(&report, "ledger_balanced").len() >= 2,

@@ -37,6 +37,9 @@ pub struct SystemOptions {
     pub task_queue: Option<String>,
     /// The lock-server's etcd key prefix; a unique one if `None`.
     pub etcd_prefix: Option<String>,
+    /// The payment resource's resolution SLA (when an operator may abandon an ambiguous
+    /// payout); its production default (one hour) if `None`.
+    pub resolution_sla_ms: Option<u64>,
 }
 
 impl Default for SystemOptions {
@@ -53,6 +56,7 @@ impl Default for SystemOptions {
             databases: None,
             task_queue: None,
             etcd_prefix: None,
+            resolution_sla_ms: None,
         }
     }
 }
@@ -183,7 +187,14 @@ impl System {
                     format!("127.0.0.1:{}", ports.payment_resource),
                 ])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[1])])
-                .args(["--database-url", &databases.paydb]),
+                .args(["--database-url", &databases.paydb])
+                .args(
+                    options
+                        .resolution_sla_ms
+                        .map(|ms| ["--resolution-sla-ms".to_string(), ms.to_string()])
+                        .into_iter()
+                        .flatten(),
+                ),
         )?;
         let mut stub = spec("rail-stub")?
             .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_stub)])

@@ -73,6 +73,7 @@ fn compose_deployment_end_to_end_with_cuts() {
         ui: free_port(),
         payment: free_port(),
         rail: free_port(),
+        proxy: free_port(),
         paydb: free_port(),
         proxydb: free_port(),
         etcd: [free_port(), free_port(), free_port()],
@@ -83,6 +84,7 @@ fn compose_deployment_end_to_end_with_cuts() {
         ("PAYOUT_TEMPORAL_UI_PORT", ports.ui.to_string()),
         ("PAYOUT_PAYMENT_PORT", ports.payment.to_string()),
         ("PAYOUT_RAIL_STUB_PORT", ports.rail.to_string()),
+        ("PAYOUT_PROXY_PORT", ports.proxy.to_string()),
         ("PAYOUT_PAYDB_PORT", ports.paydb.to_string()),
         ("PAYOUT_PROXYDB_PORT", ports.proxydb.to_string()),
         ("PAYOUT_ETCD1_PORT", ports.etcd[0].to_string()),
@@ -176,6 +178,7 @@ struct Ports {
     ui: u16,
     payment: u16,
     rail: u16,
+    proxy: u16,
     paydb: u16,
     proxydb: u16,
     etcd: [u16; 3],
@@ -353,7 +356,7 @@ async fn reconcile(ports: &Ports) -> anyhow::Result<()> {
         paydb: pg(ports.paydb, "paydb").await?,
         proxydb: pg(ports.proxydb, "proxydb").await?,
         gldb: pg(ports.paydb, "gldb").await?,
-        rail_url: Some(format!("http://127.0.0.1:{}", ports.rail)),
+        rail_proxy_url: Some(format!("http://127.0.0.1:{}", ports.proxy)),
         lock_grants: Some((
             ports
                 .etcd

@@ -121,6 +121,10 @@ fn check_text(field: &'static str, value: &str, max: usize) -> Result<(), LockEr
     Ok(())
 }
 
+/// Grants vouched for in one keep-alive: a worker holds one grant per account in flight, so a
+/// thousand is far beyond one process's share, and bounds the read a keep-alive costs.
+pub const VOUCH_PER_KEEP_ALIVE_MAX: usize = 1_000;
+
 fn handle_from(h: Option<pb::Handle>) -> Result<HandleRef, LockError> {
     let h = h.ok_or_else(|| LockError::invalid("handle", "required"))?;
     check_text("key", &h.key, KEY_LENGTH_MAX)?;
@@ -225,6 +229,71 @@ impl LockServiceImpl {
             .keep_alive(session_id)
             .await
             .inspect_err(|e| self.observe_error(e))
+    }
+
+    /// A keep-alive that also vouches for grants: extends the session, then answers which of
+    /// `vouch` (all of this session) it no longer holds, in one read of the backend.
+    pub async fn keep_alive_vouching(
+        &self,
+        session_id: &str,
+        vouch: Vec<pb::Handle>,
+    ) -> Result<pb::KeepAliveResponse, LockError> {
+        if vouch.len() > VOUCH_PER_KEEP_ALIVE_MAX {
+            return Err(LockError::invalid(
+                "vouch",
+                format!("more than {VOUCH_PER_KEEP_ALIVE_MAX} handles"),
+            ));
+        }
+        let handles = vouch
+            .into_iter()
+            .map(|h| {
+                let h = handle_from(Some(h))?;
+                if h.session_id != session_id {
+                    return Err(LockError::invalid(
+                        "vouch.session_id",
+                        "a handle of another session",
+                    ));
+                }
+                Ok(h)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let ttl_ms = self.keep_alive(session_id).await?;
+        if handles.is_empty() {
+            return Ok(pb::KeepAliveResponse {
+                ttl_ms,
+                ..Default::default()
+            });
+        }
+        // The lease is extended either way: a failed read of the grants must not cost the
+        // session (and every grant of it); it only vouches for nothing this time.
+        let held = match self.inner.backend.held_among(&handles).await {
+            Ok(held) => held,
+            Err(e) => {
+                self.observe_error(&e);
+                tracing::warn!(session_id, error = %e, "keep-alive: grants not vouched for this time");
+                return Ok(pb::KeepAliveResponse {
+                    ttl_ms,
+                    unvouched: true,
+                    ..Default::default()
+                });
+            }
+        };
+        let not_held = handles
+            .into_iter()
+            .zip(held)
+            .filter(|(_, held)| !held)
+            .map(|(h, _)| pb::Handle {
+                key: h.key,
+                owner: h.owner,
+                session_id: h.session_id,
+                token: h.token,
+            })
+            .collect();
+        Ok(pb::KeepAliveResponse {
+            ttl_ms,
+            not_held,
+            unvouched: false,
+        })
     }
 
     pub async fn close_session(&self, session_id: &str) -> Result<(), LockError> {
@@ -459,8 +528,10 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
         &self,
         r: Request<pb::KeepAliveRequest>,
     ) -> Result<Response<pb::KeepAliveResponse>, Status> {
-        let ttl_ms = LockServiceImpl::keep_alive(self, &r.into_inner().session_id).await?;
-        Ok(Response::new(pb::KeepAliveResponse { ttl_ms }))
+        let r = r.into_inner();
+        Ok(Response::new(
+            LockServiceImpl::keep_alive_vouching(self, &r.session_id, r.vouch).await?,
+        ))
     }
 
     async fn close_session(

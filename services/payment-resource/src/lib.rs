@@ -22,7 +22,7 @@ pub mod store;
 use std::time::Duration;
 
 pub use error::{InvalidReason, PaymentError};
-pub use store::{Store, StoreOptions};
+pub use store::{Store, StoreOptions, RESOLUTION_SLA_DEFAULT};
 
 /// The gRPC service name, as `grpc.health.v1` reports it.
 pub const SERVICE_NAME: &str = "payment.v1.PaymentResource";

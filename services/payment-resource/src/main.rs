@@ -35,6 +35,10 @@ enum Command {
         metrics_listen: SocketAddr,
         #[arg(long, env = "PAYDB_URL")]
         database_url: String,
+        /// Finance's resolution SLA: an ambiguous payout may be abandoned by an operator only
+        /// this long after it became RAIL_AMBIGUOUS (by paydb's own record and clock).
+        #[arg(long, env = "PAYOUT_RESOLUTION_SLA_MS", default_value_t = payment_resource::RESOLUTION_SLA_DEFAULT.as_millis() as u64)]
+        resolution_sla_ms: u64,
     },
     /// Open accounts with opening balances (idempotent), through the same code as OpenAccount.
     Fixture {
@@ -63,12 +67,15 @@ async fn main() -> anyhow::Result<()> {
             listen,
             metrics_listen,
             database_url,
+            resolution_sla_ms,
         } => {
             let pool = service_kit::connect_pg(&database_url).await?;
             migrate(&pool).await.context("applying paydb migrations")?;
             let metrics = Metrics::default();
             // The binary has no way to disable the fence predicate: default options only.
-            let store = Store::new(pool, StoreOptions::default(), &metrics);
+            let options = StoreOptions::default()
+                .with_resolution_sla(std::time::Duration::from_millis(resolution_sla_ms));
+            let store = Store::new(pool, options, &metrics);
             let shutdown = Shutdown::on_signal();
             let listener = service_kit::bind(listen).await?;
             let metrics_listener = service_kit::bind(metrics_listen).await?;

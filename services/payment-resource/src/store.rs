@@ -55,12 +55,18 @@ const AUDIT_COLUMNS: &str =
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
     fence_predicate: bool,
+    resolution_sla: std::time::Duration,
 }
+
+/// Finance's resolution SLA for an ambiguous payout before an operator may abandon it (spec 2.3,
+/// RAIL_AMBIGUOUS -> ABANDONED): one hour unless the deployment says otherwise.
+pub const RESOLUTION_SLA_DEFAULT: std::time::Duration = std::time::Duration::from_secs(3_600);
 
 impl Default for StoreOptions {
     fn default() -> Self {
         Self {
             fence_predicate: true,
+            resolution_sla: RESOLUTION_SLA_DEFAULT,
         }
     }
 }
@@ -72,7 +78,14 @@ impl StoreOptions {
     pub fn without_fence_predicate_for_tests() -> Self {
         Self {
             fence_predicate: false,
+            ..Self::default()
         }
+    }
+    /// The resolution SLA this resource enforces: it decides from its own record when a
+    /// payout became RAIL_AMBIGUOUS, on the database's clock, never from what a caller asserts.
+    pub fn with_resolution_sla(mut self, sla: std::time::Duration) -> Self {
+        self.resolution_sla = sla;
+        self
     }
     pub fn fence_predicate_enabled(&self) -> bool {
         self.fence_predicate
@@ -1008,15 +1021,18 @@ impl Store {
             .await
     }
 
-    /// PENDING -> ABANDONED, or RAIL_AMBIGUOUS -> ABANDONED when the caller asserts that the
-    /// resolution SLA has passed. Actor: operator, under a grant like every mutation (INV-07).
+    /// PENDING -> ABANDONED, or RAIL_AMBIGUOUS -> ABANDONED once the resolution SLA has passed
+    /// by this resource's own record: the payout's first transition into RAIL_AMBIGUOUS, on the
+    /// database's clock (a workflow reset or a second workflow does not restart it). What the
+    /// caller believes (`resolution_sla_passed`) is stored with the decision, never trusted.
+    /// Actor: operator, under a grant like every mutation (INV-07).
     pub async fn abandon(
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
         request: &AbandonRequest,
     ) -> Result<Payout, PaymentError> {
-        let fenced = self.begin_fenced(payout_id, fence, "abandon").await?;
+        let mut fenced = self.begin_fenced(payout_id, fence, "abandon").await?;
         let from = fenced.payout.state;
         let to = match from.apply(PayoutEvent::OperatorAbandon, Actor::Operator) {
             Ok(to) => to,
@@ -1026,9 +1042,26 @@ impl Store {
                     .await)
             }
         };
-        let detail = json!({"operator": request.operator, "reason": request.reason,
-                            "resolution_sla_passed": request.resolution_sla_passed, "sla_check": request.sla_check});
-        if from == PayoutState::RailAmbiguous && !request.resolution_sla_passed {
+        let mut detail = json!({"operator": request.operator, "reason": request.reason,
+                            "caller_says_sla_passed": request.resolution_sla_passed, "sla_check": request.sla_check});
+        let sla_passed = if from == PayoutState::RailAmbiguous {
+            let sla_ms = i64::try_from(self.options.resolution_sla.as_millis()).unwrap_or(i64::MAX);
+            // Fail closed: no recorded entry into RAIL_AMBIGUOUS means the SLA has not passed.
+            let (since, passed): (Option<DateTime<Utc>>, Option<bool>) = sqlx::query_as(
+                "SELECT min(at), min(at) + $2 * interval '1 millisecond' <= clock_timestamp() \
+                 FROM audit_event WHERE payout_id = $1 AND kind = 'transition' AND to_state = 'RAIL_AMBIGUOUS'",
+            )
+            .bind(payout_id.as_str())
+            .bind(sla_ms)
+            .fetch_one(&mut *fenced.tx)
+            .await?;
+            detail["ambiguous_since"] = json!(since);
+            detail["resolution_sla_ms"] = json!(sla_ms);
+            passed.unwrap_or(false)
+        } else {
+            true
+        };
+        if !sla_passed {
             let payout = fenced.payout.clone();
             fenced.tx.rollback().await?;
             tracing::warn!(payout_id = %payout.payout_id, operator = request.operator, "abandon refused: resolution SLA not passed");

@@ -63,9 +63,15 @@ async fn start_service(url: &str, options: StoreOptions) -> Service {
     }
 }
 
+/// The shared harness enforces no resolution SLA (zero), so the transition table's
+/// RAIL_AMBIGUOUS -> ABANDONED row can be driven at once; the SLA has its own tests.
 async fn harness() -> Harness {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
-    let service = start_service(&url, StoreOptions::default()).await;
+    let service = start_service(
+        &url,
+        StoreOptions::default().with_resolution_sla(std::time::Duration::ZERO),
+    )
+    .await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .connect(&url)
@@ -1336,10 +1342,12 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
         "a bad request wrote something"
     );
 
-    // Abandoning an ambiguous payout before its SLA: typed refusal, recorded, nothing else.
+    // Abandoning an ambiguous payout before its SLA (the production default, one hour): typed
+    // refusal, recorded, nothing else.
+    let strict = start_service(&h.url, StoreOptions::default()).await;
     let before = snapshot(&h.pool, "p-1").await;
-    let err = h
-        .c()
+    let err = strict
+        .client
         .abandon(
             &pid("p-1"),
             &fence("op-1", 10),
@@ -1372,6 +1380,48 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
 }
 
 /// The operator decision is on the payout's record, with who and why, before anything acts on it.
+/// The resolution SLA is the payment resource's own decision, from its record of when the payout
+/// became RAIL_AMBIGUOUS, on the database's clock: a caller that asserts the SLA has passed is
+/// refused before it has (before this, `resolution_sla_passed: true` was enough), and one that
+/// asserts nothing is honoured after it.
+#[tokio::test]
+async fn the_resolution_sla_is_the_resources_own_record_not_the_callers_word() {
+    const SLA: std::time::Duration = std::time::Duration::from_millis(1_500);
+    let h = harness().await;
+    let service = start_service(&h.url, StoreOptions::default().with_resolution_sla(SLA)).await;
+    let c = &service.client;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let f = drive(c, &pid("p-1"), PayoutState::RailAmbiguous).await;
+    let request = |caller_says_passed: bool| AbandonRequest {
+        operator: "op-1".into(),
+        reason: "finance ticket 42".into(),
+        resolution_sla_passed: caller_says_passed,
+        sla_check: "the caller's own clock".into(),
+    };
+    let err = c
+        .abandon(&pid("p-1"), &f, &request(true))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, PaymentError::ResolutionSlaNotPassed { .. }),
+        "the caller's word is not the SLA: {err:?}"
+    );
+    assert_eq!(snapshot(&h.pool, "p-1").await.state, "RAIL_AMBIGUOUS");
+    tokio::time::sleep(SLA + std::time::Duration::from_millis(200)).await;
+    let abandoned = c.abandon(&pid("p-1"), &f, &request(false)).await.unwrap();
+    assert_eq!(abandoned.state, PayoutState::Abandoned);
+    let detail: serde_json::Value = sqlx::query_scalar(
+        "SELECT detail FROM audit_event WHERE payout_id = 'p-1' AND kind = 'transition' AND to_state = 'ABANDONED'",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert_eq!(detail["resolution_sla_ms"], 1_500, "{detail}");
+    assert!(detail["ambiguous_since"].is_string(), "{detail}");
+    assert_eq!(detail["caller_says_sla_passed"], false, "{detail}");
+}
+
 #[tokio::test]
 async fn operator_decisions_are_recorded() {
     let h = harness().await;

@@ -215,6 +215,46 @@ impl RailProxyClient {
         })
     }
 
+    /// What the rail reports for the payout's client reference (read-only, unfenced).
+    pub async fn rail_movements(
+        &mut self,
+        payout_id: &PayoutId,
+    ) -> Result<crate::rail::RailLookup, ProxyError> {
+        use crate::rail::{RailLookup, RailMovement};
+        let r = self
+            .inner
+            .rail_movements(pb::RailMovementsRequest {
+                payout_id: payout_id.to_string(),
+            })
+            .await
+            .map_err(ProxyError::from_status)?
+            .into_inner();
+        Ok(match pb::RailLookupState::try_from(r.state) {
+            Ok(pb::RailLookupState::RailLookupFound) => RailLookup::Found(
+                r.movements
+                    .into_iter()
+                    .map(|m| {
+                        RailMovement::from((
+                            m.rail_ref,
+                            m.amount_minor,
+                            m.currency,
+                            m.beneficiary_ref,
+                        ))
+                    })
+                    .collect(),
+            ),
+            Ok(pb::RailLookupState::RailLookupAbsent) => RailLookup::Absent,
+            Ok(pb::RailLookupState::RailLookupUnknown) => RailLookup::Unknown { detail: r.detail },
+            _ => {
+                return Err(Malformed {
+                    what: "rail movements response",
+                    detail: format!("state {}", r.state),
+                }
+                .into())
+            }
+        })
+    }
+
     /// The raw generated client, for tests that send deliberately malformed requests.
     pub fn raw(&mut self) -> &mut Grpc<Channel> {
         &mut self.inner

@@ -65,6 +65,43 @@ struct LookupAnswer {
 #[derive(Deserialize)]
 struct LookupMovement {
     rail_ref: String,
+    #[serde(default)]
+    amount_minor: i64,
+    #[serde(default)]
+    currency: String,
+    #[serde(default)]
+    beneficiary_ref: String,
+}
+
+/// One movement as the rail reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailMovement {
+    pub rail_ref: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub beneficiary_ref: String,
+}
+
+/// (rail reference, amount, currency, beneficiary), as every wire form carries them.
+impl From<(String, i64, String, String)> for RailMovement {
+    fn from(
+        (rail_ref, amount_minor, currency, beneficiary_ref): (String, i64, String, String),
+    ) -> Self {
+        Self {
+            rail_ref,
+            amount_minor,
+            currency,
+            beneficiary_ref,
+        }
+    }
+}
+
+/// The rail's per-reference lookup, with every movement's particulars.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RailLookup {
+    Found(Vec<RailMovement>),
+    Absent,
+    Unknown { detail: String },
 }
 
 #[derive(Clone)]
@@ -164,7 +201,20 @@ impl Rail {
     }
 
     /// Asks the rail what it settled for a client reference.
+    /// The evidence an inquiry keeps: the lookup, movements reduced to their references.
     pub async fn lookup(&self, client_reference: &str) -> Evidence {
+        match self.movements(client_reference).await {
+            RailLookup::Found(movements) => Evidence::Found {
+                rail_refs: movements.into_iter().map(|m| m.rail_ref).collect(),
+            },
+            RailLookup::Absent => Evidence::Absent,
+            RailLookup::Unknown { detail } => Evidence::Unknown { detail },
+        }
+    }
+
+    /// The rail's lookup by client reference, movements with their amounts, currencies and
+    /// beneficiaries: what a detective control compares with the books.
+    pub async fn movements(&self, client_reference: &str) -> RailLookup {
         let sent = self
             .http
             .get(format!("{}/v1/payments", self.base_url))
@@ -175,30 +225,41 @@ impl Rail {
         let response = match sent {
             Ok(response) if response.status().is_success() => response,
             Ok(response) => {
-                return Evidence::Unknown {
+                return RailLookup::Unknown {
                     detail: format!("rail lookup answered {}", response.status().as_u16()),
                 }
             }
             Err(e) => {
-                return Evidence::Unknown {
+                return RailLookup::Unknown {
                     detail: format!("rail lookup failed: {}", transport_detail(&e)),
                 }
             }
         };
         match response.json::<LookupAnswer>().await {
             Ok(answer) if answer.state == "found" && !answer.movements.is_empty() => {
-                Evidence::Found {
-                    rail_refs: answer.movements.into_iter().map(|m| m.rail_ref).collect(),
-                }
+                RailLookup::Found(
+                    answer
+                        .movements
+                        .into_iter()
+                        .map(|m| {
+                            RailMovement::from((
+                                m.rail_ref,
+                                m.amount_minor,
+                                m.currency,
+                                m.beneficiary_ref,
+                            ))
+                        })
+                        .collect(),
+                )
             }
-            Ok(answer) if answer.state == "absent" => Evidence::Absent,
-            Ok(answer) if answer.state == "unknown" => Evidence::Unknown {
+            Ok(answer) if answer.state == "absent" => RailLookup::Absent,
+            Ok(answer) if answer.state == "unknown" => RailLookup::Unknown {
                 detail: "inside the rail's settlement window".into(),
             },
-            Ok(answer) => Evidence::Unknown {
+            Ok(answer) => RailLookup::Unknown {
                 detail: format!("unrecognised lookup state {:?}", answer.state),
             },
-            Err(e) => Evidence::Unknown {
+            Err(e) => RailLookup::Unknown {
                 detail: format!("unreadable lookup answer: {}", transport_detail(&e)),
             },
         }

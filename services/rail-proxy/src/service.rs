@@ -335,6 +335,44 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         }))
     }
 
+    async fn rail_movements(
+        &self,
+        request: Request<pb::RailMovementsRequest>,
+    ) -> Result<Response<pb::RailMovementsResponse>, Status> {
+        let payout_id = PayoutId::parse(request.get_ref().payout_id.as_str())
+            .map_err(|e| invalid(InvalidArgument::new("payout_id", e)))?;
+        let reference = payout_domain::ClientReference::for_payout(&payout_id);
+        let (state, movements, detail) = match self.0.rail.movements(reference.as_str()).await {
+            crate::rail::RailLookup::Found(movements) => (
+                pb::RailLookupState::RailLookupFound,
+                movements
+                    .into_iter()
+                    .map(|m| pb::RailMovement {
+                        rail_ref: m.rail_ref,
+                        amount_minor: m.amount_minor,
+                        currency: m.currency,
+                        beneficiary_ref: m.beneficiary_ref,
+                    })
+                    .collect(),
+                String::new(),
+            ),
+            crate::rail::RailLookup::Absent => (
+                pb::RailLookupState::RailLookupAbsent,
+                Vec::new(),
+                String::new(),
+            ),
+            crate::rail::RailLookup::Unknown { detail } => {
+                (pb::RailLookupState::RailLookupUnknown, Vec::new(), detail)
+            }
+        };
+        Ok(Response::new(pb::RailMovementsResponse {
+            client_reference: reference.to_string(),
+            state: state as i32,
+            movements,
+            detail,
+        }))
+    }
+
     async fn inquire(
         &self,
         request: Request<pb::InquireRequest>,

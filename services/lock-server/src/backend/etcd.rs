@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 use super::{unix_now_ms, Attempt, GrantInfo, HandleRef, Holder, SessionGrant, WaitFrom};
 use crate::error::LockError;
 
+/// Reads per transaction when vouching for grants: below etcd's default `--max-txn-ops` (128).
+pub const VOUCH_READS_PER_TXN: usize = 100;
 const BACKEND: &str = "etcd";
 
 /// Every unary etcd call is bounded: an election takes about a second with the cluster's timings,
@@ -292,6 +294,40 @@ impl EtcdBackend {
         })
         .await?;
         self.granted_ttl(lease).await
+    }
+
+    /// Whether each handle holds its key now: one transaction of reads per
+    /// [`VOUCH_READS_PER_TXN`] handles (etcd's own cap on a transaction's operations is 128).
+    pub async fn held_among(&self, handles: &[HandleRef]) -> Result<Vec<bool>, LockError> {
+        let mut held = Vec::with_capacity(handles.len());
+        for chunk in handles.chunks(VOUCH_READS_PER_TXN) {
+            let txn = Txn::new().and_then(
+                chunk
+                    .iter()
+                    .map(|h| TxnOp::get(self.lock_key(&h.key), None))
+                    .collect::<Vec<_>>(),
+            );
+            let resp = self
+                .call(None, |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                })
+                .await?;
+            let answers = resp.op_responses();
+            for (h, answer) in chunk.iter().zip(answers) {
+                let kv = match answer {
+                    TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+                    _ => None,
+                };
+                held.push(kv.is_some_and(|kv| {
+                    let entry = Self::decode(kv.value());
+                    kv.create_revision() as u64 == h.token
+                        && entry.owner == h.owner
+                        && entry.session_id == h.session_id
+                }));
+            }
+        }
+        Ok(held)
     }
 
     pub async fn close_session(&self, session_id: &str) -> Result<Vec<String>, LockError> {

@@ -93,6 +93,13 @@ impl Backend {
             Self::Postgres(b) => b.keep_alive(session_id).await,
         }
     }
+    /// For each handle, whether it holds its key now (same token, owner and session): one read.
+    pub async fn held_among(&self, handles: &[HandleRef]) -> Result<Vec<bool>, LockError> {
+        match self {
+            Self::Etcd(b) => b.held_among(handles).await,
+            Self::Postgres(b) => b.held_among(handles).await,
+        }
+    }
     /// Releases every lock of the session in the same action. Idempotent.
     pub async fn close_session(&self, session_id: &str) -> Result<Vec<String>, LockError> {
         match self {

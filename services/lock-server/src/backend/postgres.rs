@@ -160,6 +160,30 @@ impl PgBackend {
         })
     }
 
+    /// Whether each handle holds its key now (same token, owner and live session): one query.
+    pub async fn held_among(&self, handles: &[HandleRef]) -> Result<Vec<bool>, LockError> {
+        let keys: Vec<String> = handles.iter().map(|h| h.key.clone()).collect();
+        let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(
+            "SELECT e.key, e.owner, e.token, e.session_id FROM lock_entry e JOIN lock_session s USING (session_id) \
+             WHERE e.key = ANY($1) AND s.state = 'ACTIVE' AND s.expires_at > clock_timestamp()",
+        )
+        .bind(&keys)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(backend_err)?;
+        Ok(handles
+            .iter()
+            .map(|h| {
+                rows.iter().any(|(key, owner, token, session)| {
+                    *key == h.key
+                        && *owner == h.owner
+                        && *token as u64 == h.token
+                        && session.to_string() == h.session_id
+                })
+            })
+            .collect())
+    }
+
     pub async fn keep_alive(&self, session_id: &str) -> Result<u64, LockError> {
         let id = parse_session(session_id)?;
         // Conditioned on being alive now: an expired session never comes back (an acquire may
