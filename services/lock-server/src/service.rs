@@ -129,6 +129,14 @@ fn handle_from(h: Option<pb::Handle>) -> Result<HandleRef, LockError> {
     if h.token == 0 {
         return Err(LockError::invalid("token", "zero is never a token"));
     }
+    // Tokens are etcd revisions or a bigint sequence: a larger value was never issued, and the
+    // backends' `as i64` would read it as a negative revision.
+    if i64::try_from(h.token).is_err() {
+        return Err(LockError::invalid(
+            "token",
+            "above i64::MAX: no backend ever issues it",
+        ));
+    }
     Ok(HandleRef {
         key: h.key,
         owner: h.owner,

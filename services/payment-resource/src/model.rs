@@ -33,12 +33,6 @@ impl Fence {
                 InvalidReason::TextTooLong,
             ));
         }
-        if i64::try_from(token.get()).is_err() {
-            return Err(PaymentError::invalid(
-                "fence.token",
-                InvalidReason::TokenOutOfRange,
-            ));
-        }
         Ok(Self { owner, token })
     }
     pub fn owner(&self) -> &str {

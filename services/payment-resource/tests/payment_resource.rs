@@ -1289,6 +1289,20 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
                 ..Default::default()
             })
     );
+    // A token above i64::MAX on the one call whose token is optional: this panicked the handler
+    // (FencingToken::as_i64) before FencingToken refused it at construction.
+    case!(
+        "operator decision token above i64",
+        invalid("token", InvalidReason::TokenOutOfRange),
+        raw.clone()
+            .record_operator_decision(pb::RecordOperatorDecisionRequest {
+                payout_id: "p-1".into(),
+                operator: "op".into(),
+                decision: "abandon".into(),
+                token: u64::MAX,
+                ..Default::default()
+            })
+    );
     case!(
         "negative opening balance",
         invalid(

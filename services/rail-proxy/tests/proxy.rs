@@ -583,6 +583,22 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
                 ..good.clone()
             },
         ),
+        // Above i64::MAX: no lock backend issues it and no bigint holds it (this panicked the
+        // handler before FencingToken refused it at construction).
+        (
+            "token",
+            pb::SubmitRequest {
+                token: u64::MAX,
+                ..good.clone()
+            },
+        ),
+        (
+            "token",
+            pb::SubmitRequest {
+                token: i64::MAX as u64 + 1,
+                ..good.clone()
+            },
+        ),
         (
             "currency",
             pb::SubmitRequest {
