@@ -307,6 +307,19 @@ fn is_constraint(err: &sqlx::Error, name: &str) -> bool {
     err.as_database_error().and_then(|e| e.constraint()) == Some(name)
 }
 
+/// A create's `INSERT ... ON CONFLICT (id) DO NOTHING` answers "no row" when the id exists. A
+/// concurrent create of the same id can instead fail on the table's other unique key (the payout's
+/// client reference, the account's (id, currency)): PostgreSQL arbitrates only the conflict target
+/// and checks the other unique indexes normally, so the loser of the race waits for the winner's
+/// commit and gets a unique violation. That is the same answer as "the id exists": the caller
+/// re-reads the winner's row and compares.
+fn lost_create_race<T>(err: sqlx::Error) -> Result<Option<T>, sqlx::Error> {
+    match err.as_database_error().and_then(|e| e.code()) {
+        Some(code) if code == "23505" => Ok(None),
+        _ => Err(err),
+    }
+}
+
 impl Store {
     pub fn new(pool: PgPool, options: StoreOptions, metrics: &service_kit::Metrics) -> Self {
         let counters = Counters {
@@ -672,7 +685,8 @@ impl Store {
         .bind(currency.as_str())
         .bind(opening_balance_minor)
         .fetch_optional(&mut *tx)
-        .await?;
+        .await
+        .or_else(lost_create_race)?;
         let Some(inserted) = inserted else {
             tx.rollback().await?;
             let existing = self.get_account(account_id).await?;
@@ -792,7 +806,8 @@ impl Store {
         .bind(new.beneficiary_ref.as_str())
         .bind(client_reference.as_str())
         .fetch_optional(&mut *tx)
-        .await?;
+        .await
+        .or_else(lost_create_race)?;
         let Some(inserted) = inserted else {
             tx.rollback().await?;
             let (existing, _) = self.get_payout(&new.payout_id).await?;

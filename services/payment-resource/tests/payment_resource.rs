@@ -1643,3 +1643,111 @@ async fn binary_serves_and_stops_on_sigterm() {
     );
     assert!(text.contains("payment-resource stopped"), "{text}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Concurrent creates, and the boundary under arbitrary wire values (issue 14, item 4)
+
+/// Many creates of one payout id at once. Every answer is the original payout (field for field)
+/// or, for a request whose content differs from the winner's, the typed
+/// `payout_exists_with_different_content` refusal; exactly one row and one `payout_created` audit
+/// row exist. The same holds for the account fixture's create. Before the fix a loser of the race
+/// on the client reference's unique key got INTERNAL ("duplicate key value violates unique
+/// constraint payout_client_reference_key").
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_of_one_id_answer_the_original_or_a_typed_refusal() {
+    use pb::rejection::Kind;
+    use std::sync::Arc;
+    /// Races are probabilistic: enough rounds that an unhandled one shows up on every run.
+    const ROUNDS: usize = 8;
+    const CREATORS: usize = 16;
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    for round in 0..ROUNDS {
+        for different_content in [false, true] {
+            let payout_id = format!("p-race-{round}-{different_content}");
+            let barrier = Arc::new(tokio::sync::Barrier::new(CREATORS));
+            let tasks: Vec<_> = (0..CREATORS)
+                .map(|i| {
+                    let request = pb::CreatePayoutRequest {
+                        payout_id: payout_id.clone(),
+                        account_id: "acct-1".into(),
+                        amount_minor: if different_content {
+                            100 + i as i64 % 2
+                        } else {
+                            100
+                        },
+                        currency: "EUR".into(),
+                        beneficiary_ref: "ben-1".into(),
+                    };
+                    let (mut raw, barrier) = (h.c().raw(), barrier.clone());
+                    tokio::spawn(async move {
+                        barrier.wait().await;
+                        let answer = raw.create_payout(request.clone()).await;
+                        (request, answer.map(|p| p.into_inner()))
+                    })
+                })
+                .collect();
+            let answers = futures::future::join_all(tasks).await;
+            let stored = h
+                .c()
+                .raw()
+                .get_payout(pb::GetPayoutRequest {
+                    payout_id: payout_id.clone(),
+                })
+                .await
+                .expect("the payout exists")
+                .into_inner()
+                .payout
+                .expect("a payout");
+            for answer in answers {
+                let (request, answer) = answer.expect("task");
+                match answer {
+                    Ok(payout) => {
+                        assert_eq!(payout, stored, "an OK answer is the original payout");
+                        assert_eq!(request.amount_minor, stored.amount_minor);
+                    }
+                    Err(status) => {
+                        let kind = service_kit::rejection::decode::<pb::Rejection>(&status)
+                            .and_then(|r| r.kind);
+                        assert!(
+                            different_content
+                                && status.code() == tonic::Code::AlreadyExists
+                                && matches!(&kind, Some(Kind::PayoutExistsWithDifferentContent(p)) if p.payout_id == payout_id)
+                                && request.amount_minor != stored.amount_minor,
+                            "round {round}, different content {different_content}: {:?} {:?} {kind:?}",
+                            status.code(),
+                            status.message()
+                        );
+                    }
+                }
+            }
+            let (rows, created): (i64, i64) = sqlx::query_as(
+                "SELECT (SELECT count(*) FROM payout WHERE id = $1), \
+                        (SELECT count(*) FROM audit_event WHERE payout_id = $1 AND kind = 'payout_created')",
+            )
+            .bind(&payout_id)
+            .fetch_one(&h.pool)
+            .await
+            .unwrap();
+            assert_eq!((rows, created), (1, 1), "{payout_id}");
+        }
+        // The account fixture's create has the same shape (a second unique key beside the id).
+        let account_id = format!("acct-race-{round}");
+        let tasks: Vec<_> = (0..CREATORS)
+            .map(|_| {
+                let (c, account_id) = (h.c().clone(), account_id.clone());
+                tokio::spawn(async move { c.open_account(&aid(&account_id), &eur(), 500).await })
+            })
+            .collect();
+        let opened: Vec<_> = futures::future::join_all(tasks)
+            .await
+            .into_iter()
+            .map(|r| {
+                r.expect("task")
+                    .expect("same content: the original account")
+            })
+            .collect();
+        assert!(opened.iter().all(|a| *a == opened[0]));
+    }
+    assert_ledger_clean(&h).await;
+}
