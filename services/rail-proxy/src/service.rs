@@ -361,6 +361,12 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                 }
                 // Only the negative control gets here: no record, as before the seal existed.
                 InquiryGuard::Unsealed => return Err(not_found(payout_id)),
+                InquiryGuard::OtherAccount { recorded } => {
+                    return Err(invalid(InvalidArgument::new(
+                        "account_id",
+                        format!("payout {payout_id} is recorded for account {recorded}, not {}", request.account_id),
+                    )));
+                }
                 InquiryGuard::Sealed { submission, by_this_inquiry } => {
                     if by_this_inquiry {
                         self.0.counters.seals.with_label_values(&[] as &[&str]).inc();

@@ -55,6 +55,9 @@ pub enum InquiryGuard {
     },
     /// No submission, and sealing is disabled (the negative control only).
     Unsealed,
+    /// The payout's record names another account than the inquiry: bad input (the fence was
+    /// presented on the wrong key). Nothing was written, not even the high-water advance.
+    OtherAccount { recorded: AccountId },
 }
 
 const COLUMNS: &str =
@@ -318,10 +321,10 @@ pub async fn guard_inquiry(
     if let Some(row) = existing {
         let submission = submission_from_row(&row)?;
         if submission.account_id != request.account_id {
-            return Err(invariant(format!(
-                "payout {} was submitted for account {} but inquired for {}",
-                request.payout_id, submission.account_id, request.account_id
-            )));
+            tx.rollback().await?;
+            return Ok(InquiryGuard::OtherAccount {
+                recorded: submission.account_id,
+            });
         }
         tx.commit().await?;
         return Ok(if submission.is_sealed() {

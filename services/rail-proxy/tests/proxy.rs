@@ -599,6 +599,15 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
                 ..good.clone()
             },
         ),
+        // NUL: PostgreSQL text cannot hold it; before this was refused here, the intent
+        // transaction failed after the guard and the answer was UNAVAILABLE.
+        (
+            "owner",
+            pb::SubmitRequest {
+                owner: "worker\0".into(),
+                ..good.clone()
+            },
+        ),
         (
             "currency",
             pb::SubmitRequest {
@@ -1070,4 +1079,196 @@ async fn negative_control_without_expiry_a_paused_send_moves_money_after_absent(
         (1, 1),
         "money moved after ABSENT"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The boundary under arbitrary wire values (issue 14, item 4)
+
+/// The proxydb tables a call may write.
+const PROXYDB_TABLES: [&str; 4] = [
+    "account_high_water",
+    "rail_submission",
+    "guard_event",
+    "resolution",
+];
+
+/// One call of `railproxy.v1.RailProxy`, with whatever field values.
+#[derive(Debug, Clone)]
+enum ProxyCall {
+    Submit(pb::SubmitRequest),
+    Lookup(pb::LookupRequest),
+    Inquire(pb::InquireRequest),
+}
+
+fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
+    use proptest::prelude::*;
+    use testkit::wire::{hostile_i64, hostile_text, hostile_u64};
+    const ID_LENGTH_MAX: usize = payout_domain::ids::ID_LENGTH_MAX;
+    let id = |known: &'static str, fresh: &'static str| {
+        hostile_text(
+            prop_oneof![3 => Just(known.to_string()), 1 => fresh.prop_map(String::from)].boxed(),
+            ID_LENGTH_MAX,
+        )
+    };
+    let payout_id = id("p-w-sent", "p-n[a-z0-9]{1,8}");
+    let account_id = id("acct-w", "acct-n[a-z0-9]{1,6}");
+    let token = hostile_u64((1u64..50).boxed());
+    let holder = hostile_text(
+        "worker-[a-z]{1,6}".boxed(),
+        rail_proxy::model::OWNER_LENGTH_MAX,
+    );
+    // Mostly the reference derived from the payout id, as every honest caller sends it (a
+    // `Some` is an arbitrary one instead).
+    let client_reference =
+        prop::option::weighted(0.15, hostile_text("cref-[a-z-]{1,8}".boxed(), 70));
+    let currency = hostile_text(
+        prop::sample::select(vec!["EUR", "EUR", "EUR", "USD", "XXX"])
+            .prop_map(String::from)
+            .boxed(),
+        3,
+    );
+    let submit = (
+        (
+            payout_id.clone(),
+            account_id.clone(),
+            token.clone(),
+            holder.clone(),
+        ),
+        client_reference,
+        hostile_i64((1i64..100_000).boxed()),
+        currency,
+        hostile_text("ben-[a-z0-9]{1,6}".boxed(), ID_LENGTH_MAX),
+    )
+        .prop_map(
+            |(
+                (payout_id, account_id, token, owner),
+                client_reference,
+                amount_minor,
+                currency,
+                beneficiary_ref,
+            )| {
+                ProxyCall::Submit(pb::SubmitRequest {
+                    client_reference: client_reference
+                        .unwrap_or_else(|| format!("cref-{payout_id}")),
+                    payout_id,
+                    account_id,
+                    token,
+                    owner,
+                    amount_minor,
+                    currency,
+                    beneficiary_ref,
+                })
+            },
+        );
+    let lookup = payout_id
+        .clone()
+        .prop_map(|payout_id| ProxyCall::Lookup(pb::LookupRequest { payout_id }));
+    let inquire = (payout_id, holder.clone(), account_id, token, holder).prop_map(
+        |(payout_id, asked_by, account_id, token, owner)| {
+            ProxyCall::Inquire(pb::InquireRequest {
+                payout_id,
+                asked_by,
+                account_id,
+                token,
+                owner,
+            })
+        },
+    );
+    prop_oneof![3 => submit, 1 => lookup, 2 => inquire]
+}
+
+/// Arbitrary field values through the real client to the real proxy on proxydb (and the real
+/// rail stub behind it). For every case: no panic anywhere in the process; the answer is OK or a
+/// status carrying a decodable typed `Rejection` (INVALID_ARGUMENT names its field); an
+/// INVALID_ARGUMENT or NOT_FOUND refusal changed no row of any table (counts and contents), and
+/// reached the rail not at all; a fenced-out refusal (FAILED_PRECONDITION) wrote only its one
+/// `guard_event`; a duplicate (ALREADY_EXISTS) wrote only its one `guard_event` beside the
+/// high-water its token advanced, and no submission or resolution; and the proxy still reports
+/// SERVING and answers a valid call.
+#[test]
+fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
+    use pb::rejection::Kind;
+    use proptest::prelude::*;
+    use testkit::wire;
+    const CASES: u32 = 96;
+    let runtime = wire::runtime();
+    let rig = runtime.block_on(async {
+        let mut rig = rig().await;
+        rig.client
+            .submit(&payout("p-w-sent", "acct-w", 5, "worker-w"))
+            .await
+            .expect("seeded submission");
+        rig
+    });
+    let requests_at_rail = || async {
+        let truth = rig.stub.client().ground_truth().await;
+        truth.expect("the stub answers").submit_requests_total
+    };
+    wire::run_cases(&runtime, CASES, proxy_call(), |call| {
+        let (rig, requests_at_rail) = (&rig, &requests_at_rail);
+        async move {
+            let rail_before = requests_at_rail().await;
+            let mut client = rig.client.clone();
+            let raw = client.raw();
+            let send = async {
+                match call {
+                    ProxyCall::Submit(r) => raw.submit(r).await.map(drop),
+                    ProxyCall::Lookup(r) => raw.lookup(r).await.map(drop),
+                    ProxyCall::Inquire(r) => raw.inquire(r).await.map(drop),
+                }
+            };
+            let wire::Observed {
+                answer,
+                before,
+                after,
+            } = wire::observe(&rig.pool, &PROXYDB_TABLES, send).await?;
+            if let Err(status) = answer {
+                let kind =
+                    service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind);
+                prop_assert!(
+                    kind.is_some(),
+                    "untyped refusal {:?}: {}",
+                    status.code(),
+                    status.message()
+                );
+                prop_assert_eq!(
+                    requests_at_rail().await,
+                    rail_before,
+                    "a refused call reached the rail"
+                );
+                let changed = before.changed(&after);
+                match status.code() {
+                    tonic::Code::InvalidArgument => {
+                        prop_assert!(
+                            matches!(&kind, Some(Kind::InvalidArgument(i)) if !i.field.is_empty()),
+                            "{kind:?}"
+                        );
+                        prop_assert_eq!(changed, Vec::<String>::new());
+                    }
+                    tonic::Code::NotFound => prop_assert_eq!(changed, Vec::<String>::new()),
+                    tonic::Code::FailedPrecondition => {
+                        prop_assert!(matches!(kind, Some(Kind::FencedOut(_))), "{kind:?}");
+                        prop_assert_eq!(changed, vec!["guard_event".to_string()]);
+                        prop_assert_eq!(before.rows_added(&after, "guard_event"), 1);
+                    }
+                    tonic::Code::AlreadyExists => {
+                        prop_assert!(matches!(kind, Some(Kind::Duplicate(_))), "{kind:?}");
+                        prop_assert!(
+                            !changed
+                                .iter()
+                                .any(|t| t == "rail_submission" || t == "resolution"),
+                            "{changed:?}"
+                        );
+                        prop_assert_eq!(before.rows_added(&after, "guard_event"), 1);
+                    }
+                    other => prop_assert!(false, "unexpected code {other:?}: {}", status.message()),
+                }
+            }
+            let mut client = rig.client.clone();
+            let valid = client.raw().lookup(pb::LookupRequest {
+                payout_id: "p-w-sent".into(),
+            });
+            wire::still_serving(&rig.proxy.endpoint(), rail_proxy::SERVICE_NAME, valid).await
+        }
+    });
 }
