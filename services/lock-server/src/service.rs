@@ -118,6 +118,11 @@ fn check_text(field: &'static str, value: &str, max: usize) -> Result<(), LockEr
             format!("longer than {max} bytes"),
         ));
     }
+    // The PostgreSQL backend cannot store or even compare it (text holds no NUL): it would fail
+    // as BACKEND_UNAVAILABLE; both backends refuse it here so they answer alike.
+    if value.contains('\0') {
+        return Err(LockError::invalid(field, "contains a NUL character"));
+    }
     Ok(())
 }
 
