@@ -1088,24 +1088,36 @@ impl Store {
 
     /// RAIL_ACKED -> POSTED in one transaction: two ledger rows summing to zero (customer debit,
     /// payout-clearing credit, one group, the token stamped), the balance, the payout, one outbox
-    /// row. On a POSTED payout it answers as the first posting did and changes nothing.
+    /// row. On a POSTED payout it answers as the first posting did and changes nothing, but the
+    /// table still refuses the pair (POSTED is terminal): it is counted and audited like every
+    /// refused transition, because a terminal payout asked to post again is a defect signal
+    /// (spec 2.3), even when the answer can be the idempotent one.
     pub async fn post(
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
     ) -> Result<PostOutcome, PaymentError> {
         let mut fenced = self.begin_fenced(payout_id, fence, "post").await?;
-        if fenced.payout.state == PayoutState::Posted {
-            let payout = fenced.payout.clone();
-            fenced.tx.rollback().await?;
-            return self.posted_answer(payout).await;
-        }
         let to = match fenced
             .payout
             .state
             .apply(PayoutEvent::Posted, Actor::Holder)
         {
             Ok(to) => to,
+            Err(refusal) if fenced.payout.state == PayoutState::Posted => {
+                let payout = fenced.payout.clone();
+                // Only the audit row is written, outside the rolled-back transaction, as for
+                // every refusal; the answer is the first posting's.
+                match self
+                    .refuse(fenced, refusal, Actor::Holder, Some(fence))
+                    .await
+                {
+                    PaymentError::RefusedTransition { .. } => {}
+                    failed => return Err(failed),
+                }
+                tracing::info!(payout_id = %payout.payout_id, "post of a POSTED payout answered with the first posting");
+                return self.posted_answer(payout).await;
+            }
             Err(refusal) => {
                 return Err(self
                     .refuse(fenced, refusal, Actor::Holder, Some(fence))

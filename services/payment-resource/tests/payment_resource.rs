@@ -379,12 +379,13 @@ async fn every_listed_transition_happens() {
 
 /// Every (state, event) pair the table does not list is refused with a typed
 /// `RefusedTransition`, recorded and counted, and changes nothing (terminal states included, with
-/// a higher token too). POSTED + Post is the one idempotent exception.
+/// a higher token too). POSTED + Post is the one idempotent answer, recorded and counted too.
 #[tokio::test]
 async fn every_unlisted_pair_is_refused_and_changes_nothing() {
     let h = harness().await;
     let mut case = 0;
     let mut refused = 0;
+    let mut idempotent_posts = 0;
     for state in PayoutState::ALL {
         for event in PayoutEvent::ALL {
             if TRANSITIONS
@@ -410,12 +411,18 @@ async fn every_unlisted_pair_is_refused_and_changes_nothing() {
             // A later holder (T=30 > 10): the guard passes, the table refuses.
             let result = perform(h.c(), &p, event, &fence("worker-c", 30)).await;
             if state == PayoutState::Posted && event == PayoutEvent::Posted {
+                assert!(result.is_ok(), "{result:?}");
                 let again = h.c().post(&p, &fence("worker-c", 30)).await.unwrap();
                 assert!(again.already_posted);
                 assert_eq!(
                     snapshot(&h.pool, &payout).await,
                     before,
                     "idempotent post changed something"
+                );
+                idempotent_posts += 2;
+                assert_eq!(
+                    audit_count(&h.pool, "refused_transition").await,
+                    refused_before + 2
                 );
                 continue;
             }
@@ -447,7 +454,64 @@ async fn every_unlisted_pair_is_refused_and_changes_nothing() {
         .filter(|l| l.starts_with("payment_refused_transitions_total{"))
         .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
         .sum();
-    assert_eq!(counted, refused);
+    assert_eq!(counted, refused + idempotent_posts);
+    assert_ledger_clean(&h).await;
+}
+
+/// Post on a POSTED payout (spec 2.3: a terminal state rejects everything, and the rejection is
+/// a defect signal): the answer stays the first posting's, idempotently, and changes nothing, but
+/// it is counted and audited exactly like every other refused transition. Control: the posting
+/// itself (RAIL_ACKED -> POSTED) counts and audits no refusal.
+#[tokio::test]
+async fn post_of_a_posted_payout_answers_idempotently_and_is_a_refused_transition() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let f = drive(h.c(), &pid("p-1"), PayoutState::RailAcked).await;
+    let refused_counter = |h: &Harness| {
+        h.service
+            .metrics
+            .render()
+            .lines()
+            .find(|l| {
+                l.starts_with("payment_refused_transitions_total{")
+                    && l.contains("from=\"POSTED\"")
+                    && l.contains("event=\"POSTED\"")
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .unwrap_or(0)
+    };
+    let first = h.c().post(&pid("p-1"), &f).await.unwrap();
+    assert!(!first.already_posted);
+    assert_eq!(refused_counter(&h), 0, "the posting itself is no refusal");
+    assert_eq!(audit_count(&h.pool, "refused_transition").await, 0);
+
+    let before = snapshot(&h.pool, "p-1").await;
+    // The same holder's retry, then a later holder's.
+    for (n, retry) in [f.clone(), fence("worker-b", 11)].iter().enumerate() {
+        let again = h.c().post(&pid("p-1"), retry).await.unwrap();
+        assert!(again.already_posted);
+        assert_eq!(again.entries, first.entries);
+        assert_eq!(again.transaction_group, first.transaction_group);
+        assert_eq!(again.payout.state, PayoutState::Posted);
+        assert_eq!(refused_counter(&h), n as u64 + 1);
+        assert_eq!(
+            audit_count(&h.pool, "refused_transition").await,
+            n as i64 + 1
+        );
+        let (from, event, owner, token): (String, String, String, i64) = sqlx::query_as(
+            "SELECT from_state, event, owner, token FROM audit_event \
+             WHERE kind = 'refused_transition' ORDER BY id DESC LIMIT 1",
+        )
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (from.as_str(), event.as_str(), owner.as_str(), token),
+            ("POSTED", "POSTED", retry.owner(), retry.token().as_i64())
+        );
+    }
+    assert_eq!(snapshot(&h.pool, "p-1").await, before, "nothing changed");
     assert_ledger_clean(&h).await;
 }
 
