@@ -240,6 +240,103 @@ async fn two_holders_race_at_most_one_movement_and_the_stale_holder_is_fenced() 
         .contains("fenced_out_total{guard=\"rail-proxy\"}"));
 }
 
+/// The value of `rail_proxy_duplicate_submissions_total{kind}` (0 before the first).
+fn duplicates_counted(rig: &Rig, kind: &str) -> u64 {
+    let series = format!("rail_proxy_duplicate_submissions_total{{kind=\"{kind}\"}} ");
+    rig.proxy
+        .metrics
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&series).map(|v| v.parse().unwrap()))
+        .unwrap_or(0)
+}
+
+/// A duplicate Submit is a retry only when it is the recorded submission's own grant (same token,
+/// same owner) asking again for the same payment; every other duplicate is a second submitter,
+/// the defect signal that pages. Both send nothing; the two are counted apart (metric label and
+/// `guard_event.duplicate`), and `kind = 'DUPLICATE'` and the metric's sum still count them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_is_a_retry_only_from_the_recorded_grant_and_a_second_submitter_otherwise() {
+    use rail_proxy::DuplicateClass::{self, Retry, SecondSubmitter};
+    let mut rig = rig().await;
+    let original = payout("p-dup", "acct-dup", 5, "worker-1");
+    let submitted = rig.client.submit(&original).await.unwrap();
+    assert!(matches!(submitted.outcome, Outcome::Acked { .. }));
+    let mut other_payment = original.clone();
+    other_payment.amount_minor = AmountMinor::new(2_000).unwrap();
+    // On its own account: the sealing inquiry advances that account's high-water.
+    let sealed = payout("p-dup-sealed", "acct-dup-sealed", 7, "resolver-1");
+    rig.client
+        .inquire(&inquiry_of(&sealed, "resolver-1"))
+        .await
+        .expect("the inquiry seals the unsent payout");
+    // In token order, so that no case is fenced out by an earlier one's higher token.
+    let cases: Vec<(&str, SubmitPayout, DuplicateClass)> = vec![
+        (
+            "the same grant again (a crash retry)",
+            original.clone(),
+            Retry,
+        ),
+        ("the same grant once more", original.clone(), Retry),
+        (
+            "the same token under another owner",
+            payout("p-dup", "acct-dup", 5, "worker-3"),
+            SecondSubmitter,
+        ),
+        (
+            "the same grant, another payment",
+            other_payment,
+            SecondSubmitter,
+        ),
+        (
+            "a later holder",
+            payout("p-dup", "acct-dup", 6, "worker-2"),
+            SecondSubmitter,
+        ),
+        (
+            "the sealer's own grant on a sealed payout",
+            sealed,
+            SecondSubmitter,
+        ),
+    ];
+    let (mut retries, mut seconds) = (0, 0);
+    for (name, request, class) in cases {
+        match rig.client.submit(&request).await {
+            Err(ProxyError::Duplicate { .. }) => {}
+            other => panic!("{name}: expected Duplicate, got {other:?}"),
+        }
+        match class {
+            Retry => retries += 1,
+            SecondSubmitter => seconds += 1,
+        }
+        assert_eq!(
+            (
+                duplicates_counted(&rig, "retry"),
+                duplicates_counted(&rig, "second_submitter")
+            ),
+            (retries, seconds),
+            "{name}"
+        );
+        let recorded: Option<String> = sqlx::query_scalar(
+            "SELECT duplicate FROM guard_event WHERE kind = 'DUPLICATE' ORDER BY id DESC LIMIT 1",
+        )
+        .fetch_one(&rig.pool)
+        .await
+        .unwrap();
+        assert_eq!(recorded.as_deref(), Some(class.name()), "{name}");
+    }
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE kind = 'DUPLICATE'"
+        )
+        .await,
+        (retries + seconds) as i64,
+        "the DUPLICATE total still counts every duplicate"
+    );
+    assert_eq!(at_rail(&rig, &original).await, (1, 1), "nothing sent again");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_concurrent_submits_for_one_payout_reach_the_rail_once() {
     let stub = StubConfig {
