@@ -23,10 +23,15 @@ pub const CALL_TIMEOUT_MS: u64 = 20_000;
 pub const SHRINK_ITERATIONS_MAX: u32 = 64;
 
 static PANICS: AtomicUsize = AtomicUsize::new(0);
-/// How the observed calls of this process were answered, by gRPC code: printed after a run, and
-/// checked to hold both answers and refusals (a generator that only ever produced bad input would
-/// never reach past the validation it is meant to test).
-static ANSWERS: std::sync::Mutex<BTreeMap<String, u32>> = std::sync::Mutex::new(BTreeMap::new());
+thread_local! {
+    /// How the calls observed on this thread were answered, by gRPC code: printed after a run and
+    /// checked to hold both answers and refusals (a generator that only ever produced bad input
+    /// would never reach past the validation it is meant to test). Per thread, because
+    /// [`run_cases`] drives its checks with `block_on` on the test's own thread, and tests of one
+    /// binary run in parallel.
+    static ANSWERS: std::cell::RefCell<BTreeMap<String, u32>> =
+        const { std::cell::RefCell::new(BTreeMap::new()) };
+}
 static HOOK: Once = Once::new();
 
 /// Panics anywhere in this process since the first call (which installs the counting hook; the
@@ -141,6 +146,37 @@ pub async fn snapshot(pool: &sqlx::PgPool, tables: &[&str]) -> Snapshot {
     Snapshot(out)
 }
 
+/// Counts and digests the etcd keys under `prefix`, one "table" per first path segment after it
+/// (`locks`, `audit`, `grants`, ...), with values and create revisions.
+pub async fn etcd_snapshot(endpoints: &[String], prefix: &str) -> Snapshot {
+    let mut client = etcd_client::Client::connect(endpoints, None)
+        .await
+        .expect("etcd answers");
+    let answer = client
+        .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .expect("etcd answers");
+    let mut tables: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for kv in answer.kvs() {
+        let key = String::from_utf8_lossy(kv.key());
+        let rest = key.strip_prefix(prefix).unwrap_or(&key);
+        let table = rest.split('/').next().unwrap_or_default().to_string();
+        let row = format!(
+            "{key}={}@{}",
+            String::from_utf8_lossy(kv.value()),
+            kv.create_revision()
+        );
+        tables.entry(table).or_default().push(row);
+    }
+    Snapshot(
+        tables
+            .into_iter()
+            // The rows themselves stand for the digest: a test's prefix holds a handful of keys.
+            .map(|(table, rows)| (table, (rows.len() as i64, rows.join("\n"))))
+            .collect(),
+    )
+}
+
 impl Snapshot {
     /// The tables whose rows (count or content) differ in `after`.
     pub fn changed(&self, after: &Snapshot) -> Vec<String> {
@@ -212,15 +248,27 @@ pub async fn observe(
     tables: &[&str],
     call: impl Future<Output = Result<(), tonic::Status>>,
 ) -> Result<Observed, TestCaseError> {
+    observe_with(|| snapshot(pool, tables), call).await
+}
+
+/// [`observe`] for a store that is not a PostgreSQL database: `store` takes its snapshot.
+pub async fn observe_with<S, F>(
+    store: S,
+    call: impl Future<Output = Result<(), tonic::Status>>,
+) -> Result<Observed, TestCaseError>
+where
+    S: Fn() -> F,
+    F: Future<Output = Snapshot>,
+{
     let panics = panics_so_far();
-    let before = snapshot(pool, tables).await;
+    let before = store().await;
     let answer = bounded(call).await?;
-    let after = snapshot(pool, tables).await;
+    let after = store().await;
     let code = match &answer {
         Ok(()) => "OK".to_string(),
         Err(status) => format!("{:?}", status.code()),
     };
-    *ANSWERS.lock().expect("answers").entry(code).or_default() += 1;
+    ANSWERS.with(|answers| *answers.borrow_mut().entry(code).or_default() += 1);
     prop_assert_eq!(panics_so_far(), panics, "a handler panicked");
     Ok(Observed {
         answer,
@@ -261,7 +309,7 @@ where
     if let Err(e) = runner.run(&strategy, |value| runtime.block_on(check(value))) {
         panic!("{e}");
     }
-    let answers = ANSWERS.lock().expect("answers").clone();
+    let answers = ANSWERS.with(|answers| answers.take());
     eprintln!("answers by gRPC code over {cases} cases: {answers:?}");
     assert!(
         answers.contains_key("OK") && answers.len() > 1,

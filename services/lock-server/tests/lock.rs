@@ -843,11 +843,36 @@ use payout_proto::lock as pb;
 
 /// The lockdb tables a call may write.
 const LOCKDB_TABLES: [&str; 3] = ["lock_session", "lock_entry", "lock_audit"];
-/// The seeded grant: the first session and the first token of a fresh lockdb.
+/// The grant seeded before the cases run, so that valid handles and sessions reach deep paths.
 const SEEDED_KEY: &str = "payout:acct-w";
 const SEEDED_OWNER: &str = "worker-w";
-const SEEDED_SESSION: &str = "1";
-const SEEDED_TOKEN: u64 = 1;
+
+/// The seeded grant's session and token, as the backend issued them.
+#[derive(Debug, Clone)]
+struct Seeded {
+    session_id: String,
+    token: u64,
+}
+
+/// Where a backend keeps its state, snapshotted around each call.
+enum LockStore {
+    Postgres(sqlx::PgPool),
+    Etcd {
+        endpoints: Vec<String>,
+        prefix: String,
+    },
+}
+
+impl LockStore {
+    async fn snapshot(&self) -> testkit::wire::Snapshot {
+        match self {
+            Self::Postgres(pool) => testkit::wire::snapshot(pool, &LOCKDB_TABLES).await,
+            Self::Etcd { endpoints, prefix } => {
+                testkit::wire::etcd_snapshot(endpoints, prefix).await
+            }
+        }
+    }
+}
 
 /// One call of `lock.v1.LockService`, with whatever field values.
 #[derive(Debug, Clone)]
@@ -862,7 +887,7 @@ enum LockCall {
     Describe(pb::DescribeRequest),
 }
 
-fn lock_call() -> impl proptest::strategy::Strategy<Value = LockCall> {
+fn lock_call(seeded: &Seeded) -> impl proptest::strategy::Strategy<Value = LockCall> {
     use lock_server::service::{KEY_LENGTH_MAX, OWNER_LENGTH_MAX};
     use proptest::prelude::*;
     use testkit::wire::{hostile_text, hostile_u64};
@@ -872,7 +897,7 @@ fn lock_call() -> impl proptest::strategy::Strategy<Value = LockCall> {
     let session_id = || {
         hostile_text(
             prop_oneof![
-                3 => Just(SEEDED_SESSION.to_string()),
+                3 => Just(seeded.session_id.clone()),
                 1 => "[2-6]",
                 1 => prop::sample::select(vec!["0", "-1", "9223372036854775807", "99999999999999999999", "0x1", "1.0"])
                     .prop_map(String::from),
@@ -889,7 +914,7 @@ fn lock_call() -> impl proptest::strategy::Strategy<Value = LockCall> {
             known(SEEDED_KEY, KEY_LENGTH_MAX),
             owner(),
             session_id(),
-            hostile_u64(Just(SEEDED_TOKEN).boxed()),
+            hostile_u64(Just(seeded.token).boxed()),
         )
             .prop_map(|(key, owner, session_id, token)| pb::Handle {
                 key,
@@ -966,76 +991,102 @@ async fn send_lock_call(mut raw: RawLockClient, call: LockCall) -> Result<(), to
     }
 }
 
-/// Arbitrary field values through the real client to the real lock-server on its PostgreSQL
-/// backend (lockdb). For every case: no panic anywhere in the process; the answer is OK or a
-/// status carrying a decodable typed `Rejection` (INVALID_ARGUMENT names its field; never
-/// BACKEND_UNAVAILABLE or TOKEN_REGRESSION, the database being up and the tokens honest); an
-/// INVALID_ARGUMENT refusal changed no row of any table (counts and contents); another refusal
-/// (session not found, not holder, not held) left every lock and audit row as it was and added no
-/// session; and the server still reports SERVING and answers a valid call.
-#[test]
-fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
-    use pb::rejection::Kind;
+/// Arbitrary field values through the real client to the real lock-server on `kind`'s backend.
+/// For every case: no panic anywhere in the process; the answer is OK or a status carrying a
+/// decodable typed `Rejection` (INVALID_ARGUMENT names its field; never BACKEND_UNAVAILABLE or
+/// TOKEN_REGRESSION, the backend being up and the tokens honest); an INVALID_ARGUMENT refusal
+/// changed nothing in the backend (lockdb's rows, or etcd's keys under the server's prefix, counts
+/// and contents); another refusal (session not found, not holder, not held) left every lock,
+/// grant and audit record as it was and added no session; and the server still reports SERVING
+/// and answers a valid call.
+fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) {
+    use pb::rejection::Kind as Rejected;
     use proptest::prelude::*;
     use testkit::wire;
-    const CASES: u32 = 128;
+    const CASES: u32 = 96;
     let runtime = wire::runtime();
-    let (server, raw, pool) = runtime.block_on(async {
-        let url = Stack::shared().fresh_db(PgServer::Main).await;
-        let server = start_with(BackendConfig::Postgres {
-            database_url: url.clone(),
-        })
-        .await;
+    let (server, raw, store, seeded) = runtime.block_on(async {
+        let stack = Stack::shared();
+        let (backend, store) = match kind {
+            Kind::Postgres => {
+                let url = stack.fresh_db(PgServer::Main).await;
+                let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                (
+                    BackendConfig::Postgres { database_url: url },
+                    LockStore::Postgres(pool),
+                )
+            }
+            Kind::Etcd => {
+                let (endpoints, prefix) = (stack.etcd_endpoints(), stack.unique_prefix("wire"));
+                let backend = BackendConfig::Etcd {
+                    endpoints: endpoints.clone(),
+                    prefix: prefix.clone(),
+                };
+                (backend, LockStore::Etcd { endpoints, prefix })
+            }
+        };
+        let server = start_with(backend).await;
         let mut raw = RawLockClient::connect(server.server.endpoint.clone())
             .await
             .unwrap();
-        let session = raw
+        let session_id = raw
             .create_session(pb::CreateSessionRequest {
                 owner: SEEDED_OWNER.into(),
                 ttl_ms: lock_server::service::SESSION_TTL_MS_MAX,
             })
             .await
             .unwrap()
-            .into_inner();
-        assert_eq!(session.session_id, SEEDED_SESSION, "a fresh lockdb's first session");
+            .into_inner()
+            .session_id;
         let granted = raw
             .acquire(pb::AcquireRequest {
                 key: SEEDED_KEY.into(),
                 owner: SEEDED_OWNER.into(),
-                session_id: SEEDED_SESSION.into(),
+                session_id: session_id.clone(),
                 wait_ms: 0,
             })
             .await
             .unwrap()
             .into_inner();
-        assert!(
-            matches!(&granted.result, Some(pb::acquire_response::Result::Grant(g)) if g.token == SEEDED_TOKEN),
-            "a fresh lockdb's first token: {granted:?}"
-        );
-        let pool = sqlx::PgPool::connect(&url).await.unwrap();
-        (server, raw, pool)
+        let Some(pb::acquire_response::Result::Grant(grant)) = granted.result else {
+            panic!("the seeded grant: {granted:?}");
+        };
+        (
+            server,
+            raw,
+            store,
+            Seeded {
+                session_id,
+                token: grant.token,
+            },
+        )
     });
     let endpoint = server.server.endpoint.clone();
-    wire::run_cases(&runtime, CASES, lock_call(), |call| {
-        let (raw, pool, endpoint) = (raw.clone(), &pool, &endpoint);
+    wire::run_cases(&runtime, CASES, lock_call(&seeded), |call| {
+        let (raw, store, endpoint) = (raw.clone(), &store, &endpoint);
         async move {
             let wire::Observed {
                 answer,
                 before,
                 after,
-            } = wire::observe(pool, &LOCKDB_TABLES, send_lock_call(raw.clone(), call)).await?;
+            } = wire::observe_with(|| store.snapshot(), send_lock_call(raw.clone(), call)).await?;
             if let Err(status) = answer {
                 let kind =
                     service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind);
                 match (status.code(), &kind) {
-                    (tonic::Code::InvalidArgument, Some(Kind::InvalidArgument(i))) => {
+                    (tonic::Code::InvalidArgument, Some(Rejected::InvalidArgument(i))) => {
                         prop_assert!(!i.field.is_empty());
                         prop_assert_eq!(before.changed(&after), Vec::<String>::new());
                     }
                     (
                         tonic::Code::NotFound | tonic::Code::FailedPrecondition,
-                        Some(Kind::SessionNotFound(_) | Kind::NotHolder(_) | Kind::NotHeld(_)),
+                        Some(
+                            Rejected::SessionNotFound(_)
+                            | Rejected::NotHolder(_)
+                            | Rejected::NotHeld(_),
+                        ),
                     ) => {
+                        // lockdb may mark a session it found expired; nothing else may change.
                         let changed = before.changed(&after);
                         prop_assert!(
                             changed.is_empty() || changed == ["lock_session"],
@@ -1058,4 +1109,14 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
         }
     });
     runtime.block_on(server.server.stop());
+}
+
+#[test]
+fn etcd_wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
+    wire_values_never_panic_and_refusals_are_typed_and_write_nothing(Kind::Etcd);
+}
+
+#[test]
+fn postgres_wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
+    wire_values_never_panic_and_refusals_are_typed_and_write_nothing(Kind::Postgres);
 }
