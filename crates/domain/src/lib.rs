@@ -2,7 +2,8 @@
 //!
 //! Everything here is parsed once at a boundary and is valid by construction afterwards: an
 //! `AccountId` is never empty, an `AmountMinor` of a payout is never zero or negative, and a
-//! `FencingToken` can only be made from a lock grant's revision or from a value a guard stored.
+//! `FencingToken` is within `1..=i64::MAX` and can only be made from a lock grant's revision or
+//! from a value a guard stored.
 
 pub mod ids;
 pub mod money;
@@ -12,7 +13,7 @@ pub mod token;
 pub use ids::{AccountId, BeneficiaryRef, ClientReference, IdError, PayoutId};
 pub use money::{AmountMinor, Currency, MoneyError, SUPPORTED_CURRENCIES};
 pub use state::{Actor, PayoutEvent, PayoutState, RefusedTransition, TRANSITIONS};
-pub use token::FencingToken;
+pub use token::{FencingToken, TokenError};
 
 /// The lock key of an account: the unit of mutual exclusion (spec A-15).
 pub fn lock_key(account: &AccountId) -> String {

@@ -403,8 +403,12 @@ impl Session {
                         "grant for another key, owner or session",
                     ));
                 }
-                let token = FencingToken::new(g.token)
-                    .map_err(|_| ClientError::Malformed("grant without a token"))?;
+                let token = FencingToken::new(g.token).map_err(|e| {
+                    ClientError::Malformed(match e {
+                        payout_domain::TokenError::Zero => "grant without a token",
+                        payout_domain::TokenError::AboveMax { .. } => "grant token above i64::MAX",
+                    })
+                })?;
                 if !self.is_alive() {
                     return Err(ClientError::SessionLost);
                 }

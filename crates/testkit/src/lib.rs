@@ -10,6 +10,7 @@ pub mod stack;
 pub mod system;
 pub mod temporal;
 pub mod util;
+pub mod wire;
 
 pub use process::{Lifetime, ManagedProcess, ProcessSpec};
 pub use stack::{PgServer, Stack, StackPorts};

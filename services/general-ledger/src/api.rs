@@ -105,6 +105,7 @@ fn mode_to_wire(m: &ModeState) -> pb::OperatingModeState {
 }
 
 fn account_input(account: Option<&pb::AccountRef>, asset: &str) -> Result<AccountKey, LedgerError> {
+    validate::check_account_text(account)?;
     if !validate::valid_asset(asset) {
         return Err(LedgerError::InvalidField {
             field: "asset",
@@ -181,13 +182,14 @@ impl GeneralLedgerService for LedgerApi {
                 (&r.source_transaction_id, "source_transaction_id"),
                 (&r.event_type, "event_type"),
             ] {
-                if value.trim().is_empty() {
-                    return Err(LedgerError::MissingSourceIdentity { field });
-                }
+                validate::required(value, field)?;
             }
+            validate::bounded(&r.correlation_id, "correlation_id")?;
+            validate::bounded(&r.actor_id, "actor_id")?;
             if r.event_version == 0 {
                 return Err(LedgerError::MissingSourceIdentity { field: "event_version" });
             }
+            let event_version = validate::storable_u32(r.event_version, "event_version")?;
             let occurred_at = parse_time(&r.occurred_at, "occurred_at")?;
             let metadata = validate::parse_metadata(&r.metadata_json)?;
             let canonical = serde_json::json!({
@@ -200,7 +202,7 @@ impl GeneralLedgerService for LedgerApi {
                     &r.source_service,
                     &r.source_transaction_id,
                     &r.event_type,
-                    r.event_version as i32,
+                    event_version,
                     occurred_at,
                     &r.correlation_id,
                     &r.actor_id,
@@ -248,11 +250,13 @@ impl GeneralLedgerService for LedgerApi {
     ) -> Result<Response<pb::Journal>, Status> {
         let id = match request.into_inner().key {
             Some(pb::get_journal_request::Key::JournalId(id)) => Uuid::parse_str(&id).ok(),
-            Some(pb::get_journal_request::Key::IdempotencyKey(key)) => self
-                .store
-                .journal_id_by_key(&key)
-                .await
-                .map_err(|e| self.refuse(e))?,
+            Some(pb::get_journal_request::Key::IdempotencyKey(key)) => {
+                validate::bounded(&key, "idempotency_key").map_err(|e| self.refuse(e))?;
+                self.store
+                    .journal_id_by_key(&key)
+                    .await
+                    .map_err(|e| self.refuse(e))?
+            }
             None => None,
         };
         let journal = match id {
@@ -274,6 +278,9 @@ impl GeneralLedgerService for LedgerApi {
     ) -> Result<Response<pb::ListEntriesResponse>, Status> {
         let r = request.into_inner();
         let parse = || -> Result<EntryFilter, LedgerError> {
+            validate::check_account_text(r.account.as_ref())?;
+            validate::bounded(&r.asset, "asset")?;
+            validate::bounded(&r.source_transaction_id, "source_transaction_id")?;
             let after = match r.page_token.as_str() {
                 "" => (0, 0),
                 token => token
@@ -361,6 +368,11 @@ impl GeneralLedgerService for LedgerApi {
                 }))
             }
         };
+        let checked = validate::bounded(&r.operator_id, "operator_id")
+            .and_then(|_| validate::bounded(&r.reason, "reason"));
+        if let Err(e) = checked {
+            return Err(self.refuse(e));
+        }
         match self.store.set_mode(mode, &r.operator_id, &r.reason).await {
             Ok(state) => {
                 tracing::warn!(mode = mode.as_str(), operator_id = %r.operator_id, reason = %r.reason, "operating mode changed");

@@ -14,6 +14,9 @@ pub enum LedgerError {
     PrecisionExceeded { line_number: u32 },
     #[error("line {line_number}: amount out of range")]
     AmountOutOfRange { line_number: u32 },
+    /// Every amount fits, but an account's balance would leave numeric(38,18). Nothing written.
+    #[error("a balance would leave numeric(38,18): {detail}")]
+    BalanceOutOfRange { detail: String },
     #[error("line {line_number}: {amount:?} is not a canonical decimal string")]
     NonCanonicalAmount { line_number: u32, amount: String },
     #[error("line {line_number}: unknown account {account}")]
@@ -72,7 +75,7 @@ impl LedgerError {
             Unbalanced { .. } => RejectionReason::Unbalanced,
             ZeroAmount { .. } => RejectionReason::ZeroAmount,
             PrecisionExceeded { .. } => RejectionReason::PrecisionExceeded,
-            AmountOutOfRange { .. } => RejectionReason::AmountOutOfRange,
+            AmountOutOfRange { .. } | BalanceOutOfRange { .. } => RejectionReason::AmountOutOfRange,
             NonCanonicalAmount { .. } => RejectionReason::NonCanonicalAmount,
             UnknownAccount { .. } => RejectionReason::UnknownAccount,
             AccountAssetMismatch { .. } => RejectionReason::AccountAssetMismatch,
@@ -100,6 +103,7 @@ impl LedgerError {
             IdempotencyConflict { .. } | AlreadyReversed { .. } => Code::AlreadyExists,
             ModeRefused { .. }
             | ModeNotActivated { .. }
+            | BalanceOutOfRange { .. }
             | UnknownAccount { .. }
             | AccountAssetMismatch { .. } => Code::FailedPrecondition,
             ReversalTargetUnknown { .. } | NotFound { .. } => Code::NotFound,

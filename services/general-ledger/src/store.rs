@@ -394,6 +394,13 @@ impl Store {
                     existing_reversal: existing.to_string(),
                 });
             }
+            // numeric_value_out_of_range: an account's projected balance would leave
+            // numeric(38,18) (each amount fits; their running sum does not).
+            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22003") => {
+                return Err(LedgerError::BalanceOutOfRange {
+                    detail: e.to_string(),
+                });
+            }
             Err(e) => return Err(e.into()),
         };
         let entries: i64 = row.get("entries");

@@ -97,21 +97,49 @@ pub fn account_key(account: Option<&pb::AccountRef>, asset: &str) -> Option<Acco
     })
 }
 
-fn required(value: &str, field: &'static str) -> Result<String, LedgerError> {
+/// Required text: not blank, and [`bounded`].
+pub fn required(value: &str, field: &'static str) -> Result<String, LedgerError> {
     if value.trim().is_empty() {
         return Err(LedgerError::MissingSourceIdentity { field });
     }
     bounded(value, field)
 }
 
-fn bounded(value: &str, field: &'static str) -> Result<String, LedgerError> {
+/// What every text the GL stores or looks up must be: at most [`TEXT_LENGTH_MAX`] bytes (keys
+/// and index rows stay small), and without NUL, which PostgreSQL text cannot hold (the statement
+/// would fail as a storage error instead of naming the field).
+pub fn bounded(value: &str, field: &'static str) -> Result<String, LedgerError> {
     if value.len() > TEXT_LENGTH_MAX {
         return Err(LedgerError::InvalidField {
             field,
             detail: format!("longer than {TEXT_LENGTH_MAX} bytes"),
         });
     }
+    if value.contains('\0') {
+        return Err(LedgerError::InvalidField {
+            field,
+            detail: "contains a NUL character".into(),
+        });
+    }
     Ok(value.to_string())
+}
+
+/// The parts of an account reference, as [`bounded`] text (field `account`).
+pub fn check_account_text(account: Option<&pb::AccountRef>) -> Result<(), LedgerError> {
+    if let Some(a) = account {
+        for part in [&a.class, &a.owner_type, &a.owner_id] {
+            bounded(part, "account")?;
+        }
+    }
+    Ok(())
+}
+
+/// A `uint32` the GL stores in an `integer` column (versions, line numbers): at most `i32::MAX`.
+pub fn storable_u32(value: u32, field: &'static str) -> Result<i32, LedgerError> {
+    i32::try_from(value).map_err(|_| LedgerError::InvalidField {
+        field,
+        detail: format!("{value} is above {}", i32::MAX),
+    })
 }
 
 pub fn parse_time(value: &str, field: &'static str) -> Result<DateTime<Utc>, LedgerError> {
@@ -139,6 +167,10 @@ pub fn parse_metadata(text: &str) -> Result<serde_json::Value, LedgerError> {
         return Ok(serde_json::Value::Object(Default::default()));
     }
     match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(v) if holds_nul(&v) => Err(LedgerError::InvalidField {
+            field: "metadata_json",
+            detail: "a string or key contains NUL (\\u0000), which jsonb cannot hold".into(),
+        }),
         Ok(v @ serde_json::Value::Object(_)) => Ok(v),
         Ok(_) => Err(LedgerError::InvalidField {
             field: "metadata_json",
@@ -148,6 +180,16 @@ pub fn parse_metadata(text: &str) -> Result<serde_json::Value, LedgerError> {
             field: "metadata_json",
             detail: e.to_string(),
         }),
+    }
+}
+
+fn holds_nul(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::String(text) => text.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
     }
 }
 
@@ -185,6 +227,7 @@ pub fn validate(req: &pb::AppendJournalRequest) -> Result<ValidatedJournal, Ledg
             field: "effect_version",
         });
     }
+    storable_u32(req.effect_version, "effect_version")?;
     let tracking_code = bounded(&req.tracking_code, "tracking_code")?;
     if req.occurred_at.is_empty() {
         return Err(LedgerError::InvalidField {
@@ -249,6 +292,7 @@ pub fn validate(req: &pb::AppendJournalRequest) -> Result<ValidatedJournal, Ledg
                 detail: "line numbers start at 1".into(),
             });
         }
+        storable_u32(line_number, "line_number")?;
         if !seen.insert(line_number) {
             return Err(LedgerError::DuplicateLineNumber { line_number });
         }
@@ -258,6 +302,7 @@ pub fn validate(req: &pb::AppendJournalRequest) -> Result<ValidatedJournal, Ledg
                 detail: format!("{:?}", e.asset),
             });
         }
+        check_account_text(e.account.as_ref())?;
         let account = match account_key(e.account.as_ref(), &e.asset) {
             Some(k)
                 if ACCOUNT_CLASSES.contains(&k.class.as_str())

@@ -237,6 +237,33 @@ async fn bad_inputs_each_get_their_own_rejection_and_write_nothing() {
             mutate(&|r| r.occurred_at = "yesterday".into()),
             R::InvalidField,
         ),
+        // Found by the wire property test: each of these failed as UNAVAILABLE (a storage
+        // error) instead of naming its field.
+        (
+            "NUL in text",
+            mutate(&|r| r.source_service = "payment\0resource".into()),
+            R::InvalidField,
+        ),
+        (
+            "NUL in metadata",
+            mutate(&|r| r.metadata_json = r#"{"a":"\u0000"}"#.into()),
+            R::InvalidField,
+        ),
+        (
+            "NUL in an account",
+            mutate(&|r| r.entries[0].account = Some(customer("a1\0"))),
+            R::InvalidField,
+        ),
+        (
+            "effect version above int32",
+            mutate(&|r| r.effect_version = i32::MAX as u32 + 1),
+            R::InvalidField,
+        ),
+        (
+            "line number above int32",
+            mutate(&|r| r.entries[1].line_number = u32::MAX),
+            R::InvalidField,
+        ),
     ];
     let before = journal_count(&url).await;
     for (name, request, expected) in cases {
@@ -253,6 +280,42 @@ async fn bad_inputs_each_get_their_own_rejection_and_write_nothing() {
             .into_inner()
             .created
     );
+    server.stop().await.unwrap();
+}
+
+/// Every amount fits numeric(38,18), but a balance that would leave it is refused, typed
+/// (AMOUNT_OUT_OF_RANGE, FAILED_PRECONDITION), with nothing written; before, the projection's
+/// numeric overflow surfaced as UNAVAILABLE. Control: a journal that keeps the balance in range
+/// is accepted.
+#[tokio::test]
+async fn a_balance_beyond_numeric_38_18_is_refused_typed_and_writes_nothing() {
+    const AMOUNT_MAX: &str = "99999999999999999999";
+    let (server, mut client, url) = start().await;
+    open(&mut client, customer("big"), "EUR").await;
+    open(&mut client, clearing(), "EUR").await;
+    client
+        .append_journal(payout("big-1", "big", AMOUNT_MAX))
+        .await
+        .expect("one maximal amount fits");
+    let before = journal_count(&url).await;
+    let status = client
+        .append_journal(payout("big-2", "big", AMOUNT_MAX))
+        .await
+        .expect_err("the clearing balance would be 2 x 10^20 - 2");
+    assert_eq!(reason(&status), R::AmountOutOfRange, "{status:?}");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(journal_count(&url).await, before, "nothing written");
+    let back = client
+        .append_journal(journal(
+            "big-3",
+            vec![
+                entry(1, customer("big"), "EUR", AMOUNT_MAX),
+                entry(2, clearing(), "EUR", &format!("-{AMOUNT_MAX}")),
+            ],
+        ))
+        .await
+        .expect("a journal that brings the balance back is accepted");
+    assert!(back.into_inner().created);
     server.stop().await.unwrap();
 }
 
@@ -719,4 +782,418 @@ async fn benchmark_reports_both_sides() {
     assert_eq!(report.append_journal_grpc.journals, 200);
     assert_eq!(report.plain_sql.journals, 200);
     assert!(report.ratio > 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The boundary under arbitrary wire values (issue 14, item 4)
+
+/// The gldb tables a call may write.
+const GLDB_TABLES: [&str; 7] = [
+    "ledger_accounts",
+    "journals",
+    "entries",
+    "account_balances",
+    "transaction_events",
+    "operating_mode_changes",
+    "operating_mode_refusals",
+];
+
+/// One call of `ledger.v1.GeneralLedgerService`, with whatever field values.
+#[derive(Debug, Clone)]
+enum LedgerCall {
+    AppendJournal(pb::AppendJournalRequest),
+    AppendTransactionEvent(pb::AppendTransactionEventRequest),
+    OpenAccount(pb::OpenAccountRequest),
+    GetJournal(pb::GetJournalRequest),
+    ListEntries(pb::ListEntriesRequest),
+    GetBalance(pb::GetBalanceRequest),
+    SetOperatingMode(pb::SetOperatingModeRequest),
+    GetOperatingMode,
+}
+
+mod ledger_values {
+    use super::{clearing, customer, pb};
+    use proptest::prelude::*;
+    use rust_decimal::Decimal;
+    use testkit::wire::{hostile_text, hostile_u32};
+
+    const TEXT_LENGTH_MAX: usize = general_ledger::validate::TEXT_LENGTH_MAX;
+
+    pub fn text(valid: &'static str) -> BoxedStrategy<String> {
+        hostile_text(valid.boxed(), TEXT_LENGTH_MAX)
+    }
+    pub fn asset() -> BoxedStrategy<String> {
+        hostile_text(
+            prop::sample::select(vec!["EUR", "EUR", "USD", "BTC1", "eur"])
+                .prop_map(String::from)
+                .boxed(),
+            12,
+        )
+    }
+    /// The accounts opened before the cases run, or a reference with arbitrary parts, or none.
+    pub fn account() -> BoxedStrategy<Option<pb::AccountRef>> {
+        let known = prop::sample::select(vec![customer("w1"), customer("w2"), clearing()]);
+        let arbitrary = (
+            hostile_text(
+                prop::sample::select(general_ledger::validate::ACCOUNT_CLASSES.to_vec())
+                    .prop_map(String::from)
+                    .boxed(),
+                TEXT_LENGTH_MAX,
+            ),
+            text("[A-Z]{1,8}"),
+            text("[a-z0-9]{1,8}"),
+        )
+            .prop_map(|(class, owner_type, owner_id)| pb::AccountRef {
+                class,
+                owner_type,
+                owner_id,
+            });
+        prop_oneof![6 => known.prop_map(Some), 3 => arbitrary.prop_map(Some), 1 => Just(None)]
+            .boxed()
+    }
+    /// A canonical decimal, or one of the spellings and magnitudes the GL must refuse.
+    pub fn amount() -> BoxedStrategy<String> {
+        prop_oneof![
+            6 => (1i64..10_000_000, 0u32..4).prop_map(|(m, s)| Decimal::new(m, s).to_string()),
+            2 => prop::sample::select(vec![
+                "99999999999999999999", "-99999999999999999999", "100000000000000000000",
+                "0.000000000000000001", "0.0000000000000000001", "12345678901234567890.123456789",
+                "0", "-0.00", "", "1e5", "+1", "01", "NaN", "inf", "1.5 ", "-", ".5", "5.",
+            ])
+            .prop_map(String::from),
+            1 => "[-+0-9.eE ]{0,30}",
+        ]
+        .boxed()
+    }
+    pub fn time() -> BoxedStrategy<String> {
+        hostile_text(
+            prop::sample::select(vec![
+                "2026-03-01T10:00:00.123456Z",
+                "2026-03-01T11:00:00+01:00",
+                "0000-01-01T00:00:00Z",
+                "9999-12-31T23:59:59.999999999Z",
+                "2026-06-30T23:59:60Z",
+                "2026-02-30T00:00:00Z",
+                "2026-03-01",
+            ])
+            .prop_map(String::from)
+            .boxed(),
+            64,
+        )
+    }
+    pub fn entries() -> BoxedStrategy<Vec<pb::EntryInput>> {
+        let entry = (
+            hostile_u32((1u32..6).boxed()),
+            account(),
+            asset(),
+            amount(),
+            text("[a-z ]{0,12}"),
+        )
+            .prop_map(|(line_number, account, asset, amount, description)| {
+                pb::EntryInput {
+                    line_number,
+                    account,
+                    asset,
+                    amount,
+                    description,
+                }
+            });
+        // Balanced pairs (each amount debited from one known account and credited to another,
+        // maybe the same one): journals the GL accepts, including sums of huge amounts.
+        let pair = (account(), account(), amount());
+        let balanced = prop::collection::vec(pair, 1..4).prop_map(|pairs| {
+            let mut entries = Vec::new();
+            for (debit, credit, amount) in pairs {
+                let line = entries.len() as u32 + 1;
+                let negated = amount
+                    .strip_prefix('-')
+                    .map(String::from)
+                    .unwrap_or(format!("-{amount}"));
+                for (n, account, amount) in [(line, debit, negated), (line + 1, credit, amount)] {
+                    entries.push(pb::EntryInput {
+                        line_number: n,
+                        account,
+                        asset: "EUR".into(),
+                        amount,
+                        description: String::new(),
+                    });
+                }
+            }
+            entries
+        });
+        prop_oneof![prop::collection::vec(entry, 0..5), balanced].boxed()
+    }
+    pub fn correction() -> BoxedStrategy<Option<pb::CorrectionApproval>> {
+        prop::option::weighted(
+            0.2,
+            (text("op-[a-z]{1,4}"), text("ref-[0-9]{1,4}")).prop_map(
+                |(approved_by, approval_reference)| pb::CorrectionApproval {
+                    approved_by,
+                    approval_reference,
+                },
+            ),
+        )
+        .boxed()
+    }
+    pub fn metadata() -> BoxedStrategy<String> {
+        hostile_text(
+            prop::sample::select(vec![
+                "",
+                r#"{"fencing_token":7}"#,
+                "{}",
+                "[1]",
+                "null",
+                r#"{"a":"\u0000"}"#,
+                r#"{"\u0000":1}"#,
+                "{",
+                r#"{"a":1e999}"#,
+            ])
+            .prop_map(String::from)
+            .boxed(),
+            general_ledger::validate::METADATA_LENGTH_MAX,
+        )
+    }
+}
+
+fn ledger_call() -> impl proptest::strategy::Strategy<Value = LedgerCall> {
+    use ledger_values::*;
+    use proptest::prelude::*;
+    use testkit::wire::{hostile_enum, hostile_text, hostile_u32};
+    let version = || hostile_u32((1u32..4).boxed());
+    let journal = (
+        (
+            text("payment-resource"),
+            text("k-[a-z0-9]{1,10}"),
+            text("tx-[a-z0-9]{1,6}"),
+            text("[a-z]{0,6}"),
+        ),
+        (
+            text("PAYOUT_POSTED"),
+            version(),
+            time(),
+            text("corr-[a-z]{1,4}"),
+            text("worker-[a-z]{1,4}"),
+        ),
+        (metadata(), entries(), hostile_text_or_uuid(), correction()),
+    )
+        .prop_map(
+            |(
+                (source_service, idempotency_key, source_transaction_id, tracking_code),
+                (effect_kind, effect_version, occurred_at, correlation_id, actor_id),
+                (metadata_json, entries, reversal_of, correction),
+            )| {
+                LedgerCall::AppendJournal(pb::AppendJournalRequest {
+                    source_service,
+                    idempotency_key,
+                    source_transaction_id,
+                    tracking_code,
+                    effect_kind,
+                    effect_version,
+                    occurred_at,
+                    correlation_id,
+                    actor_id,
+                    metadata_json,
+                    entries,
+                    reversal_of,
+                    correction,
+                })
+            },
+        );
+    let event = (
+        (
+            text("payment-resource"),
+            text("tx-[a-z0-9]{1,6}"),
+            text("PAYOUT_[A-Z]{1,6}"),
+            version(),
+        ),
+        (
+            time(),
+            text("corr-[a-z]{1,4}"),
+            text("worker-[a-z]{1,4}"),
+            metadata(),
+        ),
+    )
+        .prop_map(
+            |(
+                (source_service, source_transaction_id, event_type, event_version),
+                (occurred_at, correlation_id, actor_id, metadata_json),
+            )| {
+                LedgerCall::AppendTransactionEvent(pb::AppendTransactionEventRequest {
+                    source_service,
+                    source_transaction_id,
+                    event_type,
+                    event_version,
+                    occurred_at,
+                    correlation_id,
+                    actor_id,
+                    metadata_json,
+                })
+            },
+        );
+    let open = (account(), asset()).prop_map(|(account, asset)| {
+        LedgerCall::OpenAccount(pb::OpenAccountRequest { account, asset })
+    });
+    let get = prop_oneof![
+        Just(None),
+        hostile_text_or_uuid().prop_map(|id| Some(pb::get_journal_request::Key::JournalId(id))),
+        text("k-[a-z0-9]{1,10}")
+            .prop_map(|k| Some(pb::get_journal_request::Key::IdempotencyKey(k))),
+    ]
+    .prop_map(|key| LedgerCall::GetJournal(pb::GetJournalRequest { key }));
+    let page_token = hostile_text(
+        prop::sample::select(vec![
+            "",
+            "1:1",
+            "0:0",
+            "a:b",
+            ":",
+            "99999999999999999999:1",
+            "1:99999999999",
+        ])
+        .prop_map(String::from)
+        .boxed(),
+        64,
+    );
+    let list = (
+        (account(), asset(), text("tx-[a-z0-9]{1,6}")),
+        (time(), time(), hostile_u32((0u32..600).boxed()), page_token),
+    )
+        .prop_map(
+            |(
+                (account, asset, source_transaction_id),
+                (recorded_from, recorded_to, page_size, page_token),
+            )| {
+                LedgerCall::ListEntries(pb::ListEntriesRequest {
+                    account,
+                    asset,
+                    source_transaction_id,
+                    recorded_from,
+                    recorded_to,
+                    page_size,
+                    page_token,
+                })
+            },
+        );
+    let balance = (account(), asset()).prop_map(|(account, asset)| {
+        LedgerCall::GetBalance(pb::GetBalanceRequest { account, asset })
+    });
+    // RECONCILE is left out: it would refuse every later journal, hiding the deep paths.
+    let mode = (
+        hostile_enum(&[1, 3]),
+        text("op-[a-z]{1,4}"),
+        text("[a-z ]{1,12}"),
+    )
+        .prop_map(|(mode, operator_id, reason)| {
+            LedgerCall::SetOperatingMode(pb::SetOperatingModeRequest {
+                mode,
+                operator_id,
+                reason,
+            })
+        });
+    prop_oneof![
+        6 => journal,
+        2 => event,
+        1 => open,
+        1 => get,
+        1 => list,
+        1 => balance,
+        1 => mode,
+        1 => Just(LedgerCall::GetOperatingMode),
+    ]
+}
+
+fn hostile_text_or_uuid() -> proptest::strategy::BoxedStrategy<String> {
+    use proptest::prelude::*;
+    prop_oneof![
+        3 => Just(String::new()),
+        1 => any::<u128>().prop_map(|n| uuid::Uuid::from_u128(n).to_string()),
+        1 => testkit::wire::hostile_text("[0-9a-f-]{1,36}".boxed(), 36),
+    ]
+    .boxed()
+}
+
+async fn send_ledger_call(mut client: Client, call: LedgerCall) -> Result<(), tonic::Status> {
+    use LedgerCall as C;
+    match call {
+        C::AppendJournal(r) => client.append_journal(r).await.map(drop),
+        C::AppendTransactionEvent(r) => client.append_transaction_event(r).await.map(drop),
+        C::OpenAccount(r) => client.open_account(r).await.map(drop),
+        C::GetJournal(r) => client.get_journal(r).await.map(drop),
+        C::ListEntries(r) => client.list_entries(r).await.map(drop),
+        C::GetBalance(r) => client.get_balance(r).await.map(drop),
+        C::SetOperatingMode(r) => client.set_operating_mode(r).await.map(drop),
+        C::GetOperatingMode => client
+            .get_operating_mode(pb::GetOperatingModeRequest {})
+            .await
+            .map(drop),
+    }
+}
+
+/// Arbitrary field values through the real client to the real GL on gldb. For every case: no
+/// panic anywhere in the process; the answer is OK or a status carrying a decodable typed
+/// `Rejection` with a reason (INVALID_FIELD and MISSING_SOURCE_IDENTITY name their field); a
+/// refusal changed no row of any table (counts and contents), except that a refused
+/// DEGRADED_LEDGER request leaves its one audited `operating_mode_refusals` row; and the GL still
+/// reports SERVING and answers a valid call.
+#[test]
+fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
+    use testkit::wire;
+    const CASES: u32 = 128;
+    let runtime = wire::runtime();
+    let (server, client, pool) = runtime.block_on(async {
+        let (server, mut client, url) = start().await;
+        for account in [customer("w1"), customer("w2"), clearing()] {
+            open(&mut client, account, "EUR").await;
+        }
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        (server, client, pool)
+    });
+    wire::run_cases(&runtime, CASES, ledger_call(), |call| {
+        let (client, pool, endpoint) = (client.clone(), &pool, server.endpoint());
+        async move {
+            let wire::Observed {
+                answer,
+                before,
+                after,
+            } = wire::observe(pool, &GLDB_TABLES, send_ledger_call(client.clone(), call)).await?;
+            if let Err(status) = answer {
+                let rejection = service_kit::rejection::decode::<pb::Rejection>(&status);
+                let reason = rejection.as_ref().and_then(|r| R::try_from(r.reason).ok());
+                prop_assert!(
+                    reason.is_some_and(|r| r != R::Unspecified),
+                    "untyped refusal {:?}: {}",
+                    status.code(),
+                    status.message()
+                );
+                prop_assert!(
+                    matches!(
+                        status.code(),
+                        tonic::Code::InvalidArgument
+                            | tonic::Code::FailedPrecondition
+                            | tonic::Code::NotFound
+                            | tonic::Code::AlreadyExists
+                    ),
+                    "{:?}: {}",
+                    status.code(),
+                    status.message()
+                );
+                if matches!(reason, Some(R::InvalidField | R::MissingSourceIdentity)) {
+                    prop_assert!(
+                        rejection.as_ref().is_some_and(|r| !r.field.is_empty()),
+                        "{rejection:?}"
+                    );
+                }
+                let changed = before.changed(&after);
+                if reason == Some(R::ModeNotActivated) {
+                    prop_assert_eq!(changed, vec!["operating_mode_refusals".to_string()]);
+                } else {
+                    prop_assert_eq!(changed, Vec::<String>::new(), "{}", status.message());
+                }
+            }
+            let mut client = client.clone();
+            let valid = client.get_operating_mode(pb::GetOperatingModeRequest {});
+            wire::still_serving(&endpoint, general_ledger::SERVICE_NAME, valid).await
+        }
+    });
+    runtime.block_on(server.stop()).unwrap();
 }

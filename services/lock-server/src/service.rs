@@ -118,6 +118,11 @@ fn check_text(field: &'static str, value: &str, max: usize) -> Result<(), LockEr
             format!("longer than {max} bytes"),
         ));
     }
+    // The PostgreSQL backend cannot store or even compare it (text holds no NUL): it would fail
+    // as BACKEND_UNAVAILABLE; both backends refuse it here so they answer alike.
+    if value.contains('\0') {
+        return Err(LockError::invalid(field, "contains a NUL character"));
+    }
     Ok(())
 }
 
@@ -132,6 +137,14 @@ fn handle_from(h: Option<pb::Handle>) -> Result<HandleRef, LockError> {
     check_text("session_id", &h.session_id, OWNER_LENGTH_MAX)?;
     if h.token == 0 {
         return Err(LockError::invalid("token", "zero is never a token"));
+    }
+    // Tokens are etcd revisions or a bigint sequence: a larger value was never issued, and the
+    // backends' `as i64` would read it as a negative revision.
+    if i64::try_from(h.token).is_err() {
+        return Err(LockError::invalid(
+            "token",
+            "above i64::MAX: no backend ever issues it",
+        ));
     }
     Ok(HandleRef {
         key: h.key,

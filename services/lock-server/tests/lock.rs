@@ -849,3 +849,288 @@ async fn benchmark_runs_and_reports_both_paths() {
     assert_eq!(report.raw_etcd.operations, 200);
     assert!(report.service.p99_us > 0 && report.raw_etcd.p99_us > 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The boundary under arbitrary wire values (issue 14, item 4)
+
+use payout_proto::lock as pb;
+
+/// The lockdb tables a call may write.
+const LOCKDB_TABLES: [&str; 3] = ["lock_session", "lock_entry", "lock_audit"];
+/// The grant seeded before the cases run, so that valid handles and sessions reach deep paths.
+const SEEDED_KEY: &str = "payout:acct-w";
+const SEEDED_OWNER: &str = "worker-w";
+
+/// The seeded grant's session and token, as the backend issued them.
+#[derive(Debug, Clone)]
+struct Seeded {
+    session_id: String,
+    token: u64,
+}
+
+/// Where a backend keeps its state, snapshotted around each call.
+enum LockStore {
+    Postgres(sqlx::PgPool),
+    Etcd {
+        endpoints: Vec<String>,
+        prefix: String,
+    },
+}
+
+impl LockStore {
+    async fn snapshot(&self) -> testkit::wire::Snapshot {
+        match self {
+            Self::Postgres(pool) => testkit::wire::snapshot(pool, &LOCKDB_TABLES).await,
+            Self::Etcd { endpoints, prefix } => {
+                testkit::wire::etcd_snapshot(endpoints, prefix).await
+            }
+        }
+    }
+}
+
+/// One call of `lock.v1.LockService`, with whatever field values.
+#[derive(Debug, Clone)]
+enum LockCall {
+    CreateSession(pb::CreateSessionRequest),
+    KeepAlive(pb::KeepAliveRequest),
+    CloseSession(pb::CloseSessionRequest),
+    Acquire(pb::AcquireRequest),
+    Renew(pb::RenewRequest),
+    Release(pb::ReleaseRequest),
+    ForceRevoke(pb::ForceRevokeRequest),
+    Describe(pb::DescribeRequest),
+}
+
+fn lock_call(seeded: &Seeded) -> impl proptest::strategy::Strategy<Value = LockCall> {
+    use lock_server::service::{KEY_LENGTH_MAX, OWNER_LENGTH_MAX};
+    use proptest::prelude::*;
+    use testkit::wire::{hostile_text, hostile_u64};
+    let known = |value: &'static str, length_max: usize| {
+        hostile_text(Just(value.to_string()).boxed(), length_max)
+    };
+    let session_id = || {
+        hostile_text(
+            prop_oneof![
+                3 => Just(seeded.session_id.clone()),
+                1 => "[2-6]",
+                1 => prop::sample::select(vec!["0", "-1", "9223372036854775807", "99999999999999999999", "0x1", "1.0"])
+                    .prop_map(String::from),
+            ]
+            .boxed(),
+            OWNER_LENGTH_MAX,
+        )
+    };
+    let owner = || known(SEEDED_OWNER, OWNER_LENGTH_MAX);
+    let text = || hostile_text("[a-z ]{1,12}".boxed(), KEY_LENGTH_MAX);
+    let handle = prop::option::weighted(
+        0.9,
+        (
+            known(SEEDED_KEY, KEY_LENGTH_MAX),
+            owner(),
+            session_id(),
+            hostile_u64(Just(seeded.token).boxed()),
+        )
+            .prop_map(|(key, owner, session_id, token)| pb::Handle {
+                key,
+                owner,
+                session_id,
+                token,
+            }),
+    );
+    let create = (owner(), hostile_u64((1_000u64..300_000).boxed())).prop_map(|(owner, ttl_ms)| {
+        LockCall::CreateSession(pb::CreateSessionRequest { owner, ttl_ms })
+    });
+    // A fresh key with any wait (nobody else holds it, so the wait never starts), or an arbitrary
+    // key tried once: a key some earlier case holds would make a long wait legitimately long.
+    let acquire = (
+        prop_oneof![
+            ("payout:acct-[a-z0-9]{10}", hostile_u64((0u64..10).boxed())),
+            (
+                hostile_text(Just(SEEDED_KEY.to_string()).boxed(), KEY_LENGTH_MAX),
+                Just(0u64)
+            ),
+        ],
+        owner(),
+        session_id(),
+    )
+        .prop_map(|((key, wait_ms), owner, session_id)| {
+            LockCall::Acquire(pb::AcquireRequest {
+                key,
+                owner,
+                session_id,
+                wait_ms,
+            })
+        });
+    prop_oneof![
+        create,
+        session_id()
+            .prop_map(|session_id| LockCall::KeepAlive(pb::KeepAliveRequest { session_id })),
+        session_id()
+            .prop_map(|session_id| LockCall::CloseSession(pb::CloseSessionRequest { session_id })),
+        acquire,
+        handle
+            .clone()
+            .prop_map(|handle| LockCall::Renew(pb::RenewRequest { handle })),
+        handle.prop_map(|handle| LockCall::Release(pb::ReleaseRequest { handle })),
+        (
+            known(SEEDED_KEY, KEY_LENGTH_MAX),
+            known("op-1", OWNER_LENGTH_MAX),
+            text()
+        )
+            .prop_map(|(key, operator, reason)| {
+                LockCall::ForceRevoke(pb::ForceRevokeRequest {
+                    key,
+                    operator,
+                    reason,
+                })
+            }),
+        known(SEEDED_KEY, KEY_LENGTH_MAX)
+            .prop_map(|key| LockCall::Describe(pb::DescribeRequest { key })),
+    ]
+}
+
+type RawLockClient = pb::lock_service_client::LockServiceClient<tonic::transport::Channel>;
+
+async fn send_lock_call(mut raw: RawLockClient, call: LockCall) -> Result<(), tonic::Status> {
+    use LockCall as C;
+    match call {
+        C::CreateSession(r) => raw.create_session(r).await.map(drop),
+        C::KeepAlive(r) => raw.keep_alive(r).await.map(drop),
+        C::CloseSession(r) => raw.close_session(r).await.map(drop),
+        C::Acquire(r) => raw.acquire(r).await.map(drop),
+        C::Renew(r) => raw.renew(r).await.map(drop),
+        C::Release(r) => raw.release(r).await.map(drop),
+        C::ForceRevoke(r) => raw.force_revoke(r).await.map(drop),
+        C::Describe(r) => raw.describe(r).await.map(drop),
+    }
+}
+
+/// Arbitrary field values through the real client to the real lock-server on `kind`'s backend.
+/// For every case: no panic anywhere in the process; the answer is OK or a status carrying a
+/// decodable typed `Rejection` (INVALID_ARGUMENT names its field; never BACKEND_UNAVAILABLE or
+/// TOKEN_REGRESSION, the backend being up and the tokens honest); an INVALID_ARGUMENT refusal
+/// changed nothing in the backend (lockdb's rows, or etcd's keys under the server's prefix, counts
+/// and contents); another refusal (session not found, not holder, not held) left every lock,
+/// grant and audit record as it was and added no session; and the server still reports SERVING
+/// and answers a valid call.
+fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) {
+    use pb::rejection::Kind as Rejected;
+    use proptest::prelude::*;
+    use testkit::wire;
+    const CASES: u32 = 96;
+    let runtime = wire::runtime();
+    let (server, raw, store, seeded) = runtime.block_on(async {
+        let stack = Stack::shared();
+        let (backend, store) = match kind {
+            Kind::Postgres => {
+                let url = stack.fresh_db(PgServer::Main).await;
+                let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                (
+                    BackendConfig::Postgres { database_url: url },
+                    LockStore::Postgres(pool),
+                )
+            }
+            Kind::Etcd => {
+                let (endpoints, prefix) = (stack.etcd_endpoints(), stack.unique_prefix("wire"));
+                let backend = BackendConfig::Etcd {
+                    endpoints: endpoints.clone(),
+                    prefix: prefix.clone(),
+                };
+                (backend, LockStore::Etcd { endpoints, prefix })
+            }
+        };
+        let server = start_with(backend).await;
+        let mut raw = RawLockClient::connect(server.server.endpoint.clone())
+            .await
+            .unwrap();
+        let session_id = raw
+            .create_session(pb::CreateSessionRequest {
+                owner: SEEDED_OWNER.into(),
+                ttl_ms: lock_server::service::SESSION_TTL_MS_MAX,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .session_id;
+        let granted = raw
+            .acquire(pb::AcquireRequest {
+                key: SEEDED_KEY.into(),
+                owner: SEEDED_OWNER.into(),
+                session_id: session_id.clone(),
+                wait_ms: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(pb::acquire_response::Result::Grant(grant)) = granted.result else {
+            panic!("the seeded grant: {granted:?}");
+        };
+        (
+            server,
+            raw,
+            store,
+            Seeded {
+                session_id,
+                token: grant.token,
+            },
+        )
+    });
+    let endpoint = server.server.endpoint.clone();
+    wire::run_cases(&runtime, CASES, lock_call(&seeded), |call| {
+        let (raw, store, endpoint) = (raw.clone(), &store, &endpoint);
+        async move {
+            let wire::Observed {
+                answer,
+                before,
+                after,
+            } = wire::observe_with(|| store.snapshot(), send_lock_call(raw.clone(), call)).await?;
+            if let Err(status) = answer {
+                let kind =
+                    service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind);
+                match (status.code(), &kind) {
+                    (tonic::Code::InvalidArgument, Some(Rejected::InvalidArgument(i))) => {
+                        prop_assert!(!i.field.is_empty());
+                        prop_assert_eq!(before.changed(&after), Vec::<String>::new());
+                    }
+                    (
+                        tonic::Code::NotFound | tonic::Code::FailedPrecondition,
+                        Some(
+                            Rejected::SessionNotFound(_)
+                            | Rejected::NotHolder(_)
+                            | Rejected::NotHeld(_),
+                        ),
+                    ) => {
+                        // lockdb may mark a session it found expired; nothing else may change.
+                        let changed = before.changed(&after);
+                        prop_assert!(
+                            changed.is_empty() || changed == ["lock_session"],
+                            "{changed:?}"
+                        );
+                        prop_assert_eq!(before.rows_added(&after, "lock_session"), 0);
+                    }
+                    (code, kind) => prop_assert!(
+                        false,
+                        "untyped or unexpected refusal {code:?} {kind:?}: {}",
+                        status.message()
+                    ),
+                }
+            }
+            let mut raw = raw.clone();
+            let valid = raw.describe(pb::DescribeRequest {
+                key: SEEDED_KEY.into(),
+            });
+            wire::still_serving(endpoint, lock_server::HEALTH_SERVICE_NAME, valid).await
+        }
+    });
+    runtime.block_on(server.server.stop());
+}
+
+#[test]
+fn etcd_wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
+    wire_values_never_panic_and_refusals_are_typed_and_write_nothing(Kind::Etcd);
+}
+
+#[test]
+fn postgres_wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
+    wire_values_never_panic_and_refusals_are_typed_and_write_nothing(Kind::Postgres);
+}

@@ -3,6 +3,7 @@
 
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId, PayoutState,
+    TokenError,
 };
 use payout_proto::payment as pb;
 use service_kit::rejection;
@@ -28,10 +29,20 @@ pub fn parse_currency(value: &str) -> Result<Currency, PaymentError> {
         .map_err(|_| PaymentError::invalid("currency", InvalidReason::CurrencyInvalid))
 }
 
+/// A token from the wire: zero is a missing token, above `i64::MAX` is out of range.
+pub fn parse_token(field: &str, value: u64) -> Result<FencingToken, PaymentError> {
+    FencingToken::new(value).map_err(|e| {
+        let reason = match e {
+            TokenError::Zero => InvalidReason::TokenMissing,
+            TokenError::AboveMax { .. } => InvalidReason::TokenOutOfRange,
+        };
+        PaymentError::invalid(field, reason)
+    })
+}
+
 pub fn parse_fence(fence: Option<&pb::Fence>) -> Result<Fence, PaymentError> {
     let fence = fence.ok_or_else(|| PaymentError::invalid("fence", InvalidReason::FenceMissing))?;
-    let token = FencingToken::new(fence.token)
-        .map_err(|_| PaymentError::invalid("fence.token", InvalidReason::TokenMissing))?;
+    let token = parse_token("fence.token", fence.token)?;
     Fence::new(fence.owner.clone(), token)
 }
 
@@ -541,7 +552,11 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
                 reason: model::optional_text("reason", &r.reason)?,
                 accepted: r.accepted,
                 note: model::optional_text("note", &r.note)?,
-                token: FencingToken::new(r.token).ok(),
+                // Optional here: 0 records the decision without a grant.
+                token: match r.token {
+                    0 => None,
+                    token => Some(parse_token("token", token)?),
+                },
             };
             self.store.record_operator_decision(&decision).await
         }

@@ -27,18 +27,7 @@ impl Fence {
                 InvalidReason::OwnerMissing,
             ));
         }
-        if owner.len() > TEXT_LENGTH_MAX {
-            return Err(PaymentError::invalid(
-                "fence.owner",
-                InvalidReason::TextTooLong,
-            ));
-        }
-        if i64::try_from(token.get()).is_err() {
-            return Err(PaymentError::invalid(
-                "fence.token",
-                InvalidReason::TokenOutOfRange,
-            ));
-        }
+        check_text("fence.owner", &owner)?;
         Ok(Self { owner, token })
     }
     pub fn owner(&self) -> &str {
@@ -58,18 +47,25 @@ pub fn required_text(
     if value.trim().is_empty() {
         return Err(PaymentError::invalid(field, missing));
     }
-    if value.len() > TEXT_LENGTH_MAX {
-        return Err(PaymentError::invalid(field, InvalidReason::TextTooLong));
-    }
-    Ok(value.to_string())
+    optional_text(field, value)
 }
 
 /// Optional, bounded free text.
 pub fn optional_text(field: &str, value: &str) -> Result<String, PaymentError> {
+    check_text(field, value)?;
+    Ok(value.to_string())
+}
+
+/// What every stored text must be: at most [`TEXT_LENGTH_MAX`] bytes, and without NUL, which
+/// PostgreSQL's text and jsonb cannot hold (the statement would fail after the guard ran).
+fn check_text(field: &str, value: &str) -> Result<(), PaymentError> {
     if value.len() > TEXT_LENGTH_MAX {
         return Err(PaymentError::invalid(field, InvalidReason::TextTooLong));
     }
-    Ok(value.to_string())
+    if value.contains('\0') {
+        return Err(PaymentError::invalid(field, InvalidReason::TextHasNul));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

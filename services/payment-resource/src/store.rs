@@ -320,6 +320,19 @@ fn is_constraint(err: &sqlx::Error, name: &str) -> bool {
     err.as_database_error().and_then(|e| e.constraint()) == Some(name)
 }
 
+/// A create's `INSERT ... ON CONFLICT (id) DO NOTHING` answers "no row" when the id exists. A
+/// concurrent create of the same id can instead fail on the table's other unique key (the payout's
+/// client reference, the account's (id, currency)): PostgreSQL arbitrates only the conflict target
+/// and checks the other unique indexes normally, so the loser of the race waits for the winner's
+/// commit and gets a unique violation. That is the same answer as "the id exists": the caller
+/// re-reads the winner's row and compares.
+fn lost_create_race<T>(err: sqlx::Error) -> Result<Option<T>, sqlx::Error> {
+    match err.as_database_error().and_then(|e| e.code()) {
+        Some(code) if code == "23505" => Ok(None),
+        _ => Err(err),
+    }
+}
+
 impl Store {
     pub fn new(pool: PgPool, options: StoreOptions, metrics: &service_kit::Metrics) -> Self {
         let counters = Counters {
@@ -685,7 +698,8 @@ impl Store {
         .bind(currency.as_str())
         .bind(opening_balance_minor)
         .fetch_optional(&mut *tx)
-        .await?;
+        .await
+        .or_else(lost_create_race)?;
         let Some(inserted) = inserted else {
             tx.rollback().await?;
             let existing = self.get_account(account_id).await?;
@@ -805,7 +819,8 @@ impl Store {
         .bind(new.beneficiary_ref.as_str())
         .bind(client_reference.as_str())
         .fetch_optional(&mut *tx)
-        .await?;
+        .await
+        .or_else(lost_create_race)?;
         let Some(inserted) = inserted else {
             tx.rollback().await?;
             let (existing, _) = self.get_payout(&new.payout_id).await?;
@@ -1106,24 +1121,36 @@ impl Store {
 
     /// RAIL_ACKED -> POSTED in one transaction: two ledger rows summing to zero (customer debit,
     /// payout-clearing credit, one group, the token stamped), the balance, the payout, one outbox
-    /// row. On a POSTED payout it answers as the first posting did and changes nothing.
+    /// row. On a POSTED payout it answers as the first posting did and changes nothing, but the
+    /// table still refuses the pair (POSTED is terminal): it is counted and audited like every
+    /// refused transition, because a terminal payout asked to post again is a defect signal
+    /// (spec 2.3), even when the answer can be the idempotent one.
     pub async fn post(
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
     ) -> Result<PostOutcome, PaymentError> {
         let mut fenced = self.begin_fenced(payout_id, fence, "post").await?;
-        if fenced.payout.state == PayoutState::Posted {
-            let payout = fenced.payout.clone();
-            fenced.tx.rollback().await?;
-            return self.posted_answer(payout).await;
-        }
         let to = match fenced
             .payout
             .state
             .apply(PayoutEvent::Posted, Actor::Holder)
         {
             Ok(to) => to,
+            Err(refusal) if fenced.payout.state == PayoutState::Posted => {
+                let payout = fenced.payout.clone();
+                // Only the audit row is written, outside the rolled-back transaction, as for
+                // every refusal; the answer is the first posting's.
+                match self
+                    .refuse(fenced, refusal, Actor::Holder, Some(fence))
+                    .await
+                {
+                    PaymentError::RefusedTransition { .. } => {}
+                    failed => return Err(failed),
+                }
+                tracing::info!(payout_id = %payout.payout_id, "post of a POSTED payout answered with the first posting");
+                return self.posted_answer(payout).await;
+            }
             Err(refusal) => {
                 return Err(self
                     .refuse(fenced, refusal, Actor::Holder, Some(fence))

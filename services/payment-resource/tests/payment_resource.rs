@@ -22,6 +22,7 @@ const POLL_TIMEOUT: Duration = Duration::from_secs(20);
 
 struct Service {
     client: PaymentClient,
+    endpoint: String,
     metrics: Metrics,
     _stop: tokio::sync::watch::Sender<bool>,
 }
@@ -53,11 +54,13 @@ async fn start_service(url: &str, options: StoreOptions) -> Service {
             .await
             .expect("serve")
     });
-    let client = PaymentClient::connect(format!("http://{addr}"))
+    let endpoint = format!("http://{addr}");
+    let client = PaymentClient::connect(endpoint.clone())
         .await
         .expect("connect");
     Service {
         client,
+        endpoint,
         metrics,
         _stop: stop,
     }
@@ -382,12 +385,13 @@ async fn every_listed_transition_happens() {
 
 /// Every (state, event) pair the table does not list is refused with a typed
 /// `RefusedTransition`, recorded and counted, and changes nothing (terminal states included, with
-/// a higher token too). POSTED + Post is the one idempotent exception.
+/// a higher token too). POSTED + Post is the one idempotent answer, recorded and counted too.
 #[tokio::test]
 async fn every_unlisted_pair_is_refused_and_changes_nothing() {
     let h = harness().await;
     let mut case = 0;
     let mut refused = 0;
+    let mut idempotent_posts = 0;
     for state in PayoutState::ALL {
         for event in PayoutEvent::ALL {
             if TRANSITIONS
@@ -413,12 +417,18 @@ async fn every_unlisted_pair_is_refused_and_changes_nothing() {
             // A later holder (T=30 > 10): the guard passes, the table refuses.
             let result = perform(h.c(), &p, event, &fence("worker-c", 30)).await;
             if state == PayoutState::Posted && event == PayoutEvent::Posted {
+                assert!(result.is_ok(), "{result:?}");
                 let again = h.c().post(&p, &fence("worker-c", 30)).await.unwrap();
                 assert!(again.already_posted);
                 assert_eq!(
                     snapshot(&h.pool, &payout).await,
                     before,
                     "idempotent post changed something"
+                );
+                idempotent_posts += 2;
+                assert_eq!(
+                    audit_count(&h.pool, "refused_transition").await,
+                    refused_before + 2
                 );
                 continue;
             }
@@ -450,7 +460,64 @@ async fn every_unlisted_pair_is_refused_and_changes_nothing() {
         .filter(|l| l.starts_with("payment_refused_transitions_total{"))
         .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
         .sum();
-    assert_eq!(counted, refused);
+    assert_eq!(counted, refused + idempotent_posts);
+    assert_ledger_clean(&h).await;
+}
+
+/// Post on a POSTED payout (spec 2.3: a terminal state rejects everything, and the rejection is
+/// a defect signal): the answer stays the first posting's, idempotently, and changes nothing, but
+/// it is counted and audited exactly like every other refused transition. Control: the posting
+/// itself (RAIL_ACKED -> POSTED) counts and audits no refusal.
+#[tokio::test]
+async fn post_of_a_posted_payout_answers_idempotently_and_is_a_refused_transition() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let f = drive(h.c(), &pid("p-1"), PayoutState::RailAcked).await;
+    let refused_counter = |h: &Harness| {
+        h.service
+            .metrics
+            .render()
+            .lines()
+            .find(|l| {
+                l.starts_with("payment_refused_transitions_total{")
+                    && l.contains("from=\"POSTED\"")
+                    && l.contains("event=\"POSTED\"")
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .unwrap_or(0)
+    };
+    let first = h.c().post(&pid("p-1"), &f).await.unwrap();
+    assert!(!first.already_posted);
+    assert_eq!(refused_counter(&h), 0, "the posting itself is no refusal");
+    assert_eq!(audit_count(&h.pool, "refused_transition").await, 0);
+
+    let before = snapshot(&h.pool, "p-1").await;
+    // The same holder's retry, then a later holder's.
+    for (n, retry) in [f.clone(), fence("worker-b", 11)].iter().enumerate() {
+        let again = h.c().post(&pid("p-1"), retry).await.unwrap();
+        assert!(again.already_posted);
+        assert_eq!(again.entries, first.entries);
+        assert_eq!(again.transaction_group, first.transaction_group);
+        assert_eq!(again.payout.state, PayoutState::Posted);
+        assert_eq!(refused_counter(&h), n as u64 + 1);
+        assert_eq!(
+            audit_count(&h.pool, "refused_transition").await,
+            n as i64 + 1
+        );
+        let (from, event, owner, token): (String, String, String, i64) = sqlx::query_as(
+            "SELECT from_state, event, owner, token FROM audit_event \
+             WHERE kind = 'refused_transition' ORDER BY id DESC LIMIT 1",
+        )
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (from.as_str(), event.as_str(), owner.as_str(), token),
+            ("POSTED", "POSTED", retry.owner(), retry.token().as_i64())
+        );
+    }
+    assert_eq!(snapshot(&h.pool, "p-1").await, before, "nothing changed");
     assert_ledger_clean(&h).await;
 }
 
@@ -1285,6 +1352,31 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
             ..Default::default()
         })
     );
+    // NUL is the one character PostgreSQL text and jsonb cannot hold: before it was refused here,
+    // the call failed after the guard, as INTERNAL "unsupported Unicode escape sequence".
+    case!(
+        "abandon reason with NUL",
+        invalid("reason", InvalidReason::TextHasNul),
+        raw.clone().abandon(pb::AbandonRequest {
+            payout_id: "p-1".into(),
+            fence: good(),
+            operator: "op".into(),
+            reason: "a\0b".into(),
+            resolution_sla_passed: true,
+            ..Default::default()
+        })
+    );
+    case!(
+        "owner with NUL",
+        invalid("fence.owner", InvalidReason::TextHasNul),
+        raw.clone().claim(pb::ClaimRequest {
+            payout_id: "p-2".into(),
+            fence: Some(pb::Fence {
+                owner: "worker\0".into(),
+                token: 10,
+            }),
+        })
+    );
     case!(
         "decision missing",
         invalid("decision", InvalidReason::DecisionMissing),
@@ -1292,6 +1384,20 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
             .record_operator_decision(pb::RecordOperatorDecisionRequest {
                 payout_id: "p-1".into(),
                 operator: "op".into(),
+                ..Default::default()
+            })
+    );
+    // A token above i64::MAX on the one call whose token is optional: this panicked the handler
+    // (FencingToken::as_i64) before FencingToken refused it at construction.
+    case!(
+        "operator decision token above i64",
+        invalid("token", InvalidReason::TokenOutOfRange),
+        raw.clone()
+            .record_operator_decision(pb::RecordOperatorDecisionRequest {
+                payout_id: "p-1".into(),
+                operator: "op".into(),
+                decision: "abandon".into(),
+                token: u64::MAX,
                 ..Default::default()
             })
     );
@@ -1678,4 +1784,391 @@ async fn binary_serves_and_stops_on_sigterm() {
         "did not stop promptly on SIGTERM: {text}"
     );
     assert!(text.contains("payment-resource stopped"), "{text}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrent creates, and the boundary under arbitrary wire values (issue 14, item 4)
+
+/// Many creates of one payout id at once. Every answer is the original payout (field for field)
+/// or, for a request whose content differs from the winner's, the typed
+/// `payout_exists_with_different_content` refusal; exactly one row and one `payout_created` audit
+/// row exist. The same holds for the account fixture's create. Before the fix a loser of the race
+/// on the client reference's unique key got INTERNAL ("duplicate key value violates unique
+/// constraint payout_client_reference_key").
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_of_one_id_answer_the_original_or_a_typed_refusal() {
+    use pb::rejection::Kind;
+    use std::sync::Arc;
+    /// Races are probabilistic: enough rounds that an unhandled one shows up on every run.
+    const ROUNDS: usize = 8;
+    const CREATORS: usize = 16;
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    for round in 0..ROUNDS {
+        for different_content in [false, true] {
+            let payout_id = format!("p-race-{round}-{different_content}");
+            let barrier = Arc::new(tokio::sync::Barrier::new(CREATORS));
+            let tasks: Vec<_> = (0..CREATORS)
+                .map(|i| {
+                    let request = pb::CreatePayoutRequest {
+                        payout_id: payout_id.clone(),
+                        account_id: "acct-1".into(),
+                        amount_minor: if different_content {
+                            100 + i as i64 % 2
+                        } else {
+                            100
+                        },
+                        currency: "EUR".into(),
+                        beneficiary_ref: "ben-1".into(),
+                    };
+                    let (mut raw, barrier) = (h.c().raw(), barrier.clone());
+                    tokio::spawn(async move {
+                        barrier.wait().await;
+                        let answer = raw.create_payout(request.clone()).await;
+                        (request, answer.map(|p| p.into_inner()))
+                    })
+                })
+                .collect();
+            let answers = futures::future::join_all(tasks).await;
+            let stored = h
+                .c()
+                .raw()
+                .get_payout(pb::GetPayoutRequest {
+                    payout_id: payout_id.clone(),
+                })
+                .await
+                .expect("the payout exists")
+                .into_inner()
+                .payout
+                .expect("a payout");
+            for answer in answers {
+                let (request, answer) = answer.expect("task");
+                match answer {
+                    Ok(payout) => {
+                        assert_eq!(payout, stored, "an OK answer is the original payout");
+                        assert_eq!(request.amount_minor, stored.amount_minor);
+                    }
+                    Err(status) => {
+                        let kind = service_kit::rejection::decode::<pb::Rejection>(&status)
+                            .and_then(|r| r.kind);
+                        assert!(
+                            different_content
+                                && status.code() == tonic::Code::AlreadyExists
+                                && matches!(&kind, Some(Kind::PayoutExistsWithDifferentContent(p)) if p.payout_id == payout_id)
+                                && request.amount_minor != stored.amount_minor,
+                            "round {round}, different content {different_content}: {:?} {:?} {kind:?}",
+                            status.code(),
+                            status.message()
+                        );
+                    }
+                }
+            }
+            let (rows, created): (i64, i64) = sqlx::query_as(
+                "SELECT (SELECT count(*) FROM payout WHERE id = $1), \
+                        (SELECT count(*) FROM audit_event WHERE payout_id = $1 AND kind = 'payout_created')",
+            )
+            .bind(&payout_id)
+            .fetch_one(&h.pool)
+            .await
+            .unwrap();
+            assert_eq!((rows, created), (1, 1), "{payout_id}");
+        }
+        // The account fixture's create has the same shape (a second unique key beside the id).
+        let account_id = format!("acct-race-{round}");
+        let tasks: Vec<_> = (0..CREATORS)
+            .map(|_| {
+                let (c, account_id) = (h.c().clone(), account_id.clone());
+                tokio::spawn(async move { c.open_account(&aid(&account_id), &eur(), 500).await })
+            })
+            .collect();
+        let opened: Vec<_> = futures::future::join_all(tasks)
+            .await
+            .into_iter()
+            .map(|r| {
+                r.expect("task")
+                    .expect("same content: the original account")
+            })
+            .collect();
+        assert!(opened.iter().all(|a| *a == opened[0]));
+    }
+    assert_ledger_clean(&h).await;
+}
+
+/// The paydb tables a call may write, in the order a failure message lists them.
+const PAYDB_TABLES: [&str; 6] = [
+    "account",
+    "system_account",
+    "payout",
+    "ledger_entry",
+    "ledger_outbox",
+    "audit_event",
+];
+
+/// One call of `payment.v1.PaymentResource`, with whatever field values.
+#[derive(Debug, Clone)]
+enum PaymentCall {
+    OpenAccount(pb::OpenAccountRequest),
+    GetAccount(pb::GetAccountRequest),
+    CreatePayout(pb::CreatePayoutRequest),
+    GetPayout(pb::GetPayoutRequest),
+    Claim(pb::ClaimRequest),
+    MarkSubmitted(pb::MarkSubmittedRequest),
+    RecordOutcome(pb::RecordOutcomeRequest),
+    Post(pb::PostRequest),
+    ResolveAmbiguity(pb::ResolveAmbiguityRequest),
+    Abandon(pb::AbandonRequest),
+    RecordOperatorDecision(pb::RecordOperatorDecisionRequest),
+    CheckLedger,
+}
+
+mod payment_values {
+    use super::pb;
+    use proptest::prelude::*;
+    use testkit::wire::{hostile_i64, hostile_text, hostile_u64};
+
+    /// Account and payout ids seeded before the cases run (so that valid ids reach the handlers'
+    /// deep paths), beside fresh ones.
+    pub const ACCOUNTS: [&str; 2] = ["acct-w", "acct-w2"];
+    pub const PAYOUTS: [&str; 3] = ["p-w-pending", "p-w-posted", "p-w-claimed"];
+    const TEXT_LENGTH_MAX: usize = payment_resource::model::TEXT_LENGTH_MAX;
+    const ID_LENGTH_MAX: usize = payout_domain::ids::ID_LENGTH_MAX;
+
+    fn id(known: &'static [&'static str], fresh: &'static str) -> BoxedStrategy<String> {
+        let valid = prop_oneof![
+            3 => prop::sample::select(known).prop_map(String::from),
+            1 => fresh,
+        ]
+        .boxed();
+        hostile_text(valid, ID_LENGTH_MAX)
+    }
+    pub fn account_id() -> BoxedStrategy<String> {
+        id(&ACCOUNTS, "acct-n[a-z0-9]{1,8}")
+    }
+    pub fn payout_id() -> BoxedStrategy<String> {
+        id(&PAYOUTS, "p-n[a-z0-9]{1,8}")
+    }
+    pub fn text() -> BoxedStrategy<String> {
+        hostile_text("[a-z][a-z -]{0,15}".boxed(), TEXT_LENGTH_MAX)
+    }
+    pub fn currency() -> BoxedStrategy<String> {
+        hostile_text(
+            prop::sample::select(vec!["EUR", "EUR", "USD", "XXX", "eur"])
+                .prop_map(String::from)
+                .boxed(),
+            3,
+        )
+    }
+    pub fn amount() -> BoxedStrategy<i64> {
+        hostile_i64((1i64..100_000).boxed())
+    }
+    pub fn token() -> BoxedStrategy<u64> {
+        hostile_u64((1u64..50).boxed())
+    }
+    pub fn fence() -> BoxedStrategy<Option<pb::Fence>> {
+        prop::option::weighted(
+            0.9,
+            (text(), token()).prop_map(|(owner, token)| pb::Fence { owner, token }),
+        )
+        .boxed()
+    }
+}
+
+fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
+    use payment_values::*;
+    use proptest::prelude::*;
+    use testkit::wire::hostile_enum;
+    prop_oneof![
+        (account_id(), currency(), amount()).prop_map(
+            |(account_id, currency, opening_balance_minor)| {
+                PaymentCall::OpenAccount(pb::OpenAccountRequest {
+                    account_id,
+                    currency,
+                    opening_balance_minor,
+                })
+            }
+        ),
+        account_id()
+            .prop_map(|account_id| PaymentCall::GetAccount(pb::GetAccountRequest { account_id })),
+        (payout_id(), account_id(), amount(), currency(), text()).prop_map(
+            |(payout_id, account_id, amount_minor, currency, beneficiary_ref)| {
+                PaymentCall::CreatePayout(pb::CreatePayoutRequest {
+                    payout_id,
+                    account_id,
+                    amount_minor,
+                    currency,
+                    beneficiary_ref,
+                })
+            }
+        ),
+        payout_id()
+            .prop_map(|payout_id| PaymentCall::GetPayout(pb::GetPayoutRequest { payout_id })),
+        (payout_id(), fence()).prop_map(|(payout_id, fence)| PaymentCall::Claim(
+            pb::ClaimRequest { payout_id, fence }
+        )),
+        (payout_id(), fence()).prop_map(|(payout_id, fence)| PaymentCall::MarkSubmitted(
+            pb::MarkSubmittedRequest { payout_id, fence }
+        )),
+        (
+            payout_id(),
+            fence(),
+            hostile_enum(&[1, 2, 3, 4]),
+            text(),
+            text(),
+            text()
+        )
+            .prop_map(
+                |(payout_id, fence, outcome, rail_ref, decline_code, detail)| {
+                    PaymentCall::RecordOutcome(pb::RecordOutcomeRequest {
+                        payout_id,
+                        fence,
+                        outcome,
+                        rail_ref,
+                        decline_code,
+                        detail,
+                    })
+                }
+            ),
+        (payout_id(), fence())
+            .prop_map(|(payout_id, fence)| PaymentCall::Post(pb::PostRequest { payout_id, fence })),
+        (payout_id(), fence(), hostile_enum(&[1, 2]), text(), text()).prop_map(
+            |(payout_id, fence, evidence, rail_ref, evidence_source)| {
+                PaymentCall::ResolveAmbiguity(pb::ResolveAmbiguityRequest {
+                    payout_id,
+                    fence,
+                    evidence,
+                    rail_ref,
+                    evidence_source,
+                })
+            }
+        ),
+        (payout_id(), fence(), text(), text(), any::<bool>(), text()).prop_map(
+            |(payout_id, fence, operator, reason, resolution_sla_passed, sla_check)| {
+                PaymentCall::Abandon(pb::AbandonRequest {
+                    payout_id,
+                    fence,
+                    operator,
+                    reason,
+                    resolution_sla_passed,
+                    sla_check,
+                })
+            }
+        ),
+        (
+            payout_id(),
+            text(),
+            text(),
+            text(),
+            any::<bool>(),
+            text(),
+            token()
+        )
+            .prop_map(
+                |(payout_id, operator, decision, reason, accepted, note, token)| {
+                    PaymentCall::RecordOperatorDecision(pb::RecordOperatorDecisionRequest {
+                        payout_id,
+                        operator,
+                        decision,
+                        reason,
+                        accepted,
+                        note,
+                        token,
+                    })
+                }
+            ),
+        Just(PaymentCall::CheckLedger),
+    ]
+}
+
+async fn send_payment_call(
+    mut raw: pb::payment_resource_client::PaymentResourceClient<tonic::transport::Channel>,
+    call: PaymentCall,
+) -> Result<(), tonic::Status> {
+    use PaymentCall as C;
+    match call {
+        C::OpenAccount(r) => raw.open_account(r).await.map(drop),
+        C::GetAccount(r) => raw.get_account(r).await.map(drop),
+        C::CreatePayout(r) => raw.create_payout(r).await.map(drop),
+        C::GetPayout(r) => raw.get_payout(r).await.map(drop),
+        C::Claim(r) => raw.claim(r).await.map(drop),
+        C::MarkSubmitted(r) => raw.mark_submitted(r).await.map(drop),
+        C::RecordOutcome(r) => raw.record_outcome(r).await.map(drop),
+        C::Post(r) => raw.post(r).await.map(drop),
+        C::ResolveAmbiguity(r) => raw.resolve_ambiguity(r).await.map(drop),
+        C::Abandon(r) => raw.abandon(r).await.map(drop),
+        C::RecordOperatorDecision(r) => raw.record_operator_decision(r).await.map(drop),
+        C::CheckLedger => raw.check_ledger(pb::CheckLedgerRequest {}).await.map(drop),
+    }
+}
+
+/// Arbitrary field values through the real client to the real server on paydb. For every case:
+/// no panic anywhere in the process; the answer is OK or a status carrying a decodable typed
+/// `Rejection` (INVALID_ARGUMENT names its field); an INVALID_ARGUMENT, NOT_FOUND or
+/// ALREADY_EXISTS refusal changed no row of any table (counts and contents); a
+/// FAILED_PRECONDITION refusal (fenced out, refused transition, account busy, SLA) changed nothing
+/// but its one evidence row in `audit_event`; and the server still reports SERVING and answers a
+/// valid call.
+#[test]
+fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
+    use pb::rejection::Kind;
+    use proptest::prelude::*;
+    use testkit::wire;
+    const CASES: u32 = 128;
+    let runtime = wire::runtime();
+    let h = runtime.block_on(async {
+        let h = harness().await;
+        open(&h, "acct-w", 1_000_000_000).await;
+        open(&h, "acct-w2", 1_000_000_000).await;
+        create(&h, "p-w-pending", "acct-w", 1_000).await;
+        create(&h, "p-w-posted", "acct-w", 1_000).await;
+        drive(h.c(), &pid("p-w-posted"), PayoutState::Posted).await;
+        create(&h, "p-w-claimed", "acct-w2", 1_000).await;
+        drive(h.c(), &pid("p-w-claimed"), PayoutState::Claimed).await;
+        h
+    });
+    wire::run_cases(&runtime, CASES, payment_call(), |call| {
+        let h = &h;
+        async move {
+            let wire::Observed {
+                answer,
+                before,
+                after,
+            } = wire::observe(&h.pool, &PAYDB_TABLES, send_payment_call(h.c().raw(), call)).await?;
+            if let Err(status) = answer {
+                let kind =
+                    service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind);
+                prop_assert!(
+                    kind.is_some(),
+                    "untyped refusal {:?}: {}",
+                    status.code(),
+                    status.message()
+                );
+                match status.code() {
+                    tonic::Code::InvalidArgument => {
+                        prop_assert!(
+                            matches!(&kind, Some(Kind::InvalidArgument(i)) if !i.field.is_empty() && i.reason != 0),
+                            "{kind:?}"
+                        );
+                        prop_assert_eq!(before.changed(&after), Vec::<String>::new());
+                    }
+                    tonic::Code::NotFound | tonic::Code::AlreadyExists => {
+                        prop_assert_eq!(before.changed(&after), Vec::<String>::new());
+                    }
+                    tonic::Code::FailedPrecondition => {
+                        let changed = before.changed(&after);
+                        prop_assert!(
+                            changed.is_empty() || changed == ["audit_event"],
+                            "{changed:?}"
+                        );
+                        prop_assert!(before.rows_added(&after, "audit_event") <= 1);
+                    }
+                    other => prop_assert!(false, "unexpected code {other:?}: {}", status.message()),
+                }
+            }
+            let mut raw = h.c().raw();
+            let valid = raw.get_account(pb::GetAccountRequest {
+                account_id: "acct-w".into(),
+            });
+            wire::still_serving(&h.service.endpoint, payment_resource::SERVICE_NAME, valid).await
+        }
+    });
 }

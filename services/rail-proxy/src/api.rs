@@ -13,29 +13,40 @@ use crate::model::{
 /// Longest `asked_by` accepted; diagnostics, bounded like every other input.
 pub const ASKED_BY_LENGTH_MAX: usize = 256;
 
-fn check_owner(owner: &str) -> Result<(), InvalidArgument> {
-    if owner.is_empty() {
-        return Err(InvalidArgument::new("owner", "owner is empty"));
+/// A holder identity (`owner`, `asked_by`): 1 to `length_max` bytes, without NUL, which
+/// PostgreSQL text cannot hold (the intent transaction would fail after the guard ran).
+fn check_holder(
+    field: &'static str,
+    value: &str,
+    length_max: usize,
+) -> Result<(), InvalidArgument> {
+    if value.is_empty() {
+        return Err(InvalidArgument::new(field, format!("{field} is empty")));
     }
-    if owner.len() > OWNER_LENGTH_MAX {
+    if value.len() > length_max {
         return Err(InvalidArgument::new(
-            "owner",
-            format!("owner is longer than {OWNER_LENGTH_MAX} bytes"),
+            field,
+            format!("{field} is longer than {length_max} bytes"),
+        ));
+    }
+    if value.contains('\0') {
+        return Err(InvalidArgument::new(
+            field,
+            format!("{field} contains a NUL character"),
         ));
     }
     Ok(())
+}
+
+fn check_owner(owner: &str) -> Result<(), InvalidArgument> {
+    check_holder("owner", owner, OWNER_LENGTH_MAX)
 }
 
 /// Parses a fenced inquiry: the payout, the resolver's fence, who asks.
 pub fn parse_inquire(request: &pb::InquireRequest) -> Result<InquirePayout, InvalidArgument> {
     let payout_id = PayoutId::parse(request.payout_id.as_str())
         .map_err(|e| InvalidArgument::new("payout_id", e))?;
-    if request.asked_by.is_empty() || request.asked_by.len() > ASKED_BY_LENGTH_MAX {
-        return Err(InvalidArgument::new(
-            "asked_by",
-            format!("must be 1..={ASKED_BY_LENGTH_MAX} bytes"),
-        ));
-    }
+    check_holder("asked_by", &request.asked_by, ASKED_BY_LENGTH_MAX)?;
     let account_id = AccountId::parse(request.account_id.as_str())
         .map_err(|e| InvalidArgument::new("account_id", e))?;
     let token = FencingToken::new(request.token).map_err(|e| InvalidArgument::new("token", e))?;
@@ -308,6 +319,11 @@ mod tests {
             ("account_id", Box::new(|r| r.account_id.clear())),
             ("token", Box::new(|r| r.token = 0)),
             ("owner", Box::new(|r| r.owner.clear())),
+            ("owner", Box::new(|r| r.owner = "worker\0".into())),
+            (
+                "owner",
+                Box::new(|r| r.owner = "w".repeat(OWNER_LENGTH_MAX + 1)),
+            ),
             ("client_reference", Box::new(|r| r.client_reference.clear())),
             (
                 "client_reference",
@@ -346,6 +362,7 @@ mod tests {
         let cases: Vec<(&str, InquireMutation)> = vec![
             ("payout_id", Box::new(|r| r.payout_id.clear())),
             ("asked_by", Box::new(|r| r.asked_by.clear())),
+            ("asked_by", Box::new(|r| r.asked_by = "\0".into())),
             ("account_id", Box::new(|r| r.account_id.clear())),
             ("token", Box::new(|r| r.token = 0)),
             ("owner", Box::new(|r| r.owner.clear())),

@@ -25,8 +25,8 @@ use payout_proto::railproxy::rail_proxy_server::RailProxyServer;
 use service_kit::Shutdown;
 
 pub use model::{
-    Evidence, InquirePayout, InvalidArgument, Outcome, Payment, Resolution, Submission,
-    SubmitPayout,
+    DuplicateClass, Evidence, InquirePayout, InvalidArgument, Outcome, Payment, Resolution,
+    Submission, SubmitPayout,
 };
 pub use rail::{RAIL_CALL_TIMEOUT_MS_DEFAULT, RAIL_CALL_TIMEOUT_MS_MAX};
 pub use store::MIGRATOR;

@@ -161,6 +161,45 @@ impl Submission {
     pub fn is_sealed(&self) -> bool {
         matches!(self.outcome, Outcome::NotSent { .. })
     }
+
+    /// Which kind of duplicate `request` is, given this record of its payout.
+    pub fn duplicate_class(&self, request: &SubmitPayout) -> DuplicateClass {
+        let same_grant = self.token == request.token && self.owner == request.owner;
+        if same_grant && !self.is_sealed() && self.same_payload(request) {
+            DuplicateClass::Retry
+        } else {
+            DuplicateClass::SecondSubmitter
+        }
+    }
+}
+
+/// Why a Submit found its payout already recorded. Both are refused and send nothing; only the
+/// second is a defect signal (spec 2.3: a second submission attempt pages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DuplicateClass {
+    /// The recorded submission's own grant asking again, for the same payment: the ordinary
+    /// recovery of a submitter that crashed or lost the answer.
+    Retry,
+    /// Anyone else: another token or owner (a later holder, a stale one, a bug), another
+    /// payment under the same grant, or a Submit of a payout sealed unsent.
+    SecondSubmitter,
+}
+
+impl DuplicateClass {
+    /// The `guard_event.duplicate` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Retry => "RETRY",
+            Self::SecondSubmitter => "SECOND_SUBMITTER",
+        }
+    }
+    /// The `kind` label of `rail_proxy_duplicate_submissions_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Retry => "retry",
+            Self::SecondSubmitter => "second_submitter",
+        }
+    }
 }
 
 /// What the rail said when asked by client reference.

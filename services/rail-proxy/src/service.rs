@@ -11,7 +11,9 @@ use sqlx::PgPool;
 use tonic::{Code, Request, Response, Status};
 
 use crate::api;
-use crate::model::{Evidence, InvalidArgument, Outcome, Payment, Submission, SubmitPayout};
+use crate::model::{
+    DuplicateClass, Evidence, InvalidArgument, Outcome, Payment, Submission, SubmitPayout,
+};
 use crate::rail::{Rail, RailAnswer};
 use crate::store::{self, InquiryGuard, Intent, StoreError};
 use crate::{Failpoint, Guards, ProxyConfig};
@@ -41,8 +43,8 @@ impl Counters {
             fenced_out: metrics.counter_vec("fenced_out_total", "Stale tokens refused by a guard.", &["guard"]),
             duplicates: metrics.counter_vec(
                 "rail_proxy_duplicate_submissions_total",
-                "Submits refused because the payout already has a submission (pages).",
-                &[],
+                "Submits refused because the payout already has a submission, by kind: retry (the recorded grant asking again) or second_submitter (pages). The sum is every duplicate.",
+                &["kind"],
             ),
             outcomes: metrics.counter_vec("rail_proxy_outcomes_total", "Recorded outcomes of rail calls.", &["outcome"]),
             inquiries: metrics.counter_vec("rail_proxy_inquiries_total", "Inquiries by evidence.", &["evidence"]),
@@ -275,14 +277,22 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                     stored_owner,
                     &request.payout_id,
                 )),
-                Intent::Duplicate { existing } => {
-                    self.0.counters.duplicates.with_label_values(&[] as &[&str]).inc();
+                Intent::Duplicate { existing, class } => {
+                    self.0.counters.duplicates.with_label_values(&[class.label()]).inc();
                     let payload_matches = existing.same_payload(&request);
-                    tracing::error!(
-                        event = "duplicate_submission", page = true, existing_token = existing.token.get(),
-                        existing_outcome = existing.outcome.name(), payload_matches,
-                        "a submission for this payout already exists; nothing sent"
-                    );
+                    match class {
+                        DuplicateClass::Retry => tracing::warn!(
+                            event = "duplicate_submission", duplicate = class.label(), page = false,
+                            existing_outcome = existing.outcome.name(),
+                            "the recorded grant submitted this payout again (a retry); nothing sent"
+                        ),
+                        DuplicateClass::SecondSubmitter => tracing::error!(
+                            event = "duplicate_submission", duplicate = class.label(), page = true,
+                            existing_token = existing.token.get(), existing_owner = %existing.owner,
+                            existing_outcome = existing.outcome.name(), payload_matches,
+                            "a second submitter for a payout that already has a submission; nothing sent"
+                        ),
+                    }
                     let detail = pb::Rejection {
                         kind: Some(pb::rejection::Kind::Duplicate(pb::Duplicate {
                             existing: Some(api::submission_to_proto(&existing)),
@@ -399,6 +409,12 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                 }
                 // Only the negative control gets here: no record, as before the seal existed.
                 InquiryGuard::Unsealed => return Err(not_found(payout_id)),
+                InquiryGuard::OtherAccount { recorded } => {
+                    return Err(invalid(InvalidArgument::new(
+                        "account_id",
+                        format!("payout {payout_id} is recorded for account {recorded}, not {}", request.account_id),
+                    )));
+                }
                 InquiryGuard::Sealed { submission, by_this_inquiry } => {
                     if by_this_inquiry {
                         self.0.counters.seals.with_label_values(&[] as &[&str]).inc();

@@ -7,7 +7,7 @@ use payout_domain::{
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use crate::model::{
-    Evidence, InquirePayout, Outcome, Payment, Resolution, Submission, SubmitPayout,
+    DuplicateClass, Evidence, InquirePayout, Outcome, Payment, Resolution, Submission, SubmitPayout,
 };
 
 /// The migrations of proxydb, embedded in the binary.
@@ -32,7 +32,10 @@ pub enum Intent {
     /// The token is below the account's high-water. Nothing was recorded but a guard event.
     Fenced { stored: u64, stored_owner: String },
     /// A submission for this payout exists. Nothing will be sent.
-    Duplicate { existing: Submission },
+    Duplicate {
+        existing: Submission,
+        class: DuplicateClass,
+    },
 }
 
 /// The guard's answer to a fenced inquiry, decided in one transaction.
@@ -55,6 +58,9 @@ pub enum InquiryGuard {
     },
     /// No submission, and sealing is disabled (the negative control only).
     Unsealed,
+    /// The payout's record names another account than the inquiry: bad input (the fence was
+    /// presented on the wrong key). Nothing was written, not even the high-water advance.
+    OtherAccount { recorded: AccountId },
 }
 
 const COLUMNS: &str =
@@ -160,16 +166,18 @@ impl<'a> Presented<'a> {
     }
 }
 
+/// The evidence row of a refusal: FENCED (no `duplicate`), or DUPLICATE with its class.
 async fn guard_event(
     tx: &mut Transaction<'_, Postgres>,
     kind: &str,
+    duplicate: Option<DuplicateClass>,
     presented: &Presented<'_>,
     stored: i64,
     stored_owner: &str,
 ) -> Result<(), StoreError> {
     sqlx::query(
-        "INSERT INTO guard_event (kind, payout_id, account_id, lock_key, presented, stored, owner, stored_owner, operation) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        "INSERT INTO guard_event (kind, payout_id, account_id, lock_key, presented, stored, owner, stored_owner, operation, \
+           duplicate) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
     )
     .bind(kind)
     .bind(presented.payout_id.as_str())
@@ -180,6 +188,7 @@ async fn guard_event(
     .bind(presented.owner)
     .bind(stored_owner)
     .bind(presented.operation)
+    .bind(duplicate.map(DuplicateClass::name))
     .execute(&mut **tx)
     .await?;
     Ok(())
@@ -220,7 +229,7 @@ async fn advance_high_water(
             presented.token
         )));
     }
-    guard_event(tx, "FENCED", presented, stored, &stored_owner).await?;
+    guard_event(tx, "FENCED", None, presented, stored, &stored_owner).await?;
     Ok(Some((stored as u64, stored_owner)))
 }
 
@@ -275,16 +284,18 @@ pub async fn record_intent(
     .fetch_one(&mut *tx)
     .await?;
     let existing = submission_from_row(&row)?;
+    let class = existing.duplicate_class(request);
     guard_event(
         &mut tx,
         "DUPLICATE",
+        Some(class),
         &presented,
         existing.token.as_i64(),
         &existing.owner,
     )
     .await?;
     tx.commit().await?;
-    Ok(Intent::Duplicate { existing })
+    Ok(Intent::Duplicate { existing, class })
 }
 
 /// The fenced inquiry's guard, in ONE transaction: the same conditional high-water advance as a
@@ -318,10 +329,10 @@ pub async fn guard_inquiry(
     if let Some(row) = existing {
         let submission = submission_from_row(&row)?;
         if submission.account_id != request.account_id {
-            return Err(invariant(format!(
-                "payout {} was submitted for account {} but inquired for {}",
-                request.payout_id, submission.account_id, request.account_id
-            )));
+            tx.rollback().await?;
+            return Ok(InquiryGuard::OtherAccount {
+                recorded: submission.account_id,
+            });
         }
         tx.commit().await?;
         return Ok(if submission.is_sealed() {

@@ -240,6 +240,103 @@ async fn two_holders_race_at_most_one_movement_and_the_stale_holder_is_fenced() 
         .contains("fenced_out_total{guard=\"rail-proxy\"}"));
 }
 
+/// The value of `rail_proxy_duplicate_submissions_total{kind}` (0 before the first).
+fn duplicates_counted(rig: &Rig, kind: &str) -> u64 {
+    let series = format!("rail_proxy_duplicate_submissions_total{{kind=\"{kind}\"}} ");
+    rig.proxy
+        .metrics
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&series).map(|v| v.parse().unwrap()))
+        .unwrap_or(0)
+}
+
+/// A duplicate Submit is a retry only when it is the recorded submission's own grant (same token,
+/// same owner) asking again for the same payment; every other duplicate is a second submitter,
+/// the defect signal that pages. Both send nothing; the two are counted apart (metric label and
+/// `guard_event.duplicate`), and `kind = 'DUPLICATE'` and the metric's sum still count them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_is_a_retry_only_from_the_recorded_grant_and_a_second_submitter_otherwise() {
+    use rail_proxy::DuplicateClass::{self, Retry, SecondSubmitter};
+    let mut rig = rig().await;
+    let original = payout("p-dup", "acct-dup", 5, "worker-1");
+    let submitted = rig.client.submit(&original).await.unwrap();
+    assert!(matches!(submitted.outcome, Outcome::Acked { .. }));
+    let mut other_payment = original.clone();
+    other_payment.amount_minor = AmountMinor::new(2_000).unwrap();
+    // On its own account: the sealing inquiry advances that account's high-water.
+    let sealed = payout("p-dup-sealed", "acct-dup-sealed", 7, "resolver-1");
+    rig.client
+        .inquire(&inquiry_of(&sealed, "resolver-1"))
+        .await
+        .expect("the inquiry seals the unsent payout");
+    // In token order, so that no case is fenced out by an earlier one's higher token.
+    let cases: Vec<(&str, SubmitPayout, DuplicateClass)> = vec![
+        (
+            "the same grant again (a crash retry)",
+            original.clone(),
+            Retry,
+        ),
+        ("the same grant once more", original.clone(), Retry),
+        (
+            "the same token under another owner",
+            payout("p-dup", "acct-dup", 5, "worker-3"),
+            SecondSubmitter,
+        ),
+        (
+            "the same grant, another payment",
+            other_payment,
+            SecondSubmitter,
+        ),
+        (
+            "a later holder",
+            payout("p-dup", "acct-dup", 6, "worker-2"),
+            SecondSubmitter,
+        ),
+        (
+            "the sealer's own grant on a sealed payout",
+            sealed,
+            SecondSubmitter,
+        ),
+    ];
+    let (mut retries, mut seconds) = (0, 0);
+    for (name, request, class) in cases {
+        match rig.client.submit(&request).await {
+            Err(ProxyError::Duplicate { .. }) => {}
+            other => panic!("{name}: expected Duplicate, got {other:?}"),
+        }
+        match class {
+            Retry => retries += 1,
+            SecondSubmitter => seconds += 1,
+        }
+        assert_eq!(
+            (
+                duplicates_counted(&rig, "retry"),
+                duplicates_counted(&rig, "second_submitter")
+            ),
+            (retries, seconds),
+            "{name}"
+        );
+        let recorded: Option<String> = sqlx::query_scalar(
+            "SELECT duplicate FROM guard_event WHERE kind = 'DUPLICATE' ORDER BY id DESC LIMIT 1",
+        )
+        .fetch_one(&rig.pool)
+        .await
+        .unwrap();
+        assert_eq!(recorded.as_deref(), Some(class.name()), "{name}");
+    }
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE kind = 'DUPLICATE'"
+        )
+        .await,
+        (retries + seconds) as i64,
+        "the DUPLICATE total still counts every duplicate"
+    );
+    assert_eq!(at_rail(&rig, &original).await, (1, 1), "nothing sent again");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_concurrent_submits_for_one_payout_reach_the_rail_once() {
     let stub = StubConfig {
@@ -580,6 +677,31 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
             "token",
             pb::SubmitRequest {
                 token: 0,
+                ..good.clone()
+            },
+        ),
+        // Above i64::MAX: no lock backend issues it and no bigint holds it (this panicked the
+        // handler before FencingToken refused it at construction).
+        (
+            "token",
+            pb::SubmitRequest {
+                token: u64::MAX,
+                ..good.clone()
+            },
+        ),
+        (
+            "token",
+            pb::SubmitRequest {
+                token: i64::MAX as u64 + 1,
+                ..good.clone()
+            },
+        ),
+        // NUL: PostgreSQL text cannot hold it; before this was refused here, the intent
+        // transaction failed after the guard and the answer was UNAVAILABLE.
+        (
+            "owner",
+            pb::SubmitRequest {
+                owner: "worker\0".into(),
                 ..good.clone()
             },
         ),
@@ -1054,4 +1176,196 @@ async fn negative_control_without_expiry_a_paused_send_moves_money_after_absent(
         (1, 1),
         "money moved after ABSENT"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The boundary under arbitrary wire values (issue 14, item 4)
+
+/// The proxydb tables a call may write.
+const PROXYDB_TABLES: [&str; 4] = [
+    "account_high_water",
+    "rail_submission",
+    "guard_event",
+    "resolution",
+];
+
+/// One call of `railproxy.v1.RailProxy`, with whatever field values.
+#[derive(Debug, Clone)]
+enum ProxyCall {
+    Submit(pb::SubmitRequest),
+    Lookup(pb::LookupRequest),
+    Inquire(pb::InquireRequest),
+}
+
+fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
+    use proptest::prelude::*;
+    use testkit::wire::{hostile_i64, hostile_text, hostile_u64};
+    const ID_LENGTH_MAX: usize = payout_domain::ids::ID_LENGTH_MAX;
+    let id = |known: &'static str, fresh: &'static str| {
+        hostile_text(
+            prop_oneof![3 => Just(known.to_string()), 1 => fresh.prop_map(String::from)].boxed(),
+            ID_LENGTH_MAX,
+        )
+    };
+    let payout_id = id("p-w-sent", "p-n[a-z0-9]{1,8}");
+    let account_id = id("acct-w", "acct-n[a-z0-9]{1,6}");
+    let token = hostile_u64((1u64..50).boxed());
+    let holder = hostile_text(
+        "worker-[a-z]{1,6}".boxed(),
+        rail_proxy::model::OWNER_LENGTH_MAX,
+    );
+    // Mostly the reference derived from the payout id, as every honest caller sends it (a
+    // `Some` is an arbitrary one instead).
+    let client_reference =
+        prop::option::weighted(0.15, hostile_text("cref-[a-z-]{1,8}".boxed(), 70));
+    let currency = hostile_text(
+        prop::sample::select(vec!["EUR", "EUR", "EUR", "USD", "XXX"])
+            .prop_map(String::from)
+            .boxed(),
+        3,
+    );
+    let submit = (
+        (
+            payout_id.clone(),
+            account_id.clone(),
+            token.clone(),
+            holder.clone(),
+        ),
+        client_reference,
+        hostile_i64((1i64..100_000).boxed()),
+        currency,
+        hostile_text("ben-[a-z0-9]{1,6}".boxed(), ID_LENGTH_MAX),
+    )
+        .prop_map(
+            |(
+                (payout_id, account_id, token, owner),
+                client_reference,
+                amount_minor,
+                currency,
+                beneficiary_ref,
+            )| {
+                ProxyCall::Submit(pb::SubmitRequest {
+                    client_reference: client_reference
+                        .unwrap_or_else(|| format!("cref-{payout_id}")),
+                    payout_id,
+                    account_id,
+                    token,
+                    owner,
+                    amount_minor,
+                    currency,
+                    beneficiary_ref,
+                })
+            },
+        );
+    let lookup = payout_id
+        .clone()
+        .prop_map(|payout_id| ProxyCall::Lookup(pb::LookupRequest { payout_id }));
+    let inquire = (payout_id, holder.clone(), account_id, token, holder).prop_map(
+        |(payout_id, asked_by, account_id, token, owner)| {
+            ProxyCall::Inquire(pb::InquireRequest {
+                payout_id,
+                asked_by,
+                account_id,
+                token,
+                owner,
+            })
+        },
+    );
+    prop_oneof![3 => submit, 1 => lookup, 2 => inquire]
+}
+
+/// Arbitrary field values through the real client to the real proxy on proxydb (and the real
+/// rail stub behind it). For every case: no panic anywhere in the process; the answer is OK or a
+/// status carrying a decodable typed `Rejection` (INVALID_ARGUMENT names its field); an
+/// INVALID_ARGUMENT or NOT_FOUND refusal changed no row of any table (counts and contents), and
+/// reached the rail not at all; a fenced-out refusal (FAILED_PRECONDITION) wrote only its one
+/// `guard_event`; a duplicate (ALREADY_EXISTS) wrote only its one `guard_event` beside the
+/// high-water its token advanced, and no submission or resolution; and the proxy still reports
+/// SERVING and answers a valid call.
+#[test]
+fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
+    use pb::rejection::Kind;
+    use proptest::prelude::*;
+    use testkit::wire;
+    const CASES: u32 = 96;
+    let runtime = wire::runtime();
+    let rig = runtime.block_on(async {
+        let mut rig = rig().await;
+        rig.client
+            .submit(&payout("p-w-sent", "acct-w", 5, "worker-w"))
+            .await
+            .expect("seeded submission");
+        rig
+    });
+    let requests_at_rail = || async {
+        let truth = rig.stub.client().ground_truth().await;
+        truth.expect("the stub answers").submit_requests_total
+    };
+    wire::run_cases(&runtime, CASES, proxy_call(), |call| {
+        let (rig, requests_at_rail) = (&rig, &requests_at_rail);
+        async move {
+            let rail_before = requests_at_rail().await;
+            let mut client = rig.client.clone();
+            let raw = client.raw();
+            let send = async {
+                match call {
+                    ProxyCall::Submit(r) => raw.submit(r).await.map(drop),
+                    ProxyCall::Lookup(r) => raw.lookup(r).await.map(drop),
+                    ProxyCall::Inquire(r) => raw.inquire(r).await.map(drop),
+                }
+            };
+            let wire::Observed {
+                answer,
+                before,
+                after,
+            } = wire::observe(&rig.pool, &PROXYDB_TABLES, send).await?;
+            if let Err(status) = answer {
+                let kind =
+                    service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind);
+                prop_assert!(
+                    kind.is_some(),
+                    "untyped refusal {:?}: {}",
+                    status.code(),
+                    status.message()
+                );
+                prop_assert_eq!(
+                    requests_at_rail().await,
+                    rail_before,
+                    "a refused call reached the rail"
+                );
+                let changed = before.changed(&after);
+                match status.code() {
+                    tonic::Code::InvalidArgument => {
+                        prop_assert!(
+                            matches!(&kind, Some(Kind::InvalidArgument(i)) if !i.field.is_empty()),
+                            "{kind:?}"
+                        );
+                        prop_assert_eq!(changed, Vec::<String>::new());
+                    }
+                    tonic::Code::NotFound => prop_assert_eq!(changed, Vec::<String>::new()),
+                    tonic::Code::FailedPrecondition => {
+                        prop_assert!(matches!(kind, Some(Kind::FencedOut(_))), "{kind:?}");
+                        prop_assert_eq!(changed, vec!["guard_event".to_string()]);
+                        prop_assert_eq!(before.rows_added(&after, "guard_event"), 1);
+                    }
+                    tonic::Code::AlreadyExists => {
+                        prop_assert!(matches!(kind, Some(Kind::Duplicate(_))), "{kind:?}");
+                        prop_assert!(
+                            !changed
+                                .iter()
+                                .any(|t| t == "rail_submission" || t == "resolution"),
+                            "{changed:?}"
+                        );
+                        prop_assert_eq!(before.rows_added(&after, "guard_event"), 1);
+                    }
+                    other => prop_assert!(false, "unexpected code {other:?}: {}", status.message()),
+                }
+            }
+            let mut client = rig.client.clone();
+            let valid = client.raw().lookup(pb::LookupRequest {
+                payout_id: "p-w-sent".into(),
+            });
+            wire::still_serving(&rig.proxy.endpoint(), rail_proxy::SERVICE_NAME, valid).await
+        }
+    });
 }
