@@ -963,8 +963,10 @@ fn lock_call(seeded: &Seeded) -> impl proptest::strategy::Strategy<Value = LockC
         });
     prop_oneof![
         create,
-        session_id()
-            .prop_map(|session_id| LockCall::KeepAlive(pb::KeepAliveRequest { session_id })),
+        session_id().prop_map(|session_id| LockCall::KeepAlive(pb::KeepAliveRequest {
+            session_id,
+            vouch: Vec::new()
+        })),
         session_id()
             .prop_map(|session_id| LockCall::CloseSession(pb::CloseSessionRequest { session_id })),
         acquire,
