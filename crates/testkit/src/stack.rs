@@ -38,6 +38,9 @@ pub struct StackPorts {
     pub temporal_metrics: u16,
 }
 
+/// Set (to anything) to keep a test stack's state directory after the test exits.
+pub const KEEP_STATE_ENV: &str = "PAYOUT_KEEP_TEST_STATE";
+
 pub struct StackBuilder {
     etcd_members: usize,
     temporal: bool,
@@ -82,6 +85,14 @@ impl StackBuilder {
             Some(dir) => {
                 std::fs::create_dir_all(dir)?;
                 (dir.canonicalize()?, None)
+            }
+            // `PAYOUT_KEEP_TEST_STATE=1`: a test's stack (logs, databases, lock histories) is
+            // kept after it exits, for the evidence of a failed run.
+            None if std::env::var_os(KEEP_STATE_ENV).is_some() => {
+                let t = tempfile::Builder::new().prefix("payout-stack-").tempdir()?;
+                let kept = t.keep();
+                eprintln!("testkit: keeping this stack's state in {}", kept.display());
+                (kept, None)
             }
             None => {
                 let t = tempfile::Builder::new().prefix("payout-stack-").tempdir()?;
