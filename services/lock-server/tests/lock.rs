@@ -606,6 +606,7 @@ fn etcd_spec(
             "--initial-cluster-token",
             "restore-test",
         ])
+        .args(testkit::etcd::EtcdLimits::default().args())
         .args(["--log-level", "warn", "--logger", "zap"])
 }
 
