@@ -825,6 +825,100 @@ async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// A bounded backend: compacted history, grant records kept for a retention window
+
+async fn etcd(endpoints: &[String]) -> etcd_client::Client {
+    etcd_client::Client::connect(endpoints, None).await.unwrap()
+}
+
+/// etcd compacts its history (every test etcd keeps one second of it). A waiter watches the held
+/// key from the revision at which it saw it held; when that revision was compacted away before
+/// the watch started, the wait must end at once so the service reads the key again, instead of
+/// waiting for a deletion event etcd can no longer send. Control: from a revision still in
+/// history, the same wait lasts until its deadline while the key stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_waiter_whose_watch_start_was_compacted_reads_the_key_again() {
+    use lock_server::backend::{Backend, WaitFrom};
+    let endpoints = Stack::shared().etcd_endpoints();
+    let s = start(Kind::Etcd).await;
+    let holder = s
+        .client
+        .open_session("holder", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let held = grant(&holder, "compacted").await;
+    let Backend::Etcd(backend) = s.server.service.backend() else {
+        unreachable!()
+    };
+    let mut etcd = etcd(&endpoints).await;
+    let seen = etcd
+        .get("/compaction-probe", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+
+    let wait = Duration::from_millis(1_500);
+    let started = Instant::now();
+    backend
+        .wait_for_release("compacted", &WaitFrom::Revision(seen), started + wait)
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() >= wait - Duration::from_millis(50),
+        "control: a watch from a revision in history waits for its deadline ({:?})",
+        started.elapsed()
+    );
+
+    for _ in 0..3 {
+        etcd.put("/compaction-probe", "x", None).await.unwrap();
+    }
+    let now = etcd
+        .get("/compaction-probe", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    // Compacting twice at the same revision is refused; the test etcd's own compactor may have
+    // got there first, which is as good.
+    let _ = etcd.compact(now, None).await;
+    let started = Instant::now();
+    backend
+        .wait_for_release(
+            "compacted",
+            &WaitFrom::Revision(seen),
+            started + Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a compacted watch start must end the wait at once, not at the deadline ({:?})",
+        started.elapsed()
+    );
+    let d = s.client.describe("compacted").await.unwrap();
+    assert_eq!((d.held, d.token), (true, held.token().get()));
+    // The service path: another owner waits, the holder releases, the waiter is granted.
+    let waiter = s
+        .client
+        .open_session("waiter", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        held.release().await.unwrap();
+    };
+    let (acquired, ()) = tokio::join!(
+        waiter.acquire("compacted", Duration::from_secs(10)),
+        release
+    );
+    assert!(matches!(acquired.unwrap(), Acquired::Granted(_)));
+    s.server.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn benchmark_runs_and_reports_both_paths() {

@@ -405,7 +405,9 @@ impl EtcdBackend {
         })
     }
 
-    /// Watches the key for a deletion after the revision at which it was seen held.
+    /// Watches the key for a deletion after the revision at which it was seen held. Returns at the
+    /// deadline, on a deletion, or when the watch cannot tell (an error, a cancel, a compacted start
+    /// revision): the caller then attempts again, which reads the current state.
     pub async fn wait_for_release(
         &self,
         key: &str,
@@ -436,6 +438,15 @@ impl EtcdBackend {
                 _ = tokio::time::sleep_until(deadline) => return Ok(()),
                 message = stream.message() => match message {
                     Ok(Some(resp)) => {
+                        if resp.compact_revision() > 0 {
+                            // etcd compacted the history this watch was to start from (auto-
+                            // compaction ran between the attempt and the watch): a release in
+                            // between can no longer be replayed, so the caller reads the current
+                            // state again (a fresh attempt) instead of waiting for an event that
+                            // will never come.
+                            tracing::debug!(key, from_revision = revision + 1, compact_revision = resp.compact_revision(), "watch start compacted; reading the key again");
+                            return Ok(());
+                        }
                         if resp.canceled() || resp.events().iter().any(|e| e.event_type() == EventType::Delete) {
                             return Ok(());
                         }
