@@ -300,17 +300,33 @@ impl EtcdCluster {
         Ok(r.header().map(|h| h.revision()).unwrap_or_default())
     }
 
-    /// Revokes every lease the cluster knows (after a restore: the snapshot's, whose owners are
-    /// not keeping a restored cluster alive, or must not be trusted to). Returns how many.
-    pub async fn revoke_all_leases(&self) -> anyhow::Result<usize> {
+    /// Step 7 of the restore procedure: revokes every session lease the cluster knows (after a
+    /// restore: the snapshot's, whose owners are not keeping a restored cluster alive, or must not
+    /// be trusted to). Grant-record retention leases are kept: each carries the lock-server's
+    /// marker key `{prefix}retention/{lease id}`, and revoking one would delete the INV-07 grant
+    /// records attached to it. Returns how many leases were revoked.
+    pub async fn revoke_session_leases(&self) -> anyhow::Result<usize> {
         let mut client = etcd_client::Client::connect(self.endpoints(), None).await?;
         let leases = client.leases().await?;
         let ids: Vec<i64> = leases.leases().iter().map(|l| l.id()).collect();
-        for id in &ids {
+        let mut revoked = 0;
+        for id in ids {
+            let marker = format!("/retention/{id}");
+            let keys = client
+                .lease_time_to_live(
+                    id,
+                    Some(etcd_client::LeaseTimeToLiveOptions::new().with_keys()),
+                )
+                .await?;
+            if keys.keys().iter().any(|k| k.ends_with(marker.as_bytes())) {
+                continue;
+            }
             // A lease that expired in the meantime is already gone: not an error.
-            let _ = client.lease_revoke(*id).await;
+            if client.lease_revoke(id).await.is_ok() {
+                revoked += 1;
+            }
         }
-        Ok(ids.len())
+        Ok(revoked)
     }
 
     pub fn endpoints(&self) -> Vec<String> {

@@ -79,6 +79,7 @@ pub async fn run(
         backend: BackendConfig::Etcd {
             endpoints: etcd_endpoints.to_vec(),
             prefix: format!("{prefix}svc/"),
+            grant_retention_ms: crate::backend::etcd::GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: dir.path().join("issued-tokens.json"),
     };

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lock_client::{Acquired, ClientError, FencingToken, Grant, LockClient, Rejection, Session};
+use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
 use lock_server::checker::{self, GrantRecord};
 use lock_server::{BackendConfig, Config, InProcess};
 use rand::RngExt;
@@ -33,6 +34,7 @@ async fn start(kind: Kind) -> Server {
         Kind::Etcd => BackendConfig::Etcd {
             endpoints: stack.etcd_endpoints(),
             prefix: stack.unique_prefix("lock"),
+            grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
         Kind::Postgres => BackendConfig::Postgres {
             database_url: stack.fresh_db(PgServer::Main).await,
@@ -539,6 +541,7 @@ async fn etcd_three_members_leader_killed_mid_run() {
     let s = start_with(BackendConfig::Etcd {
         endpoints,
         prefix: "/leader-kill/".into(),
+        grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
     })
     .await;
     // A long-lived holder whose session must survive the election.
@@ -671,6 +674,7 @@ async fn grant_via(
         backend: BackendConfig::Etcd {
             endpoints: vec![endpoint.to_string()],
             prefix: "/restore/".into(),
+            grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: issued.to_path_buf(),
     };
@@ -831,6 +835,81 @@ async fn etcd(endpoints: &[String]) -> etcd_client::Client {
     etcd_client::Client::connect(endpoints, None).await.unwrap()
 }
 
+/// The grant records under `prefix`: (key, create revision), in key order.
+async fn records(endpoints: &[String], prefix: &str) -> Vec<(String, u64)> {
+    let got = etcd(endpoints)
+        .await
+        .get(
+            format!("{prefix}grants/"),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
+        .await
+        .unwrap();
+    got.kvs()
+        .iter()
+        .map(|kv| {
+            (
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                kv.create_revision() as u64,
+            )
+        })
+        .collect()
+}
+
+/// The tokens (create revisions) of the grant records under `prefix`, in order.
+async fn record_tokens(endpoints: &[String], prefix: &str) -> Vec<u64> {
+    let mut tokens: Vec<u64> = records(endpoints, prefix)
+        .await
+        .into_iter()
+        .map(|(_, token)| token)
+        .collect();
+    tokens.sort_unstable();
+    tokens
+}
+
+/// The retention leases whose markers are under `prefix`.
+async fn retention_leases(endpoints: &[String], prefix: &str) -> Vec<i64> {
+    let got = etcd(endpoints)
+        .await
+        .get(
+            format!("{prefix}retention/"),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    got.kvs().iter().map(|kv| kv.lease()).collect()
+}
+
+async fn lease_alive(endpoints: &[String], lease: i64) -> bool {
+    etcd(endpoints)
+        .await
+        .lease_time_to_live(lease, None)
+        .await
+        .unwrap()
+        .ttl()
+        > 0
+}
+
+fn unix_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+async fn start_retaining(prefix: &str, grant_retention_ms: u64) -> Server {
+    start_with(BackendConfig::Etcd {
+        endpoints: Stack::shared().etcd_endpoints(),
+        prefix: prefix.to_string(),
+        grant_retention_ms,
+    })
+    .await
+}
+
 /// etcd compacts its history (every test etcd keeps one second of it). A waiter watches the held
 /// key from the revision at which it saw it held; when that revision was compacted away before
 /// the watch started, the wait must end at once so the service reads the key again, instead of
@@ -915,6 +994,152 @@ async fn etcd_waiter_whose_watch_start_was_compacted_reads_the_key_again() {
         release
     );
     assert!(matches!(acquired.unwrap(), Acquired::Granted(_)));
+    s.server.stop().await;
+}
+
+/// Every grant record is attached to a retention lease: it is there for the whole retention
+/// window (the reconciler's INV-07 horizon lies inside it), and etcd deletes it after at most the
+/// window plus one rotation period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_grant_records_are_kept_for_the_retention_window_then_deleted() {
+    use lock_server::backend::etcd::{GRANT_RETENTION_MS_MIN, RETENTION_LEASES_PER_WINDOW};
+    let endpoints = Stack::shared().etcd_endpoints();
+    let prefix = Stack::shared().unique_prefix("retention");
+    let window = Duration::from_millis(GRANT_RETENTION_MS_MIN);
+    let rotation = window / RETENTION_LEASES_PER_WINDOW as u32;
+    let s = start_retaining(&prefix, GRANT_RETENTION_MS_MIN).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let g = grant(&a, "k").await;
+    let granted_at = Instant::now();
+    let token = g.token().get();
+    g.release().await.unwrap();
+    assert_eq!(record_tokens(&endpoints, &prefix).await, vec![token]);
+    assert_eq!(retention_leases(&endpoints, &prefix).await.len(), 1);
+
+    tokio::time::sleep_until((granted_at + window - Duration::from_secs(1)).into()).await;
+    assert_eq!(
+        record_tokens(&endpoints, &prefix).await,
+        vec![token],
+        "kept for the whole window"
+    );
+    // etcd checks lease expiry every 500 ms; a loaded machine gets a few seconds more.
+    testkit::eventually(rotation + Duration::from_secs(8), "record deleted", || {
+        let (endpoints, prefix) = (endpoints.clone(), prefix.clone());
+        async move {
+            record_tokens(&endpoints, &prefix)
+                .await
+                .is_empty()
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        granted_at.elapsed() >= window,
+        "deleted only after the window"
+    );
+    assert!(retention_leases(&endpoints, &prefix).await.is_empty());
+    a.close().await.unwrap();
+    s.server.stop().await;
+}
+
+/// etcd 3.4 restarts a lease's TTL on every leader change, so the TTL alone does not bound how
+/// long records stay. A retention lease whose marker says its window is over is revoked by the
+/// next rotation of any lock-server on the prefix, even though etcd still gives it an hour.
+/// Control: a lease whose window is not over is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_retention_leases_past_their_window_are_revoked_whatever_their_ttl() {
+    use lock_server::backend::etcd::GRANT_RETENTION_MS_MIN;
+    let endpoints = Stack::shared().etcd_endpoints();
+    let prefix = Stack::shared().unique_prefix("sweep");
+    let mut etcd = etcd(&endpoints).await;
+    let plant = |expires_unix_ms: i64, record: &'static str| {
+        let prefix = prefix.clone();
+        let mut etcd = etcd.clone();
+        async move {
+            let lease = etcd.lease_grant(3_600, None).await.unwrap().id();
+            let marker = serde_json::json!({
+                "lease_id": lease,
+                "created_unix_ms": expires_unix_ms - 20_000,
+                "expires_unix_ms": expires_unix_ms,
+            });
+            let with_lease = Some(etcd_client::PutOptions::new().with_lease(lease));
+            etcd.put(
+                format!("{prefix}retention/{lease}"),
+                marker.to_string(),
+                with_lease.clone(),
+            )
+            .await
+            .unwrap();
+            etcd.put(format!("{prefix}grants/{record}/planted"), "{}", with_lease)
+                .await
+                .unwrap();
+            lease
+        }
+    };
+    let stale = plant(unix_now_ms() - 1, "stale").await;
+    let live = plant(unix_now_ms() + 3_600_000, "live").await;
+    assert_eq!(record_tokens(&endpoints, &prefix).await.len(), 2);
+
+    let s = start_retaining(&prefix, GRANT_RETENTION_MS_MIN).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let g = grant(&a, "k").await;
+    assert!(
+        !lease_alive(&endpoints, stale).await,
+        "past its window: revoked"
+    );
+    assert!(
+        lease_alive(&endpoints, live).await,
+        "control: inside its window"
+    );
+    let keys: Vec<String> = records(&endpoints, &prefix)
+        .await
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(keys[0].contains("grants/k/"), "{keys:?}");
+    assert!(keys[1].ends_with("grants/live/planted"), "{keys:?}");
+    g.release().await.unwrap();
+    etcd.lease_revoke(live).await.unwrap();
+    a.close().await.unwrap();
+    s.server.stop().await;
+}
+
+/// An operator (or a restore) revoking the lease grant records are attached to does not stop
+/// grants, nor is it mistaken for the session's loss: the lock-server makes a new retention lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_grant_after_its_retention_lease_was_revoked_makes_a_new_one() {
+    use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
+    let endpoints = Stack::shared().etcd_endpoints();
+    let prefix = Stack::shared().unique_prefix("revoked-retention");
+    let s = start_retaining(&prefix, GRANT_RETENTION_MS_DEFAULT).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let first = grant(&a, "k").await;
+    first.release().await.unwrap();
+    let leases = retention_leases(&endpoints, &prefix).await;
+    assert_eq!(leases.len(), 1);
+    etcd(&endpoints)
+        .await
+        .lease_revoke(leases[0])
+        .await
+        .unwrap();
+    assert!(
+        record_tokens(&endpoints, &prefix).await.is_empty(),
+        "the records went with their lease"
+    );
+
+    let second = grant(&a, "k").await;
+    assert!(second.token() > first.token());
+    assert_eq!(
+        record_tokens(&endpoints, &prefix).await,
+        vec![second.token().get()]
+    );
+    let now = retention_leases(&endpoints, &prefix).await;
+    assert_eq!(now.len(), 1);
+    assert_ne!(now[0], leases[0]);
+    second.release().await.unwrap();
+    a.close().await.unwrap();
     s.server.stop().await;
 }
 
