@@ -11,6 +11,7 @@ pub mod checker;
 pub mod error;
 pub mod issued;
 pub mod service;
+pub mod soak;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -1143,6 +1143,109 @@ async fn etcd_grant_after_its_retention_lease_was_revoked_makes_a_new_one() {
     s.server.stop().await;
 }
 
+/// The short soak: enough grants that a database growing with every grant is plain (about
+/// 700 bytes a grant without compaction), in about fifteen seconds of a debug build.
+const SOAK_GRANTS: usize = 5_000;
+const SOAK_CONCURRENCY: usize = 8;
+/// The soak's database must stay within a sixty-fourth of the test quota (4 MiB). Its two-second
+/// record window holds about a thousand records (about 1 MiB with compacted history); the rest is
+/// room for a faster machine, which keeps more records in the same window.
+const SOAK_DB_SIZE_MAX_BYTES: i64 = (testkit::etcd::QUOTA_BACKEND_BYTES / 64) as i64;
+
+/// The soak on an etcd of its own with `limits`, grant records kept the shortest window.
+async fn soak_on(limits: testkit::etcd::EtcdLimits) -> lock_server::soak::SoakReport {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = {
+        let path = dir.path().to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            testkit::etcd::EtcdCluster::start_with_limits(
+                &path,
+                1,
+                None,
+                testkit::Lifetime::Attached,
+                &limits,
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap()
+    };
+    let report = lock_server::soak::run(
+        &etcd.endpoints(),
+        SOAK_GRANTS,
+        SOAK_CONCURRENCY,
+        lock_server::backend::etcd::GRANT_RETENTION_MS_MIN,
+    )
+    .await
+    .unwrap();
+    for m in &etcd.members {
+        m.process.kill().unwrap();
+    }
+    report
+}
+
+/// dbSize growth over the first half of a soak and over the second half.
+fn growth_by_half(r: &lock_server::soak::SoakReport) -> (i64, i64) {
+    let half = &r.checkpoints[lock_server::soak::CHECKPOINTS / 2 - 1];
+    assert!(half.grants >= r.grants / 2 && half.grants < r.grants);
+    (
+        half.status.db_size_bytes - r.before.db_size_bytes,
+        r.after.db_size_bytes - half.status.db_size_bytes,
+    )
+}
+
+/// The lock backend does not grow without bound: with compaction and grant-record retention,
+/// etcd's database stops growing once the retention window is full (the second half of the run
+/// adds next to nothing) and stays within a small share of the quota, while the revision (every
+/// token) keeps rising. Negative control: the same run on an etcd that never compacts grows as
+/// fast in its second half as in its first, to a database several times larger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_soak_database_stays_bounded_and_grows_without_compaction() {
+    let bounded = soak_on(testkit::etcd::EtcdLimits::default()).await;
+    println!("bounded: {}", serde_json::to_string(&bounded).unwrap());
+    let control =
+        soak_on(testkit::etcd::EtcdLimits::default().without_compaction_for_tests()).await;
+    println!(
+        "no compaction: {}",
+        serde_json::to_string(&control).unwrap()
+    );
+    for r in [&bounded, &control] {
+        assert_eq!(r.grants, SOAK_GRANTS);
+        assert!(
+            r.after.revision - r.before.revision >= 2 * SOAK_GRANTS as i64,
+            "every grant is a new token"
+        );
+        assert!(
+            r.after.grant_records < SOAK_GRANTS as i64 / 2,
+            "records past their window are gone: {}",
+            r.after.grant_records
+        );
+    }
+
+    let (first, second) = growth_by_half(&bounded);
+    assert!(
+        bounded.after.db_size_bytes <= SOAK_DB_SIZE_MAX_BYTES,
+        "dbSize {} above {SOAK_DB_SIZE_MAX_BYTES}",
+        bounded.after.db_size_bytes
+    );
+    assert!(
+        second <= first / 4,
+        "the database must level off once the window is full: +{first} then +{second} bytes"
+    );
+
+    let (control_first, control_second) = growth_by_half(&control);
+    assert!(
+        control_second >= control_first / 2,
+        "control: without compaction the second half grows like the first: +{control_first} then +{control_second}"
+    );
+    assert!(
+        control.db_size_growth_bytes() >= 2 * bounded.db_size_growth_bytes(),
+        "control: without compaction the same run grows the database measurably more: {} vs {} bytes",
+        control.db_size_growth_bytes(),
+        bounded.db_size_growth_bytes()
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
