@@ -1,9 +1,12 @@
 //! `payoutctl bench lock | proxy | ledger`: each benchmark measures our path and the plain path
 //! it wraps in the same run, on a private stack of its own (real PostgreSQL and etcd), and prints
-//! both with their ratio. Build with `--release` for figures worth comparing across machines.
+//! both with their ratio. `bench etcd-soak` mints many grants on a private etcd and prints its
+//! database size as the run goes. Build with `--release` for figures worth comparing across machines.
 
 use clap::{Args as ClapArgs, Subcommand};
-use testkit::{PgServer, Stack};
+use lock_server::soak::{EtcdStatus, SoakReport};
+use testkit::etcd::{EtcdCluster, EtcdLimits};
+use testkit::{Lifetime, PgServer, Stack};
 
 #[derive(Subcommand)]
 pub enum Which {
@@ -13,6 +16,23 @@ pub enum Which {
     Proxy(Args),
     /// GL AppendJournal (two entries) vs. the same rows by plain SQL transactions.
     Ledger(Args),
+    /// Many grants (acquire+release) on a private etcd: its database size and revision as they go.
+    EtcdSoak(SoakArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct SoakArgs {
+    #[arg(long, default_value_t = 100_000)]
+    pub grants: usize,
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    /// How long the soak's lock-server keeps grant records: scaled down from the deployment's
+    /// week so the window fills early in the run and the plateau shows.
+    #[arg(long, default_value_t = lock_server::soak::SOAK_GRANT_RETENTION_MS_DEFAULT)]
+    pub grant_retention_ms: u64,
+    /// One JSON object with every figure.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(ClapArgs)]
@@ -27,14 +47,13 @@ pub struct Args {
 }
 
 pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
+    if let Which::EtcdSoak(args) = which {
+        return soak(args).await;
+    }
     // Durable PostgreSQL (fsync on), as in a deployment: both sides of each comparison pay for
     // their commits the way production would.
     let stack = tokio::task::spawn_blocking(|| Stack::builder().durable(true).start()).await??;
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
+    let profile = profile();
     match which {
         Which::Lock(args) => {
             let r =
@@ -141,6 +160,105 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 );
             }
         }
+        Which::EtcdSoak(_) => unreachable!("handled above: it needs etcd only"),
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+fn profile() -> &'static str {
+    if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    }
+}
+
+/// The soak runs on one etcd member of its own with the testkit's limits (the same flags as
+/// every test and the local stack), so nothing else writes to it.
+async fn soak(args: SoakArgs) -> anyhow::Result<std::process::ExitCode> {
+    let dir = tempfile::Builder::new().prefix("etcd-soak-").tempdir()?;
+    let limits = EtcdLimits::default();
+    let etcd = {
+        let (path, limits) = (dir.path().to_path_buf(), limits.clone());
+        tokio::task::spawn_blocking(move || {
+            EtcdCluster::start_with_limits(&path, 1, None, Lifetime::Attached, &limits)
+        })
+        .await??
+    };
+    let r = lock_server::soak::run(
+        &etcd.endpoints(),
+        args.grants,
+        args.concurrency,
+        args.grant_retention_ms,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("etcd soak: {e}"))?;
+    let profile = profile();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "etcd-soak",
+                "profile": profile,
+                "etcd": {
+                    "auto_compaction_mode": "periodic",
+                    "auto_compaction_retention": limits.compaction_retention(),
+                    "quota_backend_bytes": limits.quota_backend_bytes(),
+                },
+                "report": r,
+            })
+        );
+    } else {
+        print_soak(&r, &limits, profile);
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+fn print_soak(r: &SoakReport, limits: &EtcdLimits, profile: &str) {
+    const MIB: f64 = 1024.0 * 1024.0;
+    println!(
+        "etcd-soak: {} grants (acquire+release), concurrency {}, {profile} build",
+        r.grants, r.concurrency
+    );
+    println!(
+        "etcd: auto-compaction periodic {}, quota {:.0} MiB; grant records kept {} ms",
+        limits.compaction_retention().unwrap_or("off"),
+        limits.quota_backend_bytes() as f64 / MIB,
+        r.grant_retention_ms
+    );
+    println!(
+        "{:<8} {:>9} {:>9} {:>12} {:>14} {:>10} {:>9} {:>7}",
+        "point", "grants", "elapsed s", "dbSize MiB", "inUse MiB", "revision", "records", "leases"
+    );
+    let row = |point: &str, grants: usize, elapsed_ms: u64, s: &EtcdStatus| {
+        println!(
+            "{:<8} {:>9} {:>9.1} {:>12.2} {:>14.2} {:>10} {:>9} {:>7}",
+            point,
+            grants,
+            elapsed_ms as f64 / 1000.0,
+            s.db_size_bytes as f64 / MIB,
+            s.db_size_in_use_bytes as f64 / MIB,
+            s.revision,
+            s.grant_records,
+            s.leases
+        );
+    };
+    row("before", 0, 0, &r.before);
+    let quarters = r.checkpoints.len().saturating_sub(1);
+    for (i, c) in r.checkpoints.iter().take(quarters).enumerate() {
+        row(
+            &format!("{}%", (i + 1) * 100 / (quarters + 1)),
+            c.grants,
+            c.elapsed_ms,
+            &c.status,
+        );
+    }
+    row("after", r.grants, r.elapsed_ms, &r.after);
+    println!(
+        "{:.0} grants/s; dbSize grew {:.2} MiB ({:.2} % of the quota); revision +{}",
+        r.grants_per_s,
+        r.db_size_growth_bytes() as f64 / MIB,
+        100.0 * r.db_size_growth_bytes() as f64 / limits.quota_backend_bytes() as f64,
+        r.after.revision - r.before.revision
+    );
 }

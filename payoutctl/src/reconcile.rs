@@ -28,7 +28,10 @@ pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
         proxydb: connect(target.proxydb.clone()).await?,
         gldb: connect(target.gldb.clone()).await?,
         rail_proxy_url: Some(target.proxy_url.clone()),
-        lock_grants: Some((target.etcd_endpoints.clone(), target.lock_prefix.clone())),
+        lock_grants: Some(reconciler::LockGrants::new(
+            target.etcd_endpoints.clone(),
+            target.lock_prefix.clone(),
+        )),
     })
 }
 

@@ -37,9 +37,40 @@ pub struct Sources {
     /// is checked against, as a real rail allows. (The fault suite's checker reads the rail
     /// stub's whole book instead; a production rail has no such book.)
     pub rail_proxy_url: Option<String>,
-    /// etcd endpoints and the lock-server's key prefix, for the grant records.
-    pub lock_grants: Option<(Vec<String>, String)>,
+    /// The lock service's grant records in etcd.
+    pub lock_grants: Option<LockGrants>,
 }
+
+/// Where the lock service's grant records are, and how far back they are kept.
+#[derive(Debug, Clone)]
+pub struct LockGrants {
+    pub etcd_endpoints: Vec<String>,
+    /// The lock-server's key prefix (`{prefix}grants/...`).
+    pub prefix: String,
+    /// INV-07's horizon: a record is demanded only for tokens first accepted at a guard within
+    /// this long before the run. It must stay inside the lock-server's grant-record retention
+    /// (`LOCK_GRANT_RETENTION_MS`), after which etcd deletes the records.
+    pub horizon_ms: u64,
+}
+
+impl LockGrants {
+    pub fn new(etcd_endpoints: Vec<String>, prefix: String) -> Self {
+        Self {
+            etcd_endpoints,
+            prefix,
+            horizon_ms: GRANT_HORIZON_MS_DEFAULT,
+        }
+    }
+}
+
+/// INV-07's default horizon: six days, one day inside the lock-server's default retention of a
+/// week. The day covers the time between a grant and its first use at a guard (a claim right
+/// after the acquire, or a retried one) and clock differences between the lock-server, which
+/// starts a record's retention, and the databases, which stamp acceptances.
+pub const GRANT_HORIZON_MS_DEFAULT: u64 = 6 * 24 * 3_600_000;
+/// Grant records are read from etcd in pages of this many keys: one response stays far below the
+/// gRPC message limit (4 MiB) however many records the retention window holds.
+pub const GRANT_RECORDS_PAGE: i64 = 5_000;
 
 #[derive(Debug, Clone, Default)]
 pub struct Options {
@@ -57,6 +88,8 @@ pub struct Check {
     pub violations: Vec<String>,
     /// Why the check could not run, if it could not (a missing source). Not a pass.
     pub skipped: Option<String>,
+    /// What the check deliberately left out, if anything (INV-07: tokens older than its horizon).
+    pub note: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -98,6 +131,9 @@ impl Report {
         for c in &self.checks {
             if let Some(why) = &c.skipped {
                 out.push_str(&format!("  {} skipped: {why}\n", c.name));
+            }
+            if let Some(note) = &c.note {
+                out.push_str(&format!("  {}: {note}\n", c.name));
             }
             for v in c.violations.iter().take(VIOLATIONS_SHOWN_MAX) {
                 out.push_str(&format!("  VIOLATION {}: {v}\n", c.name));
@@ -181,6 +217,7 @@ fn check(name: &'static str, invariant: &'static str) -> Check {
         examined: 0,
         violations: Vec::new(),
         skipped: None,
+        note: None,
     }
 }
 
@@ -796,60 +833,70 @@ fn normalize_decimal(value: &str) -> String {
 }
 
 /// INV-07's detective control: every token a guard accepted was minted by the lock service for
-/// that account's key (etcd keeps one permanent record per grant, whose create revision is the token).
+/// that account's key (etcd keeps one record per grant, whose create revision is the token). The
+/// records are kept for a retention window, so a record is demanded only for tokens first accepted
+/// within the horizon; older ones are counted and named in the check's note, never passed as checked.
 async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError> {
     let mut c = check("guard_tokens_were_granted", "INV-07");
-    let Some((endpoints, prefix)) = &sources.lock_grants else {
+    let Some(grants) = &sources.lock_grants else {
         c.skipped =
             Some("no etcd grant records given (PostgreSQL lock backend, or not configured)".into());
         return Ok(c);
     };
-    let mut client = etcd_client::Client::connect(endpoints, None).await?;
-    let grants_prefix = format!("{prefix}grants/");
-    let got = client
-        .get(
-            grants_prefix.clone(),
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_keys_only(),
-            ),
-        )
-        .await?;
-    let mut granted: HashMap<String, BTreeSet<i64>> = HashMap::new();
-    for kv in got.kvs() {
-        let key = String::from_utf8_lossy(kv.key());
-        if let Some(rest) = key.strip_prefix(&grants_prefix) {
-            if let Some((lock_key, _)) = rest.rsplit_once('/') {
-                granted
-                    .entry(lock_key.to_string())
-                    .or_default()
-                    .insert(kv.create_revision());
-            }
+    // The acceptances first, then the records: a token accepted while this runs was granted
+    // before it was accepted, so its record is already there when the records are read.
+    let now_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default();
+    let horizon_start_unix_ms = now_unix_ms - grants.horizon_ms as i64;
+    // (account, token) -> (first acceptance, what accepted it)
+    let mut presented: BTreeMap<(String, i64), (i64, String)> = BTreeMap::new();
+    let mut accept = |account: String, token: i64, at_unix_ms: i64, what: String| {
+        let entry = presented
+            .entry((account, token))
+            .or_insert((at_unix_ms, what.clone()));
+        if at_unix_ms < entry.0 {
+            *entry = (at_unix_ms, what);
         }
-    }
-    let mut presented: Vec<(String, i64, String)> = Vec::new();
-    for r in sqlx::query("SELECT account_id, fence_token, payout_id FROM rail_submission")
-        .fetch_all(&sources.proxydb)
-        .await
-        .map_err(store("proxydb"))?
+    };
+    for r in sqlx::query(
+        "SELECT account_id, fence_token, payout_id, \
+           (extract(epoch FROM created_at) * 1000)::bigint AS at_unix_ms FROM rail_submission",
+    )
+    .fetch_all(&sources.proxydb)
+    .await
+    .map_err(store("proxydb"))?
     {
-        presented.push((
+        accept(
             r.get("account_id"),
             r.get("fence_token"),
+            r.get("at_unix_ms"),
             format!("submission of {}", r.get::<String, _>("payout_id")),
-        ));
+        );
     }
     for r in sqlx::query(
-        "SELECT DISTINCT account_id, token FROM audit_event WHERE kind = 'transition' AND token IS NOT NULL",
+        "SELECT account_id, token, (extract(epoch FROM min(at)) * 1000)::bigint AS at_unix_ms \
+         FROM audit_event WHERE kind = 'transition' AND token IS NOT NULL GROUP BY account_id, token",
     )
     .fetch_all(&sources.paydb)
     .await
     .map_err(store("paydb"))?
     {
-        presented.push((r.get("account_id"), r.get("token"), "paydb transition".into()));
+        accept(
+            r.get("account_id"),
+            r.get("token"),
+            r.get("at_unix_ms"),
+            "paydb transition".into(),
+        );
     }
-    for (account, token, what) in presented {
+    let granted = grant_records(grants).await?;
+    let mut beyond_horizon = 0u64;
+    for ((account, token), (first_accepted_unix_ms, what)) in presented {
+        if first_accepted_unix_ms < horizon_start_unix_ms {
+            beyond_horizon += 1;
+            continue;
+        }
         c.examined += 1;
         let key = payout_domain::lock_key(
             &payout_domain::AccountId::parse(account.clone()).unwrap_or_else(|_| {
@@ -864,12 +911,104 @@ async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError>
                 .push(format!("{what}: token {token} for {key} was never granted"));
         }
     }
+    c.note = Some(format!(
+        "grant records are kept for a retention window: demanded for tokens first accepted within \
+         the last {} (horizon); {beyond_horizon} older token(s) not checked",
+        human_duration(grants.horizon_ms)
+    ));
     Ok(c)
+}
+
+/// Every grant record under the prefix, as lock key -> tokens, read page by page.
+async fn grant_records(
+    grants: &LockGrants,
+) -> Result<HashMap<String, BTreeSet<i64>>, ReconcileError> {
+    let mut client = etcd_client::Client::connect(&grants.etcd_endpoints, None).await?;
+    let grants_prefix = format!("{}grants/", grants.prefix);
+    let range_end = prefix_end(grants_prefix.as_bytes());
+    let mut granted: HashMap<String, BTreeSet<i64>> = HashMap::new();
+    let mut from = grants_prefix.as_bytes().to_vec();
+    loop {
+        let got = client
+            .get(
+                from.clone(),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_range(range_end.clone())
+                        .with_keys_only()
+                        .with_limit(GRANT_RECORDS_PAGE),
+                ),
+            )
+            .await?;
+        for kv in got.kvs() {
+            let key = String::from_utf8_lossy(kv.key());
+            if let Some(rest) = key.strip_prefix(&grants_prefix) {
+                if let Some((lock_key, _)) = rest.rsplit_once('/') {
+                    granted
+                        .entry(lock_key.to_string())
+                        .or_default()
+                        .insert(kv.create_revision());
+                }
+            }
+        }
+        match got.kvs().last() {
+            Some(last) if got.more() => {
+                // The next page starts just after the last key read.
+                from = last.key().to_vec();
+                from.push(0);
+            }
+            _ => return Ok(granted),
+        }
+    }
+}
+
+/// The first key after every key starting with `prefix` (etcd's range end for a prefix).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Every byte 0xff: no upper bound ("\0" is etcd's "to the end of the keyspace").
+    vec![0]
+}
+
+/// "6d", "36h", "90s": the largest whole unit.
+fn human_duration(ms: u64) -> String {
+    const UNITS: [(u64, &str); 4] = [
+        (86_400_000, "d"),
+        (3_600_000, "h"),
+        (60_000, "min"),
+        (1_000, "s"),
+    ];
+    for (unit_ms, name) in UNITS {
+        if ms >= unit_ms && ms.is_multiple_of(unit_ms) {
+            return format!("{}{name}", ms / unit_ms);
+        }
+    }
+    format!("{ms}ms")
 }
 
 #[cfg(test)]
 mod tests {
-    use super::normalize_decimal;
+    use super::{human_duration, normalize_decimal, prefix_end};
+
+    #[test]
+    fn prefix_end_is_the_first_key_after_the_prefix() {
+        assert_eq!(prefix_end(b"/p/grants/"), b"/p/grants0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+    }
+
+    #[test]
+    fn horizons_print_in_their_largest_whole_unit() {
+        assert_eq!(human_duration(6 * 86_400_000), "6d");
+        assert_eq!(human_duration(36 * 3_600_000), "36h");
+        assert_eq!(human_duration(90_000), "90s");
+        assert_eq!(human_duration(1_500), "1500ms");
+    }
 
     #[test]
     fn decimals_normalize() {

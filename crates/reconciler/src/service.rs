@@ -50,6 +50,10 @@ pub struct Config {
     pub etcd_endpoints: Vec<String>,
     #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = "/payout/lock/")]
     pub lock_prefix: String,
+    /// INV-07's horizon: grant records are demanded for tokens first accepted within this long.
+    /// Keep it inside the lock-server's `LOCK_GRANT_RETENTION_MS`, after which etcd deletes them.
+    #[arg(long, env = "RECONCILE_GRANT_HORIZON_MS", default_value_t = crate::GRANT_HORIZON_MS_DEFAULT)]
+    pub grant_horizon_ms: u64,
     #[arg(long, env = "LOCK_SERVER_URL")]
     pub lock_server_url: Option<String>,
     #[arg(long, env = "RAIL_PROXY_URL")]
@@ -135,8 +139,11 @@ impl Config {
             proxydb: service_kit::connect_pg(&self.proxydb_url).await?,
             gldb: service_kit::connect_pg(&self.gldb_url).await?,
             rail_proxy_url: self.rail_proxy_url.clone(),
-            lock_grants: (!self.etcd_endpoints.is_empty())
-                .then(|| (self.etcd_endpoints.clone(), self.lock_prefix.clone())),
+            lock_grants: (!self.etcd_endpoints.is_empty()).then(|| crate::LockGrants {
+                etcd_endpoints: self.etcd_endpoints.clone(),
+                prefix: self.lock_prefix.clone(),
+                horizon_ms: self.grant_horizon_ms,
+            }),
         })
     }
 }

@@ -14,6 +14,19 @@ use reconciler::{Options, Report, Sources};
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;
 
+/// Payouts here are driven by hand, so no workers.
+async fn system_without_workers() -> System {
+    System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 0,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
 async fn sources(system: &System) -> Sources {
     Sources {
         paydb: sqlx::PgPool::connect(&system.databases.paydb)
@@ -24,7 +37,10 @@ async fn sources(system: &System) -> Sources {
             .unwrap(),
         gldb: sqlx::PgPool::connect(&system.databases.gldb).await.unwrap(),
         rail_proxy_url: Some(system.proxy_url()),
-        lock_grants: Some((Stack::shared().etcd_endpoints(), system.etcd_prefix.clone())),
+        lock_grants: Some(reconciler::LockGrants::new(
+            Stack::shared().etcd_endpoints(),
+            system.etcd_prefix.clone(),
+        )),
     }
 }
 
@@ -142,15 +158,7 @@ async fn behind_the_back(url: &str, sql: &str) {
 
 #[tokio::test]
 async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
-    let system = System::start(
-        Stack::shared(),
-        SystemOptions {
-            workers: 0,
-            ..SystemOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let system = system_without_workers().await;
     pay(&system, "acct-r1", "po-r1", 1_250).await;
     pay(&system, "acct-r2", "po-r2", 700).await;
     drained(&system).await;
@@ -300,5 +308,85 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
     assert!(
         !violations(&report, "one_submission_per_payout").is_empty(),
         "unknown payout: {text}"
+    );
+}
+
+/// The check of a report, by name.
+fn check<'a>(report: &'a Report, name: &str) -> &'a reconciler::Check {
+    report
+        .checks
+        .iter()
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("no check {name}"))
+}
+
+/// INV-07 within its horizon only: the lock-server keeps grant records for a retention window, so
+/// the reconciler demands a record only for tokens first accepted within the horizon, and says
+/// how many older ones it did not check. The same ungranted token is reported once the horizon
+/// reaches back to it (the negative control), and an ungranted token accepted now always is.
+#[tokio::test]
+async fn grant_records_are_demanded_only_within_the_horizon() {
+    let system = system_without_workers().await;
+    pay(&system, "acct-h1", "po-h1", 500).await;
+    // Two submissions under a token nobody granted: one accepted two days ago, one now.
+    behind_the_back(
+        &system.databases.proxydb,
+        "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, currency, beneficiary_ref, created_at) \
+         VALUES ('po-old-ghost', 'acct-h1', 3, 'ghost', 'cref-po-old-ghost', 10, 'EUR', 'ben-1', now() - interval '2 days')",
+    )
+    .await;
+    let lenient = Options::default();
+    let mut src = sources(&system).await;
+    let one_day_ms = 24 * 3_600_000;
+    src.lock_grants.as_mut().unwrap().horizon_ms = one_day_ms;
+
+    let report = reconciler::reconcile(&src, &lenient).await.unwrap();
+    let text = report.render();
+    let c = check(&report, "guard_tokens_were_granted");
+    assert!(c.violations.is_empty(), "beyond the horizon: {text}");
+    assert!(
+        c.examined > 0,
+        "the real grant's tokens are examined: {text}"
+    );
+    let note = c.note.as_deref().unwrap_or_default();
+    assert!(
+        note.contains("1d") && note.contains("1 older token(s) not checked"),
+        "the output says what was left out: {text}"
+    );
+    assert!(text.contains("1 older token(s) not checked"), "{text}");
+
+    // Negative control: a horizon reaching back three days demands the old ghost's record.
+    src.lock_grants.as_mut().unwrap().horizon_ms = 3 * one_day_ms;
+    let report = reconciler::reconcile(&src, &lenient).await.unwrap();
+    let c = check(&report, "guard_tokens_were_granted");
+    assert!(
+        c.violations.iter().any(|v| v.contains("po-old-ghost")),
+        "{}",
+        report.render()
+    );
+
+    // An ungranted token accepted now is reported whatever the horizon.
+    behind_the_back(
+        &system.databases.proxydb,
+        "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, currency, beneficiary_ref) \
+         VALUES ('po-new-ghost', 'acct-h1', 4, 'ghost', 'cref-po-new-ghost', 10, 'EUR', 'ben-1')",
+    )
+    .await;
+    src.lock_grants.as_mut().unwrap().horizon_ms = one_day_ms;
+    let report = reconciler::reconcile(&src, &lenient).await.unwrap();
+    let c = check(&report, "guard_tokens_were_granted");
+    assert_eq!(
+        c.violations
+            .iter()
+            .filter(|v| v.contains("po-new-ghost"))
+            .count(),
+        1,
+        "{}",
+        report.render()
+    );
+    assert!(
+        !c.violations.iter().any(|v| v.contains("po-old-ghost")),
+        "{}",
+        report.render()
     );
 }

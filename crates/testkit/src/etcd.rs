@@ -11,6 +11,70 @@ use crate::util::{free_port, http_get, wait_blocking};
 /// A member's first start, or a restart that replays its WAL.
 pub const READY_TIMEOUT_MS: u64 = 60_000;
 
+/// History etcd keeps for the tests and the local stack (`--auto-compaction-mode periodic`). The
+/// lock-server reads history only through a watch opened from a revision it read milliseconds
+/// before, and handles a compacted start by reading again; one second is enough for that, makes
+/// compaction happen inside every test that waits for a lock (so the compacted path is exercised,
+/// not just written), and keeps a soak of thousands of grants bounded within seconds. The compose
+/// deployment keeps five minutes (`docker-compose.yml`).
+pub const AUTO_COMPACTION_RETENTION: &str = "1s";
+/// Backend quota of the tests and the local stack. The largest test run (a chaos run of thousands
+/// of payouts, or the lock-server's soak) keeps a few MiB live; 256 MiB is two orders of magnitude
+/// above that, so a run that reaches the quota (etcd raises `NOSPACE` and refuses writes, and the
+/// lock service fails closed) has found a leak, and the bound is still small for a CI disk.
+pub const QUOTA_BACKEND_BYTES: u64 = 256 * 1024 * 1024;
+
+/// How an etcd member bounds its database: compacted history and a backend quota. Every etcd the
+/// testkit starts gets these flags; [`EtcdLimits::args`] also serves the tests that run etcd
+/// themselves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdLimits {
+    /// `--auto-compaction-retention` (periodic); `None` only in a test's negative control.
+    compaction_retention: Option<String>,
+    quota_backend_bytes: u64,
+}
+
+impl Default for EtcdLimits {
+    fn default() -> Self {
+        Self {
+            compaction_retention: Some(AUTO_COMPACTION_RETENTION.to_string()),
+            quota_backend_bytes: QUOTA_BACKEND_BYTES,
+        }
+    }
+}
+
+impl EtcdLimits {
+    /// Test-only negative control: history is never compacted, so the database grows with every
+    /// revision. No binary offers this; it exists to show what compaction is worth.
+    #[doc(hidden)]
+    pub fn without_compaction_for_tests(mut self) -> Self {
+        self.compaction_retention = None;
+        self
+    }
+
+    pub fn quota_backend_bytes(&self) -> u64 {
+        self.quota_backend_bytes
+    }
+
+    pub fn compaction_retention(&self) -> Option<&str> {
+        self.compaction_retention.as_deref()
+    }
+
+    /// The etcd flags. Compaction off is stated explicitly (retention 0), never left to a default.
+    pub fn args(&self) -> Vec<String> {
+        vec![
+            "--auto-compaction-mode".into(),
+            "periodic".into(),
+            "--auto-compaction-retention".into(),
+            self.compaction_retention
+                .clone()
+                .unwrap_or_else(|| "0".into()),
+            "--quota-backend-bytes".into(),
+            self.quota_backend_bytes.to_string(),
+        ]
+    }
+}
+
 pub struct EtcdMember {
     pub name: String,
     pub client_port: u16,
@@ -52,6 +116,17 @@ impl EtcdCluster {
         count: usize,
         client_ports: Option<Vec<u16>>,
         lifetime: Lifetime,
+    ) -> anyhow::Result<Self> {
+        Self::start_with_limits(dir, count, client_ports, lifetime, &EtcdLimits::default())
+    }
+
+    /// [`EtcdCluster::start`] with explicit limits (the soak's negative control turns compaction off).
+    pub fn start_with_limits(
+        dir: &Path,
+        count: usize,
+        client_ports: Option<Vec<u16>>,
+        lifetime: Lifetime,
+        limits: &EtcdLimits,
     ) -> anyhow::Result<Self> {
         anyhow::ensure!(
             count == 1 || count == 3 || count == 5,
@@ -103,6 +178,7 @@ impl EtcdCluster {
             .args(["--initial-cluster-token", &token])
             // Short election timings so a leader kill is survived in about a second.
             .args(["--heartbeat-interval", "100", "--election-timeout", "1000"])
+            .args(limits.args())
             .args(["--log-level", "warn", "--logger", "zap"])
             .lifetime(lifetime);
             let process = ManagedProcess::start(spec)?;
@@ -224,17 +300,33 @@ impl EtcdCluster {
         Ok(r.header().map(|h| h.revision()).unwrap_or_default())
     }
 
-    /// Revokes every lease the cluster knows (after a restore: the snapshot's, whose owners are
-    /// not keeping a restored cluster alive, or must not be trusted to). Returns how many.
-    pub async fn revoke_all_leases(&self) -> anyhow::Result<usize> {
+    /// Step 7 of the restore procedure: revokes every session lease the cluster knows (after a
+    /// restore: the snapshot's, whose owners are not keeping a restored cluster alive, or must not
+    /// be trusted to). Grant-record retention leases are kept: each carries the lock-server's
+    /// marker key `{prefix}retention/{lease id}`, and revoking one would delete the INV-07 grant
+    /// records attached to it. Returns how many leases were revoked.
+    pub async fn revoke_session_leases(&self) -> anyhow::Result<usize> {
         let mut client = etcd_client::Client::connect(self.endpoints(), None).await?;
         let leases = client.leases().await?;
         let ids: Vec<i64> = leases.leases().iter().map(|l| l.id()).collect();
-        for id in &ids {
+        let mut revoked = 0;
+        for id in ids {
+            let marker = format!("/retention/{id}");
+            let keys = client
+                .lease_time_to_live(
+                    id,
+                    Some(etcd_client::LeaseTimeToLiveOptions::new().with_keys()),
+                )
+                .await?;
+            if keys.keys().iter().any(|k| k.ends_with(marker.as_bytes())) {
+                continue;
+            }
             // A lease that expired in the meantime is already gone: not an error.
-            let _ = client.lease_revoke(*id).await;
+            if client.lease_revoke(id).await.is_ok() {
+                revoked += 1;
+            }
         }
-        Ok(ids.len())
+        Ok(revoked)
     }
 
     pub fn endpoints(&self) -> Vec<String> {

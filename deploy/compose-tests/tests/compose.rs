@@ -357,7 +357,7 @@ async fn reconcile(ports: &Ports) -> anyhow::Result<()> {
         proxydb: pg(ports.proxydb, "proxydb").await?,
         gldb: pg(ports.paydb, "gldb").await?,
         rail_proxy_url: Some(format!("http://127.0.0.1:{}", ports.proxy)),
-        lock_grants: Some((
+        lock_grants: Some(reconciler::LockGrants::new(
             ports
                 .etcd
                 .iter()

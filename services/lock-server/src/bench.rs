@@ -65,6 +65,38 @@ fn stats(mut samples_us: Vec<u64>, elapsed: Duration) -> LatencyStats {
     }
 }
 
+/// One grant through the service: acquire without waiting (the key is the caller's own), release.
+pub(crate) async fn acquire_and_release(
+    client: &mut pb::lock_service_client::LockServiceClient<tonic::transport::Channel>,
+    key: &str,
+    owner: &str,
+    session_id: &str,
+) -> Result<(), tonic::Status> {
+    let acquired = client
+        .acquire(pb::AcquireRequest {
+            key: key.to_string(),
+            owner: owner.to_string(),
+            session_id: session_id.to_string(),
+            wait_ms: 0,
+        })
+        .await?
+        .into_inner();
+    let Some(pb::acquire_response::Result::Grant(grant)) = acquired.result else {
+        return Err(tonic::Status::aborted("benchmark key unexpectedly held"));
+    };
+    client
+        .release(pb::ReleaseRequest {
+            handle: Some(pb::Handle {
+                key: grant.key,
+                owner: grant.owner,
+                session_id: grant.session_id,
+                token: grant.token,
+            }),
+        })
+        .await?;
+    Ok(())
+}
+
 pub async fn run(
     etcd_endpoints: &[String],
     iterations: usize,
@@ -79,6 +111,7 @@ pub async fn run(
         backend: BackendConfig::Etcd {
             endpoints: etcd_endpoints.to_vec(),
             prefix: format!("{prefix}svc/"),
+            grant_retention_ms: crate::backend::etcd::GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: dir.path().join("issued-tokens.json"),
     };
@@ -105,29 +138,7 @@ pub async fn run(
             let mut samples = Vec::with_capacity(per_worker);
             for i in 0..per_worker + WARMUP_ITERATIONS {
                 let t0 = Instant::now();
-                let acquired = client
-                    .acquire(pb::AcquireRequest {
-                        key: key.clone(),
-                        owner: owner.clone(),
-                        session_id: session.session_id.clone(),
-                        wait_ms: 0,
-                    })
-                    .await?
-                    .into_inner();
-                let Some(pb::acquire_response::Result::Grant(grant)) = acquired.result else {
-                    return Err(tonic::Status::aborted("benchmark key unexpectedly held"));
-                };
-                let handle = pb::Handle {
-                    key: grant.key,
-                    owner: grant.owner,
-                    session_id: grant.session_id,
-                    token: grant.token,
-                };
-                client
-                    .release(pb::ReleaseRequest {
-                        handle: Some(handle),
-                    })
-                    .await?;
+                acquire_and_release(&mut client, &key, &owner, &session.session_id).await?;
                 if i >= WARMUP_ITERATIONS {
                     samples.push(t0.elapsed().as_micros() as u64);
                 }

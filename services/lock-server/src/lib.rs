@@ -11,6 +11,7 @@ pub mod checker;
 pub mod error;
 pub mod issued;
 pub mod service;
+pub mod soak;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -29,6 +30,9 @@ pub enum BackendConfig {
     Etcd {
         endpoints: Vec<String>,
         prefix: String,
+        /// How long grant records (INV-07 evidence) are kept; see
+        /// [`backend::etcd::GRANT_RETENTION_MS_DEFAULT`].
+        grant_retention_ms: u64,
     },
     Postgres {
         database_url: String,
@@ -49,9 +53,13 @@ pub async fn build(
     metrics: &service_kit::Metrics,
 ) -> Result<LockServiceImpl, LockError> {
     let backend = match &config.backend {
-        BackendConfig::Etcd { endpoints, prefix } => {
-            Backend::Etcd(Box::new(EtcdBackend::connect(endpoints, prefix).await?))
-        }
+        BackendConfig::Etcd {
+            endpoints,
+            prefix,
+            grant_retention_ms,
+        } => Backend::Etcd(Box::new(
+            EtcdBackend::connect(endpoints, prefix, *grant_retention_ms).await?,
+        )),
         BackendConfig::Postgres { database_url } => {
             Backend::Postgres(PgBackend::connect(database_url).await?)
         }

@@ -31,6 +31,10 @@ struct Args {
     etcd_endpoints: Vec<String>,
     #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = "/payout/lock/")]
     etcd_prefix: String,
+    /// How long etcd keeps each grant record (the reconciler's INV-07 evidence) before deleting it
+    /// with its retention lease. The reconciler's horizon must stay inside it.
+    #[arg(long, env = "LOCK_GRANT_RETENTION_MS", default_value_t = lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT)]
+    grant_retention_ms: u64,
     /// lockdb URL, for `--backend postgres`.
     #[arg(long, env = "LOCK_DATABASE_URL")]
     database_url: Option<String>,
@@ -52,6 +56,7 @@ async fn main() -> anyhow::Result<()> {
         BackendKind::Etcd => lock_server::BackendConfig::Etcd {
             endpoints: args.etcd_endpoints,
             prefix: args.etcd_prefix,
+            grant_retention_ms: args.grant_retention_ms,
         },
         BackendKind::Postgres => lock_server::BackendConfig::Postgres {
             database_url: args

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lock_client::{Acquired, ClientError, FencingToken, Grant, LockClient, Rejection, Session};
+use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
 use lock_server::checker::{self, GrantRecord};
 use lock_server::{BackendConfig, Config, InProcess};
 use rand::RngExt;
@@ -33,6 +34,7 @@ async fn start(kind: Kind) -> Server {
         Kind::Etcd => BackendConfig::Etcd {
             endpoints: stack.etcd_endpoints(),
             prefix: stack.unique_prefix("lock"),
+            grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
         Kind::Postgres => BackendConfig::Postgres {
             database_url: stack.fresh_db(PgServer::Main).await,
@@ -553,6 +555,7 @@ async fn etcd_three_members_leader_killed_mid_run() {
     let s = start_with(BackendConfig::Etcd {
         endpoints,
         prefix: "/leader-kill/".into(),
+        grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
     })
     .await;
     // A long-lived holder whose session must survive the election.
@@ -620,6 +623,7 @@ fn etcd_spec(
             "--initial-cluster-token",
             "restore-test",
         ])
+        .args(testkit::etcd::EtcdLimits::default().args())
         .args(["--log-level", "warn", "--logger", "zap"])
 }
 
@@ -684,6 +688,7 @@ async fn grant_via(
         backend: BackendConfig::Etcd {
             endpoints: vec![endpoint.to_string()],
             prefix: "/restore/".into(),
+            grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: issued.to_path_buf(),
     };
@@ -835,6 +840,424 @@ async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
         "no new alarm after the procedure"
     );
     s.server.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A bounded backend: compacted history, grant records kept for a retention window
+
+async fn etcd(endpoints: &[String]) -> etcd_client::Client {
+    etcd_client::Client::connect(endpoints, None).await.unwrap()
+}
+
+/// The grant records under `prefix`: (key, create revision), in key order.
+async fn records(endpoints: &[String], prefix: &str) -> Vec<(String, u64)> {
+    let got = etcd(endpoints)
+        .await
+        .get(
+            format!("{prefix}grants/"),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
+        .await
+        .unwrap();
+    got.kvs()
+        .iter()
+        .map(|kv| {
+            (
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                kv.create_revision() as u64,
+            )
+        })
+        .collect()
+}
+
+/// The tokens (create revisions) of the grant records under `prefix`, in order.
+async fn record_tokens(endpoints: &[String], prefix: &str) -> Vec<u64> {
+    let mut tokens: Vec<u64> = records(endpoints, prefix)
+        .await
+        .into_iter()
+        .map(|(_, token)| token)
+        .collect();
+    tokens.sort_unstable();
+    tokens
+}
+
+/// The retention leases whose markers are under `prefix`.
+async fn retention_leases(endpoints: &[String], prefix: &str) -> Vec<i64> {
+    let got = etcd(endpoints)
+        .await
+        .get(
+            format!("{prefix}retention/"),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    got.kvs().iter().map(|kv| kv.lease()).collect()
+}
+
+async fn lease_alive(endpoints: &[String], lease: i64) -> bool {
+    etcd(endpoints)
+        .await
+        .lease_time_to_live(lease, None)
+        .await
+        .unwrap()
+        .ttl()
+        > 0
+}
+
+fn unix_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+async fn start_retaining(prefix: &str, grant_retention_ms: u64) -> Server {
+    start_with(BackendConfig::Etcd {
+        endpoints: Stack::shared().etcd_endpoints(),
+        prefix: prefix.to_string(),
+        grant_retention_ms,
+    })
+    .await
+}
+
+/// etcd compacts its history (every test etcd keeps one second of it). A waiter watches the held
+/// key from the revision at which it saw it held; when that revision was compacted away before
+/// the watch started, the wait must end at once so the service reads the key again, instead of
+/// waiting for a deletion event etcd can no longer send. Control: from a revision still in
+/// history, the same wait lasts until its deadline while the key stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_waiter_whose_watch_start_was_compacted_reads_the_key_again() {
+    use lock_server::backend::{Backend, WaitFrom};
+    let endpoints = Stack::shared().etcd_endpoints();
+    let s = start(Kind::Etcd).await;
+    let holder = s
+        .client
+        .open_session("holder", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let held = grant(&holder, "compacted").await;
+    let Backend::Etcd(backend) = s.server.service.backend() else {
+        unreachable!()
+    };
+    let mut etcd = etcd(&endpoints).await;
+    let seen = etcd
+        .get("/compaction-probe", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+
+    let wait = Duration::from_millis(1_500);
+    let started = Instant::now();
+    backend
+        .wait_for_release("compacted", &WaitFrom::Revision(seen), started + wait)
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() >= wait - Duration::from_millis(50),
+        "control: a watch from a revision in history waits for its deadline ({:?})",
+        started.elapsed()
+    );
+
+    for _ in 0..3 {
+        etcd.put("/compaction-probe", "x", None).await.unwrap();
+    }
+    let now = etcd
+        .get("/compaction-probe", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    // Compacting twice at the same revision is refused; the test etcd's own compactor may have
+    // got there first, which is as good.
+    let _ = etcd.compact(now, None).await;
+    let started = Instant::now();
+    backend
+        .wait_for_release(
+            "compacted",
+            &WaitFrom::Revision(seen),
+            started + Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a compacted watch start must end the wait at once, not at the deadline ({:?})",
+        started.elapsed()
+    );
+    let d = s.client.describe("compacted").await.unwrap();
+    assert_eq!((d.held, d.token), (true, held.token().get()));
+    // The service path: another owner waits, the holder releases, the waiter is granted.
+    let waiter = s
+        .client
+        .open_session("waiter", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        held.release().await.unwrap();
+    };
+    let (acquired, ()) = tokio::join!(
+        waiter.acquire("compacted", Duration::from_secs(10)),
+        release
+    );
+    assert!(matches!(acquired.unwrap(), Acquired::Granted(_)));
+    s.server.stop().await;
+}
+
+/// Every grant record is attached to a retention lease: it is there for the whole retention
+/// window (the reconciler's INV-07 horizon lies inside it), and etcd deletes it after at most the
+/// window plus one rotation period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_grant_records_are_kept_for_the_retention_window_then_deleted() {
+    use lock_server::backend::etcd::{GRANT_RETENTION_MS_MIN, RETENTION_LEASES_PER_WINDOW};
+    let endpoints = Stack::shared().etcd_endpoints();
+    let prefix = Stack::shared().unique_prefix("retention");
+    let window = Duration::from_millis(GRANT_RETENTION_MS_MIN);
+    let rotation = window / RETENTION_LEASES_PER_WINDOW as u32;
+    let s = start_retaining(&prefix, GRANT_RETENTION_MS_MIN).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let g = grant(&a, "k").await;
+    let granted_at = Instant::now();
+    let token = g.token().get();
+    g.release().await.unwrap();
+    assert_eq!(record_tokens(&endpoints, &prefix).await, vec![token]);
+    assert_eq!(retention_leases(&endpoints, &prefix).await.len(), 1);
+
+    tokio::time::sleep_until((granted_at + window - Duration::from_secs(1)).into()).await;
+    assert_eq!(
+        record_tokens(&endpoints, &prefix).await,
+        vec![token],
+        "kept for the whole window"
+    );
+    // etcd checks lease expiry every 500 ms; a loaded machine gets a few seconds more.
+    testkit::eventually(rotation + Duration::from_secs(8), "record deleted", || {
+        let (endpoints, prefix) = (endpoints.clone(), prefix.clone());
+        async move {
+            record_tokens(&endpoints, &prefix)
+                .await
+                .is_empty()
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        granted_at.elapsed() >= window,
+        "deleted only after the window"
+    );
+    assert!(retention_leases(&endpoints, &prefix).await.is_empty());
+    a.close().await.unwrap();
+    s.server.stop().await;
+}
+
+/// etcd 3.4 restarts a lease's TTL on every leader change, so the TTL alone does not bound how
+/// long records stay. A retention lease whose marker says its window is over is revoked by the
+/// next rotation of any lock-server on the prefix, even though etcd still gives it an hour.
+/// Control: a lease whose window is not over is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_retention_leases_past_their_window_are_revoked_whatever_their_ttl() {
+    use lock_server::backend::etcd::GRANT_RETENTION_MS_MIN;
+    let endpoints = Stack::shared().etcd_endpoints();
+    let prefix = Stack::shared().unique_prefix("sweep");
+    let mut etcd = etcd(&endpoints).await;
+    let plant = |expires_unix_ms: i64, record: &'static str| {
+        let prefix = prefix.clone();
+        let mut etcd = etcd.clone();
+        async move {
+            let lease = etcd.lease_grant(3_600, None).await.unwrap().id();
+            let marker = serde_json::json!({
+                "lease_id": lease,
+                "created_unix_ms": expires_unix_ms - 20_000,
+                "expires_unix_ms": expires_unix_ms,
+            });
+            let with_lease = Some(etcd_client::PutOptions::new().with_lease(lease));
+            etcd.put(
+                format!("{prefix}retention/{lease}"),
+                marker.to_string(),
+                with_lease.clone(),
+            )
+            .await
+            .unwrap();
+            etcd.put(format!("{prefix}grants/{record}/planted"), "{}", with_lease)
+                .await
+                .unwrap();
+            lease
+        }
+    };
+    let stale = plant(unix_now_ms() - 1, "stale").await;
+    let live = plant(unix_now_ms() + 3_600_000, "live").await;
+    assert_eq!(record_tokens(&endpoints, &prefix).await.len(), 2);
+
+    let s = start_retaining(&prefix, GRANT_RETENTION_MS_MIN).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let g = grant(&a, "k").await;
+    assert!(
+        !lease_alive(&endpoints, stale).await,
+        "past its window: revoked"
+    );
+    assert!(
+        lease_alive(&endpoints, live).await,
+        "control: inside its window"
+    );
+    let keys: Vec<String> = records(&endpoints, &prefix)
+        .await
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(keys[0].contains("grants/k/"), "{keys:?}");
+    assert!(keys[1].ends_with("grants/live/planted"), "{keys:?}");
+    g.release().await.unwrap();
+    etcd.lease_revoke(live).await.unwrap();
+    a.close().await.unwrap();
+    s.server.stop().await;
+}
+
+/// An operator (or a restore) revoking the lease grant records are attached to does not stop
+/// grants, nor is it mistaken for the session's loss: the lock-server makes a new retention lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_grant_after_its_retention_lease_was_revoked_makes_a_new_one() {
+    use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
+    let endpoints = Stack::shared().etcd_endpoints();
+    let prefix = Stack::shared().unique_prefix("revoked-retention");
+    let s = start_retaining(&prefix, GRANT_RETENTION_MS_DEFAULT).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let first = grant(&a, "k").await;
+    first.release().await.unwrap();
+    let leases = retention_leases(&endpoints, &prefix).await;
+    assert_eq!(leases.len(), 1);
+    etcd(&endpoints)
+        .await
+        .lease_revoke(leases[0])
+        .await
+        .unwrap();
+    assert!(
+        record_tokens(&endpoints, &prefix).await.is_empty(),
+        "the records went with their lease"
+    );
+
+    let second = grant(&a, "k").await;
+    assert!(second.token() > first.token());
+    assert_eq!(
+        record_tokens(&endpoints, &prefix).await,
+        vec![second.token().get()]
+    );
+    let now = retention_leases(&endpoints, &prefix).await;
+    assert_eq!(now.len(), 1);
+    assert_ne!(now[0], leases[0]);
+    second.release().await.unwrap();
+    a.close().await.unwrap();
+    s.server.stop().await;
+}
+
+/// The short soak: enough grants that a database growing with every grant is plain (about
+/// 700 bytes a grant without compaction), in about fifteen seconds of a debug build.
+const SOAK_GRANTS: usize = 5_000;
+const SOAK_CONCURRENCY: usize = 8;
+/// The soak's database must stay within a sixty-fourth of the test quota (4 MiB). Its two-second
+/// record window holds about a thousand records (about 1 MiB with compacted history); the rest is
+/// room for a faster machine, which keeps more records in the same window.
+const SOAK_DB_SIZE_MAX_BYTES: i64 = (testkit::etcd::QUOTA_BACKEND_BYTES / 64) as i64;
+
+/// The soak on an etcd of its own with `limits`, grant records kept the shortest window.
+async fn soak_on(limits: testkit::etcd::EtcdLimits) -> lock_server::soak::SoakReport {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = {
+        let path = dir.path().to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            testkit::etcd::EtcdCluster::start_with_limits(
+                &path,
+                1,
+                None,
+                testkit::Lifetime::Attached,
+                &limits,
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap()
+    };
+    let report = lock_server::soak::run(
+        &etcd.endpoints(),
+        SOAK_GRANTS,
+        SOAK_CONCURRENCY,
+        lock_server::backend::etcd::GRANT_RETENTION_MS_MIN,
+    )
+    .await
+    .unwrap();
+    for m in &etcd.members {
+        m.process.kill().unwrap();
+    }
+    report
+}
+
+/// dbSize growth over the first half of a soak and over the second half.
+fn growth_by_half(r: &lock_server::soak::SoakReport) -> (i64, i64) {
+    let half = &r.checkpoints[lock_server::soak::CHECKPOINTS / 2 - 1];
+    assert!(half.grants >= r.grants / 2 && half.grants < r.grants);
+    (
+        half.status.db_size_bytes - r.before.db_size_bytes,
+        r.after.db_size_bytes - half.status.db_size_bytes,
+    )
+}
+
+/// The lock backend does not grow without bound: with compaction and grant-record retention,
+/// etcd's database stops growing once the retention window is full (the second half of the run
+/// adds next to nothing) and stays within a small share of the quota, while the revision (every
+/// token) keeps rising. Negative control: the same run on an etcd that never compacts grows as
+/// fast in its second half as in its first, to a database several times larger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_soak_database_stays_bounded_and_grows_without_compaction() {
+    let bounded = soak_on(testkit::etcd::EtcdLimits::default()).await;
+    println!("bounded: {}", serde_json::to_string(&bounded).unwrap());
+    let control =
+        soak_on(testkit::etcd::EtcdLimits::default().without_compaction_for_tests()).await;
+    println!(
+        "no compaction: {}",
+        serde_json::to_string(&control).unwrap()
+    );
+    for r in [&bounded, &control] {
+        assert_eq!(r.grants, SOAK_GRANTS);
+        assert!(
+            r.after.revision - r.before.revision >= 2 * SOAK_GRANTS as i64,
+            "every grant is a new token"
+        );
+        assert!(
+            r.after.grant_records < SOAK_GRANTS as i64 / 2,
+            "records past their window are gone: {}",
+            r.after.grant_records
+        );
+    }
+
+    let (first, second) = growth_by_half(&bounded);
+    assert!(
+        bounded.after.db_size_bytes <= SOAK_DB_SIZE_MAX_BYTES,
+        "dbSize {} above {SOAK_DB_SIZE_MAX_BYTES}",
+        bounded.after.db_size_bytes
+    );
+    assert!(
+        second <= first / 4,
+        "the database must level off once the window is full: +{first} then +{second} bytes"
+    );
+
+    let (control_first, control_second) = growth_by_half(&control);
+    assert!(
+        control_second >= control_first / 2,
+        "control: without compaction the second half grows like the first: +{control_first} then +{control_second}"
+    );
+    assert!(
+        control.db_size_growth_bytes() >= 2 * bounded.db_size_growth_bytes(),
+        "control: without compaction the same run grows the database measurably more: {} vs {} bytes",
+        control.db_size_growth_bytes(),
+        bounded.db_size_growth_bytes()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1037,6 +1460,7 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
                 let backend = BackendConfig::Etcd {
                     endpoints: endpoints.clone(),
                     prefix: prefix.clone(),
+                    grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
                 };
                 (backend, LockStore::Etcd { endpoints, prefix })
             }

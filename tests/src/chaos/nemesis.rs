@@ -649,7 +649,7 @@ async fn restore_procedure(
     .await?;
     let highest_seen = revision_before.max(fences).max(high_waters) + RESTORE_REVISION_MARGIN;
     let reached = stack.etcd.advance_revision_past(highest_seen).await?;
-    stack.etcd.revoke_all_leases().await?;
+    stack.etcd.revoke_session_leases().await?;
     let all_deadlines_passed =
         stopped + Duration::from_millis(WORKER_LOCK_TTL_MS + DEADLINE_SLACK_MS);
     tokio::time::sleep_until(all_deadlines_passed.into()).await;

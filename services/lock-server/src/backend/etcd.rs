@@ -29,12 +29,48 @@ pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// between is retried this many times before the operator is told to try again.
 pub const REVOKE_ATTEMPTS_MAX: usize = 3;
 
+/// How long a grant record is kept by default: the reconciler's INV-07 horizon (tokens first
+/// accepted at a guard within it must have a record) is one day inside this week, and a week of
+/// records fits the compose deployment's quota at the rates the ARCHITECTURE sizing states.
+pub const GRANT_RETENTION_MS_DEFAULT: u64 = 7 * 24 * 3_600_000;
+/// Shortest retention, for tests and the soak: etcd's shortest lease is two seconds with the
+/// election timings used here (1.5 election timeouts, rounded up to whole seconds), and a window
+/// this short still lets a test see a record before it goes. Deployments keep days.
+pub const GRANT_RETENTION_MS_MIN: u64 = 2_000;
+/// Longest retention: beyond a month the quota, not the window, would decide how long records
+/// stay (a month at the compose deployment's rates is already most of its quota).
+pub const GRANT_RETENTION_MS_MAX: u64 = 31 * 24 * 3_600_000;
+/// Retention leases per window. Records written while a lease is current (one rotation period,
+/// window / N) are attached to it, and the lease lives window + period: every record is kept at
+/// least the window and at most (1 + 1/N) of it. Seven gives one lease a day at the default week,
+/// so at most eight leases per lock-server are alive and the bound is a seventh above the window.
+pub const RETENTION_LEASES_PER_WINDOW: u64 = 7;
+
 /// What the key's value records: the holder. The session is the lease too; it is repeated here so
 /// compare-and-delete can compare one value.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 struct Entry {
     owner: String,
     session_id: String,
+}
+
+/// The value of `{prefix}retention/{lease id}`, a key attached to its own retention lease: which
+/// lease holds grant records and until when it may live. Lets any lock-server revoke a retention
+/// lease by age (etcd 3.4 resets a lease's remaining TTL on every leader change, so the TTL alone
+/// does not bound how long records stay), and tells operators which leases not to revoke after a
+/// restore (RESTORE.md).
+#[derive(Debug, Serialize, Deserialize)]
+struct RetentionMarker {
+    lease_id: i64,
+    created_unix_ms: i64,
+    expires_unix_ms: i64,
+}
+
+/// The retention lease new grant records are attached to, and when this process made it.
+#[derive(Debug, Clone, Copy)]
+struct RetentionLease {
+    id: i64,
+    made: Instant,
 }
 
 #[derive(Debug, Serialize)]
@@ -59,6 +95,11 @@ pub struct EtcdBackend {
     /// Granted TTL per lease, as seen by this process: only to report expiry hints without an
     /// extra round trip. Never used to decide anything.
     granted_ttl_ms: Mutex<HashMap<i64, u64>>,
+    /// How long grant records are kept (see [`GRANT_RETENTION_MS_DEFAULT`]).
+    grant_retention_ms: u64,
+    /// The current retention lease; replaced every rotation period. Held across the rotation's
+    /// etcd calls, so concurrent acquires wait for one new lease instead of each making one.
+    retention: tokio::sync::Mutex<Option<RetentionLease>>,
 }
 
 fn backend_err(e: impl std::fmt::Display) -> LockError {
@@ -98,12 +139,23 @@ pub(crate) fn parse_lease(session_id: &str) -> Result<i64, LockError> {
 }
 
 impl EtcdBackend {
-    /// `prefix` namespaces every key this server writes (`{prefix}locks/...`, `{prefix}audit/...`).
-    pub async fn connect(endpoints: &[String], prefix: &str) -> Result<Self, LockError> {
+    /// `prefix` namespaces every key this server writes (`{prefix}locks/...`, `{prefix}audit/...`,
+    /// `{prefix}grants/...`, `{prefix}retention/...`); grant records are kept `grant_retention_ms`.
+    pub async fn connect(
+        endpoints: &[String],
+        prefix: &str,
+        grant_retention_ms: u64,
+    ) -> Result<Self, LockError> {
         if endpoints.is_empty() {
             return Err(LockError::invalid(
                 "etcd_endpoints",
                 "at least one endpoint",
+            ));
+        }
+        if !(GRANT_RETENTION_MS_MIN..=GRANT_RETENTION_MS_MAX).contains(&grant_retention_ms) {
+            return Err(LockError::invalid(
+                "grant_retention_ms",
+                format!("must be within {GRANT_RETENTION_MS_MIN}..={GRANT_RETENTION_MS_MAX}"),
             ));
         }
         let mut last_error = None;
@@ -129,6 +181,8 @@ impl EtcdBackend {
             current: tokio::sync::Mutex::new(current),
             prefix,
             granted_ttl_ms: Mutex::new(HashMap::new()),
+            grant_retention_ms,
+            retention: tokio::sync::Mutex::new(None),
         })
     }
 
@@ -199,9 +253,149 @@ impl EtcdBackend {
         format!("{}locks/{key}", self.prefix)
     }
 
-    /// `{prefix}grants/{key}/{uuid}`: one permanent record per minted grant (see `try_acquire`).
+    /// `{prefix}grants/{key}/{uuid}`: one record per minted grant, kept for the retention window
+    /// (see `try_acquire`).
     pub fn grants_prefix(&self) -> String {
         format!("{}grants/", self.prefix)
+    }
+
+    /// `{prefix}retention/`: one [`RetentionMarker`] per live retention lease.
+    pub fn retention_prefix(&self) -> String {
+        format!("{}retention/", self.prefix)
+    }
+
+    pub fn grant_retention_ms(&self) -> u64 {
+        self.grant_retention_ms
+    }
+
+    /// How long one retention lease takes new records.
+    fn rotation_ms(&self) -> u64 {
+        self.grant_retention_ms / RETENTION_LEASES_PER_WINDOW
+    }
+
+    /// The retention lease for a record written now: the current one, or a new one once the
+    /// current one has taken records for a rotation period.
+    async fn retention_lease(&self) -> Result<i64, LockError> {
+        let mut current = self.retention.lock().await;
+        if let Some(lease) = *current {
+            if lease.made.elapsed() < Duration::from_millis(self.rotation_ms()) {
+                return Ok(lease.id);
+            }
+        }
+        let id = self.new_retention_lease().await?;
+        *current = Some(RetentionLease {
+            id,
+            made: Instant::now(),
+        });
+        drop(current);
+        self.sweep_retention_leases().await;
+        Ok(id)
+    }
+
+    /// Forgets `id` as the current retention lease (it is gone: revoked by an operator, or lost
+    /// to a restore), so the next grant makes a new one.
+    async fn forget_retention_lease(&self, id: i64) {
+        let mut current = self.retention.lock().await;
+        if current.is_some_and(|lease| lease.id == id) {
+            *current = None;
+        }
+    }
+
+    async fn new_retention_lease(&self) -> Result<i64, LockError> {
+        let lifetime_ms = self.grant_retention_ms + self.rotation_ms();
+        let ttl_s = lifetime_ms.div_ceil(1000) as i64;
+        let id = self.grant_lease(ttl_s).await?.id();
+        let created_unix_ms = unix_now_ms();
+        let marker = RetentionMarker {
+            lease_id: id,
+            created_unix_ms,
+            expires_unix_ms: created_unix_ms + lifetime_ms as i64,
+        };
+        let key = format!("{}{id}", self.retention_prefix());
+        let value = serde_json::to_string(&marker).expect("marker serializes");
+        self.call(None, |mut c| {
+            let (key, value) = (key.clone(), value.clone());
+            async move {
+                c.put(key, value, Some(PutOptions::new().with_lease(id)))
+                    .await
+            }
+        })
+        .await?;
+        tracing::info!(
+            lease_id = id,
+            ttl_s,
+            grant_retention_ms = self.grant_retention_ms,
+            "grant-record retention lease made"
+        );
+        Ok(id)
+    }
+
+    /// Revokes every retention lease (of any lock-server sharing the prefix) whose marker says it
+    /// has outlived window + rotation period, deleting its grant records. etcd would expire it
+    /// itself, but etcd 3.4 restarts a lease's TTL on every leader change, so without this a
+    /// cluster that elects a leader more often than once a window would keep records forever.
+    /// Best effort: a failure is logged and the next rotation sweeps again.
+    async fn sweep_retention_leases(&self) {
+        let prefix = self.retention_prefix();
+        let got = match self
+            .call(None, |mut c| {
+                let prefix = prefix.clone();
+                async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await }
+            })
+            .await
+        {
+            Ok(got) => got,
+            Err(e) => {
+                tracing::warn!(error = %e, "retention sweep: reading the markers failed");
+                return;
+            }
+        };
+        let now = unix_now_ms();
+        for kv in got.kvs() {
+            let Ok(marker) = serde_json::from_slice::<RetentionMarker>(kv.value()) else {
+                continue;
+            };
+            if marker.expires_unix_ms > now {
+                continue;
+            }
+            let lease = marker.lease_id;
+            match self
+                .call(None, |mut c| async move { c.lease_revoke(lease).await })
+                .await
+            {
+                Ok(_) => tracing::info!(
+                    lease_id = lease,
+                    created_unix_ms = marker.created_unix_ms,
+                    "grant records past their retention window deleted (retention lease revoked)"
+                ),
+                Err(e) => {
+                    tracing::warn!(lease_id = lease, error = %e, "retention sweep: revoke failed")
+                }
+            }
+        }
+    }
+
+    async fn grant_lease(&self, ttl_s: i64) -> Result<etcd_client::LeaseGrantResponse, LockError> {
+        let r = self
+            .call(
+                None,
+                |mut c| async move { c.lease_grant(ttl_s, None).await },
+            )
+            .await?;
+        if !r.error().is_empty() {
+            return Err(backend_err(r.error()));
+        }
+        Ok(r)
+    }
+
+    /// Whether a lease still exists (etcd answers TTL -1 for a lease it does not know).
+    async fn lease_alive(&self, lease: i64) -> Result<bool, LockError> {
+        let r = self
+            .call(None, |mut c| async move {
+                c.lease_time_to_live(lease, None).await
+            })
+            .await?;
+        Ok(r.ttl() > 0)
     }
 
     fn encode(owner: &str, session_id: &str) -> String {
@@ -266,15 +460,7 @@ impl EtcdBackend {
         ttl_ms: u64,
     ) -> Result<SessionGrant, LockError> {
         let ttl_s = ttl_ms.div_ceil(1000).max(1) as i64;
-        let r = self
-            .call(
-                None,
-                |mut c| async move { c.lease_grant(ttl_s, None).await },
-            )
-            .await?;
-        if !r.error().is_empty() {
-            return Err(backend_err(r.error()));
-        }
+        let r = self.grant_lease(ttl_s).await?;
         let ttl_ms = r.ttl() as u64 * 1000;
         self.granted_ttl_ms
             .lock()
@@ -375,27 +561,55 @@ impl EtcdBackend {
     ) -> Result<Attempt, LockError> {
         let lease = parse_lease(session_id)?;
         let k = self.lock_key(key);
-        // Every minted grant also leaves a permanent record in the same transaction, so its
-        // create revision is the token: the reconciler's evidence that a token presented at a
-        // guard was really issued (INV-07's detective control). Records are kept, not leased.
+        // Every minted grant also leaves a record in the same transaction, so its create revision
+        // is the token: the reconciler's evidence that a token presented at a guard was really
+        // issued (INV-07's detective control). Records are attached to a retention lease, so etcd
+        // deletes them once the retention window (the reconciler's horizon) has passed.
         let grant_record = format!("{}{key}/{}", self.grants_prefix(), uuid::Uuid::new_v4());
-        let txn = Txn::new()
-            .when([Compare::create_revision(k.clone(), CompareOp::Equal, 0)])
-            .and_then([
-                TxnOp::put(
-                    k.clone(),
-                    Self::encode(owner, session_id),
-                    Some(PutOptions::new().with_lease(lease)),
-                ),
-                TxnOp::put(grant_record, Self::encode(owner, session_id), None),
-            ])
-            .or_else([TxnOp::get(k.clone(), None)]);
-        let resp = self
-            .call(Some(session_id), |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
+        let mut retention = self.retention_lease().await?;
+        let mut retried = false;
+        let resp = loop {
+            let txn = Txn::new()
+                .when([Compare::create_revision(k.clone(), CompareOp::Equal, 0)])
+                .and_then([
+                    TxnOp::put(
+                        k.clone(),
+                        Self::encode(owner, session_id),
+                        Some(PutOptions::new().with_lease(lease)),
+                    ),
+                    TxnOp::put(
+                        grant_record.clone(),
+                        Self::encode(owner, session_id),
+                        Some(PutOptions::new().with_lease(retention)),
+                    ),
+                ])
+                .or_else([TxnOp::get(k.clone(), None)]);
+            match self
+                .call(Some(session_id), |mut c| {
+                    let txn = txn.clone();
+                    async move { c.txn(txn).await }
+                })
+                .await
+            {
+                Ok(resp) => break resp,
+                // etcd refuses the whole transaction when either lease is unknown. If it is the
+                // retention lease (revoked by an operator, or lost to a restore), make a new one
+                // and try once more; the session's loss is the caller's to handle.
+                Err(e @ LockError::SessionNotFound { .. }) => {
+                    if retried || self.lease_alive(retention).await? {
+                        return Err(e);
+                    }
+                    tracing::warn!(
+                        lease_id = retention,
+                        "grant-record retention lease is gone; making a new one"
+                    );
+                    self.forget_retention_lease(retention).await;
+                    retention = self.retention_lease().await?;
+                    retried = true;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
         let ttl_ms = self.granted_ttl(lease).await?;
         if resp.succeeded() {
@@ -441,7 +655,9 @@ impl EtcdBackend {
         })
     }
 
-    /// Watches the key for a deletion after the revision at which it was seen held.
+    /// Watches the key for a deletion after the revision at which it was seen held. Returns at the
+    /// deadline, on a deletion, or when the watch cannot tell (an error, a cancel, a compacted start
+    /// revision): the caller then attempts again, which reads the current state.
     pub async fn wait_for_release(
         &self,
         key: &str,
@@ -472,6 +688,15 @@ impl EtcdBackend {
                 _ = tokio::time::sleep_until(deadline) => return Ok(()),
                 message = stream.message() => match message {
                     Ok(Some(resp)) => {
+                        if resp.compact_revision() > 0 {
+                            // etcd compacted the history this watch was to start from (auto-
+                            // compaction ran between the attempt and the watch): a release in
+                            // between can no longer be replayed, so the caller reads the current
+                            // state again (a fresh attempt) instead of waiting for an event that
+                            // will never come.
+                            tracing::debug!(key, from_revision = revision + 1, compact_revision = resp.compact_revision(), "watch start compacted; reading the key again");
+                            return Ok(());
+                        }
                         if resp.canceled() || resp.events().iter().any(|e| e.event_type() == EventType::Delete) {
                             return Ok(());
                         }
