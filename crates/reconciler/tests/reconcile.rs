@@ -328,11 +328,12 @@ fn check<'a>(report: &'a Report, name: &str) -> &'a reconciler::Check {
 async fn grant_records_are_demanded_only_within_the_horizon() {
     let system = system_without_workers().await;
     pay(&system, "acct-h1", "po-h1", 500).await;
-    // Two submissions under a token nobody granted: one accepted two days ago, one now.
+    // Submissions under tokens nobody granted (far above any revision a test etcd reaches, so no
+    // real grant of the shared etcd shares them): one accepted two days ago, and later one now.
     behind_the_back(
         &system.databases.proxydb,
         "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, currency, beneficiary_ref, created_at) \
-         VALUES ('po-old-ghost', 'acct-h1', 3, 'ghost', 'cref-po-old-ghost', 10, 'EUR', 'ben-1', now() - interval '2 days')",
+         VALUES ('po-old-ghost', 'acct-h1', 999999999001, 'ghost', 'cref-po-old-ghost', 10, 'EUR', 'ben-1', now() - interval '2 days')",
     )
     .await;
     let lenient = Options::default();
@@ -369,7 +370,7 @@ async fn grant_records_are_demanded_only_within_the_horizon() {
     behind_the_back(
         &system.databases.proxydb,
         "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, currency, beneficiary_ref) \
-         VALUES ('po-new-ghost', 'acct-h1', 4, 'ghost', 'cref-po-new-ghost', 10, 'EUR', 'ben-1')",
+         VALUES ('po-new-ghost', 'acct-h1', 999999999002, 'ghost', 'cref-po-new-ghost', 10, 'EUR', 'ben-1')",
     )
     .await;
     src.lock_grants.as_mut().unwrap().horizon_ms = one_day_ms;
