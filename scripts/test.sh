@@ -5,6 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+# A one-shot build gains nothing from incremental caches, and they are 40% of the target directory
+# (2.5 of 6.2 GiB measured): a CI machine's disk filled mid-build with them on.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+echo "== disk before the build: $(df -h --output=avail . | tail -1 | tr -d ' ') free"
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
