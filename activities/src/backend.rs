@@ -11,8 +11,10 @@ use payout_domain::PayoutId;
 pub type Answer<'a, T> = BoxFuture<'a, Result<T, ActivityFailure>>;
 
 pub trait Backend: Send + Sync + 'static {
-    /// Lock service: acquire `payout:{account}` on this worker's session, waiting a bounded time.
-    fn acquire(&self, input: AcquireInput) -> Answer<'_, AcquireOutcome>;
+    /// Lock service: acquire `payout:{account}` on this worker's session, waiting at most `wait`
+    /// for the holder's release (first come, first served among the waiters).
+    fn acquire(&self, input: AcquireInput, wait: std::time::Duration)
+        -> Answer<'_, AcquireOutcome>;
     /// The lock client's conservative local deadline: `Err(GrantLost)` once it has passed, or if
     /// the grant's session is not this worker's (then nobody here keeps it alive).
     fn check_held(&self, grant: &Grant) -> Result<(), Refusal>;

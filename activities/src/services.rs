@@ -31,9 +31,6 @@ use crate::types::*;
 pub const LOCK_TTL_MS_DEFAULT: u64 = 10_000;
 /// Below this the local deadline (TTL minus the client's 500 ms margin) leaves no room to work.
 pub const LOCK_TTL_MS_MIN: u64 = 1_500;
-/// Acquire waits at most this for a release at the lock server; the workflow then waits on a
-/// durable timer and asks again, so a long wait here would only pin an activity slot.
-pub const ACQUIRE_WAIT_MS: u64 = 2_000;
 
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -249,7 +246,7 @@ fn boxed<'a, T: Send + 'a>(
 }
 
 impl Backend for ServiceBackend {
-    fn acquire(&self, input: AcquireInput) -> Answer<'_, AcquireOutcome> {
+    fn acquire(&self, input: AcquireInput, wait: Duration) -> Answer<'_, AcquireOutcome> {
         boxed(async move {
             let key = lock_key(&input.account_id);
             let session = self.live_session().await?;
@@ -258,7 +255,7 @@ impl Backend for ServiceBackend {
             // owner, two payouts of one account on one worker would share one grant.
             let owner = format!("{}/{}", self.config.owner, input.payout_id);
             let acquired = session
-                .acquire_as(&key, &owner, Duration::from_millis(ACQUIRE_WAIT_MS))
+                .acquire_as(&key, &owner, wait)
                 .await
                 .map_err(|e| ActivityFailure::Transient(format!("acquire {key}: {e}")))?;
             match acquired {

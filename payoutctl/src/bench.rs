@@ -18,6 +18,8 @@ pub enum Which {
     Ledger(Args),
     /// Many grants (acquire+release) on a private etcd: its database size and revision as they go.
     EtcdSoak(SoakArgs),
+    /// The whole system beside our workflow's floor and the Temporal floor, on the local stack.
+    E2e(Box<crate::e2e::Args>),
 }
 
 #[derive(ClapArgs)]
@@ -47,9 +49,11 @@ pub struct Args {
 }
 
 pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
-    if let Which::EtcdSoak(args) = which {
-        return soak(args).await;
-    }
+    let which = match which {
+        Which::EtcdSoak(args) => return soak(args).await,
+        Which::E2e(args) => return crate::e2e::run(*args).await,
+        other => other,
+    };
     // Durable PostgreSQL (fsync on), as in a deployment: both sides of each comparison pay for
     // their commits the way production would.
     let stack = tokio::task::spawn_blocking(|| Stack::builder().durable(true).start()).await??;
@@ -160,12 +164,14 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 );
             }
         }
-        Which::EtcdSoak(_) => unreachable!("handled above: it needs etcd only"),
+        Which::EtcdSoak(_) | Which::E2e(_) => {
+            unreachable!("handled above: they bring their own stack")
+        }
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-fn profile() -> &'static str {
+pub(crate) fn profile() -> &'static str {
     if cfg!(debug_assertions) {
         "debug"
     } else {

@@ -2,6 +2,7 @@
 
 mod bench;
 mod chaos;
+mod e2e;
 mod migrate;
 mod reconcile;
 mod run;

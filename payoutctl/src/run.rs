@@ -59,9 +59,9 @@ pub struct Args {
 
 /// Workflow starts in flight at once: the frontend and the payment resource are local, and more
 /// only queues inside the client.
-const START_CONCURRENCY_MAX: usize = 32;
+pub(crate) const START_CONCURRENCY_MAX: usize = 32;
 /// Opening balance per account, in minor units: enough for its share of the batch.
-const OPENING_BALANCE_MINOR: i64 = 10_000_000;
+pub(crate) const OPENING_BALANCE_MINOR: i64 = 10_000_000;
 
 #[derive(Serialize)]
 struct Summary {
@@ -92,21 +92,24 @@ struct UpOnly {
 
 /// Makes sure the local stack and the services are up (starting them if not), unless the run
 /// targets an existing deployment; then resolves every endpoint.
-async fn ensure_up(args: &Args) -> anyhow::Result<crate::target::Resolved> {
-    if args.target.is_external() {
-        return args.target.resolve();
+pub(crate) async fn ensure_up(
+    target: &crate::target::Target,
+    workers: usize,
+) -> anyhow::Result<crate::target::Resolved> {
+    if target.is_external() {
+        return target.resolve();
     }
-    let dir = &args.target.state_dir;
+    let dir = &target.state_dir;
     let up = StackRecord::load(dir).is_ok_and(|r| {
         r.system.is_some() && r.parts.iter().all(|p| testkit::util::pid_alive(p.pid))
     });
     if !up {
-        let workers = args.workers.to_string();
+        let workers = workers.to_string();
         let state = dir.display().to_string();
         let up = UpOnly::parse_from(["payoutctl", "--workers", &workers, "--state-dir", &state]).up;
         crate::stack::up_quiet(up).await?;
     }
-    args.target.resolve()
+    target.resolve()
 }
 
 pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
@@ -133,7 +136,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             println!("{line}");
         }
     };
-    let system = ensure_up(&args).await?;
+    let system = ensure_up(&args.target, args.workers).await?;
     say(format!("system up; Temporal UI {}", system.ui_url));
 
     // The rail misbehaves as asked, reproducibly.
@@ -154,59 +157,23 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     .map_err(|e| anyhow::anyhow!("configuring the rail stub's faults: {e}"))?;
 
     // Fixture accounts and the payouts, created in the payment resource before any workflow.
-    let run_id = format!(
-        "r{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_secs()
-    );
+    let run_id = run_id()?;
     let payments = PaymentClient::connect(system.payment_url.clone())
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let eur = Currency::parse("EUR").expect("supported");
-    let mut accounts = Vec::new();
-    for i in 0..args.accounts {
-        let id = AccountId::parse(format!("{run_id}-acct-{i:03}"))?;
-        payments
-            .open_account(&id, &eur, OPENING_BALANCE_MINOR)
-            .await
-            .map_err(|e| anyhow::anyhow!("open account: {e}"))?;
-        accounts.push(id);
-    }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
-    let policy = AmbiguityPolicy {
-        // A little past the stub's window, so the first lookup after it is authoritative.
-        settlement_window_ms: system.settlement_window_ms + 500,
-        resolution_sla_ms: 120_000,
+    let workload = Workload {
+        run_id: run_id.clone(),
+        payouts: args.payouts,
+        accounts: args.accounts,
+        insufficient_rate: args.insufficient_rate,
+        seed: args.seed,
+        ambiguity: AmbiguityPolicy {
+            // A little past the stub's window, so the first lookup after it is authoritative.
+            settlement_window_ms: system.settlement_window_ms + 500,
+            resolution_sla_ms: 120_000,
+        },
     };
-    let mut inputs = Vec::new();
-    for i in 0..args.payouts {
-        let account = accounts[rng.random_range(0..accounts.len())].clone();
-        let amount = if rng.random_bool(args.insufficient_rate) {
-            OPENING_BALANCE_MINOR + 1
-        } else {
-            rng.random_range(100..50_000)
-        };
-        let input = PayoutInput {
-            payout_id: PayoutId::parse(format!("{run_id}-p-{i:05}"))?,
-            account_id: account,
-            amount_minor: AmountMinor::new(amount)?,
-            currency: eur.clone(),
-            beneficiary_ref: BeneficiaryRef::parse(format!("ben-{}", rng.random_range(0..1000)))?,
-            ambiguity: policy,
-        };
-        payments
-            .create_payout(&NewPayout {
-                payout_id: input.payout_id.clone(),
-                account_id: input.account_id.clone(),
-                amount_minor: input.amount_minor,
-                currency: input.currency.clone(),
-                beneficiary_ref: input.beneficiary_ref.clone(),
-            })
-            .await
-            .map_err(|e| anyhow::anyhow!("create payout: {e}"))?;
-        inputs.push(input);
-    }
+    let inputs = workload.create(&payments).await?;
     say(format!(
         "{} accounts and {} payouts created (run {run_id})",
         args.accounts, args.payouts
@@ -218,42 +185,16 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?,
     );
-    let started = Instant::now();
-    let semaphore = Arc::new(tokio::sync::Semaphore::new(START_CONCURRENCY_MAX));
     let timeout = Duration::from_secs(args.timeout_s);
-    let mut tasks = tokio::task::JoinSet::new();
-    for input in inputs {
-        let client = client.clone();
-        let semaphore = semaphore.clone();
-        let queue = system.task_queue.clone();
-        tasks.spawn(async move {
-            let t0 = Instant::now();
-            let permit = semaphore.acquire_owned().await.expect("semaphore open");
-            let id = payout_workflows::client::start_payout(&client, &queue, &input).await;
-            drop(permit);
-            let id = id.map_err(|e| anyhow::anyhow!("starting {}: {e}", input.payout_id))?;
-            payout_workflows::client::wait_result(&client, &id, timeout)
-                .await
-                .map_err(|e| anyhow::anyhow!("{id}: {e}"))?;
-            Ok::<_, anyhow::Error>((input.payout_id, t0.elapsed()))
-        });
-    }
     let progress = tokio::spawn(progress_lines(
         system.paydb.clone(),
         run_id.clone(),
         args.payouts,
         args.json,
     ));
-    let mut latencies = Vec::new();
-    let mut failures = Vec::new();
-    while let Some(joined) = tasks.join_next().await {
-        match joined? {
-            Ok((_, latency)) => latencies.push(latency),
-            Err(e) => failures.push(e.to_string()),
-        }
-    }
-    let elapsed = started.elapsed();
+    let measured = run_payouts(client, &system.task_queue, inputs, timeout).await?;
     progress.abort();
+    let failures = &measured.failures;
     for f in failures.iter().take(10) {
         eprintln!("payout did not complete: {f}");
     }
@@ -306,14 +247,6 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     .bind(format!("{run_id}-p-%"))
     .fetch_one(&paydb)
     .await?;
-    latencies.sort();
-    let pct = |p: f64| -> f64 {
-        if latencies.is_empty() {
-            return 0.0;
-        }
-        let i = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
-        latencies[i].as_secs_f64() * 1000.0
-    };
     let check_clean = |name: &str| {
         report
             .checks
@@ -326,14 +259,11 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         payouts: args.payouts,
         accounts: args.accounts,
         final_states,
-        elapsed_s: elapsed.as_secs_f64(),
-        throughput_payouts_per_s: latencies.len() as f64 / elapsed.as_secs_f64(),
-        latency_ms_p50: pct(0.50),
-        latency_ms_p99: pct(0.99),
-        latency_ms_max: latencies
-            .last()
-            .map(|d| d.as_secs_f64() * 1000.0)
-            .unwrap_or(0.0),
+        elapsed_s: measured.elapsed.as_secs_f64(),
+        throughput_payouts_per_s: measured.throughput(),
+        latency_ms_p50: measured.percentile_ms(0.50),
+        latency_ms_p99: measured.percentile_ms(0.99),
+        latency_ms_max: measured.percentile_ms(1.0),
         rail_movements: run_counts.iter().sum(),
         rail_movements_per_payout_max: run_counts.iter().copied().max().unwrap_or(0),
         ambiguous_resolved_by_evidence: ambiguous_resolved as u64,
@@ -417,4 +347,164 @@ async fn progress_lines(paydb_url: String, run_id: String, total: usize, quiet: 
             );
         }
     }
+}
+
+/// The run's name: every account and payout id of the run starts with it.
+pub(crate) fn run_id() -> anyhow::Result<String> {
+    Ok(format!(
+        "r{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis()
+    ))
+}
+
+/// What a batch of payouts is: `payouts` spread at random over `accounts` fixture accounts, a
+/// share of them larger than their account can fund.
+pub(crate) struct Workload {
+    pub run_id: String,
+    pub payouts: usize,
+    pub accounts: usize,
+    pub insufficient_rate: f64,
+    pub seed: u64,
+    pub ambiguity: AmbiguityPolicy,
+}
+
+impl Workload {
+    /// The fixture accounts and the payouts' inputs (nothing created yet).
+    pub fn build(&self) -> anyhow::Result<(Vec<AccountId>, Vec<PayoutInput>)> {
+        let eur = Currency::parse("EUR").expect("supported");
+        let accounts = (0..self.accounts)
+            .map(|i| AccountId::parse(format!("{}-acct-{i:03}", self.run_id)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed);
+        let mut inputs = Vec::new();
+        for i in 0..self.payouts {
+            let account = accounts[rng.random_range(0..accounts.len())].clone();
+            let amount = if rng.random_bool(self.insufficient_rate) {
+                OPENING_BALANCE_MINOR + 1
+            } else {
+                rng.random_range(100..50_000)
+            };
+            inputs.push(PayoutInput {
+                payout_id: PayoutId::parse(format!("{}-p-{i:05}", self.run_id))?,
+                account_id: account,
+                amount_minor: AmountMinor::new(amount)?,
+                currency: eur.clone(),
+                beneficiary_ref: BeneficiaryRef::parse(format!(
+                    "ben-{}",
+                    rng.random_range(0..1000)
+                ))?,
+                ambiguity: self.ambiguity,
+            });
+        }
+        Ok((accounts, inputs))
+    }
+
+    /// Builds the workload and creates its accounts and payouts in the payment resource.
+    pub async fn create(&self, payments: &PaymentClient) -> anyhow::Result<Vec<PayoutInput>> {
+        let (accounts, inputs) = self.build()?;
+        let eur = Currency::parse("EUR").expect("supported");
+        for id in &accounts {
+            payments
+                .open_account(id, &eur, OPENING_BALANCE_MINOR)
+                .await
+                .map_err(|e| anyhow::anyhow!("open account: {e}"))?;
+        }
+        for input in &inputs {
+            payments
+                .create_payout(&NewPayout {
+                    payout_id: input.payout_id.clone(),
+                    account_id: input.account_id.clone(),
+                    amount_minor: input.amount_minor,
+                    currency: input.currency.clone(),
+                    beneficiary_ref: input.beneficiary_ref.clone(),
+                })
+                .await
+                .map_err(|e| anyhow::anyhow!("create payout: {e}"))?;
+        }
+        Ok(inputs)
+    }
+}
+
+/// A batch's timing: each item's latency from its start to its end, and the batch's wall time.
+pub(crate) struct Measured {
+    pub latencies: Vec<Duration>,
+    pub failures: Vec<String>,
+    pub elapsed: Duration,
+}
+
+impl Measured {
+    /// The `p` quantile of the latencies, in milliseconds (nearest rank).
+    pub fn percentile_ms(&self, p: f64) -> f64 {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        if sorted.is_empty() {
+            return 0.0;
+        }
+        let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+        sorted[i].as_secs_f64() * 1000.0
+    }
+
+    pub fn throughput(&self) -> f64 {
+        self.latencies.len() as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// Runs `one(input)` for every input at once (each starts its workflow and awaits its result)
+/// and times each from its start.
+pub(crate) async fn measure<I, F, Fut>(inputs: Vec<I>, one: F) -> anyhow::Result<Measured>
+where
+    F: Fn(I) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for input in inputs {
+        let work = one(input);
+        tasks.spawn(async move {
+            let t0 = Instant::now();
+            work.await.map(|()| t0.elapsed())
+        });
+    }
+    let mut latencies = Vec::new();
+    let mut failures = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        match joined? {
+            Ok(latency) => latencies.push(latency),
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    Ok(Measured {
+        latencies,
+        failures,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Starts each payout's workflow (at most [`START_CONCURRENCY_MAX`] starts in flight) and awaits
+/// its result.
+pub(crate) async fn run_payouts(
+    client: Arc<temporalio_client::Client>,
+    task_queue: &str,
+    inputs: Vec<PayoutInput>,
+    timeout: Duration,
+) -> anyhow::Result<Measured> {
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(START_CONCURRENCY_MAX));
+    measure(inputs, |input| {
+        let client = client.clone();
+        let semaphore = semaphore.clone();
+        let queue = task_queue.to_string();
+        async move {
+            let permit = semaphore.acquire_owned().await.expect("semaphore open");
+            let id = payout_workflows::client::start_payout(&client, &queue, &input).await;
+            drop(permit);
+            let id = id.map_err(|e| anyhow::anyhow!("starting {}: {e}", input.payout_id))?;
+            payout_workflows::client::wait_result(&client, &id, timeout)
+                .await
+                .map_err(|e| anyhow::anyhow!("{id}: {e}"))?;
+            Ok(())
+        }
+    })
+    .await
 }

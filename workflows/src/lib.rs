@@ -2,6 +2,7 @@
 //! every effect is an activity of `payout-activities`, called with explicit options
 //! ([`options`]) and with the grant's token in its input.
 
+pub mod floor;
 pub mod options;
 pub mod workflow;
 

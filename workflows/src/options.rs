@@ -14,6 +14,18 @@ pub const TASK_QUEUE: &str = "payouts";
 pub const GUARD_CALL_START_TO_CLOSE: Duration = Duration::from_secs(10);
 /// Acquire waits at most the lock client's bounded wait (5 s) for a release, plus the hop.
 pub const ACQUIRE_START_TO_CLOSE: Duration = Duration::from_secs(15);
+/// A queued acquire waits in the lock server's first-come-first-served queue until it is granted,
+/// in one activity: an hour bounds a wait that no healthy account comes near (each payout holds
+/// the key for about a second), and the activity answers NotAcquired just before it, so the
+/// workflow asks again with one new activity per hour of waiting.
+pub const ACQUIRE_QUEUED_START_TO_CLOSE: Duration = Duration::from_secs(3_600);
+/// The waiting activity heartbeats every third of this: a worker lost while its payouts wait is
+/// noticed within it and the wait moves to another worker (at the back of the line). Twice the
+/// lock session's default TTL: a worker process stalled this long has lost its session, and with
+/// it any grant made as Temporal gave up on the attempt. (Left open: a grant made while Temporal
+/// itself could not record heartbeats for this long stays with its live worker; the attempt's
+/// retry gets it back if it lands on that worker, and waits behind it otherwise.)
+pub const ACQUIRE_QUEUED_HEARTBEAT: Duration = Duration::from_secs(20);
 /// The proxy gives the rail its own bounded timeout (10 s) and must then record the ending;
 /// thirty seconds covers both. Overrunning it is an ambiguous outcome, never a retry.
 pub const SUBMIT_START_TO_CLOSE: Duration = Duration::from_secs(30);
@@ -88,8 +100,16 @@ pub fn guard_call() -> ActivityOptions {
     options(GUARD_CALL_START_TO_CLOSE, safe_to_repeat())
 }
 
+/// The pre-queue shape (a short wait, then a durable timer), kept for histories that use it.
 pub fn acquire() -> ActivityOptions {
     options(ACQUIRE_START_TO_CLOSE, safe_to_repeat())
+}
+
+/// Waits in the lock server's queue until granted, heartbeating.
+pub fn acquire_queued() -> ActivityOptions {
+    let mut options = options(ACQUIRE_QUEUED_START_TO_CLOSE, safe_to_repeat());
+    options.heartbeat_timeout = Some(ACQUIRE_QUEUED_HEARTBEAT);
+    options
 }
 
 pub fn inquire() -> ActivityOptions {

@@ -29,8 +29,8 @@ use crate::options;
 pub const PAYOUT_STATE: SearchAttributeKey<String> = SearchAttributeKey::keyword("PayoutState");
 pub const ACCOUNT_ID: SearchAttributeKey<String> = SearchAttributeKey::keyword("AccountId");
 
-/// While the key is held by another payout of the account, ask again after this long: the other
-/// payout usually settles within seconds, and each attempt costs a few history events.
+/// Histories from before the queued acquire: while the key was held by another payout of the
+/// account, the workflow asked again after this long.
 pub const LOCK_RETRY_INTERVAL: Duration = Duration::from_secs(2);
 /// While another payout of the account is in flight (AccountBusy at claim), ask again after this
 /// long, holding no grant meanwhile. Longer than the lock retry: the other payout first has to
@@ -433,9 +433,74 @@ async fn read(
     .await
 }
 
-/// Acquires `payout:{account}`; while another holder has it, waits on a durable timer, deciding
-/// any operator signal that arrives meanwhile.
+/// The workflow change that put waiting for the account's key into the lock server's queue
+/// (one heartbeating activity) instead of short attempts between durable timers. Histories
+/// recorded before it replay on the old path.
+pub const QUEUED_ACQUIRE_PATCH: &str = "queued-acquire";
+
+/// Acquires `payout:{account}`, deciding any operator signal that arrives while it waits.
 async fn acquire(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    facts: &RunFacts,
+) -> Result<Grant, temporalio_sdk::WorkflowTermination> {
+    if !ctx.patched(QUEUED_ACQUIRE_PATCH) {
+        return acquire_between_timers(ctx, input, facts).await;
+    }
+    loop {
+        // One activity waits in the queue until granted: the wait costs no workflow task and
+        // no history event. It answers NotAcquired only near its own deadline (an hour).
+        let mut acquiring = std::pin::pin!(ctx.execute_activity(
+            PayoutActivities::acquire_grant,
+            request(input),
+            options::acquire_queued(),
+        ));
+        ctx.state_mut(|s| s.last_event = "WAITING_FOR_LOCK in the account's queue".into());
+        let outcome = loop {
+            temporalio_sdk::workflows::select! {
+                outcome = &mut acquiring => break outcome?,
+                _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {
+                    // Decided and recorded while the payout keeps its place in the queue.
+                    process_signals(ctx, input, facts).await;
+                }
+            };
+        };
+        if let Some(grant) = granted_or_note(ctx, outcome) {
+            return Ok(grant);
+        }
+    }
+}
+
+/// The grant, or `None` after noting who holds the key (for the `status` query).
+fn granted_or_note(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    outcome: AcquireOutcome,
+) -> Option<Grant> {
+    match outcome {
+        AcquireOutcome::Granted(grant) => Some(grant),
+        AcquireOutcome::NotAcquired {
+            holder_owner,
+            holder_token,
+        } => {
+            ctx.state_mut(|s| {
+                s.last_event =
+                    format!("WAITING_FOR_LOCK held by {holder_owner} (token {holder_token})")
+            });
+            None
+        }
+    }
+}
+
+fn request(input: &PayoutRun) -> AcquireInput {
+    AcquireInput {
+        payout_id: input.payout_id.clone(),
+        account_id: input.instruction.account_id.clone(),
+    }
+}
+
+/// The pre-queue path, for histories recorded before [`QUEUED_ACQUIRE_PATCH`]: short attempts,
+/// and a durable timer between them.
+async fn acquire_between_timers(
     ctx: &WorkflowContext<PayoutWorkflow>,
     input: &PayoutRun,
     facts: &RunFacts,
@@ -444,30 +509,18 @@ async fn acquire(
         let outcome = ctx
             .execute_activity(
                 PayoutActivities::acquire_grant,
-                AcquireInput {
-                    payout_id: input.payout_id.clone(),
-                    account_id: input.instruction.account_id.clone(),
-                },
+                request(input),
                 options::acquire(),
             )
             .await?;
-        match outcome {
-            AcquireOutcome::Granted(grant) => return Ok(grant),
-            AcquireOutcome::NotAcquired {
-                holder_owner,
-                holder_token,
-            } => {
-                ctx.state_mut(|s| {
-                    s.last_event =
-                        format!("WAITING_FOR_LOCK held by {holder_owner} (token {holder_token})")
-                });
-                temporalio_sdk::workflows::select! {
-                    _ = ctx.timer(LOCK_RETRY_INTERVAL) => {},
-                    _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {},
-                };
-                process_signals(ctx, input, facts).await;
-            }
+        if let Some(grant) = granted_or_note(ctx, outcome) {
+            return Ok(grant);
         }
+        temporalio_sdk::workflows::select! {
+            _ = ctx.timer(LOCK_RETRY_INTERVAL) => {},
+            _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {},
+        };
+        process_signals(ctx, input, facts).await;
     }
 }
 

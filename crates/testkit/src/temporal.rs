@@ -98,6 +98,9 @@ impl TemporalDev {
         for value in settings("dynamic-config") {
             spec = spec.args(["--dynamic-config-value".to_string(), value]);
         }
+        for pragma in settings("sqlite-pragmas") {
+            spec = spec.args(["--sqlite-pragma".to_string(), pragma]);
+        }
         let process = ManagedProcess::start(spec)?;
         let server = Self { ports, process };
         server.wait_ready()?;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # temporal server start-dev with a persistent SQLite file, listening on every interface, with the
-# search attributes and dynamic config of the project's temporal/ folder (copied to
+# search attributes, dynamic config and SQLite pragmas of the project's temporal/ folder (copied to
 # /etc/temporal-dev/). Extra arguments are passed through.
 set -euo pipefail
 args=(server start-dev
@@ -12,4 +12,5 @@ args=(server start-dev
 settings() { grep -v '^[[:space:]]*#' "$1" 2>/dev/null | sed 's/[[:space:]]*$//' | grep -v '^$' || true; }
 while read -r attribute; do args+=(--search-attribute "$attribute"); done < <(settings /etc/temporal-dev/search-attributes)
 while read -r value; do args+=(--dynamic-config-value "$value"); done < <(settings /etc/temporal-dev/dynamic-config)
+while read -r pragma; do args+=(--sqlite-pragma "$pragma"); done < <(settings /etc/temporal-dev/sqlite-pragmas)
 exec temporal "${args[@]}" "$@"

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod checker;
 pub mod error;
 pub mod issued;
+pub mod queue;
 pub mod service;
 pub mod soak;
 

@@ -1,17 +1,17 @@
 //! The gRPC `LockService`: validation, bounded waiting, the INV-04 check, events and metrics on top
 //! of a backend. Conversion between wire types and backend types happens here and nowhere else.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use payout_proto::lock as pb;
 use prometheus::IntCounterVec;
 use tonic::{Request, Response, Status};
 
-use crate::backend::{Attempt, Backend, GrantInfo, HandleRef};
+use crate::backend::{Attempt, Backend, GrantInfo, HandleRef, Holder};
 use crate::error::LockError;
 use crate::issued::{AdmitError, IssuedTokens};
+use crate::queue::{Queues, Ticket};
 
 /// Owner identities are names of workers or operators, not documents.
 pub const OWNER_LENGTH_MAX: usize = 256;
@@ -25,6 +25,9 @@ pub const SESSION_TTL_MS_MAX: u64 = 300_000;
 /// One Acquire call waits at most this long: a gRPC call held open longer ties up a server task
 /// and a connection for a caller that can just as well call again.
 pub const WAIT_MS_MAX: u64 = 60_000;
+/// A caller whose Acquire call ended unanswered keeps its place in the key's queue this long, for
+/// its next call (a waiting client asks in calls of bounded length, one straight after another).
+pub const PLACE_KEPT_MS: u64 = 1_000;
 /// How often the health status is refreshed from a backend ping.
 pub const HEALTH_PERIOD_MS: u64 = 1_000;
 
@@ -67,45 +70,16 @@ struct Inner {
     backend: Backend,
     issued: Arc<IssuedTokens>,
     metrics: LockMetrics,
-    /// Introspection only (Describe): waiters currently parked in this process, per key.
-    waiters: Mutex<HashMap<String, u64>>,
+    /// The Acquire calls waiting in this process, first come first served, per key.
+    queues: Arc<Queues>,
+    /// Places kept for the next call of a caller whose call ended unanswered, by (key, owner,
+    /// session), each for [`PLACE_KEPT_MS`].
+    kept: std::sync::Mutex<std::collections::HashMap<(String, String, String), Ticket>>,
 }
 
 #[derive(Clone)]
 pub struct LockServiceImpl {
     inner: Arc<Inner>,
-}
-
-/// Counts a parked waiter for Describe, and uncounts it however the call ends (also on cancel).
-struct WaiterGuard<'a> {
-    waiters: &'a Mutex<HashMap<String, u64>>,
-    key: String,
-}
-
-impl<'a> WaiterGuard<'a> {
-    fn new(waiters: &'a Mutex<HashMap<String, u64>>, key: &str) -> Self {
-        *waiters
-            .lock()
-            .expect("waiters")
-            .entry(key.to_string())
-            .or_default() += 1;
-        Self {
-            waiters,
-            key: key.to_string(),
-        }
-    }
-}
-
-impl Drop for WaiterGuard<'_> {
-    fn drop(&mut self) {
-        let mut waiters = self.waiters.lock().expect("waiters");
-        if let Some(n) = waiters.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                waiters.remove(&self.key);
-            }
-        }
-    }
 }
 
 fn check_text(field: &'static str, value: &str, max: usize) -> Result<(), LockError> {
@@ -172,7 +146,8 @@ impl LockServiceImpl {
                 backend,
                 issued,
                 metrics,
-                waiters: Mutex::new(HashMap::new()),
+                queues: Arc::new(Queues::default()),
+                kept: Default::default(),
             }),
         }
     }
@@ -338,8 +313,33 @@ impl LockServiceImpl {
         check_text("session_id", session_id, OWNER_LENGTH_MAX)?;
         let started = Instant::now();
         let deadline = started + Duration::from_millis(wait_ms.min(WAIT_MS_MAX));
-        let mut waiter: Option<WaiterGuard<'_>> = None;
+        // First come, first served among this process's waiters (see `queue`): a newcomer that
+        // finds callers already waiting for the key queues behind them, without asking the
+        // backend, unless it is the holder itself asking again for what it holds (the same token
+        // back, so a retried Acquire never waits behind its own grant).
+        let place = (key.to_string(), owner.to_string(), session_id.to_string());
+        let mut ticket: Option<Ticket> = self.inner.kept.lock().expect("kept").remove(&place);
+        if ticket.is_none() && self.inner.queues.len(key) > 0 {
+            let holder = self
+                .inner
+                .backend
+                .describe(key)
+                .await
+                .inspect_err(|e| self.observe_error(e))?;
+            if !holder.is_some_and(|h| h.owner == owner && h.session_id == session_id) {
+                ticket = Some(self.inner.queues.join(key));
+            }
+        }
         loop {
+            if let Some(t) = ticket.as_mut() {
+                if !t.wait_turn(tokio::time::Instant::from_std(deadline)).await {
+                    let holder = self.inner.backend.describe(key).await.ok().flatten();
+                    if wait_ms > 0 {
+                        self.keep_place(place, ticket.take().expect("checked"));
+                    }
+                    return Ok(self.not_acquired(key, owner, session_id, holder, started));
+                }
+            }
             let mut subscription = self.inner.backend.subscribe();
             let attempt = self
                 .inner
@@ -349,6 +349,7 @@ impl LockServiceImpl {
                 .inspect_err(|e| self.observe_error(e))?;
             match attempt {
                 Attempt::Granted(grant) => {
+                    // Granted: the ticket (if any) is left as this returns, which wakes the next.
                     self.admit(&grant).await?;
                     let ev = if grant.minted {
                         event::ACQUIRED
@@ -361,6 +362,8 @@ impl LockServiceImpl {
                         owner,
                         session_id,
                         token = grant.token,
+                        queued = ticket.is_some(),
+                        waited_ms = started.elapsed().as_millis() as u64,
                         backend = self.inner.backend.name(),
                         "lock granted"
                     );
@@ -371,22 +374,25 @@ impl LockServiceImpl {
                 }
                 Attempt::Held { holder, wait_from } => {
                     if Instant::now() >= deadline {
-                        let waited_ms = started.elapsed().as_millis() as u64;
-                        tracing::info!(event = event::NOT_ACQUIRED, key, owner, session_id, holder_owner = %holder.owner, holder_token = holder.token, waited_ms, "lock not acquired");
-                        self.count(event::NOT_ACQUIRED);
-                        return Ok(pb::AcquireResponse {
-                            result: Some(pb::acquire_response::Result::NotAcquired(
-                                pb::NotAcquired {
-                                    key: key.to_string(),
-                                    holder_owner: holder.owner,
-                                    holder_token: holder.token,
-                                    waited_ms,
-                                },
-                            )),
-                        });
+                        if let Some(t) = ticket.take() {
+                            self.keep_place(place, t);
+                        }
+                        return Ok(self.not_acquired(
+                            key,
+                            owner,
+                            session_id,
+                            Some(holder),
+                            started,
+                        ));
                     }
-                    if waiter.is_none() {
-                        waiter = Some(WaiterGuard::new(&self.inner.waiters, key));
+                    if ticket.is_none() {
+                        let joined = self.inner.queues.join(key);
+                        let first = joined.is_head();
+                        ticket = Some(joined);
+                        if !first {
+                            // Others joined meanwhile: wait for our turn first.
+                            continue;
+                        }
                     }
                     self.inner
                         .backend
@@ -394,6 +400,46 @@ impl LockServiceImpl {
                         .await?;
                 }
             }
+        }
+    }
+
+    /// Keeps `ticket` for the same caller's next call, for [`PLACE_KEPT_MS`].
+    fn keep_place(&self, place: (String, String, String), ticket: Ticket) {
+        let number = ticket.number();
+        self.inner
+            .kept
+            .lock()
+            .expect("kept")
+            .insert(place.clone(), ticket);
+        let inner = Arc::clone(&self.inner);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(PLACE_KEPT_MS)).await;
+            let mut kept = inner.kept.lock().expect("kept");
+            if kept.get(&place).is_some_and(|t| t.number() == number) {
+                kept.remove(&place);
+            }
+        });
+    }
+
+    fn not_acquired(
+        &self,
+        key: &str,
+        owner: &str,
+        session_id: &str,
+        holder: Option<Holder>,
+        started: Instant,
+    ) -> pb::AcquireResponse {
+        let waited_ms = started.elapsed().as_millis() as u64;
+        let (holder_owner, holder_token) = holder.map(|h| (h.owner, h.token)).unwrap_or_default();
+        tracing::info!(event = event::NOT_ACQUIRED, key, owner, session_id, holder_owner = %holder_owner, holder_token, waited_ms, "lock not acquired");
+        self.count(event::NOT_ACQUIRED);
+        pb::AcquireResponse {
+            result: Some(pb::acquire_response::Result::NotAcquired(pb::NotAcquired {
+                key: key.to_string(),
+                holder_owner,
+                holder_token,
+                waited_ms,
+            })),
         }
     }
 
@@ -495,14 +541,7 @@ impl LockServiceImpl {
     pub async fn describe(&self, key: &str) -> Result<pb::DescribeResponse, LockError> {
         check_text("key", key, KEY_LENGTH_MAX)?;
         let holder = self.inner.backend.describe(key).await?;
-        let waiter_count = self
-            .inner
-            .waiters
-            .lock()
-            .expect("waiters")
-            .get(key)
-            .copied()
-            .unwrap_or(0);
+        let waiter_count = self.inner.queues.len(key) as u64;
         Ok(match holder {
             Some(h) => pb::DescribeResponse {
                 key: key.to_string(),

@@ -362,6 +362,144 @@ async fn postgres_session_death_and_force_revoke() {
 // ---------------------------------------------------------------------------------------------
 // Expiry: the client gives up before the server; renew after expiry fails
 
+/// Waits until Describe shows `n` callers queued for `key`.
+async fn queued(client: &LockClient, key: &str, n: u64) {
+    testkit::eventually(
+        Duration::from_secs(10),
+        &format!("{n} queued for {key}"),
+        || {
+            let c = client.clone();
+            let key = key.to_string();
+            async move { c.describe(&key).await.ok().filter(|d| d.waiter_count == n) }
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// First come, first served: waiters are granted in the order they asked, a later arrival never
+/// passes an earlier one, a caller whose call ended keeps its place for its next call, and the
+/// holder asking again for what it holds is answered at once (never queued behind its own grant).
+async fn waiters_are_served_in_the_order_they_asked(kind: Kind) {
+    let s = start(kind).await;
+    let key = "payout:fifo";
+    let holder = s.client.open_session("holder", TTL * 5).await.unwrap();
+    let held = grant(&holder, key).await;
+    let waiters = s.client.open_session("waiters", TTL * 5).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    // "w0" first asks with a short wait that ends unanswered, then asks again at once: its place
+    // is kept, so it stays ahead of w1.. that queued while its first call was out.
+    let first = waiters
+        .acquire_as(key, "w0", Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert!(first.granted().is_none(), "the key is held");
+    for i in 0..6 {
+        let session = waiters.clone();
+        let order = order.clone();
+        let owner = format!("w{i}");
+        tasks.push(tokio::spawn(async move {
+            let granted = session
+                .acquire_as(key, &owner, Duration::from_secs(30))
+                .await
+                .unwrap()
+                .granted()
+                .unwrap_or_else(|| panic!("{owner} granted within its wait"));
+            order.lock().unwrap().push(owner);
+            // Hold it briefly, as a payout does, then hand it on.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            granted.release().await.unwrap();
+        }));
+        queued(&s.client, key, i as u64 + 1).await;
+    }
+    // The holder asks again while six wait: the same grant back, at once.
+    let again = holder
+        .acquire(key, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .granted()
+        .expect("the holder's own grant");
+    assert_eq!(again.token(), held.token());
+    // A caller that will not wait is refused without taking a place.
+    let tried = holder
+        .acquire_as(key, "impatient", Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(tried.granted().is_none());
+    held.release().await.unwrap();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(
+        order,
+        (0..6).map(|i| format!("w{i}")).collect::<Vec<_>>(),
+        "{kind:?}: granted in the order asked"
+    );
+    assert_eq!(s.client.describe(key).await.unwrap().waiter_count, 0);
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_waiters_are_served_in_the_order_they_asked() {
+    waiters_are_served_in_the_order_they_asked(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_waiters_are_served_in_the_order_they_asked() {
+    waiters_are_served_in_the_order_they_asked(Kind::Postgres).await;
+}
+
+/// A waiter whose caller goes away (its call dropped: a worker cancelled the activity, or died)
+/// leaves the line, and the next one is served without waiting for it.
+async fn a_waiter_that_goes_away_leaves_the_line(kind: Kind) {
+    let s = start(kind).await;
+    let key = "payout:fifo-leave";
+    let holder = s.client.open_session("holder", TTL * 5).await.unwrap();
+    let held = grant(&holder, key).await;
+    let waiters = s.client.open_session("waiters", TTL * 5).await.unwrap();
+    let gone = {
+        let session = waiters.clone();
+        tokio::spawn(async move {
+            session
+                .acquire_as(key, "gone", Duration::from_secs(30))
+                .await
+        })
+    };
+    queued(&s.client, key, 1).await;
+    let next = {
+        let session = waiters.clone();
+        tokio::spawn(async move {
+            session
+                .acquire_as(key, "next", Duration::from_secs(30))
+                .await
+        })
+    };
+    queued(&s.client, key, 2).await;
+    gone.abort();
+    queued(&s.client, key, 1).await;
+    let t0 = Instant::now();
+    held.release().await.unwrap();
+    let granted = next
+        .await
+        .unwrap()
+        .unwrap()
+        .granted()
+        .expect("next is granted");
+    assert_eq!(granted.owner(), "next");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_waiter_that_goes_away_leaves_the_line() {
+    a_waiter_that_goes_away_leaves_the_line(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_waiter_that_goes_away_leaves_the_line() {
+    a_waiter_that_goes_away_leaves_the_line(Kind::Postgres).await;
+}
+
 async fn expiry(kind: Kind) {
     let s = start(kind).await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
