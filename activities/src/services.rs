@@ -31,6 +31,13 @@ use crate::types::*;
 pub const LOCK_TTL_MS_DEFAULT: u64 = 10_000;
 /// Below this the local deadline (TTL minus the client's 500 ms margin) leaves no room to work.
 pub const LOCK_TTL_MS_MIN: u64 = 1_500;
+/// A grant that no workflow has used this long after it was made is handed back (see
+/// [`ServiceBackend::connect`]). A workflow uses its grant (a fenced call, which vouches for it)
+/// within a workflow task or two of receiving it, seconds even on a loaded machine; a grant still
+/// unused after a minute was made for an acquire whose answer nobody received.
+pub const UNCLAIMED_GRANT_MAX_MS_DEFAULT: u64 = 60_000;
+/// How often the unclaimed grants are looked for.
+const UNCLAIMED_GRANT_SWEEP: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -44,6 +51,8 @@ pub struct ServiceConfig {
     pub lock_ttl: Duration,
     /// Where the lock client records its history (INV-06 evidence); `None`: not recorded.
     pub lock_history_path: Option<std::path::PathBuf>,
+    /// A grant no workflow has used this long after it was made is released.
+    pub unclaimed_grant_max: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -71,12 +80,34 @@ pub struct ServiceBackend {
     /// The process's session; replaced (never revived) once lost.
     session: tokio::sync::Mutex<Session>,
     /// The live grant handles of this process, by key.
-    grants: Mutex<HashMap<String, lock_client::Grant>>,
+    grants: Arc<Mutex<HashMap<String, Held>>>,
+    /// Hands back grants no workflow took up; stopped with the backend.
+    sweeper: tokio::task::JoinHandle<()>,
     payment: PaymentClient,
     proxy: RailProxyClient,
 }
 
+/// A grant this process made, and whether a workflow has used it since.
+struct Held {
+    handle: lock_client::Grant,
+    made: std::time::Instant,
+    used: bool,
+}
+
+impl Drop for ServiceBackend {
+    fn drop(&mut self) {
+        self.sweeper.abort();
+    }
+}
+
 impl ServiceBackend {
+    /// Connects to the services and opens this process's lock session. It also starts the
+    /// sweep that hands back grants no workflow took up: an acquire whose activity Temporal had
+    /// already given up on (a heartbeat or a completion that did not arrive in time) can still be
+    /// granted by the lock service, and that grant, on this live session, would keep the account's
+    /// key from every later payout, the same payout's retry included. A grant still unused after
+    /// `unclaimed_grant_max` is released (releasing is always safe: a workflow that did hold it
+    /// would find it lost and acquire again).
     pub async fn connect(config: ServiceConfig) -> Result<Self, ConnectError> {
         if config.lock_ttl.as_millis() < u128::from(LOCK_TTL_MS_MIN) {
             return Err(ConnectError::TtlTooShort(config.lock_ttl.as_millis()));
@@ -96,12 +127,18 @@ impl ServiceBackend {
         let payment = PaymentClient::connect(config.payment_resource_url.clone()).await?;
         let proxy = RailProxyClient::connect(config.rail_proxy_url.clone()).await?;
         let stalls = StallPoints::from_env(&config.owner);
+        let grants = Arc::new(Mutex::new(HashMap::new()));
+        let sweeper = tokio::spawn(sweep_unclaimed(
+            Arc::clone(&grants),
+            config.unclaimed_grant_max,
+        ));
         Ok(Self {
             config,
             stalls,
             lock,
             session: tokio::sync::Mutex::new(session),
-            grants: Mutex::new(HashMap::new()),
+            grants,
+            sweeper,
             payment,
             proxy,
         })
@@ -239,6 +276,42 @@ fn recorded_outcome(outcome: &Outcome) -> Option<RailOutcome> {
     }
 }
 
+/// Every [`UNCLAIMED_GRANT_SWEEP`], releases the grants no workflow has used within `max` of
+/// being made (see [`ServiceBackend::connect`]).
+async fn sweep_unclaimed(grants: Arc<Mutex<HashMap<String, Held>>>, max: Duration) {
+    let mut tick = tokio::time::interval(UNCLAIMED_GRANT_SWEEP.min(max));
+    loop {
+        tick.tick().await;
+        let unclaimed: Vec<(String, Held)> = {
+            let mut grants = grants.lock().expect("grants");
+            let keys: Vec<String> = grants
+                .iter()
+                .filter(|(_, h)| !h.used && h.made.elapsed() >= max)
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| grants.remove(&k).map(|h| (k, h)))
+                .collect()
+        };
+        for (key, held) in unclaimed {
+            let token = held.handle.token().get();
+            let owner = held.handle.owner().to_string();
+            match held.handle.release().await {
+                Ok(()) => tracing::warn!(
+                    key,
+                    owner,
+                    token,
+                    unused_ms = held.made.elapsed().as_millis() as u64,
+                    "released a grant no workflow took up (its acquire's answer reached nobody)"
+                ),
+                Err(e) => {
+                    tracing::warn!(key, owner, token, error = %e, "releasing a grant no workflow took up failed; its session's end will free it")
+                }
+            }
+        }
+    }
+}
+
 fn boxed<'a, T: Send + 'a>(
     f: impl std::future::Future<Output = Result<T, ActivityFailure>> + Send + 'a,
 ) -> Answer<'a, T> {
@@ -268,7 +341,14 @@ impl Backend for ServiceBackend {
                         task_queue: self.config.private_task_queue.clone(),
                     };
                     tracing::info!(payout_id = %input.payout_id, account_id = %input.account_id, key, token = grant.token.get(), "grant held");
-                    self.grants.lock().expect("grants").insert(key, handle);
+                    self.grants.lock().expect("grants").insert(
+                        key,
+                        Held {
+                            handle,
+                            made: std::time::Instant::now(),
+                            used: false,
+                        },
+                    );
                     Ok(AcquireOutcome::Granted(grant))
                 }
                 Acquired::NotAcquired {
@@ -288,16 +368,18 @@ impl Backend for ServiceBackend {
             token: grant.token.get(),
             reason: reason.to_string(),
         };
-        let grants = self.grants.lock().expect("grants");
-        let Some(handle) = grants.get(&grant.key) else {
+        let mut grants = self.grants.lock().expect("grants");
+        let Some(held) = grants.get_mut(&grant.key) else {
             return Err(lost("this worker process holds no grant on the key (another process made it, or it was released)"));
         };
+        let handle = &held.handle;
         if handle.token() != grant.token || handle.session_id() != grant.session_id {
             return Err(lost("this worker's grant on the key is a different one"));
         }
         if !handle.is_held() {
             return Err(lost("the lock client's conservative deadline has passed"));
         }
+        held.used = true;
         Ok(())
     }
 
@@ -306,7 +388,10 @@ impl Backend for ServiceBackend {
             let handle = {
                 let mut grants = self.grants.lock().expect("grants");
                 match grants.get(&grant.key) {
-                    Some(h) if h.token() == grant.token && h.session_id() == grant.session_id => {
+                    Some(h)
+                        if h.handle.token() == grant.token
+                            && h.handle.session_id() == grant.session_id =>
+                    {
                         grants.remove(&grant.key)
                     }
                     _ => None,
@@ -319,7 +404,7 @@ impl Backend for ServiceBackend {
             // transit (lock service restarting) is retried by the activity's policy, and the
             // retry must still find the handle, or the key stays held by this live session
             // and every later payout of the account waits forever.
-            match handle.release().await {
+            match handle.handle.release().await {
                 Ok(()) => Ok(()),
                 Err(ClientError::Rejected { .. }) | Err(ClientError::SessionLost) => Ok(()),
                 Err(e) => {

@@ -43,8 +43,8 @@ pub struct Args {
     /// Payouts (and floor workflows) per configuration.
     #[arg(long, default_value_t = 600)]
     pub payouts: usize,
-    /// Accounts the system's payouts are spread over (the workflow floor always uses one account
-    /// per payout: its in-memory lock has one session).
+    /// Accounts the system's payouts are spread over, evenly (payout i on account i mod this).
+    /// The workflow floor always uses one account per payout: its in-memory lock has one session.
     #[arg(long, default_value_t = 600)]
     pub accounts: usize,
     /// Single payouts, one after another, for the idle latency.
@@ -143,6 +143,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             insufficient_rate: 0.0,
             seed: 1,
             ambiguity,
+            round_robin: true,
         };
         let inputs = workload.create(&payments).await?;
         let ids = workflow_ids(&inputs);
@@ -161,6 +162,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             insufficient_rate: 0.0,
             seed: 1,
             ambiguity,
+            round_robin: true,
         };
         let (accounts, inputs) = workload.build()?;
         let backend = Arc::new(InMemoryBackend::new("bench-floor"));
@@ -240,6 +242,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             insufficient_rate: 0.0,
             seed: 2,
             ambiguity,
+            round_robin: true,
         };
         let inputs = workload.create(&payments).await?;
         let ids = workflow_ids(&inputs);

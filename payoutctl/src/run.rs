@@ -172,6 +172,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             settlement_window_ms: system.settlement_window_ms + 500,
             resolution_sla_ms: 120_000,
         },
+        round_robin: false,
     };
     let inputs = workload.create(&payments).await?;
     say(format!(
@@ -368,6 +369,9 @@ pub(crate) struct Workload {
     pub insufficient_rate: f64,
     pub seed: u64,
     pub ambiguity: AmbiguityPolicy,
+    /// Payout `i` goes to account `i mod accounts` (an even spread: with as many accounts as
+    /// payouts, no two share one) instead of a seeded random account.
+    pub round_robin: bool,
 }
 
 impl Workload {
@@ -380,7 +384,13 @@ impl Workload {
         let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed);
         let mut inputs = Vec::new();
         for i in 0..self.payouts {
-            let account = accounts[rng.random_range(0..accounts.len())].clone();
+            let drawn = rng.random_range(0..accounts.len());
+            let account = accounts[if self.round_robin {
+                i % accounts.len()
+            } else {
+                drawn
+            }]
+            .clone();
             let amount = if rng.random_bool(self.insufficient_rate) {
                 OPENING_BALANCE_MINOR + 1
             } else {

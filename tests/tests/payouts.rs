@@ -1055,3 +1055,76 @@ async fn a_worker_paused_past_its_lease_is_fenced_out_at_both_guards() {
     assert_eq!(ctx.ledger_rows(&q).await, 0);
     drop(rescuer);
 }
+
+/// A grant whose acquire's answer reached nobody (Temporal had already given up on that attempt:
+/// seen in a loaded fault-suite run, where the same payout's retry on the other worker then
+/// waited behind it for good, and every later payout of the account behind that) is handed back
+/// by its worker once no workflow has used it for `unclaimed_grant_max`. The control: a grant a
+/// workflow used (a fenced call vouched for it) is kept past the same bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_grant_no_workflow_takes_up_is_handed_back_and_a_used_one_is_kept() {
+    use payout_activities::services::{ServiceBackend, ServiceConfig};
+    use payout_activities::types::{AcquireInput, AcquireOutcome};
+    use payout_activities::Backend;
+
+    let system = shared().await;
+    let unclaimed_grant_max = Duration::from_secs(2);
+    let backend = ServiceBackend::connect(ServiceConfig {
+        owner: "unclaimed-test".into(),
+        private_task_queue: "unclaimed-test".into(),
+        lock_server_url: system.lock_url(),
+        payment_resource_url: system.payment_url(),
+        rail_proxy_url: system.proxy_url(),
+        lock_ttl: Duration::from_secs(10),
+        lock_history_path: None,
+        unclaimed_grant_max,
+    })
+    .await
+    .unwrap();
+    let grant = |account: &str| {
+        let input = AcquireInput {
+            payout_id: PayoutId::parse(format!("p-{account}")).unwrap(),
+            account_id: AccountId::parse(account).unwrap(),
+        };
+        let backend = &backend;
+        async move {
+            match backend.acquire(input, Duration::ZERO).await.unwrap() {
+                AcquireOutcome::Granted(g) => g,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    let unique = Stack::shared()
+        .unique_prefix("unclaimed")
+        .replace(['/', ':'], "-");
+    let unique = unique.trim_matches('-');
+    let (orphan_account, used_account) = (format!("{unique}-orphan"), format!("{unique}-used"));
+    let _orphan = grant(&orphan_account).await;
+    let used = grant(&used_account).await;
+    backend.check_held(&used).expect("held and vouched for");
+    let lock = LockClient::connect(system.lock_url()).await.unwrap();
+    let held = |account: String| {
+        let lock = lock.clone();
+        async move {
+            lock.describe(&payout_domain::lock_key(
+                &AccountId::parse(account).unwrap(),
+            ))
+            .await
+            .unwrap()
+            .held
+        }
+    };
+    assert!(held(orphan_account.clone()).await && held(used_account.clone()).await);
+    // Past the bound and a sweep (every 2 s here: the sweep runs at most every bound).
+    tokio::time::sleep(unclaimed_grant_max * 3).await;
+    assert!(
+        !held(orphan_account).await,
+        "the grant nobody took up was handed back"
+    );
+    assert!(
+        held(used_account).await,
+        "the grant a workflow used is kept"
+    );
+    backend.check_held(&used).expect("still held");
+    backend.close().await;
+}

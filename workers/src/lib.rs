@@ -51,6 +51,10 @@ pub struct WorkerConfig {
     /// grants of one key believed held at once). Off when unset.
     #[arg(long, env = "PAYOUT_LOCK_HISTORY_PATH")]
     pub lock_history_path: Option<std::path::PathBuf>,
+    /// A grant no workflow has used this long after it was made (its acquire's answer reached
+    /// nobody) is released, so it cannot keep the account's key from later payouts.
+    #[arg(long, env = "PAYOUT_UNCLAIMED_GRANT_MS", default_value_t = payout_activities::services::UNCLAIMED_GRANT_MAX_MS_DEFAULT)]
+    pub unclaimed_grant_max_ms: u64,
 }
 
 impl WorkerConfig {

@@ -22,6 +22,7 @@ async fn main() -> anyhow::Result<()> {
         rail_proxy_url: required("RAIL_PROXY_URL", &config.rail_proxy_url)?,
         lock_ttl: Duration::from_millis(config.lock_ttl_ms),
         lock_history_path: config.lock_history_path.clone(),
+        unclaimed_grant_max: Duration::from_millis(config.unclaimed_grant_max_ms),
     })
     .await
     .context("connecting the worker's services")?;

@@ -20,12 +20,12 @@ pub const ACQUIRE_START_TO_CLOSE: Duration = Duration::from_secs(15);
 /// workflow asks again with one new activity per hour of waiting.
 pub const ACQUIRE_QUEUED_START_TO_CLOSE: Duration = Duration::from_secs(3_600);
 /// The waiting activity heartbeats every third of this: a worker lost while its payouts wait is
-/// noticed within it and the wait moves to another worker (at the back of the line). Twice the
-/// lock session's default TTL: a worker process stalled this long has lost its session, and with
-/// it any grant made as Temporal gave up on the attempt. (Left open: a grant made while Temporal
-/// itself could not record heartbeats for this long stays with its live worker; the attempt's
-/// retry gets it back if it lands on that worker, and waits behind it otherwise.)
-pub const ACQUIRE_QUEUED_HEARTBEAT: Duration = Duration::from_secs(20);
+/// noticed within it and the wait moves to another worker (at the back of the line). The SDK
+/// sends heartbeats at most every 80% of it, so this is also the margin a busy dev server has to
+/// record one (6 s here; 20 s left 4 s, and a loaded fault-suite run saw an attempt time out and
+/// its grant reach nobody). A grant made as Temporal gives up on an attempt is handed back by the
+/// worker once no workflow has used it for a minute (`UNCLAIMED_GRANT_MAX_MS_DEFAULT`).
+pub const ACQUIRE_QUEUED_HEARTBEAT: Duration = Duration::from_secs(30);
 /// The proxy gives the rail its own bounded timeout (10 s) and must then record the ending;
 /// thirty seconds covers both. Overrunning it is an ambiguous outcome, never a retry.
 pub const SUBMIT_START_TO_CLOSE: Duration = Duration::from_secs(30);

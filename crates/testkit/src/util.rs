@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
@@ -90,9 +90,26 @@ pub fn target_dir() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join("target"))
 }
 
-/// Path of a binary of this workspace, built by `cargo build` (debug profile).
+/// Where the binaries a stack starts are: `PAYOUT_BIN_DIR` if set; else the directory of the
+/// running program when it holds the service binaries too (so `target/release/payoutctl` runs a
+/// stack of release binaries, and `target/debug/payoutctl` one of debug binaries); else
+/// `target/debug` (test binaries live in `target/debug/deps`, beside no service binary).
+pub fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("PAYOUT_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    let own_dir = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(Path::to_path_buf));
+    match own_dir {
+        Some(dir) if dir.join("payment-resource").exists() => dir,
+        _ => target_dir().join("debug"),
+    }
+}
+
+/// Path of a binary of this workspace (see [`bin_dir`]).
 pub fn workspace_bin(name: &str) -> PathBuf {
-    let path = target_dir().join("debug").join(name);
+    let path = bin_dir().join(name);
     assert!(
         path.exists(),
         "binary {} is not built: run `cargo build --bins` first (the README's test command does)",
