@@ -136,15 +136,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             "(a) system: {} payouts over {} accounts",
             args.payouts, args.accounts
         ));
-        let workload = Workload {
-            run_id: run_id()?,
-            payouts: args.payouts,
-            accounts: args.accounts,
-            insufficient_rate: 0.0,
-            seed: 1,
-            ambiguity,
-            round_robin: true,
-        };
+        let workload = even_workload(args.payouts, args.accounts, 1, ambiguity)?;
         let inputs = workload.create(&payments).await?;
         let ids = workflow_ids(&inputs);
         let measured = run_payouts(client.clone(), &system.task_queue, inputs, timeout).await?;
@@ -155,15 +147,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             "(b) workflow floor: {} payouts on the in-memory backend",
             args.payouts
         ));
-        let workload = Workload {
-            run_id: run_id()?,
-            payouts: args.payouts,
-            accounts: args.payouts,
-            insufficient_rate: 0.0,
-            seed: 1,
-            ambiguity,
-            round_robin: true,
-        };
+        let workload = even_workload(args.payouts, args.payouts, 1, ambiguity)?;
         let (accounts, inputs) = workload.build()?;
         let backend = Arc::new(InMemoryBackend::new("bench-floor"));
         for account in &accounts {
@@ -235,15 +219,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             "idle: {} single payouts, one after another",
             args.idle
         ));
-        let workload = Workload {
-            run_id: run_id()?,
-            payouts: args.idle,
-            accounts: args.idle,
-            insufficient_rate: 0.0,
-            seed: 2,
-            ambiguity,
-            round_robin: true,
-        };
+        let workload = even_workload(args.idle, args.idle, 2, ambiguity)?;
         let inputs = workload.create(&payments).await?;
         let ids = workflow_ids(&inputs);
         let mut total = Measured {
@@ -289,6 +265,24 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         std::process::ExitCode::SUCCESS
     } else {
         std::process::ExitCode::FAILURE
+    })
+}
+
+/// A benchmark workload: no payout the account cannot fund, payouts spread evenly.
+fn even_workload(
+    payouts: usize,
+    accounts: usize,
+    seed: u64,
+    ambiguity: AmbiguityPolicy,
+) -> anyhow::Result<Workload> {
+    Ok(Workload {
+        run_id: run_id()?,
+        payouts,
+        accounts,
+        insufficient_rate: 0.0,
+        seed,
+        ambiguity,
+        round_robin: true,
     })
 }
 
