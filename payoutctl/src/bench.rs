@@ -117,6 +117,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 );
                 for (name, f) in [
                     ("rail proxy Submit", &r.proxy),
+                    ("floor: 2 commits + stub", &r.floor),
                     ("stub called directly", &r.direct),
                 ] {
                     println!(
@@ -125,8 +126,11 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                     );
                 }
                 println!(
-                    "throughput ratio direct/proxy: {:.2}; guard cost per payout at p50: {:.2} ms; stub movements {}",
-                    r.throughput_ratio, r.p50_overhead_ms, r.stub_movements
+                    "ratio proxy/floor: {:.2} (target at least {:.2}); direct/proxy {:.2}; stub movements {}",
+                    r.proxy_over_floor,
+                    rail_proxy::bench::PROXY_OVER_FLOOR_TARGET,
+                    r.throughput_ratio,
+                    r.stub_movements
                 );
             }
         }

@@ -1,5 +1,8 @@
-//! The guard's cost per payout: proxy Submit throughput and latency against a zero-latency stub,
-//! and the same number of payments sent to the stub directly, in the same run.
+//! The guard's cost per payout, three paths in one run against one zero-latency stub: proxy Submit
+//! (gRPC, the guard transaction, the rail call, the outcome); its floor, the same two durable
+//! commits done by plain SQL on the same PostgreSQL server around the same direct stub call (what
+//! any guard that records intent before the call and outcome after must pay); and the stub called
+//! directly, with no commit at all.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,6 +19,69 @@ use crate::{ProxyConfig, RunningProxy};
 /// Bounds of one run: enough for stable percentiles, small enough for a 2-core machine.
 pub const ITERATIONS_MAX: usize = 100_000;
 pub const CONCURRENCY_MAX: usize = 256;
+/// The proxy's throughput should be at least this share of its plain-SQL floor's.
+pub const PROXY_OVER_FLOOR_TARGET: f64 = 0.7;
+
+/// The floor's own tables, shaped like the proxy's (a high-water per account, one submission row
+/// per payout with its outcome), without its audit, triggers or classification.
+const FLOOR_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS bench_floor_high_water (
+        account_id text PRIMARY KEY, high_water bigint NOT NULL, owner text NOT NULL);
+    CREATE TABLE IF NOT EXISTS bench_floor_submission (
+        payout_id text PRIMARY KEY, account_id text NOT NULL, fence_token bigint NOT NULL,
+        owner text NOT NULL, client_reference text NOT NULL, amount_minor bigint NOT NULL,
+        currency text NOT NULL, beneficiary_ref text NOT NULL, outcome text, rail_ref text,
+        created_at timestamptz NOT NULL DEFAULT now())";
+
+/// One payment on the floor path: intent and high-water in one commit, the stub, the outcome in
+/// a second commit.
+async fn floor_payment(
+    pool: &sqlx::PgPool,
+    stub: &rail_stub::client::StubClient,
+    payout: &str,
+    account: &str,
+    order: &rail_stub::PaymentOrder,
+) -> Result<(), BenchError> {
+    let mut tx = pool.begin().await?;
+    let advanced: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO bench_floor_high_water (account_id, high_water, owner) VALUES ($1, 1, 'bench') \
+         ON CONFLICT (account_id) DO UPDATE SET high_water = EXCLUDED.high_water \
+           WHERE bench_floor_high_water.high_water <= EXCLUDED.high_water \
+         RETURNING high_water",
+    )
+    .bind(account)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if advanced.is_none() {
+        return Err(BenchError::Call(format!("floor: {account} fenced")));
+    }
+    sqlx::query(
+        "INSERT INTO bench_floor_submission (payout_id, account_id, fence_token, owner, \
+         client_reference, amount_minor, currency, beneficiary_ref) \
+         VALUES ($1, $2, 1, 'bench', $3, $4, $5, $6)",
+    )
+    .bind(payout)
+    .bind(account)
+    .bind(&order.client_reference)
+    .bind(order.amount_minor)
+    .bind(&order.currency)
+    .bind(&order.beneficiary_ref)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let rail_ref = match stub.pay(order).await {
+        Ok(rail_stub::client::DirectAnswer::Accepted { rail_ref }) => rail_ref,
+        other => return Err(BenchError::Call(format!("floor call: {other:?}"))),
+    };
+    sqlx::query(
+        "UPDATE bench_floor_submission SET outcome = 'ACKED', rail_ref = $2 \
+         WHERE payout_id = $1 AND outcome IS NULL",
+    )
+    .bind(payout)
+    .bind(rail_ref)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Figures {
@@ -33,13 +99,18 @@ pub struct BenchReport {
     pub concurrency: usize,
     /// Submits through the proxy (guard transaction + rail call + outcome), each on a fresh account.
     pub proxy: Figures,
+    /// The floor: per payment, one transaction that advances a high-water and inserts the intent,
+    /// the direct stub call, one transaction that writes the outcome; plain SQL, no gRPC.
+    pub floor: Figures,
+    /// proxy throughput / floor throughput (the goal: at least [`PROXY_OVER_FLOOR_TARGET`]).
+    pub proxy_over_floor: f64,
     /// The same number of payments sent straight to the stub.
     pub direct: Figures,
     /// direct throughput / proxy throughput: how many times slower the guarded path is.
     pub throughput_ratio: f64,
     /// proxy p50 - direct p50: the guard's added latency per payout.
     pub p50_overhead_ms: f64,
-    /// Movements at the stub after the run; must be exactly 2 × iterations (one per call).
+    /// Movements at the stub after the run; must be exactly 3 × iterations (one per call).
     pub stub_movements: usize,
 }
 
@@ -128,6 +199,8 @@ pub async fn run(
         .acquire_timeout(Duration::from_millis(service_kit::pool::ACQUIRE_TIMEOUT_MS))
         .connect(proxy_db_url)
         .await?;
+    sqlx::raw_sql(FLOOR_SCHEMA).execute(&pool).await?;
+    let floor_pool = pool.clone();
     let proxy = RunningProxy::start(pool, ProxyConfig::new(stub.base_url())).await?;
     let client = RailProxyClient::connect(proxy.endpoint()).await?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
@@ -155,6 +228,25 @@ pub async fn run(
                 Err(e) => Err(BenchError::Call(e.to_string())),
             }
         }
+    })
+    .await?;
+
+    let floor_stub = stub.client();
+    let floor_run_id = run_id.clone();
+    let (floor_latencies, floor_elapsed) = drive(iterations, concurrency, move |i| {
+        let (pool, stub) = (floor_pool.clone(), floor_stub.clone());
+        let payout = format!("floor-{floor_run_id}-{i}");
+        let account = format!("floor-acct-{floor_run_id}-{i}");
+        let order = rail_stub::PaymentOrder {
+            client_reference: ClientReference::for_payout(
+                &PayoutId::parse(payout.clone()).expect("valid id"),
+            )
+            .to_string(),
+            amount_minor: 100,
+            currency: "EUR".into(),
+            beneficiary_ref: "bench-beneficiary".into(),
+        };
+        async move { floor_payment(&pool, &stub, &payout, &account, &order).await }
     })
     .await?;
 
@@ -189,12 +281,15 @@ pub async fn run(
     proxy.stop().await?;
     stub.stop().await?;
     let proxy = figures(proxy_latencies, proxy_elapsed);
+    let floor = figures(floor_latencies, floor_elapsed);
     let direct = figures(direct_latencies, direct_elapsed);
     Ok(BenchReport {
         iterations,
         concurrency,
         throughput_ratio: direct.throughput_per_s / proxy.throughput_per_s,
         p50_overhead_ms: proxy.p50_ms - direct.p50_ms,
+        proxy_over_floor: proxy.throughput_per_s / floor.throughput_per_s,
+        floor,
         proxy,
         direct,
         stub_movements,

@@ -847,17 +847,24 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_benchmark_measures_both_paths_in_one_run() {
+async fn the_benchmark_measures_the_three_paths_in_one_run() {
     let db_url = Stack::shared().fresh_db(PgServer::Proxy).await;
     let report = rail_proxy::bench::run(&db_url, 200, 8).await.unwrap();
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     assert_eq!(
-        report.stub_movements, 400,
+        report.stub_movements, 600,
         "one movement per call, none repeated"
     );
-    assert_eq!((report.proxy.calls, report.direct.calls), (200, 200));
+    assert_eq!(
+        (report.proxy.calls, report.floor.calls, report.direct.calls),
+        (200, 200, 200)
+    );
     assert!(
-        report.proxy.p50_ms > 0.0 && report.direct.p50_ms > 0.0 && report.throughput_ratio > 0.0
+        report.proxy.p50_ms > 0.0
+            && report.floor.p50_ms > 0.0
+            && report.direct.p50_ms > 0.0
+            && report.throughput_ratio > 0.0
+            && report.proxy_over_floor > 0.0
     );
 }
 
