@@ -12,8 +12,9 @@ use uuid::Uuid;
 
 use crate::error::LedgerError;
 
-/// The throughput ratio (GL over plain SQL) the issue sets as the target.
-pub const TARGET_RATIO: f64 = 0.5;
+/// The throughput ratio (GL over plain SQL) to reach: AppendJournal at 80% of the same rows
+/// written by plain SQL (raised from the first issue's 0.5 by the performance issue).
+pub const TARGET_RATIO: f64 = 0.8;
 /// Journals per worker before measuring: connections, caches and plans warm up.
 const WARMUP_PER_WORKER: usize = 5;
 
