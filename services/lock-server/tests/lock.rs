@@ -1337,6 +1337,7 @@ async fn soak_on(limits: testkit::etcd::EtcdLimits) -> lock_server::soak::SoakRe
 }
 
 /// dbSize growth over the first half of a soak and over the second half.
+/// How much etcd's database file grew in the first half of the run, then in the second.
 fn growth_by_half(r: &lock_server::soak::SoakReport) -> (i64, i64) {
     let half = &r.checkpoints[lock_server::soak::CHECKPOINTS / 2 - 1];
     assert!(half.grants >= r.grants / 2 && half.grants < r.grants);
@@ -1380,15 +1381,21 @@ async fn etcd_soak_database_stays_bounded_and_grows_without_compaction() {
         "dbSize {} above {SOAK_DB_SIZE_MAX_BYTES}",
         bounded.after.db_size_bytes
     );
-    assert!(
-        second <= first / 4,
-        "the database must level off once the window is full: +{first} then +{second} bytes"
-    );
-
     let (control_first, control_second) = growth_by_half(&control);
     assert!(
         control_second >= control_first / 2,
         "control: without compaction the second half grows like the first: +{control_first} then +{control_second}"
+    );
+    // Levelling off, against the control of the same test: once the window is full, the second
+    // half adds at most half of what it adds without compaction. Not against the run's own first
+    // half: bbolt grows its file in steps and reuses freed pages inside it, so one step can land in
+    // either half (a clean-clone CI run saw +836 KB then +299 KB, against +1,688 KB in the
+    // control's second half; a loaded run here +664 KB then 0), and the pages in use swing with
+    // the moment compaction ran (+172 KB then +422 KB in one run, +725 KB then +111 KB in another).
+    assert!(
+        second <= control_second / 2,
+        "the database must level off once the window is full: +{first} then +{second} bytes, \
+         against +{control_second} in the second half without compaction"
     );
     assert!(
         control.db_size_growth_bytes() >= 2 * bounded.db_size_growth_bytes(),
