@@ -1336,7 +1336,6 @@ async fn soak_on(limits: testkit::etcd::EtcdLimits) -> lock_server::soak::SoakRe
     report
 }
 
-/// dbSize growth over the first half of a soak and over the second half.
 /// How much etcd's database file grew in the first half of the run, then in the second.
 fn growth_by_half(r: &lock_server::soak::SoakReport) -> (i64, i64) {
     let half = &r.checkpoints[lock_server::soak::CHECKPOINTS / 2 - 1];
