@@ -136,6 +136,33 @@ impl PayoutActivities {
         logged("acquire", &payout_id, token, result)
     }
 
+    /// One try at the key that never waits in line (a later caller that finds others waiting
+    /// does not pass them). Run as a local activity: the answer names the worker it ran on.
+    #[activity(name = "TryAcquireGrant")]
+    pub async fn try_acquire_grant(
+        self: Arc<Self>,
+        _ctx: ActivityContext,
+        input: AcquireInput,
+    ) -> Result<TryAcquired, ActivityError> {
+        let payout_id = input.payout_id.clone();
+        let result = self
+            .backend
+            .acquire(input, Duration::ZERO)
+            .await
+            .map(|outcome| TryAcquired {
+                outcome,
+                worker_queue: self.backend.task_queue(),
+            });
+        let token = match &result {
+            Ok(TryAcquired {
+                outcome: AcquireOutcome::Granted(grant),
+                ..
+            }) => Some(grant.token.get()),
+            _ => None,
+        };
+        logged("try_acquire", &payout_id, token, result)
+    }
+
     #[activity(name = "ReleaseGrant")]
     pub async fn release_grant(
         self: Arc<Self>,
@@ -145,6 +172,28 @@ impl PayoutActivities {
         let token = input.grant.token.get();
         let result = self.backend.release(input.grant).await;
         logged("release", &input.payout_id, Some(token), result)
+    }
+
+    /// The release as a local step: only the process that made a grant holds its handle, so a
+    /// grant made by another worker process is answered `NotHere` (the workflow then routes the
+    /// release to that process's queue) instead of a release that frees nothing.
+    #[activity(name = "ReleaseGrantHere")]
+    pub async fn release_grant_here(
+        self: Arc<Self>,
+        _ctx: ActivityContext,
+        input: FencedInput,
+    ) -> Result<Released, ActivityError> {
+        let token = input.grant.token.get();
+        let payout_id = input.payout_id.clone();
+        let result = if input.grant.task_queue == self.backend.task_queue() {
+            self.backend
+                .release(input.grant)
+                .await
+                .map(|()| Released::Released)
+        } else {
+            Ok(Released::NotHere)
+        };
+        logged("release_here", &payout_id, Some(token), result)
     }
 
     #[activity(name = "GetPayout")]

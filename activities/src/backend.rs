@@ -18,6 +18,11 @@ pub trait Backend: Send + Sync + 'static {
     /// The lock client's conservative local deadline: `Err(GrantLost)` once it has passed, or if
     /// the grant's session is not this worker's (then nobody here keeps it alive).
     fn check_held(&self, grant: &Grant) -> Result<(), Refusal>;
+    /// This worker process's own task queue, where fenced work under its grants is routed
+    /// (`Grant::task_queue`). Empty: the workflow's own queue (a one-worker setup).
+    fn task_queue(&self) -> String {
+        String::new()
+    }
     /// Compare-and-delete on the handle. Releasing a grant that is already gone is success.
     fn release(&self, grant: Grant) -> Answer<'_, ()>;
 

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 use temporalio_common::error::ApplicationFailure;
 use temporalio_common::error::IncomingError;
+use temporalio_common::protos::temporal::api::failure::v1::failure::FailureInfo;
 use temporalio_sdk::activities::ActivityError;
 use temporalio_sdk::error::ActivityExecutionError;
 
@@ -73,11 +74,21 @@ impl Refusal {
     /// Reads a refusal back from an activity failure, if that is what it was. Anything else
     /// (a timeout, a lost worker, a retryable error that ran out of attempts) is `None`.
     pub fn from_failure(error: &ActivityExecutionError) -> Option<Refusal> {
-        let Some(IncomingError::Application(failure)) = error.reason() else {
+        if let Some(IncomingError::Application(failure)) = error.reason() {
+            failure.type_name()?;
+            return failure.details::<Refusal>().ok().flatten();
+        }
+        // A local activity's failure arrives unwrapped: the application failure is the
+        // top-level one, its details the refusal as JSON.
+        let failure = error.failure()?;
+        let Some(FailureInfo::ApplicationFailureInfo(info)) = &failure.failure_info else {
             return None;
         };
-        failure.type_name()?;
-        failure.details::<Refusal>().ok().flatten()
+        if info.r#type.is_empty() {
+            return None;
+        }
+        let payload = info.details.as_ref()?.payloads.first()?;
+        serde_json::from_slice(&payload.data).ok()
     }
 }
 

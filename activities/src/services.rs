@@ -362,6 +362,10 @@ impl Backend for ServiceBackend {
         })
     }
 
+    fn task_queue(&self) -> String {
+        self.config.private_task_queue.clone()
+    }
+
     fn check_held(&self, grant: &Grant) -> Result<(), Refusal> {
         let lost = |reason: &str| Refusal::GrantLost {
             key: grant.key.clone(),

@@ -275,6 +275,25 @@ pub enum AcquireOutcome {
     },
 }
 
+/// The answer of a try at the key that never waits (`TryAcquireGrant`), run as a local activity
+/// by the worker that runs the payout's workflow task: a grant made there is held by the process
+/// that runs the payout's next steps. When the key is held, `worker_queue` names that worker's own
+/// task queue, where the workflow then waits in the account's line, so that the grant is made in
+/// the same process. Empty means the workflow's own queue (a one-worker setup).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TryAcquired {
+    pub outcome: AcquireOutcome,
+    pub worker_queue: String,
+}
+
+/// The answer of `ReleaseGrantHere`: released by this process, or the grant was made by another
+/// worker process (its `task_queue` is not this one's), which alone can release it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Released {
+    Released,
+    NotHere,
+}
+
 /// Every fenced call: the payout and the grant under which it is made.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FencedInput {

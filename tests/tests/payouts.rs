@@ -174,6 +174,30 @@ impl Ctx {
         .unwrap()
     }
 
+    /// Until paydb shows the payout RAIL_SUBMITTED: its claimer and the account's fence (the
+    /// token it was claimed and marked under). Read from paydb, the record, not from the
+    /// workflow's `status` query: with local steps a workflow task runs every step of a payout,
+    /// and the query sees the state only when that task completes.
+    async fn submitted_in_paydb(&self, input: &PayoutInput) -> (String, u64) {
+        testkit::eventually(SETTLE_TIMEOUT, "RAIL_SUBMITTED in paydb", || async {
+            let row: Option<(String, Option<String>, i64)> = sqlx::query_as(
+                "SELECT p.state, p.claimed_by, a.fence FROM payout p JOIN account a ON a.id = p.account_id WHERE p.id = $1",
+            )
+            .bind(input.payout_id.as_str())
+            .fetch_optional(&self.paydb)
+            .await
+            .ok()?;
+            match row {
+                Some((state, Some(claimer), fence)) if state == "RAIL_SUBMITTED" => {
+                    Some((claimer, fence as u64))
+                }
+                _ => None,
+            }
+        })
+        .await
+        .unwrap()
+    }
+
     /// Rail ground truth: (movements, payment requests received) for the payout's reference.
     async fn rail(&self, input: &PayoutInput) -> (u64, u64) {
         let cref = ClientReference::for_payout(&input.payout_id);
@@ -594,6 +618,25 @@ async fn two_workers_short_lease(rail_timeout_ms: u64) -> anyhow::Result<System>
     .await
 }
 
+/// `workers` workers with a short lease (3 s) and the test-only stall points `stalls`
+/// (`services::STALL_ENV`).
+async fn with_stall_points(workers: usize, stalls: String) -> anyhow::Result<System> {
+    System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers,
+            settlement_window_ms: 1_000,
+            rail_timeout_ms: RAIL_TIMEOUT_MS,
+            worker_env: vec![
+                ("PAYOUT_LOCK_TTL_MS".into(), "3000".into()),
+                (payout_activities::services::STALL_ENV.into(), stalls),
+            ],
+            ..SystemOptions::default()
+        },
+    )
+    .await
+}
+
 /// A system whose processes the test may kill: two workers with a short lease (3 s), so a dead
 /// worker's key comes free quickly.
 async fn faults() -> &'static System {
@@ -617,13 +660,8 @@ async fn a_worker_killed_between_submit_and_outcome_ends_resolved_never_resubmit
     let input = ctx.payout("killed", 10_000, 1_000, fast_ambiguity()).await;
     ctx.force(&input, FaultMode::AcceptThenHang).await;
     let id = ctx.start(&input).await;
-    let submitted = ctx
-        .wait_status(&id, "RAIL_SUBMITTED", |s| {
-            s.state == PayoutState::RailSubmitted
-        })
-        .await;
-    let first_token = submitted.token.expect("a grant").get();
-    let index = worker_index(&submitted.claimer);
+    let (claimer, first_token) = ctx.submitted_in_paydb(&input).await;
+    let index = worker_index(&claimer);
     // Kill only once the submission has reached the rail (which accepts and goes silent): the
     // worker dies between submit and outcome, not before its submission left (that case is the
     // frozen-worker test's).
@@ -654,22 +692,33 @@ async fn a_worker_killed_between_submit_and_outcome_ends_resolved_never_resubmit
     );
 }
 
-/// Issue 7, end to end: the worker holding the grant is frozen (SIGSTOP) the moment paydb shows
-/// RAIL_SUBMITTED, past its lease. The other worker takes over with a higher token, finds no
-/// outcome, goes RAIL_AMBIGUOUS and asks the proxy with its grant. Then the frozen worker resumes.
-/// Whatever the freeze caught, there is at most one rail movement and exactly one terminal state
-/// consistent with the rail. When the freeze landed before the submission reached the proxy
-/// (the hole), the resolver's fenced inquiry sealed the payout: FAILED with no movement, and the
-/// frozen holder's submission, replayed deterministically as it would arrive, is FENCED at the
-/// proxy, while one at the resolver's own token is a DUPLICATE: nothing is ever sent.
+/// Issue 7, end to end: the worker holding the grant is frozen (SIGSTOP) after marking the payout
+/// RAIL_SUBMITTED and before its submission reached the proxy (a test-only stall point holds it
+/// there: with local steps the Submit follows MarkSubmitted within milliseconds), past its lease.
+/// The other worker takes over with a higher token, finds no outcome, goes RAIL_AMBIGUOUS and
+/// asks the proxy with its grant, which seals the payout: FAILED with no movement. Then the
+/// frozen worker resumes; its submission, and one replayed deterministically as it would arrive,
+/// is FENCED at the proxy, while one at the resolver's own token is a DUPLICATE: nothing is ever
+/// sent.
 static FROZEN: OnceCell<System> = OnceCell::const_new();
 
+const FROZEN_PAYOUT: &str = "frozen-payout";
+/// How long the claimer waits after its grant check, before its Submit of [`FROZEN_PAYOUT`]: the
+/// payout is RAIL_SUBMITTED in paydb and nothing has reached the proxy, long enough for the
+/// test to see it and freeze the worker there (the next step follows MarkSubmitted at once).
+const FROZEN_STALL_MS: u64 = 8_000;
+
 /// Its own two workers (3 s lease): a frozen worker here must not take a worker away from the
-/// killed-worker test running beside it.
+/// killed-worker test running beside it. Either worker stalls before its Submit of
+/// [`FROZEN_PAYOUT`] (a test-only stall point).
 async fn frozen_system() -> &'static System {
     FROZEN
         .get_or_init(|| async {
-            two_workers_short_lease(RAIL_TIMEOUT_MS)
+            let stalls = (0..2)
+                .map(|i| format!("worker-{i}:submit:{FROZEN_PAYOUT}:{FROZEN_STALL_MS}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            with_stall_points(2, stalls)
                 .await
                 .expect("the frozen-worker system starts")
         })
@@ -683,30 +732,16 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
 
     let system = frozen_system().await;
     let ctx = Ctx::new(system).await;
-    let input = ctx.payout("frozen", 10_000, 1_000, fast_ambiguity()).await;
+    let input = explicit_payout(&ctx, FROZEN_PAYOUT, "frozen-acct").await;
     let proxydb = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .connect(&system.databases.proxydb)
         .await
         .unwrap();
     let id = ctx.start(&input).await;
-    // Polled on paydb directly (not through Temporal) so the freeze lands as early as possible
-    // after MarkSubmitted, before the submission activity's round trips through Temporal.
-    let claimer: String =
-        testkit::eventually(SETTLE_TIMEOUT, "RAIL_SUBMITTED in paydb", || async {
-            let row: Option<(String, Option<String>)> =
-                sqlx::query_as("SELECT state, claimed_by FROM payout WHERE id = $1")
-                    .bind(input.payout_id.as_str())
-                    .fetch_optional(&ctx.paydb)
-                    .await
-                    .ok()?;
-            match row {
-                Some((state, Some(claimer))) if state == "RAIL_SUBMITTED" => Some(claimer),
-                _ => None,
-            }
-        })
-        .await
-        .unwrap();
+    // The claimer is held after its grant check, before its Submit (the stall point): the
+    // freeze lands in the window the lease check cannot close.
+    let (claimer, _) = ctx.submitted_in_paydb(&input).await;
     let index = worker_index(&claimer);
     system.workers[index].pause().unwrap();
     let frozen_token: i64 = sqlx::query_scalar("SELECT fence FROM account WHERE id = $1")
@@ -736,6 +771,9 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
     eprintln!(
         "freeze landed before the proxy: {sealed}; record {record:?}; rail ({moved}, {requests})"
     );
+    // The stall point holds the claimer before its Submit, so the freeze always lands before the
+    // proxy: the hole's case, every run.
+    assert!(sealed, "the freeze landed before the proxy: {record:?}");
     if sealed {
         assert_eq!(done.state, PayoutState::Failed);
         assert_eq!((moved, requests), (0, 0), "nothing ever reached the rail");
@@ -801,8 +839,8 @@ async fn operator_system() -> &'static System {
         .await
 }
 
-/// The activity id of the submission while it is pending, from `temporal workflow describe`.
-fn pending_submission(workflow_id: &str) -> Option<String> {
+/// The workflow's pending activities, from `temporal workflow describe`.
+fn pending_activities(workflow_id: &str) -> Vec<serde_json::Value> {
     let out = Stack::shared()
         .temporal()
         .cli(&[
@@ -813,23 +851,46 @@ fn pending_submission(workflow_id: &str) -> Option<String> {
             "--output",
             "json",
         ])
-        .ok()?;
-    let described: serde_json::Value = serde_json::from_str(&out).ok()?;
+        .unwrap();
+    let described: serde_json::Value = serde_json::from_str(&out).unwrap();
     described["pendingActivities"]
-        .as_array()?
-        .iter()
-        .find(|a| a["activityType"]["name"] == "SubmitToRail")
-        .and_then(|a| a["activityId"].as_str().map(String::from))
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
 }
 
-/// History is diagnostic only, against an operator: while the submission is in flight and its
-/// worker is frozen, the operator raises the submission's retry policy to several attempts,
-/// re-routes it to the shared queue where the other worker polls, and resets the activity so it
-/// is dispatched again. The extra attempt runs on a worker that holds no grant for the payout
-/// and is refused before any guard call; the payout is recovered under a higher token from the
-/// rail's evidence. Ground truth: one rail request, one movement, two ledger rows.
+/// Until the workflow's history holds a completed workflow task (a reset point).
+async fn a_workflow_task_completed(workflow_id: &str) {
+    testkit::eventually(SETTLE_TIMEOUT, "a completed workflow task", || async {
+        let out = Stack::shared()
+            .temporal()
+            .cli(&[
+                "workflow",
+                "show",
+                "--workflow-id",
+                workflow_id,
+                "--output",
+                "json",
+            ])
+            .ok()?;
+        (out.contains("WORKFLOW_TASK_COMPLETED") || out.contains("WorkflowTaskCompleted"))
+            .then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+/// History is diagnostic only, against an operator. With local steps the submission in flight is
+/// not an activity task: there is nothing an operator could retry, re-route or reset (describe
+/// lists no pending activity; before local steps, this test raised the submission's retry policy,
+/// re-routed it and reset it, and the extra attempt was refused for want of the grant). What an
+/// operator can still do is reset the workflow: with the claimer frozen and its submission in
+/// flight at the rail, the workflow is reset to its first workflow task. The reset run finds the
+/// payout RAIL_SUBMITTED, treats it as maybe sent (it did not mark it under its own grant),
+/// and resolves it from the rail's evidence under a higher token. Ground truth: one rail
+/// request, one movement, two ledger rows.
 #[tokio::test]
-async fn an_operator_retrying_and_resetting_the_submission_moves_no_money_twice() {
+async fn an_operator_resetting_a_payout_while_its_submission_is_in_flight_moves_no_money_twice() {
     let system = operator_system().await;
     let ctx = Ctx::new(system).await;
     let input = ctx
@@ -837,38 +898,36 @@ async fn an_operator_retrying_and_resetting_the_submission_moves_no_money_twice(
         .await;
     ctx.force(&input, FaultMode::AcceptThenHang).await;
     let id = ctx.start(&input).await;
-    let activity_id = testkit::eventually(SETTLE_TIMEOUT, "the submission in flight", || async {
-        pending_submission(&id)
-    })
+    let (claimer, first_token) = ctx.submitted_in_paydb(&input).await;
+    testkit::eventually(
+        SETTLE_TIMEOUT,
+        "the rail to receive the submission",
+        || async { (ctx.rail(&input).await.1 == 1).then_some(()) },
+    )
     .await
     .unwrap();
-    let status = ctx.status(&id).await;
-    let first_token = status.token.expect("a grant").get();
-    let index = worker_index(&status.claimer);
+    assert!(
+        pending_activities(&id).is_empty(),
+        "the submission in flight is a local step, not an activity task an operator can re-dispatch"
+    );
+    // The proxy waits 20 s for the rail: the local submission keeps its workflow task open,
+    // which the worker heartbeats (completes and reopens) after 80% of the task timeout.
+    a_workflow_task_completed(&id).await;
+    let index = worker_index(&claimer);
     system.workers[index].pause().unwrap();
-    let temporal = Stack::shared().temporal();
-    temporal
+    Stack::shared()
+        .temporal()
         .cli(&[
-            "activity",
-            "update-options",
-            "--workflow-id",
-            &id,
-            "--activity-id",
-            &activity_id,
-            "--retry-maximum-attempts",
-            "5",
-            "--task-queue",
-            &system.task_queue,
-        ])
-        .unwrap();
-    temporal
-        .cli(&[
-            "activity",
+            "workflow",
             "reset",
+            "--namespace",
+            testkit::temporal::NAMESPACE,
             "--workflow-id",
             &id,
-            "--activity-id",
-            &activity_id,
+            "--type",
+            "FirstWorkflowTask",
+            "--reason",
+            "system test: an operator resets a payout whose submission is in flight",
         ])
         .unwrap();
     let done = wf::wait_result(&ctx.temporal, &id, KILLED_WORKER_SETTLE_TIMEOUT).await;
@@ -878,34 +937,6 @@ async fn an_operator_retrying_and_resetting_the_submission_moves_no_money_twice(
     assert!(
         done.token.expect("a grant").get() > first_token,
         "recovered under a higher token"
-    );
-    // The operator's actions took effect: the submission was dispatched again (attempt >= 2)
-    // and that attempt was refused for want of the grant, not sent.
-    let history = temporal
-        .cli(&["workflow", "show", "--workflow-id", &id, "--output", "json"])
-        .unwrap();
-    let history: serde_json::Value = serde_json::from_str(&history).unwrap();
-    let events = history["events"].as_array().expect("events");
-    let retried = events.iter().any(|e| {
-        e["activityTaskStartedEventAttributes"]["attempt"]
-            .as_i64()
-            .unwrap_or(1)
-            >= 2
-            || e["activityTaskStartedEventAttributes"]["attempt"]
-                .as_str()
-                .is_some_and(|a| a != "1")
-    });
-    let refused = events.iter().any(|e| {
-        e["activityTaskFailedEventAttributes"]
-            .to_string()
-            .contains("GrantLost")
-            || e["activityTaskFailedEventAttributes"]
-                .to_string()
-                .contains("holds no grant")
-    });
-    assert!(
-        retried || refused,
-        "the operator's retry and reset led to another attempt: {history}"
     );
     // Let the frozen worker's own late attempt finish before counting.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -926,21 +957,9 @@ async fn stalled_system() -> &'static System {
             let stalls = format!(
                 "worker-0:mark_submitted:{STALL_PAYDB_PAYOUT}:20000,worker-0:submit:{STALL_PROXY_PAYOUT}:20000"
             );
-            System::start(
-                Stack::shared(),
-                SystemOptions {
-                    workers: 1,
-                    settlement_window_ms: 1_000,
-                    rail_timeout_ms: RAIL_TIMEOUT_MS,
-                    worker_env: vec![
-                        ("PAYOUT_LOCK_TTL_MS".into(), "3000".into()),
-                        (payout_activities::services::STALL_ENV.into(), stalls),
-                    ],
-                    ..SystemOptions::default()
-                },
-            )
-            .await
-            .expect("the stalled system starts")
+            with_stall_points(1, stalls)
+                .await
+                .expect("the stalled system starts")
         })
         .await
 }
@@ -1001,9 +1020,21 @@ async fn a_worker_paused_past_its_lease_is_fenced_out_at_both_guards() {
     )
     .await
     .unwrap();
-    let stale_p = ctx.status(&id_p).await.token.expect("a grant").get();
-    let stale_q = ctx.status(&id_q).await.token.expect("a grant").get();
+    // Frozen at once, inside both stall points. The stale tokens are the accounts' fences (each
+    // payout was claimed under its grant), read from paydb: the `status` query would wait for
+    // the workflow task that runs the stalled local step to complete.
     system.workers[0].pause().unwrap();
+    let fence = |account: &'static str| {
+        let paydb = ctx.paydb.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT fence FROM account WHERE id = $1")
+                .bind(account)
+                .fetch_one(&paydb)
+                .await
+                .unwrap() as u64
+        }
+    };
+    let (stale_p, stale_q) = (fence("stall-acct-1").await, fence("stall-acct-2").await);
     let rescuer = system.start_worker("worker-1").unwrap();
     let (done_p, done_q) = tokio::join!(
         wf::wait_result(&ctx.temporal, &id_p, KILLED_WORKER_SETTLE_TIMEOUT),

@@ -9,6 +9,7 @@ use anyhow::Context;
 use payout_activities::{Backend, PayoutActivities};
 use payout_workflows::PayoutWorkflow;
 use temporalio_client::{Client, ClientOptions, ConnectionOptions, Url};
+use temporalio_sdk::runtime::worker_tuner::{FixedSizeSlotSupplier, TunerHolder};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
 /// On SIGTERM the worker stops polling and lets in-flight activities finish for this long; then
@@ -19,6 +20,23 @@ pub const GRACEFUL_SHUTDOWN_PERIOD: Duration = Duration::from_secs(35);
 /// Cached workflow executions per worker: each is a small state machine; this bounds memory at a
 /// batch of a few hundred in-flight payouts per replica.
 pub const MAX_CACHED_WORKFLOWS: usize = 1_000;
+/// Activity slots of this process's own queue. Payouts waiting in an account's line wait there
+/// (one parked `AcquireGrant` each, a future and no thread), so a busy batch parks hundreds at
+/// once; with the SDK's default of 100, waiters beyond it would sit in the queue unstarted and
+/// time out their schedule-to-start. Fenced work is a few short calls per payout on top.
+pub const PRIVATE_QUEUE_ACTIVITY_SLOTS: usize = 5_000;
+
+/// The private queue's tuner: [`PRIVATE_QUEUE_ACTIVITY_SLOTS`] activity slots (it runs no
+/// workflows, so its other slot kinds stay at the SDK's default size).
+fn private_queue_tuner() -> TunerHolder {
+    const SDK_DEFAULT_SLOTS: usize = 100;
+    TunerHolder::builder()
+        .workflow_task_slot_supplier(FixedSizeSlotSupplier::new(SDK_DEFAULT_SLOTS))
+        .activity_task_slot_supplier(FixedSizeSlotSupplier::new(PRIVATE_QUEUE_ACTIVITY_SLOTS))
+        .local_activity_task_slot_supplier(FixedSizeSlotSupplier::new(SDK_DEFAULT_SLOTS))
+        .nexus_task_slot_supplier(FixedSizeSlotSupplier::new(SDK_DEFAULT_SLOTS))
+        .build()
+}
 
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "payout-worker", about = "Temporal worker for payout workflows")]
@@ -124,6 +142,7 @@ pub async fn run(
                 .build();
             options.graceful_shutdown_period = Some(GRACEFUL_SHUTDOWN_PERIOD);
             options.client_identity_override = Some(config.identity());
+            options.tuner = private_queue_tuner().into();
             Some(Worker::new(&runtime, client, options)?)
         }
         None => None,

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use temporalio_common::RetryPolicy;
-use temporalio_sdk::ActivityOptions;
+use temporalio_sdk::{ActivityOptions, LocalActivityOptions};
 
 /// The task queue the payout worker polls.
 pub const TASK_QUEUE: &str = "payouts";
@@ -125,6 +125,35 @@ pub fn submit() -> ActivityOptions {
             .non_retryable_error_types(REFUSALS)
             .build(),
     )
+}
+
+/// The same call as a local activity: run by the worker that runs the workflow task, its
+/// answer recorded as a marker when that task completes (no activity task, no extra workflow
+/// task). Same timeouts and retry policy as the activity form; a local retry that would wait
+/// longer than [`LOCAL_RETRY_TIMER_THRESHOLD`] waits on a durable timer instead, so a long
+/// outage does not hold a workflow task open.
+pub fn local(options: ActivityOptions) -> LocalActivityOptions {
+    let mut local = LocalActivityOptions::default();
+    local.start_to_close_timeout = options.close_timeouts.start_to_close();
+    local.retry_policy = options.retry_policy.unwrap_or_else(safe_to_repeat);
+    local.timer_backoff_threshold = Some(LOCAL_RETRY_TIMER_THRESHOLD);
+    local
+}
+
+/// A local retry waits in the worker up to this long; longer backoffs become durable timers.
+pub const LOCAL_RETRY_TIMER_THRESHOLD: Duration = Duration::from_secs(5);
+
+/// The queued acquire, routed to the worker that ran the try (`TryAcquired::worker_queue`): the
+/// grant is then made in the process that runs the payout's workflow tasks, where its local
+/// steps can vouch for it. A queue nobody polls (that worker is gone) is noticed after
+/// [`FENCED_SCHEDULE_TO_START`] and the workflow tries again where it now runs.
+pub fn acquire_queued_on(worker_queue: &str) -> ActivityOptions {
+    let mut options = acquire_queued();
+    if !worker_queue.is_empty() {
+        options.task_queue = Some(worker_queue.to_string());
+        options.schedule_to_start_timeout = Some(FENCED_SCHEDULE_TO_START);
+    }
+    options
 }
 
 #[cfg(test)]

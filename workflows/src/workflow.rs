@@ -15,12 +15,14 @@ use payout_activities::types::*;
 use payout_activities::PayoutActivities;
 use payout_domain::{ClientReference, FencingToken, PayoutId, PayoutState};
 use serde::{Deserialize, Serialize};
+use temporalio_common::data_converters::TemporalDeserializable;
 use temporalio_common::error::TimeoutType;
 use temporalio_common::search_attributes::SearchAttributeKey;
+use temporalio_common::ActivityDefinition;
 use temporalio_macros::{workflow, workflow_methods};
 use temporalio_sdk::{
-    ActivityExecutionError, ApplicationFailure, SyncWorkflowContext, WorkflowContext,
-    WorkflowContextView, WorkflowResult,
+    ActivityExecutionError, ActivityOptions, ApplicationFailure, SyncWorkflowContext,
+    WorkflowContext, WorkflowContextView, WorkflowResult,
 };
 
 use crate::options;
@@ -137,6 +139,8 @@ struct PayoutRun {
     payout_id: PayoutId,
     instruction: Instruction,
     ambiguity: AmbiguityPolicy,
+    /// Steps run as local activities ([`LOCAL_STEPS_PATCH`]).
+    local: bool,
 }
 
 /// How a step ended when it did not produce a new snapshot.
@@ -192,6 +196,12 @@ struct RunFacts {
     grant: Option<Grant>,
     /// Set before the submission activity is scheduled: from then on, this run never submits.
     proxy_called: bool,
+    /// The token under which this run's own MarkSubmitted was answered. With local steps, a run
+    /// submits only a payout it marked under the grant it holds: a local step re-run after its
+    /// workflow task was lost with its worker leaves no trace in the history, so a payout found
+    /// RAIL_SUBMITTED any other way (a lost workflow task, an earlier run, a grant lost since) is
+    /// "maybe sent" (spec 2.3: a later holder finds no recorded outcome) and resolved by inquiry.
+    marked_under: Option<FencingToken>,
     /// What the single submission answered (or the existing record, on DUPLICATE).
     known_outcome: Option<RailOutcome>,
     ambiguous_since: Option<SystemTime>,
@@ -213,14 +223,16 @@ impl PayoutWorkflow {
             }
         };
         ctx.state_mut(|s| s.payout_id = start.payout_id.to_string());
+        let local = ctx.patched(LOCAL_STEPS_PATCH);
         let mut facts = RunFacts::default();
-        let mut snapshot = ctx
-            .execute_activity(
-                PayoutActivities::get_payout,
-                start.payout_id.clone(),
-                options::guard_call(),
-            )
-            .await?;
+        let mut snapshot = call(
+            ctx,
+            local,
+            PayoutActivities::get_payout,
+            start.payout_id.clone(),
+            options::guard_call(),
+        )
+        .await?;
         // What is paid is what the payment resource recorded; a history from before snapshots
         // carried the record replays with the input's own (then complete) description.
         let Some(instruction) = snapshot
@@ -252,6 +264,7 @@ impl PayoutWorkflow {
             payout_id: start.payout_id.clone(),
             instruction,
             ambiguity: start.ambiguity,
+            local,
         };
         observe(ctx, &input, &snapshot, "STARTED");
         if start.resume && snapshot.state == PayoutState::RailSubmitted {
@@ -299,7 +312,14 @@ impl PayoutWorkflow {
                         return Err(fatal("GrantLostTooOften", refusal.to_string()).into());
                     }
                     ctx.state_mut(|s| s.last_event = format!("GRANT_LOST: {refusal}"));
-                    facts.grant = None;
+                    if let Some(grant) = facts.grant.take() {
+                        if input.local {
+                            // The workflow task may have moved away from the process that holds
+                            // the grant (its steps now run here): hand it back there, or the new
+                            // acquire would wait behind it. Harmless if it is already gone.
+                            release_best_effort(ctx, &input, &grant).await;
+                        }
+                    }
                 }
                 Err(StepError::Refused(refusal)) => {
                     refusals_in_a_row += 1;
@@ -330,16 +350,7 @@ impl PayoutWorkflow {
                     if let Some(grant) = facts.grant.take() {
                         // A release that cannot run (its worker is gone) is harmless: the
                         // session's lease frees the key.
-                        let _ = ctx
-                            .execute_activity(
-                                PayoutActivities::release_grant,
-                                FencedInput {
-                                    payout_id: input.payout_id.clone(),
-                                    grant: grant.clone(),
-                                },
-                                options::fenced(options::guard_call(), &grant),
-                            )
-                            .await;
+                        release_best_effort(ctx, &input, &grant).await;
                     }
                     temporalio_sdk::workflows::select! {
                         _ = ctx.timer(ACCOUNT_BUSY_RETRY_INTERVAL) => {},
@@ -352,15 +363,19 @@ impl PayoutWorkflow {
         }
 
         if let Some(grant) = facts.grant.take() {
-            ctx.execute_activity(
-                PayoutActivities::release_grant,
-                FencedInput {
-                    payout_id: input.payout_id.clone(),
-                    grant: grant.clone(),
-                },
-                options::fenced(options::guard_call(), &grant),
-            )
-            .await?;
+            if input.local {
+                release_best_effort(ctx, &input, &grant).await;
+            } else {
+                ctx.execute_activity(
+                    PayoutActivities::release_grant,
+                    FencedInput {
+                        payout_id: input.payout_id.clone(),
+                        grant: grant.clone(),
+                    },
+                    options::fenced(options::guard_call(), &grant),
+                )
+                .await?;
+            }
         }
         ctx.state_mut(|s| s.last_event = format!("RELEASED in {}", snapshot.state));
         Ok(PayoutResult {
@@ -425,12 +440,74 @@ async fn read(
     ctx: &WorkflowContext<PayoutWorkflow>,
     input: &PayoutRun,
 ) -> Result<PayoutSnapshot, ActivityExecutionError> {
-    ctx.execute_activity(
+    call(
+        ctx,
+        input.local,
         PayoutActivities::get_payout,
         input.payout_id.clone(),
         options::guard_call(),
     )
     .await
+}
+
+/// The workflow change that runs every step as a local activity on the worker that runs the
+/// payout's workflow task (the grant is made there too), instead of one activity task (and one
+/// more workflow task) per step. Histories recorded before it replay on the activity path.
+pub const LOCAL_STEPS_PATCH: &str = "local-steps";
+
+/// One step's call: a local activity when `local` ([`LOCAL_STEPS_PATCH`]), with the timeouts and
+/// retry policy of `options` (its routing is not needed: the grant is held by this process, and
+/// a step run elsewhere is refused by the grant check as GrantLost); an activity task otherwise.
+async fn call<AD>(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    local: bool,
+    activity: AD,
+    arguments: impl Into<AD::Input>,
+    options: ActivityOptions,
+) -> Result<AD::Output, ActivityExecutionError>
+where
+    AD: ActivityDefinition,
+    AD::Output: TemporalDeserializable,
+{
+    if local {
+        ctx.execute_local_activity(activity, arguments, options::local(options))
+            .await
+    } else {
+        ctx.execute_activity(activity, arguments, options).await
+    }
+}
+
+/// Hands a grant back, never failing the workflow: where it was made when that is this process
+/// (a local step), otherwise through the task queue of the process that holds it. A release that
+/// cannot run (that worker is gone) is harmless: its session's lease frees the key.
+async fn release_best_effort(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    grant: &Grant,
+) {
+    let fenced = FencedInput {
+        payout_id: input.payout_id.clone(),
+        grant: grant.clone(),
+    };
+    if input.local {
+        let here = ctx
+            .execute_local_activity(
+                PayoutActivities::release_grant_here,
+                fenced.clone(),
+                options::local(options::guard_call()),
+            )
+            .await;
+        if matches!(here, Ok(Released::Released)) {
+            return;
+        }
+    }
+    let _ = ctx
+        .execute_activity(
+            PayoutActivities::release_grant,
+            fenced,
+            options::fenced(options::guard_call(), grant),
+        )
+        .await;
 }
 
 /// The workflow change that put waiting for the account's key into the lock server's queue
@@ -444,29 +521,76 @@ async fn acquire(
     input: &PayoutRun,
     facts: &RunFacts,
 ) -> Result<Grant, temporalio_sdk::WorkflowTermination> {
+    if input.local {
+        return acquire_here(ctx, input, facts).await;
+    }
     if !ctx.patched(QUEUED_ACQUIRE_PATCH) {
         return acquire_between_timers(ctx, input, facts).await;
     }
     loop {
         // One activity waits in the queue until granted: the wait costs no workflow task and
         // no history event. It answers NotAcquired only near its own deadline (an hour).
-        let mut acquiring = std::pin::pin!(ctx.execute_activity(
-            PayoutActivities::acquire_grant,
-            request(input),
-            options::acquire_queued(),
-        ));
-        ctx.state_mut(|s| s.last_event = "WAITING_FOR_LOCK in the account's queue".into());
-        let outcome = loop {
-            temporalio_sdk::workflows::select! {
-                outcome = &mut acquiring => break outcome?,
-                _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {
-                    // Decided and recorded while the payout keeps its place in the queue.
-                    process_signals(ctx, input, facts).await;
-                }
-            };
-        };
+        let outcome = wait_in_line(ctx, input, facts, options::acquire_queued()).await?;
         if let Some(grant) = granted_or_note(ctx, outcome) {
             return Ok(grant);
+        }
+    }
+}
+
+/// One `AcquireGrant` activity that waits in the account's line until it is granted (or its own
+/// deadline nears), deciding any operator signal that arrives meanwhile: the payout keeps its
+/// place in the queue while the decision is recorded.
+async fn wait_in_line(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    facts: &RunFacts,
+    options: ActivityOptions,
+) -> Result<AcquireOutcome, ActivityExecutionError> {
+    let mut acquiring = std::pin::pin!(ctx.execute_activity(
+        PayoutActivities::acquire_grant,
+        request(input),
+        options,
+    ));
+    ctx.state_mut(|s| s.last_event = "WAITING_FOR_LOCK in the account's queue".into());
+    loop {
+        temporalio_sdk::workflows::select! {
+            outcome = &mut acquiring => return outcome,
+            _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {
+                process_signals(ctx, input, facts).await;
+            }
+        };
+    }
+}
+
+/// With local steps: one try on this worker (a local activity); if the key is held, the wait in
+/// the account's line runs as one heartbeating activity on this same worker's own queue, so the
+/// grant is made in the process that runs the payout's steps.
+async fn acquire_here(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    facts: &RunFacts,
+) -> Result<Grant, temporalio_sdk::WorkflowTermination> {
+    loop {
+        let tried = ctx
+            .execute_local_activity(
+                PayoutActivities::try_acquire_grant,
+                request(input),
+                options::local(options::guard_call()),
+            )
+            .await?;
+        if let Some(grant) = granted_or_note(ctx, tried.outcome) {
+            return Ok(grant);
+        }
+        let queued = options::acquire_queued_on(&tried.worker_queue);
+        match wait_in_line(ctx, input, facts, queued).await {
+            Ok(outcome) => {
+                if let Some(grant) = granted_or_note(ctx, outcome) {
+                    return Ok(grant);
+                }
+            }
+            // That worker is gone before it took the wait up: try again where this runs now.
+            Err(error) if never_started(&error) => {}
+            Err(error) => return Err(error.into()),
         }
     }
 }
@@ -588,7 +712,9 @@ async fn record_decision(
     accepted: bool,
     note: &str,
 ) -> Result<(), ActivityExecutionError> {
-    ctx.execute_activity(
+    call(
+        ctx,
+        input.local,
         PayoutActivities::record_operator_decision,
         OperatorDecisionInput {
             payout_id: input.payout_id.clone(),
@@ -678,43 +804,48 @@ async fn step(
             abandon_payout(ctx, input, grant, request, false, String::new()).await
         }
         PayoutState::Pending => {
-            let claimed = ctx
-                .execute_activity(
-                    PayoutActivities::claim,
-                    fenced,
-                    options::fenced(options::guard_call(), grant),
-                )
-                .await
-                .map_err(|e| classify(e, grant))?;
+            let claimed = call(
+                ctx,
+                input.local,
+                PayoutActivities::claim,
+                fenced,
+                options::fenced(options::guard_call(), grant),
+            )
+            .await
+            .map_err(|e| classify(e, grant))?;
             Ok((claimed, "CLAIM"))
         }
         PayoutState::Claimed if snapshot.token_stamp < grant.token.get() => {
             // The recovery re-claim under a later token (CLAIMED -> CLAIMED, claimer replaced).
-            let claimed = ctx
-                .execute_activity(
-                    PayoutActivities::claim,
-                    fenced,
-                    options::fenced(options::guard_call(), grant),
-                )
-                .await
-                .map_err(|e| classify(e, grant))?;
+            let claimed = call(
+                ctx,
+                input.local,
+                PayoutActivities::claim,
+                fenced,
+                options::fenced(options::guard_call(), grant),
+            )
+            .await
+            .map_err(|e| classify(e, grant))?;
             Ok((claimed, "RECLAIM"))
         }
         PayoutState::Claimed => {
             // Marked before the proxy is called: a crash in between leaves RAIL_SUBMITTED, which
             // every later holder treats as "maybe sent" and asks the proxy about.
-            let marked = ctx
-                .execute_activity(
-                    PayoutActivities::mark_submitted,
-                    fenced,
-                    options::fenced(options::guard_call(), grant),
-                )
-                .await
-                .map_err(|e| classify(e, grant))?;
+            let marked = call(
+                ctx,
+                input.local,
+                PayoutActivities::mark_submitted,
+                fenced,
+                options::fenced(options::guard_call(), grant),
+            )
+            .await
+            .map_err(|e| classify(e, grant))?;
+            facts.marked_under = Some(grant.token);
             Ok((marked, "MARK_SUBMITTED"))
         }
         PayoutState::RailSubmitted => {
-            if !facts.proxy_called && facts.known_outcome.is_none() {
+            let ours = !input.local || facts.marked_under == Some(grant.token);
+            if ours && !facts.proxy_called && facts.known_outcome.is_none() {
                 // This run has not called the proxy. If an earlier run (or a crash) did, the
                 // proxy refuses the new submission as DUPLICATE and its record resolves it; it
                 // never sends a second one.
@@ -725,29 +856,31 @@ async fn step(
                 .known_outcome
                 .clone()
                 .unwrap_or(RailOutcome::OutcomeMissing);
-            let recorded = ctx
-                .execute_activity(
-                    PayoutActivities::record_outcome,
-                    RecordOutcomeInput {
-                        payout_id: input.payout_id.clone(),
-                        grant: grant.clone(),
-                        outcome,
-                    },
-                    options::fenced(options::guard_call(), grant),
-                )
-                .await
-                .map_err(|e| classify(e, grant))?;
+            let recorded = call(
+                ctx,
+                input.local,
+                PayoutActivities::record_outcome,
+                RecordOutcomeInput {
+                    payout_id: input.payout_id.clone(),
+                    grant: grant.clone(),
+                    outcome,
+                },
+                options::fenced(options::guard_call(), grant),
+            )
+            .await
+            .map_err(|e| classify(e, grant))?;
             Ok((recorded, "RECORD_OUTCOME"))
         }
         PayoutState::RailAcked => {
-            let posted = ctx
-                .execute_activity(
-                    PayoutActivities::post_ledger,
-                    fenced,
-                    options::fenced(options::guard_call(), grant),
-                )
-                .await
-                .map_err(|e| classify(e, grant))?;
+            let posted = call(
+                ctx,
+                input.local,
+                PayoutActivities::post_ledger,
+                fenced,
+                options::fenced(options::guard_call(), grant),
+            )
+            .await
+            .map_err(|e| classify(e, grant))?;
             Ok((posted, "POST"))
         }
         PayoutState::RailAmbiguous => ambiguity_step(ctx, input, grant, snapshot, facts).await,
@@ -772,21 +905,22 @@ async fn submit(
         .instruction
         .clone()
         .unwrap_or_else(|| input.instruction.clone());
-    let answer = ctx
-        .execute_activity(
-            PayoutActivities::submit_to_rail,
-            SubmitInput {
-                payout_id: input.payout_id.clone(),
-                account_id: instruction.account_id,
-                amount_minor: instruction.amount_minor,
-                currency: instruction.currency,
-                beneficiary_ref: instruction.beneficiary_ref,
-                client_reference: ClientReference::for_payout(&input.payout_id),
-                grant: grant.clone(),
-            },
-            options::fenced(options::submit(), grant),
-        )
-        .await;
+    let answer = call(
+        ctx,
+        input.local,
+        PayoutActivities::submit_to_rail,
+        SubmitInput {
+            payout_id: input.payout_id.clone(),
+            account_id: instruction.account_id,
+            amount_minor: instruction.amount_minor,
+            currency: instruction.currency,
+            beneficiary_ref: instruction.beneficiary_ref,
+            client_reference: ClientReference::for_payout(&input.payout_id),
+            grant: grant.clone(),
+        },
+        options::fenced(options::submit(), grant),
+    )
+    .await;
     Ok(match answer {
         Ok(SubmitAnswer::Acked { rail_ref }) => RailOutcome::Acked { rail_ref },
         Ok(SubmitAnswer::Declined { decline_code }) => RailOutcome::Declined { decline_code },
@@ -845,20 +979,21 @@ async fn ambiguity_step(
         // The run loop decides the signal first; nothing else changed.
         return Ok((snapshot.clone(), "SIGNAL_RECEIVED"));
     }
-    let inquiry = ctx
-        .execute_activity(
-            PayoutActivities::inquire_rail,
-            InquireInput {
-                payout_id: input.payout_id.clone(),
-                account_id: input.instruction.account_id.clone(),
-                client_reference: ClientReference::for_payout(&input.payout_id),
-                grant: grant.clone(),
-            },
-            // Fenced: it runs where the grant lives, and a FENCED answer means re-acquire.
-            options::fenced(options::inquire(), grant),
-        )
-        .await
-        .map_err(|e| classify(e, grant))?;
+    let inquiry = call(
+        ctx,
+        input.local,
+        PayoutActivities::inquire_rail,
+        InquireInput {
+            payout_id: input.payout_id.clone(),
+            account_id: input.instruction.account_id.clone(),
+            client_reference: ClientReference::for_payout(&input.payout_id),
+            grant: grant.clone(),
+        },
+        // Fenced: it runs where the grant lives, and a FENCED answer means re-acquire.
+        options::fenced(options::inquire(), grant),
+    )
+    .await
+    .map_err(|e| classify(e, grant))?;
     let evidence = match inquiry {
         Inquiry::Found { rail_ref } => Evidence::Found { rail_ref },
         // Sealed at the proxy: never sent and never will be, definitive absence.
@@ -872,18 +1007,19 @@ async fn ambiguity_step(
             return Ok((snapshot.clone(), "INQUIRY_UNKNOWN"));
         }
     };
-    let resolved = ctx
-        .execute_activity(
-            PayoutActivities::resolve_ambiguity,
-            ResolveInput {
-                payout_id: input.payout_id.clone(),
-                grant: grant.clone(),
-                evidence,
-            },
-            options::fenced(options::guard_call(), grant),
-        )
-        .await
-        .map_err(|e| classify(e, grant))?;
+    let resolved = call(
+        ctx,
+        input.local,
+        PayoutActivities::resolve_ambiguity,
+        ResolveInput {
+            payout_id: input.payout_id.clone(),
+            grant: grant.clone(),
+            evidence,
+        },
+        options::fenced(options::guard_call(), grant),
+    )
+    .await
+    .map_err(|e| classify(e, grant))?;
     Ok((resolved, "RESOLVE_AMBIGUITY"))
 }
 
@@ -895,29 +1031,30 @@ async fn abandon_payout(
     resolution_sla_passed: bool,
     sla_check: String,
 ) -> Result<(PayoutSnapshot, &'static str), StepError> {
-    let abandoned = ctx
-        .execute_activity(
-            PayoutActivities::abandon,
-            AbandonInput {
-                payout_id: input.payout_id.clone(),
-                grant: grant.clone(),
-                operator: request.operator,
-                reason: request.reason,
-                resolution_sla_passed,
-                sla_check,
-            },
-            options::fenced(options::guard_call(), grant),
-        )
-        .await
-        .map_err(|e| match Refusal::from_failure(&e) {
-            // Not carried out, and nothing changed: the payout goes on.
-            Some(
-                r @ (Refusal::RefusedTransition { .. }
-                | Refusal::ResolutionSlaNotPassed { .. }
-                | Refusal::InvalidRequest { .. }),
-            ) => StepError::AbandonRefused(r),
-            _ => classify(e, grant),
-        })?;
+    let abandoned = call(
+        ctx,
+        input.local,
+        PayoutActivities::abandon,
+        AbandonInput {
+            payout_id: input.payout_id.clone(),
+            grant: grant.clone(),
+            operator: request.operator,
+            reason: request.reason,
+            resolution_sla_passed,
+            sla_check,
+        },
+        options::fenced(options::guard_call(), grant),
+    )
+    .await
+    .map_err(|e| match Refusal::from_failure(&e) {
+        // Not carried out, and nothing changed: the payout goes on.
+        Some(
+            r @ (Refusal::RefusedTransition { .. }
+            | Refusal::ResolutionSlaNotPassed { .. }
+            | Refusal::InvalidRequest { .. }),
+        ) => StepError::AbandonRefused(r),
+        _ => classify(e, grant),
+    })?;
     // Carried out: nothing is left to withdraw.
     ctx.state_mut(|s| s.abandon_accepted = None);
     Ok((abandoned, "OPERATOR_ABANDON"))
