@@ -685,6 +685,20 @@ async fn a_worker_killed_between_submit_and_outcome_ends_resolved_never_resubmit
         "the survivor holds a higher token ({last_token} > {first_token})"
     );
     assert_eq!(ctx.rail(&input).await, (1, 1), "never resubmitted");
+    // Not even asked: the survivor found the payout RAIL_SUBMITTED without having marked it
+    // under its own grant (the killed worker's local steps left no trace in the history), so it
+    // treated it as maybe sent and never sent a Submit the proxy would have had to refuse.
+    let proxydb = sqlx::PgPool::connect(&system.databases.proxydb)
+        .await
+        .unwrap();
+    let duplicates: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM guard_event WHERE payout_id = $1 AND kind = 'DUPLICATE'",
+    )
+    .bind(input.payout_id.as_str())
+    .fetch_one(&proxydb)
+    .await
+    .unwrap();
+    assert_eq!(duplicates, 0, "no second Submit reached the proxy");
     assert_eq!(ctx.ledger_rows(&input).await, 2);
     assert!(
         !system.workers[index].is_running(),
