@@ -72,6 +72,12 @@ pub enum ConnectError {
     },
 }
 
+/// A failed attempt to open a lock session is the answer for this long: a worker cut off from
+/// the lock service fails each lock step within the client's deadline once, not once per queued
+/// caller (each waited its turn, so N callers took N deadlines), and a workflow whose local steps
+/// give up moves on to a worker that can serve it sooner.
+pub const SESSION_OPEN_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 pub struct ServiceBackend {
     config: ServiceConfig,
     /// Test-only stall points (see [`StallPoints`]); empty unless the test variable is set.
@@ -79,6 +85,9 @@ pub struct ServiceBackend {
     lock: LockClient,
     /// The process's session; replaced (never revived) once lost.
     session: tokio::sync::Mutex<Session>,
+    /// When opening a new session last failed, and why: callers queued behind that attempt get
+    /// its answer at once instead of each waiting out the lock client's deadline in turn.
+    open_failed: Mutex<Option<(std::time::Instant, String)>>,
     /// The live grant handles of this process, by key.
     grants: Arc<Mutex<HashMap<String, Held>>>,
     /// Hands back grants no workflow took up; stopped with the backend.
@@ -137,6 +146,7 @@ impl ServiceBackend {
             stalls,
             lock,
             session: tokio::sync::Mutex::new(session),
+            open_failed: Mutex::new(None),
             grants,
             sweeper,
             payment,
@@ -158,11 +168,24 @@ impl ServiceBackend {
     async fn live_session(&self) -> Result<Session, ActivityFailure> {
         let mut session = self.session.lock().await;
         if !session.is_alive() {
+            if let Some((at, why)) = self.open_failed.lock().expect("open_failed").as_ref() {
+                if at.elapsed() < SESSION_OPEN_RETRY_AFTER {
+                    return Err(ActivityFailure::Transient(format!(
+                        "opening a lock session: {why} ({} ms ago)",
+                        at.elapsed().as_millis()
+                    )));
+                }
+            }
             let fresh = self
                 .lock
                 .open_session(&self.config.owner, self.config.lock_ttl)
                 .await
-                .map_err(|e| ActivityFailure::Transient(format!("opening a lock session: {e}")))?;
+                .map_err(|e| {
+                    *self.open_failed.lock().expect("open_failed") =
+                        Some((std::time::Instant::now(), e.to_string()));
+                    ActivityFailure::Transient(format!("opening a lock session: {e}"))
+                })?;
+            *self.open_failed.lock().expect("open_failed") = None;
             tracing::warn!(
                 old = session.id(),
                 new = fresh.id(),

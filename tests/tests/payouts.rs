@@ -244,6 +244,16 @@ impl Ctx {
             .collect()
     }
 
+    /// The workflow's whole history as JSON.
+    async fn history_json(&self, workflow_id: &str) -> Vec<u8> {
+        self.temporal
+            .get_workflow_handle::<payout_workflows::PayoutWorkflow>(workflow_id)
+            .fetch_history(temporalio_client::WorkflowFetchHistoryOptions::builder().build())
+            .to_json()
+            .await
+            .unwrap()
+    }
+
     /// The operator path, exactly as typed: `temporal workflow signal ... --name abandon`.
     fn signal_abandon(&self, workflow_id: &str, operator: &str, reason: &str) {
         let input = serde_json::json!({ "operator": operator, "reason": reason }).to_string();
@@ -271,13 +281,7 @@ async fn record_history(ctx: &Ctx, name: &str, workflow_id: &str) {
     if std::env::var_os("PAYOUT_RECORD_HISTORIES").is_none() {
         return;
     }
-    let json = ctx
-        .temporal
-        .get_workflow_handle::<payout_workflows::PayoutWorkflow>(workflow_id)
-        .fetch_history(temporalio_client::WorkflowFetchHistoryOptions::builder().build())
-        .to_json()
-        .await
-        .unwrap();
+    let json = ctx.history_json(workflow_id).await;
     let dir = testkit::workspace_root().join("workflows/tests/histories");
     std::fs::write(dir.join(format!("{name}.json")), json).unwrap();
 }
@@ -1172,4 +1176,101 @@ async fn a_grant_no_workflow_takes_up_is_handed_back_and_a_used_one_is_kept() {
     );
     backend.check_held(&used).expect("still held");
     backend.close().await;
+}
+
+/// How long the cut test waits for every payout: the cut worker's local steps give up after
+/// `LOCAL_STEP_BUDGET` (20 s), and a retried activity may land on the cut worker a few times (a
+/// hanging attempt ends at its start-to-close or heartbeat timeout) before the other takes it.
+const CUT_SETTLE_TIMEOUT: Duration = Duration::from_secs(240);
+const CUT_PAYOUTS: usize = 12;
+
+/// A worker cut off from the lock service while it still polls Temporal (a real partition: its
+/// packets to the lock-server's port are dropped in its own network namespace) takes some of the
+/// payouts' workflow tasks, and with them their local steps. Each such step gives up within its
+/// budget, and the run moves to activity tasks that the other worker serves: every payout settles
+/// while the cut lasts, each paid once and posted once. Before the local step had a budget, the
+/// cut worker kept retrying its local acquire and its payouts stayed PENDING until the cut healed
+/// (the compose suite's lock-network cut saw one stay PENDING for 240 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_cut_off_from_the_lock_service_hands_its_payouts_to_the_other_worker() {
+    if let Err(why) = tokio::task::block_in_place(testkit::netns::NetNs::available) {
+        panic!("this test needs network namespaces (root, ip, iptables): {why}");
+    }
+    let mut system = two_workers_short_lease(RAIL_TIMEOUT_MS).await.unwrap();
+    // worker-1 is replaced by one that runs in its own network namespace.
+    let replaced = system.workers.pop().unwrap();
+    drop(replaced);
+    let ns = tokio::task::block_in_place(testkit::netns::NetNs::create).unwrap();
+    let spec = ns.wrap(system.worker_spec("worker-1"));
+    let cut_worker = tokio::task::block_in_place(|| testkit::ManagedProcess::start(spec)).unwrap();
+    testkit::eventually(SETTLE_TIMEOUT, "the cut worker to poll", || async {
+        let log = std::fs::read_to_string(cut_worker.log_path()).unwrap_or_default();
+        log.contains("worker polling").then_some(())
+    })
+    .await
+    .unwrap();
+    system.workers.push(cut_worker);
+    let system: &'static System = Box::leak(Box::new(system));
+    tokio::task::block_in_place(|| ns.cut(system.ports.lock_server)).unwrap();
+
+    let ctx = Ctx::new(system).await;
+    let mut started = Vec::new();
+    for i in 0..CUT_PAYOUTS {
+        let input = ctx
+            .payout(&format!("cut-{i}"), 10_000, 1_000, fast_ambiguity())
+            .await;
+        let id = ctx.start(&input).await;
+        started.push((input, id));
+    }
+    let mut handed_over = 0;
+    for (input, id) in &started {
+        let done = wf::wait_result(&ctx.temporal, id, CUT_SETTLE_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| panic!("{id} did not settle while the cut lasted: {e:#}"));
+        assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+        assert_eq!(
+            ctx.rail(input).await,
+            (1, 1),
+            "{id}: one request, one movement"
+        );
+        assert_eq!(ctx.ledger_rows(input).await, 2, "{id}: posted once");
+        assert_eq!(ctx.balance(input).await, 9_000, "{id}");
+        let claimer = ctx
+            .payment
+            .get_payout(&input.payout_id)
+            .await
+            .unwrap()
+            .payout
+            .claimed_by;
+        assert!(
+            claimer.as_deref().is_some_and(|c| worker_index(c) == 0),
+            "{id}: claimed by {claimer:?}, but only worker-0 reaches the lock service"
+        );
+        if history_has_activity(&ctx, id, "TryAcquireGrant").await {
+            handed_over += 1;
+        }
+    }
+    tokio::task::block_in_place(|| ns.heal(system.ports.lock_server)).unwrap();
+    // The case under test happened: the cut worker took workflow tasks, its local try gave up,
+    // and the try was made again as an activity task (a local step is never an activity task
+    // otherwise).
+    assert!(
+        handed_over > 0,
+        "no payout's workflow task reached the cut worker: the case was not exercised"
+    );
+    println!("{handed_over} of {CUT_PAYOUTS} payouts were handed over by the cut worker");
+}
+
+/// Whether the workflow's history has an activity task of `activity_type` (not a local one).
+async fn history_has_activity(ctx: &Ctx, workflow_id: &str, activity_type: &str) -> bool {
+    let json = ctx.history_json(workflow_id).await;
+    let history: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    history["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|event| {
+            event["attributes"]["ActivityTaskScheduledEventAttributes"]["activity_type"]["name"]
+                == activity_type
+        })
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use temporalio_common::RetryPolicy;
-use temporalio_sdk::{ActivityOptions, LocalActivityOptions};
+use temporalio_sdk::{ActivityCloseTimeouts, ActivityOptions, LocalActivityOptions};
 
 /// The task queue the payout worker polls.
 pub const TASK_QUEUE: &str = "payouts";
@@ -132,13 +132,36 @@ pub fn submit() -> ActivityOptions {
 /// task). Same timeouts and retry policy as the activity form; a local retry that would wait
 /// longer than [`LOCAL_RETRY_TIMER_THRESHOLD`] waits on a durable timer instead, so a long
 /// outage does not hold a workflow task open.
+///
+/// A step that is safe to repeat tries locally for [`LOCAL_STEP_BUDGET`] at most, not for ever:
+/// a worker that cannot reach a service keeps the payout's workflow tasks (they are sticky to it
+/// while it polls Temporal), so an endless local retry would hold the payout there until the
+/// service came back. The workflow then makes the same call as an activity task.
 pub fn local(options: ActivityOptions) -> LocalActivityOptions {
+    let repeatable = repeatable(&options);
     let mut local = LocalActivityOptions::default();
     local.start_to_close_timeout = options.close_timeouts.start_to_close();
     local.retry_policy = options.retry_policy.unwrap_or_else(safe_to_repeat);
     local.timer_backoff_threshold = Some(LOCAL_RETRY_TIMER_THRESHOLD);
+    if repeatable {
+        local.schedule_to_close_timeout = Some(LOCAL_STEP_BUDGET);
+    }
     local
 }
+
+/// Retried until it succeeds (Temporal's "no attempt limit"): the steps that are safe to repeat.
+pub fn repeatable(options: &ActivityOptions) -> bool {
+    options
+        .retry_policy
+        .as_ref()
+        .is_some_and(|policy| policy.maximum_attempts() == SAFE_RETRY_ATTEMPTS_MAX)
+}
+
+/// How long a local step that is safe to repeat keeps trying on this worker before the call is
+/// handed to an activity task: two of its attempts' start-to-close, so a restarting service
+/// (seconds) is ridden out locally while a worker cut off from a service hands its payouts over
+/// within this long.
+pub const LOCAL_STEP_BUDGET: Duration = Duration::from_secs(20);
 
 /// A local retry waits in the worker up to this long; longer backoffs become durable timers.
 pub const LOCAL_RETRY_TIMER_THRESHOLD: Duration = Duration::from_secs(5);
@@ -147,14 +170,40 @@ pub const LOCAL_RETRY_TIMER_THRESHOLD: Duration = Duration::from_secs(5);
 /// grant is then made in the process that runs the payout's workflow tasks, where its local
 /// steps can vouch for it. A queue nobody polls (that worker is gone) is noticed after
 /// [`FENCED_SCHEDULE_TO_START`] and the workflow tries again where it now runs.
+///
+/// Only that worker polls its queue, so a retry there meets the same trouble: a wait that fails
+/// [`PRIVATE_QUEUE_WAIT_ATTEMPTS`] times (that worker cannot get through to the lock service)
+/// ends, and the workflow waits in line on the shared queue instead.
 pub fn acquire_queued_on(worker_queue: &str) -> ActivityOptions {
     let mut options = acquire_queued();
     if !worker_queue.is_empty() {
         options.task_queue = Some(worker_queue.to_string());
         options.schedule_to_start_timeout = Some(FENCED_SCHEDULE_TO_START);
+        if let Some(policy) = options.retry_policy.as_mut() {
+            policy.set_maximum_attempts(PRIVATE_QUEUE_WAIT_ATTEMPTS);
+        }
     }
     options
 }
+
+/// Attempts of a wait in line on one worker's own queue: 0.5 s and 1 s apart, enough to ride out
+/// a dropped connection, short of holding a payout on a worker that cannot serve it.
+pub const PRIVATE_QUEUE_WAIT_ATTEMPTS: u32 = 3;
+
+/// Hands a grant back when the workflow no longer uses it (lost, or another payout must go
+/// first), bounded: if it cannot run, the session's lease (or the worker's unclaimed-grant
+/// reaper) frees the key, and the payout must not wait on it.
+pub fn release_best_effort() -> ActivityOptions {
+    let mut options = guard_call();
+    options.close_timeouts = ActivityCloseTimeouts::ScheduleAndStartToClose {
+        schedule_to_close: RELEASE_BEST_EFFORT_BUDGET,
+        start_to_close: GUARD_CALL_START_TO_CLOSE,
+    };
+    options
+}
+
+/// See [`release_best_effort`].
+pub const RELEASE_BEST_EFFORT_BUDGET: Duration = Duration::from_secs(30);
 
 #[cfg(test)]
 mod tests {
@@ -198,6 +247,30 @@ mod tests {
         for refusal in samples {
             assert!(REFUSALS.contains(&refusal.name()), "{}", refusal.name());
         }
+    }
+
+    #[test]
+    fn a_local_step_that_is_safe_to_repeat_gives_up_within_its_budget_and_the_submission_keeps_its_own(
+    ) {
+        let read = local(guard_call());
+        assert_eq!(read.schedule_to_close_timeout, Some(LOCAL_STEP_BUDGET));
+        assert_eq!(read.retry_policy.maximum_attempts(), 0);
+        let submission = local(submit());
+        assert_eq!(submission.schedule_to_close_timeout, None);
+        assert_eq!(submission.retry_policy.maximum_attempts(), 1);
+        assert_eq!(
+            submission.start_to_close_timeout,
+            Some(SUBMIT_START_TO_CLOSE)
+        );
+    }
+
+    #[test]
+    fn a_wait_on_one_workers_queue_is_bounded_and_on_the_shared_queue_is_not() {
+        let private = acquire_queued_on("payouts-worker-1");
+        let attempts = |o: &ActivityOptions| o.retry_policy.as_ref().unwrap().maximum_attempts();
+        assert_eq!(attempts(&private), PRIVATE_QUEUE_WAIT_ATTEMPTS);
+        assert_eq!(attempts(&acquire_queued()), 0);
+        assert_eq!(attempts(&acquire_queued_on("")), 0);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! diagnostic only: the guards and the proxy's uniqueness make a replayed or duplicated step
 //! harmless.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::time::{Duration, SystemTime};
 
@@ -139,8 +140,12 @@ struct PayoutRun {
     payout_id: PayoutId,
     instruction: Instruction,
     ambiguity: AmbiguityPolicy,
-    /// Steps run as local activities ([`LOCAL_STEPS_PATCH`]).
-    local: bool,
+    /// Steps run as local activities ([`LOCAL_STEPS_PATCH`]) while this holds; a local step that
+    /// gives up for want of a service turns it off for the rest of the run (see [`call`]).
+    local: Cell<bool>,
+    /// The run began with local steps: the rule that it submits only a payout it marked under
+    /// its own grant holds for the whole run, whatever shape its later steps take.
+    started_local: bool,
 }
 
 /// How a step ended when it did not produce a new snapshot.
@@ -223,12 +228,13 @@ impl PayoutWorkflow {
             }
         };
         ctx.state_mut(|s| s.payout_id = start.payout_id.to_string());
-        let local = ctx.patched(LOCAL_STEPS_PATCH);
+        let started_local = ctx.patched(LOCAL_STEPS_PATCH);
+        let local = Cell::new(started_local);
         let mut facts = RunFacts::default();
         let mut snapshot = call(
             ctx,
-            local,
-            PayoutActivities::get_payout,
+            &local,
+            || PayoutActivities::get_payout,
             start.payout_id.clone(),
             options::guard_call(),
         )
@@ -265,6 +271,7 @@ impl PayoutWorkflow {
             instruction,
             ambiguity: start.ambiguity,
             local,
+            started_local,
         };
         observe(ctx, &input, &snapshot, "STARTED");
         if start.resume && snapshot.state == PayoutState::RailSubmitted {
@@ -313,7 +320,7 @@ impl PayoutWorkflow {
                     }
                     ctx.state_mut(|s| s.last_event = format!("GRANT_LOST: {refusal}"));
                     if let Some(grant) = facts.grant.take() {
-                        if input.local {
+                        if input.local.get() {
                             // The workflow task may have moved away from the process that holds
                             // the grant (its steps now run here): hand it back there, or the new
                             // acquire would wait behind it. Harmless if it is already gone.
@@ -363,7 +370,7 @@ impl PayoutWorkflow {
         }
 
         if let Some(grant) = facts.grant.take() {
-            if input.local {
+            if input.local.get() {
                 release_best_effort(ctx, &input, &grant).await;
             } else {
                 ctx.execute_activity(
@@ -442,8 +449,8 @@ async fn read(
 ) -> Result<PayoutSnapshot, ActivityExecutionError> {
     call(
         ctx,
-        input.local,
-        PayoutActivities::get_payout,
+        &input.local,
+        || PayoutActivities::get_payout,
         input.payout_id.clone(),
         options::guard_call(),
     )
@@ -455,25 +462,55 @@ async fn read(
 /// more workflow task) per step. Histories recorded before it replay on the activity path.
 pub const LOCAL_STEPS_PATCH: &str = "local-steps";
 
-/// One step's call: a local activity when `local` ([`LOCAL_STEPS_PATCH`]), with the timeouts and
-/// retry policy of `options` (its routing is not needed: the grant is held by this process, and
-/// a step run elsewhere is refused by the grant check as GrantLost); an activity task otherwise.
+/// One step's call: a local activity while `local` holds ([`LOCAL_STEPS_PATCH`]), with the
+/// timeouts and retry policy of `options` (its routing is not needed: the grant is held by this
+/// process, and a step run elsewhere is refused by the grant check as GrantLost); an activity task
+/// otherwise, routed by `options`.
+///
+/// A local step that is safe to repeat tries for [`options::LOCAL_STEP_BUDGET`] at most. If it
+/// gives up for want of a service (any failure that is not a refusal), this worker cannot serve the
+/// payout now (cut off from the lock service or a guard, while it still polls Temporal and keeps
+/// the run's workflow tasks): the same call is made again as an activity task, which any worker
+/// (or the grant's own worker) takes, and the rest of the run is on the activity shape. The switch
+/// is decided from the local activity's recorded failure, so a replay takes the same path. The
+/// submission (one attempt, never repeated) is never switched: its failure is an ambiguous outcome.
 async fn call<AD>(
     ctx: &WorkflowContext<PayoutWorkflow>,
-    local: bool,
-    activity: AD,
+    local: &Cell<bool>,
+    activity: impl Fn() -> AD,
     arguments: impl Into<AD::Input>,
     options: ActivityOptions,
 ) -> Result<AD::Output, ActivityExecutionError>
 where
     AD: ActivityDefinition,
+    AD::Input: Clone,
     AD::Output: TemporalDeserializable,
 {
-    if local {
-        ctx.execute_local_activity(activity, arguments, options::local(options))
-            .await
-    } else {
-        ctx.execute_activity(activity, arguments, options).await
+    if !local.get() {
+        return ctx.execute_activity(activity(), arguments, options).await;
+    }
+    let arguments: AD::Input = arguments.into();
+    let repeatable = options::repeatable(&options);
+    let answer = ctx
+        .execute_local_activity(
+            activity(),
+            arguments.clone(),
+            options::local(options.clone()),
+        )
+        .await;
+    match answer {
+        Err(error) if repeatable && Refusal::from_failure(&error).is_none() => {
+            local.set(false);
+            ctx.state_mut(|s| {
+                s.last_event = format!(
+                    "LOCAL_STEP_GAVE_UP {} on this worker ({error}): the run's steps are activity \
+                     tasks from now",
+                    activity().name()
+                )
+            });
+            ctx.execute_activity(activity(), arguments, options).await
+        }
+        answer => answer,
     }
 }
 
@@ -489,7 +526,7 @@ async fn release_best_effort(
         payout_id: input.payout_id.clone(),
         grant: grant.clone(),
     };
-    if input.local {
+    if input.local.get() {
         let here = ctx
             .execute_local_activity(
                 PayoutActivities::release_grant_here,
@@ -505,7 +542,7 @@ async fn release_best_effort(
         .execute_activity(
             PayoutActivities::release_grant,
             fenced,
-            options::fenced(options::guard_call(), grant),
+            options::fenced(options::release_best_effort(), grant),
         )
         .await;
 }
@@ -521,12 +558,21 @@ async fn acquire(
     input: &PayoutRun,
     facts: &RunFacts,
 ) -> Result<Grant, temporalio_sdk::WorkflowTermination> {
-    if input.local {
+    if input.local.get() {
         return acquire_here(ctx, input, facts).await;
     }
     if !ctx.patched(QUEUED_ACQUIRE_PATCH) {
         return acquire_between_timers(ctx, input, facts).await;
     }
+    acquire_in_line(ctx, input, facts).await
+}
+
+/// Waits in the account's line on the workflow's task queue (any worker takes the wait).
+async fn acquire_in_line(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    facts: &RunFacts,
+) -> Result<Grant, temporalio_sdk::WorkflowTermination> {
     loop {
         // One activity waits in the queue until granted: the wait costs no workflow task and
         // no history event. It answers NotAcquired only near its own deadline (an hour).
@@ -564,22 +610,28 @@ async fn wait_in_line(
 
 /// With local steps: one try on this worker (a local activity); if the key is held, the wait in
 /// the account's line runs as one heartbeating activity on this same worker's own queue, so the
-/// grant is made in the process that runs the payout's steps.
+/// grant is made in the process that runs the payout's steps. If this worker cannot get through to
+/// the lock service (the try gave up, or the wait failed on its queue), the run moves to the
+/// activity shape and waits in line on the shared queue, where a worker that can serves it.
 async fn acquire_here(
     ctx: &WorkflowContext<PayoutWorkflow>,
     input: &PayoutRun,
     facts: &RunFacts,
 ) -> Result<Grant, temporalio_sdk::WorkflowTermination> {
     loop {
-        let tried = ctx
-            .execute_local_activity(
-                PayoutActivities::try_acquire_grant,
-                request(input),
-                options::local(options::guard_call()),
-            )
-            .await?;
+        let tried = call(
+            ctx,
+            &input.local,
+            || PayoutActivities::try_acquire_grant,
+            request(input),
+            options::guard_call(),
+        )
+        .await?;
         if let Some(grant) = granted_or_note(ctx, tried.outcome) {
             return Ok(grant);
+        }
+        if !input.local.get() {
+            return acquire_in_line(ctx, input, facts).await;
         }
         let queued = options::acquire_queued_on(&tried.worker_queue);
         match wait_in_line(ctx, input, facts, queued).await {
@@ -590,7 +642,17 @@ async fn acquire_here(
             }
             // That worker is gone before it took the wait up: try again where this runs now.
             Err(error) if never_started(&error) => {}
-            Err(error) => return Err(error.into()),
+            Err(error) => {
+                input.local.set(false);
+                ctx.state_mut(|s| {
+                    s.last_event = format!(
+                        "LOCAL_STEP_GAVE_UP AcquireGrant on {} ({error}): the run's steps are \
+                         activity tasks from now",
+                        tried.worker_queue
+                    )
+                });
+                return acquire_in_line(ctx, input, facts).await;
+            }
         }
     }
 }
@@ -714,8 +776,8 @@ async fn record_decision(
 ) -> Result<(), ActivityExecutionError> {
     call(
         ctx,
-        input.local,
-        PayoutActivities::record_operator_decision,
+        &input.local,
+        || PayoutActivities::record_operator_decision,
         OperatorDecisionInput {
             payout_id: input.payout_id.clone(),
             operator: recordable(&request.operator, OPERATOR_LENGTH_MAX),
@@ -806,8 +868,8 @@ async fn step(
         PayoutState::Pending => {
             let claimed = call(
                 ctx,
-                input.local,
-                PayoutActivities::claim,
+                &input.local,
+                || PayoutActivities::claim,
                 fenced,
                 options::fenced(options::guard_call(), grant),
             )
@@ -819,8 +881,8 @@ async fn step(
             // The recovery re-claim under a later token (CLAIMED -> CLAIMED, claimer replaced).
             let claimed = call(
                 ctx,
-                input.local,
-                PayoutActivities::claim,
+                &input.local,
+                || PayoutActivities::claim,
                 fenced,
                 options::fenced(options::guard_call(), grant),
             )
@@ -833,8 +895,8 @@ async fn step(
             // every later holder treats as "maybe sent" and asks the proxy about.
             let marked = call(
                 ctx,
-                input.local,
-                PayoutActivities::mark_submitted,
+                &input.local,
+                || PayoutActivities::mark_submitted,
                 fenced,
                 options::fenced(options::guard_call(), grant),
             )
@@ -844,7 +906,7 @@ async fn step(
             Ok((marked, "MARK_SUBMITTED"))
         }
         PayoutState::RailSubmitted => {
-            let ours = !input.local || facts.marked_under == Some(grant.token);
+            let ours = !input.started_local || facts.marked_under == Some(grant.token);
             if ours && !facts.proxy_called && facts.known_outcome.is_none() {
                 // This run has not called the proxy. If an earlier run (or a crash) did, the
                 // proxy refuses the new submission as DUPLICATE and its record resolves it; it
@@ -858,8 +920,8 @@ async fn step(
                 .unwrap_or(RailOutcome::OutcomeMissing);
             let recorded = call(
                 ctx,
-                input.local,
-                PayoutActivities::record_outcome,
+                &input.local,
+                || PayoutActivities::record_outcome,
                 RecordOutcomeInput {
                     payout_id: input.payout_id.clone(),
                     grant: grant.clone(),
@@ -874,8 +936,8 @@ async fn step(
         PayoutState::RailAcked => {
             let posted = call(
                 ctx,
-                input.local,
-                PayoutActivities::post_ledger,
+                &input.local,
+                || PayoutActivities::post_ledger,
                 fenced,
                 options::fenced(options::guard_call(), grant),
             )
@@ -907,8 +969,8 @@ async fn submit(
         .unwrap_or_else(|| input.instruction.clone());
     let answer = call(
         ctx,
-        input.local,
-        PayoutActivities::submit_to_rail,
+        &input.local,
+        || PayoutActivities::submit_to_rail,
         SubmitInput {
             payout_id: input.payout_id.clone(),
             account_id: instruction.account_id,
@@ -981,8 +1043,8 @@ async fn ambiguity_step(
     }
     let inquiry = call(
         ctx,
-        input.local,
-        PayoutActivities::inquire_rail,
+        &input.local,
+        || PayoutActivities::inquire_rail,
         InquireInput {
             payout_id: input.payout_id.clone(),
             account_id: input.instruction.account_id.clone(),
@@ -1009,8 +1071,8 @@ async fn ambiguity_step(
     };
     let resolved = call(
         ctx,
-        input.local,
-        PayoutActivities::resolve_ambiguity,
+        &input.local,
+        || PayoutActivities::resolve_ambiguity,
         ResolveInput {
             payout_id: input.payout_id.clone(),
             grant: grant.clone(),
@@ -1033,8 +1095,8 @@ async fn abandon_payout(
 ) -> Result<(PayoutSnapshot, &'static str), StepError> {
     let abandoned = call(
         ctx,
-        input.local,
-        PayoutActivities::abandon,
+        &input.local,
+        || PayoutActivities::abandon,
         AbandonInput {
             payout_id: input.payout_id.clone(),
             grant: grant.clone(),
