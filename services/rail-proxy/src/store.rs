@@ -237,10 +237,59 @@ async fn advance_high_water(
 /// the conditional high-water advance (equal passes, lower is refused), then the intent row,
 /// unique per payout, with its expiry at the rail `valid_for_ms` after the intent (`None` only
 /// for the negative control of the expiry, which writes none).
+///
+/// The common case (the token passes, the payout has no submission) is one statement, so one
+/// round trip and one commit: the high-water advance and the intent are data-modifying parts of
+/// the same statement, and the intent is inserted only from the advance's own row. When that
+/// statement wrote nothing (the token was refused: nothing at all) or only the advance (the payout
+/// already has a submission: the advance alone, which the transaction below makes again, equal
+/// passing), the transaction below decides and records the FENCED or DUPLICATE guard event.
 pub async fn record_intent(
     pool: &PgPool,
     request: &SubmitPayout,
     valid_for_ms: Option<u64>,
+) -> Result<Intent, StoreError> {
+    let valid_for_ms = valid_for_ms
+        .map(|ms| i64::try_from(ms).map_err(invariant))
+        .transpose()?;
+    let fast = sqlx::query(&format!(
+        "WITH hw AS ( \
+           INSERT INTO account_high_water (account_id, high_water, owner) VALUES ($1, $2, $3) \
+           ON CONFLICT (account_id) DO UPDATE \
+             SET high_water = EXCLUDED.high_water, owner = EXCLUDED.owner, updated_at = now() \
+             WHERE account_high_water.high_water <= EXCLUDED.high_water \
+           RETURNING high_water), \
+         intent AS ( \
+           INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, \
+             amount_minor, currency, beneficiary_ref, valid_until) \
+           SELECT $4, $1, $2, $3, $5, $6, $7, $8, now() + $9 * interval '1 millisecond' FROM hw \
+           ON CONFLICT DO NOTHING RETURNING {COLUMNS}) \
+         SELECT * FROM intent"
+    ))
+    .bind(request.account_id.as_str())
+    .bind(request.token.as_i64())
+    .bind(&request.owner)
+    .bind(request.payout_id.as_str())
+    .bind(request.client_reference.as_str())
+    .bind(request.amount_minor.get())
+    .bind(request.currency.as_str())
+    .bind(request.beneficiary_ref.as_str())
+    .bind(valid_for_ms)
+    .fetch_optional(pool)
+    .await?;
+    if let Some(row) = fast {
+        return Ok(Intent::Recorded(submission_from_row(&row)?));
+    }
+    record_intent_or_refusal(pool, request, valid_for_ms).await
+}
+
+/// The transaction that decides a Submit the single statement did not record: the advance again
+/// (refused again: a high-water never goes down), then the intent or the existing submission,
+/// with the guard event of a refusal.
+async fn record_intent_or_refusal(
+    pool: &PgPool,
+    request: &SubmitPayout,
+    valid_for_ms: Option<i64>,
 ) -> Result<Intent, StoreError> {
     let mut tx = pool.begin().await?;
     let presented = Presented::submit(request);
@@ -251,9 +300,6 @@ pub async fn record_intent(
             stored_owner,
         });
     }
-    let valid_for_ms = valid_for_ms
-        .map(|ms| i64::try_from(ms).map_err(invariant))
-        .transpose()?;
     let inserted = sqlx::query(&format!(
         "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, \
            currency, beneficiary_ref, valid_until) \
