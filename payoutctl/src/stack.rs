@@ -50,9 +50,12 @@ pub struct StatusArgs {
 pub struct UpArgs {
     #[command(flatten)]
     pub state: StateArgs,
-    #[arg(long, env = "PAYOUT_PG_MAIN_PORT", default_value_t = 55432)]
+    // Every default port lies below Linux's ephemeral range (32768-60999): a port in it can be
+    // held by one of this machine's own outgoing connections (in TIME-WAIT after a `stack down`),
+    // and the restarted service then fails to bind it.
+    #[arg(long, env = "PAYOUT_PG_MAIN_PORT", default_value_t = 25432)]
     pub pg_main_port: u16,
-    #[arg(long, env = "PAYOUT_PG_PROXY_PORT", default_value_t = 55433)]
+    #[arg(long, env = "PAYOUT_PG_PROXY_PORT", default_value_t = 25433)]
     pub pg_proxy_port: u16,
     /// Client port of the first etcd member; further members take the next ports.
     #[arg(long, env = "PAYOUT_ETCD_PORT", default_value_t = 2379)]
@@ -66,7 +69,7 @@ pub struct UpArgs {
     pub temporal_ui_port: u16,
     /// Our services listen on base+1.. (lock-server, payment-resource, rail-stub, rail-proxy,
     /// general-ledger) and serve /metrics on base+11..base+16.
-    #[arg(long, env = "PAYOUT_SERVICE_PORT_BASE", default_value_t = 50050)]
+    #[arg(long, env = "PAYOUT_SERVICE_PORT_BASE", default_value_t = 20050)]
     pub service_port_base: u16,
     /// Payout workers to run.
     #[arg(long, env = "PAYOUT_WORKERS", default_value_t = 2)]

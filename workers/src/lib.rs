@@ -51,7 +51,7 @@ pub struct WorkerConfig {
     /// This replica's identity: the lock owner and the claimer recorded by the guards.
     #[arg(long, env = "PAYOUT_WORKER_IDENTITY")]
     pub identity: Option<String>,
-    /// lock-server gRPC endpoint, e.g. http://127.0.0.1:50051
+    /// lock-server gRPC endpoint, e.g. http://127.0.0.1:20051
     #[arg(long, env = "LOCK_SERVER_URL")]
     pub lock_server_url: Option<String>,
     /// payment-resource gRPC endpoint.
