@@ -1247,6 +1247,11 @@ async fn a_worker_cut_off_from_the_lock_service_hands_its_payouts_to_the_other_w
             "{id}: claimed by {claimer:?}, but only worker-0 reaches the lock service"
         );
         if history_has_activity(&ctx, id, "TryAcquireGrant").await {
+            if handed_over == 0 {
+                // The path from a local step that gave up to activity tasks, replayed by
+                // `replay_committed_histories`.
+                record_history(&ctx, "local_step_gave_up", id).await;
+            }
             handed_over += 1;
         }
     }

@@ -798,9 +798,12 @@ async fn replay_committed_histories() {
     files.sort();
     // The v1_ histories were recorded before the queued acquire (QUEUED_ACQUIRE_PATCH) and
     // replay on its old path; the v2_ ones with it, before the local steps (LOCAL_STEPS_PATCH),
-    // and replay on the activity path; the others were recorded with local steps.
+    // and replay on the activity path; the others were recorded with local steps
+    // (`local_step_gave_up`: a local acquire that gave up on a worker cut off from the lock
+    // service, the run then on activity tasks).
     for required in [
         "normal_path",
+        "local_step_gave_up",
         "decline",
         "v1_normal_path",
         "v1_decline",
