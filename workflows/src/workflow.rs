@@ -514,6 +514,33 @@ where
     }
 }
 
+/// One fenced step: [`call`] under `grant` (routed to the grant's worker when it runs as an
+/// activity task), its failure classified for the run loop (GrantLost, Refused, AccountBusy or
+/// Fatal).
+async fn fenced_step<AD>(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    input: &PayoutRun,
+    grant: &Grant,
+    activity: impl Fn() -> AD,
+    arguments: impl Into<AD::Input>,
+    options: ActivityOptions,
+) -> Result<AD::Output, StepError>
+where
+    AD: ActivityDefinition,
+    AD::Input: Clone,
+    AD::Output: TemporalDeserializable,
+{
+    call(
+        ctx,
+        &input.local,
+        activity,
+        arguments,
+        options::fenced(options, grant),
+    )
+    .await
+    .map_err(|e| classify(e, grant))
+}
+
 /// Hands a grant back, never failing the workflow: where it was made when that is this process
 /// (a local step), otherwise through the task queue of the process that holds it. A release that
 /// cannot run (that worker is gone) is harmless: its session's lease frees the key.
@@ -866,42 +893,42 @@ async fn step(
             abandon_payout(ctx, input, grant, request, false, String::new()).await
         }
         PayoutState::Pending => {
-            let claimed = call(
+            let claimed = fenced_step(
                 ctx,
-                &input.local,
+                input,
+                grant,
                 || PayoutActivities::claim,
                 fenced,
-                options::fenced(options::guard_call(), grant),
+                options::guard_call(),
             )
-            .await
-            .map_err(|e| classify(e, grant))?;
+            .await?;
             Ok((claimed, "CLAIM"))
         }
         PayoutState::Claimed if snapshot.token_stamp < grant.token.get() => {
             // The recovery re-claim under a later token (CLAIMED -> CLAIMED, claimer replaced).
-            let claimed = call(
+            let claimed = fenced_step(
                 ctx,
-                &input.local,
+                input,
+                grant,
                 || PayoutActivities::claim,
                 fenced,
-                options::fenced(options::guard_call(), grant),
+                options::guard_call(),
             )
-            .await
-            .map_err(|e| classify(e, grant))?;
+            .await?;
             Ok((claimed, "RECLAIM"))
         }
         PayoutState::Claimed => {
             // Marked before the proxy is called: a crash in between leaves RAIL_SUBMITTED, which
             // every later holder treats as "maybe sent" and asks the proxy about.
-            let marked = call(
+            let marked = fenced_step(
                 ctx,
-                &input.local,
+                input,
+                grant,
                 || PayoutActivities::mark_submitted,
                 fenced,
-                options::fenced(options::guard_call(), grant),
+                options::guard_call(),
             )
-            .await
-            .map_err(|e| classify(e, grant))?;
+            .await?;
             facts.marked_under = Some(grant.token);
             Ok((marked, "MARK_SUBMITTED"))
         }
@@ -918,31 +945,31 @@ async fn step(
                 .known_outcome
                 .clone()
                 .unwrap_or(RailOutcome::OutcomeMissing);
-            let recorded = call(
+            let recorded = fenced_step(
                 ctx,
-                &input.local,
+                input,
+                grant,
                 || PayoutActivities::record_outcome,
                 RecordOutcomeInput {
                     payout_id: input.payout_id.clone(),
                     grant: grant.clone(),
                     outcome,
                 },
-                options::fenced(options::guard_call(), grant),
+                options::guard_call(),
             )
-            .await
-            .map_err(|e| classify(e, grant))?;
+            .await?;
             Ok((recorded, "RECORD_OUTCOME"))
         }
         PayoutState::RailAcked => {
-            let posted = call(
+            let posted = fenced_step(
                 ctx,
-                &input.local,
+                input,
+                grant,
                 || PayoutActivities::post_ledger,
                 fenced,
-                options::fenced(options::guard_call(), grant),
+                options::guard_call(),
             )
-            .await
-            .map_err(|e| classify(e, grant))?;
+            .await?;
             Ok((posted, "POST"))
         }
         PayoutState::RailAmbiguous => ambiguity_step(ctx, input, grant, snapshot, facts).await,
@@ -1041,9 +1068,11 @@ async fn ambiguity_step(
         // The run loop decides the signal first; nothing else changed.
         return Ok((snapshot.clone(), "SIGNAL_RECEIVED"));
     }
-    let inquiry = call(
+    // Fenced: it runs where the grant lives, and a FENCED answer means re-acquire.
+    let inquiry = fenced_step(
         ctx,
-        &input.local,
+        input,
+        grant,
         || PayoutActivities::inquire_rail,
         InquireInput {
             payout_id: input.payout_id.clone(),
@@ -1051,11 +1080,9 @@ async fn ambiguity_step(
             client_reference: ClientReference::for_payout(&input.payout_id),
             grant: grant.clone(),
         },
-        // Fenced: it runs where the grant lives, and a FENCED answer means re-acquire.
-        options::fenced(options::inquire(), grant),
+        options::inquire(),
     )
-    .await
-    .map_err(|e| classify(e, grant))?;
+    .await?;
     let evidence = match inquiry {
         Inquiry::Found { rail_ref } => Evidence::Found { rail_ref },
         // Sealed at the proxy: never sent and never will be, definitive absence.
@@ -1069,19 +1096,19 @@ async fn ambiguity_step(
             return Ok((snapshot.clone(), "INQUIRY_UNKNOWN"));
         }
     };
-    let resolved = call(
+    let resolved = fenced_step(
         ctx,
-        &input.local,
+        input,
+        grant,
         || PayoutActivities::resolve_ambiguity,
         ResolveInput {
             payout_id: input.payout_id.clone(),
             grant: grant.clone(),
             evidence,
         },
-        options::fenced(options::guard_call(), grant),
+        options::guard_call(),
     )
-    .await
-    .map_err(|e| classify(e, grant))?;
+    .await?;
     Ok((resolved, "RESOLVE_AMBIGUITY"))
 }
 
