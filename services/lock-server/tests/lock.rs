@@ -1350,7 +1350,8 @@ fn growth_by_half(r: &lock_server::soak::SoakReport) -> (i64, i64) {
 /// etcd's database stops growing once the retention window is full (the second half of the run
 /// adds next to nothing) and stays within a small share of the quota, while the revision (every
 /// token) keeps rising. Negative control: the same run on an etcd that never compacts grows as
-/// fast in its second half as in its first, to a database several times larger.
+/// fast in its second half as in its first (at least twice what the bounded one adds then), to a
+/// larger database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_soak_database_stays_bounded_and_grows_without_compaction() {
     let bounded = soak_on(testkit::etcd::EtcdLimits::default()).await;
@@ -1396,9 +1397,13 @@ async fn etcd_soak_database_stays_bounded_and_grows_without_compaction() {
         "the database must level off once the window is full: +{first} then +{second} bytes, \
          against +{control_second} in the second half without compaction"
     );
+    // The whole run's growth is only compared for direction: the bounded database's size is the
+    // retention window's records, so a faster machine (more grants in the same window) brings the
+    // two totals closer (a clean-clone run on a faster machine: +3,264,512 against +1,703,936
+    // bytes, 1.9x, where a 2x bound had held before). The second halves above are the measure.
     assert!(
-        control.db_size_growth_bytes() >= 2 * bounded.db_size_growth_bytes(),
-        "control: without compaction the same run grows the database measurably more: {} vs {} bytes",
+        control.db_size_growth_bytes() > bounded.db_size_growth_bytes(),
+        "control: without compaction the same run grows the database more: {} vs {} bytes",
         control.db_size_growth_bytes(),
         bounded.db_size_growth_bytes()
     );
