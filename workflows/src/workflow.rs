@@ -500,18 +500,29 @@ where
         .await;
     match answer {
         Err(error) if repeatable && Refusal::from_failure(&error).is_none() => {
-            local.set(false);
-            ctx.state_mut(|s| {
-                s.last_event = format!(
-                    "LOCAL_STEP_GAVE_UP {} on this worker ({error}): the run's steps are activity \
-                     tasks from now",
-                    activity().name()
-                )
-            });
+            give_up_local_steps(ctx, local, activity().name(), "this worker", &error);
             ctx.execute_activity(activity(), arguments, options).await
         }
         answer => answer,
     }
+}
+
+/// The run leaves local steps for good: `step` gave up on `place` for want of a service, and
+/// every later step is an activity task (see [`call`]). Noted for the `status` query.
+fn give_up_local_steps(
+    ctx: &WorkflowContext<PayoutWorkflow>,
+    local: &Cell<bool>,
+    step: &str,
+    place: &str,
+    error: &ActivityExecutionError,
+) {
+    local.set(false);
+    ctx.state_mut(|s| {
+        s.last_event = format!(
+            "LOCAL_STEP_GAVE_UP {step} on {place} ({error}): the run's steps are activity tasks \
+             from now"
+        )
+    });
 }
 
 /// One fenced step: [`call`] under `grant` (routed to the grant's worker when it runs as an
@@ -670,14 +681,13 @@ async fn acquire_here(
             // That worker is gone before it took the wait up: try again where this runs now.
             Err(error) if never_started(&error) => {}
             Err(error) => {
-                input.local.set(false);
-                ctx.state_mut(|s| {
-                    s.last_event = format!(
-                        "LOCAL_STEP_GAVE_UP AcquireGrant on {} ({error}): the run's steps are \
-                         activity tasks from now",
-                        tried.worker_queue
-                    )
-                });
+                give_up_local_steps(
+                    ctx,
+                    &input.local,
+                    "AcquireGrant",
+                    &tried.worker_queue,
+                    &error,
+                );
                 return acquire_in_line(ctx, input, facts).await;
             }
         }
