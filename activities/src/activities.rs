@@ -96,6 +96,52 @@ impl PayoutActivities {
     }
 }
 
+/// What every fenced activity input carries: the payout and the grant it acts under.
+pub trait FencedCall {
+    fn payout_id(&self) -> &payout_domain::PayoutId;
+    fn grant(&self) -> &Grant;
+}
+
+macro_rules! fenced_call {
+    ($($input:ty),*) => {$(
+        impl FencedCall for $input {
+            fn payout_id(&self) -> &payout_domain::PayoutId {
+                &self.payout_id
+            }
+            fn grant(&self) -> &Grant {
+                &self.grant
+            }
+        }
+    )*};
+}
+fenced_call!(
+    FencedInput,
+    SubmitInput,
+    RecordOutcomeInput,
+    ResolveInput,
+    AbandonInput
+);
+
+impl PayoutActivities {
+    /// The one shape of a fenced activity: the client-side check of the grant, then the backend
+    /// call (which presents the grant's token to its guard), logged once with the payout and the
+    /// token. A refused check never reaches the backend.
+    async fn fenced<I: FencedCall, T>(
+        &self,
+        step: &'static str,
+        input: I,
+        call: impl for<'a> FnOnce(&'a dyn Backend, I) -> crate::backend::Answer<'a, T>,
+    ) -> Result<T, ActivityError> {
+        let token = input.grant().token.get();
+        let payout_id = input.payout_id().clone();
+        let result = match self.vouch(input.grant()) {
+            Ok(()) => call(self.backend.as_ref(), input).await,
+            Err(e) => Err(e),
+        };
+        logged(step, &payout_id, Some(token), result)
+    }
+}
+
 fn logged<T>(
     step: &'static str,
     payout_id: &payout_domain::PayoutId,
@@ -212,13 +258,8 @@ impl PayoutActivities {
         _ctx: ActivityContext,
         input: FencedInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        let token = input.grant.token.get();
-        let payout_id = input.payout_id.clone();
-        let result = match self.vouch(&input.grant) {
-            Ok(()) => self.backend.claim(input).await,
-            Err(e) => Err(e),
-        };
-        logged("claim", &payout_id, Some(token), result)
+        self.fenced("claim", input, |backend, input| backend.claim(input))
+            .await
     }
 
     #[activity(name = "MarkSubmitted")]
@@ -227,13 +268,10 @@ impl PayoutActivities {
         _ctx: ActivityContext,
         input: FencedInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        let token = input.grant.token.get();
-        let payout_id = input.payout_id.clone();
-        let result = match self.vouch(&input.grant) {
-            Ok(()) => self.backend.mark_submitted(input).await,
-            Err(e) => Err(e),
-        };
-        logged("mark_submitted", &payout_id, Some(token), result)
+        self.fenced("mark_submitted", input, |backend, input| {
+            backend.mark_submitted(input)
+        })
+        .await
     }
 
     /// The one rail submission. Whatever happens in here that is not a clear answer becomes
@@ -244,13 +282,8 @@ impl PayoutActivities {
         _ctx: ActivityContext,
         input: SubmitInput,
     ) -> Result<SubmitAnswer, ActivityError> {
-        let token = input.grant.token.get();
-        let payout_id = input.payout_id.clone();
-        let result = match self.vouch(&input.grant) {
-            Ok(()) => self.backend.submit(input).await,
-            Err(e) => Err(e),
-        };
-        logged("submit", &payout_id, Some(token), result)
+        self.fenced("submit", input, |backend, input| backend.submit(input))
+            .await
     }
 
     #[activity(name = "RecordOutcome")]
@@ -259,13 +292,10 @@ impl PayoutActivities {
         _ctx: ActivityContext,
         input: RecordOutcomeInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        let token = input.grant.token.get();
-        let payout_id = input.payout_id.clone();
-        let result = match self.vouch(&input.grant) {
-            Ok(()) => self.backend.record_outcome(input).await,
-            Err(e) => Err(e),
-        };
-        logged("record_outcome", &payout_id, Some(token), result)
+        self.fenced("record_outcome", input, |backend, input| {
+            backend.record_outcome(input)
+        })
+        .await
     }
 
     #[activity(name = "PostLedger")]
@@ -274,13 +304,8 @@ impl PayoutActivities {
         _ctx: ActivityContext,
         input: FencedInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        let token = input.grant.token.get();
-        let payout_id = input.payout_id.clone();
-        let result = match self.vouch(&input.grant) {
-            Ok(()) => self.backend.post(input).await,
-            Err(e) => Err(e),
-        };
-        logged("post", &payout_id, Some(token), result)
+        self.fenced("post", input, |backend, input| backend.post(input))
+            .await
     }
 
     #[activity(name = "InquireRail")]
@@ -300,13 +325,8 @@ impl PayoutActivities {
         _ctx: ActivityContext,
         input: ResolveInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        let token = input.grant.token.get();
-        let payout_id = input.payout_id.clone();
-        let result = match self.vouch(&input.grant) {
-            Ok(()) => self.backend.resolve(input).await,
-            Err(e) => Err(e),
-        };
-        logged("resolve", &payout_id, Some(token), result)
+        self.fenced("resolve", input, |backend, input| backend.resolve(input))
+            .await
     }
 
     #[activity(name = "Abandon")]
@@ -315,13 +335,8 @@ impl PayoutActivities {
         _ctx: ActivityContext,
         input: AbandonInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        let token = input.grant.token.get();
-        let payout_id = input.payout_id.clone();
-        let result = match self.vouch(&input.grant) {
-            Ok(()) => self.backend.abandon(input).await,
-            Err(e) => Err(e),
-        };
-        logged("abandon", &payout_id, Some(token), result)
+        self.fenced("abandon", input, |backend, input| backend.abandon(input))
+            .await
     }
 
     #[activity(name = "RecordOperatorDecision")]

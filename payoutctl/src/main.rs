@@ -1,15 +1,9 @@
-//! `payoutctl`: what an operator types. Errors are reported once, here, with their context chain.
-
-mod bench;
-mod chaos;
-mod e2e;
-mod migrate;
-mod reconcile;
-mod run;
-mod stack;
-mod target;
+//! `payoutctl`: what an operator types against a deployment. Errors are reported once, here,
+//! with their context chain. The developer harness (stack, main job, benchmarks, fault
+//! injection) is `payoutdev`, which this binary does not contain.
 
 use clap::{Parser, Subcommand};
+use payoutctl::{migrate, reconcile};
 
 #[derive(Parser)]
 #[command(
@@ -24,22 +18,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Start, stop or inspect the local stack (PostgreSQL x2, etcd, Temporal + UI).
-    Stack {
-        #[command(subcommand)]
-        action: stack::Action,
-    },
-    /// Benchmarks that print figures: our path and the plain path it wraps, in the same run.
-    Bench {
-        #[command(subcommand)]
-        which: bench::Which,
-    },
-    /// The main job: a batch of payouts through the whole system under rail faults, then the reconciler.
-    Run(run::Args),
     /// Check every invariant across paydb, proxydb, gldb, the rail and the lock grants.
-    Reconcile(reconcile::Args),
-    /// Fault injection: a workload under a seeded nemesis, then an independent checker (exit 1 on a violation).
-    Chaos(chaos::Args),
+    Reconcile(Box<reconcile::Args>),
     /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb.
     Migrate(migrate::Args),
 }
@@ -56,12 +36,8 @@ fn main() -> std::process::ExitCode {
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Stack { action } => stack::run(action).await,
             Command::Migrate(args) => migrate::run(args).await,
-            Command::Bench { which } => bench::run(which).await,
-            Command::Reconcile(args) => reconcile::run(args).await,
-            Command::Run(args) => run::run(args).await,
-            Command::Chaos(args) => chaos::run(args).await,
+            Command::Reconcile(args) => reconcile::run(*args).await,
         }
     });
     match result {

@@ -12,12 +12,12 @@ pub static LOCKDB: Migrator = sqlx::migrate!("../migrations/lockdb");
 #[derive(ClapArgs)]
 pub struct Args {
     /// State directory of the local stack whose databases to migrate.
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::stack::DEFAULT_STATE_DIR)]
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR)]
     pub state_dir: std::path::PathBuf,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
-    let record = crate::stack::StackRecord::load(&args.state_dir)?;
+    let record = crate::record::StackRecord::load(&args.state_dir)?;
     for (name, url) in record.database_urls() {
         apply(name, &url).await?;
         println!("migrated {name}");

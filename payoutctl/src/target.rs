@@ -4,11 +4,11 @@
 use anyhow::Context;
 use clap::Args as ClapArgs;
 
-use crate::stack::{StackRecord, LOCK_ETCD_PREFIX, TASK_QUEUE};
+use crate::record::{StackRecord, LOCK_ETCD_PREFIX, TASK_QUEUE};
 
 #[derive(ClapArgs, Clone)]
 pub struct Target {
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::stack::DEFAULT_STATE_DIR)]
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR)]
     pub state_dir: std::path::PathBuf,
     /// An existing deployment instead of the local stack (e.g. docker compose: see
     /// deploy/README.md). With it, every endpoint below is required.

@@ -2,7 +2,7 @@
 //! negative controls that show each guard is load-bearing.
 //!
 //! Run: `cargo build --bins && cargo test -p system-tests --test chaos -- --nocapture`.
-//! The long run is a command: `payoutctl chaos --payouts 5000 --faults 200`.
+//! The long run is a command: `payoutdev chaos --payouts 5000 --faults 200`.
 
 use system_tests::chaos::nemesis::FaultKind;
 use system_tests::chaos::{self, negative, ChaosConfig, DisableGuard, Report};

@@ -13,8 +13,7 @@
 use std::time::Duration;
 
 use lock_client::{Acquired, LockClient};
-use payment_resource::client::PaymentClient;
-use payment_resource::model::NewPayout;
+use payment_client::PaymentClient;
 use payout_activities::types::{AmbiguityPolicy, PayoutInput};
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, PayoutId, PayoutState,
@@ -127,13 +126,7 @@ impl Ctx {
             .await
             .unwrap();
         self.payment
-            .create_payout(&NewPayout {
-                payout_id: input.payout_id.clone(),
-                account_id: input.account_id.clone(),
-                amount_minor: input.amount_minor,
-                currency,
-                beneficiary_ref: input.beneficiary_ref.clone(),
-            })
+            .create_payout(&system_tests::workload::new_payout(&input))
             .await
             .unwrap();
         input
@@ -623,7 +616,7 @@ async fn two_workers_short_lease(rail_timeout_ms: u64) -> anyhow::Result<System>
 }
 
 /// `workers` workers with a short lease (3 s) and the test-only stall points `stalls`
-/// (`services::STALL_ENV`).
+/// (`system_tests::stall::STALL_ENV`, read by the test worker).
 async fn with_stall_points(workers: usize, stalls: String) -> anyhow::Result<System> {
     System::start(
         Stack::shared(),
@@ -633,8 +626,9 @@ async fn with_stall_points(workers: usize, stalls: String) -> anyhow::Result<Sys
             rail_timeout_ms: RAIL_TIMEOUT_MS,
             worker_env: vec![
                 ("PAYOUT_LOCK_TTL_MS".into(), "3000".into()),
-                (payout_activities::services::STALL_ENV.into(), stalls),
+                (system_tests::stall::STALL_ENV.into(), stalls),
             ],
+            test_worker: true,
             ..SystemOptions::default()
         },
     )
@@ -745,8 +739,7 @@ async fn frozen_system() -> &'static System {
 
 #[tokio::test]
 async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_payout() {
-    use rail_proxy::client::{ProxyError, RailProxyClient};
-    use rail_proxy::model::SubmitPayout;
+    use rail_proxy_client::{ProxyError, RailProxyClient, SubmitPayout};
 
     let system = frozen_system().await;
     let ctx = Ctx::new(system).await;
@@ -997,13 +990,7 @@ async fn explicit_payout(ctx: &Ctx, payout: &str, account: &str) -> PayoutInput 
         .await
         .unwrap();
     ctx.payment
-        .create_payout(&NewPayout {
-            payout_id: input.payout_id.clone(),
-            account_id: input.account_id.clone(),
-            amount_minor: input.amount_minor,
-            currency,
-            beneficiary_ref: input.beneficiary_ref.clone(),
-        })
+        .create_payout(&system_tests::workload::new_payout(&input))
         .await
         .unwrap();
     input
@@ -1112,9 +1099,9 @@ async fn a_worker_paused_past_its_lease_is_fenced_out_at_both_guards() {
 /// workflow used (a fenced call vouched for it) is kept past the same bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_grant_no_workflow_takes_up_is_handed_back_and_a_used_one_is_kept() {
-    use payout_activities::services::{ServiceBackend, ServiceConfig};
     use payout_activities::types::{AcquireInput, AcquireOutcome};
     use payout_activities::Backend;
+    use payout_worker::services::{ServiceBackend, ServiceConfig};
 
     let system = shared().await;
     let unclaimed_grant_max = Duration::from_secs(2);

@@ -2,12 +2,15 @@
 //! and polls until told to stop. Any number of replicas may run at once: correctness never
 //! depends on which one runs a task (the guards and the proxy decide), only liveness does.
 
+pub mod services;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use payout_activities::{Backend, PayoutActivities};
 use payout_workflows::PayoutWorkflow;
+use services::{ServiceBackend, ServiceConfig};
 use temporalio_client::{Client, ClientOptions, ConnectionOptions, Url};
 use temporalio_sdk::runtime::worker_tuner::{FixedSizeSlotSupplier, TunerHolder};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
@@ -62,7 +65,7 @@ pub struct WorkerConfig {
     pub rail_proxy_url: Option<String>,
     /// The lock session's lease TTL. Short values make a frozen worker lose its grants fast
     /// (fault tests); the default suits a deployment.
-    #[arg(long, env = "PAYOUT_LOCK_TTL_MS", default_value_t = payout_activities::services::LOCK_TTL_MS_DEFAULT)]
+    #[arg(long, env = "PAYOUT_LOCK_TTL_MS", default_value_t = services::LOCK_TTL_MS_DEFAULT)]
     pub lock_ttl_ms: u64,
     /// Append this worker's lock history (every grant, session deadline, loss and release, on
     /// the monotonic clock) to this file: the evidence INV-06's detective control checks (no two
@@ -71,7 +74,7 @@ pub struct WorkerConfig {
     pub lock_history_path: Option<std::path::PathBuf>,
     /// A grant no workflow has used this long after it was made (its acquire's answer reached
     /// nobody) is released, so it cannot keep the account's key from later payouts.
-    #[arg(long, env = "PAYOUT_UNCLAIMED_GRANT_MS", default_value_t = payout_activities::services::UNCLAIMED_GRANT_MAX_MS_DEFAULT)]
+    #[arg(long, env = "PAYOUT_UNCLAIMED_GRANT_MS", default_value_t = services::UNCLAIMED_GRANT_MAX_MS_DEFAULT)]
     pub unclaimed_grant_max_ms: u64,
 }
 
@@ -168,4 +171,42 @@ pub async fn run(
     private_result.context("private-queue worker stopped with an error")?;
     tracing::info!("worker stopped");
     Ok(())
+}
+
+/// The worker process: connects its services, puts `wrap` around the backend (the shipped
+/// binary wraps nothing; the fault tests' worker puts its stall points there), polls until
+/// SIGTERM or SIGINT, then ends its lock session.
+pub async fn serve(
+    config: WorkerConfig,
+    wrap: impl FnOnce(Arc<dyn Backend>) -> Arc<dyn Backend>,
+) -> anyhow::Result<()> {
+    let required = |name: &str, value: &Option<String>| {
+        value.clone().with_context(|| format!("{name} is required"))
+    };
+    let private_task_queue = config.private_task_queue();
+    let backend = ServiceBackend::connect(ServiceConfig {
+        owner: config.identity(),
+        private_task_queue: private_task_queue.clone(),
+        lock_server_url: required("LOCK_SERVER_URL", &config.lock_server_url)?,
+        payment_resource_url: required("PAYMENT_RESOURCE_URL", &config.payment_resource_url)?,
+        rail_proxy_url: required("RAIL_PROXY_URL", &config.rail_proxy_url)?,
+        lock_ttl: Duration::from_millis(config.lock_ttl_ms),
+        lock_history_path: config.lock_history_path.clone(),
+        unclaimed_grant_max: Duration::from_millis(config.unclaimed_grant_max_ms),
+    })
+    .await
+    .context("connecting the worker's services")?;
+    let backend = Arc::new(backend);
+    let shutdown = service_kit::Shutdown::on_signal();
+    let result = run(
+        &config,
+        wrap(backend.clone()),
+        Some(private_task_queue),
+        shutdown.wait(),
+    )
+    .await;
+    // After the pollers stopped: ending the session frees this worker's keys at once, so the
+    // payouts it handed back continue on another replica without waiting for the lease.
+    backend.close().await;
+    result
 }

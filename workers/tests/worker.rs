@@ -30,7 +30,7 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
         rail_proxy_url: None,
         lock_ttl_ms: 10_000,
         lock_history_path: None,
-        unclaimed_grant_max_ms: payout_activities::services::UNCLAIMED_GRANT_MAX_MS_DEFAULT,
+        unclaimed_grant_max_ms: payout_worker::services::UNCLAIMED_GRANT_MAX_MS_DEFAULT,
     };
     let world = InMemoryBackend::new("worker-test");
     let input = PayoutInput {

@@ -1,4 +1,4 @@
-//! Starting a payout workflow and awaiting its result, for `payoutctl run` and the system tests.
+//! Starting a payout workflow and awaiting its result, for `payoutdev run` and the system tests.
 //!
 //! ```text
 //! let client = payout_workflows::client::connect("127.0.0.1:7233", "default", "payoutctl").await?;

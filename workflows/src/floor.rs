@@ -1,4 +1,4 @@
-//! The Temporal floor that `payoutctl bench e2e` measures the payout workflow against: one
+//! The Temporal floor that `payoutdev bench e2e` measures the payout workflow against: one
 //! workflow that runs one activity doing nothing, on the same server and the same kind of worker.
 //! What it costs is what this machine's Temporal dev server costs per workflow; nothing of the
 //! payout system is in it. The payout worker never registers it.

@@ -1,11 +1,12 @@
 //! Client of the lock service, for the activities.
 //!
-//! - A [`Grant`] carries a REQUIRED [`FencingToken`]: code that mutates takes the token from a
+//! - A [`GrantHandle`] (this process's live handle on a grant) carries a REQUIRED [`FencingToken`]:
+//!   code that mutates takes the token from a
 //!   grant, so a mutating path without one does not compile (INV-07).
 //! - Conservative local expiry (spec 2.4, client view): the deadline is on the local MONOTONIC
 //!   clock (`std::time::Instant`), computed from the SEND time of the last successful keep-alive
-//!   plus the TTL, minus [`LOCAL_DEADLINE_MARGIN`]; never the wall clock. [`Grant::is_held`] turns
-//!   false the moment it passes, and [`Grant::lost`] notifies. This narrows the window in which a
+//!   plus the TTL, minus [`LOCAL_DEADLINE_MARGIN`]; never the wall clock. [`GrantHandle::is_held`] turns
+//!   false the moment it passes, and [`GrantHandle::lost`] notifies. This narrows the window in which a
 //!   stale holder keeps working; it is not safety: the token at the guards is.
 //! - A key can be taken from a live session (an operator's force-revoke frees it without ending
 //!   the session), so each grant is also vouched for on its own: every keep-alive names the
@@ -72,7 +73,7 @@ pub enum ClientError {
 
 impl From<tonic::Status> for ClientError {
     fn from(status: tonic::Status) -> Self {
-        match service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind) {
+        match payout_proto::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind) {
             Some(kind) => Self::Rejected {
                 kind,
                 message: status.message().to_string(),
@@ -424,7 +425,7 @@ impl Session {
                 // the server for most of a TTL, and the session's deadline already bounds the
                 // lease; the next keep-alive round (within TTL / 3) vouches for it.
                 let liveness = self.register_grant(&g.key, &g.owner, token, Instant::now());
-                Ok(Acquired::Granted(Grant {
+                Ok(Acquired::Granted(GrantHandle {
                     key: g.key,
                     owner: g.owner,
                     token,
@@ -667,7 +668,7 @@ async fn sleep_or_lose(liveness: &Liveness, session_id: &str, wake: Instant) {
 
 #[derive(Debug)]
 pub enum Acquired {
-    Granted(Grant),
+    Granted(GrantHandle),
     NotAcquired {
         holder_owner: String,
         holder_token: u64,
@@ -675,7 +676,7 @@ pub enum Acquired {
 }
 
 impl Acquired {
-    pub fn granted(self) -> Option<Grant> {
+    pub fn granted(self) -> Option<GrantHandle> {
         match self {
             Self::Granted(g) => Some(g),
             Self::NotAcquired { .. } => None,
@@ -684,7 +685,7 @@ impl Acquired {
 }
 
 /// A grant handle: key, owner, session, the REQUIRED token, and the local deadline.
-pub struct Grant {
+pub struct GrantHandle {
     key: String,
     /// The grant's owner: the session's owner, or a narrower one (`Session::acquire_as`).
     owner: String,
@@ -695,9 +696,9 @@ pub struct Grant {
     liveness: Arc<GrantLiveness>,
 }
 
-impl std::fmt::Debug for Grant {
+impl std::fmt::Debug for GrantHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grant")
+        f.debug_struct("GrantHandle")
             .field("key", &self.key)
             .field("owner", &self.owner)
             .field("session_id", &self.session.id())
@@ -706,7 +707,7 @@ impl std::fmt::Debug for Grant {
     }
 }
 
-impl Grant {
+impl GrantHandle {
     pub fn key(&self) -> &str {
         &self.key
     }
@@ -738,7 +739,7 @@ impl Grant {
         self.session.is_alive() && self.liveness.is_alive()
     }
     /// Turns `true` when the grant's SESSION is lost locally; `changed()` wakes work that must
-    /// stop. A revoke of this one key is seen by [`Grant::is_held`], checked before every write.
+    /// stop. A revoke of this one key is seen by [`GrantHandle::is_held`], checked before every write.
     pub fn lost(&self) -> watch::Receiver<bool> {
         self.session.lost()
     }
@@ -814,7 +815,7 @@ impl Grant {
         owner: &str,
         session_id: &str,
         token: FencingToken,
-    ) -> Result<Grant, ClientError> {
+    ) -> Result<GrantHandle, ClientError> {
         let sent_at = Instant::now();
         let handle = pb::Handle {
             key: key.to_string(),
@@ -844,7 +845,7 @@ impl Grant {
             sent_at,
         );
         let liveness = session.register_grant(key, owner, token, sent_at);
-        Ok(Grant {
+        Ok(GrantHandle {
             key: key.to_string(),
             owner: owner.to_string(),
             token,

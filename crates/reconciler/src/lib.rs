@@ -4,12 +4,14 @@
 //! lock service's grant records in etcd — and checks every invariant again, independently of the
 //! code that was supposed to keep it. A primary that has been broken or removed shows up here.
 //! It never repairs anything: a finding is for a human (and for the alert on its metric).
+//!
+//! Read-only by construction: it takes no lock grant (it has no lock client), writes through no
+//! guard (it has no payment-resource client; the rail proxy is asked only through its read-only
+//! `RailMovements` lookup) and only reads the databases and etcd, so any number of runs may go
+//! at once, beside everything else. The corrective part, which does take grants and write, is the
+//! `resolver` crate; the process that runs both on a schedule is `reconciler-service`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-
-pub mod resolve;
-pub mod resume;
-pub mod service;
 
 use payout_domain::{Actor, PayoutEvent, PayoutState};
 use serde::Serialize;
@@ -100,10 +102,6 @@ pub struct Report {
     pub rail_movements: u64,
     pub outbox_pending: u64,
     pub ambiguous_payouts: Vec<String>,
-    /// Orphaned RAIL_AMBIGUOUS payouts handled before the checks ran (`--resolve-orphans`).
-    pub resolutions: Vec<resolve::Resolution>,
-    /// Stranded payouts handed back to a workflow before the checks ran (`--resume-stranded`).
-    pub resumptions: Vec<resume::Resumption>,
 }
 
 impl Report {
@@ -111,8 +109,16 @@ impl Report {
         self.violations == 0
     }
 
-    /// A readable table.
+    /// A readable table: [`Report::render_checks`], then [`Report::render_total`].
     pub fn render(&self) -> String {
+        let mut out = self.render_checks();
+        out.push_str(&self.render_total());
+        out
+    }
+
+    /// Every check's line and findings, and the summary line; not the closing total (a report
+    /// that adds sections of its own puts them between the two).
+    pub fn render_checks(&self) -> String {
         let mut out = String::new();
         out.push_str(&format!(
             "{:<34} {:<14} {:>9} {:>10}\n",
@@ -157,46 +163,12 @@ impl Report {
             self.outbox_pending,
             self.ambiguous_payouts.len()
         ));
-        if !self.resolutions.is_empty() {
-            out.push_str(&format!(
-                "{:<24} {:<12} {:<11} {:<14} {:>6}  DETAIL\n",
-                "ORPHAN", "WORKFLOW", "EVIDENCE", "NEW STATE", "TOKEN"
-            ));
-            for r in &self.resolutions {
-                out.push_str(&format!(
-                    "{:<24} {:<12} {:<11} {:<14} {:>6}  {}\n",
-                    r.payout_id,
-                    r.workflow,
-                    r.evidence,
-                    r.new_state,
-                    r.token.map(|t| t.to_string()).unwrap_or_default(),
-                    r.detail
-                ));
-            }
-        }
-        if !self.resumptions.is_empty() {
-            out.push_str(&format!(
-                "{:<24} {:<14} {:<12} {:<16} {:<28}  DETAIL\n",
-                "STRANDED", "STATE", "WORKFLOW", "ACTION", "KEY TAKEN FROM"
-            ));
-            for r in &self.resumptions {
-                out.push_str(&format!(
-                    "{:<24} {:<14} {:<12} {:<16} {:<28}  {}\n",
-                    if r.payout_id.is_empty() {
-                        &r.account_id
-                    } else {
-                        &r.payout_id
-                    },
-                    r.state,
-                    r.workflow,
-                    r.action,
-                    r.took_over_from.as_deref().unwrap_or("-"),
-                    r.detail
-                ));
-            }
-        }
-        out.push_str(&format!("violations: {}\n", self.violations));
         out
+    }
+
+    /// The closing line: how many violations in all.
+    pub fn render_total(&self) -> String {
+        format!("violations: {}\n", self.violations)
     }
 }
 
@@ -264,8 +236,6 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
         rail_movements,
         outbox_pending,
         ambiguous_payouts,
-        resolutions: Vec::new(),
-        resumptions: Vec::new(),
     })
 }
 
@@ -652,7 +622,7 @@ async fn rail_movements(
         c.skipped = Some("no rail proxy URL given".into());
         return Ok((c, 0));
     };
-    let mut proxy = rail_proxy::client::RailProxyClient::connect(url.clone())
+    let mut proxy = rail_proxy_client::RailProxyClient::connect(url.clone())
         .await
         .map_err(|e| ReconcileError::Rail(format!("connecting to the rail proxy: {e}")))?;
     let submitted: BTreeSet<String> = sqlx::query_scalar(
@@ -682,8 +652,8 @@ async fn rail_movements(
         };
         c.examined += 1;
         let found = match proxy.rail_movements(&payout_id).await {
-            Ok(rail_proxy::rail::RailLookup::Found(found)) => found,
-            Ok(rail_proxy::rail::RailLookup::Absent) => {
+            Ok(rail_proxy_client::RailLookup::Found(found)) => found,
+            Ok(rail_proxy_client::RailLookup::Absent) => {
                 if p.state == "POSTED" {
                     c.violations.push(format!(
                         "{} is POSTED but the rail reports no movement for {}",
@@ -692,7 +662,7 @@ async fn rail_movements(
                 }
                 continue;
             }
-            Ok(rail_proxy::rail::RailLookup::Unknown { .. }) => {
+            Ok(rail_proxy_client::RailLookup::Unknown { .. }) => {
                 unknown += 1;
                 continue;
             }

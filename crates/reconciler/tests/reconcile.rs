@@ -5,11 +5,10 @@
 
 use std::time::Duration;
 
-use payment_resource::client::PaymentClient;
-use payment_resource::model::{Fence, NewPayout, RailOutcome};
+use payment_client::model::{Fence, NewPayout, RailOutcome};
+use payment_client::PaymentClient;
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
-use rail_proxy::client::RailProxyClient;
-use rail_proxy::model::{Outcome, SubmitPayout};
+use rail_proxy_client::{Outcome, RailProxyClient, SubmitPayout};
 use reconciler::{Options, Report, Sources};
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;

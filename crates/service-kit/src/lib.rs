@@ -200,27 +200,8 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
         .with_context(|| format!("binding {addr}"))
 }
 
-/// Typed rejection details in a gRPC status: the encoded bytes of a service's `Rejection`
-/// message travel in `Status::details`, so a client can match on a name instead of parsing text.
-pub mod rejection {
-    use prost::Message;
-
-    pub fn status<M: Message>(
-        code: tonic::Code,
-        message: impl Into<String>,
-        detail: &M,
-    ) -> tonic::Status {
-        tonic::Status::with_details(code, message, detail.encode_to_vec().into())
-    }
-
-    /// Decodes the details of a status; `None` if there are none or they are not an `M`.
-    pub fn decode<M: Message + Default>(status: &tonic::Status) -> Option<M> {
-        if status.details().is_empty() {
-            return None;
-        }
-        M::decode(status.details()).ok()
-    }
-}
+/// The typed rejection helpers, defined beside the wire messages (`payout_proto::rejection`).
+pub use payout_proto::rejection;
 
 /// The connections a gRPC server accepts on `listener`, with `TCP_NODELAY` set on each. Without
 /// it Nagle's algorithm meets the client's delayed ACK and a small response waits ~40 ms: that

@@ -1,4 +1,4 @@
-//! The real stack, for tests and for `payoutctl stack`: PostgreSQL, etcd and the Temporal dev
+//! The real stack, for tests and for `payoutdev stack`: PostgreSQL, etcd and the Temporal dev
 //! server as real processes on loopback ports with isolated state, plus process fault injection
 //! (SIGKILL, SIGTERM, SIGSTOP/SIGCONT, restart). No part of it is a mock.
 

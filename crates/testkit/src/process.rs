@@ -21,7 +21,7 @@ use anyhow::{bail, Context};
 /// drain is itself a defect under test.
 pub const TERMINATE_GRACE_MS: u64 = 10_000;
 
-/// Whether a child must die with this process (tests) or outlive it (`payoutctl stack up`).
+/// Whether a child must die with this process (tests) or outlive it (`payoutdev stack up`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lifetime {
     Attached,

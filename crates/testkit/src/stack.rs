@@ -26,7 +26,7 @@ pub enum PgServer {
     Proxy,
 }
 
-/// Fixed ports for a long-lived stack (`payoutctl stack up`); tests use free ports.
+/// Fixed ports for a long-lived stack (`payoutdev stack up`); tests use free ports.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct StackPorts {
     pub pg_main: u16,

@@ -26,12 +26,15 @@ pub struct SystemOptions {
     pub rail_timeout_ms: u64,
     /// Extra environment for every worker (e.g. lease TTLs for fault tests).
     pub worker_env: Vec<(String, String)>,
+    /// Run the fault tests' worker (`payout-test-worker`: the shipped worker with the test-only
+    /// stall points of `system_tests::stall` in front of its backend) instead of `payout-worker`.
+    pub test_worker: bool,
     pub lifetime: Lifetime,
     /// Where logs and the stub's movement file go; a directory under the stack's state if `None`.
     pub dir: Option<PathBuf>,
-    /// Fixed listen ports (payoutctl's long-lived system); free ports if `None`.
+    /// Fixed listen ports (payoutdev's long-lived stack); free ports if `None`.
     pub ports: Option<SystemPorts>,
-    /// Fixed database names (payoutctl); fresh per-system databases if `None`.
+    /// Fixed database names (payoutdev); fresh per-system databases if `None`.
     pub databases: Option<Databases>,
     /// Task queue; a unique one if `None`.
     pub task_queue: Option<String>,
@@ -50,6 +53,7 @@ impl Default for SystemOptions {
             settlement_window_ms: 2_000,
             rail_timeout_ms: 2_000,
             worker_env: Vec::new(),
+            test_worker: false,
             lifetime: Lifetime::Attached,
             dir: None,
             ports: None,
@@ -232,7 +236,12 @@ impl System {
                 .arg("serve"),
         )?;
         let worker_template = {
-            let mut w = spec("payout-worker")?
+            let binary = if options.test_worker {
+                "payout-test-worker"
+            } else {
+                "payout-worker"
+            };
+            let mut w = spec(binary)?
                 .env("TEMPORAL_ADDRESS", temporal.address())
                 .env("TEMPORAL_NAMESPACE", crate::temporal::NAMESPACE)
                 .env("PAYOUT_TASK_QUEUE", task_queue.clone())

@@ -91,8 +91,8 @@ pub fn target_dir() -> PathBuf {
 }
 
 /// Where the binaries a stack starts are: `PAYOUT_BIN_DIR` if set; else the directory of the
-/// running program when it holds the service binaries too (so `target/release/payoutctl` runs a
-/// stack of release binaries, and `target/debug/payoutctl` one of debug binaries); else
+/// running program when it holds the service binaries too (so `target/release/payoutdev` runs a
+/// stack of release binaries, and `target/debug/payoutdev` one of debug binaries); else
 /// `target/debug` (test binaries live in `target/debug/deps`, beside no service binary).
 pub fn bin_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("PAYOUT_BIN_DIR") {

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use compose_tests::compose::{self, docker, Engine, Project};
-use payment_resource::client::PaymentClient;
-use payment_resource::model::NewPayout;
+use payment_client::model::NewPayout;
+use payment_client::PaymentClient;
 use payout_activities::types::{AmbiguityPolicy, PayoutInput};
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
 
@@ -490,7 +490,7 @@ impl Harness<'_> {
         Ok(input.payout_id)
     }
 
-    async fn state(&self, id: &PayoutId) -> anyhow::Result<payment_resource::model::Payout> {
+    async fn state(&self, id: &PayoutId) -> anyhow::Result<payment_client::model::Payout> {
         Ok(self.payment.get_payout(id).await?.payout)
     }
 
@@ -499,8 +499,8 @@ impl Harness<'_> {
         &self,
         ids: &[PayoutId],
         what: &str,
-        pred: impl Fn(&payment_resource::model::Payout) -> bool,
-    ) -> anyhow::Result<payment_resource::model::Payout> {
+        pred: impl Fn(&payment_client::model::Payout) -> bool,
+    ) -> anyhow::Result<payment_client::model::Payout> {
         let deadline = Instant::now() + SETTLE_TIMEOUT;
         loop {
             for id in ids {
@@ -522,7 +522,7 @@ impl Harness<'_> {
     async fn wait_settled(
         &self,
         ids: &[PayoutId],
-    ) -> anyhow::Result<Vec<payment_resource::model::Payout>> {
+    ) -> anyhow::Result<Vec<payment_client::model::Payout>> {
         let deadline = Instant::now() + SETTLE_TIMEOUT;
         loop {
             let mut done = Vec::new();
@@ -573,7 +573,7 @@ impl Harness<'_> {
     }
 }
 
-fn in_flight(p: &payment_resource::model::Payout) -> bool {
+fn in_flight(p: &payment_client::model::Payout) -> bool {
     matches!(p.state, PayoutState::Claimed | PayoutState::RailSubmitted) && p.claimed_by.is_some()
 }
 

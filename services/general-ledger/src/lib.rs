@@ -7,7 +7,6 @@
 
 pub mod amount;
 pub mod api;
-pub mod bench;
 pub mod error;
 pub mod projection;
 pub mod store;

@@ -772,18 +772,6 @@ fn property_random_balanced_journals_and_reversals() {
     runtime.block_on(server.stop()).unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn benchmark_reports_both_sides() {
-    let url = Stack::shared().fresh_db(PgServer::Main).await;
-    let report = general_ledger::bench::run(&url, 200, 4)
-        .await
-        .expect("bench runs");
-    println!("{}", serde_json::to_string_pretty(&report).unwrap());
-    assert_eq!(report.append_journal_grpc.journals, 200);
-    assert_eq!(report.plain_sql.journals, 200);
-    assert!(report.ratio > 0.0);
-}
-
 // ---------------------------------------------------------------------------------------------
 // The boundary under arbitrary wire values (issue 14, item 4)
 

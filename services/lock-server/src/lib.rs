@@ -6,13 +6,11 @@
 //! PostgreSQL's clock does; the only timers here bound how long a caller waits.
 
 pub mod backend;
-pub mod bench;
 pub mod checker;
 pub mod error;
 pub mod issued;
 pub mod queue;
 pub mod service;
-pub mod soak;
 
 use std::path::PathBuf;
 use std::time::Duration;

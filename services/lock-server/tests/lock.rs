@@ -5,7 +5,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lock_client::{Acquired, ClientError, FencingToken, Grant, LockClient, Rejection, Session};
+use lock_client::{
+    Acquired, ClientError, FencingToken, GrantHandle, LockClient, Rejection, Session,
+};
 use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
 use lock_server::checker::{self, GrantRecord};
 use lock_server::{BackendConfig, Config, InProcess};
@@ -65,7 +67,7 @@ fn rejection(e: &ClientError) -> &Rejection {
         .unwrap_or_else(|| panic!("expected a typed rejection, got {e:?}"))
 }
 
-async fn grant(session: &Session, key: &str) -> Grant {
+async fn grant(session: &Session, key: &str) -> GrantHandle {
     match session
         .acquire(key, Duration::ZERO)
         .await
@@ -160,7 +162,7 @@ async fn grants_and_refusals(kind: Kind) {
 
     // Release by a non-holder (the other session presenting the holder's token) is refused.
     let forged =
-        Grant::reestablish(&s.client, "payout:acc-1", "worker-b", b.id(), g1.token()).await;
+        GrantHandle::reestablish(&s.client, "payout:acc-1", "worker-b", b.id(), g1.token()).await;
     assert!(matches!(
         rejection(&forged.unwrap_err()),
         Rejection::NotHolder(_)
@@ -191,9 +193,10 @@ async fn grants_and_refusals(kind: Kind) {
     );
 
     // A handle re-established elsewhere (another worker process) renews and releases it.
-    let adopted = Grant::reestablish(&s.client, "payout:acc-1", "worker-a", a.id(), g1.token())
-        .await
-        .unwrap();
+    let adopted =
+        GrantHandle::reestablish(&s.client, "payout:acc-1", "worker-a", a.id(), g1.token())
+            .await
+            .unwrap();
     assert!(adopted.is_held());
     adopted.renew().await.unwrap();
     adopted.release().await.unwrap();
@@ -1293,133 +1296,6 @@ async fn etcd_grant_after_its_retention_lease_was_revoked_makes_a_new_one() {
     second.release().await.unwrap();
     a.close().await.unwrap();
     s.server.stop().await;
-}
-
-/// The short soak: enough grants that a database growing with every grant is plain (about
-/// 700 bytes a grant without compaction), in about fifteen seconds of a debug build.
-const SOAK_GRANTS: usize = 5_000;
-const SOAK_CONCURRENCY: usize = 8;
-/// The soak's database must stay within a sixty-fourth of the test quota (4 MiB). Its two-second
-/// record window holds about a thousand records (about 1 MiB with compacted history); the rest is
-/// room for a faster machine, which keeps more records in the same window.
-const SOAK_DB_SIZE_MAX_BYTES: i64 = (testkit::etcd::QUOTA_BACKEND_BYTES / 64) as i64;
-
-/// The soak on an etcd of its own with `limits`, grant records kept the shortest window.
-async fn soak_on(limits: testkit::etcd::EtcdLimits) -> lock_server::soak::SoakReport {
-    let dir = tempfile::tempdir().unwrap();
-    let etcd = {
-        let path = dir.path().to_path_buf();
-        tokio::task::spawn_blocking(move || {
-            testkit::etcd::EtcdCluster::start_with_limits(
-                &path,
-                1,
-                None,
-                testkit::Lifetime::Attached,
-                &limits,
-            )
-        })
-        .await
-        .unwrap()
-        .unwrap()
-    };
-    let report = lock_server::soak::run(
-        &etcd.endpoints(),
-        SOAK_GRANTS,
-        SOAK_CONCURRENCY,
-        lock_server::backend::etcd::GRANT_RETENTION_MS_MIN,
-    )
-    .await
-    .unwrap();
-    for m in &etcd.members {
-        m.process.kill().unwrap();
-    }
-    report
-}
-
-/// How much etcd's database file grew in the first half of the run, then in the second.
-fn growth_by_half(r: &lock_server::soak::SoakReport) -> (i64, i64) {
-    let half = &r.checkpoints[lock_server::soak::CHECKPOINTS / 2 - 1];
-    assert!(half.grants >= r.grants / 2 && half.grants < r.grants);
-    (
-        half.status.db_size_bytes - r.before.db_size_bytes,
-        r.after.db_size_bytes - half.status.db_size_bytes,
-    )
-}
-
-/// The lock backend does not grow without bound: with compaction and grant-record retention,
-/// etcd's database stops growing once the retention window is full (the second half of the run
-/// adds next to nothing) and stays within a small share of the quota, while the revision (every
-/// token) keeps rising. Negative control: the same run on an etcd that never compacts grows as
-/// fast in its second half as in its first (at least twice what the bounded one adds then), to a
-/// larger database.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn etcd_soak_database_stays_bounded_and_grows_without_compaction() {
-    let bounded = soak_on(testkit::etcd::EtcdLimits::default()).await;
-    println!("bounded: {}", serde_json::to_string(&bounded).unwrap());
-    let control =
-        soak_on(testkit::etcd::EtcdLimits::default().without_compaction_for_tests()).await;
-    println!(
-        "no compaction: {}",
-        serde_json::to_string(&control).unwrap()
-    );
-    for r in [&bounded, &control] {
-        assert_eq!(r.grants, SOAK_GRANTS);
-        assert!(
-            r.after.revision - r.before.revision >= 2 * SOAK_GRANTS as i64,
-            "every grant is a new token"
-        );
-        assert!(
-            r.after.grant_records < SOAK_GRANTS as i64 / 2,
-            "records past their window are gone: {}",
-            r.after.grant_records
-        );
-    }
-
-    let (first, second) = growth_by_half(&bounded);
-    assert!(
-        bounded.after.db_size_bytes <= SOAK_DB_SIZE_MAX_BYTES,
-        "dbSize {} above {SOAK_DB_SIZE_MAX_BYTES}",
-        bounded.after.db_size_bytes
-    );
-    let (control_first, control_second) = growth_by_half(&control);
-    assert!(
-        control_second >= control_first / 2,
-        "control: without compaction the second half grows like the first: +{control_first} then +{control_second}"
-    );
-    // Levelling off, against the control of the same test: once the window is full, the second
-    // half adds at most half of what it adds without compaction. Not against the run's own first
-    // half: bbolt grows its file in steps and reuses freed pages inside it, so one step can land in
-    // either half (a clean-clone CI run saw +836 KB then +299 KB, against +1,688 KB in the
-    // control's second half; a loaded run here +664 KB then 0), and the pages in use swing with
-    // the moment compaction ran (+172 KB then +422 KB in one run, +725 KB then +111 KB in another).
-    assert!(
-        second <= control_second / 2,
-        "the database must level off once the window is full: +{first} then +{second} bytes, \
-         against +{control_second} in the second half without compaction"
-    );
-    // The whole run's growth is only compared for direction: the bounded database's size is the
-    // retention window's records, so a faster machine (more grants in the same window) brings the
-    // two totals closer (a clean-clone run on a faster machine: +3,264,512 against +1,703,936
-    // bytes, 1.9x, where a 2x bound had held before). The second halves above are the measure.
-    assert!(
-        control.db_size_growth_bytes() > bounded.db_size_growth_bytes(),
-        "control: without compaction the same run grows the database more: {} vs {} bytes",
-        control.db_size_growth_bytes(),
-        bounded.db_size_growth_bytes()
-    );
-}
-
-// ---------------------------------------------------------------------------------------------
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn benchmark_runs_and_reports_both_paths() {
-    let report = lock_server::bench::run(&Stack::shared().etcd_endpoints(), 200, 4)
-        .await
-        .unwrap();
-    println!("{}", serde_json::to_string_pretty(&report).unwrap());
-    assert_eq!(report.service.operations, 200);
-    assert_eq!(report.raw_etcd.operations, 200);
-    assert!(report.service.p99_us > 0 && report.raw_etcd.p99_us > 0);
 }
 
 // ---------------------------------------------------------------------------------------------

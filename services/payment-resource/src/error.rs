@@ -1,98 +1,19 @@
-//! The one error type of this crate: every expected failure is a named variant with the fields a
-//! caller needs, on the server (before it becomes a gRPC status) and on the client (decoded back
-//! from the status' typed `Rejection` detail).
+//! What the server can fail with: a typed refusal of the contract ([`PaymentError`], which
+//! crosses the wire as the status' `Rejection` detail), or a failure of its own (the database, a
+//! broken invariant), which crosses as a bare status and reaches a client as
+//! `PaymentError::Transport`.
 
-use payout_domain::{Actor, PayoutEvent, PayoutState};
-pub use payout_proto::payment::InvalidReason;
+use payment_client::PaymentError;
 
 #[derive(Debug, thiserror::Error)]
-pub enum PaymentError {
-    /// The presented token is below the account's fence: a stale holder. Nothing changed.
-    #[error("fenced out on {key}: presented token {presented} is below the stored fence {stored} (owner {owner})")]
-    FencedOut {
-        key: String,
-        presented: u64,
-        stored: u64,
-        owner: String,
-        account_id: String,
-        payout_id: String,
-    },
-    /// The (state, event) pair is not in the 2.3 table, or needs another actor. Nothing changed.
-    #[error("payout {payout_id}: transition {event} from {from} refused (actor {actor}{})",
-        required.as_ref().map(|r| format!(", requires {r}")).unwrap_or_default())]
-    RefusedTransition {
-        payout_id: String,
-        from: String,
-        event: String,
-        actor: String,
-        required: Option<String>,
-    },
-    /// Another payout of the account is in flight; the database's partial unique index refused.
-    #[error("account {account_id} already has payout {in_flight_payout_id} in flight")]
-    AccountBusy {
-        account_id: String,
-        in_flight_payout_id: String,
-    },
-    /// Abandoning a RAIL_AMBIGUOUS payout needs the caller to assert the resolution SLA passed.
-    #[error("payout {payout_id} is RAIL_AMBIGUOUS and its resolution SLA has not passed")]
-    ResolutionSlaNotPassed { payout_id: String },
-    #[error("invalid argument {field}: {}", reason.as_str_name())]
-    InvalidArgument {
-        field: String,
-        reason: InvalidReason,
-    },
-    #[error("account {account_id} not found")]
-    AccountNotFound { account_id: String },
-    #[error("payout {payout_id} not found")]
-    PayoutNotFound { payout_id: String },
-    #[error("payout {payout_id} exists with different content")]
-    PayoutExistsWithDifferentContent { payout_id: String },
-    #[error("account {account_id} exists with different content")]
-    AccountExistsWithDifferentContent { account_id: String },
+pub enum ServerError {
+    /// A refusal the caller can match on (fenced out, refused transition, invalid argument, ...).
+    #[error(transparent)]
+    Payment(#[from] PaymentError),
     /// A ledger invariant (INV-03) failed inside a transaction, which was rolled back. A bug.
     #[error("ledger invariant broken: {0}")]
     InvariantBroken(String),
-    /// Server side: the database failed (unreachable, connection killed, ...). Nothing committed.
+    /// The database failed (unreachable, connection killed, ...). Nothing committed.
     #[error("database: {0}")]
     Storage(#[from] sqlx::Error),
-    /// Client side: a status without a typed rejection (unavailable, deadline, internal).
-    #[error("transport: {code:?}: {message}")]
-    Transport { code: tonic::Code, message: String },
-    /// Client side: the server answered something this client cannot read.
-    #[error("malformed response: {0}")]
-    MalformedResponse(String),
-}
-
-impl PaymentError {
-    pub fn invalid(field: &str, reason: InvalidReason) -> Self {
-        PaymentError::InvalidArgument {
-            field: field.to_string(),
-            reason,
-        }
-    }
-
-    pub(crate) fn refused(
-        payout_id: &str,
-        refusal: payout_domain::RefusedTransition,
-        caller: Actor,
-    ) -> Self {
-        use payout_domain::RefusedTransition as R;
-        let (from, event, actor, required): (PayoutState, PayoutEvent, Actor, Option<Actor>) =
-            match refusal {
-                R::NotInTable { from, event } => (from, event, caller, None),
-                R::WrongActor {
-                    from,
-                    event,
-                    actor,
-                    required,
-                } => (from, event, actor, Some(required)),
-            };
-        PaymentError::RefusedTransition {
-            payout_id: payout_id.to_string(),
-            from: from.as_str().to_string(),
-            event: event.as_str().to_string(),
-            actor: actor.as_str().to_string(),
-            required: required.map(|a| a.as_str().to_string()),
-        }
-    }
 }

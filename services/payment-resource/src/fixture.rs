@@ -3,8 +3,10 @@
 use payout_domain::{AccountId, Currency};
 use serde::Deserialize;
 
-use crate::error::{InvalidReason, PaymentError};
-use crate::model::Account;
+use payment_client::model::Account;
+use payment_client::{InvalidReason, PaymentError};
+
+use crate::error::ServerError;
 use crate::store::Store;
 
 /// Most accounts one fixture run creates: a fixture is for tests and demos, not a bulk import.
@@ -35,15 +37,9 @@ pub fn numbered(
 }
 
 /// Opens every account (idempotently: a re-run with the same content changes nothing).
-pub async fn load(
-    store: &Store,
-    accounts: &[FixtureAccount],
-) -> Result<Vec<Account>, PaymentError> {
+pub async fn load(store: &Store, accounts: &[FixtureAccount]) -> Result<Vec<Account>, ServerError> {
     if accounts.len() > FIXTURE_ACCOUNTS_MAX {
-        return Err(PaymentError::invalid(
-            "accounts",
-            InvalidReason::TextTooLong,
-        ));
+        return Err(PaymentError::invalid("accounts", InvalidReason::TextTooLong).into());
     }
     let mut opened = Vec::with_capacity(accounts.len());
     for a in accounts {

@@ -10,9 +10,12 @@
 //!   the integer token a caller presents.
 //! - Transitions come only from `payout_domain::TRANSITIONS` via `PayoutState::apply`.
 //! - The ledger and the audit trail are append-only, enforced by paydb's triggers.
+//!
+//! The contract of its gRPC boundary (the client, the wire conversions, the typed errors, the
+//! request and response types) is the `payment-client` crate, which this crate uses and does not
+//! re-export: callers depend on `payment-client`, not on this crate.
 
 pub mod api;
-pub mod client;
 pub mod error;
 pub mod fixture;
 pub mod model;
@@ -21,7 +24,7 @@ pub mod store;
 
 use std::time::Duration;
 
-pub use error::{InvalidReason, PaymentError};
+pub use error::ServerError;
 pub use store::{Store, StoreOptions, RESOLUTION_SLA_DEFAULT};
 
 /// The gRPC service name, as `grpc.health.v1` reports it.

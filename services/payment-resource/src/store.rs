@@ -9,11 +9,14 @@ use service_kit::prometheus::IntCounterVec;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::error::{InvalidReason, PaymentError};
-use crate::model::{
-    AbandonRequest, Account, AuditEvent, Evidence, Fence, LedgerCheck, LedgerEntry,
-    LedgerViolation, NewPayout, OperatorDecision, Payout, PostOutcome, RailOutcome,
+use payment_client::model::{
+    AbandonRequest, Account, AuditEvent, Evidence, Fence, LedgerEntry, NewPayout, OperatorDecision,
+    Payout, PostOutcome, RailOutcome,
 };
+use payment_client::{InvalidReason, PaymentError};
+
+use crate::error::ServerError;
+use crate::model::{LedgerCheck, LedgerViolation};
 use crate::outbox;
 
 /// Most audit events returned with a payout: a payout has a handful of transitions; a long tail
@@ -129,8 +132,8 @@ struct PayoutRow {
     updated_at: DateTime<Utc>,
 }
 
-fn stored<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) -> Result<T, PaymentError> {
-    r.map_err(|e| PaymentError::InvariantBroken(format!("stored {what} is invalid: {e}")))
+fn stored<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) -> Result<T, ServerError> {
+    r.map_err(|e| ServerError::InvariantBroken(format!("stored {what} is invalid: {e}")))
 }
 
 fn token_of(value: Option<i64>) -> Option<u64> {
@@ -138,7 +141,7 @@ fn token_of(value: Option<i64>) -> Option<u64> {
 }
 
 impl PayoutRow {
-    fn into_model(self) -> Result<Payout, PaymentError> {
+    fn into_model(self) -> Result<Payout, ServerError> {
         Ok(Payout {
             payout_id: stored("payout id", PayoutId::parse(self.id))?,
             account_id: stored("account id", AccountId::parse(self.account_id))?,
@@ -146,7 +149,7 @@ impl PayoutRow {
             currency: stored("currency", Currency::parse(&self.currency))?,
             beneficiary_ref: self.beneficiary_ref,
             state: PayoutState::parse(&self.state).ok_or_else(|| {
-                PaymentError::InvariantBroken(format!("stored state {:?} is unknown", self.state))
+                ServerError::InvariantBroken(format!("stored state {:?} is unknown", self.state))
             })?,
             client_reference: self.client_reference,
             claimed_by: self.claimed_by,
@@ -177,7 +180,7 @@ struct AccountRow {
 }
 
 impl AccountRow {
-    fn into_model(self) -> Result<Account, PaymentError> {
+    fn into_model(self) -> Result<Account, ServerError> {
         Ok(Account {
             account_id: stored("account id", AccountId::parse(self.id))?,
             currency: stored("currency", Currency::parse(&self.currency))?,
@@ -375,7 +378,7 @@ impl Store {
         payout_id: &PayoutId,
         fence: &Fence,
         operation: &str,
-    ) -> Result<Fenced, PaymentError> {
+    ) -> Result<Fenced, ServerError> {
         let mut tx = self.pool.begin().await?;
         let sql = if self.options.fence_predicate {
             FENCE_ADVANCE_SQL
@@ -414,7 +417,7 @@ impl Store {
         payout_id: &PayoutId,
         fence: &Fence,
         operation: &str,
-    ) -> PaymentError {
+    ) -> ServerError {
         let found: Result<Option<(String, i64)>, sqlx::Error> = sqlx::query_as(
             "SELECT p.account_id, a.fence FROM payout p JOIN account a ON a.id = p.account_id WHERE p.id = $1",
         )
@@ -427,6 +430,7 @@ impl Store {
                 return PaymentError::PayoutNotFound {
                     payout_id: payout_id.to_string(),
                 }
+                .into()
             }
             Err(e) => return e.into(),
         };
@@ -467,6 +471,7 @@ impl Store {
             account_id,
             payout_id: payout_id.to_string(),
         }
+        .into()
     }
 
     /// A transition the table does not allow: nothing changes but the audit trail and a counter.
@@ -476,7 +481,7 @@ impl Store {
         refusal: payout_domain::RefusedTransition,
         actor: Actor,
         fence: Option<&Fence>,
-    ) -> PaymentError {
+    ) -> ServerError {
         let payout = fenced.payout.clone();
         if let Err(e) = fenced.tx.rollback().await {
             return e.into();
@@ -491,7 +496,7 @@ impl Store {
         refusal: payout_domain::RefusedTransition,
         actor: Actor,
         fence: Option<&Fence>,
-    ) -> PaymentError {
+    ) -> ServerError {
         let error = PaymentError::refused(payout.payout_id.as_str(), refusal, actor);
         let PaymentError::RefusedTransition {
             from,
@@ -500,7 +505,7 @@ impl Store {
             ..
         } = &error
         else {
-            return error;
+            return error.into();
         };
         self.counters
             .refused_transitions
@@ -526,7 +531,7 @@ impl Store {
         if let Err(e) = insert_audit(&self.pool, &audit).await {
             tracing::error!(error = %e, payout_id = %payout.payout_id, "could not record the refused_transition audit event");
         }
-        error
+        error.into()
     }
 
     /// Writes the transition and its audit row, then commits.
@@ -540,7 +545,7 @@ impl Store {
         to: PayoutState,
         changes: Changes,
         detail: Value,
-    ) -> Result<Payout, PaymentError> {
+    ) -> Result<Payout, ServerError> {
         let from = fenced.payout.state;
         let updated: Result<Option<PayoutRow>, sqlx::Error> = sqlx::query_as(&format!(
             "UPDATE payout SET state = $2, token_stamp = $3, version = version + 1, updated_at = now(), \
@@ -572,7 +577,7 @@ impl Store {
             Ok(Some(row)) => row.into_model()?,
             Ok(None) => {
                 // The row is locked FOR UPDATE by this transaction: its state cannot have moved.
-                return Err(PaymentError::InvariantBroken(format!(
+                return Err(ServerError::InvariantBroken(format!(
                     "payout {} left state {from} under its row lock",
                     fenced.payout.payout_id
                 )));
@@ -613,7 +618,7 @@ impl Store {
         Ok(updated)
     }
 
-    async fn account_busy(&self, payout: &Payout, fence: &Fence) -> PaymentError {
+    async fn account_busy(&self, payout: &Payout, fence: &Fence) -> ServerError {
         let in_flight: Result<Option<String>, sqlx::Error> = sqlx::query_scalar(&format!(
             "SELECT id FROM payout WHERE account_id = $1 AND state IN {IN_FLIGHT_STATES_SQL} LIMIT 1"
         ))
@@ -651,6 +656,7 @@ impl Store {
             account_id: payout.account_id.to_string(),
             in_flight_payout_id: in_flight,
         }
+        .into()
     }
 
     /// Applies `event` as `actor` to a fenced payout: refused (and recorded) if the table says so.
@@ -662,7 +668,7 @@ impl Store {
         fence: &Fence,
         changes: Changes,
         detail: Value,
-    ) -> Result<Payout, PaymentError> {
+    ) -> Result<Payout, ServerError> {
         match fenced.payout.state.apply(event, actor) {
             Ok(to) => {
                 self.commit_transition(fenced, event, actor, fence, to, changes, detail)
@@ -682,12 +688,13 @@ impl Store {
         account_id: &AccountId,
         currency: &Currency,
         opening_balance_minor: i64,
-    ) -> Result<Account, PaymentError> {
+    ) -> Result<Account, ServerError> {
         if opening_balance_minor < 0 {
             return Err(PaymentError::invalid(
                 "opening_balance_minor",
                 InvalidReason::OpeningBalanceNegative,
-            ));
+            )
+            .into());
         }
         let mut tx = self.pool.begin().await?;
         let inserted: Option<AccountRow> = sqlx::query_as(&format!(
@@ -710,7 +717,8 @@ impl Store {
             }
             return Err(PaymentError::AccountExistsWithDifferentContent {
                 account_id: account_id.to_string(),
-            });
+            }
+            .into());
         };
         ensure_system_accounts(&mut tx, currency).await?;
         if opening_balance_minor > 0 {
@@ -772,7 +780,7 @@ impl Store {
         inserted.into_model()
     }
 
-    pub async fn get_account(&self, account_id: &AccountId) -> Result<Account, PaymentError> {
+    pub async fn get_account(&self, account_id: &AccountId) -> Result<Account, ServerError> {
         let row: Option<AccountRow> = sqlx::query_as(&format!(
             "SELECT {ACCOUNT_COLUMNS} FROM account WHERE id = $1"
         ))
@@ -789,7 +797,7 @@ impl Store {
 
     /// Creates a PENDING payout. The same id with the same content returns the existing payout;
     /// with different content it is refused. Nothing is written on bad input.
-    pub async fn create_payout(&self, new: &NewPayout) -> Result<Payout, PaymentError> {
+    pub async fn create_payout(&self, new: &NewPayout) -> Result<Payout, ServerError> {
         let mut tx = self.pool.begin().await?;
         let currency: Option<String> =
             sqlx::query_scalar("SELECT currency FROM account WHERE id = $1")
@@ -799,13 +807,11 @@ impl Store {
         let Some(currency) = currency else {
             return Err(PaymentError::AccountNotFound {
                 account_id: new.account_id.to_string(),
-            });
+            }
+            .into());
         };
         if currency != new.currency.as_str() {
-            return Err(PaymentError::invalid(
-                "currency",
-                InvalidReason::CurrencyMismatch,
-            ));
+            return Err(PaymentError::invalid("currency", InvalidReason::CurrencyMismatch).into());
         }
         let client_reference = payout_domain::ClientReference::for_payout(&new.payout_id);
         let inserted: Option<PayoutRow> = sqlx::query_as(&format!(
@@ -833,7 +839,8 @@ impl Store {
             }
             return Err(PaymentError::PayoutExistsWithDifferentContent {
                 payout_id: new.payout_id.to_string(),
-            });
+            }
+            .into());
         };
         let payout = inserted.into_model()?;
         insert_audit(
@@ -861,7 +868,7 @@ impl Store {
     pub async fn get_payout(
         &self,
         payout_id: &PayoutId,
-    ) -> Result<(Payout, Vec<AuditEvent>), PaymentError> {
+    ) -> Result<(Payout, Vec<AuditEvent>), ServerError> {
         let row: Option<PayoutRow> = sqlx::query_as(&format!(
             "SELECT {PAYOUT_COLUMNS} FROM payout WHERE id = $1"
         ))
@@ -888,7 +895,7 @@ impl Store {
 
     /// PENDING -> CLAIMED (funds sufficient) or FAILED (insufficient, with the reason: an answer,
     /// not an error); CLAIMED -> CLAIMED, a re-claim by a later holder replacing the claimer.
-    pub async fn claim(&self, payout_id: &PayoutId, fence: &Fence) -> Result<Payout, PaymentError> {
+    pub async fn claim(&self, payout_id: &PayoutId, fence: &Fence) -> Result<Payout, ServerError> {
         let fenced = self.begin_fenced(payout_id, fence, "claim").await?;
         let payout = &fenced.payout;
         let insufficient =
@@ -926,7 +933,7 @@ impl Store {
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
-    ) -> Result<Payout, PaymentError> {
+    ) -> Result<Payout, ServerError> {
         let fenced = self
             .begin_fenced(payout_id, fence, "mark_submitted")
             .await?;
@@ -953,7 +960,7 @@ impl Store {
         fence: &Fence,
         outcome: &RailOutcome,
         detail_text: &str,
-    ) -> Result<Payout, PaymentError> {
+    ) -> Result<Payout, ServerError> {
         let fenced = self
             .begin_fenced(payout_id, fence, "record_outcome")
             .await?;
@@ -1007,7 +1014,7 @@ impl Store {
         fence: &Fence,
         evidence: &Evidence,
         evidence_source: &str,
-    ) -> Result<Payout, PaymentError> {
+    ) -> Result<Payout, ServerError> {
         let fenced = self
             .begin_fenced(payout_id, fence, "resolve_ambiguity")
             .await?;
@@ -1046,7 +1053,7 @@ impl Store {
         payout_id: &PayoutId,
         fence: &Fence,
         request: &AbandonRequest,
-    ) -> Result<Payout, PaymentError> {
+    ) -> Result<Payout, ServerError> {
         let mut fenced = self.begin_fenced(payout_id, fence, "abandon").await?;
         let from = fenced.payout.state;
         let to = match from.apply(PayoutEvent::OperatorAbandon, Actor::Operator) {
@@ -1098,7 +1105,8 @@ impl Store {
             .await?;
             return Err(PaymentError::ResolutionSlaNotPassed {
                 payout_id: payout_id.to_string(),
-            });
+            }
+            .into());
         }
         let changes = Changes {
             failure_reason: Some(format!(
@@ -1129,7 +1137,7 @@ impl Store {
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
-    ) -> Result<PostOutcome, PaymentError> {
+    ) -> Result<PostOutcome, ServerError> {
         let mut fenced = self.begin_fenced(payout_id, fence, "post").await?;
         let to = match fenced
             .payout
@@ -1145,7 +1153,7 @@ impl Store {
                     .refuse(fenced, refusal, Actor::Holder, Some(fence))
                     .await
                 {
-                    PaymentError::RefusedTransition { .. } => {}
+                    ServerError::Payment(PaymentError::RefusedTransition { .. }) => {}
                     failed => return Err(failed),
                 }
                 tracing::info!(payout_id = %payout.payout_id, "post of a POSTED payout answered with the first posting");
@@ -1211,7 +1219,7 @@ impl Store {
         .await?;
         if entries_sum_minor != balance_minor {
             tracing::error!(payout_id = %payout.payout_id, balance_minor, entries_sum_minor, "INV-03 broken: balance differs from entries");
-            return Err(PaymentError::InvariantBroken(format!(
+            return Err(ServerError::InvariantBroken(format!(
                 "account {} balance {balance_minor} differs from the sum of its entries {entries_sum_minor}",
                 payout.account_id
             )));
@@ -1255,9 +1263,9 @@ impl Store {
         })
     }
 
-    async fn posted_answer(&self, payout: Payout) -> Result<PostOutcome, PaymentError> {
+    async fn posted_answer(&self, payout: Payout) -> Result<PostOutcome, ServerError> {
         let group = payout.transaction_group.ok_or_else(|| {
-            PaymentError::InvariantBroken(format!(
+            ServerError::InvariantBroken(format!(
                 "POSTED payout {} has no transaction group",
                 payout.payout_id
             ))
@@ -1282,7 +1290,7 @@ impl Store {
     pub async fn record_operator_decision(
         &self,
         decision: &OperatorDecision,
-    ) -> Result<AuditEvent, PaymentError> {
+    ) -> Result<AuditEvent, ServerError> {
         let account_id: Option<String> =
             sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
                 .bind(decision.payout_id.as_str())
@@ -1291,7 +1299,8 @@ impl Store {
         let Some(account_id) = account_id else {
             return Err(PaymentError::PayoutNotFound {
                 payout_id: decision.payout_id.to_string(),
-            });
+            }
+            .into());
         };
         let event = insert_audit(
             &self.pool,
@@ -1317,7 +1326,7 @@ impl Store {
 
     /// INV-03 over everything: each group sums to zero per currency, each customer balance equals
     /// the sum of its entries. What the reconciler calls.
-    pub async fn check_ledger(&self) -> Result<LedgerCheck, PaymentError> {
+    pub async fn check_ledger(&self) -> Result<LedgerCheck, ServerError> {
         let mut tx = self.pool.begin().await?;
         // One snapshot for all the queries, so that a posting committing meanwhile is either
         // entirely in or entirely out.
@@ -1432,7 +1441,7 @@ async fn insert_entry(
 async fn assert_group_balanced(
     tx: &mut Transaction<'static, Postgres>,
     group: Uuid,
-) -> Result<(), PaymentError> {
+) -> Result<(), ServerError> {
     let sum_minor: i64 =
         sqlx::query_scalar("SELECT coalesce(sum(amount_minor), 0)::bigint FROM ledger_entry WHERE transaction_group = $1")
             .bind(group)
@@ -1440,7 +1449,7 @@ async fn assert_group_balanced(
             .await?;
     if sum_minor != 0 {
         tracing::error!(%group, sum_minor, "INV-03 broken: ledger group does not sum to zero");
-        return Err(PaymentError::InvariantBroken(format!(
+        return Err(ServerError::InvariantBroken(format!(
             "ledger group {group} sums to {sum_minor}"
         )));
     }

@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use payment_resource::client::PaymentClient;
-use payment_resource::model::{
+use payment_client::model::{
     AbandonRequest, Evidence, Fence, NewPayout, OperatorDecision, Payout, RailOutcome,
 };
-use payment_resource::{InvalidReason, PaymentError, Store, StoreOptions};
+use payment_client::{InvalidReason, PaymentClient, PaymentError};
+use payment_resource::{Store, StoreOptions};
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutEvent, PayoutId,
     PayoutState, TRANSITIONS,
@@ -1099,7 +1099,7 @@ fn same(a: &PaymentError, b: &PaymentError) -> bool {
 /// compared before and after).
 #[tokio::test]
 async fn bad_input_is_refused_specifically_and_writes_nothing() {
-    use payment_resource::api::status_to_error;
+    use payment_client::wire::status_to_error;
     let h = harness().await;
     open(&h, "acct-1", 10_000).await;
     create(&h, "p-1", "acct-1", 1_000).await;
@@ -1930,7 +1930,7 @@ mod payment_values {
     /// deep paths), beside fresh ones.
     pub const ACCOUNTS: [&str; 2] = ["acct-w", "acct-w2"];
     pub const PAYOUTS: [&str; 3] = ["p-w-pending", "p-w-posted", "p-w-claimed"];
-    const TEXT_LENGTH_MAX: usize = payment_resource::model::TEXT_LENGTH_MAX;
+    const TEXT_LENGTH_MAX: usize = payment_client::model::TEXT_LENGTH_MAX;
     const ID_LENGTH_MAX: usize = payout_domain::ids::ID_LENGTH_MAX;
 
     fn id(known: &'static [&'static str], fresh: &'static str) -> BoxedStrategy<String> {

@@ -7,12 +7,15 @@
 //! outcome exactly once; nothing, under any token or after any delay, calls the rail again for
 //! that payout.
 //!
-//! gRPC (`railproxy.v1.RailProxy`): `Submit`, `Lookup`, `Inquire`. Rust callers use
-//! [`client::RailProxyClient`], which turns rejections into typed [`client::ProxyError`]s.
+//! gRPC (`railproxy.v1.RailProxy`): `Submit`, `Lookup`, `Inquire`, `RailMovements`. The contract
+//! (the typed client, the types that cross the wire and their conversions) is the crate
+//! `rail-proxy-client`; this server uses its definitions and does not re-export them, and callers
+//! (including those that start this server in-process) reach them through that crate alone.
+//!
+//! Test machinery (the switches that turn a protection off, the failpoints) exists only with the
+//! cargo feature `negative-controls`, which only test crates enable; no shipped binary is built
+//! with it.
 
-pub mod api;
-pub mod bench;
-pub mod client;
 pub mod model;
 pub mod rail;
 mod service;
@@ -24,10 +27,7 @@ use std::time::Duration;
 use payout_proto::railproxy::rail_proxy_server::RailProxyServer;
 use service_kit::Shutdown;
 
-pub use model::{
-    DuplicateClass, Evidence, InquirePayout, InvalidArgument, Outcome, Payment, Resolution,
-    Submission, SubmitPayout,
-};
+pub use model::DuplicateClass;
 pub use rail::{RAIL_CALL_TIMEOUT_MS_DEFAULT, RAIL_CALL_TIMEOUT_MS_MAX};
 pub use store::MIGRATOR;
 
@@ -35,14 +35,16 @@ pub use store::MIGRATOR;
 pub const SERVICE_NAME: &str = "railproxy.v1.RailProxy";
 
 /// Whether the guard runs. Only [`ProxyConfig::disable_guards_for_negative_control`] turns it
-/// off, and no binary calls that.
+/// off; it exists only with the `negative-controls` feature, which no shipped binary has.
+#[cfg(feature = "negative-controls")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Guards {
     Enforced,
     DisabledForNegativeControl,
 }
 
-/// Test-only crash and stall points.
+/// TEST ONLY (feature `negative-controls`): crash and stall points.
+#[cfg(feature = "negative-controls")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failpoint {
     /// `std::process::abort()` right after the intent commits, before the rail is called: the
@@ -53,8 +55,8 @@ pub enum Failpoint {
     PauseAfterIntent { ms: u64 },
 }
 
-/// The two protections a test may switch off, each only through a hidden setter that no binary
-/// calls, to show what it prevents.
+/// The two protections a test may switch off, each only through a setter that exists only with
+/// the `negative-controls` feature, to show what it prevents. Without the feature both are on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Protections {
     /// A fenced inquiry that finds no submission seals the payout (NOT_SENT).
@@ -68,8 +70,10 @@ pub struct ProxyConfig {
     pub rail_base_url: String,
     /// Timeout of the single payment call; bounded by [`RAIL_CALL_TIMEOUT_MS_MAX`].
     pub rail_timeout: Duration,
+    #[cfg(feature = "negative-controls")]
     guards: Guards,
     pub(crate) protections: Protections,
+    #[cfg(feature = "negative-controls")]
     failpoint: Option<Failpoint>,
 }
 
@@ -88,11 +92,13 @@ impl ProxyConfig {
         Self {
             rail_base_url: rail_base_url.into(),
             rail_timeout: Duration::from_millis(RAIL_CALL_TIMEOUT_MS_DEFAULT),
+            #[cfg(feature = "negative-controls")]
             guards: Guards::Enforced,
             protections: Protections {
                 seal: true,
                 expiry: true,
             },
+            #[cfg(feature = "negative-controls")]
             failpoint: None,
         }
     }
@@ -102,34 +108,38 @@ impl ProxyConfig {
         self
     }
 
-    /// TEST ONLY: the negative control. Skips the high-water and the uniqueness check and
-    /// records nothing, so a test can show the duplicate payment the guard prevents. The
-    /// binaries never call this; it is not reachable from any flag or environment variable.
+    /// TEST ONLY (feature `negative-controls`): the negative control. Skips the high-water and
+    /// the uniqueness check and records nothing, so a test can show the duplicate payment the
+    /// guard prevents. It is not reachable from any flag or environment variable.
+    #[cfg(feature = "negative-controls")]
     #[doc(hidden)]
     pub fn disable_guards_for_negative_control(mut self) -> Self {
         self.guards = Guards::DisabledForNegativeControl;
         self
     }
 
-    /// TEST ONLY: the negative control of the seal. A fenced inquiry still advances the
-    /// high-water but never seals an unsubmitted payout, so a late Submit with a token at or
-    /// above the inquirer's is accepted and sent. No binary calls this.
+    /// TEST ONLY (feature `negative-controls`): the negative control of the seal. A fenced
+    /// inquiry still advances the high-water but never seals an unsubmitted payout, so a late
+    /// Submit with a token at or above the inquirer's is accepted and sent.
+    #[cfg(feature = "negative-controls")]
     #[doc(hidden)]
     pub fn disable_seal_for_negative_control(mut self) -> Self {
         self.protections.seal = false;
         self
     }
 
-    /// TEST ONLY: the negative control of the expiry. Payment instructions carry no
-    /// `valid_until`, and an inquiry takes the rail's ABSENT at its word. No binary calls this.
+    /// TEST ONLY (feature `negative-controls`): the negative control of the expiry. Payment
+    /// instructions carry no `valid_until`, and an inquiry takes the rail's ABSENT at its word.
+    #[cfg(feature = "negative-controls")]
     #[doc(hidden)]
     pub fn disable_instruction_expiry_for_negative_control(mut self) -> Self {
         self.protections.expiry = false;
         self
     }
 
-    /// TEST ONLY: a crash point (the binary exposes it through a hidden, test-only flag; it can
-    /// only crash the process, which is a failure the design already tolerates).
+    /// TEST ONLY (feature `negative-controls`): a crash or stall point. No binary exposes it; a
+    /// test that needs a crashing process runs the server itself in a process of its own.
+    #[cfg(feature = "negative-controls")]
     #[doc(hidden)]
     pub fn with_failpoint(mut self, failpoint: Option<Failpoint>) -> Self {
         self.failpoint = failpoint;

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use rail_proxy_client::model::{RailLookup, RailMovement};
+
 use crate::model::{Evidence, SubmitPayout};
 
 /// How long one payment call may take before its outcome is recorded as TIMEOUT. Long enough for
@@ -71,37 +73,6 @@ struct LookupMovement {
     currency: String,
     #[serde(default)]
     beneficiary_ref: String,
-}
-
-/// One movement as the rail reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RailMovement {
-    pub rail_ref: String,
-    pub amount_minor: i64,
-    pub currency: String,
-    pub beneficiary_ref: String,
-}
-
-/// (rail reference, amount, currency, beneficiary), as every wire form carries them.
-impl From<(String, i64, String, String)> for RailMovement {
-    fn from(
-        (rail_ref, amount_minor, currency, beneficiary_ref): (String, i64, String, String),
-    ) -> Self {
-        Self {
-            rail_ref,
-            amount_minor,
-            currency,
-            beneficiary_ref,
-        }
-    }
-}
-
-/// The rail's per-reference lookup, with every movement's particulars.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RailLookup {
-    Found(Vec<RailMovement>),
-    Absent,
-    Unknown { detail: String },
 }
 
 #[derive(Clone)]

@@ -10,13 +10,15 @@ use service_kit::rejection;
 use sqlx::PgPool;
 use tonic::{Code, Request, Response, Status};
 
-use crate::api;
-use crate::model::{
-    DuplicateClass, Evidence, InvalidArgument, Outcome, Payment, Submission, SubmitPayout,
-};
+use rail_proxy_client::model::RailLookup;
+use rail_proxy_client::wire;
+
+use crate::model::{DuplicateClass, Evidence, InvalidArgument, Outcome, Submission, SubmitPayout};
 use crate::rail::{Rail, RailAnswer};
 use crate::store::{self, InquiryGuard, Intent, StoreError};
-use crate::{Failpoint, Guards, ProxyConfig};
+use crate::ProxyConfig;
+#[cfg(feature = "negative-controls")]
+use crate::{Failpoint, Guards};
 
 /// Attempts to store an outcome after the rail answered. Storing is conditional on a NULL
 /// outcome, so repeating it is safe (unlike repeating the rail call); a few attempts ride out a
@@ -153,6 +155,7 @@ impl ProxyService {
         // The rail call and the recording run in their own task: a caller that disconnects
         // must not cancel the recording of what the rail did.
         let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
+            #[cfg(feature = "negative-controls")]
             if let Some(Failpoint::PauseAfterIntent { ms }) = inner.config.failpoint {
                 tracing::error!(
                     ms,
@@ -205,7 +208,7 @@ impl ProxyService {
                     kind: Some(pb::rejection::Kind::OutcomeNotRecorded(
                         pb::OutcomeNotRecorded {
                             payout_id: String::new(),
-                            rail_outcome: api::outcome_to_proto(&outcome) as i32,
+                            rail_outcome: wire::outcome_to_proto(&outcome) as i32,
                             detail: detail.clone(),
                         },
                     )),
@@ -220,6 +223,7 @@ impl ProxyService {
     }
 
     /// The negative control's path: no high-water, no uniqueness, nothing recorded.
+    #[cfg(feature = "negative-controls")]
     async fn unguarded(&self, request: SubmitPayout) -> Result<Submission, Status> {
         tracing::error!("rail proxy guards are DISABLED (test-only negative control)");
         let outcome = match self.0.rail.pay_once(&request, None).await {
@@ -233,14 +237,14 @@ impl ProxyService {
             token: request.token,
             owner: request.owner,
             client_reference: request.client_reference,
-            payment: Some(Payment {
+            payment: Some(crate::model::Payment {
                 amount_minor: request.amount_minor,
                 currency: request.currency,
                 beneficiary_ref: request.beneficiary_ref,
             }),
             outcome,
-            created_at_unix_ms: rail_stub::book::unix_ms_now(),
-            resolved_at_unix_ms: Some(rail_stub::book::unix_ms_now()),
+            created_at_unix_ms: unix_ms_now(),
+            resolved_at_unix_ms: Some(unix_ms_now()),
             valid_until_unix_ms: None,
         })
     }
@@ -252,9 +256,10 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         &self,
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
-        let request = api::parse_submit(request.get_ref()).map_err(invalid)?;
+        let request = wire::parse_submit(request.get_ref()).map_err(invalid)?;
         let span = tracing::info_span!("submit", payout_id = %request.payout_id, account_id = %request.account_id, token = request.token.get(), owner = %request.owner);
         let submission = async {
+            #[cfg(feature = "negative-controls")]
             if self.0.config.guards == Guards::DisabledForNegativeControl {
                 return self.unguarded(request).await;
             }
@@ -295,7 +300,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                     }
                     let detail = pb::Rejection {
                         kind: Some(pb::rejection::Kind::Duplicate(pb::Duplicate {
-                            existing: Some(api::submission_to_proto(&existing)),
+                            existing: Some(wire::submission_to_proto(&existing)),
                             payload_matches,
                         })),
                     };
@@ -307,6 +312,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                 }
                 Intent::Recorded(submission) => {
                     tracing::info!(valid_until_unix_ms = submission.valid_until_unix_ms, "intent recorded; calling the rail once");
+                    #[cfg(feature = "negative-controls")]
                     if self.0.config.failpoint == Some(Failpoint::AbortAfterIntent) {
                         tracing::error!("failpoint abort-after-intent: aborting between the intent and the rail call");
                         std::process::abort();
@@ -323,7 +329,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         .instrument_in(span)
         .await?;
         Ok(Response::new(pb::SubmitResponse {
-            submission: Some(api::submission_to_proto(&submission)),
+            submission: Some(wire::submission_to_proto(&submission)),
         }))
     }
 
@@ -340,8 +346,8 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
             return Err(not_found(&payout_id));
         };
         Ok(Response::new(pb::LookupResponse {
-            submission: Some(api::submission_to_proto(&submission)),
-            resolutions: resolutions.iter().map(api::resolution_to_proto).collect(),
+            submission: Some(wire::submission_to_proto(&submission)),
+            resolutions: resolutions.iter().map(wire::resolution_to_proto).collect(),
         }))
     }
 
@@ -353,7 +359,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
             .map_err(|e| invalid(InvalidArgument::new("payout_id", e)))?;
         let reference = payout_domain::ClientReference::for_payout(&payout_id);
         let (state, movements, detail) = match self.0.rail.movements(reference.as_str()).await {
-            crate::rail::RailLookup::Found(movements) => (
+            RailLookup::Found(movements) => (
                 pb::RailLookupState::RailLookupFound,
                 movements
                     .into_iter()
@@ -366,12 +372,12 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                     .collect(),
                 String::new(),
             ),
-            crate::rail::RailLookup::Absent => (
+            RailLookup::Absent => (
                 pb::RailLookupState::RailLookupAbsent,
                 Vec::new(),
                 String::new(),
             ),
-            crate::rail::RailLookup::Unknown { detail } => {
+            RailLookup::Unknown { detail } => {
                 (pb::RailLookupState::RailLookupUnknown, Vec::new(), detail)
             }
         };
@@ -387,7 +393,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         &self,
         request: Request<pb::InquireRequest>,
     ) -> Result<Response<pb::InquireResponse>, Status> {
-        let request = api::parse_inquire(request.get_ref()).map_err(invalid)?;
+        let request = wire::parse_inquire(request.get_ref()).map_err(invalid)?;
         let span = tracing::info_span!("inquire", payout_id = %request.payout_id, account_id = %request.account_id, token = request.token.get(), owner = %request.owner, asked_by = %request.asked_by);
         async {
             let payout_id = &request.payout_id;
@@ -477,13 +483,23 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                     .map_err(store_failure)?;
             tracing::info!(evidence = evidence.name(), outcome = submission.outcome.name(), "inquiry recorded");
             Ok(Response::new(pb::InquireResponse {
-                submission: Some(api::submission_to_proto(&submission)),
-                resolution: Some(api::resolution_to_proto(&resolution)),
+                submission: Some(wire::submission_to_proto(&submission)),
+                resolution: Some(wire::resolution_to_proto(&resolution)),
             }))
         }
         .instrument_in(span)
         .await
     }
+}
+
+/// Milliseconds since the Unix epoch on this host's clock (0 if the clock is before it). Only
+/// the unguarded path stamps a record itself; every guarded record is stamped by proxydb.
+#[cfg(feature = "negative-controls")]
+fn unix_ms_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 /// `tracing::Instrument` under a name that reads at the call site.

@@ -330,7 +330,7 @@ async fn record_intent_or_refusal(
     .fetch_one(&mut *tx)
     .await?;
     let existing = submission_from_row(&row)?;
-    let class = existing.duplicate_class(request);
+    let class = DuplicateClass::of(&existing, request);
     guard_event(
         &mut tx,
         "DUPLICATE",

@@ -5,8 +5,10 @@ use std::time::Duration;
 
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId};
 use payout_proto::railproxy as pb;
-use rail_proxy::client::{ProxyError, RailProxyClient};
-use rail_proxy::{Evidence, InquirePayout, Outcome, ProxyConfig, RunningProxy, SubmitPayout};
+use rail_proxy::{ProxyConfig, RunningProxy};
+use rail_proxy_client::{
+    Evidence, InquirePayout, Outcome, ProxyError, RailProxyClient, SubmitPayout,
+};
 use rail_stub::{FaultMode, RunningStub, StubConfig};
 use testkit::{PgServer, Stack};
 
@@ -558,23 +560,16 @@ async fn a_proxy_killed_between_intent_and_rail_call_leaves_an_ambiguous_null() 
     let rig = rig().await;
     let port = testkit::free_port();
     let dir = tempfile::tempdir().unwrap();
+    // A process of its own that dies by abort() right after the intent commits: the test-only
+    // `rail-proxy-failpoint` (tests/src/bin), the shipped start-up with the failpoint set.
     let spec = testkit::ProcessSpec::new(
-        "rail-proxy",
-        env!("CARGO_BIN_EXE_rail-proxy"),
+        "rail-proxy-failpoint",
+        testkit::workspace_bin("rail-proxy-failpoint"),
         dir.path().join("proxy.log"),
     )
-    .args([
-        "--listen".to_string(),
-        format!("127.0.0.1:{port}"),
-        "--metrics-listen".to_string(),
-        format!("127.0.0.1:{}", testkit::free_port()),
-        "--database-url".to_string(),
-        rig.db_url.clone(),
-        "--rail-url".to_string(),
-        rig.stub.base_url(),
-        "--test-failpoint".to_string(),
-        "abort-after-intent".to_string(),
-    ]);
+    .args(["--listen".to_string(), format!("127.0.0.1:{port}")])
+    .args(["--database-url".to_string(), rig.db_url.clone()])
+    .args(["--rail-url".to_string(), rig.stub.base_url()]);
     let process = testkit::ManagedProcess::start(spec).unwrap();
     let endpoint = format!("http://127.0.0.1:{port}");
     let mut doomed = testkit::eventually(WAIT, "the proxy binary to listen", || {
@@ -844,28 +839,6 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
         .await
         .unwrap()
         .is_none());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_benchmark_measures_the_three_paths_in_one_run() {
-    let db_url = Stack::shared().fresh_db(PgServer::Proxy).await;
-    let report = rail_proxy::bench::run(&db_url, 200, 8).await.unwrap();
-    println!("{}", serde_json::to_string_pretty(&report).unwrap());
-    assert_eq!(
-        report.stub_movements, 600,
-        "one movement per call, none repeated"
-    );
-    assert_eq!(
-        (report.proxy.calls, report.floor.calls, report.direct.calls),
-        (200, 200, 200)
-    );
-    assert!(
-        report.proxy.p50_ms > 0.0
-            && report.floor.p50_ms > 0.0
-            && report.direct.p50_ms > 0.0
-            && report.throughput_ratio > 0.0
-            && report.proxy_over_floor > 0.0
-    );
 }
 
 /// Issue 7, at the proxy: holder A (token 10) is delayed before its Submit reaches the proxy;
@@ -1219,7 +1192,7 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
     let token = hostile_u64((1u64..50).boxed());
     let holder = hostile_text(
         "worker-[a-z]{1,6}".boxed(),
-        rail_proxy::model::OWNER_LENGTH_MAX,
+        rail_proxy_client::model::OWNER_LENGTH_MAX,
     );
     // Mostly the reference derived from the payout id, as every honest caller sends it (a
     // `Some` is an arbitrary one instead).

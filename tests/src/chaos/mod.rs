@@ -238,6 +238,8 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
             settlement_window_ms: SETTLEMENT_WINDOW_MS,
             rail_timeout_ms: RAIL_TIMEOUT_MS,
             worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), WORKER_LOCK_TTL_MS.to_string())],
+            // The nemesis plants stale holders through the test worker's stall points.
+            test_worker: true,
             ..SystemOptions::default()
         },
     )
@@ -263,10 +265,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
                     .join(format!("{}{identity}.jsonl", checker::LOCK_HISTORY_PREFIX))
                     .to_string_lossy(),
             )
-            .env(
-                payout_activities::services::STALL_DIR_ENV,
-                stall_dir.to_string_lossy(),
-            );
+            .env(crate::stall::STALL_DIR_ENV, stall_dir.to_string_lossy());
         let (spec, ns) = if partitions_unavailable.is_none() {
             let ns = tokio::task::block_in_place(testkit::netns::NetNs::create)?;
             (ns.wrap(spec), Some(ns))

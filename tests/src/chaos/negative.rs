@@ -15,11 +15,10 @@
 use std::time::Duration;
 
 use lock_client::{Acquired, LockClient};
-use payment_resource::client::PaymentClient;
-use payment_resource::model::{Fence, NewPayout};
+use payment_client::model::{Fence, NewPayout};
+use payment_client::PaymentClient;
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId};
-use rail_proxy::client::RailProxyClient;
-use rail_proxy::SubmitPayout;
+use rail_proxy_client::{RailProxyClient, SubmitPayout};
 use serde::Serialize;
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;

@@ -4,13 +4,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use payment_resource::client::PaymentClient;
-use payment_resource::model::NewPayout;
+use payment_client::PaymentClient;
 use payout_activities::types::{AmbiguityPolicy, PayoutInput};
-use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
+use payout_domain::AccountId;
 use rail_stub::client::StubClient;
 use rail_stub::FaultConfig;
-use rand::{RngExt, SeedableRng};
 use testkit::system::System;
 
 use super::{say, ChaosConfig};
@@ -19,6 +17,9 @@ use super::{say, ChaosConfig};
 pub const OPENING_BALANCE_MINOR: i64 = 200_000;
 /// Share of payouts larger than any account can fund.
 pub const INSUFFICIENT_RATE: f64 = 0.06;
+/// The other payouts are 1.00 ..< 200.00, to one of a hundred beneficiaries.
+const AMOUNT_MAX_MINOR: i64 = 20_000;
+const BENEFICIARIES: u32 = 100;
 /// Workflow starts in flight at once.
 const START_CONCURRENCY_MAX: usize = 16;
 /// Payouts wait at most this long for their account's lock; contention queues behind it.
@@ -62,52 +63,22 @@ impl Workload {
         let payments = PaymentClient::connect(system.payment_url())
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let eur = Currency::parse("EUR").expect("supported");
-        let mut accounts = Vec::new();
-        for i in 0..config.accounts {
-            let id = AccountId::parse(format!("{run_id}-a{i:04}"))?;
-            payments
-                .open_account(&id, &eur, OPENING_BALANCE_MINOR)
-                .await
-                .map_err(|e| anyhow::anyhow!("open account: {e}"))?;
-            accounts.push(id);
-        }
-        let mut rng = rand::rngs::StdRng::seed_from_u64(config.seed);
-        let policy = AmbiguityPolicy {
-            settlement_window_ms: super::SETTLEMENT_WINDOW_MS + 500,
-            resolution_sla_ms: RESOLUTION_SLA_MS,
+        let batch = crate::workload::Batch {
+            run_id: run_id.clone(),
+            payouts: config.payouts,
+            accounts: config.accounts,
+            opening_balance_minor: OPENING_BALANCE_MINOR,
+            insufficient_rate: INSUFFICIENT_RATE,
+            amount_max_minor: AMOUNT_MAX_MINOR,
+            beneficiaries: BENEFICIARIES,
+            seed: config.seed,
+            ambiguity: AmbiguityPolicy {
+                settlement_window_ms: super::SETTLEMENT_WINDOW_MS + 500,
+                resolution_sla_ms: RESOLUTION_SLA_MS,
+            },
+            round_robin: false,
         };
-        let mut inputs = Vec::new();
-        for i in 0..config.payouts {
-            let account = accounts[rng.random_range(0..accounts.len())].clone();
-            let amount = if rng.random_bool(INSUFFICIENT_RATE) {
-                OPENING_BALANCE_MINOR + 1
-            } else {
-                rng.random_range(100..20_000)
-            };
-            let input = PayoutInput {
-                payout_id: PayoutId::parse(format!("{run_id}-p{i:05}"))?,
-                account_id: account,
-                amount_minor: AmountMinor::new(amount)?,
-                currency: eur.clone(),
-                beneficiary_ref: BeneficiaryRef::parse(format!(
-                    "ben-{}",
-                    rng.random_range(0..100)
-                ))?,
-                ambiguity: policy,
-            };
-            payments
-                .create_payout(&NewPayout {
-                    payout_id: input.payout_id.clone(),
-                    account_id: input.account_id.clone(),
-                    amount_minor: input.amount_minor,
-                    currency: input.currency.clone(),
-                    beneficiary_ref: input.beneficiary_ref.clone(),
-                })
-                .await
-                .map_err(|e| anyhow::anyhow!("create payout: {e}"))?;
-            inputs.push(input);
-        }
+        let (accounts, inputs) = batch.create(&payments).await?;
         Ok(Self {
             run_id,
             inputs,

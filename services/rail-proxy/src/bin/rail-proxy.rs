@@ -1,16 +1,13 @@
-//! The rail proxy's binary: configuration, migrations, the gRPC server, `/metrics`.
+//! The rail proxy's binary: configuration, migrations, the gRPC server, `/metrics`. It has no
+//! test flag: the test switches exist only in the library, behind the `negative-controls`
+//! feature, which this binary is never built with when shipped.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, ValueEnum};
-use rail_proxy::{Failpoint, ProxyConfig};
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum FailpointArg {
-    AbortAfterIntent,
-}
+use clap::Parser;
+use rail_proxy::ProxyConfig;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -33,21 +30,14 @@ struct Args {
     rail_url: String,
     #[arg(long, env = "RAIL_PROXY_RAIL_TIMEOUT_MS", default_value_t = rail_proxy::RAIL_CALL_TIMEOUT_MS_DEFAULT)]
     rail_timeout_ms: u64,
-    /// TEST ONLY, deliberately without an environment variable: crash at a named point.
-    #[arg(long, hide = true)]
-    test_failpoint: Option<FailpointArg>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy");
     let args = Args::parse();
-    let failpoint = args.test_failpoint.map(|f| match f {
-        FailpointArg::AbortAfterIntent => Failpoint::AbortAfterIntent,
-    });
     let config = ProxyConfig::new(args.rail_url)
-        .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms))
-        .with_failpoint(failpoint);
+        .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms));
     let pool = service_kit::connect_pg(&args.database_url).await?;
     rail_proxy::migrate(&pool)
         .await

@@ -1,0 +1,94 @@
+//! The typed errors of the boundary: every expected failure is a named variant with the fields a
+//! caller needs, on the server (before it becomes a gRPC status) and on the client (decoded back
+//! from the status' typed `Rejection` detail). The server's own failures (the database, a broken
+//! invariant) are the server's type; a client sees them as [`PaymentError::Transport`].
+
+use payout_domain::{Actor, PayoutEvent, PayoutState};
+pub use payout_proto::payment::InvalidReason;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PaymentError {
+    /// The presented token is below the account's fence: a stale holder. Nothing changed.
+    #[error("fenced out on {key}: presented token {presented} is below the stored fence {stored} (owner {owner})")]
+    FencedOut {
+        key: String,
+        presented: u64,
+        stored: u64,
+        owner: String,
+        account_id: String,
+        payout_id: String,
+    },
+    /// The (state, event) pair is not in the 2.3 table, or needs another actor. Nothing changed.
+    #[error("payout {payout_id}: transition {event} from {from} refused (actor {actor}{})",
+        required.as_ref().map(|r| format!(", requires {r}")).unwrap_or_default())]
+    RefusedTransition {
+        payout_id: String,
+        from: String,
+        event: String,
+        actor: String,
+        required: Option<String>,
+    },
+    /// Another payout of the account is in flight; the database's partial unique index refused.
+    #[error("account {account_id} already has payout {in_flight_payout_id} in flight")]
+    AccountBusy {
+        account_id: String,
+        in_flight_payout_id: String,
+    },
+    /// Abandoning a RAIL_AMBIGUOUS payout needs the caller to assert the resolution SLA passed.
+    #[error("payout {payout_id} is RAIL_AMBIGUOUS and its resolution SLA has not passed")]
+    ResolutionSlaNotPassed { payout_id: String },
+    #[error("invalid argument {field}: {}", reason.as_str_name())]
+    InvalidArgument {
+        field: String,
+        reason: InvalidReason,
+    },
+    #[error("account {account_id} not found")]
+    AccountNotFound { account_id: String },
+    #[error("payout {payout_id} not found")]
+    PayoutNotFound { payout_id: String },
+    #[error("payout {payout_id} exists with different content")]
+    PayoutExistsWithDifferentContent { payout_id: String },
+    #[error("account {account_id} exists with different content")]
+    AccountExistsWithDifferentContent { account_id: String },
+    /// Client side: a status without a typed rejection (unavailable, deadline, internal).
+    #[error("transport: {code:?}: {message}")]
+    Transport { code: tonic::Code, message: String },
+    /// Client side: the server answered something this client cannot read.
+    #[error("malformed response: {0}")]
+    MalformedResponse(String),
+}
+
+impl PaymentError {
+    pub fn invalid(field: &str, reason: InvalidReason) -> Self {
+        PaymentError::InvalidArgument {
+            field: field.to_string(),
+            reason,
+        }
+    }
+
+    /// The refusal of a transition by the 2.3 table, as the server reports it.
+    pub fn refused(
+        payout_id: &str,
+        refusal: payout_domain::RefusedTransition,
+        caller: Actor,
+    ) -> Self {
+        use payout_domain::RefusedTransition as R;
+        let (from, event, actor, required): (PayoutState, PayoutEvent, Actor, Option<Actor>) =
+            match refusal {
+                R::NotInTable { from, event } => (from, event, caller, None),
+                R::WrongActor {
+                    from,
+                    event,
+                    actor,
+                    required,
+                } => (from, event, actor, Some(required)),
+            };
+        PaymentError::RefusedTransition {
+            payout_id: payout_id.to_string(),
+            from: from.as_str().to_string(),
+            event: event.as_str().to_string(),
+            actor: actor.as_str().to_string(),
+            required: required.map(|a| a.as_str().to_string()),
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! The typed client the workflow's activities use. Every rejection is a named variant; nothing
+//! is a string to parse.
+//!
+//! How a caller must read the results (spec 2.3):
+//! - `Ok(s)` with `s.outcome.is_ambiguous()` (TIMEOUT or PENDING): money **may** have moved. Go to
+//!   RAIL_AMBIGUOUS; never resubmit; resolve with [`RailProxyClient::inquire`] or a human.
+//! - `Err(ProxyError::FencedOut{..})`: this holder is stale; abort, a valid holder recovers later.
+//! - `Err(ProxyError::Duplicate{existing, ..})`: nothing was sent; continue from `existing`.
+//! - `Err(ProxyError::Rpc(_))` (deadline, connection lost): unknown whether the intent was written;
+//!   calling `submit` again is safe (it can only answer DUPLICATE with the record) and so is
+//!   `lookup`.
+//! - `inquire` is fenced like `submit` (`FencedOut` for a stale resolver). `Evidence::NeverSent`
+//!   (the payout is sealed: never sent, never will be) is read exactly like `Evidence::Absent`.
+
+use payout_domain::PayoutId;
+use payout_proto::railproxy as pb;
+use pb::rail_proxy_client::RailProxyClient as Grpc;
+use tonic::transport::Channel;
+
+use crate::model::{
+    InquirePayout, Outcome, RailLookup, RailMovement, Resolution, Submission, SubmitPayout,
+};
+use crate::wire::{self, Malformed};
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProxyError {
+    #[error("fenced out at the rail proxy: token {presented} is below the high-water {stored} of {key} (set by {stored_owner})")]
+    FencedOut {
+        key: String,
+        presented: u64,
+        stored: u64,
+        owner: String,
+        stored_owner: String,
+        payout_id: String,
+    },
+    #[error("payout {} already has a submission; nothing was sent", existing.payout_id)]
+    Duplicate {
+        existing: Box<Submission>,
+        payload_matches: bool,
+    },
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument { field: String, reason: String },
+    #[error("no submission for payout {payout_id}")]
+    NotFound { payout_id: String },
+    /// The rail was called, but the proxy could not store the outcome: the record stays PENDING,
+    /// which is ambiguous. `rail_outcome` is what the rail said, for diagnostics only.
+    #[error("the rail proxy could not record the outcome ({detail}); the submission is ambiguous")]
+    OutcomeNotRecorded {
+        rail_outcome: Option<Outcome>,
+        detail: String,
+    },
+    #[error(transparent)]
+    Malformed(#[from] Malformed),
+    /// Transport or server failure without a typed rejection.
+    #[error("rail proxy call failed: {0}")]
+    Rpc(tonic::Status),
+}
+
+impl ProxyError {
+    fn from_status(status: tonic::Status) -> Self {
+        let Some(pb::Rejection { kind: Some(kind) }) = decode_rejection(&status) else {
+            return Self::Rpc(status);
+        };
+        match kind {
+            pb::rejection::Kind::FencedOut(f) => Self::FencedOut {
+                key: f.key,
+                presented: f.presented,
+                stored: f.stored,
+                owner: f.owner,
+                stored_owner: f.stored_owner,
+                payout_id: f.payout_id,
+            },
+            pb::rejection::Kind::Duplicate(d) => {
+                match d.existing.as_ref().map(wire::submission_from_proto) {
+                    Some(Ok(existing)) => Self::Duplicate {
+                        existing: Box::new(existing),
+                        payload_matches: d.payload_matches,
+                    },
+                    Some(Err(e)) => Self::Malformed(e),
+                    None => Self::Malformed(Malformed {
+                        what: "duplicate",
+                        detail: "no existing submission".into(),
+                    }),
+                }
+            }
+            pb::rejection::Kind::InvalidArgument(i) => Self::InvalidArgument {
+                field: i.field,
+                reason: i.reason,
+            },
+            pb::rejection::Kind::NotFound(n) => Self::NotFound {
+                payout_id: n.payout_id,
+            },
+            pb::rejection::Kind::OutcomeNotRecorded(o) => {
+                let rail_outcome = match pb::Outcome::try_from(o.rail_outcome) {
+                    Ok(pb::Outcome::Acked) => Some(Outcome::Acked {
+                        rail_ref: String::new(),
+                    }),
+                    Ok(pb::Outcome::Rejected) => Some(Outcome::Rejected {
+                        decline_code: String::new(),
+                    }),
+                    Ok(pb::Outcome::Timeout) => Some(Outcome::Timeout {
+                        detail: String::new(),
+                    }),
+                    _ => None,
+                };
+                Self::OutcomeNotRecorded {
+                    rail_outcome,
+                    detail: o.detail,
+                }
+            }
+        }
+    }
+}
+
+/// The typed rejection in a status's details; `None` if there is none or it is not a
+/// `railproxy.v1.Rejection`.
+fn decode_rejection(status: &tonic::Status) -> Option<pb::Rejection> {
+    payout_proto::rejection::decode(status)
+}
+
+/// A submission with the evidence kept beside it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmissionRecord {
+    pub submission: Submission,
+    pub resolutions: Vec<Resolution>,
+}
+
+/// One inquiry's answer: the unchanged submission and the new evidence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inquiry {
+    pub submission: Submission,
+    pub resolution: Resolution,
+}
+
+#[derive(Clone)]
+pub struct RailProxyClient {
+    inner: Grpc<Channel>,
+}
+
+impl RailProxyClient {
+    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, tonic::transport::Error> {
+        Ok(Self {
+            inner: Grpc::connect(endpoint.into()).await?,
+        })
+    }
+
+    pub fn from_channel(channel: Channel) -> Self {
+        Self {
+            inner: Grpc::new(channel),
+        }
+    }
+
+    /// Fenced, at-most-once submission. See the module documentation for how to read the result.
+    pub async fn submit(&mut self, request: &SubmitPayout) -> Result<Submission, ProxyError> {
+        let response = self
+            .inner
+            .submit(wire::submit_request(request))
+            .await
+            .map_err(ProxyError::from_status)?;
+        let submission = response.into_inner().submission.ok_or_else(|| Malformed {
+            what: "submit response",
+            detail: "no submission".into(),
+        })?;
+        Ok(wire::submission_from_proto(&submission)?)
+    }
+
+    /// The submission of a payout, or `None` if it was never submitted.
+    pub async fn lookup(
+        &mut self,
+        payout_id: &PayoutId,
+    ) -> Result<Option<SubmissionRecord>, ProxyError> {
+        let request = pb::LookupRequest {
+            payout_id: payout_id.to_string(),
+        };
+        let response = match self
+            .inner
+            .lookup(request)
+            .await
+            .map_err(ProxyError::from_status)
+        {
+            Ok(response) => response.into_inner(),
+            Err(ProxyError::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let submission = response.submission.ok_or_else(|| Malformed {
+            what: "lookup response",
+            detail: "no submission".into(),
+        })?;
+        Ok(Some(SubmissionRecord {
+            submission: wire::submission_from_proto(&submission)?,
+            resolutions: response
+                .resolutions
+                .iter()
+                .map(wire::resolution_from_proto)
+                .collect::<Result<_, _>>()?,
+        }))
+    }
+
+    /// The fenced inquiry: advances the account's high-water with the resolver's token, seals a
+    /// payout that has no submission (answer `NeverSent`), otherwise asks the rail by client
+    /// reference (`Absent` only once the instruction has expired there). The evidence is
+    /// recorded; an existing outcome is kept.
+    pub async fn inquire(&mut self, request: &InquirePayout) -> Result<Inquiry, ProxyError> {
+        let response = self
+            .inner
+            .inquire(wire::inquire_request(request))
+            .await
+            .map_err(ProxyError::from_status)?
+            .into_inner();
+        let submission = response.submission.ok_or_else(|| Malformed {
+            what: "inquire response",
+            detail: "no submission".into(),
+        })?;
+        let resolution = response.resolution.ok_or_else(|| Malformed {
+            what: "inquire response",
+            detail: "no resolution".into(),
+        })?;
+        Ok(Inquiry {
+            submission: wire::submission_from_proto(&submission)?,
+            resolution: wire::resolution_from_proto(&resolution)?,
+        })
+    }
+
+    /// What the rail reports for the payout's client reference (read-only, unfenced).
+    pub async fn rail_movements(&mut self, payout_id: &PayoutId) -> Result<RailLookup, ProxyError> {
+        let r = self
+            .inner
+            .rail_movements(pb::RailMovementsRequest {
+                payout_id: payout_id.to_string(),
+            })
+            .await
+            .map_err(ProxyError::from_status)?
+            .into_inner();
+        Ok(match pb::RailLookupState::try_from(r.state) {
+            Ok(pb::RailLookupState::RailLookupFound) => RailLookup::Found(
+                r.movements
+                    .into_iter()
+                    .map(|m| {
+                        RailMovement::from((
+                            m.rail_ref,
+                            m.amount_minor,
+                            m.currency,
+                            m.beneficiary_ref,
+                        ))
+                    })
+                    .collect(),
+            ),
+            Ok(pb::RailLookupState::RailLookupAbsent) => RailLookup::Absent,
+            Ok(pb::RailLookupState::RailLookupUnknown) => RailLookup::Unknown { detail: r.detail },
+            _ => {
+                return Err(Malformed {
+                    what: "rail movements response",
+                    detail: format!("state {}", r.state),
+                }
+                .into())
+            }
+        })
+    }
+
+    /// The raw generated client, for tests that send deliberately malformed requests.
+    pub fn raw(&mut self) -> &mut Grpc<Channel> {
+        &mut self.inner
+    }
+}

@@ -1,0 +1,248 @@
+//! The proxy's domain as it crosses the process boundary: a validated submit request, a fenced
+//! inquiry, the submission record and its outcome, the rail's evidence and movements. The server
+//! and every caller use these same types; [`crate::wire`] converts them to and from
+//! `railproxy.v1`.
+
+use payout_domain::{
+    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
+};
+
+/// Longest holder identity accepted; it is diagnostics, and bounded like every other input.
+pub const OWNER_LENGTH_MAX: usize = 256;
+
+/// A submit request, valid by construction. The client reference is derived, never passed in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmitPayout {
+    pub payout_id: PayoutId,
+    pub account_id: AccountId,
+    pub token: FencingToken,
+    pub owner: String,
+    pub client_reference: ClientReference,
+    pub amount_minor: AmountMinor,
+    pub currency: Currency,
+    pub beneficiary_ref: BeneficiaryRef,
+}
+
+impl SubmitPayout {
+    pub fn new(
+        payout_id: PayoutId,
+        account_id: AccountId,
+        token: FencingToken,
+        owner: impl Into<String>,
+        amount_minor: AmountMinor,
+        currency: Currency,
+        beneficiary_ref: BeneficiaryRef,
+    ) -> Self {
+        let client_reference = ClientReference::for_payout(&payout_id);
+        Self {
+            payout_id,
+            account_id,
+            token,
+            owner: owner.into(),
+            client_reference,
+            amount_minor,
+            currency,
+            beneficiary_ref,
+        }
+    }
+
+    /// The lock key whose token sequence this request's token belongs to.
+    pub fn lock_key(&self) -> String {
+        payout_domain::lock_key(&self.account_id)
+    }
+}
+
+/// A fenced inquiry: the resolver presents its grant like a submitter does (spec 2.6 steps 6-9).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InquirePayout {
+    pub payout_id: PayoutId,
+    pub account_id: AccountId,
+    pub token: FencingToken,
+    /// The holder presenting the token.
+    pub owner: String,
+    /// Who asked, kept with the evidence (and as the sealer of a NOT_SENT record).
+    pub asked_by: String,
+}
+
+impl InquirePayout {
+    pub fn new(
+        payout_id: PayoutId,
+        account_id: AccountId,
+        token: FencingToken,
+        owner: impl Into<String>,
+        asked_by: impl Into<String>,
+    ) -> Self {
+        Self {
+            payout_id,
+            account_id,
+            token,
+            owner: owner.into(),
+            asked_by: asked_by.into(),
+        }
+    }
+
+    /// The lock key whose token sequence this request's token belongs to.
+    pub fn lock_key(&self) -> String {
+        payout_domain::lock_key(&self.account_id)
+    }
+}
+
+/// What the proxy recorded about the rail call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Intent recorded, no outcome: the proxy died between the intent and the rail's answer.
+    /// May have moved money.
+    Pending,
+    /// The rail accepted. Money has left.
+    Acked { rail_ref: String },
+    /// The rail declined. No money moved.
+    Rejected { decline_code: String },
+    /// Timeout, connection failure, reset or 5xx. May have moved money. Never retried.
+    Timeout { detail: String },
+    /// Sealed by a fenced inquiry before any intent existed: the rail was never called for this
+    /// payout and never will be (the record is born final; every later Submit is a DUPLICATE).
+    NotSent { sealed_by: String },
+}
+
+impl Outcome {
+    /// "We may have moved money": the ambiguous outcomes, which are never failures and are
+    /// resolved only by external evidence.
+    pub fn is_ambiguous(&self) -> bool {
+        matches!(self, Self::Pending | Self::Timeout { .. })
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Pending => "PENDING",
+            Self::Acked { .. } => "ACKED",
+            Self::Rejected { .. } => "REJECTED",
+            Self::Timeout { .. } => "TIMEOUT",
+            Self::NotSent { .. } => "NOT_SENT",
+        }
+    }
+}
+
+/// The payment a submission carries (and the rail was, or may have been, sent).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payment {
+    pub amount_minor: AmountMinor,
+    pub currency: Currency,
+    pub beneficiary_ref: BeneficiaryRef,
+}
+
+/// The durable record of one submission, or of a payout sealed unsent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submission {
+    pub payout_id: PayoutId,
+    pub account_id: AccountId,
+    /// The submitter's token, or the sealer's for a NOT_SENT record.
+    pub token: FencingToken,
+    pub owner: String,
+    pub client_reference: ClientReference,
+    /// `None` exactly for a sealed (NOT_SENT) record, which never carried a payment.
+    pub payment: Option<Payment>,
+    pub outcome: Outcome,
+    pub created_at_unix_ms: i64,
+    pub resolved_at_unix_ms: Option<i64>,
+    /// The instruction's expiry at the rail; `None` for sealed records and records written
+    /// before expiry existed (migration 0002).
+    pub valid_until_unix_ms: Option<i64>,
+}
+
+impl Submission {
+    /// Whether `request` carries the same payment as this record (a retry rather than a conflict).
+    pub fn same_payload(&self, request: &SubmitPayout) -> bool {
+        self.account_id == request.account_id
+            && self.payment.as_ref().is_some_and(|p| {
+                p.amount_minor == request.amount_minor
+                    && p.currency == request.currency
+                    && p.beneficiary_ref == request.beneficiary_ref
+            })
+    }
+
+    /// Sealed unsent: the rail was never called for this payout and never will be.
+    pub fn is_sealed(&self) -> bool {
+        matches!(self.outcome, Outcome::NotSent { .. })
+    }
+}
+
+/// What the rail said when asked by client reference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Evidence {
+    /// Settled movement(s) exist; more than one reference is a duplicate payment.
+    Found { rail_refs: Vec<String> },
+    /// Authoritatively nothing (the rail's settlement window has passed).
+    Absent,
+    /// The rail cannot say yet, or could not be asked, or the submission's instruction is still
+    /// valid at the rail (`detail` says which).
+    Unknown { detail: String },
+    /// The payout is sealed at the proxy: never sent, never will be. Read exactly like `Absent`.
+    NeverSent,
+}
+
+impl Evidence {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Found { .. } => "FOUND",
+            Self::Absent => "ABSENT",
+            Self::Unknown { .. } => "UNKNOWN",
+            Self::NeverSent => "NEVER_SENT",
+        }
+    }
+}
+
+/// One movement as the rail reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailMovement {
+    pub rail_ref: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub beneficiary_ref: String,
+}
+
+/// (rail reference, amount, currency, beneficiary), as every wire form carries them.
+impl From<(String, i64, String, String)> for RailMovement {
+    fn from(
+        (rail_ref, amount_minor, currency, beneficiary_ref): (String, i64, String, String),
+    ) -> Self {
+        Self {
+            rail_ref,
+            amount_minor,
+            currency,
+            beneficiary_ref,
+        }
+    }
+}
+
+/// The rail's per-reference lookup, with every movement's particulars.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RailLookup {
+    Found(Vec<RailMovement>),
+    Absent,
+    Unknown { detail: String },
+}
+
+/// One inquiry's evidence, kept beside the submission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolution {
+    pub payout_id: PayoutId,
+    pub asked_by: String,
+    pub asked_at_unix_ms: i64,
+    pub evidence: Evidence,
+}
+
+/// A rejected field of a submit request: which field, and why. Nothing was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {reason}")]
+pub struct InvalidArgument {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+impl InvalidArgument {
+    pub fn new(field: &'static str, reason: impl std::fmt::Display) -> Self {
+        Self {
+            field,
+            reason: reason.to_string(),
+        }
+    }
+}

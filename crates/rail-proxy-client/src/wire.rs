@@ -1,0 +1,418 @@
+//! The process boundary: `railproxy.v1` messages to and from the proxy's domain, in this one
+//! place. The server parses requests with [`parse_submit`] and [`parse_inquire`] and answers with
+//! the `*_to_proto` functions; the client builds requests with [`submit_request`] and
+//! [`inquire_request`] and reads answers with the `*_from_proto` functions.
+
+use payout_domain::{
+    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
+};
+use payout_proto::railproxy as pb;
+
+use crate::model::{
+    Evidence, InquirePayout, InvalidArgument, Outcome, Payment, Resolution, Submission,
+    SubmitPayout, OWNER_LENGTH_MAX,
+};
+
+/// Longest `asked_by` accepted; diagnostics, bounded like every other input.
+pub const ASKED_BY_LENGTH_MAX: usize = 256;
+
+/// A holder identity (`owner`, `asked_by`): 1 to `length_max` bytes, without NUL, which
+/// PostgreSQL text cannot hold (the intent transaction would fail after the guard ran).
+fn check_holder(
+    field: &'static str,
+    value: &str,
+    length_max: usize,
+) -> Result<(), InvalidArgument> {
+    if value.is_empty() {
+        return Err(InvalidArgument::new(field, format!("{field} is empty")));
+    }
+    if value.len() > length_max {
+        return Err(InvalidArgument::new(
+            field,
+            format!("{field} is longer than {length_max} bytes"),
+        ));
+    }
+    if value.contains('\0') {
+        return Err(InvalidArgument::new(
+            field,
+            format!("{field} contains a NUL character"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_owner(owner: &str) -> Result<(), InvalidArgument> {
+    check_holder("owner", owner, OWNER_LENGTH_MAX)
+}
+
+/// Parses a fenced inquiry: the payout, the resolver's fence, who asks.
+pub fn parse_inquire(request: &pb::InquireRequest) -> Result<InquirePayout, InvalidArgument> {
+    let payout_id = PayoutId::parse(request.payout_id.as_str())
+        .map_err(|e| InvalidArgument::new("payout_id", e))?;
+    check_holder("asked_by", &request.asked_by, ASKED_BY_LENGTH_MAX)?;
+    let account_id = AccountId::parse(request.account_id.as_str())
+        .map_err(|e| InvalidArgument::new("account_id", e))?;
+    let token = FencingToken::new(request.token).map_err(|e| InvalidArgument::new("token", e))?;
+    check_owner(&request.owner)?;
+    Ok(InquirePayout {
+        payout_id,
+        account_id,
+        token,
+        owner: request.owner.clone(),
+        asked_by: request.asked_by.clone(),
+    })
+}
+
+pub fn inquire_request(request: &InquirePayout) -> pb::InquireRequest {
+    pb::InquireRequest {
+        payout_id: request.payout_id.to_string(),
+        asked_by: request.asked_by.clone(),
+        account_id: request.account_id.to_string(),
+        token: request.token.get(),
+        owner: request.owner.clone(),
+    }
+}
+
+/// Parses a submit request. Every check is specific; the first failing field is reported.
+pub fn parse_submit(request: &pb::SubmitRequest) -> Result<SubmitPayout, InvalidArgument> {
+    let payout_id = PayoutId::parse(request.payout_id.as_str())
+        .map_err(|e| InvalidArgument::new("payout_id", e))?;
+    let account_id = AccountId::parse(request.account_id.as_str())
+        .map_err(|e| InvalidArgument::new("account_id", e))?;
+    let token = FencingToken::new(request.token).map_err(|e| InvalidArgument::new("token", e))?;
+    check_owner(&request.owner)?;
+    if request.client_reference.is_empty() {
+        return Err(InvalidArgument::new(
+            "client_reference",
+            "client reference is empty",
+        ));
+    }
+    let derived = ClientReference::for_payout(&payout_id);
+    if request.client_reference != derived.as_str() {
+        return Err(InvalidArgument::new(
+            "client_reference",
+            format!(
+                "must be {derived}, derived from the payout id (it is never chosen by the caller)"
+            ),
+        ));
+    }
+    let amount_minor = AmountMinor::new(request.amount_minor)
+        .map_err(|e| InvalidArgument::new("amount_minor", e))?;
+    let currency =
+        Currency::parse(&request.currency).map_err(|e| InvalidArgument::new("currency", e))?;
+    let beneficiary_ref = BeneficiaryRef::parse(request.beneficiary_ref.as_str())
+        .map_err(|e| InvalidArgument::new("beneficiary_ref", e))?;
+    Ok(SubmitPayout {
+        payout_id,
+        account_id,
+        token,
+        owner: request.owner.clone(),
+        client_reference: derived,
+        amount_minor,
+        currency,
+        beneficiary_ref,
+    })
+}
+
+pub fn submit_request(request: &SubmitPayout) -> pb::SubmitRequest {
+    pb::SubmitRequest {
+        payout_id: request.payout_id.to_string(),
+        account_id: request.account_id.to_string(),
+        token: request.token.get(),
+        owner: request.owner.clone(),
+        client_reference: request.client_reference.to_string(),
+        amount_minor: request.amount_minor.get(),
+        currency: request.currency.to_string(),
+        beneficiary_ref: request.beneficiary_ref.to_string(),
+    }
+}
+
+pub fn outcome_to_proto(outcome: &Outcome) -> pb::Outcome {
+    match outcome {
+        Outcome::Pending => pb::Outcome::Pending,
+        Outcome::Acked { .. } => pb::Outcome::Acked,
+        Outcome::Rejected { .. } => pb::Outcome::Rejected,
+        Outcome::Timeout { .. } => pb::Outcome::Timeout,
+        Outcome::NotSent { .. } => pb::Outcome::NotSent,
+    }
+}
+
+pub fn submission_to_proto(s: &Submission) -> pb::Submission {
+    let (rail_ref, decline_code, failure_detail, sealed_by) = match &s.outcome {
+        Outcome::Pending => (String::new(), String::new(), String::new(), String::new()),
+        Outcome::Acked { rail_ref } => (
+            rail_ref.clone(),
+            String::new(),
+            String::new(),
+            String::new(),
+        ),
+        Outcome::Rejected { decline_code } => (
+            String::new(),
+            decline_code.clone(),
+            String::new(),
+            String::new(),
+        ),
+        Outcome::Timeout { detail } => {
+            (String::new(), String::new(), detail.clone(), String::new())
+        }
+        Outcome::NotSent { sealed_by } => (
+            String::new(),
+            String::new(),
+            String::new(),
+            sealed_by.clone(),
+        ),
+    };
+    let (amount_minor, currency, beneficiary_ref) = match &s.payment {
+        Some(p) => (
+            p.amount_minor.get(),
+            p.currency.to_string(),
+            p.beneficiary_ref.to_string(),
+        ),
+        None => (0, String::new(), String::new()),
+    };
+    pb::Submission {
+        payout_id: s.payout_id.to_string(),
+        account_id: s.account_id.to_string(),
+        token: s.token.get(),
+        owner: s.owner.clone(),
+        client_reference: s.client_reference.to_string(),
+        amount_minor,
+        currency,
+        beneficiary_ref,
+        outcome: outcome_to_proto(&s.outcome) as i32,
+        ambiguous: s.outcome.is_ambiguous(),
+        rail_ref,
+        decline_code,
+        failure_detail,
+        created_at_unix_ms: s.created_at_unix_ms,
+        resolved_at_unix_ms: s.resolved_at_unix_ms.unwrap_or(0),
+        valid_until_unix_ms: s.valid_until_unix_ms.unwrap_or(0),
+        sealed_by,
+    }
+}
+
+/// A malformed message from the server: a bug on one side of the boundary.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed {what} from the rail proxy: {detail}")]
+pub struct Malformed {
+    pub what: &'static str,
+    pub detail: String,
+}
+
+fn malformed(what: &'static str, detail: impl std::fmt::Display) -> Malformed {
+    Malformed {
+        what,
+        detail: detail.to_string(),
+    }
+}
+
+pub fn submission_from_proto(s: &pb::Submission) -> Result<Submission, Malformed> {
+    let what = "submission";
+    let outcome = match pb::Outcome::try_from(s.outcome).map_err(|e| malformed(what, e))? {
+        pb::Outcome::Pending => Outcome::Pending,
+        pb::Outcome::Acked => Outcome::Acked {
+            rail_ref: s.rail_ref.clone(),
+        },
+        pb::Outcome::Rejected => Outcome::Rejected {
+            decline_code: s.decline_code.clone(),
+        },
+        pb::Outcome::Timeout => Outcome::Timeout {
+            detail: s.failure_detail.clone(),
+        },
+        pb::Outcome::NotSent => Outcome::NotSent {
+            sealed_by: s.sealed_by.clone(),
+        },
+        pb::Outcome::Unspecified => return Err(malformed(what, "outcome unspecified")),
+    };
+    if s.ambiguous != outcome.is_ambiguous() {
+        return Err(malformed(what, "ambiguous flag disagrees with the outcome"));
+    }
+    let payment = if matches!(outcome, Outcome::NotSent { .. }) {
+        if s.sealed_by.is_empty() || s.amount_minor != 0 || s.valid_until_unix_ms != 0 {
+            return Err(malformed(
+                what,
+                "a sealed record names its sealer and carries no payment",
+            ));
+        }
+        None
+    } else {
+        Some(Payment {
+            amount_minor: AmountMinor::new(s.amount_minor).map_err(|e| malformed(what, e))?,
+            currency: Currency::parse(&s.currency).map_err(|e| malformed(what, e))?,
+            beneficiary_ref: BeneficiaryRef::parse(s.beneficiary_ref.as_str())
+                .map_err(|e| malformed(what, e))?,
+        })
+    };
+    Ok(Submission {
+        payout_id: PayoutId::parse(s.payout_id.as_str()).map_err(|e| malformed(what, e))?,
+        account_id: AccountId::parse(s.account_id.as_str()).map_err(|e| malformed(what, e))?,
+        token: FencingToken::new(s.token).map_err(|e| malformed(what, e))?,
+        owner: s.owner.clone(),
+        client_reference: ClientReference::parse(&s.client_reference)
+            .map_err(|e| malformed(what, e))?,
+        payment,
+        outcome,
+        created_at_unix_ms: s.created_at_unix_ms,
+        resolved_at_unix_ms: (s.resolved_at_unix_ms != 0).then_some(s.resolved_at_unix_ms),
+        valid_until_unix_ms: (s.valid_until_unix_ms != 0).then_some(s.valid_until_unix_ms),
+    })
+}
+
+pub fn resolution_to_proto(r: &Resolution) -> pb::Resolution {
+    let (evidence, rail_refs, detail) = match &r.evidence {
+        Evidence::Found { rail_refs } => (pb::Evidence::Found, rail_refs.clone(), String::new()),
+        Evidence::Absent => (pb::Evidence::Absent, vec![], String::new()),
+        Evidence::Unknown { detail } => (pb::Evidence::Unknown, vec![], detail.clone()),
+        Evidence::NeverSent => (pb::Evidence::NeverSent, vec![], String::new()),
+    };
+    pb::Resolution {
+        payout_id: r.payout_id.to_string(),
+        asked_by: r.asked_by.clone(),
+        asked_at_unix_ms: r.asked_at_unix_ms,
+        evidence: evidence as i32,
+        rail_refs,
+        detail,
+    }
+}
+
+pub fn resolution_from_proto(r: &pb::Resolution) -> Result<Resolution, Malformed> {
+    let what = "resolution";
+    let evidence = match pb::Evidence::try_from(r.evidence).map_err(|e| malformed(what, e))? {
+        pb::Evidence::Found => Evidence::Found {
+            rail_refs: r.rail_refs.clone(),
+        },
+        pb::Evidence::Absent => Evidence::Absent,
+        pb::Evidence::Unknown => Evidence::Unknown {
+            detail: r.detail.clone(),
+        },
+        pb::Evidence::NeverSent => Evidence::NeverSent,
+        pb::Evidence::Unspecified => return Err(malformed(what, "evidence unspecified")),
+    };
+    Ok(Resolution {
+        payout_id: PayoutId::parse(r.payout_id.as_str()).map_err(|e| malformed(what, e))?,
+        asked_by: r.asked_by.clone(),
+        asked_at_unix_ms: r.asked_at_unix_ms,
+        evidence,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn good() -> pb::SubmitRequest {
+        pb::SubmitRequest {
+            payout_id: "p-1".into(),
+            account_id: "a-1".into(),
+            token: 5,
+            owner: "worker-1".into(),
+            client_reference: "cref-p-1".into(),
+            amount_minor: 100,
+            currency: "EUR".into(),
+            beneficiary_ref: "ben-1".into(),
+        }
+    }
+
+    type Mutation = Box<dyn Fn(&mut pb::SubmitRequest)>;
+
+    #[test]
+    fn bad_inputs_name_their_field() {
+        let cases: Vec<(&str, Mutation)> = vec![
+            ("payout_id", Box::new(|r| r.payout_id.clear())),
+            ("account_id", Box::new(|r| r.account_id.clear())),
+            ("token", Box::new(|r| r.token = 0)),
+            ("owner", Box::new(|r| r.owner.clear())),
+            ("owner", Box::new(|r| r.owner = "worker\0".into())),
+            (
+                "owner",
+                Box::new(|r| r.owner = "w".repeat(OWNER_LENGTH_MAX + 1)),
+            ),
+            ("client_reference", Box::new(|r| r.client_reference.clear())),
+            (
+                "client_reference",
+                Box::new(|r| r.client_reference = "cref-p-2".into()),
+            ),
+            ("amount_minor", Box::new(|r| r.amount_minor = 0)),
+            ("amount_minor", Box::new(|r| r.amount_minor = -1)),
+            ("currency", Box::new(|r| r.currency = "XXX".into())),
+            ("currency", Box::new(|r| r.currency = "eur".into())),
+            ("beneficiary_ref", Box::new(|r| r.beneficiary_ref.clear())),
+        ];
+        for (field, mutate) in cases {
+            let mut request = good();
+            mutate(&mut request);
+            assert_eq!(
+                parse_submit(&request).unwrap_err().field,
+                field,
+                "{request:?}"
+            );
+        }
+        assert!(parse_submit(&good()).is_ok());
+    }
+
+    #[test]
+    fn an_inquiry_must_present_a_fence() {
+        let good = pb::InquireRequest {
+            payout_id: "p-1".into(),
+            asked_by: "worker-2".into(),
+            account_id: "a-1".into(),
+            token: 7,
+            owner: "worker-2".into(),
+        };
+        let parsed = parse_inquire(&good).unwrap();
+        assert_eq!(inquire_request(&parsed), good);
+        type InquireMutation = Box<dyn Fn(&mut pb::InquireRequest)>;
+        let cases: Vec<(&str, InquireMutation)> = vec![
+            ("payout_id", Box::new(|r| r.payout_id.clear())),
+            ("asked_by", Box::new(|r| r.asked_by.clear())),
+            ("asked_by", Box::new(|r| r.asked_by = "\0".into())),
+            ("account_id", Box::new(|r| r.account_id.clear())),
+            ("token", Box::new(|r| r.token = 0)),
+            ("owner", Box::new(|r| r.owner.clear())),
+        ];
+        for (field, mutate) in cases {
+            let mut request = good.clone();
+            mutate(&mut request);
+            assert_eq!(parse_inquire(&request).unwrap_err().field, field);
+        }
+    }
+
+    #[test]
+    fn submissions_round_trip() {
+        let request = parse_submit(&good()).unwrap();
+        for outcome in [
+            Outcome::Pending,
+            Outcome::Acked {
+                rail_ref: "rr-1".into(),
+            },
+            Outcome::Rejected {
+                decline_code: "NO".into(),
+            },
+            Outcome::Timeout {
+                detail: "timed out".into(),
+            },
+            Outcome::NotSent {
+                sealed_by: "worker-2".into(),
+            },
+        ] {
+            let sealed = matches!(outcome, Outcome::NotSent { .. });
+            let s = Submission {
+                payout_id: request.payout_id.clone(),
+                account_id: request.account_id.clone(),
+                token: request.token,
+                owner: request.owner.clone(),
+                client_reference: request.client_reference.clone(),
+                payment: (!sealed).then(|| Payment {
+                    amount_minor: request.amount_minor,
+                    currency: request.currency.clone(),
+                    beneficiary_ref: request.beneficiary_ref.clone(),
+                }),
+                outcome,
+                created_at_unix_ms: 1,
+                resolved_at_unix_ms: Some(2),
+                valid_until_unix_ms: (!sealed).then_some(3),
+            };
+            assert_eq!(submission_from_proto(&submission_to_proto(&s)).unwrap(), s);
+        }
+    }
+}

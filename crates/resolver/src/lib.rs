@@ -1,0 +1,30 @@
+//! The resolver: the corrective part of reconciliation. Where the `reconciler` crate only reads
+//! and reports, this crate acts, on two kinds of payout nobody is left to finish:
+//!
+//! - [`resolve`]: a RAIL_AMBIGUOUS payout whose workflow is gone is resolved with evidence: a
+//!   fenced inquiry at the rail proxy, then the payment resource's transition (FOUND → POSTED,
+//!   ABSENT / NEVER_SENT → FAILED, UNKNOWN → left alone).
+//! - [`resume`]: a payout in PENDING, CLAIMED, RAIL_SUBMITTED or RAIL_ACKED whose workflow is
+//!   closed or was never started is handed back to a new workflow run, after its account's key is
+//!   taken over (an audited force-revoke) from a grant whose workflow is not running.
+//!
+//! It takes real grants: a lock session of its own and a grant on the account's key for every
+//! resolution, whose token it presents at both guards (the payment resource's fence, the rail
+//! proxy's high-water) for every write; the rail is never contacted except through the proxy's
+//! fenced inquiry, and nothing is ever resubmitted. It acts only on evidence: time alone resolves
+//! nothing, an UNKNOWN answer leaves the payout as it is, and a payout whose state changed under
+//! the grant is left to whoever changed it.
+//!
+//! Its own safety rests on the guards, not on the lock service and not on being alone: the guards
+//! fence it like any other holder. If it loses a grant (its session expired, the key
+//! force-revoked), the next holder's token is higher, and each guard refuses the resolver's token
+//! once it has seen that one; a takeover works the same way against the holder it revokes.
+//!
+//! Run it from one process at a time per account (`reconciler serve`, whose schedule never
+//! overlaps two runs, or an operator's `reconciler once --resolve-orphans / --resume-stranded`,
+//! not both at once). Two at once are not unsafe, since every write is fenced,
+//! but their takeovers race: one may force-revoke the fresh grant of a workflow the other has
+//! just resumed, and the payout is interrupted and retried for nothing.
+
+pub mod resolve;
+pub mod resume;

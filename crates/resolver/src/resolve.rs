@@ -1,0 +1,289 @@
+//! Orphan resolution: a RAIL_AMBIGUOUS payout whose workflow is gone (never existed, or closed)
+//! has nobody left to ask the rail. The resolver does it, WITH EVIDENCE ONLY: it takes a real
+//! lock grant on the account's key, asks the rail proxy with that token (a fenced inquiry that
+//! also seals a payout never submitted), and moves the payout through the payment resource under
+//! the same token. Time alone never resolves anything; nothing is ever resubmitted.
+//!
+//! | evidence   | action                                         | new state |
+//! |------------|------------------------------------------------|-----------|
+//! | FOUND      | ResolveAmbiguity(found) then Post              | POSTED    |
+//! | ABSENT     | ResolveAmbiguity(absent)                       | FAILED    |
+//! | NEVER_SENT | ResolveAmbiguity(absent) (sealed at the proxy) | FAILED    |
+//! | UNKNOWN    | nothing; reported                              | unchanged |
+
+use std::time::Duration;
+
+use lock_client::{Acquired, LockClient};
+use payment_client::model::{Evidence as PaymentEvidence, Fence};
+use payment_client::PaymentClient;
+use payout_domain::{AccountId, PayoutId, PayoutState};
+use rail_proxy_client::{Evidence, InquirePayout, RailProxyClient};
+use serde::Serialize;
+
+use crate::resume::{Temporal, TemporalConfig, WorkflowStatus};
+use sqlx::{PgPool, Row};
+
+/// The resolver's lock session lease: long enough for one payout's inquiry, resolution and
+/// posting (each a bounded RPC); short enough that a crashed resolver frees the account fast.
+pub const LOCK_TTL: Duration = Duration::from_secs(15);
+/// How long to wait for an account's key. A held key means someone is working on the account;
+/// the orphan is then left for the next run rather than queued behind them.
+pub const LOCK_WAIT: Duration = Duration::from_secs(2);
+/// Orphans handled per run: bounds one run's duration; the rest wait for the next run.
+pub const ORPHANS_PER_RUN_MAX: i64 = 500;
+/// Recorded as the evidence source and the proxy's `asked_by` (the process that runs the
+/// resolver, `reconciler`; its grants' owners are `reconciler/{payout}`).
+pub const RESOLVER: &str = "reconciler";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("reading paydb: {0}")]
+    Paydb(#[from] sqlx::Error),
+    #[error("connecting to {service}: {detail}")]
+    Connect {
+        service: &'static str,
+        detail: String,
+    },
+    #[error("asking Temporal about {workflow_id}: {detail}")]
+    Temporal { workflow_id: String, detail: String },
+}
+
+/// Where the resolver's collaborators are.
+#[derive(Debug, Clone)]
+pub struct ResolveConfig {
+    pub lock_url: String,
+    pub proxy_url: String,
+    pub payment_url: String,
+    pub temporal: TemporalConfig,
+}
+
+/// One orphan handled (or deliberately left alone): payout, evidence, new state.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Resolution {
+    pub payout_id: String,
+    pub account_id: String,
+    /// What Temporal said about `payout-{id}`.
+    pub workflow: String,
+    /// FOUND / ABSENT / NEVER_SENT / UNKNOWN, or LOCK_BUSY / STATE_CHANGED (not asked), or
+    /// ERROR (a call failed; nothing more was done).
+    pub evidence: String,
+    /// The payout's state after this run's action (unchanged when left alone).
+    pub new_state: String,
+    pub token: Option<u64>,
+    pub detail: String,
+}
+
+impl Resolution {
+    /// Whether the payout left RAIL_AMBIGUOUS in this run.
+    pub fn resolved(&self) -> bool {
+        self.new_state != PayoutState::RailAmbiguous.as_str()
+    }
+}
+
+/// Every RAIL_AMBIGUOUS payout whose workflow is not running is resolved with evidence, or
+/// left alone and reported. Payouts whose workflow runs are not touched (nor listed).
+pub async fn resolve_orphans(
+    paydb: &PgPool,
+    config: &ResolveConfig,
+) -> Result<Vec<Resolution>, ResolveError> {
+    let rows = sqlx::query(
+        "SELECT id, account_id FROM payout WHERE state = 'RAIL_AMBIGUOUS' ORDER BY id LIMIT $1",
+    )
+    .bind(ORPHANS_PER_RUN_MAX)
+    .fetch_all(paydb)
+    .await?;
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let temporal =
+        Temporal::connect(&config.temporal)
+            .await
+            .map_err(|e| ResolveError::Temporal {
+                workflow_id: "(connect)".into(),
+                detail: e.to_string(),
+            })?;
+    let mut orphans = Vec::new();
+    for r in rows {
+        let id: String = r.get("id");
+        let account: String = r.get("account_id");
+        let (Ok(payout_id), Ok(account_id)) = (
+            PayoutId::parse(id.clone()),
+            AccountId::parse(account.clone()),
+        ) else {
+            tracing::error!(payout_id = %id, account_id = %account, "unparseable ids in paydb; skipped");
+            continue;
+        };
+        let workflow_id = payout_domain::workflow_id(&payout_id);
+        let status = temporal
+            .status(&workflow_id)
+            .await
+            .map_err(|e| ResolveError::Temporal {
+                workflow_id: workflow_id.clone(),
+                detail: e.to_string(),
+            })?;
+        match status {
+            WorkflowStatus::Running => {
+                tracing::info!(payout_id = %payout_id, workflow_id, "ambiguous payout has a running workflow; not touched");
+            }
+            status => orphans.push((payout_id, account_id, status)),
+        }
+    }
+    if orphans.is_empty() {
+        return Ok(Vec::new());
+    }
+    fn connect(service: &'static str) -> impl Fn(&dyn std::fmt::Display) -> ResolveError {
+        move |e| ResolveError::Connect {
+            service,
+            detail: e.to_string(),
+        }
+    }
+    let lock = LockClient::connect(config.lock_url.clone())
+        .await
+        .map_err(|e| connect("lock-server")(&e))?;
+    let session = lock
+        .open_session(RESOLVER, LOCK_TTL)
+        .await
+        .map_err(|e| connect("lock-server")(&e))?;
+    let proxy = RailProxyClient::connect(config.proxy_url.clone())
+        .await
+        .map_err(|e| connect("rail-proxy")(&e))?;
+    let payments = PaymentClient::connect(config.payment_url.clone())
+        .await
+        .map_err(|e| connect("payment-resource")(&e))?;
+    let mut out = Vec::new();
+    for (payout_id, account_id, status) in orphans {
+        let workflow = status.name();
+        let resolution = resolve_one(
+            &session,
+            proxy.clone(),
+            &payments,
+            &payout_id,
+            &account_id,
+            workflow,
+        )
+        .await;
+        tracing::info!(
+            payout_id = %resolution.payout_id,
+            account_id = %resolution.account_id,
+            workflow = %resolution.workflow,
+            evidence = %resolution.evidence,
+            new_state = %resolution.new_state,
+            token = resolution.token,
+            detail = %resolution.detail,
+            "orphan resolution"
+        );
+        out.push(resolution);
+    }
+    let _ = session.close().await;
+    Ok(out)
+}
+
+async fn resolve_one(
+    session: &lock_client::Session,
+    mut proxy: RailProxyClient,
+    payments: &PaymentClient,
+    payout_id: &PayoutId,
+    account_id: &AccountId,
+    workflow: String,
+) -> Resolution {
+    let ambiguous = PayoutState::RailAmbiguous.as_str().to_string();
+    let mut r = Resolution {
+        payout_id: payout_id.to_string(),
+        account_id: account_id.to_string(),
+        workflow,
+        evidence: String::new(),
+        new_state: ambiguous.clone(),
+        token: None,
+        detail: String::new(),
+    };
+    let owner = format!("{RESOLVER}/{payout_id}");
+    let key = payout_domain::lock_key(account_id);
+    let grant = match session.acquire_as(&key, &owner, LOCK_WAIT).await {
+        Ok(Acquired::Granted(g)) => g,
+        Ok(Acquired::NotAcquired {
+            holder_owner,
+            holder_token,
+        }) => {
+            r.evidence = "LOCK_BUSY".into();
+            r.detail = format!(
+                "{key} held by {holder_owner} (token {holder_token}); left for the next run"
+            );
+            return r;
+        }
+        Err(e) => {
+            r.evidence = "ERROR".into();
+            r.detail = format!("acquiring {key}: {e}");
+            return r;
+        }
+    };
+    let token = grant.token();
+    r.token = Some(token.get());
+    let result = async {
+        let fence = Fence::new(owner.clone(), token).map_err(|e| e.to_string())?;
+        // Under the grant, the payout must still be ambiguous: a holder may have finished it.
+        let current = payments
+            .get_payout(payout_id)
+            .await
+            .map_err(|e| format!("reading the payout: {e}"))?;
+        if current.payout.state != PayoutState::RailAmbiguous {
+            r.evidence = "STATE_CHANGED".into();
+            r.new_state = current.payout.state.as_str().to_string();
+            return Ok::<_, String>(());
+        }
+        let inquiry = proxy
+            .inquire(&InquirePayout::new(
+                payout_id.clone(),
+                account_id.clone(),
+                token,
+                owner.clone(),
+                RESOLVER,
+            ))
+            .await
+            .map_err(|e| format!("inquiry: {e}"))?;
+        r.evidence = inquiry.resolution.evidence.name().to_string();
+        let evidence = match &inquiry.resolution.evidence {
+            Evidence::Found { rail_refs } => {
+                if rail_refs.len() > 1 {
+                    tracing::error!(payout_id = %payout_id, ?rail_refs, "DUPLICATE PAYMENT found by the inquiry");
+                    r.detail = format!("{} rail movements: {rail_refs:?}", rail_refs.len());
+                }
+                let Some(rail_ref) = rail_refs.first() else {
+                    return Err("FOUND without a rail reference".into());
+                };
+                PaymentEvidence::Found {
+                    rail_ref: rail_ref.clone(),
+                }
+            }
+            Evidence::Absent | Evidence::NeverSent => PaymentEvidence::Absent,
+            Evidence::Unknown { detail } => {
+                r.detail = format!("left RAIL_AMBIGUOUS: {detail}");
+                return Ok(());
+            }
+        };
+        let resolved = payments
+            .resolve_ambiguity(payout_id, &fence, &evidence, RESOLVER)
+            .await
+            .map_err(|e| format!("resolve_ambiguity: {e}"))?;
+        r.new_state = resolved.state.as_str().to_string();
+        if resolved.state == PayoutState::RailAcked {
+            // Money left: the books follow. Post is idempotent, so a retry after a crash is safe.
+            let posted = payments
+                .post(payout_id, &fence)
+                .await
+                .map_err(|e| format!("post: {e}"))?;
+            r.new_state = posted.payout.state.as_str().to_string();
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(detail) = result {
+        if r.evidence.is_empty() {
+            r.evidence = "ERROR".into();
+        }
+        r.detail = detail;
+    }
+    if let Err(e) = grant.release().await {
+        tracing::warn!(payout_id = %payout_id, error = %e, "releasing the reconciler's grant failed; it expires with the session");
+    }
+    r
+}

@@ -1,0 +1,397 @@
+//! Stranded payouts: a payout in PENDING, CLAIMED, RAIL_SUBMITTED or RAIL_ACKED whose workflow
+//! has ended (a fatal refusal, too many lost grants, an operator's `temporal workflow terminate`,
+//! a bug) or never started has nobody left to finish it: money may have left with no ledger row,
+//! and the one-in-flight rule then blocks every later payout of the account. This is the
+//! resolver's second CORRECTIVE part: it does nothing itself to the payout; it hands the payout back
+//! to the workflow, which continues from the state the payment resource reports, under a new
+//! grant, with evidence only:
+//!
+//! | state          | the resumed workflow                                                 |
+//! |----------------|----------------------------------------------------------------------|
+//! | PENDING        | claims and pays it, as any run would                                 |
+//! | CLAIMED        | re-claims it under a higher token and continues                      |
+//! | RAIL_SUBMITTED | treats it as maybe sent (`resume`): RAIL_AMBIGUOUS, then inquiry     |
+//! | RAIL_ACKED     | posts it (money has left; the books follow)                          |
+//!
+//! A grant held by a payout whose workflow is not running is never released by that workflow:
+//! the key is taken over (an audited force-revoke by the resolver; the next grant's token is
+//! higher, so the guards fence out anything the old holder still sends) before the resume.
+//!
+//! Temporal is asked through its own client (describe, start), never by parsing CLI output.
+
+use std::time::Duration;
+
+use lock_client::LockClient;
+use payout_domain::PayoutId;
+use serde::Serialize;
+use sqlx::PgPool;
+use temporalio_client::errors::{WorkflowInteractionError, WorkflowStartError};
+use temporalio_client::{
+    Client, ClientOptions, ConnectionOptions, UntypedWorkflow, Url, WorkflowDescribeOptions,
+    WorkflowExecutionStatus, WorkflowIdReusePolicy, WorkflowStartOptions,
+};
+use temporalio_common::data_converters::RawValue;
+use temporalio_common::protos::temporal::api::common::v1::Payload;
+use temporalio_common::search_attributes::{SearchAttributeKey, SearchAttributes};
+
+/// Stranded payouts handled per run: bounds one run; the rest wait for the next.
+pub const STRANDED_PER_RUN_MAX: i64 = 500;
+/// Upper bound of one call to Temporal (describe, start).
+pub const TEMPORAL_CALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// Recorded as the operator of a takeover's force-revoke.
+pub const RECOVERER: &str = "reconciler";
+/// The payout workflow's type name (workflows/src/workflow.rs).
+pub const PAYOUT_WORKFLOW_TYPE: &str = "PayoutWorkflow";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    #[error("reading paydb: {0}")]
+    Paydb(#[from] sqlx::Error),
+    #[error("connecting to {service}: {detail}")]
+    Connect {
+        service: &'static str,
+        detail: String,
+    },
+    #[error("asking Temporal about {workflow_id}: {detail}")]
+    Temporal { workflow_id: String, detail: String },
+}
+
+/// What Temporal says about the payout's workflow.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum WorkflowStatus {
+    NotFound,
+    Running,
+    /// Closed, with Temporal's status name (COMPLETED, FAILED, TERMINATED, ...).
+    Closed(String),
+}
+
+impl WorkflowStatus {
+    pub fn name(&self) -> String {
+        match self {
+            Self::NotFound => "NOT_FOUND".into(),
+            Self::Running => "RUNNING".into(),
+            Self::Closed(s) => s.clone(),
+        }
+    }
+}
+
+/// Temporal, through its own client, for one namespace.
+#[derive(Clone)]
+pub struct Temporal {
+    client: Client,
+    /// The payout workers' task queue, where a resumed workflow runs.
+    payout_task_queue: String,
+    /// The ambiguity clocks a resumed workflow is started with (`settlement_window_ms`,
+    /// `resolution_sla_ms`), as the workflow's input names them.
+    settlement_window_ms: u64,
+    resolution_sla_ms: u64,
+}
+
+/// Where Temporal is and how resumed workflows are started.
+#[derive(Debug, Clone)]
+pub struct TemporalConfig {
+    pub address: String,
+    pub namespace: String,
+    pub payout_task_queue: String,
+    pub settlement_window_ms: u64,
+    pub resolution_sla_ms: u64,
+}
+
+impl Temporal {
+    pub async fn connect(config: &TemporalConfig) -> Result<Self, ResumeError> {
+        let err = |detail: String| ResumeError::Connect {
+            service: "temporal",
+            detail,
+        };
+        let url = Url::parse(&format!("http://{}", config.address))
+            .map_err(|e| err(format!("address {}: {e}", config.address)))?;
+        let client = tokio::time::timeout(
+            TEMPORAL_CALL_TIMEOUT,
+            Client::connect(
+                ConnectionOptions::new(url)
+                    .identity(RECOVERER.to_string())
+                    .build(),
+                ClientOptions::new(config.namespace.clone()).build(),
+            ),
+        )
+        .await
+        .map_err(|_| err(format!("no answer within {TEMPORAL_CALL_TIMEOUT:?}")))?
+        .map_err(|e| err(e.to_string()))?;
+        Ok(Self {
+            client,
+            payout_task_queue: config.payout_task_queue.clone(),
+            settlement_window_ms: config.settlement_window_ms,
+            resolution_sla_ms: config.resolution_sla_ms,
+        })
+    }
+
+    /// The status of the workflow `workflow_id` (its latest run).
+    pub async fn status(&self, workflow_id: &str) -> Result<WorkflowStatus, ResumeError> {
+        let err = |detail: String| ResumeError::Temporal {
+            workflow_id: workflow_id.to_string(),
+            detail,
+        };
+        let handle = self
+            .client
+            .get_workflow_handle::<UntypedWorkflow>(workflow_id);
+        let described = tokio::time::timeout(
+            TEMPORAL_CALL_TIMEOUT,
+            handle.describe(WorkflowDescribeOptions::default()),
+        )
+        .await
+        .map_err(|_| err(format!("no answer within {TEMPORAL_CALL_TIMEOUT:?}")))?;
+        match described {
+            Ok(d) => Ok(match d.status() {
+                WorkflowExecutionStatus::Running => WorkflowStatus::Running,
+                other => WorkflowStatus::Closed(format!("{other:?}").to_ascii_uppercase()),
+            }),
+            Err(WorkflowInteractionError::NotFound(_)) => Ok(WorkflowStatus::NotFound),
+            Err(e) => Err(err(e.to_string())),
+        }
+    }
+
+    /// Starts the payout's workflow again (a new run under the same id) with a resume input:
+    /// only the payout id (what is paid comes from the payment resource's record), the
+    /// ambiguity clocks and `resume`. A run that is already going makes this a no-op.
+    pub async fn resume(
+        &self,
+        payout_id: &PayoutId,
+        account_id: &str,
+    ) -> Result<bool, ResumeError> {
+        let workflow_id = payout_domain::workflow_id(payout_id);
+        let err = |detail: String| ResumeError::Temporal {
+            workflow_id: workflow_id.clone(),
+            detail,
+        };
+        let input = serde_json::json!({
+            "payout_id": payout_id.as_str(),
+            "resume": true,
+            "ambiguity": {
+                "settlement_window_ms": self.settlement_window_ms,
+                "resolution_sla_ms": self.resolution_sla_ms,
+            },
+        });
+        let payload = Payload {
+            metadata: [("encoding".to_string(), b"json/plain".to_vec())].into(),
+            data: serde_json::to_vec(&input).expect("JSON serializes"),
+            ..Default::default()
+        };
+        let options =
+            WorkflowStartOptions::new(self.payout_task_queue.clone(), workflow_id.clone())
+                // The previous run is closed; this one continues it. A running one refuses the start.
+                .id_reuse_policy(WorkflowIdReusePolicy::AllowDuplicate)
+                .search_attributes(SearchAttributes::new([
+                    SearchAttributeKey::<String>::keyword("AccountId")
+                        .value_set(account_id.to_string()),
+                ]))
+                .build();
+        let started = tokio::time::timeout(
+            TEMPORAL_CALL_TIMEOUT,
+            self.client.start_workflow(
+                UntypedWorkflow::new(PAYOUT_WORKFLOW_TYPE),
+                RawValue::new(vec![payload]),
+                options,
+            ),
+        )
+        .await
+        .map_err(|_| err(format!("no answer within {TEMPORAL_CALL_TIMEOUT:?}")))?;
+        match started {
+            Ok(_) => Ok(true),
+            Err(WorkflowStartError::AlreadyStarted { .. }) => Ok(false),
+            Err(e) => Err(err(e.to_string())),
+        }
+    }
+}
+
+/// One stranded payout handled (or deliberately left alone).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Resumption {
+    pub payout_id: String,
+    pub account_id: String,
+    pub state: String,
+    /// What Temporal said about `payout-{id}` before.
+    pub workflow: String,
+    /// RESUMED, ALREADY_RUNNING (a start raced ours), or ERROR.
+    pub action: String,
+    /// The account's key, if it was taken over from a grant whose workflow is not running.
+    pub took_over_from: Option<String>,
+    pub detail: String,
+}
+
+/// Where the corrective part's collaborators are.
+#[derive(Debug, Clone)]
+pub struct ResumeConfig {
+    pub lock_url: String,
+    pub temporal: TemporalConfig,
+    /// A payout with no workflow at all is left alone this long after its creation: its creator
+    /// is about to start one.
+    pub not_started_grace: Duration,
+}
+
+/// First, every account with a payout in flight has its key taken over from any grant whose
+/// payout's workflow is not running (nobody would ever release it; the account's running
+/// payouts wait on it for ever otherwise). Then every payout in PENDING, CLAIMED,
+/// RAIL_SUBMITTED or RAIL_ACKED whose workflow is not running is handed back to a new workflow
+/// run. (RAIL_AMBIGUOUS orphans are the orphan resolver's: it asks the rail itself.)
+pub async fn resume_stranded(
+    paydb: &PgPool,
+    config: &ResumeConfig,
+) -> Result<Vec<Resumption>, ResumeError> {
+    let grace_ms = i64::try_from(config.not_started_grace.as_millis()).unwrap_or(i64::MAX);
+    let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
+        "SELECT id, account_id, state, created_at < now() - $2 * interval '1 millisecond' \
+         FROM payout WHERE state IN ('PENDING', 'CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS') \
+         ORDER BY account_id, created_at, id LIMIT $1",
+    )
+    .bind(STRANDED_PER_RUN_MAX)
+    .bind(grace_ms)
+    .fetch_all(paydb)
+    .await?;
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let temporal = Temporal::connect(&config.temporal).await?;
+    let lock = LockClient::connect(config.lock_url.clone())
+        .await
+        .map_err(|e| ResumeError::Connect {
+            service: "lock-server",
+            detail: e.to_string(),
+        })?;
+    let mut took_over: std::collections::BTreeMap<String, Result<Option<String>, String>> =
+        std::collections::BTreeMap::new();
+    for (_, account, _, _) in &rows {
+        if !took_over.contains_key(account) {
+            let outcome = take_over_orphaned_grant(&lock, &temporal, account).await;
+            took_over.insert(account.clone(), outcome);
+        }
+    }
+    let mut out = Vec::new();
+    for (id, account, state, past_grace) in rows {
+        if state == "RAIL_AMBIGUOUS" {
+            continue;
+        }
+        let Ok(payout_id) = PayoutId::parse(id.clone()) else {
+            tracing::error!(payout_id = %id, "unparseable payout id in paydb; skipped");
+            continue;
+        };
+        let status = temporal
+            .status(&payout_domain::workflow_id(&payout_id))
+            .await?;
+        let stranded = match &status {
+            WorkflowStatus::Running => false,
+            WorkflowStatus::NotFound => past_grace,
+            WorkflowStatus::Closed(_) => true,
+        };
+        if !stranded {
+            continue;
+        }
+        let mut r = Resumption {
+            payout_id: payout_id.to_string(),
+            account_id: account.clone(),
+            state,
+            workflow: status.name(),
+            action: String::new(),
+            took_over_from: None,
+            detail: String::new(),
+        };
+        // The account's takeover is reported with its first stranded payout.
+        match took_over.remove(&account) {
+            Some(Err(detail)) => {
+                // The key may still be held by a grant nobody releases: resuming now would
+                // only queue behind it. The next run tries again.
+                r.action = "ERROR".into();
+                r.detail = detail;
+                out.push(r);
+                continue;
+            }
+            Some(Ok(from)) => r.took_over_from = from,
+            None => {}
+        }
+        match temporal.resume(&payout_id, &account).await {
+            Ok(true) => r.action = "RESUMED".into(),
+            Ok(false) => r.action = "ALREADY_RUNNING".into(),
+            Err(e) => {
+                r.action = "ERROR".into();
+                r.detail = e.to_string();
+            }
+        }
+        tracing::warn!(
+            payout_id = %r.payout_id,
+            account_id = %r.account_id,
+            state = %r.state,
+            workflow = %r.workflow,
+            action = %r.action,
+            took_over_from = ?r.took_over_from,
+            detail = %r.detail,
+            "stranded payout handed back to a workflow"
+        );
+        out.push(r);
+    }
+    // Keys taken over on accounts with no stranded payout (their payouts' workflows run and
+    // were waiting on the orphaned grant) are reported too.
+    for (account, outcome) in took_over {
+        let (action, took_over_from, detail) = match outcome {
+            Ok(None) => continue,
+            Ok(Some(from)) => ("TOOK_OVER", Some(from), String::new()),
+            Err(detail) => ("ERROR", None, detail),
+        };
+        out.push(Resumption {
+            payout_id: String::new(),
+            account_id: account,
+            state: String::new(),
+            workflow: String::new(),
+            action: action.into(),
+            took_over_from,
+            detail,
+        });
+    }
+    Ok(out)
+}
+
+/// Frees `payout:{account}` if it is held by a grant whose payout's workflow is not running
+/// (its owner is `{process}/{payout_id}`): nobody will ever release it. Returns the owner it was
+/// taken from. A grant of a running workflow, or of an owner this cannot read, is left alone.
+async fn take_over_orphaned_grant(
+    lock: &LockClient,
+    temporal: &Temporal,
+    account: &str,
+) -> Result<Option<String>, String> {
+    let key = format!("payout:{account}");
+    let held = lock
+        .describe(&key)
+        .await
+        .map_err(|e| format!("describing {key}: {e}"))?;
+    if !held.held {
+        return Ok(None);
+    }
+    // Only a payout workflow's grant (`worker-N/{payout}`); the reconciler's own resolver
+    // (`reconciler/{payout}`) holds its grants for one bounded resolution and releases them.
+    let Some(holder_payout) = held
+        .holder_owner
+        .rsplit_once('/')
+        .filter(|(process, _)| *process != crate::resolve::RESOLVER)
+        .and_then(|(_, p)| PayoutId::parse(p.to_string()).ok())
+    else {
+        return Ok(None);
+    };
+    let status = temporal
+        .status(&payout_domain::workflow_id(&holder_payout))
+        .await
+        .map_err(|e| e.to_string())?;
+    if status == WorkflowStatus::Running {
+        return Ok(None);
+    }
+    let reason = format!(
+        "the grant's workflow payout-{holder_payout} is {}: nobody will release it; taken over to resume the account's payouts",
+        status.name()
+    );
+    match lock.force_revoke(&key, RECOVERER, &reason).await {
+        Ok(r) => {
+            tracing::warn!(key, revoked_owner = %r.revoked_owner, revoked_token = r.revoked_token, reason, "orphaned grant taken over");
+            Ok(Some(r.revoked_owner))
+        }
+        // Released or expired meanwhile: nothing to take over.
+        Err(e) if matches!(e.rejection(), Some(lock_client::Rejection::NotHeld(_))) => Ok(None),
+        Err(e) => Err(format!("taking over {key}: {e}")),
+    }
+}

@@ -1,0 +1,399 @@
+//! `payoutdev bench e2e`: the whole system beside the Temporal floors it stands on, in one run on
+//! one stack, so that the ratios are taken on one machine under one load.
+//!
+//! - (a) `system`: payouts through every service (lock, payment resource, proxy, a zero-latency
+//!   rail without faults), on the stack's own workers.
+//! - (b) `workflow-floor`: the same `PayoutWorkflow`, the same activity calls, against the
+//!   in-memory backend in a worker inside this process: what our workflow's shape costs on this
+//!   Temporal server with services that answer at once.
+//! - (c) `temporal-floor`: one workflow of one activity that does nothing: the dev server's
+//!   ceiling on this machine.
+//! - `idle`: single payouts one after another through the whole system: start-to-POSTED latency
+//!   when nothing else runs.
+//!
+//! For each: payouts/s, latency p50/p99 from start to final state, and state transitions and
+//! history events per workflow (Temporal's own describe, over a sample), then a/b and b/c.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args as ClapArgs;
+use payment_client::PaymentClient;
+use payout_activities::in_memory::{InMemoryBackend, RailScript};
+use payout_activities::types::AmbiguityPolicy;
+use payout_workflows::floor::{FloorActivities, FloorWorkflow};
+use serde::Serialize;
+use temporalio_client::{
+    Client, UntypedWorkflow, WorkflowDescribeOptions, WorkflowGetResultOptions,
+    WorkflowStartOptions,
+};
+use temporalio_sdk::{Runtime, Worker, WorkerOptions};
+
+use crate::run::{ensure_up, measure, run_id, run_payouts, Measured, Workload};
+
+/// As the payout worker's cache (`payout_worker::MAX_CACHED_WORKFLOWS`): the floors run with
+/// the same worker settings as the system.
+const FLOOR_CACHED_WORKFLOWS: usize = 1_000;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// The local stack (started if it is not up), or an existing deployment by its endpoints.
+    #[command(flatten)]
+    pub target: payoutctl::target::Target,
+    /// Payouts (and floor workflows) per configuration.
+    #[arg(long, default_value_t = 600)]
+    pub payouts: usize,
+    /// Accounts the system's payouts are spread over, evenly (payout i on account i mod this).
+    /// The workflow floor always uses one account per payout: its in-memory lock has one session.
+    #[arg(long, default_value_t = 600)]
+    pub accounts: usize,
+    /// Single payouts, one after another, for the idle latency.
+    #[arg(long, default_value_t = 20)]
+    pub idle: usize,
+    /// Workflows described per configuration for the transition and event counts.
+    #[arg(long, default_value_t = 20)]
+    pub sample: usize,
+    /// Workers, if the stack has to be started.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Give up waiting for one configuration's batch after this long.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_s: u64,
+    /// Which configurations to run (comma-separated: system, workflow-floor, temporal-floor, idle).
+    #[arg(long, default_value = "system,workflow-floor,temporal-floor,idle")]
+    pub only: String,
+    /// One JSON object with every figure.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct Figures {
+    name: &'static str,
+    workflows: usize,
+    failed: usize,
+    elapsed_s: f64,
+    per_s: f64,
+    latency_ms_p50: f64,
+    latency_ms_p99: f64,
+    state_transitions_per_workflow: f64,
+    history_events_per_workflow: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    bench: &'static str,
+    profile: &'static str,
+    payouts: usize,
+    accounts: usize,
+    configurations: Vec<Figures>,
+    /// (a) over (b): what the services add to our own workflow's floor.
+    system_over_workflow_floor: Option<f64>,
+    /// (b) over (c): what our workflow's shape costs against the dev server's ceiling.
+    workflow_floor_over_temporal_floor: Option<f64>,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    anyhow::ensure!(
+        args.payouts > 0 && args.accounts > 0,
+        "--payouts and --accounts must be positive"
+    );
+    let wanted: Vec<&str> = args.only.split(',').map(str::trim).collect();
+    for w in &wanted {
+        anyhow::ensure!(
+            ["system", "workflow-floor", "temporal-floor", "idle"].contains(w),
+            "--only: unknown configuration {w:?}"
+        );
+    }
+    let system = ensure_up(&args.target, args.workers).await?;
+    let client = Arc::new(
+        payout_workflows::client::connect(&system.temporal_address, "default", "payoutdev-bench")
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
+    let timeout = Duration::from_secs(args.timeout_s);
+    // A rail that answers at once and never misbehaves: the benchmark measures our path.
+    let stub = rail_stub::client::StubClient::new(system.rail_url.clone());
+    stub.set_faults(&rail_stub::FaultConfig::default())
+        .await
+        .map_err(|e| anyhow::anyhow!("configuring the rail stub: {e}"))?;
+    let payments = PaymentClient::connect(system.payment_url.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let ambiguity = AmbiguityPolicy {
+        settlement_window_ms: system.settlement_window_ms + 500,
+        resolution_sla_ms: 120_000,
+    };
+    let say = |line: String| {
+        if !args.json {
+            eprintln!("{line}");
+        }
+    };
+
+    let mut configurations = Vec::new();
+    if wanted.contains(&"system") {
+        say(format!(
+            "(a) system: {} payouts over {} accounts",
+            args.payouts, args.accounts
+        ));
+        let workload = even_workload(args.payouts, args.accounts, 1, ambiguity)?;
+        let (_, inputs) = workload.create(&payments).await?;
+        let ids = workflow_ids(&inputs);
+        let measured = run_payouts(client.clone(), &system.task_queue, inputs, timeout).await?;
+        configurations.push(figures("system", &client, &ids, measured, args.sample).await);
+    }
+    if wanted.contains(&"workflow-floor") {
+        say(format!(
+            "(b) workflow floor: {} payouts on the in-memory backend",
+            args.payouts
+        ));
+        let workload = even_workload(args.payouts, args.payouts, 1, ambiguity)?;
+        let (accounts, inputs) = workload.build()?;
+        let backend = Arc::new(InMemoryBackend::new("bench-floor"));
+        for account in &accounts {
+            backend.open_account(account, crate::run::OPENING_BALANCE_MINOR);
+        }
+        for input in &inputs {
+            backend.create_payout(input, RailScript::Ack);
+        }
+        let queue = format!("bench-workflow-floor-{}", workload.run_id);
+        let ids = workflow_ids(&inputs);
+        let worker = WorkerOptions::new(queue.clone())
+            .register_workflow::<payout_workflows::PayoutWorkflow>()?
+            .register_activities(payout_activities::PayoutActivities::new(backend))
+            .build();
+        let measured = with_worker(&client, worker, async {
+            run_payouts(client.clone(), &queue, inputs, timeout).await
+        })
+        .await?;
+        configurations.push(figures("workflow-floor", &client, &ids, measured, args.sample).await);
+    }
+    if wanted.contains(&"temporal-floor") {
+        say(format!(
+            "(c) Temporal floor: {} workflows of one no-op activity",
+            args.payouts
+        ));
+        let run = run_id()?;
+        let queue = format!("bench-temporal-floor-{run}");
+        let ids: Vec<String> = (0..args.payouts)
+            .map(|i| format!("bench-floor-{run}-{i:05}"))
+            .collect();
+        let worker = WorkerOptions::new(queue.clone())
+            .register_workflow::<FloorWorkflow>()?
+            .register_activities(FloorActivities)
+            .build();
+        let measured = with_worker(&client, worker, async {
+            let starts = Arc::new(tokio::sync::Semaphore::new(
+                crate::run::START_CONCURRENCY_MAX,
+            ));
+            measure(ids.clone(), |id| {
+                let client = client.clone();
+                let queue = queue.clone();
+                let starts = starts.clone();
+                async move {
+                    let permit = starts.acquire_owned().await.expect("semaphore open");
+                    client
+                        .start_workflow(
+                            FloorWorkflow::run,
+                            id.clone(),
+                            WorkflowStartOptions::new(queue, id.clone()).build(),
+                        )
+                        .await?;
+                    drop(permit);
+                    let handle = client.get_workflow_handle::<FloorWorkflow>(&id);
+                    tokio::time::timeout(
+                        timeout,
+                        handle.get_result(WorkflowGetResultOptions::default()),
+                    )
+                    .await??;
+                    Ok(())
+                }
+            })
+            .await
+        })
+        .await?;
+        configurations.push(figures("temporal-floor", &client, &ids, measured, args.sample).await);
+    }
+    if wanted.contains(&"idle") && args.idle > 0 {
+        say(format!(
+            "idle: {} single payouts, one after another",
+            args.idle
+        ));
+        let workload = even_workload(args.idle, args.idle, 2, ambiguity)?;
+        let (_, inputs) = workload.create(&payments).await?;
+        let ids = workflow_ids(&inputs);
+        let mut total = Measured {
+            latencies: Vec::new(),
+            failures: Vec::new(),
+            elapsed: Duration::ZERO,
+        };
+        for input in inputs {
+            let one = run_payouts(client.clone(), &system.task_queue, vec![input], timeout).await?;
+            total.latencies.extend(one.latencies);
+            total.failures.extend(one.failures);
+            total.elapsed += one.elapsed;
+        }
+        configurations.push(figures("idle", &client, &ids, total, args.sample).await);
+    }
+
+    let per_s = |name: &str| {
+        configurations
+            .iter()
+            .find(|f| f.name == name)
+            .map(|f| f.per_s)
+    };
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    };
+    let failed: usize = configurations.iter().map(|f| f.failed).sum();
+    let report = Report {
+        bench: "e2e",
+        profile: crate::bench::profile(),
+        payouts: args.payouts,
+        accounts: args.accounts,
+        system_over_workflow_floor: ratio(per_s("system"), per_s("workflow-floor")),
+        workflow_floor_over_temporal_floor: ratio(per_s("workflow-floor"), per_s("temporal-floor")),
+        configurations,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(if failed == 0 {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    })
+}
+
+/// A benchmark workload: no payout the account cannot fund, payouts spread evenly.
+fn even_workload(
+    payouts: usize,
+    accounts: usize,
+    seed: u64,
+    ambiguity: AmbiguityPolicy,
+) -> anyhow::Result<Workload> {
+    Ok(Workload {
+        run_id: run_id()?,
+        payouts,
+        accounts,
+        opening_balance_minor: crate::run::OPENING_BALANCE_MINOR,
+        insufficient_rate: 0.0,
+        amount_max_minor: crate::run::AMOUNT_MAX_MINOR,
+        beneficiaries: crate::run::BENEFICIARIES,
+        seed,
+        ambiguity,
+        round_robin: true,
+    })
+}
+
+fn workflow_ids(inputs: &[payout_activities::types::PayoutInput]) -> Vec<String> {
+    inputs
+        .iter()
+        .map(|i| payout_domain::workflow_id(&i.payout_id))
+        .collect()
+}
+
+/// Runs `work` while a worker with `options` polls in this process, then stops the worker.
+async fn with_worker<T>(
+    client: &Client,
+    options: WorkerOptions,
+    work: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let runtime = Runtime::from_current_tokio(Default::default())?;
+    let mut options = options;
+    options.max_cached_workflows = FLOOR_CACHED_WORKFLOWS;
+    let mut worker = Worker::new(&runtime, client.clone(), options)?;
+    let shutdown = worker.shutdown_handle();
+    let (ran, result) = tokio::join!(worker.run(), async {
+        let result = work.await;
+        shutdown();
+        result
+    });
+    ran?;
+    result
+}
+
+/// The batch's figures, with the transitions and events of up to `sample` of its workflows.
+async fn figures(
+    name: &'static str,
+    client: &Client,
+    ids: &[String],
+    measured: Measured,
+    sample: usize,
+) -> Figures {
+    let step = (ids.len() / sample.max(1)).max(1);
+    let (mut transitions, mut events, mut described) = (0i64, 0usize, 0usize);
+    for id in ids.iter().step_by(step).take(sample) {
+        let handle = client.get_workflow_handle::<UntypedWorkflow>(id.as_str());
+        if let Ok(d) = handle.describe(WorkflowDescribeOptions::default()).await {
+            transitions += d
+                .raw_description
+                .workflow_execution_info
+                .as_ref()
+                .map_or(0, |i| i.state_transition_count);
+            events += d.history_length();
+            described += 1;
+        }
+    }
+    let mean = |total: f64| {
+        if described == 0 {
+            0.0
+        } else {
+            total / described as f64
+        }
+    };
+    for f in measured.failures.iter().take(5) {
+        eprintln!("{name}: did not complete: {f}");
+    }
+    Figures {
+        name,
+        workflows: measured.latencies.len() + measured.failures.len(),
+        failed: measured.failures.len(),
+        elapsed_s: measured.elapsed.as_secs_f64(),
+        per_s: measured.throughput(),
+        latency_ms_p50: measured.percentile_ms(0.50),
+        latency_ms_p99: measured.percentile_ms(0.99),
+        state_transitions_per_workflow: mean(transitions as f64),
+        history_events_per_workflow: mean(events as f64),
+    }
+}
+
+fn print_report(r: &Report) {
+    println!(
+        "e2e: {} payouts over {} accounts (the floors: one account each), {} build",
+        r.payouts, r.accounts, r.profile
+    );
+    println!(
+        "{:<16} {:>9} {:>7} {:>9} {:>10} {:>10} {:>12} {:>8}",
+        "configuration",
+        "workflows",
+        "failed",
+        "per s",
+        "p50 (ms)",
+        "p99 (ms)",
+        "transitions",
+        "events"
+    );
+    for f in &r.configurations {
+        println!(
+            "{:<16} {:>9} {:>7} {:>9.1} {:>10.0} {:>10.0} {:>12.1} {:>8.1}",
+            f.name,
+            f.workflows,
+            f.failed,
+            f.per_s,
+            f.latency_ms_p50,
+            f.latency_ms_p99,
+            f.state_transitions_per_workflow,
+            f.history_events_per_workflow
+        );
+    }
+    if let Some(x) = r.system_over_workflow_floor {
+        println!("a/b system over workflow floor: {x:.2}");
+    }
+    if let Some(x) = r.workflow_floor_over_temporal_floor {
+        println!("b/c workflow floor over Temporal floor: {x:.2}");
+    }
+}

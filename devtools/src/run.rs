@@ -1,0 +1,450 @@
+//! `payoutdev run`: the main job. Brings the stack and every service up, loads fixture accounts,
+//! submits a batch of payouts through Temporal while the rail stub injects declines, timeouts
+//! after acceptance and lost responses, waits until every payout has settled, drains the outbox,
+//! runs the reconciler, and prints what happened.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args as ClapArgs, Parser};
+use payment_client::PaymentClient;
+use payout_activities::types::{AmbiguityPolicy, PayoutInput};
+use serde::Serialize;
+
+use crate::stack::UpArgs;
+use payoutctl::record::StackRecord;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// The local stack (started if it is not up), or an existing deployment by its endpoints.
+    #[command(flatten)]
+    pub target: payoutctl::target::Target,
+    /// Payouts to submit.
+    #[arg(long, default_value_t = 300)]
+    pub payouts: usize,
+    /// Accounts they are spread over (one payout in flight per account at a time).
+    #[arg(long, default_value_t = 30)]
+    pub accounts: usize,
+    /// Share of payouts larger than their account can fund (they end FAILED, no rail call).
+    #[arg(long, default_value_t = 0.05)]
+    pub insufficient_rate: f64,
+    /// The rail declines.
+    #[arg(long, default_value_t = 0.05)]
+    pub decline_rate: f64,
+    /// The rail accepts, then never answers (the proxy times out: ambiguous, money moved).
+    #[arg(long, default_value_t = 0.03)]
+    pub timeout_after_accept_rate: f64,
+    /// The rail accepts, then answers 5xx (ambiguous, money moved).
+    #[arg(long, default_value_t = 0.02)]
+    pub fail_after_accept_rate: f64,
+    /// The response is lost before the rail acts: a 5xx or a reset connection (ambiguous, no money moved).
+    #[arg(long, default_value_t = 0.03)]
+    pub lost_response_rate: f64,
+    /// Seed of the workload and of the rail's faults.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Workers, if the stack has to be started.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Give up waiting for the batch after this long.
+    #[arg(long, default_value_t = 900)]
+    pub timeout_s: u64,
+    /// One JSON object instead of the readable summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Workflow starts in flight at once: the frontend and the payment resource are local, and more
+/// only queues inside the client.
+pub(crate) const START_CONCURRENCY_MAX: usize = 32;
+/// Opening balance per account, in minor units: enough for its share of the batch.
+pub(crate) const OPENING_BALANCE_MINOR: i64 = 10_000_000;
+/// The main job's payouts are 1.00 ..< 500.00 (EUR, minor units), to one of a thousand beneficiaries.
+pub(crate) const AMOUNT_MAX_MINOR: i64 = 50_000;
+pub(crate) const BENEFICIARIES: u32 = 1_000;
+
+#[derive(Serialize)]
+struct Summary {
+    run_id: String,
+    payouts: usize,
+    accounts: usize,
+    final_states: BTreeMap<String, u64>,
+    elapsed_s: f64,
+    throughput_payouts_per_s: f64,
+    latency_ms_p50: f64,
+    latency_ms_p99: f64,
+    latency_ms_max: f64,
+    rail_movements: u64,
+    rail_movements_per_payout_max: u64,
+    ambiguous_resolved_by_evidence: u64,
+    ledger_balanced: bool,
+    gl_matches_paydb: bool,
+    reconciliation_violations: usize,
+    temporal_ui: String,
+    workflow_ids_look_like: String,
+}
+
+#[derive(Parser)]
+struct UpOnly {
+    #[command(flatten)]
+    up: UpArgs,
+}
+
+/// Makes sure the local stack and the services are up (starting them if not), unless the run
+/// targets an existing deployment; then resolves every endpoint.
+pub(crate) async fn ensure_up(
+    target: &payoutctl::target::Target,
+    workers: usize,
+) -> anyhow::Result<payoutctl::target::Resolved> {
+    if target.is_external() {
+        return target.resolve();
+    }
+    let dir = &target.state_dir;
+    let up = StackRecord::load(dir).is_ok_and(|r| {
+        r.system.is_some() && r.parts.iter().all(|p| testkit::util::pid_alive(p.pid))
+    });
+    if !up {
+        let workers = workers.to_string();
+        let state = dir.display().to_string();
+        let up = UpOnly::parse_from(["payoutdev", "--workers", &workers, "--state-dir", &state]).up;
+        crate::stack::up_quiet(up).await?;
+    }
+    target.resolve()
+}
+
+pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    anyhow::ensure!(
+        args.payouts > 0 && args.accounts > 0,
+        "--payouts and --accounts must be positive"
+    );
+    let rates = [
+        args.decline_rate,
+        args.timeout_after_accept_rate,
+        args.fail_after_accept_rate,
+        args.lost_response_rate,
+    ];
+    anyhow::ensure!(
+        rates.iter().all(|r| (0.0..=1.0).contains(r)),
+        "fault rates are probabilities in [0, 1]"
+    );
+    anyhow::ensure!(
+        rates.iter().sum::<f64>() <= 1.0,
+        "the rail's fault rates must sum to at most 1"
+    );
+    let say = |line: String| {
+        if !args.json {
+            println!("{line}");
+        }
+    };
+    let system = ensure_up(&args.target, args.workers).await?;
+    say(format!("system up; Temporal UI {}", system.ui_url));
+
+    // The rail misbehaves as asked, reproducibly.
+    let stub = rail_stub::client::StubClient::new(system.rail_url.clone());
+    let half = args.lost_response_rate / 2.0;
+    stub.set_faults(&rail_stub::FaultConfig {
+        seed: args.seed,
+        latency_ms_min: 0,
+        latency_ms_max: 20,
+        decline_rate: args.decline_rate,
+        accept_then_hang_rate: args.timeout_after_accept_rate,
+        accept_then_fail_rate: args.fail_after_accept_rate,
+        fail_before_acting_rate: half,
+        reset_before_acting_rate: half,
+        ..rail_stub::FaultConfig::default()
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("configuring the rail stub's faults: {e}"))?;
+
+    // Fixture accounts and the payouts, created in the payment resource before any workflow.
+    let run_id = run_id()?;
+    let payments = PaymentClient::connect(system.payment_url.clone())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let workload = Workload {
+        run_id: run_id.clone(),
+        payouts: args.payouts,
+        accounts: args.accounts,
+        opening_balance_minor: OPENING_BALANCE_MINOR,
+        insufficient_rate: args.insufficient_rate,
+        amount_max_minor: AMOUNT_MAX_MINOR,
+        beneficiaries: BENEFICIARIES,
+        seed: args.seed,
+        ambiguity: AmbiguityPolicy {
+            // A little past the stub's window, so the first lookup after it is authoritative.
+            settlement_window_ms: system.settlement_window_ms + 500,
+            resolution_sla_ms: 120_000,
+        },
+        round_robin: false,
+    };
+    let (_, inputs) = workload.create(&payments).await?;
+    say(format!(
+        "{} accounts and {} payouts created (run {run_id})",
+        args.accounts, args.payouts
+    ));
+
+    // Start every workflow, then await each result; the latency is start to final state.
+    let client = Arc::new(
+        payout_workflows::client::connect(&system.temporal_address, "default", "payoutdev")
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
+    let timeout = Duration::from_secs(args.timeout_s);
+    let progress = tokio::spawn(progress_lines(
+        system.paydb.clone(),
+        run_id.clone(),
+        args.payouts,
+        args.json,
+    ));
+    let measured = run_payouts(client, &system.task_queue, inputs, timeout).await?;
+    progress.abort();
+    let failures = &measured.failures;
+    for f in failures.iter().take(10) {
+        eprintln!("payout did not complete: {f}");
+    }
+
+    // Drain the outbox, then reconcile everything (the whole stack, not only this run).
+    let paydb = sqlx::PgPool::connect(&system.paydb).await?;
+    testkit::eventually(Duration::from_secs(120), "the outbox to drain", || async {
+        let pending: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NULL")
+                .fetch_one(&paydb)
+                .await
+                .ok()?;
+        (pending == 0).then_some(())
+    })
+    .await?;
+    let sources = payoutctl::reconcile::sources(&system).await?;
+    let report = reconciler::reconcile(
+        &sources,
+        &reconciler::Options {
+            require_outbox_drained: true,
+        },
+    )
+    .await?;
+
+    let mut final_states = BTreeMap::new();
+    for row in sqlx::query_as::<_, (String, i64)>(
+        "SELECT state, count(*) FROM payout WHERE id LIKE $1 GROUP BY state",
+    )
+    .bind(format!("{run_id}-p-%"))
+    .fetch_all(&paydb)
+    .await?
+    {
+        final_states.insert(row.0, row.1 as u64);
+    }
+    let truth = stub
+        .ground_truth()
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let prefix = format!("cref-{run_id}-p-");
+    let run_counts: Vec<u64> = truth
+        .movement_counts
+        .iter()
+        .filter(|(k, _)| k.starts_with(&prefix))
+        .map(|(_, v)| *v)
+        .collect();
+    let ambiguous_resolved: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT payout_id) FROM audit_event WHERE kind = 'transition' \
+         AND event IN ('EVIDENCE_FOUND', 'EVIDENCE_ABSENT') AND payout_id LIKE $1",
+    )
+    .bind(format!("{run_id}-p-%"))
+    .fetch_one(&paydb)
+    .await?;
+    let check_clean = |name: &str| {
+        report
+            .checks
+            .iter()
+            .find(|c| c.name == name)
+            .is_some_and(|c| c.violations.is_empty())
+    };
+    let summary = Summary {
+        run_id: run_id.clone(),
+        payouts: args.payouts,
+        accounts: args.accounts,
+        final_states,
+        elapsed_s: measured.elapsed.as_secs_f64(),
+        throughput_payouts_per_s: measured.throughput(),
+        latency_ms_p50: measured.percentile_ms(0.50),
+        latency_ms_p99: measured.percentile_ms(0.99),
+        latency_ms_max: measured.percentile_ms(1.0),
+        rail_movements: run_counts.iter().sum(),
+        rail_movements_per_payout_max: run_counts.iter().copied().max().unwrap_or(0),
+        ambiguous_resolved_by_evidence: ambiguous_resolved as u64,
+        ledger_balanced: check_clean("ledger_balanced") && check_clean("postings_match_payouts"),
+        gl_matches_paydb: check_clean("gl_matches_paydb"),
+        reconciliation_violations: report.violations,
+        temporal_ui: system.ui_url.clone(),
+        workflow_ids_look_like: format!("payout-{run_id}-p-00000"),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        println!();
+        print!("{}", report.render());
+        println!();
+        println!(
+            "run {run_id}: {} payouts over {} accounts in {:.1}s",
+            summary.payouts, summary.accounts, summary.elapsed_s
+        );
+        let states: Vec<String> = summary
+            .final_states
+            .iter()
+            .map(|(s, n)| format!("{s} {n}"))
+            .collect();
+        println!("final states: {}", states.join(", "));
+        println!(
+            "throughput {:.1} payouts/s; latency submission to final state p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
+            summary.throughput_payouts_per_s, summary.latency_ms_p50, summary.latency_ms_p99, summary.latency_ms_max
+        );
+        println!(
+            "rail movements {} (at most {} per payout); ambiguous payouts resolved by evidence {}",
+            summary.rail_movements,
+            summary.rail_movements_per_payout_max,
+            summary.ambiguous_resolved_by_evidence
+        );
+        println!(
+            "ledger balanced: {}; GL matches paydb: {}; reconciliation violations: {}",
+            summary.ledger_balanced, summary.gl_matches_paydb, summary.reconciliation_violations
+        );
+        println!(
+            "inspect every payout in the Temporal UI: {} (workflow ids like {})",
+            summary.temporal_ui, summary.workflow_ids_look_like
+        );
+    }
+    let ok = failures.is_empty() && report.is_clean() && summary.rail_movements_per_payout_max <= 1;
+    Ok(if ok {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    })
+}
+
+/// A line a second: how many of this run's payouts are in each state.
+async fn progress_lines(paydb_url: String, run_id: String, total: usize, quiet: bool) {
+    let Ok(pool) = sqlx::PgPool::connect(&paydb_url).await else {
+        return;
+    };
+    let started = Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let Ok(rows) = sqlx::query_as::<_, (String, i64)>(
+            "SELECT state, count(*) FROM payout WHERE id LIKE $1 GROUP BY state ORDER BY state",
+        )
+        .bind(format!("{run_id}-p-%"))
+        .fetch_all(&pool)
+        .await
+        else {
+            continue;
+        };
+        let terminal: i64 = rows
+            .iter()
+            .filter(|(s, _)| matches!(s.as_str(), "POSTED" | "FAILED" | "ABANDONED"))
+            .map(|(_, n)| n)
+            .sum();
+        if !quiet {
+            let states: Vec<String> = rows.iter().map(|(s, n)| format!("{s} {n}")).collect();
+            println!(
+                "[{:>4}s] {terminal}/{total} settled | {}",
+                started.elapsed().as_secs(),
+                states.join(", ")
+            );
+        }
+    }
+}
+
+/// The run's name: every account and payout id of the run starts with it.
+pub(crate) fn run_id() -> anyhow::Result<String> {
+    Ok(format!(
+        "r{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis()
+    ))
+}
+
+/// The main job's and the benchmarks' batches (the one builder: `system_tests::workload`).
+pub(crate) use system_tests::workload::Batch as Workload;
+
+/// A batch's timing: each item's latency from its start to its end, and the batch's wall time.
+pub(crate) struct Measured {
+    pub latencies: Vec<Duration>,
+    pub failures: Vec<String>,
+    pub elapsed: Duration,
+}
+
+impl Measured {
+    /// The `p` quantile of the latencies, in milliseconds (nearest rank).
+    pub fn percentile_ms(&self, p: f64) -> f64 {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        if sorted.is_empty() {
+            return 0.0;
+        }
+        let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+        sorted[i].as_secs_f64() * 1000.0
+    }
+
+    pub fn throughput(&self) -> f64 {
+        self.latencies.len() as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// Runs `one(input)` for every input at once (each starts its workflow and awaits its result)
+/// and times each from its start.
+pub(crate) async fn measure<I, F, Fut>(inputs: Vec<I>, one: F) -> anyhow::Result<Measured>
+where
+    F: Fn(I) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for input in inputs {
+        let work = one(input);
+        tasks.spawn(async move {
+            let t0 = Instant::now();
+            work.await.map(|()| t0.elapsed())
+        });
+    }
+    let mut latencies = Vec::new();
+    let mut failures = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        match joined? {
+            Ok(latency) => latencies.push(latency),
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    Ok(Measured {
+        latencies,
+        failures,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Starts each payout's workflow (at most [`START_CONCURRENCY_MAX`] starts in flight) and awaits
+/// its result.
+pub(crate) async fn run_payouts(
+    client: Arc<temporalio_client::Client>,
+    task_queue: &str,
+    inputs: Vec<PayoutInput>,
+    timeout: Duration,
+) -> anyhow::Result<Measured> {
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(START_CONCURRENCY_MAX));
+    measure(inputs, |input| {
+        let client = client.clone();
+        let semaphore = semaphore.clone();
+        let queue = task_queue.to_string();
+        async move {
+            let permit = semaphore.acquire_owned().await.expect("semaphore open");
+            let id = payout_workflows::client::start_payout(&client, &queue, &input).await;
+            drop(permit);
+            let id = id.map_err(|e| anyhow::anyhow!("starting {}: {e}", input.payout_id))?;
+            payout_workflows::client::wait_result(&client, &id, timeout)
+                .await
+                .map_err(|e| anyhow::anyhow!("{id}: {e}"))?;
+            Ok(())
+        }
+    })
+    .await
+}

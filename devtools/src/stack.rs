@@ -1,0 +1,589 @@
+//! `payoutdev stack up | down | status`: the local stack as daemons that outlive the command,
+//! under one state directory, with data that persists across `down`/`up`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clap::{Args as ClapArgs, Subcommand};
+use payoutctl::record::{
+    Databases, Part, StackPorts, StackRecord, SystemPorts, SystemRecord, DEFAULT_STATE_DIR,
+    LOCK_ETCD_PREFIX, TASK_QUEUE,
+};
+use serde::Serialize;
+use testkit::system::{System, SystemOptions};
+use testkit::{Lifetime, Stack};
+
+/// Services listen at `--service-port-base` + 1 ..= this (gRPC, /metrics, the reconciler's).
+const SERVICE_PORT_OFFSET_MAX: u16 = 20;
+
+/// How long `down` waits for a part to exit on SIGTERM before SIGKILL.
+const STOP_GRACE_MS: u64 = 15_000;
+
+#[derive(Subcommand)]
+pub enum Action {
+    /// Start every part (or report that it is already up) and wait until each is ready.
+    Up(UpArgs),
+    /// Stop every part; data stays in the state directory.
+    Down(StateArgs),
+    /// Each part with its address and health; non-zero exit if any is unhealthy.
+    Status(StatusArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct StateArgs {
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+    pub state_dir: PathBuf,
+}
+
+#[derive(ClapArgs)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub state: StateArgs,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(ClapArgs)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub state: StateArgs,
+    // Every default port lies below Linux's ephemeral range (32768-60999): a port in it can be
+    // held by one of this machine's own outgoing connections (in TIME-WAIT after a `stack down`),
+    // and the restarted service then fails to bind it.
+    #[arg(long, env = "PAYOUT_PG_MAIN_PORT", default_value_t = 25432)]
+    pub pg_main_port: u16,
+    #[arg(long, env = "PAYOUT_PG_PROXY_PORT", default_value_t = 25433)]
+    pub pg_proxy_port: u16,
+    /// Client port of the first etcd member; further members take the next ports.
+    #[arg(long, env = "PAYOUT_ETCD_PORT", default_value_t = 2379)]
+    pub etcd_port: u16,
+    /// 1 by default; 3 for a cluster that survives a member loss.
+    #[arg(long, default_value_t = 1)]
+    pub etcd_members: usize,
+    #[arg(long, env = "PAYOUT_TEMPORAL_PORT", default_value_t = 7233)]
+    pub temporal_port: u16,
+    #[arg(long, env = "PAYOUT_TEMPORAL_UI_PORT", default_value_t = 8233)]
+    pub temporal_ui_port: u16,
+    /// Our services listen on base+1.. (lock-server, payment-resource, rail-stub, rail-proxy,
+    /// general-ledger) and serve /metrics on base+11..base+16.
+    #[arg(long, env = "PAYOUT_SERVICE_PORT_BASE", default_value_t = 20050)]
+    pub service_port_base: u16,
+    /// Payout workers to run.
+    #[arg(long, env = "PAYOUT_WORKERS", default_value_t = 2)]
+    pub workers: usize,
+    /// The rail stub's settlement window: lookups are authoritative after it.
+    #[arg(long, default_value_t = 2000)]
+    pub settlement_window_ms: u64,
+    /// Seconds between the reconciler's scheduled runs (a Temporal schedule).
+    #[arg(long, default_value_t = 300)]
+    pub reconcile_interval_s: u64,
+    /// Infrastructure only (PostgreSQL, etcd, Temporal), none of our services.
+    #[arg(long)]
+    pub infra_only: bool,
+}
+
+/// What `up` leaves behind for `down`, `status`, `migrate` and the run.
+fn alive(pid: u32) -> bool {
+    testkit::util::pid_alive(pid)
+}
+
+pub async fn run(action: Action) -> anyhow::Result<std::process::ExitCode> {
+    match action {
+        Action::Up(args) => up(args).await,
+        Action::Down(args) => down(&args.state_dir),
+        Action::Status(args) => status(&args.state.state_dir, args.json).await,
+    }
+}
+
+/// `up` without the status table (for `payoutdev run`).
+pub async fn up_quiet(args: UpArgs) -> anyhow::Result<()> {
+    start(args).await
+}
+
+async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
+    let dir = args.state.state_dir.clone();
+    if let Ok(record) = StackRecord::load(&dir) {
+        if record.parts.iter().all(|p| alive(p.pid)) {
+            println!("stack already up");
+            return status(&dir, false).await;
+        }
+    }
+    start(args).await?;
+    // Processes that were just started may still be opening their listeners (the reconciler's
+    // metrics, the UI): wait for every part to answer, up to a bound, then print the table.
+    let deadline = Instant::now() + UP_HEALTH_WAIT;
+    while Instant::now() < deadline {
+        let record = StackRecord::load(&dir)?;
+        if part_rows(&record).await.iter().all(|r| r.healthy) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let code = status(&dir, false).await?;
+    if code != std::process::ExitCode::SUCCESS {
+        let record = StackRecord::load(&dir)?;
+        for row in part_rows(&record).await.iter().filter(|r| !r.healthy) {
+            print_log_tail(&dir, &row.name);
+        }
+    }
+    Ok(code)
+}
+
+/// The last lines of a part's log (`<name>.log` anywhere under the state directory), on stderr:
+/// what an unhealthy part said before `up` gave up on it.
+fn print_log_tail(dir: &Path, name: &str) {
+    let file = format!("{name}.log");
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(d) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.file_name().is_some_and(|f| f == file.as_str()) {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                eprintln!("--- {} (last 20 lines)", path.display());
+                for line in &lines[lines.len().saturating_sub(20)..] {
+                    eprintln!("{line}");
+                }
+            }
+        }
+    }
+}
+
+/// How long `up` waits for every part to answer its health probe before it reports.
+const UP_HEALTH_WAIT: Duration = Duration::from_secs(30);
+
+async fn start(args: UpArgs) -> anyhow::Result<()> {
+    let dir = &args.state.state_dir;
+    std::fs::create_dir_all(dir)?;
+    if let Ok(record) = StackRecord::load(dir) {
+        if record.parts.iter().all(|p| alive(p.pid)) {
+            return Ok(());
+        }
+        // Partly up: stop what is left, then start everything from the same data.
+        down(dir)?;
+    }
+    let ports = StackPorts {
+        pg_main: args.pg_main_port,
+        pg_proxy: args.pg_proxy_port,
+        // Client ports step by 10 so the peer ports chosen beside them never collide.
+        etcd_clients: (0..args.etcd_members)
+            .map(|i| args.etcd_port + 10 * i as u16)
+            .collect(),
+        temporal: args.temporal_port,
+        temporal_ui: args.temporal_ui_port,
+        // The dev server's HTTP API and metrics ports sit beside the UI's.
+        temporal_http: args.temporal_ui_port + 1,
+        temporal_metrics: args.temporal_ui_port + 2,
+    };
+    // The services' ports, before any part picks a fresh port of its own (etcd's peers): the
+    // parts start in parallel, and a fresh pick must never be a port another part will bind.
+    if !args.infra_only {
+        testkit::util::reserve_ports(
+            (1..=SERVICE_PORT_OFFSET_MAX).map(|i| args.service_port_base + i),
+        );
+    }
+    let started = Instant::now();
+    let dir_for_thread = dir.clone();
+    let ports_for_thread = ports.clone();
+    let stack = tokio::task::spawn_blocking(move || {
+        Stack::builder()
+            .state_dir(dir_for_thread)
+            .lifetime(Lifetime::Detached)
+            .durable(true)
+            .etcd_members(args.etcd_members)
+            .ports(testkit_stack_ports(&ports_for_thread))
+            .temporal(true)
+            .start()
+    })
+    .await??;
+    for (db, _) in [("paydb", ()), ("gldb", ()), ("lockdb", ())] {
+        stack.main.create_database(db).await?;
+    }
+    stack.proxy.create_database("proxydb").await?;
+    let temporal = stack.temporal();
+    let mut parts = vec![
+        Part {
+            name: "postgres-main".into(),
+            pid: stack.main.process.pid().expect("started"),
+            address: format!("127.0.0.1:{}", stack.main.port),
+        },
+        Part {
+            name: "postgres-proxy".into(),
+            pid: stack.proxy.process.pid().expect("started"),
+            address: format!("127.0.0.1:{}", stack.proxy.port),
+        },
+    ];
+    for member in &stack.etcd.members {
+        parts.push(Part {
+            name: format!("etcd-{}", member.name),
+            pid: member.process.pid().expect("started"),
+            address: member.endpoint(),
+        });
+    }
+    parts.push(Part {
+        name: "temporal".into(),
+        pid: temporal.process.pid().expect("started"),
+        address: temporal.address(),
+    });
+    let mut record = StackRecord {
+        ports,
+        parts,
+        system: None,
+    };
+    record.save(dir)?;
+    for (name, url) in record.database_urls() {
+        payoutctl::migrate::apply(name, &url).await?;
+    }
+    if !args.infra_only {
+        let base = args.service_port_base;
+        let system_ports = SystemPorts {
+            lock_server: base + 1,
+            payment_resource: base + 2,
+            rail_stub: base + 3,
+            rail_proxy: base + 4,
+            general_ledger: base + 5,
+            metrics: (11..17).map(|i| base + i).collect(),
+        };
+        let databases = Databases {
+            paydb: record.pg_url(record.ports.pg_main, "paydb"),
+            proxydb: record.pg_url(record.ports.pg_proxy, "proxydb"),
+            gldb: record.pg_url(record.ports.pg_main, "gldb"),
+        };
+        let options = SystemOptions {
+            workers: args.workers,
+            settlement_window_ms: args.settlement_window_ms,
+            lifetime: Lifetime::Detached,
+            dir: Some(dir.join("system")),
+            ports: Some(testkit_system_ports(&system_ports)),
+            databases: Some(testkit_databases(&databases)),
+            task_queue: Some(TASK_QUEUE.to_string()),
+            etcd_prefix: Some(LOCK_ETCD_PREFIX.to_string()),
+            ..SystemOptions::default()
+        };
+        let system = System::start(&stack, options).await?;
+        for process in system.processes() {
+            let address = match process.name() {
+                "lock-server" => SystemRecord::url(system_ports.lock_server),
+                "payment-resource" => SystemRecord::url(system_ports.payment_resource),
+                "rail-stub" => SystemRecord::url(system_ports.rail_stub),
+                "rail-proxy" => SystemRecord::url(system_ports.rail_proxy),
+                "general-ledger" => SystemRecord::url(system_ports.general_ledger),
+                _ => "-".to_string(),
+            };
+            record.parts.push(Part {
+                name: process.name().to_string(),
+                pid: process.pid().unwrap_or(0),
+                address,
+            });
+        }
+        // The reconciler on its Temporal schedule, with its own /metrics (base + 17).
+        let etcd = record.etcd_endpoints().join(",");
+        let reconciler = testkit::ManagedProcess::start(
+            testkit::ProcessSpec::new(
+                "reconciler",
+                testkit::workspace_bin("reconciler"),
+                dir.join("system").join("reconciler.log"),
+            )
+            .lifetime(Lifetime::Detached)
+            .arg("serve")
+            .args([
+                "--paydb-url",
+                &databases.paydb,
+                "--proxydb-url",
+                &databases.proxydb,
+            ])
+            .args(["--gldb-url", &databases.gldb, "--etcd-endpoints", &etcd])
+            .args(["--lock-prefix", LOCK_ETCD_PREFIX])
+            .args([
+                "--lock-server-url".to_string(),
+                SystemRecord::url(system_ports.lock_server),
+            ])
+            .args([
+                "--rail-proxy-url".to_string(),
+                SystemRecord::url(system_ports.rail_proxy),
+            ])
+            .args([
+                "--payment-resource-url".to_string(),
+                SystemRecord::url(system_ports.payment_resource),
+            ])
+            .args(["--temporal-address".to_string(), record.temporal_address()])
+            .args([
+                "--temporal-cli".into(),
+                testkit::temporal::cli_path()?.into_os_string(),
+            ])
+            .args([
+                "--metrics-listen".to_string(),
+                format!("127.0.0.1:{}", base + 17),
+            ])
+            .args([
+                "--interval-s".to_string(),
+                args.reconcile_interval_s.to_string(),
+            ])
+            .arg("--resolve-orphans")
+            // Stranded payouts go back to a workflow on the workers' queue.
+            .arg("--resume-stranded")
+            .args(["--payout-task-queue", TASK_QUEUE])
+            .args([
+                "--settlement-window-ms".to_string(),
+                args.settlement_window_ms.to_string(),
+            ]),
+        )?;
+        record.parts.push(Part {
+            name: "reconciler".into(),
+            pid: reconciler.pid().unwrap_or(0),
+            address: format!("http://127.0.0.1:{}/metrics", base + 17),
+        });
+        record.system = Some(SystemRecord {
+            ports: system_ports,
+            databases,
+            task_queue: TASK_QUEUE.to_string(),
+            settlement_window_ms: args.settlement_window_ms,
+        });
+        record.save(dir)?;
+    }
+    // The processes are detached: dropping the handles leaves them running.
+    drop(stack);
+    eprintln!(
+        "stack up in {:.1}s (state in {})",
+        started.elapsed().as_secs_f64(),
+        dir.display()
+    );
+    Ok(())
+}
+
+fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
+    let record = StackRecord::load(dir)?;
+    // Reverse order: Temporal first, PostgreSQL last.
+    for part in record.parts.iter().rev() {
+        if !alive(part.pid) {
+            continue;
+        }
+        // SIGTERM to the part's leader only: it stops its own children in order. SIGKILL to
+        // the whole group only if it overstays its grace.
+        // SAFETY: signals to processes `up` started (each part leads its own process group).
+        // PostgreSQL's fast shutdown is SIGINT (SIGTERM would wait for every client to leave).
+        let signal = if part.name.starts_with("postgres") {
+            libc::SIGINT
+        } else {
+            libc::SIGTERM
+        };
+        unsafe {
+            libc::kill(part.pid as i32, signal);
+        }
+        let deadline = Instant::now() + Duration::from_millis(STOP_GRACE_MS);
+        while alive(part.pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if alive(part.pid) {
+            eprintln!(
+                "{} did not stop within {STOP_GRACE_MS} ms; killing it",
+                part.name
+            );
+            // SAFETY: as above.
+            unsafe {
+                libc::kill(-(part.pid as i32), libc::SIGKILL);
+            }
+            let deadline = Instant::now() + Duration::from_millis(STOP_GRACE_MS);
+            while alive(part.pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            anyhow::ensure!(
+                !alive(part.pid),
+                "{} (pid {}) survived SIGKILL",
+                part.name,
+                part.pid
+            );
+        }
+        println!("stopped {}", part.name);
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+struct PartStatus {
+    name: String,
+    address: String,
+    pid: u32,
+    running: bool,
+    healthy: bool,
+}
+
+/// Each part's liveness and health, the UI's last.
+async fn part_rows(record: &StackRecord) -> Vec<PartStatus> {
+    let mut rows = Vec::new();
+    for part in &record.parts {
+        let running = alive(part.pid);
+        let healthy = running && healthy(part, record).await;
+        rows.push(PartStatus {
+            name: part.name.clone(),
+            address: part.address.clone(),
+            pid: part.pid,
+            running,
+            healthy,
+        });
+    }
+    let ui_ok = testkit::util::http_get(record.ports.temporal_ui, "/", Duration::from_secs(2))
+        .is_ok_and(|(code, _)| (200..400).contains(&code));
+    rows.push(PartStatus {
+        name: "temporal-ui".into(),
+        address: record.ui_url(),
+        pid: record
+            .parts
+            .iter()
+            .find(|p| p.name == "temporal")
+            .map(|p| p.pid)
+            .unwrap_or(0),
+        running: ui_ok,
+        healthy: ui_ok,
+    });
+    rows
+}
+
+async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> {
+    let record = StackRecord::load(dir)?;
+    let rows = part_rows(&record).await;
+    let all_ok = rows.iter().all(|r| r.healthy);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "healthy": all_ok,
+                "parts": rows,
+                "temporal_ui": record.ui_url(),
+                "temporal_address": record.temporal_address(),
+                "databases": record.database_urls().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+            })
+        );
+    } else {
+        println!("{:<17} {:<28} {:>8}  HEALTH", "PART", "ADDRESS", "PID");
+        for r in &rows {
+            let health = if r.healthy {
+                "healthy"
+            } else if r.running {
+                "UNHEALTHY"
+            } else {
+                "DOWN"
+            };
+            println!("{:<16} {:<28} {:>8}  {}", r.name, r.address, r.pid, health);
+        }
+        println!();
+        println!("Temporal UI: {}", record.ui_url());
+        println!(
+            "Temporal frontend: {} (namespace default)",
+            record.temporal_address()
+        );
+    }
+    Ok(if all_ok {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    })
+}
+
+async fn healthy(part: &Part, record: &StackRecord) -> bool {
+    let port = |url: &str| {
+        url.rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok())
+            .unwrap_or(0)
+    };
+    match part.name.as_str() {
+        "lock-server" | "payment-resource" | "rail-proxy" | "general-ledger" => {
+            return testkit::system::probe_grpc(port(&part.address)).await;
+        }
+        "rail-stub" => {
+            return testkit::util::http_get(
+                port(&part.address),
+                "/healthz",
+                Duration::from_secs(2),
+            )
+            .is_ok_and(|(code, _)| code == 200);
+        }
+        // The dispatcher and the workers have no listener to probe; running is their health.
+        name if name == "outbox-dispatcher" || name.starts_with("payout-worker") => return true,
+        "reconciler" => {
+            let metrics = part.address.trim_end_matches("/metrics");
+            return testkit::util::http_get(port(metrics), "/metrics", Duration::from_secs(2))
+                .is_ok_and(|(code, _)| code == 200);
+        }
+        _ => {}
+    }
+    let timeout = Duration::from_secs(2);
+    if part.name.starts_with("postgres") {
+        let port = part.address.rsplit(':').next().unwrap_or_default();
+        let Ok(bin) = testkit::postgres::bin_dir() else {
+            return false;
+        };
+        std::process::Command::new(bin.join("pg_isready"))
+            .args(["-h", "127.0.0.1", "-p", port, "-U", "postgres", "-q"])
+            .status()
+            .is_ok_and(|s| s.success())
+    } else if part.name.starts_with("etcd") {
+        let port: u16 = part
+            .address
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        testkit::util::http_get(port, "/health", timeout)
+            .is_ok_and(|(code, body)| code == 200 && body.contains("\"true\""))
+    } else if part.name == "temporal" {
+        let Ok(cli) = testkit::temporal::cli_path() else {
+            return false;
+        };
+        std::process::Command::new(cli)
+            .args([
+                "operator",
+                "namespace",
+                "describe",
+                "--namespace",
+                "default",
+                "--address",
+            ])
+            .arg(record.temporal_address())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    } else {
+        false
+    }
+}
+
+/// The record's plain ports as the test kit's stack builder takes them.
+fn testkit_stack_ports(p: &StackPorts) -> testkit::stack::StackPorts {
+    testkit::stack::StackPorts {
+        pg_main: p.pg_main,
+        pg_proxy: p.pg_proxy,
+        etcd_clients: p.etcd_clients.clone(),
+        temporal: p.temporal,
+        temporal_ui: p.temporal_ui,
+        temporal_http: p.temporal_http,
+        temporal_metrics: p.temporal_metrics,
+    }
+}
+
+fn testkit_system_ports(p: &SystemPorts) -> testkit::system::SystemPorts {
+    testkit::system::SystemPorts {
+        lock_server: p.lock_server,
+        payment_resource: p.payment_resource,
+        rail_stub: p.rail_stub,
+        rail_proxy: p.rail_proxy,
+        general_ledger: p.general_ledger,
+        metrics: p.metrics.clone(),
+    }
+}
+
+fn testkit_databases(d: &Databases) -> testkit::system::Databases {
+    testkit::system::Databases {
+        paydb: d.paydb.clone(),
+        proxydb: d.proxydb.clone(),
+        gldb: d.gldb.clone(),
+    }
+}

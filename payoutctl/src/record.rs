@@ -1,0 +1,139 @@
+//! The local stack's record (`<state dir>/stack.json`): where each part listens and which process
+//! it is. `payoutdev stack up` writes it; the operator commands read it to find the deployment
+//! when no endpoint is given (`crate::target`). Its types are plain data, so the operator CLI
+//! needs nothing of the developer harness that starts the stack.
+
+use std::path::Path;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+/// The local stack's state directory, relative to the working directory.
+pub const DEFAULT_STATE_DIR: &str = ".state/stack";
+/// The task queue of the local stack's workers.
+pub const TASK_QUEUE: &str = "payouts";
+const RECORD_FILE: &str = "stack.json";
+
+/// The infrastructure's ports (PostgreSQL x2, etcd's members, Temporal and its UI).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StackPorts {
+    pub pg_main: u16,
+    pub pg_proxy: u16,
+    pub etcd_clients: Vec<u16>,
+    pub temporal: u16,
+    pub temporal_ui: u16,
+    pub temporal_http: u16,
+    pub temporal_metrics: u16,
+}
+
+/// Our services' ports.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SystemPorts {
+    pub lock_server: u16,
+    pub payment_resource: u16,
+    pub rail_stub: u16,
+    pub rail_proxy: u16,
+    pub general_ledger: u16,
+    /// `/metrics` of each service, in the order above, then the dispatcher's.
+    pub metrics: Vec<u16>,
+}
+
+/// The databases' URLs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Databases {
+    pub paydb: String,
+    pub proxydb: String,
+    pub gldb: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StackRecord {
+    pub ports: StackPorts,
+    pub parts: Vec<Part>,
+    /// Our services, when they were started.
+    #[serde(default)]
+    pub system: Option<SystemRecord>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SystemRecord {
+    pub ports: SystemPorts,
+    pub databases: Databases,
+    pub task_queue: String,
+    pub settlement_window_ms: u64,
+}
+
+impl SystemRecord {
+    pub fn url(port: u16) -> String {
+        format!("http://127.0.0.1:{port}")
+    }
+    pub fn payment_url(&self) -> String {
+        Self::url(self.ports.payment_resource)
+    }
+    pub fn rail_url(&self) -> String {
+        Self::url(self.ports.rail_stub)
+    }
+    pub fn proxy_url(&self) -> String {
+        Self::url(self.ports.rail_proxy)
+    }
+}
+
+/// The lock-server's etcd key prefix in the local stack.
+pub const LOCK_ETCD_PREFIX: &str = "/payout/lock/";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Part {
+    pub name: String,
+    pub pid: u32,
+    pub address: String,
+}
+
+impl StackRecord {
+    pub fn load(state_dir: &Path) -> anyhow::Result<Self> {
+        let path = state_dir.join(RECORD_FILE);
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "no stack record at {} (run `payoutdev stack up`)",
+                path.display()
+            )
+        })?;
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
+    }
+
+    pub fn save(&self, state_dir: &Path) -> anyhow::Result<()> {
+        let tmp = state_dir.join(format!("{RECORD_FILE}.tmp"));
+        std::fs::write(&tmp, serde_json::to_vec_pretty(self)?)?;
+        std::fs::rename(&tmp, state_dir.join(RECORD_FILE))?;
+        Ok(())
+    }
+
+    pub fn pg_url(&self, port: u16, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{port}/{db}")
+    }
+
+    /// (database, url) for every database of the system.
+    pub fn database_urls(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("paydb", self.pg_url(self.ports.pg_main, "paydb")),
+            ("gldb", self.pg_url(self.ports.pg_main, "gldb")),
+            ("lockdb", self.pg_url(self.ports.pg_main, "lockdb")),
+            ("proxydb", self.pg_url(self.ports.pg_proxy, "proxydb")),
+        ]
+    }
+
+    pub fn etcd_endpoints(&self) -> Vec<String> {
+        self.ports
+            .etcd_clients
+            .iter()
+            .map(|p| format!("http://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    pub fn temporal_address(&self) -> String {
+        format!("127.0.0.1:{}", self.ports.temporal)
+    }
+
+    pub fn ui_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.ports.temporal_ui)
+    }
+}

@@ -1,0 +1,110 @@
+//! `reconciler once [--json] [--resolve-orphans] [--resume-stranded]`: one run, exit status 1 on
+//! any violation.
+//! `reconciler serve`: a Temporal worker on the `reconciliation` task queue, the schedule that
+//! starts `ReconcileWorkflow` every `--interval-s`, and `/metrics`.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use reconciler_service::service::{self, Config, ReconcileMetrics, ServeOptions};
+
+#[derive(Parser)]
+#[command(name = "reconciler", about = "Detective controls of the payout system")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One run now: resolve orphans (if asked), check every invariant, print the report.
+    Once {
+        #[command(flatten)]
+        config: Config,
+        /// One JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Scheduled runs: a Temporal worker plus the schedule, and `/metrics`.
+    Serve {
+        #[command(flatten)]
+        config: Config,
+        #[arg(long, env = "RECONCILE_TASK_QUEUE", default_value = service::TASK_QUEUE)]
+        task_queue: String,
+        #[arg(long, env = "RECONCILE_SCHEDULE_ID", default_value = service::SCHEDULE_ID)]
+        schedule_id: String,
+        /// Seconds between scheduled runs.
+        #[arg(long, env = "RECONCILE_INTERVAL_S", default_value_t = 300)]
+        interval_s: u64,
+        #[arg(long, env = "METRICS_LISTEN", default_value = "127.0.0.1:9109")]
+        metrics_listen: std::net::SocketAddr,
+        #[arg(long, env = "RECONCILER_IDENTITY")]
+        identity: Option<String>,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<ExitCode> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Once { config, json } => {
+            init_tracing_to_stderr();
+            let sources = config.sources().await?;
+            let report = service::run_once(&config, &sources).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", report.render());
+            }
+            Ok(if report.is_clean() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::Serve {
+            config,
+            task_queue,
+            schedule_id,
+            interval_s,
+            metrics_listen,
+            identity,
+        } => {
+            service_kit::init_tracing("reconciler");
+            let metrics = ReconcileMetrics::new();
+            let shutdown = service_kit::Shutdown::on_signal();
+            let listener = service_kit::bind(metrics_listen).await?;
+            let metrics_task = tokio::spawn(service_kit::serve_metrics(
+                listener,
+                metrics.metrics.clone(),
+                shutdown.clone().wait(),
+            ));
+            let serve = ServeOptions {
+                task_queue,
+                schedule_id,
+                interval: Duration::from_secs(interval_s),
+                identity: identity.unwrap_or_else(|| format!("reconciler-{}", std::process::id())),
+            };
+            service::serve(config, serve, metrics, shutdown.wait()).await?;
+            metrics_task.await??;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// `once` prints its report on stdout (`--json` is one object, for a pipe), so its events go to
+/// stderr; otherwise the same settings as every service (`RUST_LOG`, `LOG_FORMAT=json`).
+fn init_tracing_to_stderr() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr);
+    let _ = if std::env::var("LOG_FORMAT").is_ok_and(|v| v == "json") {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.try_init()
+    };
+}

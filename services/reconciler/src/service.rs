@@ -1,0 +1,461 @@
+//! The reconciler as a process: one run on demand (`reconciler once`), or a Temporal worker on
+//! its own task queue whose `ReconcileWorkflow` a Temporal schedule starts every N seconds
+//! (`reconciler serve`), with the outcome of every run exported as metrics.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use serde::{Deserialize, Serialize};
+use service_kit::prometheus;
+use service_kit::Metrics;
+use temporalio_client::{Client, ClientOptions, ConnectionOptions, Url};
+use temporalio_common::RetryPolicy;
+use temporalio_macros::{activities, workflow, workflow_methods};
+use temporalio_sdk::activities::{ActivityContext, ActivityError};
+use temporalio_sdk::{ActivityOptions, Runtime, WorkflowContext, WorkflowResult};
+use temporalio_sdk::{Worker, WorkerOptions};
+
+use reconciler::{Options, Sources};
+use resolver::resolve::ResolveConfig;
+use resolver::resume::{ResumeConfig, TemporalConfig};
+
+use crate::RunReport;
+
+/// The reconciler's own task queue: its runs never compete with payouts for workers.
+pub const TASK_QUEUE: &str = "reconciliation";
+pub const SCHEDULE_ID: &str = "reconciler";
+/// One run reads every table once and resolves a bounded number of orphans (see
+/// `resolver::resolve::ORPHANS_PER_RUN_MAX`): minutes at most, even on a large batch.
+pub const RECONCILE_START_TO_CLOSE: Duration = Duration::from_secs(600);
+/// A failed run (a store unreachable) is retried a few times, then the workflow fails and the
+/// schedule's next tick tries again: a reconciler must not hammer a struggling database.
+pub const RECONCILE_ATTEMPTS_MAX: u32 = 3;
+pub const RECONCILE_RETRY_INITIAL: Duration = Duration::from_secs(5);
+/// On SIGTERM an in-flight run may finish for this long before being handed back.
+pub const GRACEFUL_SHUTDOWN_PERIOD: Duration = Duration::from_secs(30);
+/// Upper bound of one `temporal schedule create`.
+pub const SCHEDULE_CLI_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    #[arg(long, env = "PAYDB_URL")]
+    pub paydb_url: String,
+    #[arg(long, env = "PROXYDB_URL")]
+    pub proxydb_url: String,
+    #[arg(long, env = "GLDB_URL")]
+    pub gldb_url: String,
+    /// Comma-separated etcd endpoints of the lock service; without them the grant check is skipped.
+    #[arg(long, env = "ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = "/payout/lock/")]
+    pub lock_prefix: String,
+    /// INV-07's horizon: grant records are demanded for tokens first accepted within this long.
+    /// Keep it inside the lock-server's `LOCK_GRANT_RETENTION_MS`, after which etcd deletes them.
+    #[arg(long, env = "RECONCILE_GRANT_HORIZON_MS", default_value_t = reconciler::GRANT_HORIZON_MS_DEFAULT)]
+    pub grant_horizon_ms: u64,
+    #[arg(long, env = "LOCK_SERVER_URL")]
+    pub lock_server_url: Option<String>,
+    #[arg(long, env = "RAIL_PROXY_URL")]
+    pub rail_proxy_url: Option<String>,
+    #[arg(long, env = "PAYMENT_RESOURCE_URL")]
+    pub payment_resource_url: Option<String>,
+    #[arg(long, env = "TEMPORAL_ADDRESS", default_value = "127.0.0.1:7233")]
+    pub temporal_address: String,
+    #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
+    pub temporal_namespace: String,
+    /// The `temporal` CLI (schedule creation only: workflows are described and started through
+    /// Temporal's client).
+    #[arg(long, env = "TEMPORAL_CLI", default_value = "temporal")]
+    pub temporal_cli: PathBuf,
+    /// The payout workers' task queue, where a resumed payout's workflow runs.
+    #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = "payouts")]
+    pub payout_task_queue: String,
+    /// The rail's settlement window a resumed workflow waits before asking the rail.
+    #[arg(long, env = "PAYOUT_SETTLEMENT_WINDOW_MS", default_value_t = 30_000)]
+    pub settlement_window_ms: u64,
+    /// The resolution SLA a resumed workflow reports against (the payment resource enforces its own).
+    #[arg(long, env = "PAYOUT_RESOLUTION_SLA_MS", default_value_t = 3_600_000)]
+    pub resolution_sla_ms: u64,
+    /// Hand stranded payouts (PENDING, CLAIMED, RAIL_SUBMITTED, RAIL_ACKED with no running
+    /// workflow) back to a new workflow run, taking their account's key over from any grant
+    /// whose workflow is not running; before the checks.
+    #[arg(long, env = "RECONCILE_RESUME_STRANDED")]
+    pub resume_stranded: bool,
+    /// A payout that never had a workflow is left alone this long after its creation.
+    #[arg(long, env = "RECONCILE_NOT_STARTED_GRACE_MS", default_value_t = 60_000)]
+    pub not_started_grace_ms: u64,
+    /// Undelivered outbox rows count as violations.
+    #[arg(long, env = "RECONCILE_REQUIRE_DRAINED")]
+    pub require_drained: bool,
+    /// Resolve orphaned RAIL_AMBIGUOUS payouts (evidence only) before the checks.
+    #[arg(long, env = "RECONCILE_RESOLVE_ORPHANS")]
+    pub resolve_orphans: bool,
+}
+
+impl Config {
+    pub fn resolve_config(&self) -> anyhow::Result<ResolveConfig> {
+        Ok(ResolveConfig {
+            lock_url: self
+                .lock_server_url
+                .clone()
+                .context("--resolve-orphans needs --lock-server-url")?,
+            proxy_url: self
+                .rail_proxy_url
+                .clone()
+                .context("--resolve-orphans needs --rail-proxy-url")?,
+            payment_url: self
+                .payment_resource_url
+                .clone()
+                .context("--resolve-orphans needs --payment-resource-url")?,
+            temporal: self.temporal_config(),
+        })
+    }
+
+    pub fn temporal_config(&self) -> TemporalConfig {
+        TemporalConfig {
+            address: self.temporal_address.clone(),
+            namespace: self.temporal_namespace.clone(),
+            payout_task_queue: self.payout_task_queue.clone(),
+            settlement_window_ms: self.settlement_window_ms,
+            resolution_sla_ms: self.resolution_sla_ms,
+        }
+    }
+
+    pub fn resume_config(&self) -> anyhow::Result<ResumeConfig> {
+        Ok(ResumeConfig {
+            lock_url: self
+                .lock_server_url
+                .clone()
+                .context("--resume-stranded needs --lock-server-url")?,
+            temporal: self.temporal_config(),
+            not_started_grace: Duration::from_millis(self.not_started_grace_ms),
+        })
+    }
+
+    pub async fn sources(&self) -> anyhow::Result<Sources> {
+        Ok(Sources {
+            paydb: service_kit::connect_pg(&self.paydb_url).await?,
+            proxydb: service_kit::connect_pg(&self.proxydb_url).await?,
+            gldb: service_kit::connect_pg(&self.gldb_url).await?,
+            rail_proxy_url: self.rail_proxy_url.clone(),
+            lock_grants: (!self.etcd_endpoints.is_empty()).then(|| reconciler::LockGrants {
+                etcd_endpoints: self.etcd_endpoints.clone(),
+                prefix: self.lock_prefix.clone(),
+                horizon_ms: self.grant_horizon_ms,
+            }),
+        })
+    }
+}
+
+/// Stranded payouts handed back to workflows and orphans resolved first, by the resolver and
+/// only when asked (so the checks see the resolved state), then every check.
+pub async fn run_once(config: &Config, sources: &Sources) -> anyhow::Result<RunReport> {
+    let resumptions = if config.resume_stranded {
+        resolver::resume::resume_stranded(&sources.paydb, &config.resume_config()?).await?
+    } else {
+        Vec::new()
+    };
+    let resolutions = if config.resolve_orphans {
+        resolver::resolve::resolve_orphans(&sources.paydb, &config.resolve_config()?).await?
+    } else {
+        Vec::new()
+    };
+    let checks = reconciler::reconcile(
+        sources,
+        &Options {
+            require_outbox_drained: config.require_drained,
+        },
+    )
+    .await?;
+    Ok(RunReport {
+        checks,
+        resolutions,
+        resumptions,
+    })
+}
+
+/// The metrics of the scheduled runs.
+#[derive(Clone)]
+pub struct ReconcileMetrics {
+    pub metrics: Metrics,
+    violations: IntGaugeVec,
+    runs: IntCounter,
+    failed_runs: IntCounter,
+    last_run: IntGauge,
+    orphans_resolved: IntCounterVec,
+}
+
+impl ReconcileMetrics {
+    pub fn new() -> Self {
+        let metrics = Metrics::default();
+        let violations = IntGaugeVec::new(
+            Opts::new(
+                "reconciliation_violations",
+                "Violations found by the last run, per check",
+            ),
+            &["check"],
+        )
+        .expect("valid metric");
+        let runs = IntCounter::new("reconciliation_runs_total", "Completed reconciliation runs")
+            .expect("valid metric");
+        let failed_runs = IntCounter::new(
+            "reconciliation_failed_runs_total",
+            "Reconciliation runs that could not read their sources",
+        )
+        .expect("valid metric");
+        let last_run = IntGauge::new(
+            "reconciliation_last_run_unix_seconds",
+            "When the last run completed",
+        )
+        .expect("valid metric");
+        for m in [
+            Box::new(violations.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(runs.clone()),
+            Box::new(failed_runs.clone()),
+            Box::new(last_run.clone()),
+        ] {
+            metrics
+                .registry
+                .register(m)
+                .expect("metric registered once");
+        }
+        let orphans_resolved = metrics.counter_vec(
+            "reconciliation_orphans_resolved_total",
+            "Orphaned RAIL_AMBIGUOUS payouts handled, by evidence",
+            &["evidence"],
+        );
+        Self {
+            metrics,
+            violations,
+            runs,
+            failed_runs,
+            last_run,
+            orphans_resolved,
+        }
+    }
+
+    pub fn record(&self, report: &RunReport) {
+        for c in &report.checks.checks {
+            self.violations
+                .with_label_values(&[c.name])
+                .set(c.violations.len() as i64);
+        }
+        for r in &report.resolutions {
+            self.orphans_resolved
+                .with_label_values(&[r.evidence.as_str()])
+                .inc();
+        }
+        self.runs.inc();
+        self.last_run.set(unix_seconds());
+    }
+}
+
+impl Default for ReconcileMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn unix_seconds() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// What one scheduled run returns to its workflow (the full report is in the logs and metrics).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ReconcileSummary {
+    pub violations: usize,
+    pub failing_checks: Vec<String>,
+    pub skipped_checks: Vec<String>,
+    pub orphans_resolved: usize,
+    pub orphans_left: usize,
+    pub ambiguous_payouts: usize,
+    pub completed_at_unix_s: i64,
+}
+
+impl ReconcileSummary {
+    pub fn of(report: &RunReport) -> Self {
+        let resolved = report.resolutions.iter().filter(|r| r.resolved()).count();
+        Self {
+            violations: report.checks.violations,
+            failing_checks: report
+                .checks
+                .checks
+                .iter()
+                .filter(|c| !c.violations.is_empty())
+                .map(|c| c.name.to_string())
+                .collect(),
+            skipped_checks: report
+                .checks
+                .checks
+                .iter()
+                .filter(|c| c.skipped.is_some())
+                .map(|c| c.name.to_string())
+                .collect(),
+            orphans_resolved: resolved,
+            orphans_left: report.resolutions.len() - resolved,
+            ambiguous_payouts: report.checks.ambiguous_payouts.len(),
+            completed_at_unix_s: unix_seconds(),
+        }
+    }
+}
+
+/// The reconciler's one activity: a whole run, with the worker's configuration.
+pub struct ReconcileActivities {
+    config: Config,
+    sources: Sources,
+    metrics: ReconcileMetrics,
+}
+
+#[activities]
+impl ReconcileActivities {
+    #[activity(name = "Reconcile")]
+    pub async fn reconcile(
+        self: Arc<Self>,
+        _ctx: ActivityContext,
+    ) -> Result<ReconcileSummary, ActivityError> {
+        match run_once(&self.config, &self.sources).await {
+            Ok(report) => {
+                self.metrics.record(&report);
+                let summary = ReconcileSummary::of(&report);
+                tracing::info!(
+                    violations = summary.violations,
+                    failing_checks = ?summary.failing_checks,
+                    orphans_resolved = summary.orphans_resolved,
+                    orphans_left = summary.orphans_left,
+                    "reconciliation run"
+                );
+                Ok(summary)
+            }
+            Err(e) => {
+                self.metrics.failed_runs.inc();
+                tracing::error!(error = %e, "reconciliation run failed");
+                Err(ActivityError::from(e))
+            }
+        }
+    }
+}
+
+/// Pure: one `Reconcile` activity with explicit timeouts and a bounded retry policy.
+#[workflow]
+#[derive(Default)]
+pub struct ReconcileWorkflow {
+    done: bool,
+}
+
+#[workflow_methods]
+impl ReconcileWorkflow {
+    #[run(name = "ReconcileWorkflow")]
+    pub async fn run(ctx: &mut WorkflowContext<Self>) -> WorkflowResult<ReconcileSummary> {
+        let summary = ctx
+            .execute_activity(ReconcileActivities::reconcile, (), activity_options())
+            .await?;
+        ctx.state_mut(|s| s.done = true);
+        Ok(summary)
+    }
+}
+
+pub fn activity_options() -> ActivityOptions {
+    ActivityOptions::with_start_to_close_timeout(RECONCILE_START_TO_CLOSE)
+        .retry_policy(
+            RetryPolicy::builder()
+                .initial_interval(RECONCILE_RETRY_INITIAL)
+                .backoff_coefficient(2.0)
+                .maximum_attempts(RECONCILE_ATTEMPTS_MAX)
+                .build(),
+        )
+        .build()
+}
+
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub task_queue: String,
+    pub schedule_id: String,
+    pub interval: Duration,
+    pub identity: String,
+}
+
+/// Creates the schedule that starts `ReconcileWorkflow` every `interval`; an existing schedule
+/// of that id is success (idempotent: every replica calls this at start).
+pub async fn ensure_schedule(config: &Config, serve: &ServeOptions) -> anyhow::Result<()> {
+    let interval = format!("{}s", serve.interval.as_secs().max(1));
+    let run = tokio::process::Command::new(&config.temporal_cli)
+        .args(["schedule", "create", "--schedule-id", &serve.schedule_id])
+        .args(["--workflow-id", &format!("{}-run", serve.schedule_id)])
+        .args(["--type", "ReconcileWorkflow"])
+        .args(["--task-queue", &serve.task_queue])
+        .args(["--interval", &interval])
+        .args(["--overlap-policy", "Skip"])
+        .args(["--address", &config.temporal_address])
+        .args(["--namespace", &config.temporal_namespace])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(SCHEDULE_CLI_TIMEOUT, run)
+        .await
+        .context("temporal schedule create did not answer")?
+        .with_context(|| format!("running {}", config.temporal_cli.display()))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        tracing::info!(schedule_id = %serve.schedule_id, interval, task_queue = %serve.task_queue, "schedule created");
+    } else if stderr.to_ascii_lowercase().contains("already") {
+        tracing::info!(schedule_id = %serve.schedule_id, "schedule already exists");
+    } else {
+        anyhow::bail!("temporal schedule create failed: {}", stderr.trim());
+    }
+    Ok(())
+}
+
+async fn connect(config: &Config, identity: &str) -> anyhow::Result<Client> {
+    let url = Url::parse(&format!("http://{}", config.temporal_address))
+        .context("TEMPORAL_ADDRESS must be host:port")?;
+    Client::connect(
+        ConnectionOptions::new(url)
+            .identity(identity.to_string())
+            .build(),
+        ClientOptions::new(config.temporal_namespace.clone()).build(),
+    )
+    .await
+    .with_context(|| format!("connecting to Temporal at {}", config.temporal_address))
+}
+
+/// Runs the worker (and ensures the schedule) until `stop` resolves.
+pub async fn serve(
+    config: Config,
+    serve: ServeOptions,
+    metrics: ReconcileMetrics,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    if config.resolve_orphans {
+        config.resolve_config()?;
+    }
+    let sources = config.sources().await?;
+    let runtime = Runtime::from_current_tokio(Default::default())?;
+    let client = connect(&config, &serve.identity).await?;
+    ensure_schedule(&config, &serve).await?;
+    let activities = ReconcileActivities {
+        config,
+        sources,
+        metrics,
+    };
+    let mut options = WorkerOptions::new(serve.task_queue.clone())
+        .register_workflow::<ReconcileWorkflow>()?
+        .register_activities(activities)
+        .build();
+    options.graceful_shutdown_period = Some(GRACEFUL_SHUTDOWN_PERIOD);
+    options.client_identity_override = Some(serve.identity.clone());
+    let mut worker = Worker::new(&runtime, client, options)?;
+    let shutdown = worker.shutdown_handle();
+    tracing::info!(task_queue = %serve.task_queue, schedule_id = %serve.schedule_id, "reconciler worker polling");
+    let (result, ()) = tokio::join!(worker.run(), async {
+        stop.await;
+        tracing::info!("shutdown requested");
+        shutdown();
+    });
+    result.context("reconciler worker stopped with an error")?;
+    Ok(())
+}

@@ -1,0 +1,447 @@
+//! Orphan resolution and the scheduled reconciler against a real system (every service a
+//! process, the testkit's Temporal). Payouts are driven by hand to RAIL_AMBIGUOUS under real
+//! grants, with no workflow (an orphan) or with one running; then `reconciler once
+//! --resolve-orphans` (the binary) must resolve exactly what the evidence allows, and `reconciler
+//! serve` must register its schedule and run on it.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use payment_client::model::{Fence, NewPayout, RailOutcome};
+use payment_client::PaymentClient;
+use payout_domain::{
+    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, PayoutId, PayoutState,
+};
+use rail_proxy_client::{Outcome, ProxyError, RailProxyClient, SubmitPayout};
+use rail_stub::FaultMode;
+use resolver::resolve::Resolution;
+use testkit::system::{System, SystemOptions};
+use testkit::{ManagedProcess, ProcessSpec, Stack};
+
+/// How a payout is driven to RAIL_AMBIGUOUS.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Ambiguity {
+    /// The rail moved the money and never answered: the proxy recorded TIMEOUT.
+    AcceptedThenHung,
+    /// The rail answered 503 without acting: TIMEOUT at the proxy; the rail cannot say yet.
+    FailedBeforeActing,
+    /// The holder never reached the proxy (OUTCOME_MISSING): no proxy record at all.
+    NeverSubmitted,
+}
+
+async fn grant(system: &System, account: &AccountId, owner: &str) -> lock_client::GrantHandle {
+    let lock = lock_client::LockClient::connect(system.lock_url())
+        .await
+        .unwrap();
+    let session = lock
+        .open_session(owner, Duration::from_secs(10))
+        .await
+        .unwrap();
+    match session
+        .acquire(&payout_domain::lock_key(account), Duration::from_secs(5))
+        .await
+        .unwrap()
+    {
+        lock_client::Acquired::Granted(g) => g,
+        other => panic!("lock not granted: {other:?}"),
+    }
+}
+
+fn new_payout(account: &str, payout: &str) -> NewPayout {
+    NewPayout {
+        payout_id: PayoutId::parse(payout).unwrap(),
+        account_id: AccountId::parse(account).unwrap(),
+        amount_minor: AmountMinor::new(900).unwrap(),
+        currency: Currency::parse("EUR").unwrap(),
+        beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
+    }
+}
+
+fn submit_request(new: &NewPayout, grant: &lock_client::GrantHandle) -> SubmitPayout {
+    SubmitPayout::new(
+        new.payout_id.clone(),
+        new.account_id.clone(),
+        grant.token(),
+        grant.owner(),
+        new.amount_minor,
+        new.currency.clone(),
+        new.beneficiary_ref.clone(),
+    )
+}
+
+/// Claim, mark submitted and an ambiguous outcome, by hand under a real grant, then the holder
+/// goes away (grant released): nobody is left to resolve the payout.
+async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, how: Ambiguity) {
+    let new = new_payout(account, payout);
+    let grant = grant(system, &new.account_id, "test-holder").await;
+    let payments = PaymentClient::connect(system.payment_url()).await.unwrap();
+    payments
+        .open_account(&new.account_id, &new.currency, 100_000)
+        .await
+        .unwrap();
+    payments.create_payout(&new).await.unwrap();
+    let fence = Fence::new(grant.owner(), grant.token()).unwrap();
+    payments.claim(&new.payout_id, &fence).await.unwrap();
+    payments
+        .mark_submitted(&new.payout_id, &fence)
+        .await
+        .unwrap();
+    let outcome = match how {
+        Ambiguity::NeverSubmitted => RailOutcome::OutcomeMissing,
+        Ambiguity::AcceptedThenHung | Ambiguity::FailedBeforeActing => {
+            let mode = if how == Ambiguity::AcceptedThenHung {
+                FaultMode::AcceptThenHang
+            } else {
+                FaultMode::FailBeforeActing
+            };
+            let reference = ClientReference::for_payout(&new.payout_id).to_string();
+            rail_stub::client::StubClient::new(system.rail_url())
+                .force(&reference, Some(mode))
+                .await
+                .unwrap();
+            let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+            let submission = proxy.submit(&submit_request(&new, &grant)).await.unwrap();
+            assert!(
+                matches!(submission.outcome, Outcome::Timeout { .. }),
+                "{how:?} must leave the proxy's record ambiguous: {submission:?}"
+            );
+            RailOutcome::Timeout
+        }
+    };
+    let p = payments
+        .record_outcome(&new.payout_id, &fence, &outcome, "test")
+        .await
+        .unwrap();
+    assert_eq!(p.state, PayoutState::RailAmbiguous);
+    grant.release().await.unwrap();
+}
+
+async fn state_of(system: &System, payout: &str) -> PayoutState {
+    PaymentClient::connect(system.payment_url())
+        .await
+        .unwrap()
+        .get_payout(&PayoutId::parse(payout).unwrap())
+        .await
+        .unwrap()
+        .payout
+        .state
+}
+
+async fn movements(system: &System, payout: &str) -> u64 {
+    let truth = rail_stub::client::StubClient::new(system.rail_url())
+        .ground_truth()
+        .await
+        .unwrap();
+    let reference = ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string();
+    truth.movement_counts.get(&reference).copied().unwrap_or(0) as u64
+}
+
+fn config_args(system: &System) -> Vec<String> {
+    let s = |v: &str| v.to_string();
+    vec![
+        s("--paydb-url"),
+        system.databases.paydb.clone(),
+        s("--proxydb-url"),
+        system.databases.proxydb.clone(),
+        s("--gldb-url"),
+        system.databases.gldb.clone(),
+        s("--etcd-endpoints"),
+        Stack::shared().etcd_endpoints().join(","),
+        s("--lock-prefix"),
+        system.etcd_prefix.clone(),
+        s("--lock-server-url"),
+        system.lock_url(),
+        s("--rail-proxy-url"),
+        system.proxy_url(),
+        s("--payment-resource-url"),
+        system.payment_url(),
+        s("--temporal-address"),
+        system.temporal_address.clone(),
+        s("--temporal-cli"),
+        testkit::temporal::cli_path()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned(),
+        s("--resolve-orphans"),
+    ]
+}
+
+/// `reconciler once --json --resolve-orphans`, the binary, as an operator runs it.
+fn reconcile_once(system: &System) -> (serde_json::Value, Vec<Resolution>, bool) {
+    let out = std::process::Command::new(testkit::workspace_bin("reconciler"))
+        .arg("once")
+        .arg("--json")
+        .args(config_args(system))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
+        panic!(
+            "no JSON report ({e}): {stdout}\nstderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let resolutions = report["resolutions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| Resolution {
+            payout_id: r["payout_id"].as_str().unwrap().into(),
+            account_id: r["account_id"].as_str().unwrap().into(),
+            workflow: r["workflow"].as_str().unwrap().into(),
+            evidence: r["evidence"].as_str().unwrap().into(),
+            new_state: r["new_state"].as_str().unwrap().into(),
+            token: r["token"].as_u64(),
+            detail: r["detail"].as_str().unwrap().into(),
+        })
+        .collect();
+    (report, resolutions, out.status.success())
+}
+
+fn by_payout(resolutions: &[Resolution]) -> HashMap<String, Resolution> {
+    resolutions
+        .iter()
+        .map(|r| (r.payout_id.clone(), r.clone()))
+        .collect()
+}
+
+async fn metrics_text(port: u16) -> Option<String> {
+    reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()
+}
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn orphans_are_resolved_with_evidence_only_and_the_schedule_runs() {
+    let stack = Stack::shared();
+    let temporal = stack.temporal();
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 0,
+            // The rail cannot say "absent" for a long time: UNKNOWN stays UNKNOWN in this test.
+            settlement_window_ms: 600_000,
+            rail_timeout_ms: 1_000,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+
+    drive_to_ambiguous(&system, "acct-o1", "po-found", Ambiguity::AcceptedThenHung).await;
+    drive_to_ambiguous(&system, "acct-o2", "po-unsent", Ambiguity::NeverSubmitted).await;
+    drive_to_ambiguous(
+        &system,
+        "acct-o3",
+        "po-unknown",
+        Ambiguity::FailedBeforeActing,
+    )
+    .await;
+    drive_to_ambiguous(&system, "acct-o4", "po-running", Ambiguity::NeverSubmitted).await;
+    assert_eq!(movements(&system, "po-found").await, 1, "the rail accepted");
+    // po-running's workflow is alive (on a queue nobody polls, so it stays RUNNING).
+    temporal
+        .cli(&[
+            "workflow",
+            "start",
+            "--workflow-id",
+            "payout-po-running",
+            "--type",
+            "PayoutWorkflow",
+            "--task-queue",
+            &format!("{}-nobody", system.task_queue),
+        ])
+        .unwrap();
+
+    let (report, resolutions, clean) = reconcile_once(&system);
+    let r = by_payout(&resolutions);
+    assert!(clean, "the report must be clean: {report:#}");
+    assert!(
+        !r.contains_key("po-running"),
+        "a payout whose workflow runs is not touched: {resolutions:?}"
+    );
+    assert_eq!(r.len(), 3, "{resolutions:?}");
+
+    // FOUND: the movement is evidence; the reconciler completes the posting. One movement.
+    let found = &r["po-found"];
+    assert_eq!(found.workflow, "NOT_FOUND");
+    assert_eq!(
+        (found.evidence.as_str(), found.new_state.as_str()),
+        ("FOUND", "POSTED"),
+        "{found:?}"
+    );
+    assert_eq!(state_of(&system, "po-found").await, PayoutState::Posted);
+    assert_eq!(movements(&system, "po-found").await, 1);
+
+    // NEVER_SENT: the inquiry sealed it at the proxy, and it failed.
+    let unsent = &r["po-unsent"];
+    assert_eq!(
+        (unsent.evidence.as_str(), unsent.new_state.as_str()),
+        ("NEVER_SENT", "FAILED"),
+        "{unsent:?}"
+    );
+    assert_eq!(state_of(&system, "po-unsent").await, PayoutState::Failed);
+    // Sealed: a later Submit, even under a newer grant, is a DUPLICATE and sends nothing.
+    let late = new_payout("acct-o2", "po-unsent");
+    let late_grant = grant(&system, &late.account_id, "late-holder").await;
+    let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+    match proxy.submit(&submit_request(&late, &late_grant)).await {
+        Err(ProxyError::Duplicate { existing, .. }) => {
+            assert!(existing.is_sealed(), "{existing:?}")
+        }
+        other => panic!("a sealed payout must refuse a later Submit: {other:?}"),
+    }
+    late_grant.release().await.unwrap();
+    assert_eq!(movements(&system, "po-unsent").await, 0);
+
+    // UNKNOWN: inside the settlement window nothing is decided; left alone and reported.
+    let unknown = &r["po-unknown"];
+    assert_eq!(
+        (unknown.evidence.as_str(), unknown.new_state.as_str()),
+        ("UNKNOWN", "RAIL_AMBIGUOUS"),
+        "{unknown:?}"
+    );
+    assert!(!unknown.resolved());
+    assert_eq!(
+        state_of(&system, "po-unknown").await,
+        PayoutState::RailAmbiguous
+    );
+
+    // The running workflow's payout: untouched, and no inquiry sealed it at the proxy.
+    assert_eq!(
+        state_of(&system, "po-running").await,
+        PayoutState::RailAmbiguous
+    );
+    assert!(proxy
+        .lookup(&PayoutId::parse("po-running").unwrap())
+        .await
+        .unwrap()
+        .is_none());
+
+    // A second run: only the undecidable one is left; nothing moves twice.
+    let (_, again, _) = reconcile_once(&system);
+    assert_eq!(
+        again
+            .iter()
+            .map(|r| (r.payout_id.as_str(), r.evidence.as_str()))
+            .collect::<Vec<_>>(),
+        vec![("po-unknown", "UNKNOWN")]
+    );
+    assert_eq!(movements(&system, "po-found").await, 1);
+
+    // Control for the running-workflow case: once that workflow is gone (terminated), the same
+    // payout is an orphan and is resolved (never sent: sealed, FAILED). The workflow's status,
+    // not luck, is what kept it untouched above.
+    temporal
+        .cli(&[
+            "workflow",
+            "terminate",
+            "--workflow-id",
+            "payout-po-running",
+            "--reason",
+            "test: the workflow is gone",
+        ])
+        .unwrap();
+    let (_, after, _) = reconcile_once(&system);
+    let after = by_payout(&after);
+    let was_running = &after["po-running"];
+    assert_eq!(
+        (
+            was_running.workflow.as_str(),
+            was_running.evidence.as_str(),
+            was_running.new_state.as_str()
+        ),
+        ("TERMINATED", "NEVER_SENT", "FAILED"),
+        "{was_running:?}"
+    );
+    assert_eq!(after["po-unknown"].evidence, "UNKNOWN");
+
+    // `reconciler serve`: registers the schedule (every 2 s) and runs on it.
+    let metrics_port = testkit::free_port();
+    let schedule_id = format!("reconciler-{}", system.task_queue);
+    let queue = format!("{}-reconciliation", system.task_queue);
+    let serve = ManagedProcess::start(
+        ProcessSpec::new(
+            "reconciler",
+            testkit::workspace_bin("reconciler"),
+            system.dir.join("reconciler.log"),
+        )
+        .arg("serve")
+        .args(config_args(&system))
+        .args(["--task-queue", &queue, "--schedule-id", &schedule_id])
+        .args(["--interval-s", "2"])
+        .args([
+            "--metrics-listen".to_string(),
+            format!("127.0.0.1:{metrics_port}"),
+        ]),
+    )
+    .unwrap();
+    let text = testkit::eventually(Duration::from_secs(90), "a scheduled run", || async {
+        let text = metrics_text(metrics_port).await?;
+        (metric(&text, "reconciliation_runs_total")? >= 1.0).then_some(text)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+    assert!(
+        metric(&text, "reconciliation_last_run_unix_seconds").unwrap() > 0.0,
+        "{text}"
+    );
+    assert!(
+        text.contains("reconciliation_violations{check=\"rail_movements_match_the_books\"} 0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("reconciliation_orphans_resolved_total{evidence=\"UNKNOWN\"}"),
+        "the scheduled run asked about the undecidable orphan again: {text}"
+    );
+    let described = temporal
+        .cli(&[
+            "schedule",
+            "describe",
+            "--schedule-id",
+            &schedule_id,
+            "--output",
+            "json",
+        ])
+        .unwrap();
+    assert!(described.contains("ReconcileWorkflow"), "{described}");
+    // The scheduled workflow completed (the run went through Temporal, not around it).
+    let query = format!(
+        "WorkflowType = 'ReconcileWorkflow' AND TaskQueue = '{queue}' AND ExecutionStatus = 'Completed'"
+    );
+    testkit::eventually(
+        Duration::from_secs(60),
+        "a completed ReconcileWorkflow",
+        || {
+            let listed = temporal
+                .cli(&["workflow", "list", "--query", &query, "--output", "json"])
+                .unwrap_or_default();
+            async move { listed.contains("ReconcileWorkflow").then_some(()) }
+        },
+    )
+    .await
+    .unwrap();
+    // Creating the schedule again (a restarted replica) is success.
+    serve.terminate().unwrap();
+    serve.restart().unwrap();
+    testkit::eventually(Duration::from_secs(60), "restarted serve", || {
+        let log = std::fs::read_to_string(system.dir.join("reconciler.log")).unwrap_or_default();
+        async move { log.contains("schedule already exists").then_some(()) }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+    assert!(serve.is_running(), "{}", serve.log_tail(40));
+    serve.terminate().unwrap();
+    let _ = temporal.cli(&["schedule", "delete", "--schedule-id", &schedule_id]);
+    assert_eq!(movements(&system, "po-found").await, 1);
+}

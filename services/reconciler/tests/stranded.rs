@@ -1,0 +1,341 @@
+//! Stranded payouts (issue 14, item 2): a payout whose workflow ended in PENDING, CLAIMED,
+//! RAIL_SUBMITTED or RAIL_ACKED, or that never had one, is finished by one reconcile pass
+//! (`reconciler once --resume-stranded`, the binary, as an operator runs it): its account's key
+//! is taken over from the grant the dead workflow left held, and a new workflow run continues
+//! from the state the payment resource reports, with evidence only. Every service is a process;
+//! the workflows are terminated with the `temporal` CLI, as an operator would.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use payment_client::model::NewPayout;
+use payment_client::PaymentClient;
+use payout_domain::{
+    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, PayoutId, PayoutState,
+};
+use payout_workflows::client as wf;
+use testkit::system::{System, SystemOptions};
+use testkit::Stack;
+
+/// A payout through every service settles in seconds; this bounds a test that went wrong.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// The stall points hold a step far longer than the test: the terminated workflow's activity
+/// never reaches its guard while the test looks.
+const STALL_MS: u64 = 600_000;
+
+fn new_payout(account: &str, payout: &str) -> NewPayout {
+    NewPayout {
+        payout_id: PayoutId::parse(payout).unwrap(),
+        account_id: AccountId::parse(account).unwrap(),
+        amount_minor: AmountMinor::new(700).unwrap(),
+        currency: Currency::parse("EUR").unwrap(),
+        beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
+    }
+}
+
+async fn state_of(payments: &PaymentClient, payout: &str) -> PayoutState {
+    payments
+        .get_payout(&PayoutId::parse(payout).unwrap())
+        .await
+        .unwrap()
+        .payout
+        .state
+}
+
+async fn wait_state(payments: &PaymentClient, payout: &str, state: PayoutState) {
+    testkit::eventually(SETTLE_TIMEOUT, &format!("{payout} {state}"), || async {
+        (state_of(payments, payout).await == state).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+fn temporal_cli(args: &[&str]) {
+    Stack::shared().temporal().cli(args).unwrap();
+}
+
+fn terminate(workflow_id: &str) {
+    temporal_cli(&[
+        "workflow",
+        "terminate",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--workflow-id",
+        workflow_id,
+        "--reason",
+        "operator terminates the workflow mid-payout (test)",
+    ]);
+}
+
+/// `reconciler once --json --resume-stranded`: the report's resumptions, by payout (or account).
+fn reconcile_once(system: &System) -> HashMap<String, serde_json::Value> {
+    let s = |v: &str| v.to_string();
+    let args = vec![
+        s("once"),
+        s("--json"),
+        s("--paydb-url"),
+        system.databases.paydb.clone(),
+        s("--proxydb-url"),
+        system.databases.proxydb.clone(),
+        s("--gldb-url"),
+        system.databases.gldb.clone(),
+        s("--lock-server-url"),
+        system.lock_url(),
+        s("--temporal-address"),
+        system.temporal_address.clone(),
+        s("--payout-task-queue"),
+        system.task_queue.clone(),
+        s("--settlement-window-ms"),
+        s("500"),
+        s("--not-started-grace-ms"),
+        s("0"),
+        s("--resume-stranded"),
+    ];
+    let out = std::process::Command::new(testkit::workspace_bin("reconciler"))
+        .args(&args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
+        panic!(
+            "no JSON report ({e}): {stdout}\nstderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    report["resumptions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let id = r["payout_id"].as_str().unwrap();
+            let id = if id.is_empty() {
+                r["account_id"].as_str().unwrap()
+            } else {
+                id
+            };
+            (id.to_string(), r.clone())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
+    let stack = Stack::shared();
+    // One worker, so the stall points (keyed by the worker's identity) are its own: the
+    // workflow of each payout freezes right before the step that would take it further.
+    let stall = |step: &str, payout: &str| format!("worker-0:{step}:{payout}:{STALL_MS}");
+    let claimed = "s-claimed";
+    let submitted = "s-submitted";
+    let acked = "s-acked";
+    let waiting = "s-waiting";
+    let never_started = "s-never";
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 1,
+            settlement_window_ms: 500,
+            rail_timeout_ms: 2_000,
+            worker_env: vec![
+                ("PAYOUT_LOCK_TTL_MS".into(), "3000".into()),
+                (
+                    "PAYOUT_TEST_STALL_AFTER_CHECK".into(),
+                    [
+                        stall("mark_submitted", claimed),
+                        stall("submit", submitted),
+                        stall("post", acked),
+                    ]
+                    .join(","),
+                ),
+            ],
+            // The stall points are the test worker's (system_tests::stall).
+            test_worker: true,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let payments = PaymentClient::connect(system.payment_url()).await.unwrap();
+    let temporal = wf::connect(
+        &system.temporal_address,
+        testkit::temporal::NAMESPACE,
+        "stranded-test",
+    )
+    .await
+    .unwrap();
+    // Account A: the CLAIMED payout, and a second one waiting for A's key behind it.
+    let accounts = [
+        ("s-acct-a", vec![claimed, waiting]),
+        ("s-acct-b", vec![submitted]),
+        ("s-acct-c", vec![acked]),
+        ("s-acct-d", vec![never_started]),
+    ];
+    for (account, payouts) in &accounts {
+        let first = new_payout(account, payouts[0]);
+        payments
+            .open_account(&first.account_id, &first.currency, 100_000)
+            .await
+            .unwrap();
+        for payout in payouts {
+            payments
+                .create_payout(&new_payout(account, payout))
+                .await
+                .unwrap();
+        }
+    }
+    let start = |account: &str, payout: &str| {
+        let new = new_payout(account, payout);
+        payout_activities::types::PayoutInput {
+            payout_id: new.payout_id,
+            account_id: new.account_id,
+            amount_minor: new.amount_minor,
+            currency: new.currency,
+            beneficiary_ref: new.beneficiary_ref,
+            ambiguity: payout_activities::types::AmbiguityPolicy {
+                settlement_window_ms: 500,
+                resolution_sla_ms: 600_000,
+            },
+        }
+    };
+    let mut started = Vec::new();
+    for (account, payout) in [
+        ("s-acct-a", claimed),
+        ("s-acct-b", submitted),
+        ("s-acct-c", acked),
+    ] {
+        started.push(
+            wf::start_payout(&temporal, &system.task_queue, &start(account, payout))
+                .await
+                .unwrap(),
+        );
+    }
+    wait_state(&payments, claimed, PayoutState::Claimed).await;
+    wait_state(&payments, submitted, PayoutState::RailSubmitted).await;
+    wait_state(&payments, acked, PayoutState::RailAcked).await;
+    // The second payout of A waits for A's key, PENDING.
+    let waiting_id = wf::start_payout(&temporal, &system.task_queue, &start("s-acct-a", waiting))
+        .await
+        .unwrap();
+    testkit::eventually(
+        SETTLE_TIMEOUT,
+        "the second payout waits for the key",
+        || async {
+            wf::status(&temporal, &waiting_id)
+                .await
+                .ok()?
+                .last_event
+                .starts_with("WAITING_FOR_LOCK")
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    started.push(waiting_id);
+    for id in &started {
+        terminate(id);
+    }
+
+    // Before the pass: nothing finishes them. The terminated CLAIMED payout's grant stays held
+    // by the worker's live session for well past its lease.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    for (payout, state) in [
+        (claimed, PayoutState::Claimed),
+        (submitted, PayoutState::RailSubmitted),
+        (acked, PayoutState::RailAcked),
+        (waiting, PayoutState::Pending),
+        (never_started, PayoutState::Pending),
+    ] {
+        assert_eq!(
+            state_of(&payments, payout).await,
+            state,
+            "{payout} stranded"
+        );
+    }
+    let lock = lock_client::LockClient::connect(system.lock_url())
+        .await
+        .unwrap();
+    let held = lock.describe("payout:s-acct-a").await.unwrap();
+    assert!(
+        held.held && held.holder_owner.ends_with(claimed),
+        "the dead workflow's grant is still held: {held:?}"
+    );
+
+    // One pass.
+    let resumed = reconcile_once(&system);
+    for payout in [claimed, submitted, acked, waiting, never_started] {
+        let r = &resumed
+            .get(payout)
+            .unwrap_or_else(|| panic!("{payout} resumed: {resumed:?}"));
+        assert_eq!(r["action"], "RESUMED", "{r}");
+    }
+    assert_eq!(
+        resumed[claimed]["took_over_from"],
+        format!("worker-0/{claimed}"),
+        "{resumed:?}"
+    );
+    assert_eq!(resumed[submitted]["workflow"], "TERMINATED");
+    assert_eq!(resumed[never_started]["workflow"], "NOT_FOUND");
+
+    // Each ends terminal, paid at most once, its books right; A's second payout runs too.
+    for (payout, state) in [
+        (claimed, PayoutState::Posted),
+        (acked, PayoutState::Posted),
+        (waiting, PayoutState::Posted),
+        (never_started, PayoutState::Posted),
+        // Maybe sent, resolved by inquiry: never sent (its submission is still frozen), sealed.
+        (submitted, PayoutState::Failed),
+    ] {
+        wait_state(&payments, payout, state).await;
+    }
+    let truth = rail_stub::client::StubClient::new(system.rail_url())
+        .ground_truth()
+        .await
+        .unwrap();
+    for (payout, expected) in [
+        (claimed, 1),
+        (acked, 1),
+        (waiting, 1),
+        (never_started, 1),
+        (submitted, 0),
+    ] {
+        let reference = ClientReference::for_payout(&PayoutId::parse(payout).unwrap());
+        let moved = truth
+            .movement_counts
+            .get(reference.as_str())
+            .copied()
+            .unwrap_or(0);
+        assert_eq!(moved, expected, "{payout}: rail movements");
+    }
+    let sources = reconciler::Sources {
+        paydb: service_kit::connect_pg(&system.databases.paydb)
+            .await
+            .unwrap(),
+        proxydb: service_kit::connect_pg(&system.databases.proxydb)
+            .await
+            .unwrap(),
+        gldb: service_kit::connect_pg(&system.databases.gldb)
+            .await
+            .unwrap(),
+        rail_proxy_url: Some(system.proxy_url()),
+        lock_grants: None,
+    };
+    // The outbox drains into the GL; then every detective control is clean.
+    let report = testkit::eventually(SETTLE_TIMEOUT, "the books reconcile", || async {
+        let report = reconciler::reconcile(
+            &sources,
+            &reconciler::Options {
+                require_outbox_drained: true,
+            },
+        )
+        .await
+        .ok()?;
+        report.is_clean().then_some(report)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        report.payouts_by_state.get("POSTED"),
+        Some(&4),
+        "{}",
+        report.render()
+    );
+}

@@ -1,0 +1,257 @@
+//! Test-only stall points, as a [`Backend`] in front of the worker's real one. The shipped worker
+//! has none: the fault tests run `payout-test-worker` (src/bin), which is the shipped worker with
+//! this wrapper around its backend, and nothing else different.
+//!
+//! `PAYOUT_TEST_STALL_AFTER_CHECK=<identity>:<step>:<payout_id>:<ms>[,...]` makes the worker
+//! whose identity matches wait `ms`, once, after its grant check passed and before the guard call
+//! of `step` (`mark_submitted`, `submit` or `post`) for that payout. That is the window the
+//! conservative local deadline narrows but cannot close; a test freezes the worker inside it to
+//! show the guards (not the lease check) refusing the stale token. It changes no decision and
+//! disables nothing.
+//!
+//! The same stall can be armed while the workers run, for whichever payout reaches the step
+//! first: with `PAYOUT_TEST_STALL_DIR=<dir>`, a file `<dir>/<step>.armed` holding `<ms>` is taken
+//! by the first worker whose check for `step` passes (an atomic rename to
+//! `<step>.taken.<identity>.<payout_id>`, so exactly one worker of all takes it). The taker writes
+//! the token it checked to `<step>.token.<payout_id>`, waits until the harness creates
+//! `<step>.release.<payout_id>` (at most `ms`: the harness releases it once a successor's write
+//! has reached the guard, so the call is stale by what happened, not by a guess at timing), makes
+//! its call, and writes the guard's answer to `<step>.answer.<payout_id>`. The chaos nemesis arms
+//! it to plant a stale holder in a running system.
+//!
+//! Where the wait sits: `PayoutActivities` checks the grant (`Backend::check_held`) and then calls
+//! the backend; this wrapper is the backend it calls, so the wait falls between the check and the
+//! guard call, as a worker paused by the operating system at that instant would.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use payout_activities::backend::{Answer, Backend};
+use payout_activities::refusal::{ActivityFailure, Refusal};
+use payout_activities::types::*;
+use payout_domain::{FencingToken, PayoutId};
+
+/// The variable naming stall points; a deployment never sets it (and the shipped worker does
+/// not read it).
+pub const STALL_ENV: &str = "PAYOUT_TEST_STALL_AFTER_CHECK";
+/// The variable naming the directory of armed stall points.
+pub const STALL_DIR_ENV: &str = "PAYOUT_TEST_STALL_DIR";
+/// An armed stall looks for its release this often.
+const STALL_RELEASE_POLL: Duration = Duration::from_millis(50);
+
+/// The worker's backend with the stall points of the environment in front of three guard calls.
+pub struct StallingBackend {
+    inner: Arc<dyn Backend>,
+    stalls: StallPoints,
+}
+
+impl StallingBackend {
+    /// The stall points the environment names for the worker `identity`.
+    pub fn from_env(inner: Arc<dyn Backend>, identity: &str) -> Self {
+        Self {
+            inner,
+            stalls: StallPoints::from_env(identity),
+        }
+    }
+}
+
+impl Backend for StallingBackend {
+    fn acquire(
+        &self,
+        input: AcquireInput,
+        wait: std::time::Duration,
+    ) -> Answer<'_, AcquireOutcome> {
+        self.inner.acquire(input, wait)
+    }
+    fn check_held(&self, grant: &Grant) -> Result<(), Refusal> {
+        self.inner.check_held(grant)
+    }
+    fn task_queue(&self) -> String {
+        self.inner.task_queue()
+    }
+    fn release(&self, grant: Grant) -> Answer<'_, ()> {
+        self.inner.release(grant)
+    }
+    fn get_payout(&self, payout_id: PayoutId) -> Answer<'_, PayoutSnapshot> {
+        self.inner.get_payout(payout_id)
+    }
+    fn claim(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        self.inner.claim(input)
+    }
+    fn mark_submitted(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        Box::pin(async move {
+            let plant = self
+                .stalls
+                .stall("mark_submitted", &input.payout_id, input.grant.token)
+                .await;
+            let answer = self.inner.mark_submitted(input).await;
+            plant.report(&answer, |_| "accepted".to_string());
+            answer
+        })
+    }
+    fn record_outcome(&self, input: RecordOutcomeInput) -> Answer<'_, PayoutSnapshot> {
+        self.inner.record_outcome(input)
+    }
+    fn post(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        Box::pin(async move {
+            let _ = self
+                .stalls
+                .stall("post", &input.payout_id, input.grant.token)
+                .await;
+            self.inner.post(input).await
+        })
+    }
+    fn resolve(&self, input: ResolveInput) -> Answer<'_, PayoutSnapshot> {
+        self.inner.resolve(input)
+    }
+    fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot> {
+        self.inner.abandon(input)
+    }
+    fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()> {
+        self.inner.record_operator_decision(input)
+    }
+    fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {
+        Box::pin(async move {
+            let plant = self
+                .stalls
+                .stall("submit", &input.payout_id, input.grant.token)
+                .await;
+            let answer = self.inner.submit(input).await;
+            plant.report(&answer, |a| {
+                match a {
+                    SubmitAnswer::Acked { .. } => "accepted: acked",
+                    SubmitAnswer::Declined { .. } => "accepted: declined",
+                    SubmitAnswer::Ambiguous { .. } => "accepted: ambiguous",
+                }
+                .to_string()
+            });
+            answer
+        })
+    }
+    fn inquire(&self, input: InquireInput) -> Answer<'_, Inquiry> {
+        self.inner.inquire(input)
+    }
+}
+
+#[derive(Default)]
+struct StallPoints {
+    points: Vec<(String, String, u64)>,
+    fired: Mutex<std::collections::HashSet<(String, String)>>,
+    armed_dir: Option<(std::path::PathBuf, String)>,
+}
+
+/// A stall taken from the armed directory: where the guard's answer is reported.
+#[must_use]
+#[derive(Default)]
+struct PlantedCall {
+    answer_file: Option<std::path::PathBuf>,
+}
+
+impl PlantedCall {
+    /// Writes how the guard answered the planted call: `accepted[: detail]`, or the refusal's
+    /// kind.
+    fn report<T>(&self, answer: &Result<T, ActivityFailure>, accepted: impl FnOnce(&T) -> String) {
+        let Some(path) = &self.answer_file else {
+            return;
+        };
+        let what = match answer {
+            Ok(t) => accepted(t),
+            Err(ActivityFailure::Refused(r)) => match r {
+                Refusal::FencedOut { .. } => "fenced_out".to_string(),
+                Refusal::DuplicateSubmission { .. } => "duplicate".to_string(),
+                Refusal::RefusedTransition { .. } => "refused_transition".to_string(),
+                other => format!("refused: {other}"),
+            },
+            Err(ActivityFailure::Transient(e)) => format!("error: {e}"),
+        };
+        tracing::warn!(answer = %what, "test stall point (armed): the guard answered the planted call");
+        write_atomically(path, &what);
+    }
+}
+
+/// Writes `text` to `path` so that a reader sees all of it or nothing (a rename).
+fn write_atomically(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path)) {
+        tracing::error!(path = %path.display(), error = %e, "test stall point: cannot write");
+    }
+}
+
+impl StallPoints {
+    fn from_env(identity: &str) -> Self {
+        let armed_dir = std::env::var_os(STALL_DIR_ENV)
+            .map(|dir| (std::path::PathBuf::from(dir), identity.to_string()));
+        let Ok(spec) = std::env::var(STALL_ENV) else {
+            return Self {
+                armed_dir,
+                ..Self::default()
+            };
+        };
+        let points = spec
+            .split(',')
+            .filter_map(|p| {
+                let parts: Vec<&str> = p.trim().split(':').collect();
+                match parts.as_slice() {
+                    [who, step, payout, ms] if *who == identity => {
+                        Some((step.to_string(), payout.to_string(), ms.parse().ok()?))
+                    }
+                    _ => None,
+                }
+            })
+            .collect();
+        Self {
+            points,
+            fired: Mutex::default(),
+            armed_dir,
+        }
+    }
+
+    /// Takes the armed stall point of `step`, if there is one and no other worker took it first:
+    /// the longest wait for the release, and the directory.
+    fn take_armed(&self, step: &str, payout: &PayoutId) -> Option<(u64, &std::path::Path)> {
+        let (dir, identity) = self.armed_dir.as_ref()?;
+        let armed = dir.join(format!("{step}.armed"));
+        let ms = std::fs::read_to_string(&armed).ok()?.trim().parse().ok()?;
+        let taken = dir.join(format!("{step}.taken.{identity}.{payout}"));
+        std::fs::rename(&armed, &taken).ok()?;
+        Some((ms, dir))
+    }
+
+    async fn stall(&self, step: &str, payout: &PayoutId, token: FencingToken) -> PlantedCall {
+        if let Some((ms, dir)) = self.take_armed(step, payout) {
+            write_atomically(
+                &dir.join(format!("{step}.token.{payout}")),
+                &token.get().to_string(),
+            );
+            tracing::warn!(step, payout_id = %payout, token = token.get(), max_ms = ms, "test stall point (armed): waiting after the grant check for the harness's release");
+            let release = dir.join(format!("{step}.release.{payout}"));
+            let give_up = tokio::time::Instant::now() + Duration::from_millis(ms);
+            while !release.exists() && tokio::time::Instant::now() < give_up {
+                tokio::time::sleep(STALL_RELEASE_POLL).await;
+            }
+            tracing::warn!(step, payout_id = %payout, released = release.exists(), "test stall point (armed): continuing to the guard");
+            return PlantedCall {
+                answer_file: Some(dir.join(format!("{step}.answer.{payout}"))),
+            };
+        }
+        let Some((_, _, ms)) = self
+            .points
+            .iter()
+            .find(|(s, p, _)| s == step && p == payout.as_str())
+        else {
+            return PlantedCall::default();
+        };
+        if !self
+            .fired
+            .lock()
+            .expect("stall points")
+            .insert((step.to_string(), payout.to_string()))
+        {
+            return PlantedCall::default();
+        }
+        tracing::warn!(step, payout_id = %payout, stall_ms = ms, "test stall point: waiting after the grant check");
+        tokio::time::sleep(Duration::from_millis(*ms)).await;
+        tracing::warn!(step, payout_id = %payout, "test stall point: continuing to the guard");
+        PlantedCall::default()
+    }
+}

@@ -1,0 +1,698 @@
+//! The real backend: the lock service (`lock-client`), the payment resource (first guard) and
+//! the rail proxy (second guard), behind [`Backend`].
+//!
+//! The lock session is one per worker process, owned by the process: opened at start, kept alive
+//! in the background, replaced by a new one (new grants, higher tokens) once it is lost. Grants
+//! live in this process only; a [`Grant`] in workflow history names its session and this
+//! process's own task queue, where every fenced activity under it is routed. A grant made by
+//! another process (a worker that died, or a previous incarnation of this one) is never adopted:
+//! [`Backend::check_held`] reports it as `GrantLost` and the workflow acquires a new one.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lock_client::{Acquired, ClientError, LockClient, Session};
+use payment_client::model;
+use payment_client::{PaymentClient, PaymentError};
+use payout_domain::{lock_key, PayoutId};
+use rail_proxy_client::{
+    Evidence as ProxyEvidence, InquirePayout, Outcome, ProxyError, RailProxyClient, SubmitPayout,
+};
+
+use payout_activities::backend::{Answer, Backend};
+use payout_activities::refusal::{ActivityFailure, Refusal};
+use payout_activities::types::*;
+
+/// The lease TTL default. The worker's session must survive a loaded machine's scheduling
+/// hiccups (keep-alives go every TTL/3), and a dead worker's keys must come free quickly enough
+/// that its payouts resume within seconds: ten seconds does both. Tests that pause a worker set a
+/// shorter one (`PAYOUT_LOCK_TTL_MS`).
+pub const LOCK_TTL_MS_DEFAULT: u64 = 10_000;
+/// Below this the local deadline (TTL minus the client's 500 ms margin) leaves no room to work.
+pub const LOCK_TTL_MS_MIN: u64 = 1_500;
+/// A grant that no workflow has used this long after it was made is handed back (see
+/// [`ServiceBackend::connect`]). A workflow uses its grant (a fenced call, which vouches for it)
+/// within a workflow task or two of receiving it, seconds even on a loaded machine; a grant still
+/// unused after a minute was made for an acquire whose answer nobody received.
+pub const UNCLAIMED_GRANT_MAX_MS_DEFAULT: u64 = 60_000;
+/// How often the unclaimed grants are looked for.
+const UNCLAIMED_GRANT_SWEEP: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// This worker's identity: the lock owner and the claimer the guards record.
+    pub owner: String,
+    /// This process's own task queue, where the fenced activities of its grants run.
+    pub private_task_queue: String,
+    pub lock_server_url: String,
+    pub payment_resource_url: String,
+    pub rail_proxy_url: String,
+    pub lock_ttl: Duration,
+    /// Where the lock client records its history (INV-06 evidence); `None`: not recorded.
+    pub lock_history_path: Option<std::path::PathBuf>,
+    /// A grant no workflow has used this long after it was made is released.
+    pub unclaimed_grant_max: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("lock service: {0}")]
+    Lock(#[from] ClientError),
+    #[error("payment resource: {0}")]
+    Payment(#[from] PaymentError),
+    #[error("rail proxy: {0}")]
+    Proxy(#[from] tonic::transport::Error),
+    #[error("PAYOUT_LOCK_TTL_MS {0} is below the minimum {LOCK_TTL_MS_MIN}")]
+    TtlTooShort(u128),
+    #[error("lock history file {path}: {source}")]
+    LockHistory {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// A failed attempt to open a lock session is the answer for this long: a worker cut off from
+/// the lock service fails each lock step within the client's deadline once, not once per queued
+/// caller (each waited its turn, so N callers took N deadlines), and a workflow whose local steps
+/// give up moves on to a worker that can serve it sooner.
+pub const SESSION_OPEN_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
+pub struct ServiceBackend {
+    config: ServiceConfig,
+    lock: LockClient,
+    /// The process's session; replaced (never revived) once lost.
+    session: tokio::sync::Mutex<Session>,
+    /// When opening a new session last failed, and why: callers queued behind that attempt get
+    /// its answer at once instead of each waiting out the lock client's deadline in turn.
+    open_failed: Mutex<Option<(std::time::Instant, String)>>,
+    /// The live grant handles of this process, by key.
+    grants: Arc<Mutex<HashMap<String, Held>>>,
+    /// Hands back grants no workflow took up; stopped with the backend.
+    sweeper: tokio::task::JoinHandle<()>,
+    payment: PaymentClient,
+    proxy: RailProxyClient,
+}
+
+/// A grant this process made, and whether a workflow has used it since.
+struct Held {
+    handle: lock_client::GrantHandle,
+    made: std::time::Instant,
+    used: bool,
+}
+
+impl Drop for ServiceBackend {
+    fn drop(&mut self) {
+        self.sweeper.abort();
+    }
+}
+
+impl ServiceBackend {
+    /// Connects to the services and opens this process's lock session. It also starts the
+    /// sweep that hands back grants no workflow took up: an acquire whose activity Temporal had
+    /// already given up on (a heartbeat or a completion that did not arrive in time) can still be
+    /// granted by the lock service, and that grant, on this live session, would keep the account's
+    /// key from every later payout, the same payout's retry included. A grant still unused after
+    /// `unclaimed_grant_max` is released (releasing is always safe: a workflow that did hold it
+    /// would find it lost and acquire again).
+    pub async fn connect(config: ServiceConfig) -> Result<Self, ConnectError> {
+        if config.lock_ttl.as_millis() < u128::from(LOCK_TTL_MS_MIN) {
+            return Err(ConnectError::TtlTooShort(config.lock_ttl.as_millis()));
+        }
+        let mut lock = LockClient::connect(config.lock_server_url.clone()).await?;
+        if let Some(path) = &config.lock_history_path {
+            let recorder = lock_client::history::HistoryRecorder::open(path).map_err(|source| {
+                ConnectError::LockHistory {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            lock = lock.with_history(Arc::new(recorder));
+        }
+        let session = lock.open_session(&config.owner, config.lock_ttl).await?;
+        tracing::info!(owner = %config.owner, session_id = session.id(), ttl_ms = config.lock_ttl.as_millis() as u64, "lock session opened");
+        let payment = PaymentClient::connect(config.payment_resource_url.clone()).await?;
+        let proxy = RailProxyClient::connect(config.rail_proxy_url.clone()).await?;
+        let grants = Arc::new(Mutex::new(HashMap::new()));
+        let sweeper = tokio::spawn(sweep_unclaimed(
+            Arc::clone(&grants),
+            config.unclaimed_grant_max,
+        ));
+        Ok(Self {
+            config,
+            lock,
+            session: tokio::sync::Mutex::new(session),
+            open_failed: Mutex::new(None),
+            grants,
+            sweeper,
+            payment,
+            proxy,
+        })
+    }
+
+    /// Ends the session on a graceful stop: the server frees every key of this worker at once,
+    /// so the payouts it handed back continue elsewhere without waiting for the lease.
+    pub async fn close(&self) {
+        self.grants.lock().expect("grants").clear();
+        let session = self.session.lock().await;
+        if let Err(e) = session.close().await {
+            tracing::warn!(error = %e, "closing the lock session failed; its lease will expire");
+        }
+    }
+
+    /// The live session, or a new one if the current one is lost.
+    async fn live_session(&self) -> Result<Session, ActivityFailure> {
+        let mut session = self.session.lock().await;
+        if !session.is_alive() {
+            if let Some((at, why)) = self.open_failed.lock().expect("open_failed").as_ref() {
+                if at.elapsed() < SESSION_OPEN_RETRY_AFTER {
+                    return Err(ActivityFailure::Transient(format!(
+                        "opening a lock session: {why} ({} ms ago)",
+                        at.elapsed().as_millis()
+                    )));
+                }
+            }
+            let fresh = self
+                .lock
+                .open_session(&self.config.owner, self.config.lock_ttl)
+                .await
+                .map_err(|e| {
+                    *self.open_failed.lock().expect("open_failed") =
+                        Some((std::time::Instant::now(), e.to_string()));
+                    ActivityFailure::Transient(format!("opening a lock session: {e}"))
+                })?;
+            *self.open_failed.lock().expect("open_failed") = None;
+            tracing::warn!(
+                old = session.id(),
+                new = fresh.id(),
+                "lock session lost; opened a new one"
+            );
+            *session = fresh;
+        }
+        Ok(session.clone())
+    }
+
+    fn fence(grant: &Grant) -> Result<model::Fence, ActivityFailure> {
+        model::Fence::new(grant.owner.clone(), grant.token).map_err(payment_failure)
+    }
+}
+
+fn payment_failure(e: PaymentError) -> ActivityFailure {
+    match e {
+        PaymentError::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+            ..
+        } => Refusal::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+        }
+        .into(),
+        PaymentError::RefusedTransition {
+            payout_id,
+            from,
+            event,
+            ..
+        } => Refusal::RefusedTransition {
+            payout_id,
+            from,
+            event,
+        }
+        .into(),
+        PaymentError::AccountBusy {
+            account_id,
+            in_flight_payout_id,
+        } => Refusal::AccountBusy {
+            account_id,
+            in_flight_payout_id,
+        }
+        .into(),
+        PaymentError::ResolutionSlaNotPassed { payout_id } => {
+            Refusal::ResolutionSlaNotPassed { payout_id }.into()
+        }
+        // The database or the network: a retry may cure it.
+        e @ PaymentError::Transport { .. } => ActivityFailure::Transient(e.to_string()),
+        // Malformed requests, unknown payouts, broken invariants: a bug; never retried.
+        e => Refusal::InvalidRequest {
+            detail: e.to_string(),
+        }
+        .into(),
+    }
+}
+
+fn snapshot(p: model::Payout) -> PayoutSnapshot {
+    let instruction = match (
+        payout_domain::AmountMinor::new(p.amount_minor),
+        payout_domain::BeneficiaryRef::parse(p.beneficiary_ref.clone()),
+    ) {
+        (Ok(amount_minor), Ok(beneficiary_ref)) => Some(Instruction {
+            account_id: p.account_id.clone(),
+            amount_minor,
+            currency: p.currency.clone(),
+            beneficiary_ref,
+        }),
+        // The payment resource validated both at creation; a record that does not parse is a
+        // broken invariant there, and without an instruction the workflow submits nothing.
+        (amount, beneficiary) => {
+            tracing::error!(payout_id = %p.payout_id, ?amount, ?beneficiary, "the payout record's instruction does not parse");
+            None
+        }
+    };
+    PayoutSnapshot {
+        instruction,
+        payout_id: p.payout_id,
+        state: p.state,
+        claimed_by: p.claimed_by.unwrap_or_default(),
+        token_stamp: p.token_stamp.unwrap_or(0),
+        rail_ref: p.rail_ref.unwrap_or_default(),
+        rail_outcome: p.rail_outcome.unwrap_or_default(),
+        failure_reason: p.failure_reason.unwrap_or_default(),
+    }
+}
+
+/// What the proxy's record says, in the workflow's terms. PENDING (intent without an ending) is
+/// "no recorded outcome": ambiguous.
+fn recorded_outcome(outcome: &Outcome) -> Option<RailOutcome> {
+    match outcome {
+        Outcome::Acked { rail_ref } => Some(RailOutcome::Acked {
+            rail_ref: rail_ref.clone(),
+        }),
+        Outcome::Rejected { decline_code } => Some(RailOutcome::Declined {
+            decline_code: decline_code.clone(),
+        }),
+        Outcome::Timeout { detail } => Some(RailOutcome::Timeout {
+            detail: detail.clone(),
+        }),
+        // Sealed unsent by a fenced inquiry: the sealer resolves the payout from its evidence;
+        // a submitter that finds the seal records nothing definitive of its own.
+        Outcome::Pending | Outcome::NotSent { .. } => None,
+    }
+}
+
+/// Every [`UNCLAIMED_GRANT_SWEEP`], releases the grants no workflow has used within `max` of
+/// being made (see [`ServiceBackend::connect`]).
+async fn sweep_unclaimed(grants: Arc<Mutex<HashMap<String, Held>>>, max: Duration) {
+    let mut tick = tokio::time::interval(UNCLAIMED_GRANT_SWEEP.min(max));
+    loop {
+        tick.tick().await;
+        let unclaimed: Vec<(String, Held)> = {
+            let mut grants = grants.lock().expect("grants");
+            let keys: Vec<String> = grants
+                .iter()
+                .filter(|(_, h)| !h.used && h.made.elapsed() >= max)
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| grants.remove(&k).map(|h| (k, h)))
+                .collect()
+        };
+        for (key, held) in unclaimed {
+            let token = held.handle.token().get();
+            let owner = held.handle.owner().to_string();
+            match held.handle.release().await {
+                Ok(()) => tracing::warn!(
+                    key,
+                    owner,
+                    token,
+                    unused_ms = held.made.elapsed().as_millis() as u64,
+                    "released a grant no workflow took up (its acquire's answer reached nobody)"
+                ),
+                Err(e) => {
+                    tracing::warn!(key, owner, token, error = %e, "releasing a grant no workflow took up failed; its session's end will free it")
+                }
+            }
+        }
+    }
+}
+
+fn boxed<'a, T: Send + 'a>(
+    f: impl std::future::Future<Output = Result<T, ActivityFailure>> + Send + 'a,
+) -> Answer<'a, T> {
+    Box::pin(f)
+}
+
+impl Backend for ServiceBackend {
+    fn acquire(&self, input: AcquireInput, wait: Duration) -> Answer<'_, AcquireOutcome> {
+        boxed(async move {
+            let key = lock_key(&input.account_id);
+            let session = self.live_session().await?;
+            // One grant per payout, not per worker: a worker runs many workflows on one session,
+            // and acquire is idempotent per (owner, session). With the worker's identity as the
+            // owner, two payouts of one account on one worker would share one grant.
+            let owner = format!("{}/{}", self.config.owner, input.payout_id);
+            let acquired = session
+                .acquire_as(&key, &owner, wait)
+                .await
+                .map_err(|e| ActivityFailure::Transient(format!("acquire {key}: {e}")))?;
+            match acquired {
+                Acquired::Granted(handle) => {
+                    let grant = Grant {
+                        key: key.clone(),
+                        owner: handle.owner().to_string(),
+                        session_id: handle.session_id().to_string(),
+                        token: handle.token(),
+                        task_queue: self.config.private_task_queue.clone(),
+                    };
+                    tracing::info!(payout_id = %input.payout_id, account_id = %input.account_id, key, token = grant.token.get(), "grant held");
+                    self.grants.lock().expect("grants").insert(
+                        key,
+                        Held {
+                            handle,
+                            made: std::time::Instant::now(),
+                            used: false,
+                        },
+                    );
+                    Ok(AcquireOutcome::Granted(grant))
+                }
+                Acquired::NotAcquired {
+                    holder_owner,
+                    holder_token,
+                } => Ok(AcquireOutcome::NotAcquired {
+                    holder_owner,
+                    holder_token,
+                }),
+            }
+        })
+    }
+
+    fn task_queue(&self) -> String {
+        self.config.private_task_queue.clone()
+    }
+
+    fn check_held(&self, grant: &Grant) -> Result<(), Refusal> {
+        let lost = |reason: &str| Refusal::GrantLost {
+            key: grant.key.clone(),
+            token: grant.token.get(),
+            reason: reason.to_string(),
+        };
+        let mut grants = self.grants.lock().expect("grants");
+        let Some(held) = grants.get_mut(&grant.key) else {
+            return Err(lost("this worker process holds no grant on the key (another process made it, or it was released)"));
+        };
+        let handle = &held.handle;
+        if handle.token() != grant.token || handle.session_id() != grant.session_id {
+            return Err(lost("this worker's grant on the key is a different one"));
+        }
+        if !handle.is_held() {
+            return Err(lost("the lock client's conservative deadline has passed"));
+        }
+        held.used = true;
+        Ok(())
+    }
+
+    fn release(&self, grant: Grant) -> Answer<'_, ()> {
+        boxed(async move {
+            let handle = {
+                let mut grants = self.grants.lock().expect("grants");
+                match grants.get(&grant.key) {
+                    Some(h)
+                        if h.handle.token() == grant.token
+                            && h.handle.session_id() == grant.session_id =>
+                    {
+                        grants.remove(&grant.key)
+                    }
+                    _ => None,
+                }
+            };
+            // Not ours (any more): the session that held it ended, or the key went to a later
+            // grant. Either way there is nothing of ours to free.
+            let Some(handle) = handle else { return Ok(()) };
+            // The handle goes back unless the release is settled: a release that failed in
+            // transit (lock service restarting) is retried by the activity's policy, and the
+            // retry must still find the handle, or the key stays held by this live session
+            // and every later payout of the account waits forever.
+            match handle.handle.release().await {
+                Ok(()) => Ok(()),
+                Err(ClientError::Rejected { .. }) | Err(ClientError::SessionLost) => Ok(()),
+                Err(e) => {
+                    self.grants
+                        .lock()
+                        .expect("grants")
+                        .entry(grant.key.clone())
+                        .or_insert(handle);
+                    Err(ActivityFailure::Transient(format!("release: {e}")))
+                }
+            }
+        })
+    }
+
+    fn get_payout(&self, payout_id: PayoutId) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let found = self
+                .payment
+                .get_payout(&payout_id)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(found.payout))
+        })
+    }
+
+    fn claim(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let p = self
+                .payment
+                .claim(&input.payout_id, &fence)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn mark_submitted(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let p = self
+                .payment
+                .mark_submitted(&input.payout_id, &fence)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn record_outcome(&self, input: RecordOutcomeInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let (outcome, detail) = match input.outcome {
+                RailOutcome::Acked { rail_ref } => {
+                    (model::RailOutcome::Acked { rail_ref }, String::new())
+                }
+                RailOutcome::Declined { decline_code } => {
+                    (model::RailOutcome::Declined { decline_code }, String::new())
+                }
+                RailOutcome::Timeout { detail } => (model::RailOutcome::Timeout, detail),
+                RailOutcome::OutcomeMissing => (model::RailOutcome::OutcomeMissing, String::new()),
+            };
+            // The payment resource bounds free text; a long transport error is cut, not refused.
+            let detail: String = detail.chars().take(model::TEXT_LENGTH_MAX / 2).collect();
+            let p = self
+                .payment
+                .record_outcome(&input.payout_id, &fence, &outcome, &detail)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn post(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let posted = self
+                .payment
+                .post(&input.payout_id, &fence)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(posted.payout))
+        })
+    }
+
+    fn resolve(&self, input: ResolveInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let evidence = match input.evidence {
+                Evidence::Found { rail_ref } => model::Evidence::Found { rail_ref },
+                Evidence::Absent => model::Evidence::Absent,
+            };
+            let source = format!(
+                "rail lookup through the rail proxy, by {}",
+                input.grant.owner
+            );
+            let p = self
+                .payment
+                .resolve_ambiguity(&input.payout_id, &fence, &evidence, &source)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot> {
+        boxed(async move {
+            let fence = Self::fence(&input.grant)?;
+            let request = model::AbandonRequest {
+                operator: input.operator,
+                reason: input.reason,
+                resolution_sla_passed: input.resolution_sla_passed,
+                sla_check: input.sla_check,
+            };
+            let p = self
+                .payment
+                .abandon(&input.payout_id, &fence, &request)
+                .await
+                .map_err(payment_failure)?;
+            Ok(snapshot(p))
+        })
+    }
+
+    fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()> {
+        boxed(async move {
+            let decision = model::OperatorDecision {
+                payout_id: input.payout_id,
+                operator: input.operator,
+                decision: input.decision,
+                reason: input.reason,
+                accepted: input.accepted,
+                note: input.note,
+                token: input.token,
+            };
+            self.payment
+                .record_operator_decision(&decision)
+                .await
+                .map_err(payment_failure)?;
+            Ok(())
+        })
+    }
+
+    fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {
+        boxed(self.submit_checked(input))
+    }
+
+    fn inquire(&self, input: InquireInput) -> Answer<'_, Inquiry> {
+        boxed(async move {
+            // The inquiry is a fenced call (it may seal the payout): only a live grant of this
+            // process presents its token.
+            self.check_held(&input.grant)?;
+            let request = InquirePayout::new(
+                input.payout_id.clone(),
+                input.account_id.clone(),
+                input.grant.token,
+                input.grant.owner.clone(),
+                self.config.owner.clone(),
+            );
+            let mut proxy = self.proxy.clone();
+            match proxy.inquire(&request).await {
+                Ok(answer) => Ok(match answer.resolution.evidence {
+                    ProxyEvidence::Found { rail_refs } => {
+                        if rail_refs.len() > 1 {
+                            tracing::error!(payout_id = %input.payout_id, ?rail_refs, "the rail shows more than one movement for one payout");
+                        }
+                        match rail_refs.into_iter().next() {
+                            Some(rail_ref) => Inquiry::Found { rail_ref },
+                            None => Inquiry::Unknown {
+                                detail: "FOUND without a reference".into(),
+                            },
+                        }
+                    }
+                    ProxyEvidence::Absent => Inquiry::Absent,
+                    ProxyEvidence::NeverSent => Inquiry::NeverSent,
+                    ProxyEvidence::Unknown { detail } => Inquiry::Unknown { detail },
+                }),
+                // A later token holds the account at the proxy: this grant is stale.
+                Err(e @ ProxyError::FencedOut { .. }) => Err(proxy_fenced_out(e)),
+                // Only a proxy that does not seal answers this: no record, and a stale request
+                // could still be on its way, so this is not "absent" evidence.
+                Err(ProxyError::NotFound { .. }) => Ok(Inquiry::Unknown {
+                    detail: "the rail proxy holds no submission for this payout".into(),
+                }),
+                Err(ProxyError::InvalidArgument { field, reason }) => {
+                    Err(Refusal::InvalidRequest {
+                        detail: format!("rail proxy refused {field}: {reason}"),
+                    }
+                    .into())
+                }
+                Err(e) => Err(ActivityFailure::Transient(e.to_string())),
+            }
+        })
+    }
+}
+
+impl ServiceBackend {
+    /// The Submit itself, once the activity's grant check is behind it.
+    async fn submit_checked(&self, input: SubmitInput) -> Result<SubmitAnswer, ActivityFailure> {
+        let request = SubmitPayout::new(
+            input.payout_id.clone(),
+            input.account_id.clone(),
+            input.grant.token,
+            input.grant.owner.clone(),
+            input.amount_minor,
+            input.currency.clone(),
+            input.beneficiary_ref.clone(),
+        );
+        // The reference is derived from the payout id on both sides; a difference is a bug.
+        if request.client_reference != input.client_reference {
+            return Err(Refusal::InvalidRequest {
+                detail: format!(
+                    "client reference {} is not the one derived from payout {}",
+                    input.client_reference, input.payout_id
+                ),
+            }
+            .into());
+        }
+        let mut proxy = self.proxy.clone();
+        match proxy.submit(&request).await {
+            Ok(submission) => Ok(match submission.outcome {
+                Outcome::Acked { rail_ref } => SubmitAnswer::Acked { rail_ref },
+                Outcome::Rejected { decline_code } => SubmitAnswer::Declined { decline_code },
+                Outcome::Timeout { detail } => SubmitAnswer::Ambiguous { detail },
+                Outcome::Pending => SubmitAnswer::Ambiguous {
+                    detail: "the proxy recorded the intent but no outcome".into(),
+                },
+                // A submit never answers with a seal (it would be a DUPLICATE); should it,
+                // the conservative reading is "unknown", which the inquiry then resolves.
+                Outcome::NotSent { .. } => SubmitAnswer::Ambiguous {
+                    detail: "the proxy answered a submit with a sealed (NOT_SENT) record".into(),
+                },
+            }),
+            Err(e @ ProxyError::FencedOut { .. }) => Err(proxy_fenced_out(e)),
+            Err(ProxyError::Duplicate { existing, .. }) => Err(Refusal::DuplicateSubmission {
+                payout_id: input.payout_id.to_string(),
+                existing_outcome: recorded_outcome(&existing.outcome),
+            }
+            .into()),
+            Err(ProxyError::InvalidArgument { field, reason }) => Err(Refusal::InvalidRequest {
+                detail: format!("rail proxy refused {field}: {reason}"),
+            }
+            .into()),
+            // Everything else is an unclear answer: money may have moved.
+            Err(e) => Ok(SubmitAnswer::Ambiguous {
+                detail: e.to_string(),
+            }),
+        }
+    }
+}
+
+/// The rail proxy's refusal of a stale token, as the workflow's `FencedOut` (one mapping for
+/// Submit and Inquire): the worker re-acquires, exactly as after the payment resource's refusal.
+fn proxy_fenced_out(error: ProxyError) -> ActivityFailure {
+    match error {
+        ProxyError::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+            ..
+        } => Refusal::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+        }
+        .into(),
+        other => unreachable!("only called with FencedOut, got {other:?}"),
+    }
+}
