@@ -64,6 +64,11 @@ pub struct ChaosConfig {
     pub lose_issued_tokens_on_restore: bool,
     /// At most this many payouts started and not yet settled at a time.
     pub open_payouts_max: usize,
+    /// The payouts' starts are spread evenly over this long (`None`: the fault window), so the
+    /// faults land on work in flight: started all at once, a CI-sized batch had settled after
+    /// 37 s of an 80 s window, and every later fault (the planted stale holders among them, which
+    /// need a payout to reach its step) met an idle system.
+    pub start_spread: Option<Duration>,
 }
 
 impl ChaosConfig {
@@ -87,6 +92,7 @@ impl ChaosConfig {
             kinds: None,
             lose_issued_tokens_on_restore: false,
             open_payouts_max: OPEN_PAYOUTS_MAX,
+            start_spread: None,
         }
     }
 }
@@ -316,7 +322,11 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     };
     let fault_start = Instant::now();
     let (started, outcome) = tokio::join!(
-        work.start_all(&system, config.open_payouts_max),
+        work.start_all(
+            &system,
+            config.open_payouts_max,
+            config.start_spread.unwrap_or(config.fault_window),
+        ),
         nemesis::execute(
             stack,
             &system,

@@ -91,7 +91,12 @@ impl Workload {
     /// at most `open_max` of them not yet settled at a time, as an upstream batcher would: every
     /// open payout of a busy account polls for its lock, and thousands of them at once only
     /// measure the churn.
-    pub async fn start_all(&self, system: &System, open_max: usize) -> anyhow::Result<()> {
+    pub async fn start_all(
+        &self,
+        system: &System,
+        open_max: usize,
+        spread: Duration,
+    ) -> anyhow::Result<()> {
         let paydb = super::one_connection(&system.databases.paydb).await?;
         let client = Arc::new(
             payout_workflows::client::connect(
@@ -105,7 +110,11 @@ impl Workload {
         let semaphore = Arc::new(tokio::sync::Semaphore::new(START_CONCURRENCY_MAX));
         let mut tasks = tokio::task::JoinSet::new();
         let mut settled: i64 = 0;
+        let first = Instant::now();
+        let n = self.inputs.len().max(1) as u32;
         for (started, input) in self.inputs.clone().into_iter().enumerate() {
+            // Payout i starts no earlier than spread * i / n after the first.
+            tokio::time::sleep_until((first + spread * started as u32 / n).into()).await;
             while started as i64 - settled >= open_max as i64 {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 // paydb may be restarting (a fault): the count is asked again.
