@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The compose deployment's integration suite, from nothing: builds the binaries on the host
 # (`cargo build --bins`; nothing is compiled inside Docker), makes the base image if it is missing,
-# builds the four images, and runs deploy/compose-tests against `docker-compose.yml`.
+# builds the four images, makes this run's grant signing key (`payoutctl keys grant-signing`, into
+# deploy/secrets/, git-ignored) and runs deploy/compose-tests against `docker-compose.yml`, which
+# refuses to start without the key.
 #
 #   deploy/compose-test.sh            # the whole suite
 #
@@ -31,6 +33,27 @@ echo "TIMING base image: $(secs "$t")"
 t=$(date +%s%N)
 bash deploy/build-images.sh
 echo "TIMING all image builds: $(secs "$t")"
+
+# The grant signing key (ARCHITECTURE.md, "Signed grants"; deploy/README.md, "Keys"): a fresh one
+# per run, made by the operator CLI exactly as an operator makes one. The lock-server reads the
+# secret from the folder mounted read-only (PAYOUT_GRANT_KEY_DIR); the guards get the public key
+# line (PAYOUT_GRANT_VERIFY_KEYS). The compose commands the suite runs inherit these variables.
+t=$(date +%s%N)
+KEY_DIR="$ROOT/deploy/secrets"
+KEY_ID="compose-test-$(date +%Y%m%d%H%M%S)"
+mkdir -p "$KEY_DIR"
+# The container's `payout` user must reach its file (x), but not list the folder.
+chmod 711 "$KEY_DIR"
+# Earlier runs' test keys only; any other key in the folder is left alone.
+rm -f "$KEY_DIR"/compose-test-*.key
+PAYOUT_GRANT_VERIFY_KEYS="$(target/debug/payoutctl keys grant-signing --key-id "$KEY_ID" --out "$KEY_DIR/$KEY_ID.key")"
+# Mode 0600, owned by the image's `payout` user (whose uid only the image knows), so the
+# lock-server in its container can read it and nobody else on the host.
+docker run --rm --user 0 -v "$KEY_DIR:/keys" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
+    chown payout "/keys/$KEY_ID.key"
+export PAYOUT_GRANT_KEY_DIR="$KEY_DIR" PAYOUT_GRANT_SIGNING_KEY_ID="$KEY_ID" PAYOUT_GRANT_VERIFY_KEYS
+echo "grant signing key: $KEY_ID (public: $PAYOUT_GRANT_VERIFY_KEYS)"
+echo "TIMING grant signing key: $(secs "$t")"
 
 t=$(date +%s%N)
 cargo test -p compose-tests -- --nocapture

@@ -1,9 +1,11 @@
 //! The operator's library: which deployment a command talks to ([`target`], [`record`]), the
-//! forward-only migrations ([`migrate`]) and the detective controls on demand ([`reconcile`]).
+//! forward-only migrations ([`migrate`]), the detective controls on demand ([`reconcile`]) and
+//! the deployment's keys ([`keys`]: the lock service's grant signing key).
 //! The `payoutctl` binary is what ships in the image; the developer harness (`payoutdev`: the
 //! local stack, the main job, benchmarks, fault injection) builds on this crate, never the other
 //! way round, and this crate links no test kit.
 
+pub mod keys;
 pub mod migrate;
 pub mod reconcile;
 pub mod record;

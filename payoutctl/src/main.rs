@@ -3,7 +3,7 @@
 //! injection) is `payoutdev`, which this binary does not contain.
 
 use clap::{Parser, Subcommand};
-use payoutctl::{migrate, reconcile};
+use payoutctl::{keys, migrate, reconcile};
 
 #[derive(Parser)]
 #[command(
@@ -22,6 +22,9 @@ enum Command {
     Reconcile(Box<reconcile::Args>),
     /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb.
     Migrate(migrate::Args),
+    /// Make a deployment's keys (the lock service's grant signing key).
+    #[command(subcommand)]
+    Keys(keys::Command),
 }
 
 fn main() -> std::process::ExitCode {
@@ -38,6 +41,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Migrate(args) => migrate::run(args).await,
             Command::Reconcile(args) => reconcile::run(*args).await,
+            Command::Keys(command) => keys::run(command),
         }
     });
     match result {

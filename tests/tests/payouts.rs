@@ -789,6 +789,10 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
         assert_eq!(done.state, PayoutState::Failed);
         assert_eq!((moved, requests), (0, 0), "nothing ever reached the rail");
         let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+        // Genuine signatures (the system's own grant key): the guards must refuse these late
+        // submissions on their token and on the seal, not as forged.
+        let signer = system.grant_keys.signer().unwrap();
+        let key = payout_domain::lock_key(&input.account_id);
         let late = |token: u64, owner: &str| {
             SubmitPayout::new(
                 input.payout_id.clone(),
@@ -799,6 +803,7 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
                 input.currency.clone(),
                 input.beneficiary_ref.clone(),
             )
+            .signed(key.clone(), signer.sign(&key, token, owner))
         };
         let stale = proxy.submit(&late(frozen_token as u64, &claimer)).await;
         assert!(
@@ -1162,6 +1167,111 @@ async fn a_grant_no_workflow_takes_up_is_handed_back_and_a_used_one_is_kept() {
         "the grant a workflow used is kept"
     );
     backend.check_held(&used).expect("still held");
+    backend.close().await;
+}
+
+/// The worker presents, with every fenced call, the signature the lock service gave its own
+/// handle of the grant (signed grants): a claim under a fresh grant is accepted by the payment
+/// resource, which verifies it. A grant the worker handed back after its check passed (a call
+/// frozen between the check and the guard) keeps its signature, so the late call still reaches
+/// the guard and is refused there on its token (`FencedOut`), not as forged and not by the worker.
+/// A grant this process never held has no signature here: `GrantLost`, and nothing is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_worker_presents_its_own_grants_signature_and_a_handed_back_grant_still_meets_the_fence(
+) {
+    use payout_activities::refusal::{ActivityFailure, Refusal};
+    use payout_activities::types::{AcquireInput, AcquireOutcome, FencedInput};
+    use payout_activities::Backend;
+    use payout_worker::services::{ServiceBackend, ServiceConfig};
+
+    let system = shared().await;
+    let ctx = Ctx::new(system).await;
+    let unique = Stack::shared()
+        .unique_prefix("signed")
+        .replace(['/', ':'], "-");
+    let unique = unique.trim_matches('-').to_string();
+    let input = explicit_payout(&ctx, &format!("{unique}-p"), &format!("{unique}-acct")).await;
+    let backend = ServiceBackend::connect(ServiceConfig {
+        owner: "signed-test".into(),
+        private_task_queue: "signed-test".into(),
+        lock_server_url: system.lock_url(),
+        payment_resource_url: system.payment_url(),
+        rail_proxy_url: system.proxy_url(),
+        lock_ttl: Duration::from_secs(10),
+        lock_history_path: None,
+        unclaimed_grant_max: Duration::from_secs(60),
+    })
+    .await
+    .unwrap();
+    let acquire = || async {
+        match backend
+            .acquire(
+                AcquireInput {
+                    payout_id: input.payout_id.clone(),
+                    account_id: input.account_id.clone(),
+                },
+                Duration::ZERO,
+            )
+            .await
+            .unwrap()
+        {
+            AcquireOutcome::Granted(g) => g,
+            other => panic!("{other:?}"),
+        }
+    };
+    let fenced = |grant: &payout_activities::types::Grant| FencedInput {
+        payout_id: input.payout_id.clone(),
+        grant: grant.clone(),
+    };
+
+    let first = acquire().await;
+    backend.check_held(&first).unwrap();
+    let claimed = backend.claim(fenced(&first)).await.unwrap();
+    assert_eq!(claimed.state, PayoutState::Claimed);
+    // Handed back after its check, then the key goes to a later grant, which writes.
+    backend.release(first.clone()).await.unwrap();
+    let second = acquire().await;
+    assert!(second.token > first.token);
+    backend.check_held(&second).unwrap();
+    let marked = backend.mark_submitted(fenced(&second)).await.unwrap();
+    assert_eq!(marked.state, PayoutState::RailSubmitted);
+    // The first grant's late call: signed with its own (kept) signature, refused on its token.
+    match backend.mark_submitted(fenced(&first)).await {
+        Err(ActivityFailure::Refused(Refusal::FencedOut {
+            presented, stored, ..
+        })) => assert_eq!((presented, stored), (first.token.get(), second.token.get())),
+        other => panic!("expected the guard's FencedOut, got {other:?}"),
+    }
+    // A grant this process never held (another session's): nothing to present, nothing sent.
+    let foreign = payout_activities::types::Grant {
+        session_id: "another-process".into(),
+        ..second.clone()
+    };
+    match backend.post(fenced(&foreign)).await {
+        Err(ActivityFailure::Refused(Refusal::GrantLost { token, .. })) => {
+            assert_eq!(token, second.token.get())
+        }
+        other => panic!("expected GrantLost, got {other:?}"),
+    }
+    let fenced_out: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_event WHERE kind = 'fenced_out' AND payout_id = $1 AND token = $2",
+    )
+    .bind(input.payout_id.as_str())
+    .bind(first.token.get() as i64)
+    .fetch_one(&ctx.paydb)
+    .await
+    .unwrap();
+    assert_eq!(
+        fenced_out, 1,
+        "the late call reached the guard and was audited"
+    );
+    let fence: i64 = sqlx::query_scalar("SELECT fence FROM account WHERE id = $1")
+        .bind(input.account_id.as_str())
+        .fetch_one(&ctx.paydb)
+        .await
+        .unwrap();
+    assert_eq!(fence as u64, second.token.get());
+    backend.release(second).await.unwrap();
     backend.close().await;
 }
 

@@ -7,12 +7,17 @@
 //! process's own task queue, where every fenced activity under it is routed. A grant made by
 //! another process (a worker that died, or a previous incarnation of this one) is never adopted:
 //! [`Backend::check_held`] reports it as `GrantLost` and the workflow acquires a new one.
+//!
+//! Every fenced call presents the grant's lock key and the lock service's signature over (key,
+//! token, owner), taken from this process's own [`lock_client::GrantHandle`], never from the
+//! workflow's history: both guards refuse a token without it (`forged_grant`) or one signed for
+//! another account's key (`grant_for_another_key`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lock_client::{Acquired, ClientError, LockClient, Session};
+use lock_client::{Acquired, ClientError, LockClient, Session, Signature};
 use payment_client::model;
 use payment_client::{PaymentClient, PaymentError};
 use payout_domain::{lock_key, PayoutId};
@@ -38,6 +43,13 @@ pub const LOCK_TTL_MS_MIN: u64 = 1_500;
 pub const UNCLAIMED_GRANT_MAX_MS_DEFAULT: u64 = 60_000;
 /// How often the unclaimed grants are looked for.
 const UNCLAIMED_GRANT_SWEEP: Duration = Duration::from_secs(5);
+/// How long the signature of a grant that left this process's handles (handed back, or replaced
+/// by a later grant on the same key) is kept for a fenced call already past its grant check. Such
+/// a call (a worker frozen between the check and the guard call, exactly what the stall tests and
+/// the chaos suite's planted stale holders do) still reaches the guards and is refused there on
+/// its token (`fenced_out`): the token at the guards is the safety, not this process's map. A
+/// call still in flight after this is answered `GrantLost`, which writes nothing either.
+pub const RETIRED_SIGNATURE_KEPT: Duration = Duration::from_secs(15 * 60);
 
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -88,6 +100,9 @@ pub struct ServiceBackend {
     open_failed: Mutex<Option<(std::time::Instant, String)>>,
     /// The live grant handles of this process, by key.
     grants: Arc<Mutex<HashMap<String, Held>>>,
+    /// The signatures of this process's grants that left `grants`, for
+    /// [`RETIRED_SIGNATURE_KEPT`] (see there).
+    retired: Arc<Mutex<Retired>>,
     /// Hands back grants no workflow took up; stopped with the backend.
     sweeper: tokio::task::JoinHandle<()>,
     payment: PaymentClient,
@@ -99,6 +114,46 @@ struct Held {
     handle: lock_client::GrantHandle,
     made: std::time::Instant,
     used: bool,
+}
+
+/// The grant as a guard is shown it: the signed lock key and the lock service's signature.
+struct Presented {
+    key: String,
+    signature: Signature,
+}
+
+/// Signatures of grants this process held, after their handle left `grants`, by (key, token,
+/// session id), with the time each left.
+#[derive(Default)]
+struct Retired {
+    by_grant: HashMap<(String, u64, String), (Signature, std::time::Instant)>,
+}
+
+impl Retired {
+    fn keep(&mut self, handle: &lock_client::GrantHandle) {
+        self.by_grant.insert(
+            (
+                handle.key().to_string(),
+                handle.token().get(),
+                handle.session_id().to_string(),
+            ),
+            (handle.signature().clone(), std::time::Instant::now()),
+        );
+    }
+
+    fn find(&self, grant: &Grant) -> Option<Signature> {
+        self.by_grant
+            .get(&(
+                grant.key.clone(),
+                grant.token.get(),
+                grant.session_id.clone(),
+            ))
+            .map(|(signature, _)| signature.clone())
+    }
+
+    fn prune(&mut self, kept: Duration) {
+        self.by_grant.retain(|_, (_, at)| at.elapsed() < kept);
+    }
 }
 
 impl Drop for ServiceBackend {
@@ -134,8 +189,10 @@ impl ServiceBackend {
         let payment = PaymentClient::connect(config.payment_resource_url.clone()).await?;
         let proxy = RailProxyClient::connect(config.rail_proxy_url.clone()).await?;
         let grants = Arc::new(Mutex::new(HashMap::new()));
+        let retired = Arc::new(Mutex::new(Retired::default()));
         let sweeper = tokio::spawn(sweep_unclaimed(
             Arc::clone(&grants),
+            Arc::clone(&retired),
             config.unclaimed_grant_max,
         ));
         Ok(Self {
@@ -144,6 +201,7 @@ impl ServiceBackend {
             session: tokio::sync::Mutex::new(session),
             open_failed: Mutex::new(None),
             grants,
+            retired,
             sweeper,
             payment,
             proxy,
@@ -153,7 +211,13 @@ impl ServiceBackend {
     /// Ends the session on a graceful stop: the server frees every key of this worker at once,
     /// so the payouts it handed back continue elsewhere without waiting for the lease.
     pub async fn close(&self) {
-        self.grants.lock().expect("grants").clear();
+        {
+            let mut grants = self.grants.lock().expect("grants");
+            let mut retired = self.retired.lock().expect("retired");
+            for (_, held) in grants.drain() {
+                retired.keep(&held.handle);
+            }
+        }
         let session = self.session.lock().await;
         if let Err(e) = session.close().await {
             tracing::warn!(error = %e, "closing the lock session failed; its lease will expire");
@@ -192,8 +256,45 @@ impl ServiceBackend {
         Ok(session.clone())
     }
 
-    fn fence(grant: &Grant) -> Result<model::Fence, ActivityFailure> {
-        model::Fence::new(grant.owner.clone(), grant.token).map_err(payment_failure)
+    /// The grant's signed key and signature, from this process's own handle of it (the activity
+    /// checked it is held just before: [`Backend::check_held`]), or from the signatures kept for
+    /// a grant that left this process's handles since ([`RETIRED_SIGNATURE_KEPT`]). A grant this
+    /// process never held is `GrantLost`: it has no signature here to present.
+    fn presented(&self, grant: &Grant) -> Result<Presented, ActivityFailure> {
+        {
+            let grants = self.grants.lock().expect("grants");
+            if let Some(held) = grants.get(&grant.key) {
+                let handle = &held.handle;
+                if handle.token() == grant.token && handle.session_id() == grant.session_id {
+                    return Ok(Presented {
+                        key: handle.key().to_string(),
+                        signature: handle.signature().clone(),
+                    });
+                }
+            }
+        }
+        if let Some(signature) = self.retired.lock().expect("retired").find(grant) {
+            return Ok(Presented {
+                key: grant.key.clone(),
+                signature,
+            });
+        }
+        Err(Refusal::GrantLost {
+            key: grant.key.clone(),
+            token: grant.token.get(),
+            reason:
+                "this worker process holds no signature for the grant (another process made it)"
+                    .to_string(),
+        }
+        .into())
+    }
+
+    /// The payment resource's fence: the grant's owner and token, signed.
+    fn fence(&self, grant: &Grant) -> Result<model::Fence, ActivityFailure> {
+        let presented = self.presented(grant)?;
+        Ok(model::Fence::new(grant.owner.clone(), grant.token)
+            .map_err(payment_failure)?
+            .signed(presented.key, presented.signature))
     }
 }
 
@@ -294,11 +395,21 @@ fn recorded_outcome(outcome: &Outcome) -> Option<RailOutcome> {
 }
 
 /// Every [`UNCLAIMED_GRANT_SWEEP`], releases the grants no workflow has used within `max` of
-/// being made (see [`ServiceBackend::connect`]).
-async fn sweep_unclaimed(grants: Arc<Mutex<HashMap<String, Held>>>, max: Duration) {
+/// being made (see [`ServiceBackend::connect`]), and forgets the retired signatures older than
+/// [`RETIRED_SIGNATURE_KEPT`]. An unused grant's signature is not kept: no fenced call passed
+/// its check.
+async fn sweep_unclaimed(
+    grants: Arc<Mutex<HashMap<String, Held>>>,
+    retired: Arc<Mutex<Retired>>,
+    max: Duration,
+) {
     let mut tick = tokio::time::interval(UNCLAIMED_GRANT_SWEEP.min(max));
     loop {
         tick.tick().await;
+        retired
+            .lock()
+            .expect("retired")
+            .prune(RETIRED_SIGNATURE_KEPT);
         let unclaimed: Vec<(String, Held)> = {
             let mut grants = grants.lock().expect("grants");
             let keys: Vec<String> = grants
@@ -358,7 +469,7 @@ impl Backend for ServiceBackend {
                         task_queue: self.config.private_task_queue.clone(),
                     };
                     tracing::info!(payout_id = %input.payout_id, account_id = %input.account_id, key, token = grant.token.get(), "grant held");
-                    self.grants.lock().expect("grants").insert(
+                    let replaced = self.grants.lock().expect("grants").insert(
                         key,
                         Held {
                             handle,
@@ -366,6 +477,9 @@ impl Backend for ServiceBackend {
                             used: false,
                         },
                     );
+                    if let Some(old) = replaced {
+                        self.retired.lock().expect("retired").keep(&old.handle);
+                    }
                     Ok(AcquireOutcome::Granted(grant))
                 }
                 Acquired::NotAcquired {
@@ -426,8 +540,10 @@ impl Backend for ServiceBackend {
             // retry must still find the handle, or the key stays held by this live session
             // and every later payout of the account waits forever.
             match handle.handle.release().await {
-                Ok(()) => Ok(()),
-                Err(ClientError::Rejected { .. }) | Err(ClientError::SessionLost) => Ok(()),
+                Ok(()) | Err(ClientError::Rejected { .. }) | Err(ClientError::SessionLost) => {
+                    self.retired.lock().expect("retired").keep(&handle.handle);
+                    Ok(())
+                }
                 Err(e) => {
                     self.grants
                         .lock()
@@ -453,7 +569,7 @@ impl Backend for ServiceBackend {
 
     fn claim(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
-            let fence = Self::fence(&input.grant)?;
+            let fence = self.fence(&input.grant)?;
             let p = self
                 .payment
                 .claim(&input.payout_id, &fence)
@@ -465,7 +581,7 @@ impl Backend for ServiceBackend {
 
     fn mark_submitted(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
-            let fence = Self::fence(&input.grant)?;
+            let fence = self.fence(&input.grant)?;
             let p = self
                 .payment
                 .mark_submitted(&input.payout_id, &fence)
@@ -477,7 +593,7 @@ impl Backend for ServiceBackend {
 
     fn record_outcome(&self, input: RecordOutcomeInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
-            let fence = Self::fence(&input.grant)?;
+            let fence = self.fence(&input.grant)?;
             let (outcome, detail) = match input.outcome {
                 RailOutcome::Acked { rail_ref } => {
                     (model::RailOutcome::Acked { rail_ref }, String::new())
@@ -501,7 +617,7 @@ impl Backend for ServiceBackend {
 
     fn post(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
-            let fence = Self::fence(&input.grant)?;
+            let fence = self.fence(&input.grant)?;
             let posted = self
                 .payment
                 .post(&input.payout_id, &fence)
@@ -513,7 +629,7 @@ impl Backend for ServiceBackend {
 
     fn resolve(&self, input: ResolveInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
-            let fence = Self::fence(&input.grant)?;
+            let fence = self.fence(&input.grant)?;
             let evidence = match input.evidence {
                 Evidence::Found { rail_ref } => model::Evidence::Found { rail_ref },
                 Evidence::Absent => model::Evidence::Absent,
@@ -533,7 +649,7 @@ impl Backend for ServiceBackend {
 
     fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
-            let fence = Self::fence(&input.grant)?;
+            let fence = self.fence(&input.grant)?;
             let request = model::AbandonRequest {
                 operator: input.operator,
                 reason: input.reason,
@@ -577,13 +693,15 @@ impl Backend for ServiceBackend {
             // The inquiry is a fenced call (it may seal the payout): only a live grant of this
             // process presents its token.
             self.check_held(&input.grant)?;
+            let presented = self.presented(&input.grant)?;
             let request = InquirePayout::new(
                 input.payout_id.clone(),
                 input.account_id.clone(),
                 input.grant.token,
                 input.grant.owner.clone(),
                 self.config.owner.clone(),
-            );
+            )
+            .signed(presented.key, presented.signature);
             let mut proxy = self.proxy.clone();
             match proxy.inquire(&request).await {
                 Ok(answer) => Ok(match answer.resolution.evidence {
@@ -615,6 +733,14 @@ impl Backend for ServiceBackend {
                     }
                     .into())
                 }
+                // The proxy refused the grant itself (not the lock service's signature, or signed
+                // for another account's key): a misconfiguration or a bug, which no retry cures.
+                Err(
+                    e @ (ProxyError::ForgedGrant { .. } | ProxyError::GrantForAnotherKey { .. }),
+                ) => Err(Refusal::InvalidRequest {
+                    detail: format!("rail proxy refused the grant: {e}"),
+                }
+                .into()),
                 Err(e) => Err(ActivityFailure::Transient(e.to_string())),
             }
         })
@@ -624,6 +750,7 @@ impl Backend for ServiceBackend {
 impl ServiceBackend {
     /// The Submit itself, once the activity's grant check is behind it.
     async fn submit_checked(&self, input: SubmitInput) -> Result<SubmitAnswer, ActivityFailure> {
+        let presented = self.presented(&input.grant)?;
         let request = SubmitPayout::new(
             input.payout_id.clone(),
             input.account_id.clone(),
@@ -632,7 +759,8 @@ impl ServiceBackend {
             input.amount_minor,
             input.currency.clone(),
             input.beneficiary_ref.clone(),
-        );
+        )
+        .signed(presented.key, presented.signature);
         // The reference is derived from the payout id on both sides; a difference is a bug.
         if request.client_reference != input.client_reference {
             return Err(Refusal::InvalidRequest {
@@ -668,6 +796,14 @@ impl ServiceBackend {
                 detail: format!("rail proxy refused {field}: {reason}"),
             }
             .into()),
+            // Refused before anything was written or sent: the grant is not one the lock service
+            // signed for this account (a misconfigured key, or a bug). No retry cures it.
+            Err(e @ (ProxyError::ForgedGrant { .. } | ProxyError::GrantForAnotherKey { .. })) => {
+                Err(Refusal::InvalidRequest {
+                    detail: format!("rail proxy refused the grant: {e}"),
+                }
+                .into())
+            }
             // Everything else is an unclear answer: money may have moved.
             Err(e) => Ok(SubmitAnswer::Ambiguous {
                 detail: e.to_string(),

@@ -18,6 +18,7 @@
 
 pub mod history;
 
+pub use grant_signing::Signature;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -429,6 +430,10 @@ impl Session {
                     key: g.key,
                     owner: g.owner,
                     token,
+                    signature: Signature {
+                        key_id: g.signing_key_id,
+                        bytes: g.signature,
+                    },
                     server_expiry_unix_ms: g.server_expiry_unix_ms,
                     session: self.clone(),
                     liveness,
@@ -690,6 +695,8 @@ pub struct GrantHandle {
     /// The grant's owner: the session's owner, or a narrower one (`Session::acquire_as`).
     owner: String,
     token: FencingToken,
+    /// The lock service's signature over (key, token, owner): what the guards verify.
+    signature: Signature,
     server_expiry_unix_ms: i64,
     session: Session,
     /// Vouched for by the session's keep-alive rounds while this handle lives.
@@ -719,6 +726,10 @@ impl GrantHandle {
     }
     pub fn token(&self) -> FencingToken {
         self.token
+    }
+    /// The lock service's signature of this grant, presented with the token to both guards.
+    pub fn signature(&self) -> &Signature {
+        &self.signature
     }
     pub fn session(&self) -> &Session {
         &self.session
@@ -849,6 +860,10 @@ impl GrantHandle {
             key: key.to_string(),
             owner: owner.to_string(),
             token,
+            signature: Signature {
+                key_id: grant.signing_key_id,
+                bytes: grant.signature,
+            },
             server_expiry_unix_ms: grant.server_expiry_unix_ms,
             session,
             liveness,

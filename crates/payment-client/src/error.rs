@@ -18,6 +18,32 @@ pub enum PaymentError {
         account_id: String,
         payout_id: String,
     },
+    /// The fence's grant is not one the lock service signed: no signature (`unsigned`), a signing
+    /// key this guard does not know (`unknown_key_id`), or a signature that does not match the
+    /// key, token and owner (`bad_signature`). Checked before the fence statement: nothing changed
+    /// but the refusal's audit row and a counter. PERMISSION_DENIED.
+    #[error("forged grant on payout {payout_id}: key {key:?}, token {presented}, owner {owner}, signing key {signing_key_id:?}: {reason}")]
+    ForgedGrant {
+        key: String,
+        presented: u64,
+        owner: String,
+        signing_key_id: String,
+        /// `unsigned` | `unknown_key_id` | `bad_signature`
+        reason: String,
+        payout_id: String,
+    },
+    /// A genuine grant, signed for another lock key than the key of the payout's account
+    /// (`payout:{account_id}`): tokens are global across keys, so another account's higher token
+    /// must not pass this account's fence. Nothing changed but the refusal's audit row and a
+    /// counter. PERMISSION_DENIED.
+    #[error("grant for another key on payout {payout_id}: signed for {presented_key:?}, the payout needs {required_key} (token {presented}, owner {owner})")]
+    GrantForAnotherKey {
+        presented_key: String,
+        required_key: String,
+        presented: u64,
+        owner: String,
+        payout_id: String,
+    },
     /// The (state, event) pair is not in the 2.3 table, or needs another actor. Nothing changed.
     #[error("payout {payout_id}: transition {event} from {from} refused (actor {actor}{})",
         required.as_ref().map(|r| format!(", requires {r}")).unwrap_or_default())]

@@ -2,6 +2,7 @@
 //! on the client), valid by construction afterwards.
 
 use chrono::{DateTime, Utc};
+pub use grant_signing::Signature;
 use payout_domain::{AccountId, Currency, FencingToken, PayoutId, PayoutState};
 use uuid::Uuid;
 
@@ -12,10 +13,21 @@ use crate::error::{InvalidReason, PaymentError};
 pub const TEXT_LENGTH_MAX: usize = 1024;
 
 /// The caller's lock grant. A mutating call without one does not compile (INV-07).
+///
+/// A grant is the lock service's signature over (lock key, token, owner): [`Fence::new`] builds
+/// the unsigned part, [`Fence::signed`] attaches the key and the signature the lock service
+/// returned with the grant (`lock_client::GrantHandle::signature`). The payment resource verifies
+/// the signature before its fence statement and binds the write to the signed key's account: an
+/// unsigned fence reaches the server and is refused as [`PaymentError::ForgedGrant`], a grant for
+/// another account's key as [`PaymentError::GrantForAnotherKey`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fence {
     owner: String,
     token: FencingToken,
+    /// The lock key the grant was signed for (`payout:{account_id}`); empty until signed.
+    key: String,
+    /// The lock service's signature; [`Signature::default`] (unsigned) until signed.
+    signature: Signature,
 }
 
 impl Fence {
@@ -28,13 +40,34 @@ impl Fence {
             ));
         }
         check_text("fence.owner", &owner)?;
-        Ok(Self { owner, token })
+        Ok(Self {
+            owner,
+            token,
+            key: String::new(),
+            signature: Signature::default(),
+        })
+    }
+    /// The grant's lock key and the lock service's signature over (key, token, owner).
+    pub fn signed(self, key: impl Into<String>, signature: Signature) -> Fence {
+        Fence {
+            key: key.into(),
+            signature,
+            ..self
+        }
     }
     pub fn owner(&self) -> &str {
         &self.owner
     }
     pub fn token(&self) -> FencingToken {
         self.token
+    }
+    /// The lock key the grant was signed for; empty for an unsigned fence.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+    /// The lock service's signature; unsigned (`Signature::default()`) unless [`Fence::signed`].
+    pub fn signature(&self) -> &Signature {
+        &self.signature
     }
 }
 

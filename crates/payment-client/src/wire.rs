@@ -45,10 +45,21 @@ pub fn parse_token(field: &str, value: u64) -> Result<FencingToken, PaymentError
     })
 }
 
+/// A fence from the wire. The grant's key and signature are only bounded here (they are stored
+/// in the refusal's audit row); whether they are the lock service's is the server's check
+/// (`forged_grant`, `grant_for_another_key`), which an unsigned fence reaches and fails.
 pub fn parse_fence(fence: Option<&pb::Fence>) -> Result<Fence, PaymentError> {
     let fence = fence.ok_or_else(|| PaymentError::invalid("fence", InvalidReason::FenceMissing))?;
     let token = parse_token("fence.token", fence.token)?;
-    Fence::new(fence.owner.clone(), token)
+    let key = model::optional_text("fence.key", &fence.key)?;
+    let key_id = model::optional_text("fence.signing_key_id", &fence.signing_key_id)?;
+    Ok(Fence::new(fence.owner.clone(), token)?.signed(
+        key,
+        model::Signature {
+            key_id,
+            bytes: fence.signature.clone(),
+        },
+    ))
 }
 
 pub fn parse_new_payout(r: &pb::CreatePayoutRequest) -> Result<model::NewPayout, PaymentError> {
@@ -239,6 +250,40 @@ pub fn error_to_status(err: PaymentError) -> Status {
                 payout_id,
             }),
         ),
+        PaymentError::ForgedGrant {
+            key,
+            presented,
+            owner,
+            signing_key_id,
+            reason,
+            payout_id,
+        } => (
+            Code::PermissionDenied,
+            Kind::ForgedGrant(pb::ForgedGrant {
+                key,
+                presented,
+                owner,
+                signing_key_id,
+                reason,
+                payout_id,
+            }),
+        ),
+        PaymentError::GrantForAnotherKey {
+            presented_key,
+            required_key,
+            presented,
+            owner,
+            payout_id,
+        } => (
+            Code::PermissionDenied,
+            Kind::GrantForAnotherKey(pb::GrantForAnotherKey {
+                presented_key,
+                required_key,
+                presented,
+                owner,
+                payout_id,
+            }),
+        ),
         PaymentError::RefusedTransition {
             payout_id,
             from,
@@ -325,6 +370,21 @@ pub fn status_to_error(status: Status) -> PaymentError {
             owner: f.owner,
             account_id: f.account_id,
             payout_id: f.payout_id,
+        },
+        Kind::ForgedGrant(f) => PaymentError::ForgedGrant {
+            key: f.key,
+            presented: f.presented,
+            owner: f.owner,
+            signing_key_id: f.signing_key_id,
+            reason: f.reason,
+            payout_id: f.payout_id,
+        },
+        Kind::GrantForAnotherKey(g) => PaymentError::GrantForAnotherKey {
+            presented_key: g.presented_key,
+            required_key: g.required_key,
+            presented: g.presented,
+            owner: g.owner,
+            payout_id: g.payout_id,
         },
         Kind::RefusedTransition(r) => PaymentError::RefusedTransition {
             payout_id: r.payout_id,
@@ -472,6 +532,9 @@ pub fn fence_to_proto(f: &Fence) -> pb::Fence {
     pb::Fence {
         owner: f.owner().to_string(),
         token: f.token().get(),
+        key: f.key().to_string(),
+        signing_key_id: f.signature().key_id.clone(),
+        signature: f.signature().bytes.clone(),
     }
 }
 
@@ -491,6 +554,21 @@ mod tests {
                 stored: 7,
                 owner: "worker-a".into(),
                 account_id: "acct-1".into(),
+                payout_id: "p-1".into(),
+            },
+            PaymentError::ForgedGrant {
+                key: "payout:acct-1".into(),
+                presented: i64::MAX as u64,
+                owner: "mallory".into(),
+                signing_key_id: "rogue-1".into(),
+                reason: "unknown_key_id".into(),
+                payout_id: "p-1".into(),
+            },
+            PaymentError::GrantForAnotherKey {
+                presented_key: "payout:acct-2".into(),
+                required_key: "payout:acct-1".into(),
+                presented: 31,
+                owner: "worker-a".into(),
                 payout_id: "p-1".into(),
             },
             PaymentError::RefusedTransition {
@@ -583,10 +661,62 @@ mod tests {
         assert_eq!(payout_from_proto(payout_to_proto(&payout)).unwrap(), payout);
     }
 
+    /// Both grant refusals travel as PERMISSION_DENIED, the others keep their codes.
+    #[test]
+    fn grant_refusals_are_permission_denied() {
+        for refusal in refusals() {
+            let grant = matches!(
+                refusal,
+                PaymentError::ForgedGrant { .. } | PaymentError::GrantForAnotherKey { .. }
+            );
+            let code = error_to_status(refusal).code();
+            assert_eq!(code == Code::PermissionDenied, grant, "{code:?}");
+        }
+    }
+
     #[test]
     fn a_fence_survives_the_wire() {
         let fence = Fence::new("worker-a", FencingToken::new(42).unwrap()).unwrap();
         assert_eq!(parse_fence(Some(&fence_to_proto(&fence))).unwrap(), fence);
+        assert_eq!(fence.signature(), &model::Signature::default(), "unsigned");
+        let signed = fence.signed(
+            "payout:acct-1",
+            model::Signature {
+                key_id: "k1".into(),
+                bytes: vec![7; 64],
+            },
+        );
+        let wire = fence_to_proto(&signed);
+        assert_eq!(
+            (
+                wire.key.as_str(),
+                wire.signing_key_id.as_str(),
+                wire.signature.len()
+            ),
+            ("payout:acct-1", "k1", 64)
+        );
+        let back = parse_fence(Some(&wire)).unwrap();
+        assert_eq!(back, signed);
+        assert_eq!(
+            (back.key(), back.signature().key_id.as_str()),
+            ("payout:acct-1", "k1")
+        );
+        for (field, edit) in [
+            (
+                "fence.key",
+                (&|f: &mut pb::Fence| f.key = "payout:\0".into()) as &dyn Fn(&mut pb::Fence),
+            ),
+            ("fence.signing_key_id", &|f: &mut pb::Fence| {
+                f.signing_key_id = "k".repeat(2000)
+            }),
+        ] {
+            let mut bad = wire.clone();
+            edit(&mut bad);
+            assert!(
+                matches!(parse_fence(Some(&bad)), Err(PaymentError::InvalidArgument { field: f, .. }) if f == field),
+                "{field}"
+            );
+        }
         assert!(matches!(
             parse_fence(None),
             Err(PaymentError::InvalidArgument {

@@ -5,6 +5,9 @@
 //! - `Ok(s)` with `s.outcome.is_ambiguous()` (TIMEOUT or PENDING): money **may** have moved. Go to
 //!   RAIL_AMBIGUOUS; never resubmit; resolve with [`RailProxyClient::inquire`] or a human.
 //! - `Err(ProxyError::FencedOut{..})`: this holder is stale; abort, a valid holder recovers later.
+//! - `Err(ProxyError::ForgedGrant{..})` / `Err(ProxyError::GrantForAnotherKey{..})`: the grant
+//!   presented is not the lock service's for this account's key; nothing was sent. A defect (or an
+//!   attack), never retried with the same grant.
 //! - `Err(ProxyError::Duplicate{existing, ..})`: nothing was sent; continue from `existing`.
 //! - `Err(ProxyError::Rpc(_))` (deadline, connection lost): unknown whether the intent was written;
 //!   calling `submit` again is safe (it can only answer DUPLICATE with the record) and so is
@@ -49,6 +52,30 @@ pub enum ProxyError {
         rail_outcome: Option<Outcome>,
         detail: String,
     },
+    /// PERMISSION_DENIED: the grant presented is not one the lock service signed (unsigned, an
+    /// unknown signing key, or a signature that does not match its key, token and owner: a
+    /// fabricated token). Nothing was sent and nothing written but the refusal's guard event.
+    /// `reason` is `unsigned`, `unknown_key_id` or `bad_signature`.
+    #[error("forged grant refused at the rail proxy ({reason}): token {presented} of {key} presented by {owner}, signing key {signing_key_id:?}; nothing sent")]
+    ForgedGrant {
+        key: String,
+        presented: u64,
+        owner: String,
+        signing_key_id: String,
+        reason: String,
+        payout_id: String,
+    },
+    /// PERMISSION_DENIED: a genuine grant, signed for another lock key than the account's
+    /// (`payout:{account_id}`): tokens are global across keys, so it fences nothing here. Nothing
+    /// was sent and nothing written but the refusal's guard event.
+    #[error("grant for another key refused at the rail proxy: token {presented} of {presented_key} presented by {owner} where {required_key} is required; nothing sent")]
+    GrantForAnotherKey {
+        presented_key: String,
+        required_key: String,
+        presented: u64,
+        owner: String,
+        payout_id: String,
+    },
     #[error(transparent)]
     Malformed(#[from] Malformed),
     /// Transport or server failure without a typed rejection.
@@ -58,64 +85,8 @@ pub enum ProxyError {
 
 impl ProxyError {
     fn from_status(status: tonic::Status) -> Self {
-        let Some(pb::Rejection { kind: Some(kind) }) = decode_rejection(&status) else {
-            return Self::Rpc(status);
-        };
-        match kind {
-            pb::rejection::Kind::FencedOut(f) => Self::FencedOut {
-                key: f.key,
-                presented: f.presented,
-                stored: f.stored,
-                owner: f.owner,
-                stored_owner: f.stored_owner,
-                payout_id: f.payout_id,
-            },
-            pb::rejection::Kind::Duplicate(d) => {
-                match d.existing.as_ref().map(wire::submission_from_proto) {
-                    Some(Ok(existing)) => Self::Duplicate {
-                        existing: Box::new(existing),
-                        payload_matches: d.payload_matches,
-                    },
-                    Some(Err(e)) => Self::Malformed(e),
-                    None => Self::Malformed(Malformed {
-                        what: "duplicate",
-                        detail: "no existing submission".into(),
-                    }),
-                }
-            }
-            pb::rejection::Kind::InvalidArgument(i) => Self::InvalidArgument {
-                field: i.field,
-                reason: i.reason,
-            },
-            pb::rejection::Kind::NotFound(n) => Self::NotFound {
-                payout_id: n.payout_id,
-            },
-            pb::rejection::Kind::OutcomeNotRecorded(o) => {
-                let rail_outcome = match pb::Outcome::try_from(o.rail_outcome) {
-                    Ok(pb::Outcome::Acked) => Some(Outcome::Acked {
-                        rail_ref: String::new(),
-                    }),
-                    Ok(pb::Outcome::Rejected) => Some(Outcome::Rejected {
-                        decline_code: String::new(),
-                    }),
-                    Ok(pb::Outcome::Timeout) => Some(Outcome::Timeout {
-                        detail: String::new(),
-                    }),
-                    _ => None,
-                };
-                Self::OutcomeNotRecorded {
-                    rail_outcome,
-                    detail: o.detail,
-                }
-            }
-        }
+        wire::status_to_error(status)
     }
-}
-
-/// The typed rejection in a status's details; `None` if there is none or it is not a
-/// `railproxy.v1.Rejection`.
-fn decode_rejection(status: &tonic::Status) -> Option<pb::Rejection> {
-    payout_proto::rejection::decode(status)
 }
 
 /// A submission with the evidence kept beside it.

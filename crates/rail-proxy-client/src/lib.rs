@@ -13,15 +13,17 @@
 //!
 //! Callers that only talk to the proxy (the workflow's activities, the reconciler, the system
 //! tests, operator tools) depend on this crate alone. It links no database driver, store, HTTP
-//! client or rail code: only `payout-domain`, `payout-proto` and the gRPC stack.
+//! client or rail code: only `payout-domain`, `payout-proto`, `grant-signing` (the signed grant a
+//! fenced request carries) and the gRPC stack.
 
 pub mod client;
 pub mod model;
 pub mod wire;
 
 pub use client::{Inquiry, ProxyError, RailProxyClient, SubmissionRecord};
+pub use grant_signing::Signature;
 pub use model::{
     Evidence, InquirePayout, InvalidArgument, Outcome, Payment, RailLookup, RailMovement,
-    Resolution, Submission, SubmitPayout, OWNER_LENGTH_MAX,
+    Resolution, Submission, SubmitPayout, KEY_LENGTH_MAX, OWNER_LENGTH_MAX,
 };
 pub use wire::Malformed;

@@ -3,14 +3,24 @@
 //! and every caller use these same types; [`crate::wire`] converts them to and from
 //! `railproxy.v1`.
 
+use grant_signing::Signature;
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
 };
 
 /// Longest holder identity accepted; it is diagnostics, and bounded like every other input.
 pub const OWNER_LENGTH_MAX: usize = 256;
+/// Longest signed lock key accepted (`payout:{account_id}` is far shorter); bounded like every
+/// other input, since a refused grant's key is kept in its guard event.
+pub const KEY_LENGTH_MAX: usize = 256;
 
 /// A submit request, valid by construction. The client reference is derived, never passed in.
+///
+/// The grant it presents is (`key`, `token`, `owner`) with the lock service's `signature` over
+/// them: the proxy refuses an unsigned or forged grant (`ProxyError::ForgedGrant`) and a genuine
+/// grant of another key than `payout:{account_id}` (`ProxyError::GrantForAnotherKey`) before its
+/// high-water statement. [`SubmitPayout::new`] makes an unsigned request for the account's own
+/// key; [`SubmitPayout::signed`] attaches the grant's key and signature.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubmitPayout {
     pub payout_id: PayoutId,
@@ -21,6 +31,10 @@ pub struct SubmitPayout {
     pub amount_minor: AmountMinor,
     pub currency: Currency,
     pub beneficiary_ref: BeneficiaryRef,
+    /// The lock key the grant was signed for (as the lock service signed it).
+    pub key: String,
+    /// The lock service's signature over (`key`, `token`, `owner`); unsigned by default.
+    pub signature: Signature,
 }
 
 impl SubmitPayout {
@@ -34,6 +48,7 @@ impl SubmitPayout {
         beneficiary_ref: BeneficiaryRef,
     ) -> Self {
         let client_reference = ClientReference::for_payout(&payout_id);
+        let key = payout_domain::lock_key(&account_id);
         Self {
             payout_id,
             account_id,
@@ -43,16 +58,27 @@ impl SubmitPayout {
             amount_minor,
             currency,
             beneficiary_ref,
+            key,
+            signature: Signature::default(),
         }
     }
 
-    /// The lock key whose token sequence this request's token belongs to.
+    /// The grant's signed lock key and the lock service's signature (`GrantHandle::signature`).
+    pub fn signed(mut self, key: impl Into<String>, signature: Signature) -> Self {
+        self.key = key.into();
+        self.signature = signature;
+        self
+    }
+
+    /// The lock key whose token sequence this request's token must belong to: the account's.
+    /// The proxy refuses a grant signed for any other key.
     pub fn lock_key(&self) -> String {
         payout_domain::lock_key(&self.account_id)
     }
 }
 
-/// A fenced inquiry: the resolver presents its grant like a submitter does (spec 2.6 steps 6-9).
+/// A fenced inquiry: the resolver presents its grant like a submitter does (spec 2.6 steps 6-9),
+/// signed key and signature included ([`InquirePayout::signed`]), verified the same way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InquirePayout {
     pub payout_id: PayoutId,
@@ -62,6 +88,10 @@ pub struct InquirePayout {
     pub owner: String,
     /// Who asked, kept with the evidence (and as the sealer of a NOT_SENT record).
     pub asked_by: String,
+    /// The lock key the grant was signed for.
+    pub key: String,
+    /// The lock service's signature over (`key`, `token`, `owner`); unsigned by default.
+    pub signature: Signature,
 }
 
 impl InquirePayout {
@@ -72,16 +102,26 @@ impl InquirePayout {
         owner: impl Into<String>,
         asked_by: impl Into<String>,
     ) -> Self {
+        let key = payout_domain::lock_key(&account_id);
         Self {
             payout_id,
             account_id,
             token,
             owner: owner.into(),
             asked_by: asked_by.into(),
+            key,
+            signature: Signature::default(),
         }
     }
 
-    /// The lock key whose token sequence this request's token belongs to.
+    /// The grant's signed lock key and the lock service's signature (`GrantHandle::signature`).
+    pub fn signed(mut self, key: impl Into<String>, signature: Signature) -> Self {
+        self.key = key.into();
+        self.signature = signature;
+        self
+    }
+
+    /// The lock key whose token sequence this request's token must belong to: the account's.
     pub fn lock_key(&self) -> String {
         payout_domain::lock_key(&self.account_id)
     }

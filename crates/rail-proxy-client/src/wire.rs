@@ -3,14 +3,17 @@
 //! the `*_to_proto` functions; the client builds requests with [`submit_request`] and
 //! [`inquire_request`] and reads answers with the `*_from_proto` functions.
 
+use grant_signing::{Forged, Signature, KEY_ID_LENGTH_MAX};
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
 };
 use payout_proto::railproxy as pb;
+use tonic::{Code, Status};
 
+use crate::client::ProxyError;
 use crate::model::{
     Evidence, InquirePayout, InvalidArgument, Outcome, Payment, Resolution, Submission,
-    SubmitPayout, OWNER_LENGTH_MAX,
+    SubmitPayout, KEY_LENGTH_MAX, OWNER_LENGTH_MAX,
 };
 
 /// Longest `asked_by` accepted; diagnostics, bounded like every other input.
@@ -45,6 +48,57 @@ fn check_owner(owner: &str) -> Result<(), InvalidArgument> {
     check_holder("owner", owner, OWNER_LENGTH_MAX)
 }
 
+/// A text the guard keeps in a refusal's guard event (`key`, `signing_key_id`): at most
+/// `length_max` bytes, without NUL. Empty is allowed: an unsigned grant is refused as forged, not
+/// as bad input.
+fn check_kept_text(
+    field: &'static str,
+    value: &str,
+    length_max: usize,
+) -> Result<(), InvalidArgument> {
+    if value.len() > length_max {
+        return Err(InvalidArgument::new(
+            field,
+            format!("{field} is longer than {length_max} bytes"),
+        ));
+    }
+    if value.contains('\0') {
+        return Err(InvalidArgument::new(
+            field,
+            format!("{field} contains a NUL character"),
+        ));
+    }
+    Ok(())
+}
+
+/// The grant a fenced request presents beyond its token and owner: the signed lock key and the
+/// lock service's signature. Only their form is checked here; the signature itself is verified
+/// by the proxy before its high-water statement.
+fn parse_grant(
+    key: &str,
+    signing_key_id: &str,
+    signature: &[u8],
+) -> Result<(String, Signature), InvalidArgument> {
+    check_kept_text("key", key, KEY_LENGTH_MAX)?;
+    check_kept_text("signing_key_id", signing_key_id, KEY_ID_LENGTH_MAX)?;
+    Ok((
+        key.to_string(),
+        Signature {
+            key_id: signing_key_id.to_string(),
+            bytes: signature.to_vec(),
+        },
+    ))
+}
+
+/// The `reason` of a `ForgedGrant` refusal, as the wire and the guard event's metric label name it.
+pub fn forged_reason(forged: &Forged) -> &'static str {
+    match forged {
+        Forged::Unsigned => "unsigned",
+        Forged::UnknownKeyId(_) => "unknown_key_id",
+        Forged::BadSignature => "bad_signature",
+    }
+}
+
 /// Parses a fenced inquiry: the payout, the resolver's fence, who asks.
 pub fn parse_inquire(request: &pb::InquireRequest) -> Result<InquirePayout, InvalidArgument> {
     let payout_id = PayoutId::parse(request.payout_id.as_str())
@@ -54,12 +108,15 @@ pub fn parse_inquire(request: &pb::InquireRequest) -> Result<InquirePayout, Inva
         .map_err(|e| InvalidArgument::new("account_id", e))?;
     let token = FencingToken::new(request.token).map_err(|e| InvalidArgument::new("token", e))?;
     check_owner(&request.owner)?;
+    let (key, signature) = parse_grant(&request.key, &request.signing_key_id, &request.signature)?;
     Ok(InquirePayout {
         payout_id,
         account_id,
         token,
         owner: request.owner.clone(),
         asked_by: request.asked_by.clone(),
+        key,
+        signature,
     })
 }
 
@@ -70,6 +127,9 @@ pub fn inquire_request(request: &InquirePayout) -> pb::InquireRequest {
         account_id: request.account_id.to_string(),
         token: request.token.get(),
         owner: request.owner.clone(),
+        key: request.key.clone(),
+        signing_key_id: request.signature.key_id.clone(),
+        signature: request.signature.bytes.clone(),
     }
 }
 
@@ -102,6 +162,7 @@ pub fn parse_submit(request: &pb::SubmitRequest) -> Result<SubmitPayout, Invalid
         Currency::parse(&request.currency).map_err(|e| InvalidArgument::new("currency", e))?;
     let beneficiary_ref = BeneficiaryRef::parse(request.beneficiary_ref.as_str())
         .map_err(|e| InvalidArgument::new("beneficiary_ref", e))?;
+    let (key, signature) = parse_grant(&request.key, &request.signing_key_id, &request.signature)?;
     Ok(SubmitPayout {
         payout_id,
         account_id,
@@ -111,6 +172,8 @@ pub fn parse_submit(request: &pb::SubmitRequest) -> Result<SubmitPayout, Invalid
         amount_minor,
         currency,
         beneficiary_ref,
+        key,
+        signature,
     })
 }
 
@@ -124,6 +187,9 @@ pub fn submit_request(request: &SubmitPayout) -> pb::SubmitRequest {
         amount_minor: request.amount_minor.get(),
         currency: request.currency.to_string(),
         beneficiary_ref: request.beneficiary_ref.to_string(),
+        key: request.key.clone(),
+        signing_key_id: request.signature.key_id.clone(),
+        signature: request.signature.bytes.clone(),
     }
 }
 
@@ -296,6 +362,173 @@ pub fn resolution_from_proto(r: &pb::Resolution) -> Result<Resolution, Malformed
     })
 }
 
+/// A typed refusal as the proxy answers it: the status code, a message, and the encoded
+/// `Rejection` in the details. [`status_to_error`] reads it back. (`Malformed` and `Rpc` carry no
+/// typed rejection: they become a bare INTERNAL status and the status itself.)
+pub fn error_to_status(error: &ProxyError) -> Status {
+    use pb::rejection::Kind;
+    let (code, kind) = match error {
+        ProxyError::FencedOut {
+            key,
+            presented,
+            stored,
+            owner,
+            stored_owner,
+            payout_id,
+        } => (
+            Code::FailedPrecondition,
+            Kind::FencedOut(pb::FencedOut {
+                key: key.clone(),
+                presented: *presented,
+                stored: *stored,
+                owner: owner.clone(),
+                stored_owner: stored_owner.clone(),
+                payout_id: payout_id.clone(),
+            }),
+        ),
+        ProxyError::Duplicate {
+            existing,
+            payload_matches,
+        } => (
+            Code::AlreadyExists,
+            Kind::Duplicate(pb::Duplicate {
+                existing: Some(submission_to_proto(existing)),
+                payload_matches: *payload_matches,
+            }),
+        ),
+        ProxyError::InvalidArgument { field, reason } => (
+            Code::InvalidArgument,
+            Kind::InvalidArgument(pb::InvalidArgument {
+                field: field.clone(),
+                reason: reason.clone(),
+            }),
+        ),
+        ProxyError::NotFound { payout_id } => (
+            Code::NotFound,
+            Kind::NotFound(pb::NotFound {
+                payout_id: payout_id.clone(),
+            }),
+        ),
+        ProxyError::OutcomeNotRecorded {
+            rail_outcome,
+            detail,
+        } => (
+            Code::Internal,
+            Kind::OutcomeNotRecorded(pb::OutcomeNotRecorded {
+                payout_id: String::new(),
+                rail_outcome: rail_outcome
+                    .as_ref()
+                    .map_or(pb::Outcome::Unspecified, outcome_to_proto)
+                    as i32,
+                detail: detail.clone(),
+            }),
+        ),
+        ProxyError::ForgedGrant {
+            key,
+            presented,
+            owner,
+            signing_key_id,
+            reason,
+            payout_id,
+        } => (
+            Code::PermissionDenied,
+            Kind::ForgedGrant(pb::ForgedGrant {
+                key: key.clone(),
+                presented: *presented,
+                owner: owner.clone(),
+                signing_key_id: signing_key_id.clone(),
+                reason: reason.clone(),
+                payout_id: payout_id.clone(),
+            }),
+        ),
+        ProxyError::GrantForAnotherKey {
+            presented_key,
+            required_key,
+            presented,
+            owner,
+            payout_id,
+        } => (
+            Code::PermissionDenied,
+            Kind::GrantForAnotherKey(pb::GrantForAnotherKey {
+                presented_key: presented_key.clone(),
+                required_key: required_key.clone(),
+                presented: *presented,
+                owner: owner.clone(),
+                payout_id: payout_id.clone(),
+            }),
+        ),
+        ProxyError::Malformed(m) => return Status::internal(m.to_string()),
+        ProxyError::Rpc(status) => return status.clone(),
+    };
+    payout_proto::rejection::status(code, error.to_string(), &pb::Rejection { kind: Some(kind) })
+}
+
+/// The typed refusal a status carries; [`ProxyError::Rpc`] if it carries none.
+pub fn status_to_error(status: Status) -> ProxyError {
+    use pb::rejection::Kind;
+    let Some(pb::Rejection { kind: Some(kind) }) = payout_proto::rejection::decode(&status) else {
+        return ProxyError::Rpc(status);
+    };
+    match kind {
+        Kind::FencedOut(f) => ProxyError::FencedOut {
+            key: f.key,
+            presented: f.presented,
+            stored: f.stored,
+            owner: f.owner,
+            stored_owner: f.stored_owner,
+            payout_id: f.payout_id,
+        },
+        Kind::Duplicate(d) => match d.existing.as_ref().map(submission_from_proto) {
+            Some(Ok(existing)) => ProxyError::Duplicate {
+                existing: Box::new(existing),
+                payload_matches: d.payload_matches,
+            },
+            Some(Err(e)) => ProxyError::Malformed(e),
+            None => ProxyError::Malformed(malformed("duplicate", "no existing submission")),
+        },
+        Kind::InvalidArgument(i) => ProxyError::InvalidArgument {
+            field: i.field,
+            reason: i.reason,
+        },
+        Kind::NotFound(n) => ProxyError::NotFound {
+            payout_id: n.payout_id,
+        },
+        Kind::OutcomeNotRecorded(o) => {
+            let rail_outcome = match pb::Outcome::try_from(o.rail_outcome) {
+                Ok(pb::Outcome::Acked) => Some(Outcome::Acked {
+                    rail_ref: String::new(),
+                }),
+                Ok(pb::Outcome::Rejected) => Some(Outcome::Rejected {
+                    decline_code: String::new(),
+                }),
+                Ok(pb::Outcome::Timeout) => Some(Outcome::Timeout {
+                    detail: String::new(),
+                }),
+                _ => None,
+            };
+            ProxyError::OutcomeNotRecorded {
+                rail_outcome,
+                detail: o.detail,
+            }
+        }
+        Kind::ForgedGrant(f) => ProxyError::ForgedGrant {
+            key: f.key,
+            presented: f.presented,
+            owner: f.owner,
+            signing_key_id: f.signing_key_id,
+            reason: f.reason,
+            payout_id: f.payout_id,
+        },
+        Kind::GrantForAnotherKey(g) => ProxyError::GrantForAnotherKey {
+            presented_key: g.presented_key,
+            required_key: g.required_key,
+            presented: g.presented,
+            owner: g.owner,
+            payout_id: g.payout_id,
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,6 +543,9 @@ mod tests {
             amount_minor: 100,
             currency: "EUR".into(),
             beneficiary_ref: "ben-1".into(),
+            key: "payout:a-1".into(),
+            signing_key_id: "k1".into(),
+            signature: vec![7; grant_signing::SIGNATURE_LEN],
         }
     }
 
@@ -337,6 +573,16 @@ mod tests {
             ("currency", Box::new(|r| r.currency = "XXX".into())),
             ("currency", Box::new(|r| r.currency = "eur".into())),
             ("beneficiary_ref", Box::new(|r| r.beneficiary_ref.clear())),
+            ("key", Box::new(|r| r.key = "payout:\0".into())),
+            ("key", Box::new(|r| r.key = "k".repeat(KEY_LENGTH_MAX + 1))),
+            (
+                "signing_key_id",
+                Box::new(|r| r.signing_key_id = "k\0".into()),
+            ),
+            (
+                "signing_key_id",
+                Box::new(|r| r.signing_key_id = "k".repeat(KEY_ID_LENGTH_MAX + 1)),
+            ),
         ];
         for (field, mutate) in cases {
             let mut request = good();
@@ -358,6 +604,9 @@ mod tests {
             account_id: "a-1".into(),
             token: 7,
             owner: "worker-2".into(),
+            key: "payout:a-1".into(),
+            signing_key_id: "k1".into(),
+            signature: vec![9; grant_signing::SIGNATURE_LEN],
         };
         let parsed = parse_inquire(&good).unwrap();
         assert_eq!(inquire_request(&parsed), good);
@@ -369,6 +618,11 @@ mod tests {
             ("account_id", Box::new(|r| r.account_id.clear())),
             ("token", Box::new(|r| r.token = 0)),
             ("owner", Box::new(|r| r.owner.clear())),
+            ("key", Box::new(|r| r.key = "\0".into())),
+            (
+                "signing_key_id",
+                Box::new(|r| r.signing_key_id = "\0".into()),
+            ),
         ];
         for (field, mutate) in cases {
             let mut request = good.clone();
@@ -414,5 +668,135 @@ mod tests {
             };
             assert_eq!(submission_from_proto(&submission_to_proto(&s)).unwrap(), s);
         }
+    }
+
+    /// The signed grant crosses the wire both ways, for Submit and Inquire; an unsigned request
+    /// (the default) is still well-formed (the proxy refuses it as a forged grant, not as bad
+    /// input), and its key defaults to the account's.
+    #[test]
+    fn the_signed_grant_crosses_the_wire_both_ways() {
+        let (signer, _) = grant_signing::Signer::generate("k1").unwrap();
+        let unsigned = parse_submit(&pb::SubmitRequest {
+            key: String::new(),
+            signing_key_id: String::new(),
+            signature: vec![],
+            ..good()
+        })
+        .unwrap();
+        assert_eq!(unsigned.signature, Signature::default());
+        let request = SubmitPayout::new(
+            unsigned.payout_id.clone(),
+            unsigned.account_id.clone(),
+            unsigned.token,
+            unsigned.owner.clone(),
+            unsigned.amount_minor,
+            unsigned.currency.clone(),
+            unsigned.beneficiary_ref.clone(),
+        );
+        assert_eq!(
+            request.key, "payout:a-1",
+            "the key defaults to the account's"
+        );
+        assert_eq!(request.signature, Signature::default());
+        let signature = signer.sign("payout:a-2", 5, "worker-1");
+        let signed = request.signed("payout:a-2", signature.clone());
+        let wire = submit_request(&signed);
+        assert_eq!(
+            (
+                wire.key.as_str(),
+                wire.signing_key_id.as_str(),
+                &wire.signature
+            ),
+            ("payout:a-2", "k1", &signature.bytes)
+        );
+        assert_eq!(parse_submit(&wire).unwrap(), signed);
+        assert_eq!(
+            signed.lock_key(),
+            "payout:a-1",
+            "the required key is the account's"
+        );
+
+        let inquiry = InquirePayout::new(
+            signed.payout_id.clone(),
+            signed.account_id.clone(),
+            signed.token,
+            "worker-1",
+            "reconciler-1",
+        );
+        assert_eq!(
+            (inquiry.key.as_str(), &inquiry.signature),
+            ("payout:a-1", &Signature::default())
+        );
+        let inquiry = inquiry.signed("payout:a-1", signer.sign("payout:a-1", 5, "worker-1"));
+        assert_eq!(parse_inquire(&inquire_request(&inquiry)).unwrap(), inquiry);
+    }
+
+    /// Every typed refusal goes to a status and back unchanged; the two grant refusals are
+    /// PERMISSION_DENIED.
+    #[test]
+    fn refusals_round_trip_through_their_status() {
+        let forged = ProxyError::ForgedGrant {
+            key: "payout:a-1".into(),
+            presented: i64::MAX as u64,
+            owner: "mallory".into(),
+            signing_key_id: "k9".into(),
+            reason: forged_reason(&Forged::UnknownKeyId("k9".into())).into(),
+            payout_id: "p-1".into(),
+        };
+        let another = ProxyError::GrantForAnotherKey {
+            presented_key: "payout:a-1".into(),
+            required_key: "payout:a-2".into(),
+            presented: 9,
+            owner: "worker-1".into(),
+            payout_id: "p-2".into(),
+        };
+        for error in [&forged, &another] {
+            let status = error_to_status(error);
+            assert_eq!(status.code(), Code::PermissionDenied, "{error:?}");
+            assert_eq!(status.message(), error.to_string());
+            assert_eq!(
+                format!("{:?}", status_to_error(status)),
+                format!("{error:?}")
+            );
+        }
+        let fenced = ProxyError::FencedOut {
+            key: "payout:a-1".into(),
+            presented: 4,
+            stored: 5,
+            owner: "w-old".into(),
+            stored_owner: "w-new".into(),
+            payout_id: "p-3".into(),
+        };
+        let status = error_to_status(&fenced);
+        assert_eq!(status.code(), Code::FailedPrecondition);
+        assert_eq!(
+            format!("{:?}", status_to_error(status)),
+            format!("{fenced:?}")
+        );
+        let invalid = ProxyError::InvalidArgument {
+            field: "key".into(),
+            reason: "too long".into(),
+        };
+        let status = error_to_status(&invalid);
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(
+            matches!(status_to_error(status), ProxyError::InvalidArgument { field, .. } if field == "key")
+        );
+        // A status without a typed rejection is an Rpc error.
+        assert!(matches!(
+            status_to_error(Status::unavailable("down")),
+            ProxyError::Rpc(_)
+        ));
+        assert_eq!(
+            [
+                Forged::Unsigned,
+                Forged::UnknownKeyId("x".into()),
+                Forged::BadSignature
+            ]
+            .iter()
+            .map(forged_reason)
+            .collect::<Vec<_>>(),
+            ["unsigned", "unknown_key_id", "bad_signature"]
+        );
     }
 }

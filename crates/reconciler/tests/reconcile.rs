@@ -94,20 +94,26 @@ async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i6
         beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
     };
     payments.create_payout(&new).await.unwrap();
-    let fence = Fence::new("reconciler-test", grant.token()).unwrap();
+    // The grant as the lock service signed it (key, token, owner): both guards verify it.
+    let fence = Fence::new(grant.owner(), grant.token())
+        .unwrap()
+        .signed(grant.key(), grant.signature().clone());
     payments.claim(&payout_id, &fence).await.unwrap();
     payments.mark_submitted(&payout_id, &fence).await.unwrap();
     let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
     let submission = proxy
-        .submit(&SubmitPayout::new(
-            payout_id.clone(),
-            account_id.clone(),
-            grant.token(),
-            "reconciler-test",
-            AmountMinor::new(submitted).unwrap(),
-            eur,
-            new.beneficiary_ref.clone(),
-        ))
+        .submit(
+            &SubmitPayout::new(
+                payout_id.clone(),
+                account_id.clone(),
+                grant.token(),
+                grant.owner(),
+                AmountMinor::new(submitted).unwrap(),
+                eur,
+                new.beneficiary_ref.clone(),
+            )
+            .signed(grant.key(), grant.signature().clone()),
+        )
         .await
         .unwrap();
     let Outcome::Acked { rail_ref } = submission.outcome else {

@@ -219,7 +219,11 @@ async fn resolve_one(
     let token = grant.token();
     r.token = Some(token.get());
     let result = async {
-        let fence = Fence::new(owner.clone(), token).map_err(|e| e.to_string())?;
+        // Both guards are shown the grant as the lock service signed it: the key and signature
+        // come from the handle, so the resolver presents only what it was granted.
+        let fence = Fence::new(owner.clone(), token)
+            .map_err(|e| e.to_string())?
+            .signed(grant.key(), grant.signature().clone());
         // Under the grant, the payout must still be ambiguous: a holder may have finished it.
         let current = payments
             .get_payout(payout_id)
@@ -237,7 +241,8 @@ async fn resolve_one(
                 token,
                 owner.clone(),
                 RESOLVER,
-            ))
+            )
+            .signed(grant.key(), grant.signature().clone()))
             .await
             .map_err(|e| format!("inquiry: {e}"))?;
         r.evidence = inquiry.resolution.evidence.name().to_string();

@@ -114,6 +114,12 @@ pub async fn run(
             grant_retention_ms: lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: dir.path().join("issued-tokens.json"),
+        // Every grant is signed, as in deployment: the figures include the signing.
+        signer: std::sync::Arc::new(
+            grant_signing::Signer::generate("bench-1")
+                .map_err(bench_err)?
+                .0,
+        ),
     };
     let server = InProcess::start(&config).await?;
 

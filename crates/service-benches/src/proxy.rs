@@ -3,6 +3,11 @@
 //! commits done by plain SQL on the same PostgreSQL server around the same direct stub call (what
 //! any guard that records intent before the call and outcome after must pay); and the stub called
 //! directly, with no commit at all.
+//!
+//! Every proxy Submit presents a signed grant, as a worker's does: the bench signs with a key
+//! generated in-process for the run (the proxy is given its public half), and signs before the
+//! clock starts, so the proxy's figures include its signature check and nothing the lock
+//! service, not the caller, pays for.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +17,8 @@ use payout_domain::{
 };
 use serde::Serialize;
 
-use rail_proxy::{ProxyConfig, RunningProxy};
+use grant_signing::Signer;
+use rail_proxy::{ProxyConfig, RunningProxy, Verifier};
 use rail_proxy_client::{Outcome, RailProxyClient, SubmitPayout};
 
 /// Bounds of one run: enough for stable percentiles, small enough for a 2-core machine.
@@ -127,6 +133,8 @@ pub enum BenchError {
     Connect(#[from] tonic::transport::Error),
     #[error("a call failed: {0}")]
     Call(String),
+    #[error("the bench's grant key: {0}")]
+    GrantKey(#[from] grant_signing::KeyError),
 }
 
 fn figures(mut latencies: Vec<Duration>, elapsed: Duration) -> Figures {
@@ -200,25 +208,38 @@ pub async fn run(
         .await?;
     sqlx::raw_sql(FLOOR_SCHEMA).execute(&pool).await?;
     let floor_pool = pool.clone();
-    let proxy = RunningProxy::start(pool, ProxyConfig::new(stub.base_url())).await?;
+    let (signer, _) = Signer::generate("bench")?;
+    let verifier = Verifier::new([signer.public_key()])?;
+    let proxy = RunningProxy::start(pool, ProxyConfig::new(stub.base_url(), verifier)).await?;
     let client = RailProxyClient::connect(proxy.endpoint()).await?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
     let eur = Currency::parse("EUR").expect("EUR is supported");
 
-    let proxy_run_id = run_id.clone();
+    // Each payout on a fresh account, under that account's grant (token 1), signed up front.
+    let requests: Arc<Vec<SubmitPayout>> = Arc::new(
+        (0..iterations)
+            .map(|i| {
+                let request = SubmitPayout::new(
+                    PayoutId::parse(format!("bench-{run_id}-{i}")).expect("valid id"),
+                    AccountId::parse(format!("bench-acct-{run_id}-{i}")).expect("valid id"),
+                    FencingToken::new(1).expect("positive"),
+                    "bench",
+                    AmountMinor::new(100).expect("positive"),
+                    eur.clone(),
+                    BeneficiaryRef::parse("bench-beneficiary").expect("valid id"),
+                );
+                let key = request.lock_key();
+                let signature = signer.sign(&key, request.token.get(), &request.owner);
+                request.signed(key, signature)
+            })
+            .collect(),
+    );
     let (proxy_latencies, proxy_elapsed) = drive(iterations, concurrency, move |i| {
         let mut client = client.clone();
-        let request = SubmitPayout::new(
-            PayoutId::parse(format!("bench-{proxy_run_id}-{i}")).expect("valid id"),
-            AccountId::parse(format!("bench-acct-{proxy_run_id}-{i}")).expect("valid id"),
-            FencingToken::new(1).expect("positive"),
-            "bench",
-            AmountMinor::new(100).expect("positive"),
-            eur.clone(),
-            BeneficiaryRef::parse("bench-beneficiary").expect("valid id"),
-        );
+        let requests = requests.clone();
         async move {
-            match client.submit(&request).await {
+            let request = &requests[i];
+            match client.submit(request).await {
                 Ok(s) if matches!(s.outcome, Outcome::Acked { .. }) => Ok(()),
                 Ok(s) => Err(BenchError::Call(format!(
                     "unexpected outcome {:?}",

@@ -138,6 +138,12 @@ pub async fn run(
             grant_retention_ms,
         },
         issued_tokens_path: dir.path().join("issued-tokens.json"),
+        // Every grant is signed, as in deployment: the figures include the signing.
+        signer: std::sync::Arc::new(
+            grant_signing::Signer::generate("bench-1")
+                .map_err(soak_err)?
+                .0,
+        ),
     };
     let server = InProcess::start(&config).await?;
     let client = pb::lock_service_client::LockServiceClient::connect(server.endpoint.clone())

@@ -3,6 +3,7 @@
 //! (SIGKILL, SIGTERM, SIGSTOP/SIGCONT, restart). No part of it is a mock.
 
 pub mod etcd;
+pub mod grants;
 pub mod netns;
 pub mod postgres;
 pub mod process;

@@ -103,6 +103,8 @@ pub struct System {
     pub task_queue: String,
     pub temporal_address: String,
     pub dir: PathBuf,
+    /// The key the lock-server signs grants with; the guards hold its public half.
+    pub grant_keys: crate::grants::GrantKeys,
     pub lock_server: ManagedProcess,
     pub payment_resource: ManagedProcess,
     pub rail_stub: ManagedProcess,
@@ -168,8 +170,10 @@ impl System {
         };
         let m = &ports.metrics;
 
+        let grant_keys = crate::grants::GrantKeys::in_dir(&dir)?;
         let lock_server = ManagedProcess::start(
             spec("lock-server")?
+                .args(grant_keys.lock_server_args())
                 .args([
                     "--listen".into(),
                     format!("127.0.0.1:{}", ports.lock_server),
@@ -192,6 +196,7 @@ impl System {
                 ])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[1])])
                 .args(["--database-url", &databases.paydb])
+                .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
                 .args(
                     options
                         .resolution_sla_ms
@@ -219,6 +224,7 @@ impl System {
                 .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_proxy)])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[3])])
                 .args(["--database-url", &databases.proxydb])
+                .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
                 .args(["--rail-url".into(), url(ports.rail_stub)])
                 .args([
                     "--rail-timeout-ms".into(),
@@ -276,6 +282,7 @@ impl System {
             task_queue,
             temporal_address: temporal.address(),
             dir,
+            grant_keys,
             lock_server,
             payment_resource,
             rail_stub,

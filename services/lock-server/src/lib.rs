@@ -13,6 +13,7 @@ pub mod queue;
 pub mod service;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::LockError;
@@ -43,6 +44,8 @@ pub struct Config {
     pub backend: BackendConfig,
     /// Where this server remembers the highest token it issued per key (INV-04), outside the backend.
     pub issued_tokens_path: PathBuf,
+    /// The key every grant is signed with; the guards hold its public half.
+    pub signer: Arc<grant_signing::Signer>,
 }
 
 /// Connects the backend (applying lockdb's migrations for PostgreSQL), opens the issued-token
@@ -68,6 +71,7 @@ pub async fn build(
         backend,
         issued,
         service::LockMetrics::register(metrics),
+        Arc::clone(&config.signer),
     ))
 }
 

@@ -46,6 +46,13 @@ struct Args {
         default_value = "lock-server-issued-tokens.json"
     )]
     issued_tokens_path: PathBuf,
+    /// The grant signing key's id (the guards know its public half under this id).
+    #[arg(long, env = "LOCK_GRANT_SIGNING_KEY_ID")]
+    grant_signing_key_id: String,
+    /// A file holding the grant signing key (its PKCS#8 document in hex, as `payoutctl keys
+    /// grant-signing` writes it). Required: the server signs every grant, there is no unsigned mode.
+    #[arg(long, env = "LOCK_GRANT_SIGNING_KEY_FILE")]
+    grant_signing_key_file: PathBuf,
 }
 
 #[tokio::main]
@@ -64,9 +71,18 @@ async fn main() -> anyhow::Result<()> {
                 .context("--database-url is required with --backend postgres")?,
         },
     };
+    let secret = std::fs::read_to_string(&args.grant_signing_key_file).with_context(|| {
+        format!(
+            "reading the grant signing key {}",
+            args.grant_signing_key_file.display()
+        )
+    })?;
+    let signer = grant_signing::Signer::from_hex(&args.grant_signing_key_id, &secret)?;
+    tracing::info!(public_key = %signer.public_key(), "grants are signed");
     let config = lock_server::Config {
         backend,
         issued_tokens_path: args.issued_tokens_path,
+        signer: std::sync::Arc::new(signer),
     };
     let metrics = service_kit::Metrics::default();
     let service = lock_server::build(&config, &metrics)

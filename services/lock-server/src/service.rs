@@ -1,6 +1,7 @@
 //! The gRPC `LockService`: validation, bounded waiting, the INV-04 check, events and metrics on top
 //! of a backend. Conversion between wire types and backend types happens here and nowhere else.
 
+use grant_signing::Signer;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -69,6 +70,8 @@ impl LockMetrics {
 struct Inner {
     backend: Backend,
     issued: Arc<IssuedTokens>,
+    /// Signs every grant this server hands out.
+    signer: Arc<Signer>,
     metrics: LockMetrics,
     /// The Acquire calls waiting in this process, first come first served, per key.
     queues: Arc<Queues>,
@@ -128,7 +131,10 @@ fn handle_from(h: Option<pb::Handle>) -> Result<HandleRef, LockError> {
     })
 }
 
-fn grant_to_pb(g: &GrantInfo) -> pb::Grant {
+/// A grant as the caller receives it, signed: the signature over (key, token, owner) is what
+/// both guards verify before they accept the token (`crates/grant-signing`).
+fn grant_to_pb(signer: &Signer, g: &GrantInfo) -> pb::Grant {
+    let signature = signer.sign(&g.key, g.token, &g.owner);
     pb::Grant {
         key: g.key.clone(),
         owner: g.owner.clone(),
@@ -136,15 +142,23 @@ fn grant_to_pb(g: &GrantInfo) -> pb::Grant {
         session_id: g.session_id.clone(),
         server_expiry_unix_ms: g.server_expiry_unix_ms,
         ttl_ms: g.ttl_ms,
+        signing_key_id: signature.key_id,
+        signature: signature.bytes,
     }
 }
 
 impl LockServiceImpl {
-    pub fn new(backend: Backend, issued: Arc<IssuedTokens>, metrics: LockMetrics) -> Self {
+    pub fn new(
+        backend: Backend,
+        issued: Arc<IssuedTokens>,
+        metrics: LockMetrics,
+        signer: Arc<Signer>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 backend,
                 issued,
+                signer,
                 metrics,
                 queues: Arc::new(Queues::default()),
                 kept: Default::default(),
@@ -369,7 +383,10 @@ impl LockServiceImpl {
                     );
                     self.count(ev);
                     return Ok(pb::AcquireResponse {
-                        result: Some(pb::acquire_response::Result::Grant(grant_to_pb(&grant))),
+                        result: Some(pb::acquire_response::Result::Grant(grant_to_pb(
+                            &self.inner.signer,
+                            &grant,
+                        ))),
                     });
                 }
                 Attempt::Held { holder, wait_from } => {
@@ -611,7 +628,7 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
         let handle = handle_from(r.into_inner().handle)?;
         let grant = LockServiceImpl::renew(self, handle).await?;
         Ok(Response::new(pb::RenewResponse {
-            grant: Some(grant_to_pb(&grant)),
+            grant: Some(grant_to_pb(&self.inner.signer, &grant)),
         }))
     }
 

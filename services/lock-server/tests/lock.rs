@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use grant_signing::{Forged, Signer, Verifier};
 use lock_client::{
     Acquired, ClientError, FencingToken, GrantHandle, LockClient, Rejection, Session,
 };
@@ -27,7 +28,18 @@ const TTL: Duration = Duration::from_secs(2);
 struct Server {
     server: InProcess,
     client: LockClient,
+    /// The guards' side of this server's signing key.
+    verifier: Verifier,
     _dir: tempfile::TempDir,
+}
+
+/// The key id the test servers sign under.
+const SIGNING_KEY_ID: &str = "lock-test-1";
+
+/// A fresh signing key for an in-process lock-server (every server signs: there is no unsigned
+/// mode).
+fn signer() -> Arc<Signer> {
+    Arc::new(Signer::generate(SIGNING_KEY_ID).expect("a key").0)
 }
 
 async fn start(kind: Kind) -> Server {
@@ -47,9 +59,12 @@ async fn start(kind: Kind) -> Server {
 
 async fn start_with(backend: BackendConfig) -> Server {
     let dir = tempfile::tempdir().unwrap();
+    let signer = signer();
+    let verifier = Verifier::new([signer.public_key()]).unwrap();
     let config = Config {
         backend,
         issued_tokens_path: dir.path().join("issued-tokens.json"),
+        signer,
     };
     let server = InProcess::start(&config).await.expect("lock-server starts");
     let client = LockClient::connect(server.endpoint.clone())
@@ -58,6 +73,7 @@ async fn start_with(backend: BackendConfig) -> Server {
     Server {
         server,
         client,
+        verifier,
         _dir: dir,
     }
 }
@@ -263,6 +279,104 @@ async fn etcd_grants_and_refusals() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_grants_and_refusals() {
     grants_and_refusals(Kind::Postgres).await;
+}
+
+/// Every grant the lock service hands out carries its signature over (key, token, owner): the
+/// first grant, a narrower owner's (`acquire_as`), a waiter's, and the Renew answer a handle is
+/// re-established from. Each verifies with the server's public key alone, and only for its own
+/// key, token and owner (a guard refuses it on another account's write). Control: the same
+/// grants checked against another key (same key id) do not verify, so the check discriminates.
+async fn every_grant_is_signed_for_its_key_token_and_owner(kind: Kind) {
+    let s = start(kind).await;
+    let a = s.client.open_session("signed-a", TTL).await.unwrap();
+    let b = s.client.open_session("signed-b", TTL).await.unwrap();
+    let verify = |v: &Verifier, g: &GrantHandle| {
+        v.verify(g.key(), g.token().get(), g.owner(), g.signature())
+    };
+
+    let first = grant(&a, "payout:signed-1").await;
+    let narrower = match a
+        .acquire_as("payout:signed-2", "signed-a/p-1", Duration::ZERO)
+        .await
+        .unwrap()
+    {
+        Acquired::Granted(g) => g,
+        other => panic!("not granted: {other:?}"),
+    };
+    let adopted = GrantHandle::reestablish(
+        &s.client,
+        "payout:signed-1",
+        "signed-a",
+        a.id(),
+        first.token(),
+    )
+    .await
+    .unwrap();
+    for g in [&first, &narrower, &adopted] {
+        assert_eq!(g.signature().key_id, SIGNING_KEY_ID, "{g:?}");
+        assert_eq!(verify(&s.verifier, g), Ok(()), "{g:?}");
+    }
+    assert_eq!(
+        adopted.signature(),
+        first.signature(),
+        "one grant, one signature"
+    );
+    // Bound to its key, token and owner.
+    let sig = first.signature();
+    let token = first.token().get();
+    for (key, token, owner) in [
+        ("payout:signed-2", token, "signed-a"),
+        ("payout:signed-1", token + 1, "signed-a"),
+        ("payout:signed-1", i64::MAX as u64, "signed-a"),
+        ("payout:signed-1", token, "signed-b"),
+    ] {
+        assert_eq!(
+            s.verifier.verify(key, token, owner, sig),
+            Err(Forged::BadSignature),
+            "{key} {token} {owner}"
+        );
+    }
+
+    // A waiter's grant, handed over by the release, is signed too.
+    let b2 = b.clone();
+    let waiter = tokio::spawn(async move {
+        b2.acquire("payout:signed-1", Duration::from_secs(20))
+            .await
+            .unwrap()
+            .granted()
+            .expect("waiter granted")
+    });
+    testkit::eventually(Duration::from_secs(5), "waiter registered", || {
+        let c = s.client.clone();
+        async move {
+            c.describe("payout:signed-1")
+                .await
+                .ok()
+                .filter(|d| d.waiter_count == 1)
+        }
+    })
+    .await
+    .unwrap();
+    adopted.release().await.unwrap();
+    let waited = waiter.await.unwrap();
+    assert_eq!(verify(&s.verifier, &waited), Ok(()));
+
+    // Control: another key under the same id verifies none of them.
+    let other = Verifier::new([signer().public_key()]).unwrap();
+    for g in [&first, &narrower, &waited] {
+        assert_eq!(verify(&other, g), Err(Forged::BadSignature), "{g:?}");
+    }
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_every_grant_is_signed_for_its_key_token_and_owner() {
+    every_grant_is_signed_for_its_key_token_and_owner(Kind::Etcd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_every_grant_is_signed_for_its_key_token_and_owner() {
+    every_grant_is_signed_for_its_key_token_and_owner(Kind::Postgres).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -832,6 +946,7 @@ async fn grant_via(
             grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: issued.to_path_buf(),
+        signer: signer(),
     };
     let server = InProcess::start(&config).await.unwrap();
     let client = LockClient::connect(server.endpoint.clone()).await.unwrap();

@@ -6,14 +6,21 @@
 //! - Only this service writes `account.fence`, and only through one conditional statement at the
 //!   start of a mutating transaction (`store::FENCE_ADVANCE_SQL`); it never reads the fence and
 //!   then writes it.
-//! - This service knows nothing of the lock service or etcd: the only thing it shares with them is
-//!   the integer token a caller presents.
+//! - This service knows nothing of the lock service's address or etcd: what it shares with them is
+//!   the grant a caller presents (key, token, owner) and the lock service's public keys
+//!   (`--grant-verify-keys`). Every fenced call's grant is verified before the fence statement
+//!   (`forged_grant`), and the statement is bound to the signed key's account
+//!   (`grant_for_another_key`); `StoreOptions` has no unsigned mode outside its test-only switches.
 //! - Transitions come only from `payout_domain::TRANSITIONS` via `PayoutState::apply`.
 //! - The ledger and the audit trail are append-only, enforced by paydb's triggers.
 //!
 //! The contract of its gRPC boundary (the client, the wire conversions, the typed errors, the
 //! request and response types) is the `payment-client` crate, which this crate uses and does not
 //! re-export: callers depend on `payment-client`, not on this crate.
+
+// `ServerError` holds `payment_client::PaymentError`, whose refusals carry every field a caller
+// matches on (`ForgedGrant` is the largest): an error is a refused call, never a hot path.
+#![allow(clippy::result_large_err)]
 
 pub mod api;
 pub mod error;
@@ -25,6 +32,8 @@ pub mod store;
 use std::time::Duration;
 
 pub use error::ServerError;
+/// The lock service's public keys, as `StoreOptions::new` takes them.
+pub use grant_signing::Verifier;
 pub use store::{Store, StoreOptions, RESOLUTION_SLA_DEFAULT};
 
 /// The gRPC service name, as `grpc.health.v1` reports it.

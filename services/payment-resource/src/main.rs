@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use grant_signing::Verifier;
 use payment_resource::{fixture, migrate, serve, Store, StoreOptions};
 use service_kit::{Metrics, Shutdown};
 
@@ -39,6 +40,11 @@ enum Command {
         /// this long after it became RAIL_AMBIGUOUS (by paydb's own record and clock).
         #[arg(long, env = "PAYOUT_RESOLUTION_SLA_MS", default_value_t = payment_resource::RESOLUTION_SLA_DEFAULT.as_millis() as u64)]
         resolution_sla_ms: u64,
+        /// The lock service's grant public keys, `key_id=<64 hex digits>[,...]` (several during a
+        /// rotation). Required: every fenced call's grant must carry the signature of one of them
+        /// (else `forged_grant`); there is no unsigned mode.
+        #[arg(long, env = "GRANT_VERIFY_KEYS", value_name = "ID=HEX,...", value_parser = parse_verify_keys)]
+        grant_verify_keys: Verifier,
     },
     /// Open accounts with opening balances (idempotent), through the same code as OpenAccount.
     Fixture {
@@ -59,6 +65,11 @@ enum Command {
     },
 }
 
+/// `--grant-verify-keys`: a malformed or empty list stops the start with the key's own error.
+fn parse_verify_keys(spec: &str) -> Result<Verifier, String> {
+    Verifier::parse(spec).map_err(|e| e.to_string())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("payment-resource");
@@ -68,18 +79,21 @@ async fn main() -> anyhow::Result<()> {
             metrics_listen,
             database_url,
             resolution_sla_ms,
+            grant_verify_keys,
         } => {
             let pool = service_kit::connect_pg(&database_url).await?;
             migrate(&pool).await.context("applying paydb migrations")?;
             let metrics = Metrics::default();
-            // The binary has no way to disable the fence predicate: default options only.
-            let options = StoreOptions::default()
+            // The binary has no way to disable a check (the fence predicate, the grant's signature
+            // or its key binding): the switches are test-only and unreachable from here.
+            let key_ids: Vec<String> = grant_verify_keys.key_ids().map(str::to_string).collect();
+            let options = StoreOptions::new(grant_verify_keys)
                 .with_resolution_sla(std::time::Duration::from_millis(resolution_sla_ms));
             let store = Store::new(pool, options, &metrics);
             let shutdown = Shutdown::on_signal();
             let listener = service_kit::bind(listen).await?;
             let metrics_listener = service_kit::bind(metrics_listen).await?;
-            tracing::info!(%listen, %metrics_listen, "payment-resource serving");
+            tracing::info!(%listen, %metrics_listen, grant_verify_key_ids = ?key_ids, "payment-resource serving");
             let metrics_task = tokio::spawn(service_kit::serve_metrics(
                 metrics_listener,
                 metrics,
@@ -111,7 +125,12 @@ async fn main() -> anyhow::Result<()> {
                 (None, Some(n)) => fixture::numbered(&prefix, n, balance_minor, &currency),
                 (None, None) => anyhow::bail!("give --accounts N or --file accounts.json"),
             };
-            let store = Store::new(pool, StoreOptions::default(), &Metrics::default());
+            // Accounts only: this store takes no fenced call, and would refuse every one.
+            let store = Store::new(
+                pool,
+                StoreOptions::without_grant_keys(),
+                &Metrics::default(),
+            );
             let opened = fixture::load(&store, &wanted)
                 .await
                 .context("opening fixture accounts")?;

@@ -1,8 +1,14 @@
 //! paydb access: the fence predicate (the first guard), the transitions of the 2.3 table, the
 //! ledger postings and their outbox rows. Every mutation of a payout runs in one transaction that
 //! begins with the conditional fence advance; nothing here reads the fence and then writes it.
+//!
+//! Before that statement, every fenced call's grant is verified: the lock service's signature over
+//! (key, token, owner) (else `forged_grant`, and no statement runs), then the fence statement
+//! itself is bound to the account of the signed key, so a genuine grant for another key advances
+//! nothing (`grant_for_another_key`).
 
 use chrono::{DateTime, Utc};
+use grant_signing::{Forged, Verifier};
 use payout_domain::{lock_key, AccountId, Actor, Currency, PayoutEvent, PayoutId, PayoutState};
 use serde_json::{json, Value};
 use service_kit::prometheus::IntCounterVec;
@@ -30,18 +36,49 @@ const ONE_IN_FLIGHT_INDEX: &str = "payout_one_in_flight_per_account";
 const IN_FLIGHT_STATES_SQL: &str = "('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS')";
 
 /// The guard, as one statement: advance the fence of the payout's account to the presented token
-/// if the token is not below it, and return the row (locked until commit). No row: fenced out (or
-/// no such payout). The account id comes from the payout, whose account never changes.
+/// if the token is not below it and the account is the one the grant was signed for ($3, the
+/// account id of the signed key `payout:{account_id}`; NULL for a key of another shape, which
+/// matches no account), and return the row (locked until commit). No row: fenced out, a grant for
+/// another key, or no such payout. The account id comes from the payout, whose account never
+/// changes.
 const FENCE_ADVANCE_SQL: &str = "UPDATE account SET fence = $2, updated_at = now() \
-     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND fence <= $2 \
+     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND id = $3 AND fence <= $2 \
      RETURNING id, fence, balance_minor, now()";
 /// The same statement without the predicate: used only by the negative-control tests, to show
 /// that the stale write then lands. `GREATEST` keeps the fence non-decreasing, which the database
 /// enforces independently.
 const FENCE_ADVANCE_WITHOUT_PREDICATE_SQL: &str =
     "UPDATE account SET fence = GREATEST(fence, $2), updated_at = now() \
+     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND id = $3 \
+     RETURNING id, fence, balance_minor, now()";
+/// The two statements above without the key binding (no $3): used only by the negative-control
+/// tests, to show that another account's grant then lands.
+const FENCE_ADVANCE_UNBOUND_SQL: &str = "UPDATE account SET fence = $2, updated_at = now() \
+     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND fence <= $2 \
+     RETURNING id, fence, balance_minor, now()";
+const FENCE_ADVANCE_UNBOUND_WITHOUT_PREDICATE_SQL: &str =
+    "UPDATE account SET fence = GREATEST(fence, $2), updated_at = now() \
      WHERE id = (SELECT account_id FROM payout WHERE id = $1) \
      RETURNING id, fence, balance_minor, now()";
+
+/// The prefix of a payout account's lock key (`payout_domain::lock_key`).
+const LOCK_KEY_PREFIX: &str = "payout:";
+
+/// The account a signed lock key names: `payout:{account_id}` with a valid account id, else `None`
+/// (a key of another shape is a grant for another key: it names no payout account).
+fn account_of_lock_key(key: &str) -> Option<AccountId> {
+    let account = AccountId::parse(key.strip_prefix(LOCK_KEY_PREFIX)?.to_string()).ok()?;
+    (lock_key(&account) == key).then_some(account)
+}
+
+/// The `reason` of a `forged_grant` refusal, as `payment.v1.ForgedGrant` names it.
+fn forged_reason(forged: &Forged) -> &'static str {
+    match forged {
+        Forged::Unsigned => "unsigned",
+        Forged::UnknownKeyId(_) => "unknown_key_id",
+        Forged::BadSignature => "bad_signature",
+    }
+}
 
 const PAYOUT_COLUMNS: &str = "id, account_id, amount_minor, currency, beneficiary_ref, state, client_reference, \
      claimed_by, token_stamp, failure_reason, rail_ref, rail_outcome, transaction_group, created_at, claimed_at, \
@@ -53,11 +90,17 @@ const ENTRY_COLUMNS: &str =
 const AUDIT_COLUMNS: &str =
     "id, payout_id, account_id, kind, actor, owner, token, from_state, to_state, event, detail::text AS detail, at";
 
-/// Options of the store. The only one is the test-only switch that disables the fence predicate;
-/// the binary's configuration has no way to reach it.
+/// Options of the store: the lock service's public keys (required: there is no unsigned mode),
+/// the resolution SLA, and the test-only switches that disable a check (the fence predicate, the
+/// grant's signature, the grant's key binding), which the binary's configuration cannot reach.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
+    /// `None` only for a store that takes no fenced call (the fixture command): it knows no
+    /// signing key, so every grant is refused as `forged_grant`.
+    verifier: Option<Verifier>,
     fence_predicate: bool,
+    grant_verification: bool,
+    key_binding: bool,
     resolution_sla: std::time::Duration,
 }
 
@@ -65,24 +108,49 @@ pub struct StoreOptions {
 /// RAIL_AMBIGUOUS -> ABANDONED): one hour unless the deployment says otherwise.
 pub const RESOLUTION_SLA_DEFAULT: std::time::Duration = std::time::Duration::from_secs(3_600);
 
-impl Default for StoreOptions {
-    fn default() -> Self {
+impl StoreOptions {
+    /// A serving store: every fenced call's grant must carry the signature of one of `verifier`'s
+    /// keys (the binary's `--grant-verify-keys`).
+    pub fn new(verifier: Verifier) -> Self {
         Self {
+            verifier: Some(verifier),
+            ..Self::without_grant_keys()
+        }
+    }
+    /// A store that knows no grant signing key, for a caller that makes no fenced call (the
+    /// fixture command opens accounts only): fail closed, every fenced call is refused as
+    /// `forged_grant` (`unsigned`, or `unknown_key_id`).
+    pub fn without_grant_keys() -> Self {
+        Self {
+            verifier: None,
             fence_predicate: true,
+            grant_verification: true,
+            key_binding: true,
             resolution_sla: RESOLUTION_SLA_DEFAULT,
         }
     }
-}
-
-impl StoreOptions {
     /// NEGATIVE CONTROL ONLY: the guard's predicate is dropped, so a stale token's write lands.
     /// Tests use it to show that the guarded tests detect what they claim to.
     #[doc(hidden)]
-    pub fn without_fence_predicate_for_tests() -> Self {
-        Self {
-            fence_predicate: false,
-            ..Self::default()
-        }
+    pub fn without_fence_predicate_for_tests(mut self) -> Self {
+        self.fence_predicate = false;
+        self
+    }
+    /// NEGATIVE CONTROL ONLY: the grant's signature is not verified, so a fabricated token (any
+    /// integer with any key) reaches the fence statement. Tests use it to show that the
+    /// forged-grant tests detect what they claim to.
+    #[doc(hidden)]
+    pub fn without_grant_verification_for_tests(mut self) -> Self {
+        self.grant_verification = false;
+        self
+    }
+    /// NEGATIVE CONTROL ONLY: the fence statement is not bound to the signed key's account, so a
+    /// genuine grant for another account's key advances this account's fence. Tests use it to show
+    /// that the grant-for-another-key tests detect what they claim to.
+    #[doc(hidden)]
+    pub fn without_key_binding_for_tests(mut self) -> Self {
+        self.key_binding = false;
+        self
     }
     /// The resolution SLA this resource enforces: it decides from its own record when a
     /// payout became RAIL_AMBIGUOUS, on the database's clock, never from what a caller asserts.
@@ -93,11 +161,19 @@ impl StoreOptions {
     pub fn fence_predicate_enabled(&self) -> bool {
         self.fence_predicate
     }
+    pub fn grant_verification_enabled(&self) -> bool {
+        self.grant_verification
+    }
+    pub fn key_binding_enabled(&self) -> bool {
+        self.key_binding
+    }
 }
 
 #[derive(Clone)]
 struct Counters {
     fenced_out: IntCounterVec,
+    forged_grant: IntCounterVec,
+    grant_for_another_key: IntCounterVec,
     refused_transitions: IntCounterVec,
     account_busy: IntCounterVec,
     transitions: IntCounterVec,
@@ -344,6 +420,16 @@ impl Store {
                 "Mutations rejected because the token was below the account fence (INV-05). Alert on any.",
                 &["operation"],
             ),
+            forged_grant: metrics.counter_vec(
+                "payment_forged_grant_total",
+                "Fenced calls rejected because the grant is not signed by a known lock service key (forged). Alert on any.",
+                &["operation"],
+            ),
+            grant_for_another_key: metrics.counter_vec(
+                "payment_grant_for_another_key_total",
+                "Fenced calls rejected because the grant was signed for another lock key than the payout's account's. Alert on any.",
+                &["operation"],
+            ),
             refused_transitions: metrics.counter_vec(
                 "payment_refused_transitions_total",
                 "Transitions refused by the 2.3 table (INV-08 defect signal). Alert on any.",
@@ -379,17 +465,27 @@ impl Store {
         fence: &Fence,
         operation: &str,
     ) -> Result<Fenced, ServerError> {
+        // The signature first: a grant the lock service did not sign reaches no statement.
+        if let Err(forged) = self.verify_grant(fence) {
+            return Err(self.forged_grant(payout_id, fence, operation, forged).await);
+        }
+        // Then the fence statement, bound to the account the grant was signed for.
+        let signed_account = account_of_lock_key(fence.key());
         let mut tx = self.pool.begin().await?;
-        let sql = if self.options.fence_predicate {
-            FENCE_ADVANCE_SQL
-        } else {
-            FENCE_ADVANCE_WITHOUT_PREDICATE_SQL
+        let sql = match (self.options.fence_predicate, self.options.key_binding) {
+            (true, true) => FENCE_ADVANCE_SQL,
+            (false, true) => FENCE_ADVANCE_WITHOUT_PREDICATE_SQL,
+            (true, false) => FENCE_ADVANCE_UNBOUND_SQL,
+            (false, false) => FENCE_ADVANCE_UNBOUND_WITHOUT_PREDICATE_SQL,
         };
-        let advanced: Option<(String, i64, i64, DateTime<Utc>)> = sqlx::query_as(sql)
+        let mut statement = sqlx::query_as(sql)
             .bind(payout_id.as_str())
-            .bind(fence.token().as_i64())
-            .fetch_optional(&mut *tx)
-            .await?;
+            .bind(fence.token().as_i64());
+        if self.options.key_binding {
+            statement = statement.bind(signed_account.as_ref().map(AccountId::as_str));
+        }
+        let advanced: Option<(String, i64, i64, DateTime<Utc>)> =
+            statement.fetch_optional(&mut *tx).await?;
         let Some((_account, _fence, balance_minor, now)) = advanced else {
             tx.rollback().await?;
             return Err(self
@@ -410,8 +506,137 @@ impl Store {
         })
     }
 
-    /// After the guard found no row: either the payout does not exist, or the token is stale. The
-    /// rejection is recorded in its own transaction (the rejected one was rolled back whole).
+    /// Whether the fence's grant is the lock service's: its signature over (key, token, owner)
+    /// by one of the configured keys.
+    fn verify_grant(&self, fence: &Fence) -> Result<(), Forged> {
+        if !self.options.grant_verification {
+            return Ok(());
+        }
+        let signature = fence.signature();
+        match &self.options.verifier {
+            Some(verifier) => {
+                verifier.verify(fence.key(), fence.token().get(), fence.owner(), signature)
+            }
+            None if signature.key_id.is_empty() && signature.bytes.is_empty() => {
+                Err(Forged::Unsigned)
+            }
+            None => Err(Forged::UnknownKeyId(signature.key_id.clone())),
+        }
+    }
+
+    /// A grant the lock service did not sign: nothing ran but this refusal's audit row (in its own
+    /// statement, as every refusal's) and a counter.
+    async fn forged_grant(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        operation: &str,
+        forged: Forged,
+    ) -> ServerError {
+        let reason = forged_reason(&forged);
+        let key = fence.key();
+        let signing_key_id = fence.signature().key_id.as_str();
+        let presented = fence.token().get();
+        self.counters
+            .forged_grant
+            .with_label_values(&[operation])
+            .inc();
+        tracing::warn!(
+            event = "forged_grant", payout_id = %payout_id, key, token = presented, owner = fence.owner(),
+            signing_key_id, reason, operation, "grant refused: not signed by the lock service"
+        );
+        // The payout's account, for the audit trail only (NULL if there is no such payout: the
+        // forger learns nothing of it, the refusal is the same).
+        let account_id: Option<String> = match sqlx::query_scalar(
+            "SELECT account_id FROM payout WHERE id = $1",
+        )
+        .bind(payout_id.as_str())
+        .fetch_optional(&self.pool)
+        .await
+        {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::error!(error = %e, payout_id = %payout_id, "could not read the payout's account for the forged_grant audit event");
+                None
+            }
+        };
+        let audit = Audit {
+            payout_id: Some(payout_id.as_str()),
+            account_id: account_id.as_deref(),
+            kind: "forged_grant",
+            actor: Actor::Holder.as_str(),
+            owner: Some(fence.owner()),
+            token: Some(fence.token().as_i64()),
+            from_state: None,
+            to_state: None,
+            event: Some(operation),
+            detail: json!({"key": key, "presented": presented, "owner": fence.owner(),
+                           "signing_key_id": signing_key_id, "reason": reason, "operation": operation}),
+        };
+        if let Err(e) = insert_audit(&self.pool, &audit).await {
+            // The rejection stands (nothing was written); only its evidence row is missing.
+            tracing::error!(error = %e, payout_id = %payout_id, "could not record the forged_grant audit event");
+        }
+        PaymentError::ForgedGrant {
+            key: key.to_string(),
+            presented,
+            owner: fence.owner().to_string(),
+            signing_key_id: signing_key_id.to_string(),
+            reason: reason.to_string(),
+            payout_id: payout_id.to_string(),
+        }
+        .into()
+    }
+
+    /// A genuine grant for another key than the payout's account's: the bound fence statement
+    /// advanced nothing; recorded like every refusal.
+    async fn grant_for_another_key(
+        &self,
+        payout_id: &PayoutId,
+        account_id: &str,
+        required_key: String,
+        fence: &Fence,
+        operation: &str,
+    ) -> ServerError {
+        let presented = fence.token().get();
+        self.counters
+            .grant_for_another_key
+            .with_label_values(&[operation])
+            .inc();
+        tracing::warn!(
+            event = "grant_for_another_key", payout_id = %payout_id, key = fence.key(), required_key,
+            token = presented, owner = fence.owner(), account_id, operation,
+            "grant refused: signed for another lock key than the payout's account's"
+        );
+        let audit = Audit {
+            payout_id: Some(payout_id.as_str()),
+            account_id: Some(account_id),
+            kind: "grant_for_another_key",
+            actor: Actor::Holder.as_str(),
+            owner: Some(fence.owner()),
+            token: Some(fence.token().as_i64()),
+            from_state: None,
+            to_state: None,
+            event: Some(operation),
+            detail: json!({"presented_key": fence.key(), "required_key": required_key, "presented": presented,
+                           "owner": fence.owner(), "operation": operation}),
+        };
+        if let Err(e) = insert_audit(&self.pool, &audit).await {
+            tracing::error!(error = %e, payout_id = %payout_id, "could not record the grant_for_another_key audit event");
+        }
+        PaymentError::GrantForAnotherKey {
+            presented_key: fence.key().to_string(),
+            required_key,
+            presented,
+            owner: fence.owner().to_string(),
+            payout_id: payout_id.to_string(),
+        }
+        .into()
+    }
+
+    /// After the guard found no row: the payout does not exist, or the grant is for another key
+    /// than its account's, or the token is stale. The rejection is recorded in its own statement
+    /// (the rejected transaction was rolled back whole).
     async fn fenced_out_or_unknown(
         &self,
         payout_id: &PayoutId,
@@ -437,6 +662,11 @@ impl Store {
         let key = lock_key(
             &AccountId::parse(account_id.clone()).unwrap_or_else(|_| unreachable_account()),
         );
+        if self.options.key_binding && fence.key() != key {
+            return self
+                .grant_for_another_key(payout_id, &account_id, key, fence, operation)
+                .await;
+        }
         let presented = fence.token().get();
         let stored = u64::try_from(stored_fence).unwrap_or(0);
         self.counters

@@ -1,16 +1,22 @@
 //! The payment resource against a real PostgreSQL (testkit), served in-process on port 0 and
 //! called over gRPC with the typed client. Each test has its own fresh database.
+//!
+//! Every grant presented here is signed, as the lock service signs it, by this test binary's own
+//! key ([`signer`]), whose public half is the only key the test servers verify with; [`fence`]
+//! signs for the lock key of the account whose payout the fence is used on.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
+use grant_signing::{Signer, Verifier};
 use payment_client::model::{
-    AbandonRequest, Evidence, Fence, NewPayout, OperatorDecision, Payout, RailOutcome,
+    AbandonRequest, Evidence, Fence, NewPayout, OperatorDecision, Payout, RailOutcome, Signature,
 };
 use payment_client::{InvalidReason, PaymentClient, PaymentError};
 use payment_resource::{Store, StoreOptions};
 use payout_domain::{
-    AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutEvent, PayoutId,
-    PayoutState, TRANSITIONS,
+    lock_key, AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutEvent,
+    PayoutId, PayoutState, TRANSITIONS,
 };
 use payout_proto::payment as pb;
 use service_kit::{Metrics, Shutdown};
@@ -72,7 +78,7 @@ async fn harness() -> Harness {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
     let service = start_service(
         &url,
-        StoreOptions::default().with_resolution_sla(std::time::Duration::ZERO),
+        options().with_resolution_sla(std::time::Duration::ZERO),
     )
     .await;
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -83,8 +89,38 @@ async fn harness() -> Harness {
     Harness { url, pool, service }
 }
 
-fn fence(owner: &str, token: u64) -> Fence {
-    Fence::new(owner, FencingToken::new(token).unwrap()).unwrap()
+/// This test binary's grant signing key: the lock service's role. Generated once per run.
+fn signer() -> &'static Signer {
+    static SIGNER: OnceLock<Signer> = OnceLock::new();
+    SIGNER.get_or_init(|| Signer::generate("test-1").expect("a signing key").0)
+}
+
+/// The store options every test server starts from: the test signer's public key, nothing else.
+fn options() -> StoreOptions {
+    StoreOptions::new(Verifier::new([signer().public_key()]).expect("a verifier"))
+}
+
+/// A genuine grant of `account`'s lock key (`payout:{account}`) with `token` to `owner`.
+fn fence(account: &str, owner: &str, token: u64) -> Fence {
+    let key = lock_key(&aid(account));
+    let signature = signer().sign(&key, token, owner);
+    Fence::new(owner, FencingToken::new(token).unwrap())
+        .unwrap()
+        .signed(key, signature)
+}
+
+/// The same on the wire, for hand-built requests: any token and owner, even ones the server
+/// refuses as invalid, signed for `account`.
+fn wire_fence(account: &str, owner: &str, token: u64) -> pb::Fence {
+    let key = lock_key(&aid(account));
+    let signature = signer().sign(&key, token, owner);
+    pb::Fence {
+        owner: owner.into(),
+        token,
+        key,
+        signing_key_id: signature.key_id,
+        signature: signature.bytes,
+    }
 }
 
 fn pid(s: &str) -> PayoutId {
@@ -192,11 +228,19 @@ async fn perform(
     }
 }
 
-/// Brings a PENDING payout to `target` along the table's legal path, as holder "worker-a" (T=10).
+/// A key the test servers do not know: what a forger signs with.
+fn rogue_signer() -> &'static Signer {
+    static ROGUE: OnceLock<Signer> = OnceLock::new();
+    ROGUE.get_or_init(|| Signer::generate("rogue-1").expect("a signing key").0)
+}
+
+/// Brings a PENDING payout to `target` along the table's legal path, as holder "worker-a" (T=10,
+/// a grant of the payout's account's key).
 async fn drive(c: &PaymentClient, p: &PayoutId, target: PayoutState) -> Fence {
     use PayoutEvent as E;
     use PayoutState as S;
-    let f = fence("worker-a", 10);
+    let account = c.get_payout(p).await.expect("the payout").payout.account_id;
+    let f = fence(account.as_str(), "worker-a", 10);
     let path: &[PayoutEvent] = match target {
         S::Pending => &[],
         S::Claimed => &[E::Claim],
@@ -304,9 +348,9 @@ async fn every_listed_transition_happens() {
         // A re-claim and an outcome found missing are a later holder's; everyone else is worker-a.
         let f = match (row.from, row.event) {
             (PayoutState::Claimed, PayoutEvent::Claim) | (_, PayoutEvent::OutcomeMissing) => {
-                fence("worker-b", 20)
+                fence(&account, "worker-b", 20)
             }
-            _ => fence("worker-a", 10),
+            _ => fence(&account, "worker-a", 10),
         };
         let after = perform(h.c(), &p, row.event, &f)
             .await
@@ -415,10 +459,14 @@ async fn every_unlisted_pair_is_refused_and_changes_nothing() {
             let before = snapshot(&h.pool, &payout).await;
             let refused_before = audit_count(&h.pool, "refused_transition").await;
             // A later holder (T=30 > 10): the guard passes, the table refuses.
-            let result = perform(h.c(), &p, event, &fence("worker-c", 30)).await;
+            let result = perform(h.c(), &p, event, &fence(&account, "worker-c", 30)).await;
             if state == PayoutState::Posted && event == PayoutEvent::Posted {
                 assert!(result.is_ok(), "{result:?}");
-                let again = h.c().post(&p, &fence("worker-c", 30)).await.unwrap();
+                let again = h
+                    .c()
+                    .post(&p, &fence(&account, "worker-c", 30))
+                    .await
+                    .unwrap();
                 assert!(again.already_posted);
                 assert_eq!(
                     snapshot(&h.pool, &payout).await,
@@ -494,7 +542,10 @@ async fn post_of_a_posted_payout_answers_idempotently_and_is_a_refused_transitio
 
     let before = snapshot(&h.pool, "p-1").await;
     // The same holder's retry, then a later holder's.
-    for (n, retry) in [f.clone(), fence("worker-b", 11)].iter().enumerate() {
+    for (n, retry) in [f.clone(), fence("acct-1", "worker-b", 11)]
+        .iter()
+        .enumerate()
+    {
         let again = h.c().post(&pid("p-1"), retry).await.unwrap();
         assert!(again.already_posted);
         assert_eq!(again.entries, first.entries);
@@ -529,8 +580,8 @@ async fn stale_holder_is_fenced_out_and_changes_nothing() {
     open(&h, "acct-1", 10_000).await;
     create(&h, "p-1", "acct-1", 1_000).await;
     let p = pid("p-1");
-    let old = fence("worker-a", 10);
-    let new = fence("worker-b", 20);
+    let old = fence("acct-1", "worker-a", 10);
+    let new = fence("acct-1", "worker-b", 20);
     h.c().claim(&p, &old).await.unwrap();
     let reclaimed = h.c().claim(&p, &new).await.unwrap();
     assert_eq!(reclaimed.claimed_by.as_deref(), Some("worker-b"));
@@ -623,7 +674,7 @@ async fn stale_holder_is_fenced_out_on_every_payout_of_the_account() {
     h.c()
         .abandon(
             &pid("p-1"),
-            &fence("op", 20),
+            &fence("acct-1", "op", 20),
             &AbandonRequest {
                 operator: "op-1".into(),
                 reason: "r".into(),
@@ -636,7 +687,7 @@ async fn stale_holder_is_fenced_out_on_every_payout_of_the_account() {
     let before = snapshot(&h.pool, "p-2").await;
     let err = h
         .c()
-        .claim(&pid("p-2"), &fence("worker-a", 10))
+        .claim(&pid("p-2"), &fence("acct-1", "worker-a", 10))
         .await
         .unwrap_err();
     assert!(
@@ -658,21 +709,29 @@ async fn stale_holder_is_fenced_out_on_every_payout_of_the_account() {
 #[tokio::test]
 async fn negative_control_without_the_predicate_the_stale_write_lands() {
     let h = harness().await;
-    let unguarded = start_service(&h.url, StoreOptions::without_fence_predicate_for_tests()).await;
+    let unguarded = start_service(&h.url, options().without_fence_predicate_for_tests()).await;
     open(&h, "acct-1", 10_000).await;
     create(&h, "p-1", "acct-1", 1_000).await;
     let p = pid("p-1");
-    h.c().claim(&p, &fence("worker-a", 10)).await.unwrap();
-    h.c().claim(&p, &fence("worker-b", 20)).await.unwrap();
+    h.c()
+        .claim(&p, &fence("acct-1", "worker-a", 10))
+        .await
+        .unwrap();
+    h.c()
+        .claim(&p, &fence("acct-1", "worker-b", 20))
+        .await
+        .unwrap();
     // Guarded: refused.
     assert!(matches!(
-        h.c().mark_submitted(&p, &fence("worker-a", 10)).await,
+        h.c()
+            .mark_submitted(&p, &fence("acct-1", "worker-a", 10))
+            .await,
         Err(PaymentError::FencedOut { .. })
     ));
     // Unguarded: the stale holder's write lands.
     let landed = unguarded
         .client
-        .mark_submitted(&p, &fence("worker-a", 10))
+        .mark_submitted(&p, &fence("acct-1", "worker-a", 10))
         .await
         .unwrap();
     assert_eq!(landed.state, PayoutState::RailSubmitted);
@@ -681,6 +740,331 @@ async fn negative_control_without_the_predicate_the_stale_write_lands() {
     assert_eq!(
         (s.state.as_str(), s.token_stamp, s.fence),
         ("RAIL_SUBMITTED", Some(10), 20)
+    );
+}
+
+/// The sum of a counter's samples over all its labels, as the service's `/metrics` renders it.
+fn counted(h: &Harness, name: &str) -> u64 {
+    h.service
+        .metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum()
+}
+
+/// The largest token there is: what a forger presents to fence out every real holder for ever.
+fn max_token() -> FencingToken {
+    FencingToken::new(i64::MAX as u64).unwrap()
+}
+
+/// Fabricated grants (issue 17 section 1): i64::MAX unsigned, with and without the right key; a
+/// signature by a key this guard does not know; another key under the known key id; the real
+/// holder's genuine signature presented with another token or another owner. Each is refused on
+/// every fenced operation as `forged_grant` before the fence statement: nothing changes (the fence
+/// neither, the payout neither), each refusal is audited and counted, and the real holder's next
+/// write is still accepted.
+#[tokio::test]
+async fn a_fabricated_grant_is_refused_as_forged_and_changes_nothing() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let p = pid("p-1");
+    let real = fence("acct-1", "worker-a", 10);
+    h.c().claim(&p, &real).await.unwrap();
+    let key = lock_key(&aid("acct-1"));
+    let max = max_token();
+    let mallory = || Fence::new("mallory", max).unwrap();
+    let (impostor, _) = Signer::generate(signer().key_id()).unwrap();
+    let forgeries: Vec<(&str, Fence, &str)> = vec![
+        ("i64::MAX, unsigned, no key", mallory(), "unsigned"),
+        (
+            "i64::MAX, unsigned, the account's key",
+            mallory().signed(key.clone(), Signature::default()),
+            "unsigned",
+        ),
+        (
+            "i64::MAX signed by a key the guard does not know",
+            mallory().signed(key.clone(), rogue_signer().sign(&key, max.get(), "mallory")),
+            "unknown_key_id",
+        ),
+        (
+            "i64::MAX signed by another key under the known key id",
+            mallory().signed(key.clone(), impostor.sign(&key, max.get(), "mallory")),
+            "bad_signature",
+        ),
+        (
+            "the real holder's signature with i64::MAX",
+            Fence::new("worker-a", max)
+                .unwrap()
+                .signed(key.clone(), real.signature().clone()),
+            "bad_signature",
+        ),
+        (
+            "the real holder's signature with another owner",
+            Fence::new("mallory", real.token())
+                .unwrap()
+                .signed(key.clone(), real.signature().clone()),
+            "bad_signature",
+        ),
+    ];
+    let before = snapshot(&h.pool, "p-1").await;
+    assert_eq!((before.fence, before.state.as_str()), (10, "CLAIMED"));
+    let mut refused = 0;
+    for (name, forged, reason) in &forgeries {
+        for event in PayoutEvent::ALL {
+            match perform(h.c(), &p, event, forged).await {
+                Err(PaymentError::ForgedGrant {
+                    key,
+                    presented,
+                    owner,
+                    signing_key_id,
+                    reason: why,
+                    payout_id,
+                }) => {
+                    assert_eq!(
+                        (key.as_str(), presented, owner.as_str()),
+                        (forged.key(), forged.token().get(), forged.owner()),
+                        "{name}"
+                    );
+                    assert_eq!(signing_key_id, forged.signature().key_id, "{name}");
+                    assert_eq!(
+                        (why.as_str(), payout_id.as_str()),
+                        (*reason, "p-1"),
+                        "{name}"
+                    );
+                }
+                other => panic!("{name}, {event:?}: expected ForgedGrant, got {other:?}"),
+            }
+            refused += 1;
+            assert_eq!(
+                snapshot(&h.pool, "p-1").await,
+                before,
+                "{name}, {event:?} changed something"
+            );
+        }
+    }
+    // Verification comes first: a forged grant on a payout that does not exist is a forged grant.
+    assert!(matches!(
+        h.c().claim(&pid("p-404"), &mallory()).await,
+        Err(PaymentError::ForgedGrant { .. })
+    ));
+    refused += 1;
+    assert_eq!(audit_count(&h.pool, "forged_grant").await, refused);
+    assert_eq!(audit_count(&h.pool, "fenced_out").await, 0);
+    assert_eq!(counted(&h, "payment_forged_grant_total"), refused as u64);
+    let (account, token, owner, detail): (Option<String>, i64, String, serde_json::Value) =
+        sqlx::query_as(
+            "SELECT account_id, token, owner, detail FROM audit_event WHERE kind = 'forged_grant' ORDER BY id LIMIT 1",
+        )
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        (account.as_deref(), token, owner.as_str()),
+        (Some("acct-1"), i64::MAX, "mallory")
+    );
+    assert_eq!(
+        (detail["reason"].as_str(), detail["operation"].as_str()),
+        (Some("unsigned"), Some("claim")),
+        "{detail}"
+    );
+
+    // The real holder carries on: its fence is where it was.
+    let submitted = h.c().mark_submitted(&p, &real).await.unwrap();
+    assert_eq!(submitted.state, PayoutState::RailSubmitted);
+    assert_eq!(snapshot(&h.pool, "p-1").await.fence, 10);
+    assert_ledger_clean(&h).await;
+}
+
+/// NEGATIVE CONTROL of the test above: with the signature check switched off (test-only switch),
+/// the fabricated i64::MAX write (unsigned, naming the account's key) lands, and the real holder
+/// is then fenced out for good, on the verifying service too.
+#[tokio::test]
+async fn negative_control_without_verification_a_fabricated_token_lands() {
+    let h = harness().await;
+    let unverified = start_service(&h.url, options().without_grant_verification_for_tests()).await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let p = pid("p-1");
+    let real = fence("acct-1", "worker-a", 10);
+    h.c().claim(&p, &real).await.unwrap();
+    let forged = Fence::new("mallory", max_token())
+        .unwrap()
+        .signed(lock_key(&aid("acct-1")), Signature::default());
+    // Verified: refused.
+    assert!(matches!(
+        h.c().mark_submitted(&p, &forged).await,
+        Err(PaymentError::ForgedGrant { .. })
+    ));
+    // Unverified: the fabricated token's write lands and the fence jumps to i64::MAX.
+    let landed = unverified.client.mark_submitted(&p, &forged).await.unwrap();
+    assert_eq!(landed.state, PayoutState::RailSubmitted);
+    assert_eq!(landed.token_stamp, Some(i64::MAX as u64));
+    assert_eq!(snapshot(&h.pool, "p-1").await.fence, i64::MAX);
+    // Every real holder is fenced out for good.
+    for c in [h.c(), &unverified.client] {
+        let err = c
+            .record_outcome(&p, &real, &RailOutcome::Timeout, "")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, PaymentError::FencedOut { presented: 10, stored, .. } if stored == i64::MAX as u64),
+            "{err:?}"
+        );
+    }
+}
+
+/// Tokens are global across keys (etcd revisions): a genuine grant of account A's key, with a
+/// token above account B's fence, is refused on B's payout as `grant_for_another_key` on every
+/// fenced operation, and so is a genuine grant of a key of another shape (it names no payout
+/// account): nothing changes on either account, each refusal is audited and counted, and B's real
+/// holder carries on.
+#[tokio::test]
+async fn a_grant_for_another_account_is_refused_and_changes_nothing() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    open(&h, "acct-2", 10_000).await;
+    create(&h, "p-a", "acct-1", 1_000).await;
+    create(&h, "p-b", "acct-2", 1_000).await;
+    let a_grant = fence("acct-1", "worker-a", 30);
+    let b_grant = fence("acct-2", "worker-b", 20);
+    h.c().claim(&pid("p-a"), &a_grant).await.unwrap();
+    h.c().claim(&pid("p-b"), &b_grant).await.unwrap();
+    let other_shape = |key: &str| {
+        Fence::new("worker-x", FencingToken::new(40).unwrap())
+            .unwrap()
+            .signed(key, signer().sign(key, 40, "worker-x"))
+    };
+    let grants = [
+        ("account A's grant", a_grant.clone()),
+        ("a grant of another kind of key", other_shape("orders:42")),
+        (
+            "a grant of a key naming no valid account",
+            other_shape("payout:acct 2"),
+        ),
+        (
+            "a grant of the account's key with a suffix",
+            other_shape("payout:acct-2:x"),
+        ),
+    ];
+    let (before_a, before_b) = (
+        snapshot(&h.pool, "p-a").await,
+        snapshot(&h.pool, "p-b").await,
+    );
+    assert_eq!((before_a.fence, before_b.fence), (30, 20));
+    let mut refused = 0;
+    for (name, grant) in &grants {
+        for event in PayoutEvent::ALL {
+            match perform(h.c(), &pid("p-b"), event, grant).await {
+                Err(PaymentError::GrantForAnotherKey {
+                    presented_key,
+                    required_key,
+                    presented,
+                    owner,
+                    payout_id,
+                }) => {
+                    assert_eq!(
+                        (
+                            presented_key.as_str(),
+                            required_key.as_str(),
+                            payout_id.as_str()
+                        ),
+                        (grant.key(), "payout:acct-2", "p-b"),
+                        "{name}"
+                    );
+                    assert_eq!(
+                        (presented, owner.as_str()),
+                        (grant.token().get(), grant.owner())
+                    );
+                }
+                other => panic!("{name}, {event:?}: expected GrantForAnotherKey, got {other:?}"),
+            }
+            refused += 1;
+            assert_eq!(
+                snapshot(&h.pool, "p-b").await,
+                before_b,
+                "{name}, {event:?}"
+            );
+            assert_eq!(
+                snapshot(&h.pool, "p-a").await,
+                before_a,
+                "{name}, {event:?}"
+            );
+        }
+    }
+    assert_eq!(audit_count(&h.pool, "grant_for_another_key").await, refused);
+    assert_eq!(audit_count(&h.pool, "fenced_out").await, 0);
+    assert_eq!(
+        counted(&h, "payment_grant_for_another_key_total"),
+        refused as u64
+    );
+    let (account, detail): (String, serde_json::Value) = sqlx::query_as(
+        "SELECT account_id, detail FROM audit_event WHERE kind = 'grant_for_another_key' ORDER BY id LIMIT 1",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert_eq!(account, "acct-2");
+    assert_eq!(
+        (
+            detail["presented_key"].as_str(),
+            detail["required_key"].as_str()
+        ),
+        (Some("payout:acct-1"), Some("payout:acct-2")),
+        "{detail}"
+    );
+    // B's real holder carries on under its own fence.
+    let submitted = h.c().mark_submitted(&pid("p-b"), &b_grant).await.unwrap();
+    assert_eq!(submitted.state, PayoutState::RailSubmitted);
+    assert_eq!(snapshot(&h.pool, "p-b").await.fence, 20);
+}
+
+/// NEGATIVE CONTROL of the test above: with the key binding dropped (test-only switch), account
+/// A's grant is accepted on B's payout and B's fence jumps to A's token, fencing out B's real
+/// holder.
+#[tokio::test]
+async fn negative_control_without_key_binding_another_accounts_grant_lands() {
+    let h = harness().await;
+    let unbound = start_service(&h.url, options().without_key_binding_for_tests()).await;
+    open(&h, "acct-1", 10_000).await;
+    open(&h, "acct-2", 10_000).await;
+    create(&h, "p-a", "acct-1", 1_000).await;
+    create(&h, "p-b", "acct-2", 1_000).await;
+    let a_grant = fence("acct-1", "worker-a", 30);
+    let b_grant = fence("acct-2", "worker-b", 20);
+    h.c().claim(&pid("p-a"), &a_grant).await.unwrap();
+    h.c().claim(&pid("p-b"), &b_grant).await.unwrap();
+    // Bound: refused.
+    assert!(matches!(
+        h.c().mark_submitted(&pid("p-b"), &a_grant).await,
+        Err(PaymentError::GrantForAnotherKey { .. })
+    ));
+    // Unbound: A's grant lands on B's payout, and B's fence jumps to A's token.
+    let landed = unbound
+        .client
+        .mark_submitted(&pid("p-b"), &a_grant)
+        .await
+        .unwrap();
+    assert_eq!(landed.state, PayoutState::RailSubmitted);
+    assert_eq!(landed.token_stamp, Some(30));
+    assert_eq!(snapshot(&h.pool, "p-b").await.fence, 30);
+    let err = h
+        .c()
+        .record_outcome(&pid("p-b"), &b_grant, &RailOutcome::Timeout, "")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PaymentError::FencedOut {
+                presented: 20,
+                stored: 30,
+                ..
+            }
+        ),
+        "{err:?}"
     );
 }
 
@@ -698,7 +1082,7 @@ async fn concurrent_claims_and_reclaims() {
             tokio::spawn(async move {
                 (
                     t,
-                    c.claim(&pid("p-1"), &fence(&format!("worker-{t}"), t))
+                    c.claim(&pid("p-1"), &fence("acct-1", &format!("worker-{t}"), t))
                         .await,
                 )
             })
@@ -751,8 +1135,11 @@ async fn concurrent_claims_and_reclaims() {
         .map(|i| {
             let c = h.c().clone();
             tokio::spawn(async move {
-                c.claim(&pid(&format!("p-{i}")), &fence("worker-z", 100 + i))
-                    .await
+                c.claim(
+                    &pid(&format!("p-{i}")),
+                    &fence("acct-1", "worker-z", 100 + i),
+                )
+                .await
             })
         })
         .collect();
@@ -790,7 +1177,7 @@ async fn second_in_flight_payout_is_account_busy() {
     let before = snapshot(&h.pool, "p-2").await;
     let err = h
         .c()
-        .claim(&pid("p-2"), &fence("worker-b", 50))
+        .claim(&pid("p-2"), &fence("acct-1", "worker-b", 50))
         .await
         .unwrap_err();
     match err {
@@ -850,15 +1237,21 @@ async fn concurrent_postings_post_exactly_once() {
     assert_eq!(s.outbox_rows, 2, "one opening row and one posting row");
     assert_ledger_clean(&h).await;
 
-    // Many accounts posting at once: the ledger stays balanced throughout.
+    // Many accounts posting at once (each under a grant of its own account's key): the ledger
+    // stays balanced throughout.
+    let mut grants = Vec::new();
     for i in 2..=9 {
         open(&h, &format!("acct-{i}"), 5_000).await;
         create(&h, &format!("p-{i}"), &format!("acct-{i}"), 100 * i).await;
-        drive(h.c(), &pid(&format!("p-{i}")), PayoutState::RailAcked).await;
+        grants.push((
+            i,
+            drive(h.c(), &pid(&format!("p-{i}")), PayoutState::RailAcked).await,
+        ));
     }
-    let tasks: Vec<_> = (2..=9)
-        .map(|i| {
-            let (c, f) = (h.c().clone(), f.clone());
+    let tasks: Vec<_> = grants
+        .into_iter()
+        .map(|(i, f)| {
+            let c = h.c().clone();
             tokio::spawn(async move { c.post(&pid(&format!("p-{i}")), &f).await.unwrap() })
         })
         .collect();
@@ -936,7 +1329,7 @@ async fn posting_writes_balanced_rows_and_the_outbox_payload() {
     let before = snapshot(&h.pool, "p-1").await;
     let again = h
         .c()
-        .post(&pid("p-1"), &fence("worker-b", 99))
+        .post(&pid("p-1"), &fence("acct-1", "worker-b", 99))
         .await
         .unwrap();
     assert!(again.already_posted);
@@ -970,7 +1363,8 @@ async fn killed_connection_mid_posting_leaves_no_partial_state() {
         .await
         .unwrap();
     let c = h.c().clone();
-    let posting = tokio::spawn(async move { c.post(&pid("p-1"), &fence("worker-b", 40)).await });
+    let posting =
+        tokio::spawn(async move { c.post(&pid("p-1"), &fence("acct-1", "worker-b", 40)).await });
     let victim = blocked_backend(&h.pool, "INSERT INTO ledger_outbox%").await;
     // The victim's transaction has already written both ledger rows and the balance.
     let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
@@ -991,7 +1385,7 @@ async fn killed_connection_mid_posting_leaves_no_partial_state() {
 
     let posted = h
         .c()
-        .post(&pid("p-1"), &fence("worker-b", 40))
+        .post(&pid("p-1"), &fence("acct-1", "worker-b", 40))
         .await
         .unwrap();
     assert!(!posted.already_posted);
@@ -1012,7 +1406,8 @@ async fn killed_connection_mid_claim_leaves_no_partial_state() {
         .await
         .unwrap();
     let c = h.c().clone();
-    let claiming = tokio::spawn(async move { c.claim(&pid("p-1"), &fence("worker-a", 10)).await });
+    let claiming =
+        tokio::spawn(async move { c.claim(&pid("p-1"), &fence("acct-1", "worker-a", 10)).await });
     let victim = blocked_backend(&h.pool, "INSERT INTO audit_event%").await;
     let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(victim)
@@ -1029,7 +1424,7 @@ async fn killed_connection_mid_claim_leaves_no_partial_state() {
     );
     let claimed = h
         .c()
-        .claim(&pid("p-1"), &fence("worker-a", 10))
+        .claim(&pid("p-1"), &fence("acct-1", "worker-a", 10))
         .await
         .unwrap();
     assert_eq!(claimed.state, PayoutState::Claimed);
@@ -1106,12 +1501,7 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
     drive(h.c(), &pid("p-1"), PayoutState::RailAmbiguous).await;
     create(&h, "p-2", "acct-1", 1_000).await;
     let raw = h.c().raw();
-    let good = || {
-        Some(pb::Fence {
-            owner: "worker-a".into(),
-            token: 10,
-        })
-    };
+    let good = || Some(wire_fence("acct-1", "worker-a", 10));
     let create_req = |f: &dyn Fn(&mut pb::CreatePayoutRequest)| {
         let mut r = pb::CreatePayoutRequest {
             payout_id: "p-9".into(),
@@ -1220,10 +1610,7 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
         invalid("fence.token", InvalidReason::TokenMissing),
         raw.clone().claim(pb::ClaimRequest {
             payout_id: "p-2".into(),
-            fence: Some(pb::Fence {
-                owner: "w".into(),
-                token: 0
-            })
+            fence: Some(wire_fence("acct-1", "w", 0))
         })
     );
     case!(
@@ -1231,10 +1618,7 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
         invalid("fence.token", InvalidReason::TokenOutOfRange),
         raw.clone().claim(pb::ClaimRequest {
             payout_id: "p-2".into(),
-            fence: Some(pb::Fence {
-                owner: "w".into(),
-                token: u64::MAX
-            })
+            fence: Some(wire_fence("acct-1", "w", u64::MAX))
         })
     );
     case!(
@@ -1242,10 +1626,7 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
         invalid("fence.owner", InvalidReason::OwnerMissing),
         raw.clone().claim(pb::ClaimRequest {
             payout_id: "p-2".into(),
-            fence: Some(pb::Fence {
-                owner: " ".into(),
-                token: 10
-            })
+            fence: Some(wire_fence("acct-1", " ", 10))
         })
     );
     case!(
@@ -1371,9 +1752,30 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
         invalid("fence.owner", InvalidReason::TextHasNul),
         raw.clone().claim(pb::ClaimRequest {
             payout_id: "p-2".into(),
+            fence: Some(wire_fence("acct-1", "worker\0", 10)),
+        })
+    );
+    // The grant's key and key id go into the refusal's audit row: bounded like every text, and
+    // refused before the signature is checked.
+    case!(
+        "key with NUL",
+        invalid("fence.key", InvalidReason::TextHasNul),
+        raw.clone().claim(pb::ClaimRequest {
+            payout_id: "p-2".into(),
             fence: Some(pb::Fence {
-                owner: "worker\0".into(),
-                token: 10,
+                key: "payout:acct-1\0".into(),
+                ..wire_fence("acct-1", "worker-a", 10)
+            }),
+        })
+    );
+    case!(
+        "signing key id too long",
+        invalid("fence.signing_key_id", InvalidReason::TextTooLong),
+        raw.clone().claim(pb::ClaimRequest {
+            payout_id: "p-2".into(),
+            fence: Some(pb::Fence {
+                signing_key_id: "k".repeat(2000),
+                ..wire_fence("acct-1", "worker-a", 10)
             }),
         })
     );
@@ -1450,13 +1852,13 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
 
     // Abandoning an ambiguous payout before its SLA (the production default, one hour): typed
     // refusal, recorded, nothing else.
-    let strict = start_service(&h.url, StoreOptions::default()).await;
+    let strict = start_service(&h.url, options()).await;
     let before = snapshot(&h.pool, "p-1").await;
     let err = strict
         .client
         .abandon(
             &pid("p-1"),
-            &fence("op-1", 10),
+            &fence("acct-1", "op-1", 10),
             &AbandonRequest {
                 operator: "op-1".into(),
                 reason: "r".into(),
@@ -1494,7 +1896,7 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
 async fn the_resolution_sla_is_the_resources_own_record_not_the_callers_word() {
     const SLA: std::time::Duration = std::time::Duration::from_millis(1_500);
     let h = harness().await;
-    let service = start_service(&h.url, StoreOptions::default().with_resolution_sla(SLA)).await;
+    let service = start_service(&h.url, options().with_resolution_sla(SLA)).await;
     let c = &service.client;
     open(&h, "acct-1", 10_000).await;
     create(&h, "p-1", "acct-1", 1_000).await;
@@ -1709,7 +2111,7 @@ async fn health_reports_serving() {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
     let pool = service_kit::connect_pg(&url).await.unwrap();
     payment_resource::migrate(&pool).await.unwrap();
-    let store = Store::new(pool, StoreOptions::default(), &Metrics::default());
+    let store = Store::new(pool, options(), &Metrics::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (shutdown, _stop) = Shutdown::new();
@@ -1757,6 +2159,8 @@ async fn binary_serves_and_stops_on_sigterm() {
             &format!("127.0.0.1:{metrics_port}"),
             "--database-url",
             &url,
+            "--grant-verify-keys",
+            &signer().public_key().to_string(),
         ]),
     )
     .unwrap();
@@ -1776,6 +2180,27 @@ async fn binary_serves_and_stops_on_sigterm() {
         .await
         .unwrap();
     assert_eq!(account.balance_minor, 1_000);
+    // The binary verifies with the key it was given: a signed grant passes, an unsigned one not.
+    client
+        .create_payout(&NewPayout {
+            payout_id: pid("p-1"),
+            account_id: aid("acct-1"),
+            amount_minor: AmountMinor::new(100).unwrap(),
+            currency: eur(),
+            beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
+        })
+        .await
+        .unwrap();
+    let unsigned = Fence::new("worker-a", max_token()).unwrap();
+    assert!(matches!(
+        client.claim(&pid("p-1"), &unsigned).await,
+        Err(PaymentError::ForgedGrant { .. })
+    ));
+    let claimed = client
+        .claim(&pid("p-1"), &fence("acct-1", "worker-a", 10))
+        .await
+        .unwrap();
+    assert_eq!(claimed.state, PayoutState::Claimed);
     let started = std::time::Instant::now();
     process.terminate().unwrap();
     let text = std::fs::read_to_string(log.path()).unwrap();
@@ -1784,6 +2209,58 @@ async fn binary_serves_and_stops_on_sigterm() {
         "did not stop promptly on SIGTERM: {text}"
     );
     assert!(text.contains("payment-resource stopped"), "{text}");
+}
+
+/// `serve` requires `--grant-verify-keys` (there is no unsigned mode): missing, empty or malformed,
+/// the binary stops at start-up with an error naming the flag or the bad key, before it touches
+/// the database (the URL here leads nowhere).
+#[tokio::test]
+async fn binary_refuses_to_start_without_valid_grant_verify_keys() {
+    let bin = env!("CARGO_BIN_EXE_payment-resource");
+    let serve = [
+        "serve",
+        "--database-url",
+        "postgres://nobody@127.0.0.1:1/none",
+    ];
+    let cases: [(&str, Option<&str>, Option<&str>, &str); 5] = [
+        ("missing", None, None, "--grant-verify-keys"),
+        (
+            "empty flag",
+            Some(""),
+            None,
+            "no grant verification key given",
+        ),
+        ("empty env", None, Some(""), "--grant-verify-keys"),
+        (
+            "not hex",
+            Some("k1=zz"),
+            None,
+            "expected `key_id=<64 hex digits>`",
+        ),
+        (
+            "bad key id",
+            Some("bad id=00"),
+            None,
+            "must be 1..=64 characters",
+        ),
+    ];
+    for (name, flag, env, expected) in cases {
+        let mut command = tokio::process::Command::new(bin);
+        command.args(serve).env_remove("GRANT_VERIFY_KEYS");
+        if let Some(flag) = flag {
+            command.args(["--grant-verify-keys", flag]);
+        }
+        if let Some(env) = env {
+            command.env("GRANT_VERIFY_KEYS", env);
+        }
+        let out = tokio::time::timeout(POLL_TIMEOUT, command.output())
+            .await
+            .unwrap_or_else(|_| panic!("{name}: the binary did not stop"))
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name}: started: {stderr}");
+        assert!(stderr.contains(expected), "{name}: {stderr}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1964,12 +2441,54 @@ mod payment_values {
     pub fn token() -> BoxedStrategy<u64> {
         hostile_u64((1u64..50).boxed())
     }
-    pub fn fence() -> BoxedStrategy<Option<pb::Fence>> {
-        prop::option::weighted(
-            0.9,
-            (text(), token()).prop_map(|(owner, token)| pb::Fence { owner, token }),
+    /// The account of a seeded payout (a fresh or hostile id: the first account).
+    fn account_of(payout_id: &str) -> &'static str {
+        match payout_id {
+            "p-w-claimed" => ACCOUNTS[1],
+            _ => ACCOUNTS[0],
+        }
+    }
+    /// A payout id and the fence presented with it: mostly a genuine grant of the payout's
+    /// account's key (so that calls reach the handlers' deep paths), else a grant of the other
+    /// account's key, an unsigned one or one signed by an unknown key.
+    pub fn fenced() -> BoxedStrategy<(String, Option<pb::Fence>)> {
+        (
+            payout_id(),
+            prop::option::weighted(0.9, (text(), token(), 0..9u8)),
         )
-        .boxed()
+            .prop_map(|(payout_id, fence)| {
+                let fence = fence.map(|(owner, token, grant)| {
+                    let account = account_of(&payout_id);
+                    let other = if account == ACCOUNTS[0] {
+                        ACCOUNTS[1]
+                    } else {
+                        ACCOUNTS[0]
+                    };
+                    match grant {
+                        0 => super::wire_fence(other, &owner, token),
+                        1 => pb::Fence {
+                            owner,
+                            token,
+                            key: format!("payout:{account}"),
+                            ..pb::Fence::default()
+                        },
+                        2 => {
+                            let key = format!("payout:{account}");
+                            let rogue = super::rogue_signer().sign(&key, token, &owner);
+                            pb::Fence {
+                                owner,
+                                token,
+                                key,
+                                signing_key_id: rogue.key_id,
+                                signature: rogue.bytes,
+                            }
+                        }
+                        _ => super::wire_fence(account, &owner, token),
+                    }
+                });
+                (payout_id, fence)
+            })
+            .boxed()
     }
 }
 
@@ -2002,22 +2521,22 @@ fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
         ),
         payout_id()
             .prop_map(|payout_id| PaymentCall::GetPayout(pb::GetPayoutRequest { payout_id })),
-        (payout_id(), fence()).prop_map(|(payout_id, fence)| PaymentCall::Claim(
-            pb::ClaimRequest { payout_id, fence }
-        )),
-        (payout_id(), fence()).prop_map(|(payout_id, fence)| PaymentCall::MarkSubmitted(
+        fenced().prop_map(|(payout_id, fence)| PaymentCall::Claim(pb::ClaimRequest {
+            payout_id,
+            fence
+        })),
+        fenced().prop_map(|(payout_id, fence)| PaymentCall::MarkSubmitted(
             pb::MarkSubmittedRequest { payout_id, fence }
         )),
         (
-            payout_id(),
-            fence(),
+            fenced(),
             hostile_enum(&[1, 2, 3, 4]),
             text(),
             text(),
             text()
         )
             .prop_map(
-                |(payout_id, fence, outcome, rail_ref, decline_code, detail)| {
+                |((payout_id, fence), outcome, rail_ref, decline_code, detail)| {
                     PaymentCall::RecordOutcome(pb::RecordOutcomeRequest {
                         payout_id,
                         fence,
@@ -2028,10 +2547,10 @@ fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
                     })
                 }
             ),
-        (payout_id(), fence())
+        fenced()
             .prop_map(|(payout_id, fence)| PaymentCall::Post(pb::PostRequest { payout_id, fence })),
-        (payout_id(), fence(), hostile_enum(&[1, 2]), text(), text()).prop_map(
-            |(payout_id, fence, evidence, rail_ref, evidence_source)| {
+        (fenced(), hostile_enum(&[1, 2]), text(), text()).prop_map(
+            |((payout_id, fence), evidence, rail_ref, evidence_source)| {
                 PaymentCall::ResolveAmbiguity(pb::ResolveAmbiguityRequest {
                     payout_id,
                     fence,
@@ -2041,8 +2560,8 @@ fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
                 })
             }
         ),
-        (payout_id(), fence(), text(), text(), any::<bool>(), text()).prop_map(
-            |(payout_id, fence, operator, reason, resolution_sla_passed, sla_check)| {
+        (fenced(), text(), text(), any::<bool>(), text()).prop_map(
+            |((payout_id, fence), operator, reason, resolution_sla_passed, sla_check)| {
                 PaymentCall::Abandon(pb::AbandonRequest {
                     payout_id,
                     fence,
@@ -2104,9 +2623,9 @@ async fn send_payment_call(
 /// no panic anywhere in the process; the answer is OK or a status carrying a decodable typed
 /// `Rejection` (INVALID_ARGUMENT names its field); an INVALID_ARGUMENT, NOT_FOUND or
 /// ALREADY_EXISTS refusal changed no row of any table (counts and contents); a
-/// FAILED_PRECONDITION refusal (fenced out, refused transition, account busy, SLA) changed nothing
-/// but its one evidence row in `audit_event`; and the server still reports SERVING and answers a
-/// valid call.
+/// FAILED_PRECONDITION refusal (fenced out, refused transition, account busy, SLA) or
+/// PERMISSION_DENIED one (forged grant, grant for another key) changed nothing but its one
+/// evidence row in `audit_event`; and the server still reports SERVING and answers a valid call.
 #[test]
 fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
     use pb::rejection::Kind;
@@ -2152,6 +2671,21 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
                     }
                     tonic::Code::NotFound | tonic::Code::AlreadyExists => {
                         prop_assert_eq!(before.changed(&after), Vec::<String>::new());
+                    }
+                    tonic::Code::PermissionDenied => {
+                        prop_assert!(
+                            matches!(
+                                &kind,
+                                Some(Kind::ForgedGrant(_) | Kind::GrantForAnotherKey(_))
+                            ),
+                            "{kind:?}"
+                        );
+                        let changed = before.changed(&after);
+                        prop_assert!(
+                            changed.is_empty() || changed == ["audit_event"],
+                            "{changed:?}"
+                        );
+                        prop_assert!(before.rows_added(&after, "audit_event") <= 1);
                     }
                     tonic::Code::FailedPrecondition => {
                         let changed = before.changed(&after);

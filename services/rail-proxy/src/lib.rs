@@ -7,6 +7,12 @@
 //! outcome exactly once; nothing, under any token or after any delay, calls the rail again for
 //! that payout.
 //!
+//! The token must come with the lock service's signature over (key, token, owner), checked with
+//! the lock service's public keys alone ([`ProxyConfig::new`] takes them: there is no unsigned
+//! mode), and the signed key must be the account's (`payout:{account_id}`). Otherwise Submit and
+//! Inquire are refused (`forged_grant`, `grant_for_another_key`) before the high-water
+//! statement, and only the refusal's guard event is written.
+//!
 //! gRPC (`railproxy.v1.RailProxy`): `Submit`, `Lookup`, `Inquire`, `RailMovements`. The contract
 //! (the typed client, the types that cross the wire and their conversions) is the crate
 //! `rail-proxy-client`; this server uses its definitions and does not re-export them, and callers
@@ -27,6 +33,8 @@ use std::time::Duration;
 use payout_proto::railproxy::rail_proxy_server::RailProxyServer;
 use service_kit::Shutdown;
 
+/// The lock service's public keys, as the proxy is given them (`--grant-verify-keys`).
+pub use grant_signing::{KeyError, Verifier};
 pub use model::DuplicateClass;
 pub use rail::{RAIL_CALL_TIMEOUT_MS_DEFAULT, RAIL_CALL_TIMEOUT_MS_MAX};
 pub use store::MIGRATOR;
@@ -55,14 +63,18 @@ pub enum Failpoint {
     PauseAfterIntent { ms: u64 },
 }
 
-/// The two protections a test may switch off, each only through a setter that exists only with
-/// the `negative-controls` feature, to show what it prevents. Without the feature both are on.
+/// The protections a test may switch off, each only through a setter that exists only with the
+/// `negative-controls` feature, to show what it prevents. Without the feature all are on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Protections {
     /// A fenced inquiry that finds no submission seals the payout (NOT_SENT).
     pub seal: bool,
     /// Every payment instruction carries `valid_until`, and ABSENT waits for it to pass.
     pub expiry: bool,
+    /// Every fenced call's grant must carry the lock service's signature (`forged_grant`).
+    pub grant_signature: bool,
+    /// Every fenced call's signed key must be its account's (`grant_for_another_key`).
+    pub grant_key_binding: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -70,6 +82,8 @@ pub struct ProxyConfig {
     pub rail_base_url: String,
     /// Timeout of the single payment call; bounded by [`RAIL_CALL_TIMEOUT_MS_MAX`].
     pub rail_timeout: Duration,
+    /// The lock service's public keys: a fenced call's grant must be signed by one of them.
+    verifier: Verifier,
     #[cfg(feature = "negative-controls")]
     guards: Guards,
     pub(crate) protections: Protections,
@@ -88,15 +102,20 @@ pub enum ProxyServerError {
 }
 
 impl ProxyConfig {
-    pub fn new(rail_base_url: impl Into<String>) -> Self {
+    /// The proxy in front of the rail at `rail_base_url`, verifying every fenced call's grant
+    /// with `verifier` (the lock service's public keys). There is no configuration without one.
+    pub fn new(rail_base_url: impl Into<String>, verifier: Verifier) -> Self {
         Self {
             rail_base_url: rail_base_url.into(),
             rail_timeout: Duration::from_millis(RAIL_CALL_TIMEOUT_MS_DEFAULT),
+            verifier,
             #[cfg(feature = "negative-controls")]
             guards: Guards::Enforced,
             protections: Protections {
                 seal: true,
                 expiry: true,
+                grant_signature: true,
+                grant_key_binding: true,
             },
             #[cfg(feature = "negative-controls")]
             failpoint: None,
@@ -105,6 +124,32 @@ impl ProxyConfig {
 
     pub fn with_rail_timeout(mut self, timeout: Duration) -> Self {
         self.rail_timeout = timeout;
+        self
+    }
+
+    /// The lock service's public keys this proxy verifies grants with.
+    pub fn verifier(&self) -> &Verifier {
+        &self.verifier
+    }
+
+    /// TEST ONLY (feature `negative-controls`): the negative control of the grant signature.
+    /// Every fenced call is taken at its word (no signature is checked), so a fabricated token
+    /// (i64::MAX, unsigned) is accepted and fences the real holder out. The key binding still
+    /// runs; it is not reachable from any flag or environment variable.
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn disable_grant_verification_for_negative_control(mut self) -> Self {
+        self.protections.grant_signature = false;
+        self
+    }
+
+    /// TEST ONLY (feature `negative-controls`): the negative control of the key binding. A
+    /// genuine grant signed for another lock key than the account's is accepted, so a token of
+    /// account A fences account B. The signature is still verified.
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn disable_grant_key_binding_for_negative_control(mut self) -> Self {
+        self.protections.grant_key_binding = false;
         self
     }
 
@@ -178,9 +223,17 @@ pub async fn run(
         pool.clone(),
         Duration::from_millis(service_kit::HEALTH_PERIOD_MS),
     ));
+    #[cfg(feature = "negative-controls")]
+    if !config.protections.grant_signature || !config.protections.grant_key_binding {
+        tracing::error!(
+            grant_signature = config.protections.grant_signature,
+            grant_key_binding = config.protections.grant_key_binding,
+            "rail proxy grant checks DISABLED (test-only negative control)"
+        );
+    }
     let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout);
     let counters = service::Counters::new(&metrics);
-    tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, "rail proxy listening");
+    tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, "rail proxy listening");
     let service = service::ProxyService(Arc::new(service::Inner {
         pool,
         rail,

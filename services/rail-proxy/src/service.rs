@@ -10,12 +10,13 @@ use service_kit::rejection;
 use sqlx::PgPool;
 use tonic::{Code, Request, Response, Status};
 
+use grant_signing::Forged;
 use rail_proxy_client::model::RailLookup;
-use rail_proxy_client::wire;
+use rail_proxy_client::{wire, ProxyError};
 
 use crate::model::{DuplicateClass, Evidence, InvalidArgument, Outcome, Submission, SubmitPayout};
 use crate::rail::{Rail, RailAnswer};
-use crate::store::{self, InquiryGuard, Intent, StoreError};
+use crate::store::{self, GrantRefusal, InquiryGuard, Intent, Presented, StoreError};
 use crate::ProxyConfig;
 #[cfg(feature = "negative-controls")]
 use crate::{Failpoint, Guards};
@@ -37,6 +38,8 @@ pub(crate) struct Counters {
     pub inquiries: IntCounterVec,
     pub seals: IntCounterVec,
     pub rail_duplicates: IntCounterVec,
+    pub forged_grants: IntCounterVec,
+    pub grants_for_another_key: IntCounterVec,
 }
 
 impl Counters {
@@ -59,6 +62,16 @@ impl Counters {
                 "rail_proxy_rail_duplicate_movements_total",
                 "Inquiries that found more than one movement for one client reference (safety event).",
                 &[],
+            ),
+            forged_grants: metrics.counter_vec(
+                "forged_grants_total",
+                "Fenced calls refused by a guard because the lock service did not sign their grant, by reason (unsigned, unknown_key_id, bad_signature).",
+                &["guard", "reason"],
+            ),
+            grants_for_another_key: metrics.counter_vec(
+                "grants_for_another_key_total",
+                "Fenced calls refused by a guard because their genuine grant is of another lock key than the account's.",
+                &["guard"],
             ),
         }
     }
@@ -132,6 +145,15 @@ fn fenced_out(
     )
 }
 
+/// The `guard_event.forged_reason` of a forged grant.
+fn forged_column(forged: &Forged) -> &'static str {
+    match forged {
+        Forged::Unsigned => "UNSIGNED",
+        Forged::UnknownKeyId(_) => "UNKNOWN_KEY_ID",
+        Forged::BadSignature => "BAD_SIGNATURE",
+    }
+}
+
 fn store_failure(e: StoreError) -> Status {
     match e {
         StoreError::Invariant(_) => {
@@ -146,6 +168,81 @@ fn store_failure(e: StoreError) -> Status {
 }
 
 impl ProxyService {
+    /// The grant check, before the high-water statement of Submit and Inquire: the lock
+    /// service's signature over (signed key, token, owner), else `forged_grant`; then the signed
+    /// key must be the account's, else `grant_for_another_key`. A refusal writes its guard event
+    /// (and nothing else), counts, logs once, and sends nothing. If the guard event cannot be
+    /// written the call is refused all the same (the refusal is what keeps the money safe; the
+    /// lost evidence is logged).
+    async fn check_grant(&self, presented: &Presented<'_>) -> Result<(), Status> {
+        let inner = &self.0;
+        let token = presented.token.get();
+        let payout_id = presented.payout_id.to_string();
+        if inner.config.protections.grant_signature {
+            if let Err(forged) = inner.config.verifier().verify(
+                presented.signed_key,
+                token,
+                presented.owner,
+                presented.signature,
+            ) {
+                let reason = wire::forged_reason(&forged);
+                inner
+                    .counters
+                    .forged_grants
+                    .with_label_values(&["rail-proxy", reason])
+                    .inc();
+                tracing::warn!(
+                    event = "forged_grant", operation = presented.operation, reason,
+                    key = presented.signed_key, presented = token, owner = presented.owner,
+                    signing_key_id = %presented.signature.key_id, payout_id = %payout_id,
+                    "grant not signed by the lock service refused at the rail proxy ({forged}); nothing sent"
+                );
+                let refusal = GrantRefusal::Forged {
+                    reason: forged_column(&forged),
+                };
+                self.record_grant_refusal(presented, refusal).await;
+                return Err(wire::error_to_status(&ProxyError::ForgedGrant {
+                    key: presented.signed_key.to_string(),
+                    presented: token,
+                    owner: presented.owner.to_string(),
+                    signing_key_id: presented.signature.key_id.clone(),
+                    reason: reason.to_string(),
+                    payout_id,
+                }));
+            }
+        }
+        if inner.config.protections.grant_key_binding && presented.signed_key != presented.lock_key
+        {
+            inner
+                .counters
+                .grants_for_another_key
+                .with_label_values(&["rail-proxy"])
+                .inc();
+            tracing::warn!(
+                event = "grant_for_another_key", operation = presented.operation,
+                presented_key = presented.signed_key, required_key = %presented.lock_key,
+                presented = token, owner = presented.owner, payout_id = %payout_id,
+                "a grant of another lock key refused at the rail proxy; nothing sent"
+            );
+            self.record_grant_refusal(presented, GrantRefusal::ForAnotherKey)
+                .await;
+            return Err(wire::error_to_status(&ProxyError::GrantForAnotherKey {
+                presented_key: presented.signed_key.to_string(),
+                required_key: presented.lock_key.clone(),
+                presented: token,
+                owner: presented.owner.to_string(),
+                payout_id,
+            }));
+        }
+        Ok(())
+    }
+
+    async fn record_grant_refusal(&self, presented: &Presented<'_>, refusal: GrantRefusal) {
+        if let Err(e) = store::record_grant_refusal(&self.0.pool, presented, refusal).await {
+            tracing::error!(error = %e, ?refusal, "the grant refusal's guard event could not be written; refused all the same");
+        }
+    }
+
     async fn call_rail_and_record(
         &self,
         request: SubmitPayout,
@@ -259,6 +356,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         let request = wire::parse_submit(request.get_ref()).map_err(invalid)?;
         let span = tracing::info_span!("submit", payout_id = %request.payout_id, account_id = %request.account_id, token = request.token.get(), owner = %request.owner);
         let submission = async {
+            self.check_grant(&Presented::submit(&request)).await?;
             #[cfg(feature = "negative-controls")]
             if self.0.config.guards == Guards::DisabledForNegativeControl {
                 return self.unguarded(request).await;
@@ -396,6 +494,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         let request = wire::parse_inquire(request.get_ref()).map_err(invalid)?;
         let span = tracing::info_span!("inquire", payout_id = %request.payout_id, account_id = %request.account_id, token = request.token.get(), owner = %request.owner, asked_by = %request.asked_by);
         async {
+            self.check_grant(&Presented::inquire(&request)).await?;
             let payout_id = &request.payout_id;
             let guard = store::guard_inquiry(&self.0.pool, &request, self.0.config.protections.seal)
                 .await

@@ -1,6 +1,7 @@
 //! proxydb: the intent transaction (high-water advance + unique submission), the outcome written
 //! once, guard events and resolutions. Every invariant here is also enforced by the schema.
 
+use grant_signing::Signature;
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
 };
@@ -133,18 +134,23 @@ fn submission_from_row(row: &sqlx::postgres::PgRow) -> Result<Submission, StoreE
     })
 }
 
-/// Who presented which token for which payout, at which call: the fields of a guard event.
-struct Presented<'a> {
-    operation: &'static str,
-    payout_id: &'a PayoutId,
-    account_id: &'a AccountId,
-    lock_key: String,
-    token: FencingToken,
-    owner: &'a str,
+/// Who presented which grant for which payout, at which call: the fields of a guard event.
+pub(crate) struct Presented<'a> {
+    /// `SUBMIT` or `INQUIRE` (`guard_event.operation`).
+    pub operation: &'static str,
+    pub payout_id: &'a PayoutId,
+    pub account_id: &'a AccountId,
+    /// The key the call must hold: the account's, `payout:{account_id}`.
+    pub lock_key: String,
+    pub token: FencingToken,
+    pub owner: &'a str,
+    /// The key the grant was signed for, as presented.
+    pub signed_key: &'a str,
+    pub signature: &'a Signature,
 }
 
 impl<'a> Presented<'a> {
-    fn submit(request: &'a SubmitPayout) -> Self {
+    pub fn submit(request: &'a SubmitPayout) -> Self {
         Self {
             operation: "SUBMIT",
             payout_id: &request.payout_id,
@@ -152,9 +158,11 @@ impl<'a> Presented<'a> {
             lock_key: request.lock_key(),
             token: request.token,
             owner: &request.owner,
+            signed_key: &request.key,
+            signature: &request.signature,
         }
     }
-    fn inquire(request: &'a InquirePayout) -> Self {
+    pub fn inquire(request: &'a InquirePayout) -> Self {
         Self {
             operation: "INQUIRE",
             payout_id: &request.payout_id,
@@ -162,8 +170,54 @@ impl<'a> Presented<'a> {
             lock_key: request.lock_key(),
             token: request.token,
             owner: &request.owner,
+            signed_key: &request.key,
+            signature: &request.signature,
         }
     }
+}
+
+/// A grant refused before the high-water statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GrantRefusal {
+    /// Not signed by the lock service; the reason as `guard_event.forged_reason` names it
+    /// (`UNSIGNED`, `UNKNOWN_KEY_ID`, `BAD_SIGNATURE`).
+    Forged { reason: &'static str },
+    /// A genuine grant of another key than the account's.
+    ForAnotherKey,
+}
+
+/// The evidence row of a grant refused before the high-water statement: FORGED_GRANT or
+/// GRANT_FOR_ANOTHER_KEY, with the key and signing key id as presented, and the account's
+/// high-water as it stands (0 and '' if it has none), which the refusal leaves unchanged. One
+/// statement, and the only row the refusal writes.
+pub(crate) async fn record_grant_refusal(
+    pool: &PgPool,
+    presented: &Presented<'_>,
+    refusal: GrantRefusal,
+) -> Result<(), StoreError> {
+    let (kind, forged_reason) = match refusal {
+        GrantRefusal::Forged { reason } => ("FORGED_GRANT", Some(reason)),
+        GrantRefusal::ForAnotherKey => ("GRANT_FOR_ANOTHER_KEY", None),
+    };
+    sqlx::query(
+        "INSERT INTO guard_event (kind, payout_id, account_id, lock_key, presented, stored, owner, stored_owner, operation, \
+           signed_key, signing_key_id, forged_reason) \
+         SELECT $1, $2, $3, $4, $5, COALESCE(hw.high_water, 0), $6, COALESCE(hw.owner, ''), $7, $8, $9, $10 \
+         FROM (SELECT 1) AS one LEFT JOIN account_high_water hw ON hw.account_id = $3",
+    )
+    .bind(kind)
+    .bind(presented.payout_id.as_str())
+    .bind(presented.account_id.as_str())
+    .bind(&presented.lock_key)
+    .bind(presented.token.as_i64())
+    .bind(presented.owner)
+    .bind(presented.operation)
+    .bind(presented.signed_key)
+    .bind(&presented.signature.key_id)
+    .bind(forged_reason)
+    .execute(pool)
+    .await?;
+    Ok(())
 }
 
 /// The evidence row of a refusal: FENCED (no `duplicate`), or DUPLICATE with its class.

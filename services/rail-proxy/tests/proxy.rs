@@ -1,11 +1,15 @@
 //! The rail proxy against real PostgreSQL (proxydb on its own server) and the real stub over HTTP.
 //! The stub's `/admin/movements` is the ground truth of every "did we pay twice?" assertion.
+//! Every request presents a grant signed by the test's own lock-service key ([`SIGNER`]), whose
+//! public half is the in-process proxy's only verification key.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
+use grant_signing::{Signature, Signer};
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId};
 use payout_proto::railproxy as pb;
-use rail_proxy::{ProxyConfig, RunningProxy};
+use rail_proxy::{ProxyConfig, RunningProxy, Verifier};
 use rail_proxy_client::{
     Evidence, InquirePayout, Outcome, ProxyError, RailProxyClient, SubmitPayout,
 };
@@ -15,6 +19,35 @@ use testkit::{PgServer, Stack};
 /// Short enough that the hanging-rail case is quick, far above the stub's zero latency.
 const TEST_RAIL_TIMEOUT_MS: u64 = 700;
 const WAIT: Duration = Duration::from_secs(20);
+
+/// The lock service's signing key, as far as these tests are concerned: generated per test
+/// binary, never written anywhere.
+static SIGNER: LazyLock<Signer> =
+    LazyLock::new(|| Signer::generate("proxy-test-1").expect("a fresh key").0);
+
+/// What the proxy under test verifies with: [`SIGNER`]'s public key alone.
+fn verifier() -> Verifier {
+    Verifier::new([SIGNER.public_key()]).unwrap()
+}
+
+/// The genuine signature of the grant (`key`, `token`, `owner`).
+fn sign(key: &str, token: u64, owner: &str) -> Signature {
+    SIGNER.sign(key, token, owner)
+}
+
+/// `request` under the genuine grant of its own account's key.
+fn signed(request: SubmitPayout) -> SubmitPayout {
+    let key = request.lock_key();
+    let signature = sign(&key, request.token.get(), &request.owner);
+    request.signed(key, signature)
+}
+
+/// `request` under the genuine grant of its own account's key.
+fn signed_inquiry(request: InquirePayout) -> InquirePayout {
+    let key = request.lock_key();
+    let signature = sign(&key, request.token.get(), &request.owner);
+    request.signed(key, signature)
+}
 
 struct Rig {
     stub: RunningStub,
@@ -32,7 +65,7 @@ async fn rig_with(
     let pool = service_kit::connect_pg(&db_url).await.unwrap();
     let stub = RunningStub::start(stub_config).await.unwrap();
     let config = configure(
-        ProxyConfig::new(stub.base_url())
+        ProxyConfig::new(stub.base_url(), verifier())
             .with_rail_timeout(Duration::from_millis(TEST_RAIL_TIMEOUT_MS)),
     );
     let proxy = RunningProxy::start(pool.clone(), config).await.unwrap();
@@ -57,7 +90,9 @@ async fn rig() -> Rig {
     .await
 }
 
-fn payout(payout: &str, account: &str, token: u64, owner: &str) -> SubmitPayout {
+/// A Submit of `payout` on `account` by `owner`, unsigned (the grant's key defaults to the
+/// account's).
+fn unsigned_payout(payout: &str, account: &str, token: u64, owner: &str) -> SubmitPayout {
     SubmitPayout::new(
         PayoutId::parse(payout).unwrap(),
         AccountId::parse(account).unwrap(),
@@ -69,8 +104,13 @@ fn payout(payout: &str, account: &str, token: u64, owner: &str) -> SubmitPayout 
     )
 }
 
-/// A fenced inquiry by `owner` holding `token` on the payout's account.
-fn inquiry(payout_id: &PayoutId, account: &str, token: u64, owner: &str) -> InquirePayout {
+/// A Submit by `owner` under its genuine grant (`payout:{account}`, `token`).
+fn payout(payout: &str, account: &str, token: u64, owner: &str) -> SubmitPayout {
+    signed(unsigned_payout(payout, account, token, owner))
+}
+
+/// A fenced inquiry by `owner` holding `token` on the payout's account, unsigned.
+fn unsigned_inquiry(payout_id: &PayoutId, account: &str, token: u64, owner: &str) -> InquirePayout {
     InquirePayout::new(
         payout_id.clone(),
         AccountId::parse(account).unwrap(),
@@ -80,15 +120,20 @@ fn inquiry(payout_id: &PayoutId, account: &str, token: u64, owner: &str) -> Inqu
     )
 }
 
-/// The same payout's inquiry under the submitter's own grant.
+/// A fenced inquiry by `owner` holding the genuine grant (`payout:{account}`, `token`).
+fn inquiry(payout_id: &PayoutId, account: &str, token: u64, owner: &str) -> InquirePayout {
+    signed_inquiry(unsigned_inquiry(payout_id, account, token, owner))
+}
+
+/// The same payout's inquiry under the submitter's token (signed for `owner`).
 fn inquiry_of(request: &SubmitPayout, owner: &str) -> InquirePayout {
-    InquirePayout::new(
+    signed_inquiry(InquirePayout::new(
         request.payout_id.clone(),
         request.account_id.clone(),
         request.token,
         owner,
         owner,
-    )
+    ))
 }
 
 async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
@@ -359,7 +404,7 @@ async fn many_concurrent_submits_for_one_payout_reach_the_rail_once() {
     let results: Vec<_> = futures::future::join_all(calls)
         .await
         .into_iter()
-        .map(|r| r.unwrap())
+        .map(Result::unwrap)
         .collect();
     let winners: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
     assert_eq!(winners.len(), 1, "{results:?}");
@@ -569,7 +614,11 @@ async fn a_proxy_killed_between_intent_and_rail_call_leaves_an_ambiguous_null() 
     )
     .args(["--listen".to_string(), format!("127.0.0.1:{port}")])
     .args(["--database-url".to_string(), rig.db_url.clone()])
-    .args(["--rail-url".to_string(), rig.stub.base_url()]);
+    .args(["--rail-url".to_string(), rig.stub.base_url()])
+    .args([
+        "--grant-verify-keys".to_string(),
+        SIGNER.public_key().to_string(),
+    ]);
     let process = testkit::ManagedProcess::start(spec).unwrap();
     let endpoint = format!("http://127.0.0.1:{port}");
     let mut doomed = testkit::eventually(WAIT, "the proxy binary to listen", || {
@@ -657,6 +706,7 @@ async fn negative_control_without_the_guard_the_same_race_pays_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bad_input_gets_a_specific_error_and_writes_nothing() {
     let mut rig = rig().await;
+    let grant = sign("payout:acct-bad", 4, "worker-1");
     let good = pb::SubmitRequest {
         payout_id: "p-bad".into(),
         account_id: "acct-bad".into(),
@@ -666,6 +716,9 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
         amount_minor: 100,
         currency: "EUR".into(),
         beneficiary_ref: "ben-1".into(),
+        key: "payout:acct-bad".into(),
+        signing_key_id: grant.key_id.clone(),
+        signature: grant.bytes.clone(),
     };
     let table: Vec<(&str, pb::SubmitRequest)> = vec![
         (
@@ -770,6 +823,36 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
                 ..good.clone()
             },
         ),
+        // The grant's texts are kept in a refusal's guard event: bounded, without NUL, and
+        // refused as bad input before any signature is checked.
+        (
+            "key",
+            pb::SubmitRequest {
+                key: "payout:acct-bad\0".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "key",
+            pb::SubmitRequest {
+                key: "k".repeat(rail_proxy_client::KEY_LENGTH_MAX + 1),
+                ..good.clone()
+            },
+        ),
+        (
+            "signing_key_id",
+            pb::SubmitRequest {
+                signing_key_id: "proxy-test-1\0".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            "signing_key_id",
+            pb::SubmitRequest {
+                signing_key_id: "k".repeat(grant_signing::KEY_ID_LENGTH_MAX + 1),
+                ..good.clone()
+            },
+        ),
     ];
     for (field, request) in table {
         let status = rig
@@ -824,6 +907,9 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
             account_id: "acct-bad".into(),
             token: 0,
             owner: "r".into(),
+            key: "payout:acct-bad".into(),
+            signing_key_id: grant.key_id.clone(),
+            signature: grant.bytes.clone(),
         })
         .await
         .expect_err("an inquiry without a token is refused");
@@ -1159,6 +1245,483 @@ async fn negative_control_without_expiry_a_paused_send_moves_money_after_absent(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Signed grants (issue 17): a token the lock service never signed, or signed for another key,
+// is refused before the high-water statement.
+
+/// The value of a counter series, e.g. `forged_grants_total{guard="rail-proxy",reason="unsigned"}`
+/// (0 before the first).
+fn counted(rig: &Rig, series: &str) -> u64 {
+    let prefix = format!("{series} ");
+    rig.proxy
+        .metrics
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix).map(|v| v.parse().unwrap()))
+        .unwrap_or(0)
+}
+
+/// (high-water, its owner) of an account at the proxy.
+async fn high_water(pool: &sqlx::PgPool, account: &str) -> (i64, String) {
+    sqlx::query_as("SELECT high_water, owner FROM account_high_water WHERE account_id = $1")
+        .bind(account)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Payment requests the stub has received in all.
+async fn requests_at_rail(rig: &Rig) -> u64 {
+    rig.stub
+        .client()
+        .ground_truth()
+        .await
+        .unwrap()
+        .submit_requests_total
+}
+
+/// Fabricated tokens: i64::MAX unsigned, i64::MAX signed by a key the proxy does not know, the
+/// real holder's genuine signature presented with another token, another account's genuine
+/// grant relabelled as this account's key, and a key of its own under the known key id. Each is
+/// refused as `forged_grant` (PERMISSION_DENIED) on Submit and on Inquire: nothing reaches the
+/// rail, no submission or seal is written, the high-water is unchanged, and only the refusal's
+/// guard event (FORGED_GRANT, with its reason) and counter are written. The real holder is not
+/// fenced out afterwards.
+/// Negative control: `negative_control_without_grant_verification_a_fabricated_token_fences_out_the_real_holder`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fabricated_token_is_refused_as_a_forged_grant_and_changes_nothing() {
+    const ACCOUNT: &str = "acct-forge";
+    const KEY: &str = "payout:acct-forge";
+    let mut rig = rig().await;
+    let real = payout("p-forge-real", ACCOUNT, 5, "worker-real");
+    assert!(matches!(
+        rig.client.submit(&real).await.unwrap().outcome,
+        Outcome::Acked { .. }
+    ));
+    let max = i64::MAX as u64;
+    let (rogue, _) = Signer::generate("rogue-1").unwrap();
+    let (impostor, _) = Signer::generate("proxy-test-1").unwrap();
+    // (what, token, owner, signed key, signature, reason)
+    let forgeries: Vec<(&str, u64, &str, &str, Signature, &str)> = vec![
+        (
+            "i64::MAX, unsigned",
+            max,
+            "mallory",
+            KEY,
+            Signature::default(),
+            "unsigned",
+        ),
+        (
+            "i64::MAX signed by a key the proxy does not know",
+            max,
+            "mallory",
+            KEY,
+            rogue.sign(KEY, max, "mallory"),
+            "unknown_key_id",
+        ),
+        (
+            "the real holder's genuine signature with another token",
+            max,
+            "worker-real",
+            KEY,
+            sign(KEY, 5, "worker-real"),
+            "bad_signature",
+        ),
+        (
+            "another account's genuine grant relabelled as this account's key",
+            900,
+            "worker-other",
+            KEY,
+            sign("payout:acct-other", 900, "worker-other"),
+            "bad_signature",
+        ),
+        (
+            "a key of its own under the known key id",
+            max,
+            "mallory",
+            KEY,
+            impostor.sign(KEY, max, "mallory"),
+            "bad_signature",
+        ),
+    ];
+    let mut refused = 0;
+    for (i, (what, token, owner, key, signature, reason)) in forgeries.into_iter().enumerate() {
+        let submit = unsigned_payout(&format!("p-forge-{i}"), ACCOUNT, token, owner)
+            .signed(key, signature.clone());
+        let asked = unsigned_inquiry(
+            &PayoutId::parse(format!("p-forge-inq-{i}")).unwrap(),
+            ACCOUNT,
+            token,
+            owner,
+        )
+        .signed(key, signature.clone());
+        for operation in ["submit", "inquire"] {
+            let (answer, payout_id) = if operation == "submit" {
+                (
+                    rig.client.submit(&submit).await.map(drop),
+                    &submit.payout_id,
+                )
+            } else {
+                (rig.client.inquire(&asked).await.map(drop), &asked.payout_id)
+            };
+            match answer {
+                Err(ProxyError::ForgedGrant {
+                    key: k,
+                    presented,
+                    owner: o,
+                    signing_key_id,
+                    reason: r,
+                    payout_id: p,
+                }) => assert_eq!(
+                    (
+                        k.as_str(),
+                        presented,
+                        o.as_str(),
+                        signing_key_id.as_str(),
+                        r.as_str(),
+                        p.as_str()
+                    ),
+                    (
+                        key,
+                        token,
+                        owner,
+                        signature.key_id.as_str(),
+                        reason,
+                        payout_id.as_str()
+                    ),
+                    "{what} ({operation})"
+                ),
+                other => panic!("{what} ({operation}): expected ForgedGrant, got {other:?}"),
+            }
+            refused += 1;
+            let recorded: (String, String, Option<String>, String, i64, i64, String) =
+                sqlx::query_as(
+                    "SELECT kind, operation, forged_reason, signed_key, presented, stored, stored_owner \
+                     FROM guard_event ORDER BY id DESC LIMIT 1",
+                )
+                .fetch_one(&rig.pool)
+                .await
+                .unwrap();
+            assert_eq!(
+                recorded,
+                (
+                    "FORGED_GRANT".to_string(),
+                    operation.to_uppercase(),
+                    Some(reason.to_uppercase()),
+                    key.to_string(),
+                    token as i64,
+                    5,
+                    "worker-real".to_string()
+                ),
+                "{what} ({operation})"
+            );
+        }
+        // Nothing sent, nothing submitted or sealed, the high-water unchanged.
+        assert_eq!(
+            requests_at_rail(&rig).await,
+            1,
+            "{what}: only the real holder's payment"
+        );
+        assert_eq!(at_rail(&rig, &submit).await, (0, 0), "{what}");
+        assert_eq!(
+            count(
+                &rig.pool,
+                "SELECT count(*) FROM rail_submission WHERE account_id = 'acct-forge'"
+            )
+            .await,
+            1,
+            "{what}: no submission, no seal"
+        );
+        assert_eq!(
+            high_water(&rig.pool, ACCOUNT).await,
+            (5, "worker-real".to_string()),
+            "{what}"
+        );
+        assert_eq!(
+            count(&rig.pool, "SELECT count(*) FROM resolution").await,
+            0,
+            "{what}: no evidence recorded"
+        );
+    }
+    assert_eq!(
+        count(&rig.pool, "SELECT count(*) FROM guard_event").await,
+        refused,
+        "each refusal wrote its one guard event, and nothing else was refused"
+    );
+    for (reason, n) in [("unsigned", 2), ("unknown_key_id", 2), ("bad_signature", 6)] {
+        assert_eq!(
+            counted(
+                &rig,
+                &format!("forged_grants_total{{guard=\"rail-proxy\",reason=\"{reason}\"}}")
+            ),
+            n,
+            "{reason}"
+        );
+    }
+    // On the wire: PERMISSION_DENIED with the typed rejection.
+    let unsigned = unsigned_payout("p-forge-raw", ACCOUNT, max, "mallory");
+    let status = rig
+        .client
+        .raw()
+        .submit(rail_proxy_client::wire::submit_request(&unsigned))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::PermissionDenied);
+    assert!(matches!(
+        service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind),
+        Some(pb::rejection::Kind::ForgedGrant(pb::ForgedGrant { reason, .. })) if reason == "unsigned"
+    ));
+    // The real holder is not fenced out: its next payout goes through, and its inquiry too.
+    let next = payout("p-forge-real-2", ACCOUNT, 5, "worker-real");
+    assert!(matches!(
+        rig.client.submit(&next).await.unwrap().outcome,
+        Outcome::Acked { .. }
+    ));
+    rig.client
+        .inquire(&inquiry_of(&next, "worker-real"))
+        .await
+        .unwrap();
+}
+
+/// The negative control of the grant signature: the same fabricated token with the check
+/// switched off in-process. The unsigned i64::MAX Submit is accepted and moves money, the
+/// account's high-water becomes i64::MAX, and the real holder is fenced out for ever; a forged
+/// Inquire seals a payout it never held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_grant_verification_a_fabricated_token_fences_out_the_real_holder()
+{
+    const ACCOUNT: &str = "acct-forge-nc";
+    let mut rig = rig_with(
+        StubConfig {
+            settlement_window: Duration::from_millis(1_500),
+            ..Default::default()
+        },
+        |c| c.disable_grant_verification_for_negative_control(),
+    )
+    .await;
+    let max = i64::MAX as u64;
+    let real = payout("p-forge-nc-real", ACCOUNT, 5, "worker-real");
+    rig.client.submit(&real).await.unwrap();
+    let forged = unsigned_payout("p-forge-nc", ACCOUNT, max, "mallory");
+    let sent = rig.client.submit(&forged).await.unwrap();
+    assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
+    assert_eq!(
+        at_rail(&rig, &forged).await,
+        (1, 1),
+        "without the check the forged Submit moves money"
+    );
+    assert_eq!(
+        high_water(&rig.pool, ACCOUNT).await,
+        (i64::MAX, "mallory".to_string())
+    );
+    match rig
+        .client
+        .submit(&payout("p-forge-nc-real-2", ACCOUNT, 5, "worker-real"))
+        .await
+    {
+        Err(ProxyError::FencedOut {
+            presented: 5,
+            stored,
+            stored_owner,
+            ..
+        }) => assert_eq!((stored, stored_owner.as_str()), (max, "mallory")),
+        other => panic!("expected the real holder fenced out, got {other:?}"),
+    }
+    let sealed = rig
+        .client
+        .inquire(&unsigned_inquiry(
+            &PayoutId::parse("p-forge-nc-sealed").unwrap(),
+            ACCOUNT,
+            max,
+            "mallory",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(sealed.resolution.evidence, Evidence::NeverSent);
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE kind = 'FORGED_GRANT'"
+        )
+        .await,
+        0
+    );
+}
+
+/// Tokens are global across keys (etcd revisions), so account A's genuine grant carries a token
+/// that may be above account B's high-water. Presented on B's Submit or Inquire it is refused as
+/// `grant_for_another_key` (PERMISSION_DENIED): nothing sent, nothing submitted or sealed, B's
+/// high-water unchanged, one GRANT_FOR_ANOTHER_KEY guard event each. The same grant relabelled
+/// as B's key is forged. B's own holder is not fenced out.
+/// Negative control: `negative_control_without_the_key_binding_a_grant_of_account_a_fences_account_b`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_genuine_grant_of_another_account_is_refused_as_grant_for_another_key() {
+    let mut rig = rig().await;
+    let b = payout("p-key-b-1", "acct-key-b", 5, "worker-b");
+    rig.client.submit(&b).await.unwrap();
+    // A's grant is genuine: A's own writes pass with it.
+    let a = payout("p-key-a-1", "acct-key-a", 9, "worker-a");
+    rig.client.submit(&a).await.unwrap();
+    let a_grant = sign("payout:acct-key-a", 9, "worker-a");
+    let cross = unsigned_payout("p-key-b-2", "acct-key-b", 9, "worker-a")
+        .signed("payout:acct-key-a", a_grant.clone());
+    let cross_inquiry = unsigned_inquiry(&b.payout_id, "acct-key-b", 9, "worker-a")
+        .signed("payout:acct-key-a", a_grant.clone());
+    let answers = [
+        rig.client.submit(&cross).await.map(drop),
+        rig.client.inquire(&cross_inquiry).await.map(drop),
+    ];
+    for (answer, payout_id) in answers.into_iter().zip(["p-key-b-2", "p-key-b-1"]) {
+        match answer {
+            Err(ProxyError::GrantForAnotherKey {
+                presented_key,
+                required_key,
+                presented,
+                owner,
+                payout_id: p,
+            }) => assert_eq!(
+                (
+                    presented_key.as_str(),
+                    required_key.as_str(),
+                    presented,
+                    owner.as_str(),
+                    p.as_str()
+                ),
+                (
+                    "payout:acct-key-a",
+                    "payout:acct-key-b",
+                    9,
+                    "worker-a",
+                    payout_id
+                )
+            ),
+            other => panic!("{payout_id}: expected GrantForAnotherKey, got {other:?}"),
+        }
+    }
+    assert_eq!(at_rail(&rig, &cross).await, (0, 0), "nothing sent");
+    assert_eq!(requests_at_rail(&rig).await, 2, "only B's and A's own");
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM rail_submission WHERE account_id = 'acct-key-b'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(count(&rig.pool, "SELECT count(*) FROM resolution").await, 0);
+    assert_eq!(
+        high_water(&rig.pool, "acct-key-b").await,
+        (5, "worker-b".to_string())
+    );
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE kind = 'GRANT_FOR_ANOTHER_KEY' \
+             AND lock_key = 'payout:acct-key-b' AND signed_key = 'payout:acct-key-a' \
+             AND signing_key_id = 'proxy-test-1' AND presented = 9 AND stored = 5"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        counted(&rig, "grants_for_another_key_total{guard=\"rail-proxy\"}"),
+        2
+    );
+    // Relabelled as B's key, A's signature no longer matches: forged.
+    let relabelled = unsigned_payout("p-key-b-2", "acct-key-b", 9, "worker-a")
+        .signed("payout:acct-key-b", a_grant);
+    assert!(matches!(
+        rig.client.submit(&relabelled).await,
+        Err(ProxyError::ForgedGrant { reason, .. }) if reason == "bad_signature"
+    ));
+    // B's holder is not fenced out.
+    let b_next = payout("p-key-b-3", "acct-key-b", 5, "worker-b");
+    assert!(matches!(
+        rig.client.submit(&b_next).await.unwrap().outcome,
+        Outcome::Acked { .. }
+    ));
+}
+
+/// The negative control of the key binding: with it switched off in-process, account A's genuine
+/// grant is accepted on account B's Submit, moves money, and fences B's own holder out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_the_key_binding_a_grant_of_account_a_fences_account_b() {
+    let mut rig = rig_with(
+        StubConfig {
+            settlement_window: Duration::from_millis(1_500),
+            ..Default::default()
+        },
+        |c| c.disable_grant_key_binding_for_negative_control(),
+    )
+    .await;
+    rig.client
+        .submit(&payout("p-nk-b-1", "acct-nk-b", 5, "worker-b"))
+        .await
+        .unwrap();
+    let cross = unsigned_payout("p-nk-b-2", "acct-nk-b", 9, "worker-a")
+        .signed("payout:acct-nk-a", sign("payout:acct-nk-a", 9, "worker-a"));
+    let sent = rig.client.submit(&cross).await.unwrap();
+    assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
+    assert_eq!(
+        at_rail(&rig, &cross).await,
+        (1, 1),
+        "without the binding A's grant moves B's money"
+    );
+    match rig
+        .client
+        .submit(&payout("p-nk-b-3", "acct-nk-b", 5, "worker-b"))
+        .await
+    {
+        Err(ProxyError::FencedOut {
+            presented: 5,
+            stored: 9,
+            stored_owner,
+            ..
+        }) => assert_eq!(stored_owner, "worker-a"),
+        other => panic!("expected B's holder fenced out, got {other:?}"),
+    }
+}
+
+/// The shipped binary has no unsigned mode: without `--grant-verify-keys` (or `GRANT_VERIFY_KEYS`),
+/// or with a value that is not a public key list, it refuses to start with a message naming what
+/// is wrong, before it touches any database.
+#[test]
+fn the_binary_will_not_start_without_valid_grant_verify_keys() {
+    let bin = env!("CARGO_BIN_EXE_rail-proxy");
+    let cases: [(&[&str], &str); 4] = [
+        (&[], "--grant-verify-keys"),
+        (
+            &["--grant-verify-keys", ""],
+            "no grant verification key given",
+        ),
+        (
+            &["--grant-verify-keys", "k1=zz"],
+            "expected `key_id=<64 hex digits>`",
+        ),
+        (
+            &["--grant-verify-keys", "bad id=00"],
+            "must be 1..=64 characters",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = std::process::Command::new(bin)
+            .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
+            .args(["--rail-url", "http://127.0.0.1:1"])
+            .args(args)
+            .env_remove("GRANT_VERIFY_KEYS")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started");
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: a usage error: {stderr}"
+        );
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The boundary under arbitrary wire values (issue 14, item 4)
 
 /// The proxydb tables a call may write.
@@ -1175,6 +1738,68 @@ enum ProxyCall {
     Submit(pb::SubmitRequest),
     Lookup(pb::LookupRequest),
     Inquire(pb::InquireRequest),
+}
+
+/// The grant a call presents beside its token and owner.
+#[derive(Debug, Clone)]
+enum GrantChoice {
+    /// The lock service's signature over the account's own key, the token and the owner.
+    Genuine,
+    /// No signature at all (the account's key).
+    Unsigned,
+    /// A genuine signature of another account's key, presented as it is.
+    OtherAccount,
+    /// Whatever key, key id and bytes.
+    Arbitrary {
+        key: String,
+        key_id: String,
+        bytes: Vec<u8>,
+    },
+}
+
+impl GrantChoice {
+    /// (key, signing key id, signature bytes) as the wire carries them.
+    fn present(&self, account_id: &str, token: u64, owner: &str) -> (String, String, Vec<u8>) {
+        let own_key = format!("payout:{account_id}");
+        match self {
+            Self::Genuine => {
+                let s = sign(&own_key, token, owner);
+                (own_key, s.key_id, s.bytes)
+            }
+            Self::Unsigned => (own_key, String::new(), Vec::new()),
+            Self::OtherAccount => {
+                let key = "payout:acct-elsewhere".to_string();
+                let s = sign(&key, token, owner);
+                (key, s.key_id, s.bytes)
+            }
+            Self::Arbitrary { key, key_id, bytes } => (key.clone(), key_id.clone(), bytes.clone()),
+        }
+    }
+}
+
+fn grant_choice() -> impl proptest::strategy::Strategy<Value = GrantChoice> {
+    use proptest::prelude::*;
+    use testkit::wire::hostile_text;
+    let arbitrary = (
+        hostile_text(
+            "payout:acct-[a-z]{1,4}".boxed(),
+            rail_proxy_client::KEY_LENGTH_MAX,
+        ),
+        hostile_text(
+            prop::sample::select(vec!["proxy-test-1", "rogue-1"])
+                .prop_map(String::from)
+                .boxed(),
+            grant_signing::KEY_ID_LENGTH_MAX,
+        ),
+        prop::collection::vec(any::<u8>(), 0..80),
+    )
+        .prop_map(|(key, key_id, bytes)| GrantChoice::Arbitrary { key, key_id, bytes });
+    prop_oneof![
+        5 => Just(GrantChoice::Genuine),
+        1 => Just(GrantChoice::Unsigned),
+        1 => Just(GrantChoice::OtherAccount),
+        1 => arbitrary,
+    ]
 }
 
 fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
@@ -1215,6 +1840,7 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
         hostile_i64((1i64..100_000).boxed()),
         currency,
         hostile_text("ben-[a-z0-9]{1,6}".boxed(), ID_LENGTH_MAX),
+        grant_choice(),
     )
         .prop_map(
             |(
@@ -1223,7 +1849,9 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
                 amount_minor,
                 currency,
                 beneficiary_ref,
+                grant,
             )| {
+                let (key, signing_key_id, signature) = grant.present(&account_id, token, &owner);
                 ProxyCall::Submit(pb::SubmitRequest {
                     client_reference: client_reference
                         .unwrap_or_else(|| format!("cref-{payout_id}")),
@@ -1234,23 +1862,36 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
                     amount_minor,
                     currency,
                     beneficiary_ref,
+                    key,
+                    signing_key_id,
+                    signature,
                 })
             },
         );
     let lookup = payout_id
         .clone()
         .prop_map(|payout_id| ProxyCall::Lookup(pb::LookupRequest { payout_id }));
-    let inquire = (payout_id, holder.clone(), account_id, token, holder).prop_map(
-        |(payout_id, asked_by, account_id, token, owner)| {
+    let inquire = (
+        payout_id,
+        holder.clone(),
+        account_id,
+        token,
+        holder,
+        grant_choice(),
+    )
+        .prop_map(|(payout_id, asked_by, account_id, token, owner, grant)| {
+            let (key, signing_key_id, signature) = grant.present(&account_id, token, &owner);
             ProxyCall::Inquire(pb::InquireRequest {
                 payout_id,
                 asked_by,
                 account_id,
                 token,
                 owner,
+                key,
+                signing_key_id,
+                signature,
             })
-        },
-    );
+        });
     prop_oneof![3 => submit, 1 => lookup, 2 => inquire]
 }
 
@@ -1258,8 +1899,8 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
 /// rail stub behind it). For every case: no panic anywhere in the process; the answer is OK or a
 /// status carrying a decodable typed `Rejection` (INVALID_ARGUMENT names its field); an
 /// INVALID_ARGUMENT or NOT_FOUND refusal changed no row of any table (counts and contents), and
-/// reached the rail not at all; a fenced-out refusal (FAILED_PRECONDITION) wrote only its one
-/// `guard_event`; a duplicate (ALREADY_EXISTS) wrote only its one `guard_event` beside the
+/// reached the rail not at all; a fenced-out refusal (FAILED_PRECONDITION) and a refused grant
+/// (PERMISSION_DENIED: forged, or of another key) wrote only their one `guard_event`; a duplicate (ALREADY_EXISTS) wrote only its one `guard_event` beside the
 /// high-water its token advanced, and no submission or resolution; and the proxy still reports
 /// SERVING and answers a valid call.
 #[test]
@@ -1325,6 +1966,17 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
                     tonic::Code::NotFound => prop_assert_eq!(changed, Vec::<String>::new()),
                     tonic::Code::FailedPrecondition => {
                         prop_assert!(matches!(kind, Some(Kind::FencedOut(_))), "{kind:?}");
+                        prop_assert_eq!(changed, vec!["guard_event".to_string()]);
+                        prop_assert_eq!(before.rows_added(&after, "guard_event"), 1);
+                    }
+                    tonic::Code::PermissionDenied => {
+                        prop_assert!(
+                            matches!(
+                                kind,
+                                Some(Kind::ForgedGrant(_) | Kind::GrantForAnotherKey(_))
+                            ),
+                            "{kind:?}"
+                        );
                         prop_assert_eq!(changed, vec!["guard_event".to_string()]);
                         prop_assert_eq!(before.rows_added(&after, "guard_event"), 1);
                     }

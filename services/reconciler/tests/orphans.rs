@@ -67,6 +67,7 @@ fn submit_request(new: &NewPayout, grant: &lock_client::GrantHandle) -> SubmitPa
         new.currency.clone(),
         new.beneficiary_ref.clone(),
     )
+    .signed(grant.key(), grant.signature().clone())
 }
 
 /// Claim, mark submitted and an ambiguous outcome, by hand under a real grant, then the holder
@@ -80,7 +81,9 @@ async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, how: A
         .await
         .unwrap();
     payments.create_payout(&new).await.unwrap();
-    let fence = Fence::new(grant.owner(), grant.token()).unwrap();
+    let fence = Fence::new(grant.owner(), grant.token())
+        .unwrap()
+        .signed(grant.key(), grant.signature().clone());
     payments.claim(&new.payout_id, &fence).await.unwrap();
     payments
         .mark_submitted(&new.payout_id, &fence)

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::Parser;
-use rail_proxy::{Failpoint, ProxyConfig};
+use rail_proxy::{Failpoint, ProxyConfig, Verifier};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -21,13 +21,17 @@ struct Args {
     database_url: String,
     #[arg(long)]
     rail_url: String,
+    /// As the shipped proxy's: the lock service's public grant keys (`key_id=<hex>[,...]`).
+    #[arg(long, value_parser = Verifier::parse)]
+    grant_verify_keys: Verifier,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy-failpoint");
     let args = Args::parse();
-    let config = ProxyConfig::new(args.rail_url).with_failpoint(Some(Failpoint::AbortAfterIntent));
+    let config = ProxyConfig::new(args.rail_url, args.grant_verify_keys)
+        .with_failpoint(Some(Failpoint::AbortAfterIntent));
     let pool = service_kit::connect_pg(&args.database_url).await?;
     rail_proxy::migrate(&pool)
         .await

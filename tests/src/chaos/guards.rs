@@ -83,9 +83,10 @@ pub async fn replace_services(
     if disable.fence_off() {
         tokio::task::block_in_place(|| system.payment_resource.kill())?;
         let pool = service_kit::connect_pg(&system.databases.paydb).await?;
+        let verifier = payment_resource::Verifier::new([system.grant_keys.public_key.clone()])?;
         let store = payment_resource::Store::new(
             pool,
-            payment_resource::StoreOptions::without_fence_predicate_for_tests(),
+            payment_resource::StoreOptions::new(verifier).without_fence_predicate_for_tests(),
             &Metrics::default(),
         );
         let listener = rebind(system.ports.payment_resource).await?;
@@ -107,7 +108,8 @@ pub async fn replace_services(
     if disable.proxy_off() {
         tokio::task::block_in_place(|| system.rail_proxy.kill())?;
         let pool = service_kit::connect_pg(&system.databases.proxydb).await?;
-        let config = rail_proxy::ProxyConfig::new(system.rail_url())
+        let verifier = rail_proxy::Verifier::new([system.grant_keys.public_key.clone()])?;
+        let config = rail_proxy::ProxyConfig::new(system.rail_url(), verifier)
             .with_rail_timeout(Duration::from_millis(super::RAIL_TIMEOUT_MS))
             .disable_guards_for_negative_control();
         let listener = rebind(system.ports.rail_proxy).await?;

@@ -2,7 +2,9 @@
 //! checker's verdict shows each guard is load-bearing and each alone sufficient against a
 //! duplicate payment (spec 2.5, "two conclusions").
 //!
-//! The scenario, per payout, with real grants from the lock-server (etcd tokens):
+//! The scenario, per payout, with real grants from the lock-server (etcd tokens), each presented
+//! with the lock service's signature (so the guards' signature check passes and the fence and
+//! high-water are what decide):
 //! 1. holder A acquires the account's lock (token t1) and is paused just after its client-side
 //!    lease check passed (the harness simply does not proceed with A);
 //! 2. an operator force-revokes the lock; holder B acquires it (t2 > t1) and claims the payout;
@@ -14,10 +16,10 @@
 
 use std::time::Duration;
 
-use lock_client::{Acquired, LockClient};
+use lock_client::{Acquired, GrantHandle, LockClient};
 use payment_client::model::{Fence, NewPayout};
 use payment_client::PaymentClient;
-use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId};
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
 use rail_proxy_client::{RailProxyClient, SubmitPayout};
 use serde::Serialize;
 use testkit::system::{System, SystemOptions};
@@ -66,12 +68,11 @@ impl NegativeReport {
     }
 }
 
-fn fence(owner: &str, token: u64) -> anyhow::Result<Fence> {
-    Fence::new(
-        owner,
-        FencingToken::new(token).map_err(|e| anyhow::anyhow!("{e:?}"))?,
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))
+/// The fence of a real grant, as the lock service signed it (key, token, owner).
+fn fence(grant: &GrantHandle) -> anyhow::Result<Fence> {
+    Ok(Fence::new(grant.owner(), grant.token())
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .signed(grant.key(), grant.signature().clone()))
 }
 
 /// Runs the stale-holder scenario on `payouts` payouts (one account each) over a fresh system
@@ -133,30 +134,28 @@ pub async fn stale_holder(
         let t2 = grant_b.token().get();
         anyhow::ensure!(t2 > t1, "tokens must increase: t1 {t1}, t2 {t2}");
         payments
-            .claim(&payout_id, &fence("fresh-holder-b", t2)?)
+            .claim(&payout_id, &fence(&grant_b)?)
             .await
             .map_err(|e| anyhow::anyhow!("B's claim: {e}"))?;
         // 3. A wakes up and carries on with its stale token.
-        let stale_claim_accepted = payments
-            .claim(&payout_id, &fence("stale-holder-a", t1)?)
-            .await
-            .is_ok();
-        let submit = |owner: &str, token: u64| {
+        let stale_claim_accepted = payments.claim(&payout_id, &fence(&grant_a)?).await.is_ok();
+        let submit = |grant: &GrantHandle| {
             SubmitPayout::new(
                 payout_id.clone(),
                 account.clone(),
-                FencingToken::new(token).expect("non-zero"),
-                owner,
+                grant.token(),
+                grant.owner(),
                 amount,
                 eur.clone(),
                 beneficiary.clone(),
             )
+            .signed(grant.key(), grant.signature().clone())
         };
         let mut proxy = RailProxyClient::connect(system.proxy_url()).await?;
         let stale_submit_accepted =
-            stale_claim_accepted && proxy.submit(&submit("stale-holder-a", t1)).await.is_ok();
+            stale_claim_accepted && proxy.submit(&submit(&grant_a)).await.is_ok();
         // 4. B submits.
-        let fresh_submit_accepted = proxy.submit(&submit("fresh-holder-b", t2)).await.is_ok();
+        let fresh_submit_accepted = proxy.submit(&submit(&grant_b)).await.is_ok();
         steps.push(StaleStep {
             payout: payout_id.to_string(),
             t1,
