@@ -120,6 +120,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 );
                 for (name, f) in [
                     ("rail proxy Submit", &r.proxy),
+                    ("  verification off", &r.proxy_unverified),
                     ("floor: 2 commits + stub", &r.floor),
                     ("stub called directly", &r.direct),
                 ] {
@@ -134,6 +135,10 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                     service_benches::proxy::PROXY_OVER_FLOOR_TARGET,
                     r.throughput_ratio,
                     r.stub_movements
+                );
+                println!(
+                    "ratio verified/unverified proxy: {:.2} (grant signature check; target at least 0.95)",
+                    r.verified_over_unverified
                 );
             }
         }

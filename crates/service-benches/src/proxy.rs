@@ -109,13 +109,19 @@ pub struct BenchReport {
     pub floor: Figures,
     /// proxy throughput / floor throughput (the goal: at least [`PROXY_OVER_FLOOR_TARGET`]).
     pub proxy_over_floor: f64,
+    /// The same Submits through a second proxy with grant verification switched off (the
+    /// negative-control switch, which this bench, never shipped, may use): what verifying the
+    /// lock service's signature costs the guard.
+    pub proxy_unverified: Figures,
+    /// proxy throughput / unverified proxy throughput (issue 17: at least 0.95).
+    pub verified_over_unverified: f64,
     /// The same number of payments sent straight to the stub.
     pub direct: Figures,
     /// direct throughput / proxy throughput: how many times slower the guarded path is.
     pub throughput_ratio: f64,
     /// proxy p50 - direct p50: the guard's added latency per payout.
     pub p50_overhead_ms: f64,
-    /// Movements at the stub after the run; must be exactly 3 × iterations (one per call).
+    /// Movements at the stub after the run; must be exactly 4 × iterations (one per call).
     pub stub_movements: usize,
 }
 
@@ -210,46 +216,45 @@ pub async fn run(
     let floor_pool = pool.clone();
     let (signer, _) = Signer::generate("bench")?;
     let verifier = Verifier::new([signer.public_key()])?;
+    let unverified = RunningProxy::start(
+        pool.clone(),
+        ProxyConfig::new(stub.base_url(), verifier.clone())
+            .disable_grant_verification_for_negative_control(),
+    )
+    .await?;
     let proxy = RunningProxy::start(pool, ProxyConfig::new(stub.base_url(), verifier)).await?;
     let client = RailProxyClient::connect(proxy.endpoint()).await?;
+    let unverified_client = RailProxyClient::connect(unverified.endpoint()).await?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
     let eur = Currency::parse("EUR").expect("EUR is supported");
 
-    // Each payout on a fresh account, under that account's grant (token 1), signed up front.
-    let requests: Arc<Vec<SubmitPayout>> = Arc::new(
-        (0..iterations)
-            .map(|i| {
-                let request = SubmitPayout::new(
-                    PayoutId::parse(format!("bench-{run_id}-{i}")).expect("valid id"),
-                    AccountId::parse(format!("bench-acct-{run_id}-{i}")).expect("valid id"),
-                    FencingToken::new(1).expect("positive"),
-                    "bench",
-                    AmountMinor::new(100).expect("positive"),
-                    eur.clone(),
-                    BeneficiaryRef::parse("bench-beneficiary").expect("valid id"),
-                );
-                let key = request.lock_key();
-                let signature = signer.sign(&key, request.token.get(), &request.owner);
-                request.signed(key, signature)
-            })
-            .collect(),
-    );
-    let (proxy_latencies, proxy_elapsed) = drive(iterations, concurrency, move |i| {
-        let mut client = client.clone();
-        let requests = requests.clone();
-        async move {
-            let request = &requests[i];
-            match client.submit(request).await {
-                Ok(s) if matches!(s.outcome, Outcome::Acked { .. }) => Ok(()),
-                Ok(s) => Err(BenchError::Call(format!(
-                    "unexpected outcome {:?}",
-                    s.outcome
-                ))),
-                Err(e) => Err(BenchError::Call(e.to_string())),
-            }
-        }
-    })
-    .await?;
+    // Each payout on a fresh account, under that account's grant (token 1), signed up front
+    // (the unverified path gets the same signed requests, for other payouts).
+    let requests = |path: &str| -> Arc<Vec<SubmitPayout>> {
+        Arc::new(
+            (0..iterations)
+                .map(|i| {
+                    let request = SubmitPayout::new(
+                        PayoutId::parse(format!("bench-{path}{run_id}-{i}")).expect("valid id"),
+                        AccountId::parse(format!("bench-acct-{path}{run_id}-{i}"))
+                            .expect("valid id"),
+                        FencingToken::new(1).expect("positive"),
+                        "bench",
+                        AmountMinor::new(100).expect("positive"),
+                        eur.clone(),
+                        BeneficiaryRef::parse("bench-beneficiary").expect("valid id"),
+                    );
+                    let key = request.lock_key();
+                    let signature = signer.sign(&key, request.token.get(), &request.owner);
+                    request.signed(key, signature)
+                })
+                .collect(),
+        )
+    };
+    let (proxy_latencies, proxy_elapsed) =
+        submit_all(iterations, concurrency, client, requests("")).await?;
+    let (unverified_latencies, unverified_elapsed) =
+        submit_all(iterations, concurrency, unverified_client, requests("u")).await?;
 
     let floor_stub = stub.client();
     let floor_run_id = run_id.clone();
@@ -299,8 +304,10 @@ pub async fn run(
         .movements
         .len();
     proxy.stop().await?;
+    unverified.stop().await?;
     stub.stop().await?;
     let proxy = figures(proxy_latencies, proxy_elapsed);
+    let proxy_unverified = figures(unverified_latencies, unverified_elapsed);
     let floor = figures(floor_latencies, floor_elapsed);
     let direct = figures(direct_latencies, direct_elapsed);
     Ok(BenchReport {
@@ -309,9 +316,36 @@ pub async fn run(
         throughput_ratio: direct.throughput_per_s / proxy.throughput_per_s,
         p50_overhead_ms: proxy.p50_ms - direct.p50_ms,
         proxy_over_floor: proxy.throughput_per_s / floor.throughput_per_s,
+        verified_over_unverified: proxy.throughput_per_s / proxy_unverified.throughput_per_s,
+        proxy_unverified,
         floor,
         proxy,
         direct,
         stub_movements,
     })
+}
+
+/// Every request of `requests` through one proxy, `concurrency` at a time: each must be ACKED.
+async fn submit_all(
+    iterations: usize,
+    concurrency: usize,
+    client: RailProxyClient,
+    requests: Arc<Vec<SubmitPayout>>,
+) -> Result<(Vec<Duration>, Duration), BenchError> {
+    drive(iterations, concurrency, move |i| {
+        let mut client = client.clone();
+        let requests = requests.clone();
+        async move {
+            let request = &requests[i];
+            match client.submit(request).await {
+                Ok(s) if matches!(s.outcome, Outcome::Acked { .. }) => Ok(()),
+                Ok(s) => Err(BenchError::Call(format!(
+                    "unexpected outcome {:?}",
+                    s.outcome
+                ))),
+                Err(e) => Err(BenchError::Call(e.to_string())),
+            }
+        }
+    })
+    .await
 }

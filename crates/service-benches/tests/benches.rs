@@ -139,18 +139,24 @@ async fn etcd_soak_database_stays_bounded_and_grows_without_compaction() {
 // The rail proxy: `service_benches::proxy`
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_benchmark_measures_the_three_paths_in_one_run() {
+async fn the_benchmark_measures_the_four_paths_in_one_run() {
     let db_url = Stack::shared().fresh_db(PgServer::Proxy).await;
     let report = service_benches::proxy::run(&db_url, 200, 8).await.unwrap();
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     assert_eq!(
-        report.stub_movements, 600,
+        report.stub_movements, 800,
         "one movement per call, none repeated"
     );
     assert_eq!(
-        (report.proxy.calls, report.floor.calls, report.direct.calls),
-        (200, 200, 200)
+        (
+            report.proxy.calls,
+            report.proxy_unverified.calls,
+            report.floor.calls,
+            report.direct.calls
+        ),
+        (200, 200, 200, 200)
     );
+    assert!(report.verified_over_unverified > 0.0);
     assert!(
         report.proxy.p50_ms > 0.0
             && report.floor.p50_ms > 0.0
