@@ -191,6 +191,17 @@ pub enum Forged {
     BadSignature,
 }
 
+impl Forged {
+    /// The refusal's reason as the wire, the audit rows and the metrics' labels name it.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Forged::Unsigned => "unsigned",
+            Forged::UnknownKeyId(_) => "unknown_key_id",
+            Forged::BadSignature => "bad_signature",
+        }
+    }
+}
+
 /// The guards' side: the lock service's public keys, by id (several at once during a rotation).
 #[derive(Clone)]
 pub struct Verifier {
@@ -215,6 +226,15 @@ impl Verifier {
             return Err(KeyError::NoKeys);
         }
         Ok(Self { keys: map })
+    }
+
+    /// A verifier that knows no key: every grant is refused (unsigned, or by an unknown key).
+    /// For a process that must never accept a fenced call (the payment resource's fixture
+    /// command); a serving guard is always given keys ([`Verifier::new`] refuses none).
+    pub fn refusing_all() -> Self {
+        Self {
+            keys: BTreeMap::new(),
+        }
     }
 
     /// `id=hex[,id=hex...]`, as the guards' `--grant-verify-keys` takes it.

@@ -3,7 +3,7 @@
 //! the `*_to_proto` functions; the client builds requests with [`submit_request`] and
 //! [`inquire_request`] and reads answers with the `*_from_proto` functions.
 
-use grant_signing::{Forged, Signature, KEY_ID_LENGTH_MAX};
+use grant_signing::{Signature, KEY_ID_LENGTH_MAX};
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
 };
@@ -88,15 +88,6 @@ fn parse_grant(
             bytes: signature.to_vec(),
         },
     ))
-}
-
-/// The `reason` of a `ForgedGrant` refusal, as the wire and the guard event's metric label name it.
-pub fn forged_reason(forged: &Forged) -> &'static str {
-    match forged {
-        Forged::Unsigned => "unsigned",
-        Forged::UnknownKeyId(_) => "unknown_key_id",
-        Forged::BadSignature => "bad_signature",
-    }
 }
 
 /// Parses a fenced inquiry: the payout, the resolver's fence, who asks.
@@ -532,6 +523,7 @@ pub fn status_to_error(status: Status) -> ProxyError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use grant_signing::Forged;
 
     fn good() -> pb::SubmitRequest {
         pb::SubmitRequest {
@@ -740,7 +732,7 @@ mod tests {
             presented: i64::MAX as u64,
             owner: "mallory".into(),
             signing_key_id: "k9".into(),
-            reason: forged_reason(&Forged::UnknownKeyId("k9".into())).into(),
+            reason: Forged::UnknownKeyId("k9".into()).reason().into(),
             payout_id: "p-1".into(),
         };
         let another = ProxyError::GrantForAnotherKey {
@@ -794,7 +786,7 @@ mod tests {
                 Forged::BadSignature
             ]
             .iter()
-            .map(forged_reason)
+            .map(Forged::reason)
             .collect::<Vec<_>>(),
             ["unsigned", "unknown_key_id", "bad_signature"]
         );

@@ -71,15 +71,6 @@ fn account_of_lock_key(key: &str) -> Option<AccountId> {
     (lock_key(&account) == key).then_some(account)
 }
 
-/// The `reason` of a `forged_grant` refusal, as `payment.v1.ForgedGrant` names it.
-fn forged_reason(forged: &Forged) -> &'static str {
-    match forged {
-        Forged::Unsigned => "unsigned",
-        Forged::UnknownKeyId(_) => "unknown_key_id",
-        Forged::BadSignature => "bad_signature",
-    }
-}
-
 const PAYOUT_COLUMNS: &str = "id, account_id, amount_minor, currency, beneficiary_ref, state, client_reference, \
      claimed_by, token_stamp, failure_reason, rail_ref, rail_outcome, transaction_group, created_at, claimed_at, \
      submitted_at, settled_at, updated_at";
@@ -97,7 +88,7 @@ const AUDIT_COLUMNS: &str =
 pub struct StoreOptions {
     /// `None` only for a store that takes no fenced call (the fixture command): it knows no
     /// signing key, so every grant is refused as `forged_grant`.
-    verifier: Option<Verifier>,
+    verifier: Verifier,
     fence_predicate: bool,
     grant_verification: bool,
     key_binding: bool,
@@ -113,7 +104,7 @@ impl StoreOptions {
     /// keys (the binary's `--grant-verify-keys`).
     pub fn new(verifier: Verifier) -> Self {
         Self {
-            verifier: Some(verifier),
+            verifier,
             ..Self::without_grant_keys()
         }
     }
@@ -122,7 +113,7 @@ impl StoreOptions {
     /// `forged_grant` (`unsigned`, or `unknown_key_id`).
     pub fn without_grant_keys() -> Self {
         Self {
-            verifier: None,
+            verifier: Verifier::refusing_all(),
             fence_predicate: true,
             grant_verification: true,
             key_binding: true,
@@ -512,16 +503,12 @@ impl Store {
         if !self.options.grant_verification {
             return Ok(());
         }
-        let signature = fence.signature();
-        match &self.options.verifier {
-            Some(verifier) => {
-                verifier.verify(fence.key(), fence.token().get(), fence.owner(), signature)
-            }
-            None if signature.key_id.is_empty() && signature.bytes.is_empty() => {
-                Err(Forged::Unsigned)
-            }
-            None => Err(Forged::UnknownKeyId(signature.key_id.clone())),
-        }
+        self.options.verifier.verify(
+            fence.key(),
+            fence.token().get(),
+            fence.owner(),
+            fence.signature(),
+        )
     }
 
     /// A grant the lock service did not sign: nothing ran but this refusal's audit row (in its own
@@ -533,7 +520,7 @@ impl Store {
         operation: &str,
         forged: Forged,
     ) -> ServerError {
-        let reason = forged_reason(&forged);
+        let reason = forged.reason();
         let key = fence.key();
         let signing_key_id = fence.signature().key_id.as_str();
         let presented = fence.token().get();

@@ -185,7 +185,7 @@ impl ProxyService {
                 presented.owner,
                 presented.signature,
             ) {
-                let reason = wire::forged_reason(&forged);
+                let reason = forged.reason();
                 inner
                     .counters
                     .forged_grants
