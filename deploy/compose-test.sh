@@ -55,6 +55,20 @@ export PAYOUT_GRANT_KEY_DIR="$KEY_DIR" PAYOUT_GRANT_SIGNING_KEY_ID="$KEY_ID" PAY
 echo "grant signing key: $KEY_ID (public: $PAYOUT_GRANT_VERIFY_KEYS)"
 echo "TIMING grant signing key: $(secs "$t")"
 
+# This run's certificates (ARCHITECTURE.md, "Mutual TLS"): a fresh authority and one certificate
+# per service, made by the operator CLI exactly as an operator makes them, into deploy/secrets/tls
+# (git-ignored). The suite's own calls use certificates it issues from the same authority.
+TLS_DIR="$KEY_DIR/tls"
+rm -rf "$TLS_DIR"
+mkdir -p "$TLS_DIR"
+chmod 711 "$TLS_DIR"
+for svc in lock-server payment-resource rail-proxy general-ledger outbox-dispatcher worker; do
+    target/debug/payoutctl pki issue --dir "$TLS_DIR" --role "$svc" --name "$svc" > /dev/null
+done
+docker run --rm --user 0 -v "$TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
+    sh -c 'chown payout /tls/*.key && chmod 644 /tls/*.pem'
+export PAYOUT_TLS_DIR="$TLS_DIR" PAYOUT_FIXTURE_ACCOUNTS=true
+
 t=$(date +%s%N)
 cargo test -p compose-tests -- --nocapture
 echo "TIMING compose tests (build + run): $(secs "$t")"

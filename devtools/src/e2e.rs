@@ -117,7 +117,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     stub.set_faults(&rail_stub::FaultConfig::default())
         .await
         .map_err(|e| anyhow::anyhow!("configuring the rail stub: {e}"))?;
-    let payments = PaymentClient::connect(system.payment_url.clone())
+    let payments = PaymentClient::connect(&system.payment_url, &system.tls(mtls::Role::Fixture)?)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let ambiguity = AmbiguityPolicy {

@@ -159,7 +159,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
 
     // Fixture accounts and the payouts, created in the payment resource before any workflow.
     let run_id = run_id()?;
-    let payments = PaymentClient::connect(system.payment_url.clone())
+    let payments = PaymentClient::connect(&system.payment_url, &system.tls(mtls::Role::Fixture)?)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let workload = Workload {

@@ -115,7 +115,7 @@ async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
     let deadline = Instant::now() + UP_HEALTH_WAIT;
     while Instant::now() < deadline {
         let record = StackRecord::load(&dir)?;
-        if part_rows(&record).await.iter().all(|r| r.healthy) {
+        if part_rows(&record, &dir).await.iter().all(|r| r.healthy) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -123,7 +123,7 @@ async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
     let code = status(&dir, false).await?;
     if code != std::process::ExitCode::SUCCESS {
         let record = StackRecord::load(&dir)?;
-        for row in part_rows(&record).await.iter().filter(|r| !r.healthy) {
+        for row in part_rows(&record, &dir).await.iter().filter(|r| !r.healthy) {
             print_log_tail(&dir, &row.name);
         }
     }
@@ -415,11 +415,11 @@ struct PartStatus {
 }
 
 /// Each part's liveness and health, the UI's last.
-async fn part_rows(record: &StackRecord) -> Vec<PartStatus> {
+async fn part_rows(record: &StackRecord, dir: &Path) -> Vec<PartStatus> {
     let mut rows = Vec::new();
     for part in &record.parts {
         let running = alive(part.pid);
-        let healthy = running && healthy(part, record).await;
+        let healthy = running && healthy(part, record, dir).await;
         rows.push(PartStatus {
             name: part.name.clone(),
             address: part.address.clone(),
@@ -447,7 +447,7 @@ async fn part_rows(record: &StackRecord) -> Vec<PartStatus> {
 
 async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode> {
     let record = StackRecord::load(dir)?;
-    let rows = part_rows(&record).await;
+    let rows = part_rows(&record, dir).await;
     let all_ok = rows.iter().all(|r| r.healthy);
     if json {
         println!(
@@ -486,7 +486,7 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
     })
 }
 
-async fn healthy(part: &Part, record: &StackRecord) -> bool {
+async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
     let port = |url: &str| {
         url.rsplit(':')
             .next()
@@ -495,7 +495,16 @@ async fn healthy(part: &Part, record: &StackRecord) -> bool {
     };
     match part.name.as_str() {
         "lock-server" | "payment-resource" | "rail-proxy" | "general-ledger" => {
-            return testkit::system::probe_grpc(port(&part.address)).await;
+            let Ok(server) = mtls::Role::parse(&part.name) else {
+                return false;
+            };
+            // A certificate from the stack's own authority (the system's directory).
+            let Ok(tls) = testkit::pki::Pki::in_dir(&dir.join("system"))
+                .map(|pki| pki.tls(mtls::Role::Reconciler))
+            else {
+                return false;
+            };
+            return testkit::system::probe_grpc(port(&part.address), &tls, server).await;
         }
         "rail-stub" => {
             return testkit::util::http_get(

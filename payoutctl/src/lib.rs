@@ -7,6 +7,7 @@
 
 pub mod keys;
 pub mod migrate;
+pub mod pki;
 pub mod reconcile;
 pub mod record;
 pub mod target;

@@ -25,6 +25,9 @@ enum Command {
     /// Make a deployment's keys (the lock service's grant signing key).
     #[command(subcommand)]
     Keys(keys::Command),
+    /// Certificates for mutual TLS: `pki issue --dir DIR --role ROLE --name NAME`.
+    #[command(subcommand)]
+    Pki(payoutctl::pki::Command),
 }
 
 fn main() -> std::process::ExitCode {
@@ -42,6 +45,7 @@ fn main() -> std::process::ExitCode {
             Command::Migrate(args) => migrate::run(args).await,
             Command::Reconcile(args) => reconcile::run(*args).await,
             Command::Keys(command) => keys::run(command),
+            Command::Pki(command) => payoutctl::pki::run(command),
         }
     });
     match result {

@@ -27,7 +27,10 @@ pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
         paydb: connect(target.paydb.clone()).await?,
         proxydb: connect(target.proxydb.clone()).await?,
         gldb: connect(target.gldb.clone()).await?,
-        rail_proxy_url: Some(target.proxy_url.clone()),
+        rail_proxy: Some(reconciler::ProxySource {
+            url: target.proxy_url.clone(),
+            tls: target.tls(mtls::Role::Reconciler)?,
+        }),
         lock_grants: Some(reconciler::LockGrants::new(
             target.etcd_endpoints.clone(),
             target.lock_prefix.clone(),

@@ -64,14 +64,16 @@ pub struct SystemRecord {
 }
 
 impl SystemRecord {
+    /// A gRPC endpoint of the stack: every one is mutual TLS.
     pub fn url(port: u16) -> String {
-        format!("http://127.0.0.1:{port}")
+        format!("https://127.0.0.1:{port}")
     }
     pub fn payment_url(&self) -> String {
         Self::url(self.ports.payment_resource)
     }
+    /// The rail stub (plain HTTP: it stands for the external rail, which only the proxy calls).
     pub fn rail_url(&self) -> String {
-        Self::url(self.ports.rail_stub)
+        format!("http://127.0.0.1:{}", self.ports.rail_stub)
     }
     pub fn proxy_url(&self) -> String {
         Self::url(self.ports.rail_proxy)

@@ -26,6 +26,14 @@ pub struct Target {
     /// The rail proxy: the reconciler asks the rail through its read-only lookup.
     #[arg(long, env = "PAYOUT_PROXY_URL")]
     pub proxy_url: Option<String>,
+    /// With a deployment: the certificate authority, and this operator's certificate and key
+    /// (`payoutctl pki issue`). The local stack's are made from its own authority.
+    #[arg(long = "tls-ca", env = "PAYOUT_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    #[arg(long = "tls-cert", env = "PAYOUT_TLS_CERT")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    #[arg(long = "tls-key", env = "PAYOUT_TLS_KEY")]
+    pub tls_key: Option<std::path::PathBuf>,
     /// Temporal frontend, host:port.
     #[arg(long, env = "PAYOUT_TEMPORAL_ADDRESS")]
     pub temporal_address: Option<String>,
@@ -51,6 +59,8 @@ pub struct Resolved {
     pub rail_url: String,
     pub payment_url: String,
     pub proxy_url: String,
+    /// Where payoutctl's certificates come from: see [`Resolved::tls`].
+    pub certificates: Certificates,
     pub temporal_address: String,
     pub ui_url: String,
     pub etcd_endpoints: Vec<String>,
@@ -83,6 +93,14 @@ impl Target {
                 rail_url: need(&self.rail_url, "rail-url")?,
                 payment_url: need(&self.payment_url, "payment-url")?,
                 proxy_url: need(&self.proxy_url, "proxy-url")?,
+                certificates: match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+                    (Some(ca), Some(cert), Some(key)) => {
+                        Certificates::Given(mtls::Tls::load(ca, cert, key)?)
+                    }
+                    _ => anyhow::bail!(
+                        "with a deployment, --tls-ca, --tls-cert and --tls-key are required (every service call is mutual TLS)"
+                    ),
+                },
                 ui_url: self
                     .temporal_ui
                     .clone()
@@ -106,12 +124,38 @@ impl Target {
             rail_url: system.rail_url(),
             payment_url: system.payment_url(),
             proxy_url: system.proxy_url(),
+            // The local stack's own authority (made by `payoutdev stack up`, never committed).
+            certificates: Certificates::Local(std::sync::Arc::new(
+                mtls::issue::Authority::open_or_create(&self.state_dir.join("system").join("pki"))?,
+            )),
             temporal_address: record.temporal_address(),
             ui_url: record.ui_url(),
             etcd_endpoints: record.etcd_endpoints(),
             lock_prefix: LOCK_ETCD_PREFIX.to_string(),
             task_queue: system.task_queue.clone(),
             settlement_window_ms: system.settlement_window_ms,
+        })
+    }
+}
+
+/// The certificates payoutctl calls services with.
+#[derive(Clone)]
+pub enum Certificates {
+    /// The local stack: its own authority (made by `payoutdev stack up` under the state
+    /// directory, never committed) issues payoutctl a certificate of whatever role the command
+    /// plays (fixture to open accounts, reconciler to check, operator to intervene).
+    Local(std::sync::Arc<mtls::issue::Authority>),
+    /// A deployment: the certificate the operator was issued (`--tls-*`), whatever its role;
+    /// a service refuses what that role may not do.
+    Given(mtls::Tls),
+}
+
+impl Resolved {
+    /// A certificate for `role` (local stack), or the operator's own (deployment).
+    pub fn tls(&self, role: mtls::Role) -> anyhow::Result<mtls::Tls> {
+        Ok(match &self.certificates {
+            Certificates::Local(authority) => authority.issue(role, "payoutctl")?.tls(),
+            Certificates::Given(tls) => tls.clone(),
         })
     }
 }

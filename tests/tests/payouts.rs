@@ -11,6 +11,7 @@
 //! -p general-ledger -p outbox-dispatcher -p payout-worker && cargo test -p system-tests`.
 
 use std::time::Duration;
+use testkit::pki::Role;
 
 use lock_client::{Acquired, LockClient};
 use payment_client::PaymentClient;
@@ -87,7 +88,9 @@ impl Ctx {
         )
         .await
         .unwrap();
-        let payment = PaymentClient::connect(system.payment_url()).await.unwrap();
+        let payment = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+            .await
+            .unwrap();
         let paydb = sqlx::postgres::PgPoolOptions::new()
             .max_connections(2)
             .connect(&system.databases.paydb)
@@ -454,7 +457,9 @@ async fn abandon_of_a_pending_payout_is_recorded_then_honoured() {
         .payout("abandon-pending", 10_000, 1_000, fast_ambiguity())
         .await;
     // Another holder (this test) has the account's key: the payout waits in PENDING.
-    let lock = LockClient::connect(ctx.system.lock_url()).await.unwrap();
+    let lock = LockClient::connect(&ctx.system.lock_url(), &ctx.system.tls(Role::Worker))
+        .await
+        .unwrap();
     let session = lock
         .open_session("operator-test-holder", Duration::from_secs(30))
         .await
@@ -788,7 +793,9 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
     if sealed {
         assert_eq!(done.state, PayoutState::Failed);
         assert_eq!((moved, requests), (0, 0), "nothing ever reached the rail");
-        let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+        let mut proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
+            .await
+            .unwrap();
         // Genuine signatures (the system's own grant key): the guards must refuse these late
         // submissions on their token and on the seal, not as forged.
         let signer = system.grant_keys.signer().unwrap();
@@ -1113,6 +1120,7 @@ async fn a_grant_no_workflow_takes_up_is_handed_back_and_a_used_one_is_kept() {
     let backend = ServiceBackend::connect(ServiceConfig {
         owner: "unclaimed-test".into(),
         private_task_queue: "unclaimed-test".into(),
+        tls: system.tls(Role::Worker),
         lock_server_url: system.lock_url(),
         payment_resource_url: system.payment_url(),
         rail_proxy_url: system.proxy_url(),
@@ -1143,7 +1151,9 @@ async fn a_grant_no_workflow_takes_up_is_handed_back_and_a_used_one_is_kept() {
     let _orphan = grant(&orphan_account).await;
     let used = grant(&used_account).await;
     backend.check_held(&used).expect("held and vouched for");
-    let lock = LockClient::connect(system.lock_url()).await.unwrap();
+    let lock = LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
     let held = |account: String| {
         let lock = lock.clone();
         async move {
@@ -1194,6 +1204,7 @@ async fn the_worker_presents_its_own_grants_signature_and_a_handed_back_grant_st
     let backend = ServiceBackend::connect(ServiceConfig {
         owner: "signed-test".into(),
         private_task_queue: "signed-test".into(),
+        tls: system.tls(Role::Worker),
         lock_server_url: system.lock_url(),
         payment_resource_url: system.payment_url(),
         rail_proxy_url: system.proxy_url(),

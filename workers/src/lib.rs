@@ -76,6 +76,11 @@ pub struct WorkerConfig {
     /// nobody) is released, so it cannot keep the account's key from later payouts.
     #[arg(long, env = "PAYOUT_UNCLAIMED_GRANT_MS", default_value_t = services::UNCLAIMED_GRANT_MAX_MS_DEFAULT)]
     pub unclaimed_grant_max_ms: u64,
+    /// This worker's certificate (role `worker`) and the authority it trusts: every call to the
+    /// lock service and both guards is mutual TLS, and the lock session belongs to this
+    /// certificate.
+    #[command(flatten)]
+    pub tls: mtls::TlsArgs,
 }
 
 impl WorkerConfig {
@@ -184,7 +189,9 @@ pub async fn serve(
         value.clone().with_context(|| format!("{name} is required"))
     };
     let private_task_queue = config.private_task_queue();
+    let tls = config.tls.load().context("TLS material")?;
     let backend = ServiceBackend::connect(ServiceConfig {
+        tls,
         owner: config.identity(),
         private_task_queue: private_task_queue.clone(),
         lock_server_url: required("LOCK_SERVER_URL", &config.lock_server_url)?,

@@ -60,6 +60,8 @@ pub struct ServiceConfig {
     pub lock_server_url: String,
     pub payment_resource_url: String,
     pub rail_proxy_url: String,
+    /// This worker's certificate: every call is mutual TLS.
+    pub tls: mtls::Tls,
     pub lock_ttl: Duration,
     /// Where the lock client records its history (INV-06 evidence); `None`: not recorded.
     pub lock_history_path: Option<std::path::PathBuf>,
@@ -74,7 +76,7 @@ pub enum ConnectError {
     #[error("payment resource: {0}")]
     Payment(#[from] PaymentError),
     #[error("rail proxy: {0}")]
-    Proxy(#[from] tonic::transport::Error),
+    Proxy(#[from] mtls::ConnectError),
     #[error("PAYOUT_LOCK_TTL_MS {0} is below the minimum {LOCK_TTL_MS_MIN}")]
     TtlTooShort(u128),
     #[error("lock history file {path}: {source}")]
@@ -174,7 +176,7 @@ impl ServiceBackend {
         if config.lock_ttl.as_millis() < u128::from(LOCK_TTL_MS_MIN) {
             return Err(ConnectError::TtlTooShort(config.lock_ttl.as_millis()));
         }
-        let mut lock = LockClient::connect(config.lock_server_url.clone()).await?;
+        let mut lock = LockClient::connect(&config.lock_server_url, &config.tls).await?;
         if let Some(path) = &config.lock_history_path {
             let recorder = lock_client::history::HistoryRecorder::open(path).map_err(|source| {
                 ConnectError::LockHistory {
@@ -186,8 +188,8 @@ impl ServiceBackend {
         }
         let session = lock.open_session(&config.owner, config.lock_ttl).await?;
         tracing::info!(owner = %config.owner, session_id = session.id(), ttl_ms = config.lock_ttl.as_millis() as u64, "lock session opened");
-        let payment = PaymentClient::connect(config.payment_resource_url.clone()).await?;
-        let proxy = RailProxyClient::connect(config.rail_proxy_url.clone()).await?;
+        let payment = PaymentClient::connect(&config.payment_resource_url, &config.tls).await?;
+        let proxy = RailProxyClient::connect(&config.rail_proxy_url, &config.tls).await?;
         let grants = Arc::new(Mutex::new(HashMap::new()));
         let retired = Arc::new(Mutex::new(Retired::default()));
         let sweeper = tokio::spawn(sweep_unclaimed(

@@ -31,6 +31,10 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
         lock_ttl_ms: 10_000,
         lock_history_path: None,
         unclaimed_grant_max_ms: payout_worker::services::UNCLAIMED_GRANT_MAX_MS_DEFAULT,
+        // Not loaded: this worker runs on the in-memory backend and calls no service.
+        tls: testkit::pki::shared()
+            .issue(testkit::pki::Role::Worker, "worker-test")
+            .unwrap(),
     };
     let world = InMemoryBackend::new("worker-test");
     let input = PayoutInput {

@@ -59,6 +59,8 @@ pub use pb::rejection::Kind as Rejection;
 pub enum ClientError {
     #[error("cannot reach the lock service: {0}")]
     Connect(#[from] tonic::transport::Error),
+    #[error("lock service TLS: {0}")]
+    Tls(#[from] mtls::TlsError),
     /// A typed refusal from the server (e.g. `NotHolder`, `SessionNotFound`, `TokenRegression`).
     #[error("refused by the lock service: {message}")]
     Rejected { kind: Rejection, message: String },
@@ -112,8 +114,12 @@ pub struct LockClient {
 }
 
 impl LockClient {
-    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, ClientError> {
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.into())?
+    /// Connects to `endpoint` (`https://...`) over mutual TLS, presenting `tls`'s certificate
+    /// and accepting only a lock-server certificate. Sessions this client creates belong to that
+    /// certificate: the server refuses them to any other.
+    pub async fn connect(endpoint: &str, tls: &mtls::Tls) -> Result<Self, ClientError> {
+        let channel = tls
+            .endpoint(endpoint, mtls::Role::LockServer)?
             .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
             .connect()
             .await?;

@@ -31,11 +31,12 @@ fn payout_of(p: Option<pb::Payout>) -> Result<model::Payout, PaymentError> {
 }
 
 impl PaymentClient {
-    /// Connects to `endpoint` (e.g. `http://127.0.0.1:50052`). Callers set their own deadlines
-    /// per call through the channel they build, or use [`PaymentClient::from_channel`].
-    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, PaymentError> {
-        let endpoint = endpoint.into();
-        let channel = Channel::from_shared(endpoint.clone())
+    /// Connects to `endpoint` (e.g. `https://127.0.0.1:50052`) over mutual TLS, presenting
+    /// `tls`'s certificate and accepting only a payment-resource certificate. Callers that set
+    /// their own channel options use [`mtls::Tls::endpoint`] and [`PaymentClient::from_channel`].
+    pub async fn connect(endpoint: &str, tls: &mtls::Tls) -> Result<Self, PaymentError> {
+        let channel = tls
+            .endpoint(endpoint, mtls::Role::PaymentResource)
             .map_err(|e| PaymentError::Transport {
                 code: tonic::Code::InvalidArgument,
                 message: e.to_string(),

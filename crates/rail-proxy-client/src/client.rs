@@ -109,10 +109,12 @@ pub struct RailProxyClient {
 }
 
 impl RailProxyClient {
-    pub async fn connect(endpoint: impl Into<String>) -> Result<Self, tonic::transport::Error> {
-        Ok(Self {
-            inner: Grpc::connect(endpoint.into()).await?,
-        })
+    /// Connects to `endpoint` (`https://...`) over mutual TLS, presenting `tls`'s certificate
+    /// and accepting only a rail-proxy certificate.
+    pub async fn connect(endpoint: &str, tls: &mtls::Tls) -> Result<Self, mtls::ConnectError> {
+        Ok(Self::from_channel(
+            tls.connect(endpoint, mtls::Role::RailProxy).await?,
+        ))
     }
 
     pub fn from_channel(channel: Channel) -> Self {

@@ -38,9 +38,17 @@ pub struct Sources {
     /// The rail proxy: its read-only per-reference rail lookup (`RailMovements`) is what INV-02
     /// is checked against, as a real rail allows. (The fault suite's checker reads the rail
     /// stub's whole book instead; a production rail has no such book.)
-    pub rail_proxy_url: Option<String>,
+    pub rail_proxy: Option<ProxySource>,
     /// The lock service's grant records in etcd.
     pub lock_grants: Option<LockGrants>,
+}
+
+/// The rail proxy's URL and the reconciler's certificate to call it with (mutual TLS; the proxy
+/// lets the reconciler role read `RailMovements`).
+#[derive(Debug, Clone)]
+pub struct ProxySource {
+    pub url: String,
+    pub tls: mtls::Tls,
 }
 
 /// Where the lock service's grant records are, and how far back they are kept.
@@ -618,11 +626,11 @@ async fn rail_movements(
     payouts: &BTreeMap<String, PayoutRow>,
 ) -> Result<(Check, u64), ReconcileError> {
     let mut c = check("rail_movements_match_the_books", "INV-02");
-    let Some(url) = &sources.rail_proxy_url else {
+    let Some(source) = &sources.rail_proxy else {
         c.skipped = Some("no rail proxy URL given".into());
         return Ok((c, 0));
     };
-    let mut proxy = rail_proxy_client::RailProxyClient::connect(url.clone())
+    let mut proxy = rail_proxy_client::RailProxyClient::connect(&source.url, &source.tls)
         .await
         .map_err(|e| ReconcileError::Rail(format!("connecting to the rail proxy: {e}")))?;
     let submitted: BTreeSet<String> = sqlx::query_scalar(

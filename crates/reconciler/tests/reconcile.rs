@@ -4,6 +4,7 @@
 //! decoration.
 
 use std::time::Duration;
+use testkit::pki::Role;
 
 use payment_client::model::{Fence, NewPayout, RailOutcome};
 use payment_client::PaymentClient;
@@ -35,7 +36,10 @@ async fn sources(system: &System) -> Sources {
             .await
             .unwrap(),
         gldb: sqlx::PgPool::connect(&system.databases.gldb).await.unwrap(),
-        rail_proxy_url: Some(system.proxy_url()),
+        rail_proxy: Some(reconciler::ProxySource {
+            url: system.proxy_url(),
+            tls: system.tls(Role::Reconciler),
+        }),
         lock_grants: Some(reconciler::LockGrants::new(
             Stack::shared().etcd_endpoints(),
             system.etcd_prefix.clone(),
@@ -60,7 +64,7 @@ async fn pay(system: &System, account: &str, payout: &str, amount: i64) {
 /// The same, but the rail is asked for `submitted` (what a workflow built from a wrong input
 /// would have sent, before submissions came from the payout record).
 async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i64, submitted: i64) {
-    let lock = lock_client::LockClient::connect(system.lock_url())
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
     let session = lock
@@ -79,9 +83,14 @@ async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i6
         lock_client::Acquired::Granted(g) => g,
         other => panic!("lock not granted: {other:?}"),
     };
-    let payments = PaymentClient::connect(system.payment_url()).await.unwrap();
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+        .await
+        .unwrap();
     let eur = Currency::parse("EUR").unwrap();
-    let _ = payments
+    let _ = fixture
         .open_account(&account_id, &eur, 100_000)
         .await
         .unwrap();
@@ -93,14 +102,16 @@ async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i6
         currency: eur.clone(),
         beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
     };
-    payments.create_payout(&new).await.unwrap();
+    fixture.create_payout(&new).await.unwrap();
     // The grant as the lock service signed it (key, token, owner): both guards verify it.
     let fence = Fence::new(grant.owner(), grant.token())
         .unwrap()
         .signed(grant.key(), grant.signature().clone());
     payments.claim(&payout_id, &fence).await.unwrap();
     payments.mark_submitted(&payout_id, &fence).await.unwrap();
-    let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+    let mut proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
     let submission = proxy
         .submit(
             &SubmitPayout::new(

@@ -54,6 +54,9 @@ pub struct ResolveConfig {
     pub lock_url: String,
     pub proxy_url: String,
     pub payment_url: String,
+    /// The resolver's certificate (role `reconciler`): its lock session, its fenced inquiry and
+    /// its resolution all go over mutual TLS under it.
+    pub tls: mtls::Tls,
     pub temporal: TemporalConfig,
 }
 
@@ -137,17 +140,17 @@ pub async fn resolve_orphans(
             detail: e.to_string(),
         }
     }
-    let lock = LockClient::connect(config.lock_url.clone())
+    let lock = LockClient::connect(&config.lock_url, &config.tls)
         .await
         .map_err(|e| connect("lock-server")(&e))?;
     let session = lock
         .open_session(RESOLVER, LOCK_TTL)
         .await
         .map_err(|e| connect("lock-server")(&e))?;
-    let proxy = RailProxyClient::connect(config.proxy_url.clone())
+    let proxy = RailProxyClient::connect(&config.proxy_url, &config.tls)
         .await
         .map_err(|e| connect("rail-proxy")(&e))?;
-    let payments = PaymentClient::connect(config.payment_url.clone())
+    let payments = PaymentClient::connect(&config.payment_url, &config.tls)
         .await
         .map_err(|e| connect("payment-resource")(&e))?;
     let mut out = Vec::new();

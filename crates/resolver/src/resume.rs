@@ -222,6 +222,9 @@ pub struct Resumption {
 #[derive(Debug, Clone)]
 pub struct ResumeConfig {
     pub lock_url: String,
+    /// The resolver's certificate (role `reconciler`, which may force-revoke a key whose
+    /// workflow is gone).
+    pub tls: mtls::Tls,
     pub temporal: TemporalConfig,
     /// A payout with no workflow at all is left alone this long after its creation: its creator
     /// is about to start one.
@@ -251,7 +254,7 @@ pub async fn resume_stranded(
         return Ok(Vec::new());
     }
     let temporal = Temporal::connect(&config.temporal).await?;
-    let lock = LockClient::connect(config.lock_url.clone())
+    let lock = LockClient::connect(&config.lock_url, &config.tls)
         .await
         .map_err(|e| ResumeError::Connect {
             service: "lock-server",

@@ -106,11 +106,15 @@ pub async fn run(
 ) -> Result<BenchReport, LedgerError> {
     let concurrency = concurrency.max(1);
     let per_worker = iterations.div_ceil(concurrency);
-    let server =
-        general_ledger::spawn(gl_db_url, "127.0.0.1:0".parse().expect("literal address")).await?;
-    let channel = tonic::transport::Endpoint::from_shared(server.endpoint())
-        .map_err(|e| LedgerError::Startup(e.to_string()))?
-        .connect()
+    use crate::pki::{tls, Role};
+    // The real table and mutual TLS, as deployed: the dispatcher's role appends.
+    let server = general_ledger::spawn(
+        general_ledger::Config::new(gl_db_url, tls(Role::GeneralLedger)),
+        "127.0.0.1:0".parse().expect("literal address"),
+    )
+    .await?;
+    let channel = tls(Role::OutboxDispatcher)
+        .connect(&server.endpoint(), Role::GeneralLedger)
         .await
         .map_err(|e| LedgerError::Startup(e.to_string()))?;
     let client = GeneralLedgerServiceClient::new(channel);

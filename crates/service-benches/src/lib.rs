@@ -18,5 +18,6 @@
 
 pub mod ledger;
 pub mod lock;
+mod pki;
 pub mod proxy;
 pub mod soak;

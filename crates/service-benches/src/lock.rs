@@ -121,12 +121,17 @@ pub async fn run(
                 .0,
         ),
     };
-    let server = InProcess::start(&config).await?;
+    use crate::pki::{tls, Role};
+    // The real table and mutual TLS, as deployed: a worker's certificate.
+    let server = InProcess::start(&config, &tls(Role::LockServer)).await?;
 
     // Through the service.
-    let client = pb::lock_service_client::LockServiceClient::connect(server.endpoint.clone())
-        .await
-        .map_err(bench_err)?;
+    let client = pb::lock_service_client::LockServiceClient::new(
+        tls(Role::Worker)
+            .connect(&server.endpoint, Role::LockServer)
+            .await
+            .map_err(bench_err)?,
+    );
     let started = Instant::now();
     let mut workers = Vec::new();
     for w in 0..concurrency {

@@ -9,6 +9,7 @@
 //! clock starts, so the proxy's figures include its signature check and nothing the lock
 //! service, not the caller, pays for.
 
+use crate::pki::{tls, Role};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -136,7 +137,7 @@ pub enum BenchError {
     #[error("proxydb: {0}")]
     Db(#[from] sqlx::Error),
     #[error("connecting to the proxy: {0}")]
-    Connect(#[from] tonic::transport::Error),
+    Connect(#[from] mtls::ConnectError),
     #[error("a call failed: {0}")]
     Call(String),
     #[error("the bench's grant key: {0}")]
@@ -218,13 +219,19 @@ pub async fn run(
     let verifier = Verifier::new([signer.public_key()])?;
     let unverified = RunningProxy::start(
         pool.clone(),
-        ProxyConfig::new(stub.base_url(), verifier.clone())
+        ProxyConfig::new(stub.base_url(), verifier.clone(), tls(Role::RailProxy))
             .disable_grant_verification_for_negative_control(),
     )
     .await?;
-    let proxy = RunningProxy::start(pool, ProxyConfig::new(stub.base_url(), verifier)).await?;
-    let client = RailProxyClient::connect(proxy.endpoint()).await?;
-    let unverified_client = RailProxyClient::connect(unverified.endpoint()).await?;
+    // The real table and mutual TLS, as deployed: a worker's certificate submits.
+    let proxy = RunningProxy::start(
+        pool,
+        ProxyConfig::new(stub.base_url(), verifier, tls(Role::RailProxy)),
+    )
+    .await?;
+    let client = RailProxyClient::connect(&proxy.endpoint(), &tls(Role::Worker)).await?;
+    let unverified_client =
+        RailProxyClient::connect(&unverified.endpoint(), &tls(Role::Worker)).await?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
     let eur = Currency::parse("EUR").expect("EUR is supported");
 

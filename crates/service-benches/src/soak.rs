@@ -145,10 +145,14 @@ pub async fn run(
                 .0,
         ),
     };
-    let server = InProcess::start(&config).await?;
-    let client = pb::lock_service_client::LockServiceClient::connect(server.endpoint.clone())
-        .await
-        .map_err(soak_err)?;
+    use crate::pki::{tls, Role};
+    let server = InProcess::start(&config, &tls(Role::LockServer)).await?;
+    let client = pb::lock_service_client::LockServiceClient::new(
+        tls(Role::Worker)
+            .connect(&server.endpoint, Role::LockServer)
+            .await
+            .map_err(soak_err)?,
+    );
 
     let before = etcd_status(etcd_endpoints, &prefix).await?;
     let started = Instant::now();

@@ -5,6 +5,7 @@
 pub mod etcd;
 pub mod grants;
 pub mod netns;
+pub mod pki;
 pub mod postgres;
 pub mod process;
 pub mod stack;

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+use crate::pki::Role;
 use crate::process::{Lifetime, ManagedProcess, ProcessSpec};
 use crate::stack::{PgServer, Stack};
 use crate::util::{free_port, workspace_bin};
@@ -105,6 +106,8 @@ pub struct System {
     pub dir: PathBuf,
     /// The key the lock-server signs grants with; the guards hold its public half.
     pub grant_keys: crate::grants::GrantKeys,
+    /// The system's certificate authority: every process has its own certificate from it.
+    pub pki: crate::pki::Pki,
     pub lock_server: ManagedProcess,
     pub payment_resource: ManagedProcess,
     pub rail_stub: ManagedProcess,
@@ -118,7 +121,12 @@ pub struct System {
 /// The lock-server's issued-token record (INV-04's memory), in the system's directory.
 pub const ISSUED_TOKENS_FILE: &str = "lock-issued-tokens.json";
 
+/// Every gRPC endpoint is mutual TLS.
 fn url(port: u16) -> String {
+    format!("https://127.0.0.1:{port}")
+}
+
+fn rail_url(port: u16) -> String {
     format!("http://127.0.0.1:{port}")
 }
 
@@ -171,9 +179,11 @@ impl System {
         let m = &ports.metrics;
 
         let grant_keys = crate::grants::GrantKeys::in_dir(&dir)?;
+        let pki = crate::pki::Pki::in_dir(&dir)?;
         let lock_server = ManagedProcess::start(
             spec("lock-server")?
                 .args(grant_keys.lock_server_args())
+                .args(pki.issue(Role::LockServer, "lock-server")?.to_args())
                 .args([
                     "--listen".into(),
                     format!("127.0.0.1:{}", ports.lock_server),
@@ -197,6 +207,11 @@ impl System {
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[1])])
                 .args(["--database-url", &databases.paydb])
                 .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
+                .args(
+                    pki.issue(Role::PaymentResource, "payment-resource")?
+                        .to_args(),
+                )
+                .arg("--fixture-accounts")
                 .args(
                     options
                         .resolution_sla_ms
@@ -225,7 +240,8 @@ impl System {
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[3])])
                 .args(["--database-url", &databases.proxydb])
                 .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
-                .args(["--rail-url".into(), url(ports.rail_stub)])
+                .args(pki.issue(Role::RailProxy, "rail-proxy")?.to_args())
+                .args(["--rail-url".into(), rail_url(ports.rail_stub)])
                 .args([
                     "--rail-timeout-ms".into(),
                     options.rail_timeout_ms.to_string(),
@@ -239,7 +255,8 @@ impl System {
                     format!("127.0.0.1:{}", ports.general_ledger),
                 ])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[4])])
-                .arg("serve"),
+                .arg("serve")
+                .args(pki.issue(Role::GeneralLedger, "general-ledger")?.to_args()),
         )?;
         let worker_template = {
             let binary = if options.test_worker {
@@ -261,17 +278,34 @@ impl System {
         };
 
         // The payment resource migrates paydb (which holds the outbox) before the dispatcher reads it.
-        wait_grpc(ports.payment_resource, &payment_resource).await?;
+        let probe = pki.tls(Role::Reconciler);
+        wait_grpc(
+            ports.payment_resource,
+            &payment_resource,
+            &probe,
+            Role::PaymentResource,
+        )
+        .await?;
         let dispatcher = ManagedProcess::start(
             spec("outbox-dispatcher")?
                 .args(["--database-url", &databases.paydb])
                 .arg("run")
+                .args(
+                    pki.issue(Role::OutboxDispatcher, "outbox-dispatcher")?
+                        .to_args(),
+                )
                 .args(["--gl-endpoint".into(), url(ports.general_ledger)])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[5])]),
         )?;
-        wait_grpc(ports.lock_server, &lock_server).await?;
-        wait_grpc(ports.rail_proxy, &rail_proxy).await?;
-        wait_grpc(ports.general_ledger, &general_ledger).await?;
+        wait_grpc(ports.lock_server, &lock_server, &probe, Role::LockServer).await?;
+        wait_grpc(ports.rail_proxy, &rail_proxy, &probe, Role::RailProxy).await?;
+        wait_grpc(
+            ports.general_ledger,
+            &general_ledger,
+            &probe,
+            Role::GeneralLedger,
+        )
+        .await?;
         wait_tcp(ports.rail_stub, &rail_stub).await?;
         wait_tcp(m[5], &dispatcher).await?;
 
@@ -283,6 +317,7 @@ impl System {
             temporal_address: temporal.address(),
             dir,
             grant_keys,
+            pki,
             lock_server,
             payment_resource,
             rail_stub,
@@ -316,10 +351,18 @@ impl System {
     /// (e.g. to run it inside a network namespace: [`crate::netns::NetNs::wrap`]).
     pub fn worker_spec(&self, identity: &str) -> ProcessSpec {
         let name = format!("payout-{identity}");
+        // Each worker its own certificate: its lock session belongs to it alone.
+        let tls = self
+            .pki
+            .issue(Role::Worker, &name)
+            .expect("issuing a worker's certificate");
         let mut spec = self
             .worker_template
             .clone()
             .env("PAYOUT_WORKER_IDENTITY", identity.to_string());
+        for (name, path) in tls.to_env() {
+            spec = spec.env(name, path.display().to_string());
+        }
         spec.name = name.clone();
         spec.log_path = self.dir.join(format!("{name}.log"));
         spec
@@ -334,11 +377,18 @@ impl System {
     pub fn proxy_url(&self) -> String {
         url(self.ports.rail_proxy)
     }
+    /// The rail stub's HTTP URL (the rail is outside the system's PKI: only the proxy calls it).
     pub fn rail_url(&self) -> String {
-        url(self.ports.rail_stub)
+        rail_url(self.ports.rail_stub)
     }
     pub fn gl_url(&self) -> String {
         url(self.ports.general_ledger)
+    }
+
+    /// A fresh certificate of `role` from this system's authority, for a test (or a tool) that
+    /// calls a service directly as that role.
+    pub fn tls(&self, role: Role) -> crate::pki::Tls {
+        self.pki.tls(role)
     }
 
     /// Every process of the system with its name, for status displays and fault injection.
@@ -356,8 +406,14 @@ impl System {
     }
 }
 
-/// Waits until `grpc.health.v1` says SERVING on `port`.
-pub async fn wait_grpc(port: u16, process: &ManagedProcess) -> anyhow::Result<()> {
+/// Waits until `grpc.health.v1` says SERVING on `port` (a `server` certificate, asked with
+/// `tls`).
+pub async fn wait_grpc(
+    port: u16,
+    process: &ManagedProcess,
+    tls: &crate::pki::Tls,
+    server: Role,
+) -> anyhow::Result<()> {
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
     crate::util::eventually(
@@ -367,7 +423,8 @@ pub async fn wait_grpc(port: u16, process: &ManagedProcess) -> anyhow::Result<()
             if !process.is_running() {
                 return Some(false);
             }
-            let channel = tonic::transport::Endpoint::from_shared(url(port))
+            let channel = tls
+                .endpoint(&url(port), server)
                 .ok()?
                 .connect()
                 .await
@@ -414,12 +471,14 @@ pub async fn wait_tcp(port: u16, process: &ManagedProcess) -> anyhow::Result<()>
     .with_context(|| format!("{} log tail:\n{}", process.name(), process.log_tail(20)))
 }
 
-/// One `grpc.health.v1` probe: SERVING or not, within a second.
-pub async fn probe_grpc(port: u16) -> bool {
+/// One `grpc.health.v1` probe of a `server` certificate on `port`, asked with `tls`: SERVING or
+/// not, within a second.
+pub async fn probe_grpc(port: u16, tls: &crate::pki::Tls, server: Role) -> bool {
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
     let probe = async {
-        let channel = tonic::transport::Endpoint::from_shared(url(port))
+        let channel = tls
+            .endpoint(&url(port), server)
             .ok()?
             .connect()
             .await

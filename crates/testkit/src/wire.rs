@@ -194,15 +194,15 @@ impl Snapshot {
     }
 }
 
-/// Whether `grpc.health.v1` at `endpoint` reports `service` SERVING right now.
-pub async fn serving(endpoint: &str, service: &str) -> bool {
+/// Whether `grpc.health.v1` at `endpoint` (a `server` certificate of the shared test authority,
+/// [`crate::pki::shared`]) reports `service` SERVING right now.
+pub async fn serving(endpoint: &str, service: &str, server: crate::pki::Role) -> bool {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
     let probe = async {
-        let channel = tonic::transport::Channel::from_shared(endpoint.to_string())
-            .ok()?
-            .connect()
+        let channel = crate::pki::tls(crate::pki::Role::Reconciler)
+            .connect(endpoint, server)
             .await
             .ok()?;
         let mut client = HealthClient::new(channel);
@@ -282,9 +282,13 @@ where
 pub async fn still_serving<T>(
     endpoint: &str,
     service: &str,
+    server: crate::pki::Role,
     valid: impl Future<Output = Result<T, tonic::Status>>,
 ) -> Result<(), TestCaseError> {
-    prop_assert!(serving(endpoint, service).await, "health is not SERVING");
+    prop_assert!(
+        serving(endpoint, service, server).await,
+        "health is not SERVING"
+    );
     if let Err(status) = bounded(valid).await? {
         prop_assert!(false, "a valid call fails after the case: {status:?}");
     }

@@ -8,15 +8,21 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-/// `grpc.health.v1.Health/Check` for the whole server (service name "") answers SERVING.
-pub async fn grpc(addr: &str, timeout: Duration) -> anyhow::Result<()> {
+/// `grpc.health.v1.Health/Check` for the whole server (service name "") answers SERVING, over
+/// mutual TLS with the container's own certificate (`PAYOUT_TLS_*`, as the service has it),
+/// accepting only a certificate of `server`'s role.
+pub async fn grpc(addr: &str, server: mtls::Role, timeout: Duration) -> anyhow::Result<()> {
     let url = if addr.contains("://") {
         addr.to_string()
     } else {
-        format!("http://{addr}")
+        format!("https://{addr}")
     };
+    let tls = mtls::TlsArgs::from_env()
+        .map_err(anyhow::Error::msg)?
+        .load()?;
     let check = async {
-        let channel = tonic::transport::Endpoint::from_shared(url.clone())?
+        let channel = tls
+            .endpoint(&url, server)?
             .connect_timeout(timeout)
             .timeout(timeout)
             .connect()

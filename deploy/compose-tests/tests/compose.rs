@@ -198,9 +198,12 @@ struct Harness<'a> {
 }
 
 async fn scenarios(project: &Project, ports: &Ports) -> anyhow::Result<()> {
-    let payment = PaymentClient::connect(format!("http://127.0.0.1:{}", ports.payment))
-        .await
-        .context("payment-resource from the host")?;
+    let payment = PaymentClient::connect(
+        &format!("https://127.0.0.1:{}", ports.payment),
+        &suite_tls(mtls::Role::Fixture)?,
+    )
+    .await
+    .context("payment-resource from the host")?;
     let temporal = payout_workflows::client::connect(
         &format!("127.0.0.1:{}", ports.temporal),
         "default",
@@ -356,7 +359,10 @@ async fn reconcile(ports: &Ports) -> anyhow::Result<()> {
         paydb: pg(ports.paydb, "paydb").await?,
         proxydb: pg(ports.proxydb, "proxydb").await?,
         gldb: pg(ports.paydb, "gldb").await?,
-        rail_proxy_url: Some(format!("http://127.0.0.1:{}", ports.proxy)),
+        rail_proxy: Some(reconciler::ProxySource {
+            url: format!("https://127.0.0.1:{}", ports.proxy),
+            tls: suite_tls(mtls::Role::Reconciler)?,
+        }),
         lock_grants: Some(reconciler::LockGrants::new(
             ports
                 .etcd
@@ -845,4 +851,16 @@ async fn check_everything(h: &Harness<'_>) -> anyhow::Result<()> {
     println!("checker: audit events by kind {audit_kinds:?}");
     ensure!(violations.is_empty(), "violations: {violations:#?}");
     Ok(())
+}
+
+/// A certificate of `role` for the suite's own calls, from this run's authority
+/// (`PAYOUT_TLS_DIR`, made by deploy/compose-test.sh with `payoutctl pki issue`).
+fn suite_tls(role: mtls::Role) -> anyhow::Result<mtls::Tls> {
+    let dir = std::env::var_os("PAYOUT_TLS_DIR")
+        .ok_or_else(|| anyhow::anyhow!("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)"))?;
+    Ok(
+        mtls::issue::Authority::open_or_create(std::path::Path::new(&dir))?
+            .issue(role, &format!("compose-suite-{role}"))?
+            .tls(),
+    )
 }

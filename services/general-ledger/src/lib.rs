@@ -7,6 +7,7 @@
 
 pub mod amount;
 pub mod api;
+pub mod authz;
 pub mod error;
 pub mod projection;
 pub mod store;
@@ -28,28 +29,32 @@ pub const SERVICE_NAME: &str = "ledger.v1.GeneralLedgerService";
 /// The database role every service connection switches to (created by the migrations).
 pub const APP_ROLE: &str = "gl_app";
 
-/// The boundary where caller authentication plugs in (a later issue): every request to the
-/// ledger service passes through this function before reaching a handler.
-pub type Interceptor =
-    Arc<dyn Fn(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send + Sync>;
-
-/// Accepts every caller: authentication is not implemented yet.
-pub fn allow_all() -> Interceptor {
-    Arc::new(Ok)
-}
-
 #[derive(Clone)]
 pub struct Config {
     pub database_url: String,
-    pub interceptor: Interceptor,
+    /// The server's certificate; every caller must present one from the same authority, and
+    /// `authz::POLICY` decides what its role may call.
+    pub tls: service_kit::grpc::Tls,
+    policy: &'static service_kit::grpc::Policy,
 }
 
 impl Config {
-    pub fn new(database_url: impl Into<String>) -> Self {
+    /// Serves `authz::POLICY`.
+    pub fn new(database_url: impl Into<String>, tls: service_kit::grpc::Tls) -> Self {
         Self {
             database_url: database_url.into(),
-            interceptor: allow_all(),
+            tls,
+            policy: &authz::POLICY,
         }
+    }
+
+    /// TEST ONLY: serve with another table (this crate's own suite calls as dispatcher and as
+    /// operator from one client: `mtls::issue::every_role_for_tests(&authz::POLICY)`). The
+    /// binary has no way to call it.
+    #[doc(hidden)]
+    pub fn with_policy_for_tests(mut self, policy: &'static service_kit::grpc::Policy) -> Self {
+        self.policy = policy;
+        self
     }
 }
 
@@ -135,13 +140,14 @@ pub async fn serve(
         store,
         metrics: api::LedgerMetrics::new(&metrics),
     };
-    let interceptor = config.interceptor.clone();
-    let service =
-        GeneralLedgerServiceServer::with_interceptor(api, move |request| interceptor(request));
+    let service = GeneralLedgerServiceServer::new(api)
+        .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX);
     let address = listener.local_addr().ok();
     tracing::info!(?address, "general ledger serving");
     let incoming = service_kit::incoming(listener);
-    let result = tonic::transport::Server::builder()
+    let mut server = service_kit::grpc::server(&config.tls, config.policy, &metrics)
+        .map_err(|e| LedgerError::Startup(format!("TLS: {e}")))?;
+    let result = server
         .add_service(health_service)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown)
@@ -161,7 +167,7 @@ pub struct Spawned {
 
 impl Spawned {
     pub fn endpoint(&self) -> String {
-        format!("http://{}", self.address)
+        format!("https://{}", self.address)
     }
     /// Stops the server and waits for it.
     pub async fn stop(self) -> Result<(), LedgerError> {
@@ -172,9 +178,11 @@ impl Spawned {
     }
 }
 
-/// Binds `listen` (port 0 for any), then serves in a task. Returns once the gRPC port answers.
-pub async fn spawn(database_url: &str, listen: SocketAddr) -> Result<Spawned, LedgerError> {
-    migrate(database_url).await?;
+/// Binds `listen` (port 0 for any), then serves `config` in a task. Returns once the gRPC port
+/// answers a TLS handshake.
+pub async fn spawn(config: Config, listen: SocketAddr) -> Result<Spawned, LedgerError> {
+    let tls = config.tls.clone();
+    migrate(&config.database_url).await?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| LedgerError::Startup(format!("bind {listen}: {e}")))?;
@@ -182,7 +190,6 @@ pub async fn spawn(database_url: &str, listen: SocketAddr) -> Result<Spawned, Le
         .local_addr()
         .map_err(|e| LedgerError::Startup(e.to_string()))?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let config = Config::new(database_url);
     let task = tokio::spawn(serve(
         config,
         listener,
@@ -192,7 +199,7 @@ pub async fn spawn(database_url: &str, listen: SocketAddr) -> Result<Spawned, Le
         },
     ));
     // Seeding precedes serving, so the first answer means the server is fully ready.
-    let endpoint = format!("http://{address}");
+    let endpoint = format!("https://{address}");
     let deadline = tokio::time::Instant::now() + Duration::from_millis(SPAWN_READY_TIMEOUT_MS);
     loop {
         if task.is_finished() {
@@ -202,11 +209,11 @@ pub async fn spawn(database_url: &str, listen: SocketAddr) -> Result<Spawned, Le
                 .err()
                 .unwrap_or(LedgerError::Startup("server exited".into())));
         }
-        if payout_proto::ledger::general_ledger_service_client::GeneralLedgerServiceClient::connect(
-            endpoint.clone(),
-        )
-        .await
-        .is_ok()
+        // Any certificate of the authority completes the handshake; the server's own is at hand.
+        if tls
+            .connect(&endpoint, service_kit::grpc::Role::GeneralLedger)
+            .await
+            .is_ok()
         {
             return Ok(Spawned {
                 address,

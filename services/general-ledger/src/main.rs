@@ -14,7 +14,7 @@ struct Cli {
     #[arg(long, env = "GL_DATABASE_URL")]
     database_url: String,
     #[command(subcommand)]
-    command: Option<Command>,
+    command: Command,
     #[arg(long, env = "GL_LISTEN", default_value = "127.0.0.1:50070")]
     listen: SocketAddr,
     #[arg(long, env = "GL_METRICS_LISTEN", default_value = "127.0.0.1:9470")]
@@ -23,8 +23,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve gRPC (the default).
-    Serve,
+    /// Serve gRPC over mutual TLS.
+    Serve {
+        #[command(flatten)]
+        tls: service_kit::grpc::TlsArgs,
+    },
     /// Recompute cached balances from entries; prints the drift found (JSON) and repairs it.
     RebuildBalances,
 }
@@ -33,8 +36,9 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     service_kit::init_tracing("general-ledger");
-    match cli.command.unwrap_or(Command::Serve) {
-        Command::Serve => {
+    match cli.command {
+        Command::Serve { tls } => {
+            let tls = tls.load().context("TLS material")?;
             let listener = service_kit::bind(cli.listen).await?;
             let metrics_listener = service_kit::bind(cli.metrics_listen).await?;
             let metrics = service_kit::Metrics::default();
@@ -45,7 +49,7 @@ async fn main() -> anyhow::Result<()> {
                 shutdown.clone().wait(),
             ));
             general_ledger::serve(
-                general_ledger::Config::new(cli.database_url),
+                general_ledger::Config::new(cli.database_url, tls),
                 listener,
                 metrics,
                 shutdown.wait(),

@@ -8,6 +8,7 @@ use payout_proto::ledger::general_ledger_service_client::GeneralLedgerServiceCli
 use payout_proto::ledger::RejectionReason as R;
 use proptest::prelude::*;
 use rust_decimal::Decimal;
+use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
 use tonic::transport::Channel;
 
@@ -15,12 +16,20 @@ type Client = GeneralLedgerServiceClient<Channel>;
 
 async fn start() -> (Spawned, Client, String) {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
-    let server = general_ledger::spawn(&url, "127.0.0.1:0".parse().unwrap())
+    // The suite calls as dispatcher and as operator from one client; the binary's real table is
+    // exercised by the dispatcher's suite and the system and attack suites.
+    let config = general_ledger::Config::new(&url, tls(Role::GeneralLedger)).with_policy_for_tests(
+        mtls::issue::every_role_for_tests(&general_ledger::authz::POLICY),
+    );
+    let server = general_ledger::spawn(config, "127.0.0.1:0".parse().unwrap())
         .await
         .expect("GL starts");
-    let client = GeneralLedgerServiceClient::connect(server.endpoint())
-        .await
-        .expect("connect");
+    let client = GeneralLedgerServiceClient::new(
+        tls(Role::OutboxDispatcher)
+            .connect(&server.endpoint(), Role::GeneralLedger)
+            .await
+            .expect("connect"),
+    );
     (server, client, url)
 }
 
@@ -1180,7 +1189,13 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
             }
             let mut client = client.clone();
             let valid = client.get_operating_mode(pb::GetOperatingModeRequest {});
-            wire::still_serving(&endpoint, general_ledger::SERVICE_NAME, valid).await
+            wire::still_serving(
+                &endpoint,
+                general_ledger::SERVICE_NAME,
+                testkit::pki::Role::GeneralLedger,
+                valid,
+            )
+            .await
         }
     });
     runtime.block_on(server.stop()).unwrap();

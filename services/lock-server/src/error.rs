@@ -28,6 +28,8 @@ pub enum LockError {
         returned_token: u64,
         highest_issued_token: u64,
     },
+    #[error("{waiting} callers already wait for locks in this server; retry later")]
+    Overloaded { waiting: usize },
     #[error("{backend} backend unavailable: {detail}")]
     Backend {
         backend: &'static str,
@@ -47,6 +49,7 @@ impl LockError {
     pub fn to_status(&self) -> tonic::Status {
         use pb::rejection::Kind;
         let (code, kind) = match self {
+            Self::Overloaded { .. } => return tonic::Status::resource_exhausted(self.to_string()),
             Self::SessionNotFound { session_id } => (
                 tonic::Code::NotFound,
                 Kind::SessionNotFound(pb::SessionNotFound {

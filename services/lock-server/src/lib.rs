@@ -5,6 +5,7 @@
 //! Architecture invariant: no timer in this process decides expiry. etcd's lease (replicated) or
 //! PostgreSQL's clock does; the only timers here bound how long a caller waits.
 
+pub mod authz;
 pub mod backend;
 pub mod checker;
 pub mod error;
@@ -75,12 +76,21 @@ pub async fn build(
     ))
 }
 
-/// Serves the lock service and grpc.health.v1 on `listener` until `shutdown`.
+/// Serves the lock service and grpc.health.v1 on `listener` until `shutdown`, over mutual TLS,
+/// behind `authz::POLICY`.
 pub async fn serve(
     service: LockServiceImpl,
     listener: tokio::net::TcpListener,
+    tls: &service_kit::grpc::Tls,
+    policy: &'static service_kit::grpc::Policy,
+    metrics: &service_kit::Metrics,
     shutdown: service_kit::Shutdown,
 ) -> Result<(), LockError> {
+    let grpc_error = |e: tonic::transport::Error| LockError::Backend {
+        backend: "grpc-server",
+        detail: e.to_string(),
+    };
+    let mut server = service_kit::grpc::server(tls, policy, metrics).map_err(grpc_error)?;
     let (reporter, health) = tonic_health::server::health_reporter();
     let probe = service.clone();
     let health_task = tokio::spawn(async move {
@@ -98,15 +108,15 @@ pub async fn serve(
             tokio::time::sleep(Duration::from_millis(service::HEALTH_PERIOD_MS)).await;
         }
     });
-    let result = tonic::transport::Server::builder()
+    let result = server
         .add_service(health)
-        .add_service(LockServiceServer::new(service))
+        .add_service(
+            LockServiceServer::new(service)
+                .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
+        )
         .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
         .await
-        .map_err(|e| LockError::Backend {
-            backend: "grpc-server",
-            detail: e.to_string(),
-        });
+        .map_err(grpc_error);
     health_task.abort();
     result
 }
@@ -121,7 +131,20 @@ pub struct InProcess {
 }
 
 impl InProcess {
-    pub async fn start(config: &Config) -> Result<Self, LockError> {
+    /// Serves with `tls` (a lock-server certificate) behind `authz::POLICY`; `endpoint` is its
+    /// `https://` URL.
+    pub async fn start(config: &Config, tls: &service_kit::grpc::Tls) -> Result<Self, LockError> {
+        Self::start_with_policy(config, tls, &authz::POLICY).await
+    }
+
+    /// TEST ONLY: serves with another table (a suite that calls as several roles from one
+    /// client serves with `mtls::issue::every_role_for_tests(&authz::POLICY)`).
+    #[doc(hidden)]
+    pub async fn start_with_policy(
+        config: &Config,
+        tls: &service_kit::grpc::Tls,
+        policy: &'static service_kit::grpc::Policy,
+    ) -> Result<Self, LockError> {
         let metrics = service_kit::Metrics::default();
         let service = build(config, &metrics).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -131,13 +154,16 @@ impl InProcess {
                 detail: e.to_string(),
             })?;
         let endpoint = format!(
-            "http://{}",
+            "https://{}",
             listener
                 .local_addr()
                 .expect("bound listener has an address")
         );
         let (shutdown, stop) = service_kit::Shutdown::new();
-        let task = tokio::spawn(serve(service.clone(), listener, shutdown));
+        let task = tokio::spawn({
+            let (service, tls, metrics) = (service.clone(), tls.clone(), metrics.clone());
+            async move { serve(service, listener, &tls, policy, &metrics, shutdown).await }
+        });
         Ok(Self {
             endpoint,
             service,

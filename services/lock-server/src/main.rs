@@ -53,12 +53,15 @@ struct Args {
     /// grant-signing` writes it). Required: the server signs every grant, there is no unsigned mode.
     #[arg(long, env = "LOCK_GRANT_SIGNING_KEY_FILE")]
     grant_signing_key_file: PathBuf,
+    #[command(flatten)]
+    tls: service_kit::grpc::TlsArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("lock-server");
     let args = Args::parse();
+    let tls = args.tls.load().context("TLS material")?;
     let backend = match args.backend {
         BackendKind::Etcd => lock_server::BackendConfig::Etcd {
             endpoints: args.etcd_endpoints,
@@ -93,14 +96,21 @@ async fn main() -> anyhow::Result<()> {
     let metrics_shutdown = shutdown.clone();
     tokio::spawn(service_kit::serve_metrics(
         metrics_listener,
-        metrics,
+        metrics.clone(),
         metrics_shutdown.wait(),
     ));
     let listener = service_kit::bind(args.listen).await?;
     tracing::info!(listen = %args.listen, backend = service.backend().name(), "lock-server serving");
-    lock_server::serve(service, listener, shutdown)
-        .await
-        .context("serving")?;
+    lock_server::serve(
+        service,
+        listener,
+        &tls,
+        &lock_server::authz::POLICY,
+        &metrics,
+        shutdown,
+    )
+    .await
+    .context("serving")?;
     tracing::info!("lock-server stopped");
     Ok(())
 }

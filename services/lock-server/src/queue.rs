@@ -20,6 +20,8 @@ use tokio::time::Instant;
 #[derive(Default)]
 pub struct Queues {
     keys: Mutex<HashMap<String, KeyQueue>>,
+    /// Waiters over every key (the server's bound, `service::WAITERS_MAX`).
+    total: std::sync::atomic::AtomicUsize,
 }
 
 struct KeyQueue {
@@ -48,6 +50,11 @@ impl Queues {
             .map_or(0, |q| q.waiting.len())
     }
 
+    /// Waiters queued over every key right now.
+    pub fn waiting_total(&self) -> usize {
+        self.total.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Joins the back of `key`'s queue.
     pub fn join(self: &Arc<Self>, key: &str) -> Ticket {
         let mut keys = self.keys.lock().expect("queues");
@@ -59,6 +66,8 @@ impl Queues {
         let number = queue.next_ticket;
         queue.next_ticket += 1;
         queue.waiting.push_back(number);
+        self.total
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if queue.waiting.len() == 1 {
             queue.head.send_replace(Some(number));
         }
@@ -75,7 +84,12 @@ impl Queues {
         let Some(queue) = keys.get_mut(key) else {
             return;
         };
+        let before = queue.waiting.len();
         queue.waiting.retain(|&n| n != number);
+        if queue.waiting.len() < before {
+            self.total
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
         match queue.waiting.front().copied() {
             None => {
                 keys.remove(key);

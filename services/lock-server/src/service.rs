@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use payout_proto::lock as pb;
 use prometheus::IntCounterVec;
+use service_kit::grpc::Caller;
 use tonic::{Request, Response, Status};
 
 use crate::backend::{Attempt, Backend, GrantInfo, HandleRef, Holder};
@@ -44,7 +45,16 @@ pub mod event {
     pub const TOKEN_REGRESSION: &str = "token_regression";
     pub const SESSION_CREATED: &str = "session_created";
     pub const SESSION_CLOSED: &str = "session_closed";
+    /// A call on a session by a certificate other than the one that created it: refused.
+    pub const SESSION_NOT_OWNED: &str = "session_not_owned";
+    /// An Acquire refused because `WAITERS_MAX` callers already wait in this process.
+    pub const WAITERS_FULL: &str = "waiters_full";
 }
+
+/// Acquire calls that may wait in one lock-server process at once, over every key. Each holds a
+/// request slot and a little memory; past it a waiting Acquire is refused RESOURCE_EXHAUSTED
+/// (the caller retries with backoff) instead of parking without bound.
+pub const WAITERS_MAX: usize = 4_096;
 
 #[derive(Clone)]
 pub struct LockMetrics {
@@ -172,6 +182,21 @@ impl LockServiceImpl {
 
     pub fn issued_tokens(&self) -> &IssuedTokens {
         &self.inner.issued
+    }
+
+    /// Refuses to park one more waiter past [`WAITERS_MAX`].
+    fn room_to_wait(&self) -> Result<(), LockError> {
+        let waiting = self.inner.queues.waiting_total();
+        if waiting >= WAITERS_MAX {
+            self.count(event::WAITERS_FULL);
+            tracing::warn!(
+                event = event::WAITERS_FULL,
+                waiting,
+                "acquire refused: too many callers waiting"
+            );
+            return Err(LockError::Overloaded { waiting });
+        }
+        Ok(())
     }
 
     fn count(&self, event: &str) {
@@ -341,6 +366,7 @@ impl LockServiceImpl {
                 .await
                 .inspect_err(|e| self.observe_error(e))?;
             if !holder.is_some_and(|h| h.owner == owner && h.session_id == session_id) {
+                self.room_to_wait()?;
                 ticket = Some(self.inner.queues.join(key));
             }
         }
@@ -403,6 +429,7 @@ impl LockServiceImpl {
                         ));
                     }
                     if ticket.is_none() {
+                        self.room_to_wait()?;
                         let joined = self.inner.queues.join(key);
                         let first = joined.is_head();
                         ticket = Some(joined);
@@ -564,7 +591,9 @@ impl LockServiceImpl {
                 key: key.to_string(),
                 held: true,
                 holder_owner: h.owner,
-                holder_session_id: h.session_id,
+                // Never revealed: with it, anyone could act on the holder's session (and a
+                // session id is bound to its creator's certificate anyway).
+                holder_session_id: String::new(),
                 token: h.token,
                 server_expiry_unix_ms: h.server_expiry_unix_ms,
                 waiter_count,
@@ -578,17 +607,97 @@ impl LockServiceImpl {
     }
 }
 
+/// Session ids on the wire are bound to the certificate that created the session:
+/// `<SHA-256 of the creator's certificate, hex>:<backend session id>`. Every call naming a session
+/// (KeepAlive, CloseSession, Acquire, and the handles of Renew, Release and KeepAlive's vouch) is
+/// refused PERMISSION_DENIED unless its caller presents that same certificate, so a session id
+/// learnt from a log, an error or an old Describe answer is worth nothing to anyone else. The
+/// binding is stateless (nothing to lose in a restart) and both backends keep their own ids.
+pub mod session_binding {
+    use service_kit::grpc::Caller;
+
+    pub fn bind(caller: &Caller, backend_id: &str) -> String {
+        format!("{}:{backend_id}", caller.fingerprint_hex())
+    }
+
+    /// The backend id of a wire session id, if `caller` created it.
+    pub fn unbind(caller: &Caller, wire: &str) -> Result<String, Refused> {
+        match wire.split_once(':') {
+            Some((fingerprint, id)) if fingerprint == caller.fingerprint_hex() => {
+                Ok(id.to_string())
+            }
+            Some(_) => Err(Refused::NotOwned),
+            None => Err(Refused::Unbound),
+        }
+    }
+
+    #[derive(Debug, PartialEq, Eq)]
+    pub enum Refused {
+        /// Created by another certificate.
+        NotOwned,
+        /// Not a session id this server handed out.
+        Unbound,
+    }
+}
+
+impl LockServiceImpl {
+    /// `wire`'s backend session id for this caller, or the refusal (counted and logged: a call
+    /// on someone else's session is an attempted hijack an operator must see).
+    fn own_session(&self, caller: &Caller, wire: &str) -> Result<String, Status> {
+        use session_binding::Refused;
+        match session_binding::unbind(caller, wire) {
+            Ok(id) => Ok(id),
+            Err(Refused::NotOwned) => {
+                self.count(event::SESSION_NOT_OWNED);
+                tracing::error!(
+                    event = event::SESSION_NOT_OWNED,
+                    alert = true,
+                    caller_role = %caller.role,
+                    caller_certificate = %caller.fingerprint_hex(),
+                    "a call on a session created by another certificate: refused"
+                );
+                Err(Status::permission_denied(
+                    "this session was created by another certificate; a session is usable only by its creator",
+                ))
+            }
+            Err(Refused::Unbound) => Err(LockError::SessionNotFound {
+                session_id: wire.to_string(),
+            }
+            .into()),
+        }
+    }
+
+    fn own_handle(
+        &self,
+        caller: &Caller,
+        handle: Option<pb::Handle>,
+    ) -> Result<Option<pb::Handle>, Status> {
+        handle
+            .map(|mut h| {
+                h.session_id = self.own_session(caller, &h.session_id)?;
+                Ok(h)
+            })
+            .transpose()
+    }
+}
+
+fn bound_grant(caller: &Caller, mut grant: pb::Grant) -> pb::Grant {
+    grant.session_id = session_binding::bind(caller, &grant.session_id);
+    grant
+}
+
 #[tonic::async_trait]
 impl pb::lock_service_server::LockService for LockServiceImpl {
     async fn create_session(
         &self,
         r: Request<pb::CreateSessionRequest>,
     ) -> Result<Response<pb::CreateSessionResponse>, Status> {
+        let caller = service_kit::grpc::caller(&r)?;
         let r = r.into_inner();
         let (session_id, ttl_ms) =
             LockServiceImpl::create_session(self, &r.owner, r.ttl_ms).await?;
         Ok(Response::new(pb::CreateSessionResponse {
-            session_id,
+            session_id: session_binding::bind(&caller, &session_id),
             ttl_ms,
         }))
     }
@@ -597,17 +706,32 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
         &self,
         r: Request<pb::KeepAliveRequest>,
     ) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        let caller = service_kit::grpc::caller(&r)?;
         let r = r.into_inner();
-        Ok(Response::new(
-            LockServiceImpl::keep_alive_vouching(self, &r.session_id, r.vouch).await?,
-        ))
+        let session_id = self.own_session(&caller, &r.session_id)?;
+        let vouch = r
+            .vouch
+            .into_iter()
+            .map(|h| {
+                Ok(self
+                    .own_handle(&caller, Some(h))?
+                    .expect("some in, some out"))
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
+        let mut response = LockServiceImpl::keep_alive_vouching(self, &session_id, vouch).await?;
+        for h in &mut response.not_held {
+            h.session_id = session_binding::bind(&caller, &h.session_id);
+        }
+        Ok(Response::new(response))
     }
 
     async fn close_session(
         &self,
         r: Request<pb::CloseSessionRequest>,
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
-        LockServiceImpl::close_session(self, &r.into_inner().session_id).await?;
+        let caller = service_kit::grpc::caller(&r)?;
+        let session_id = self.own_session(&caller, &r.into_inner().session_id)?;
+        LockServiceImpl::close_session(self, &session_id).await?;
         Ok(Response::new(pb::CloseSessionResponse {}))
     }
 
@@ -615,20 +739,29 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
         &self,
         r: Request<pb::AcquireRequest>,
     ) -> Result<Response<pb::AcquireResponse>, Status> {
+        let caller = service_kit::grpc::caller(&r)?;
         let r = r.into_inner();
-        Ok(Response::new(
-            LockServiceImpl::acquire(self, &r.key, &r.owner, &r.session_id, r.wait_ms).await?,
-        ))
+        let session_id = self.own_session(&caller, &r.session_id)?;
+        let mut response =
+            LockServiceImpl::acquire(self, &r.key, &r.owner, &session_id, r.wait_ms).await?;
+        if let Some(pb::acquire_response::Result::Grant(grant)) = &mut response.result {
+            grant.session_id = session_binding::bind(&caller, &grant.session_id);
+        }
+        Ok(Response::new(response))
     }
 
     async fn renew(
         &self,
         r: Request<pb::RenewRequest>,
     ) -> Result<Response<pb::RenewResponse>, Status> {
-        let handle = handle_from(r.into_inner().handle)?;
+        let caller = service_kit::grpc::caller(&r)?;
+        let handle = handle_from(self.own_handle(&caller, r.into_inner().handle)?)?;
         let grant = LockServiceImpl::renew(self, handle).await?;
         Ok(Response::new(pb::RenewResponse {
-            grant: Some(grant_to_pb(&self.inner.signer, &grant)),
+            grant: Some(bound_grant(
+                &caller,
+                grant_to_pb(&self.inner.signer, &grant),
+            )),
         }))
     }
 
@@ -636,7 +769,8 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
         &self,
         r: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
-        let handle = handle_from(r.into_inner().handle)?;
+        let caller = service_kit::grpc::caller(&r)?;
+        let handle = handle_from(self.own_handle(&caller, r.into_inner().handle)?)?;
         LockServiceImpl::release(self, handle).await?;
         Ok(Response::new(pb::ReleaseResponse {}))
     }

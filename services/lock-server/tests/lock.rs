@@ -13,7 +13,15 @@ use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
 use lock_server::checker::{self, GrantRecord};
 use lock_server::{BackendConfig, Config, InProcess};
 use rand::RngExt;
+use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
+
+/// The suite calls as a worker and as an operator from one client; the in-process server lets
+/// every role call every method (the real table is the binary's: the system and attack suites).
+/// Session ownership is not part of the table and holds here as everywhere.
+fn every_role() -> &'static service_kit::grpc::Policy {
+    mtls::issue::every_role_for_tests(&lock_server::authz::POLICY)
+}
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
@@ -66,8 +74,10 @@ async fn start_with(backend: BackendConfig) -> Server {
         issued_tokens_path: dir.path().join("issued-tokens.json"),
         signer,
     };
-    let server = InProcess::start(&config).await.expect("lock-server starts");
-    let client = LockClient::connect(server.endpoint.clone())
+    let server = InProcess::start_with_policy(&config, &tls(Role::LockServer), every_role())
+        .await
+        .expect("lock-server starts");
+    let client = LockClient::connect(&server.endpoint, &tls(Role::Worker))
         .await
         .expect("client connects");
     Server {
@@ -694,7 +704,9 @@ async fn contention(
     let mut tasks = Vec::new();
     for w in 0..WORKERS {
         let history = history.clone();
-        let client = LockClient::connect(endpoint.clone()).await.unwrap();
+        let client = LockClient::connect(&endpoint, &tls(Role::Worker))
+            .await
+            .unwrap();
         tasks.push(tokio::spawn(async move {
             let owner = format!("w{w}");
             let mut session: Option<Session> = None;
@@ -948,8 +960,12 @@ async fn grant_via(
         issued_tokens_path: issued.to_path_buf(),
         signer: signer(),
     };
-    let server = InProcess::start(&config).await.unwrap();
-    let client = LockClient::connect(server.endpoint.clone()).await.unwrap();
+    let server = InProcess::start_with_policy(&config, &tls(Role::LockServer), every_role())
+        .await
+        .unwrap();
+    let client = LockClient::connect(&server.endpoint, &tls(Role::Worker))
+        .await
+        .unwrap();
     let session = client.open_session("restorer", TTL).await.unwrap();
     let result = session.acquire(key, Duration::ZERO).await.map(|a| match a {
         Acquired::Granted(g) => g.token(),
@@ -1606,9 +1622,12 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
             }
         };
         let server = start_with(backend).await;
-        let mut raw = RawLockClient::connect(server.server.endpoint.clone())
-            .await
-            .unwrap();
+        let mut raw = RawLockClient::new(
+            tls(Role::Worker)
+                .connect(&server.server.endpoint, Role::LockServer)
+                .await
+                .unwrap(),
+        );
         let session_id = raw
             .create_session(pb::CreateSessionRequest {
                 owner: SEEDED_OWNER.into(),
@@ -1685,7 +1704,13 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
             let valid = raw.describe(pb::DescribeRequest {
                 key: SEEDED_KEY.into(),
             });
-            wire::still_serving(endpoint, lock_server::HEALTH_SERVICE_NAME, valid).await
+            wire::still_serving(
+                endpoint,
+                lock_server::HEALTH_SERVICE_NAME,
+                testkit::pki::Role::LockServer,
+                valid,
+            )
+            .await
         }
     });
     runtime.block_on(server.server.stop());
@@ -1699,4 +1724,150 @@ fn etcd_wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
 #[test]
 fn postgres_wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
     wire_values_never_panic_and_refusals_are_typed_and_write_nothing(Kind::Postgres);
+}
+
+/// A lock session belongs to the certificate that created it: another caller (another worker's
+/// certificate) that learnt its id gets PERMISSION_DENIED on KeepAlive, Acquire, Release and
+/// CloseSession, and the owner's session and grant are untouched. Describe does not reveal the
+/// holder's session id at all.
+#[tokio::test]
+async fn a_session_is_usable_only_by_the_certificate_that_created_it() {
+    let s = start(Kind::Etcd).await;
+    let owner = RawLockClient::new(
+        tls(Role::Worker)
+            .connect(&s.server.endpoint, Role::LockServer)
+            .await
+            .unwrap(),
+    );
+    let intruder = RawLockClient::new(
+        tls(Role::Worker)
+            .connect(&s.server.endpoint, Role::LockServer)
+            .await
+            .unwrap(),
+    );
+    let session_id = owner
+        .clone()
+        .create_session(pb::CreateSessionRequest {
+            owner: "w-owner".into(),
+            ttl_ms: 10_000,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id;
+    let granted = owner
+        .clone()
+        .acquire(pb::AcquireRequest {
+            key: "payout:hijack".into(),
+            owner: "w-owner".into(),
+            session_id: session_id.clone(),
+            wait_ms: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(pb::acquire_response::Result::Grant(grant)) = granted.result else {
+        panic!("not granted: {granted:?}");
+    };
+    let described = owner
+        .clone()
+        .describe(pb::DescribeRequest {
+            key: "payout:hijack".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(described.held);
+    assert_eq!(
+        described.holder_session_id, "",
+        "Describe revealed a session id"
+    );
+
+    let handle = pb::Handle {
+        key: grant.key.clone(),
+        owner: grant.owner.clone(),
+        session_id: grant.session_id.clone(),
+        token: grant.token,
+    };
+    let denied = |r: Result<tonic::Response<_>, tonic::Status>, what: &str| {
+        let status = r
+            .err()
+            .unwrap_or_else(|| panic!("{what} on another's session was answered"));
+        assert_eq!(
+            status.code(),
+            tonic::Code::PermissionDenied,
+            "{what}: {status:?}"
+        );
+    };
+    let mut i = intruder.clone();
+    denied(
+        i.keep_alive(pb::KeepAliveRequest {
+            session_id: session_id.clone(),
+            vouch: vec![],
+        })
+        .await
+        .map(|r| r.map(|_| ())),
+        "KeepAlive",
+    );
+    denied(
+        i.acquire(pb::AcquireRequest {
+            key: "payout:hijack".into(),
+            owner: "w-owner".into(),
+            session_id: session_id.clone(),
+            wait_ms: 0,
+        })
+        .await
+        .map(|r| r.map(|_| ())),
+        "Acquire (the holder's token back)",
+    );
+    denied(
+        i.renew(pb::RenewRequest {
+            handle: Some(handle.clone()),
+        })
+        .await
+        .map(|r| r.map(|_| ())),
+        "Renew",
+    );
+    denied(
+        i.release(pb::ReleaseRequest {
+            handle: Some(handle.clone()),
+        })
+        .await
+        .map(|r| r.map(|_| ())),
+        "Release",
+    );
+    denied(
+        i.close_session(pb::CloseSessionRequest {
+            session_id: session_id.clone(),
+        })
+        .await
+        .map(|r| r.map(|_| ())),
+        "CloseSession",
+    );
+    // The owner still holds the key with the same token, and its session still answers.
+    let after = owner
+        .clone()
+        .describe(pb::DescribeRequest {
+            key: "payout:hijack".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(after.held);
+    assert_eq!(after.token, grant.token);
+    owner
+        .clone()
+        .keep_alive(pb::KeepAliveRequest {
+            session_id: session_id.clone(),
+            vouch: vec![handle.clone()],
+        })
+        .await
+        .unwrap();
+    assert!(
+        s.server
+            .metrics
+            .render()
+            .contains(r#"event="session_not_owned""#),
+        "the refusals are not counted"
+    );
 }

@@ -62,7 +62,11 @@ pub enum DispatchError {
 pub struct Config {
     /// paydb, where `ledger_outbox` lives.
     pub database_url: String,
+    /// The GL's `https://` URL.
     pub gl_endpoint: String,
+    /// This dispatcher's certificate (role `outbox-dispatcher`, the only role the GL takes
+    /// postings from).
+    pub tls: mtls::Tls,
     /// Names this instance in `claimed_by`.
     pub instance_id: String,
     pub batch_size: i64,
@@ -76,11 +80,13 @@ impl Config {
     pub fn new(
         database_url: impl Into<String>,
         gl_endpoint: impl Into<String>,
+        tls: mtls::Tls,
         instance_id: impl Into<String>,
     ) -> Self {
         Self {
             database_url: database_url.into(),
             gl_endpoint: gl_endpoint.into(),
+            tls,
             instance_id: instance_id.into(),
             batch_size: BATCH_SIZE_MAX,
             claim_lease_ms: CLAIM_LEASE_MS,
@@ -187,7 +193,9 @@ impl Dispatcher {
             .map_err(|e| {
                 DispatchError::Database(sqlx::Error::Configuration(format!("{e:#}").into()))
             })?;
-        let endpoint = tonic::transport::Endpoint::from_shared(config.gl_endpoint.clone())
+        let endpoint = config
+            .tls
+            .endpoint(&config.gl_endpoint, mtls::Role::GeneralLedger)
             .map_err(|e| DispatchError::Endpoint {
                 endpoint: config.gl_endpoint.clone(),
                 detail: e.to_string(),

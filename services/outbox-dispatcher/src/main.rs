@@ -20,8 +20,10 @@ struct Cli {
 enum Command {
     /// Deliver until SIGTERM.
     Run {
-        #[arg(long, env = "GL_ENDPOINT", default_value = "http://127.0.0.1:50070")]
+        #[arg(long, env = "GL_ENDPOINT", default_value = "https://127.0.0.1:50070")]
         gl_endpoint: String,
+        #[command(flatten)]
+        tls: mtls::TlsArgs,
         /// Names this instance in claims; defaults to host:pid.
         #[arg(long, env = "DISPATCHER_INSTANCE_ID")]
         instance_id: Option<String>,
@@ -69,6 +71,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Run {
             gl_endpoint,
+            tls,
             instance_id,
             metrics_listen,
             batch_size,
@@ -78,8 +81,9 @@ async fn main() -> anyhow::Result<()> {
         } => {
             let instance_id =
                 instance_id.unwrap_or_else(|| format!("dispatcher-{}", std::process::id()));
+            let tls = tls.load().context("TLS material")?;
             let mut config =
-                outbox_dispatcher::Config::new(cli.database_url, gl_endpoint, instance_id);
+                outbox_dispatcher::Config::new(cli.database_url, gl_endpoint, tls, instance_id);
             config.batch_size = batch_size;
             config.claim_lease_ms = claim_lease_ms;
             config.backoff_max_ms = backoff_max_ms;

@@ -2,6 +2,7 @@
 //! (gRPC server in-process, its own database), in-process and as a killed process.
 
 use std::time::Duration;
+use testkit::pki::{tls, Role};
 
 use outbox_dispatcher::{Config, Dispatcher};
 use payout_proto::ledger as pb;
@@ -89,7 +90,7 @@ async fn fill(pool: &PgPool, prefix: &str, accounts: usize, payouts: usize) -> u
 }
 
 fn fast(paydb_url: &str, gl: &str, instance: &str) -> Config {
-    let mut c = Config::new(paydb_url, gl, instance);
+    let mut c = Config::new(paydb_url, gl, tls(Role::OutboxDispatcher), instance);
     c.backoff_base_ms = 50;
     c.backoff_max_ms = 400;
     c.poll_interval_ms = 50;
@@ -193,9 +194,12 @@ async fn gl_down_for_a_while_then_up_every_row_arrives_exactly_once() {
     .unwrap();
     assert_eq!(count(&paydb, "SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NOT NULL OR quarantined_at IS NOT NULL").await, 0);
 
-    let gl = general_ledger::spawn(&gl_url, format!("127.0.0.1:{port}").parse().unwrap())
-        .await
-        .unwrap();
+    let gl = general_ledger::spawn(
+        general_ledger::Config::new(&gl_url, tls(Role::GeneralLedger)),
+        format!("127.0.0.1:{port}").parse().unwrap(),
+    )
+    .await
+    .unwrap();
     eventually(WAIT, "every row delivered", || {
         let paydb = paydb.clone();
         async move {
@@ -216,9 +220,12 @@ async fn gl_down_for_a_while_then_up_every_row_arrives_exactly_once() {
         before,
         "payload columns untouched"
     );
-    let mut client = GeneralLedgerServiceClient::connect(gl.endpoint())
-        .await
-        .unwrap();
+    let mut client = GeneralLedgerServiceClient::new(
+        tls(Role::Operator)
+            .connect(&gl.endpoint(), Role::GeneralLedger)
+            .await
+            .unwrap(),
+    );
     let balance = client
         .get_balance(pb::GetBalanceRequest {
             account: Some(pb::AccountRef {
@@ -241,9 +248,12 @@ async fn gl_down_for_a_while_then_up_every_row_arrives_exactly_once() {
 async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_works_after_a_fix() {
     let (paydb_url, paydb) = paydb().await;
     let gl_url = Stack::shared().fresh_db(PgServer::Main).await;
-    let gl = general_ledger::spawn(&gl_url, "127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
+    let gl = general_ledger::spawn(
+        general_ledger::Config::new(&gl_url, tls(Role::GeneralLedger)),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
     let healthy = fill(&paydb, "ok", 3, 2).await;
     // Poison 1: a payout of an account the GL has never seen (its opening never came): fixable.
     let unknown = insert(&paydb, "ghost", payout("ghost", "ghost-p0", "2.00", "2.00")).await;
@@ -305,9 +315,12 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
     dispatcher.run_once().await.unwrap();
     assert_eq!(alerts.try_recv().unwrap().outbox_id, unbalanced);
     // The fix: the operator opens the missing account in the GL; then replay delivers both rows in order.
-    let mut client = GeneralLedgerServiceClient::connect(gl.endpoint())
-        .await
-        .unwrap();
+    let mut client = GeneralLedgerServiceClient::new(
+        tls(Role::Operator)
+            .connect(&gl.endpoint(), Role::GeneralLedger)
+            .await
+            .unwrap(),
+    );
     client
         .open_account(pb::OpenAccountRequest {
             account: Some(pb::AccountRef {
@@ -354,9 +367,12 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
 async fn dispatcher_killed_mid_batch_loses_nothing_and_duplicates_nothing() {
     let (paydb_url, paydb) = paydb().await;
     let gl_url = Stack::shared().fresh_db(PgServer::Main).await;
-    let gl = general_ledger::spawn(&gl_url, "127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
+    let gl = general_ledger::spawn(
+        general_ledger::Config::new(&gl_url, tls(Role::GeneralLedger)),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
     let rows = fill(&paydb, "k", 12, 2).await;
     let dir = tempfile::tempdir().unwrap();
     let spawn = |instance: &str, metrics_port: u16| {
@@ -382,7 +398,13 @@ async fn dispatcher_killed_mid_batch_loses_nothing_and_duplicates_nothing() {
             "--claim-lease-ms",
             "1500",
         ])
-        .args(["--backoff-max-ms", "400", "--poll-interval-ms", "50"]);
+        .args(["--backoff-max-ms", "400", "--poll-interval-ms", "50"])
+        .args(
+            testkit::pki::shared()
+                .issue(Role::OutboxDispatcher, instance)
+                .unwrap()
+                .to_args(),
+        );
         testkit::ManagedProcess::start(spec).unwrap()
     };
     let first = spawn("d1", testkit::free_port());

@@ -52,11 +52,18 @@ pub fn error_to_status(err: ServerError) -> Status {
 
 pub struct PaymentApi {
     store: Store,
+    fixture_accounts: bool,
 }
 
 impl PaymentApi {
-    pub fn new(store: Store) -> Self {
-        Self { store }
+    /// `fixture_accounts`: whether OpenAccount (funded accounts from nothing) is served at all.
+    /// Off in a deployment; the local stack and the tests turn it on. Even on, only the fixture
+    /// role may call it (`authz::POLICY`).
+    pub fn new(store: Store, fixture_accounts: bool) -> Self {
+        Self {
+            store,
+            fixture_accounts,
+        }
     }
 }
 
@@ -71,6 +78,11 @@ fn reply<T, U>(result: Result<T, ServerError>, convert: impl FnOnce(T) -> U) -> 
 #[tonic::async_trait]
 impl pb::payment_resource_server::PaymentResource for PaymentApi {
     async fn open_account(&self, request: Request<pb::OpenAccountRequest>) -> Reply<pb::Account> {
+        if !self.fixture_accounts {
+            return Err(Status::failed_precondition(
+                "OpenAccount is the fixture path and is off on this server (start it with --fixture-accounts to serve it)",
+            ));
+        }
         let r = request.into_inner();
         let result = async {
             let account_id = parse_account_id("account_id", &r.account_id)?;

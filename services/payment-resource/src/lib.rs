@@ -23,6 +23,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod api;
+pub mod authz;
 pub mod error;
 pub mod fixture;
 pub mod model;
@@ -49,11 +50,47 @@ pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateEr
 /// request cut off here rolls back its transaction, which is always safe.
 pub const SHUTDOWN_DRAIN_MS: u64 = 3_000;
 
-/// Serves `payment.v1.PaymentResource` and `grpc.health.v1` on `listener` until `shutdown`.
-/// Tests run it in-process on a port-0 listener; the binary on its configured address.
+/// How the server meets its callers: its TLS identity, its authorisation table, and whether the
+/// fixture path is served.
+#[derive(Clone)]
+pub struct Front {
+    tls: service_kit::grpc::Tls,
+    metrics: service_kit::Metrics,
+    policy: &'static service_kit::grpc::Policy,
+    /// OpenAccount (funded accounts from nothing): off in a deployment.
+    fixture_accounts: bool,
+}
+
+impl Front {
+    /// `authz::POLICY`, the fixture path off.
+    pub fn new(tls: service_kit::grpc::Tls, metrics: service_kit::Metrics) -> Self {
+        Self {
+            tls,
+            metrics,
+            policy: &authz::POLICY,
+            fixture_accounts: false,
+        }
+    }
+    pub fn with_fixture_accounts(mut self, on: bool) -> Self {
+        self.fixture_accounts = on;
+        self
+    }
+    /// TEST ONLY: serve with another table (this crate's own suite serves with
+    /// `mtls::issue::every_role_for_tests(&authz::POLICY)`). The binary has no way to call it.
+    #[doc(hidden)]
+    pub fn with_policy_for_tests(mut self, policy: &'static service_kit::grpc::Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+}
+
+/// Serves `payment.v1.PaymentResource` and `grpc.health.v1` on `listener` until `shutdown`,
+/// over mutual TLS, behind `authz::POLICY`. Tests run it in-process on a port-0 listener; the
+/// binary on its configured address.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     store: Store,
+    front: Front,
     shutdown: service_kit::Shutdown,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -63,12 +100,14 @@ pub async fn serve(
         store.pool().clone(),
         Duration::from_millis(service_kit::HEALTH_PERIOD_MS),
     ));
-    let server = tonic::transport::Server::builder()
+    let mut server = service_kit::grpc::server(&front.tls, front.policy, &front.metrics)?;
+    let server = server
         .add_service(health)
         .add_service(
             payout_proto::payment::payment_resource_server::PaymentResourceServer::new(
-                api::PaymentApi::new(store),
-            ),
+                api::PaymentApi::new(store, front.fixture_accounts),
+            )
+            .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
         )
         .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.clone().wait());
     let drain_deadline = async {

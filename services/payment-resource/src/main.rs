@@ -45,6 +45,12 @@ enum Command {
         /// (else `forged_grant`); there is no unsigned mode.
         #[arg(long, env = "GRANT_VERIFY_KEYS", value_name = "ID=HEX,...", value_parser = parse_verify_keys)]
         grant_verify_keys: Verifier,
+        #[command(flatten)]
+        tls: service_kit::grpc::TlsArgs,
+        /// Serve OpenAccount (funded accounts from nothing) to the fixture role. Off by default;
+        /// the local stack and the tests turn it on, a deployment does not.
+        #[arg(long, env = "PAYOUT_FIXTURE_ACCOUNTS")]
+        fixture_accounts: bool,
     },
     /// Open accounts with opening balances (idempotent), through the same code as OpenAccount.
     Fixture {
@@ -80,7 +86,10 @@ async fn main() -> anyhow::Result<()> {
             database_url,
             resolution_sla_ms,
             grant_verify_keys,
+            tls,
+            fixture_accounts,
         } => {
+            let tls = tls.load().context("TLS material")?;
             let pool = service_kit::connect_pg(&database_url).await?;
             migrate(&pool).await.context("applying paydb migrations")?;
             let metrics = Metrics::default();
@@ -94,12 +103,14 @@ async fn main() -> anyhow::Result<()> {
             let listener = service_kit::bind(listen).await?;
             let metrics_listener = service_kit::bind(metrics_listen).await?;
             tracing::info!(%listen, %metrics_listen, grant_verify_key_ids = ?key_ids, "payment-resource serving");
+            let front = payment_resource::Front::new(tls, metrics.clone())
+                .with_fixture_accounts(fixture_accounts);
             let metrics_task = tokio::spawn(service_kit::serve_metrics(
                 metrics_listener,
                 metrics,
                 shutdown.clone().wait(),
             ));
-            serve(listener, store, shutdown)
+            serve(listener, store, front, shutdown)
                 .await
                 .context("gRPC server")?;
             metrics_task.await.context("metrics task")??;

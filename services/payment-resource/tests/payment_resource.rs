@@ -21,6 +21,7 @@ use payout_domain::{
 use payout_proto::payment as pb;
 use service_kit::{Metrics, Shutdown};
 use sqlx::PgPool;
+use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
 
 /// Bound of every poll in these tests: a blocked backend shows up in pg_stat_activity well within it.
@@ -55,13 +56,14 @@ async fn start_service(url: &str, options: StoreOptions) -> Service {
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (shutdown, stop) = Shutdown::new();
+    let served = front(&metrics);
     tokio::spawn(async move {
-        payment_resource::serve(listener, store, shutdown)
+        payment_resource::serve(listener, store, served, shutdown)
             .await
             .expect("serve")
     });
-    let endpoint = format!("http://{addr}");
-    let client = PaymentClient::connect(endpoint.clone())
+    let endpoint = format!("https://{addr}");
+    let client = PaymentClient::connect(&endpoint, &tls(Role::Worker))
         .await
         .expect("connect");
     Service {
@@ -70,6 +72,18 @@ async fn start_service(url: &str, options: StoreOptions) -> Service {
         metrics,
         _stop: stop,
     }
+}
+
+/// This suite's subject is the service's logic, which it drives from one client in several roles
+/// (fixture, intake, worker, operator): the in-process server lets every role call every method.
+/// The real table is exercised against the binary (`binary_serves_and_stops_on_sigterm`,
+/// `binary_refuses_calls_outside_the_authorisation_table`) and by the system and attack suites.
+fn front(metrics: &Metrics) -> payment_resource::Front {
+    payment_resource::Front::new(tls(Role::PaymentResource), metrics.clone())
+        .with_fixture_accounts(true)
+        .with_policy_for_tests(mtls::issue::every_role_for_tests(
+            &payment_resource::authz::POLICY,
+        ))
 }
 
 /// The shared harness enforces no resolution SLA (zero), so the transition table's
@@ -2111,14 +2125,19 @@ async fn health_reports_serving() {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
     let pool = service_kit::connect_pg(&url).await.unwrap();
     payment_resource::migrate(&pool).await.unwrap();
-    let store = Store::new(pool, options(), &Metrics::default());
+    let metrics = Metrics::default();
+    let store = Store::new(pool, options(), &metrics);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (shutdown, _stop) = Shutdown::new();
-    tokio::spawn(payment_resource::serve(listener, store, shutdown));
-    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
+    tokio::spawn(payment_resource::serve(
+        listener,
+        store,
+        front(&metrics),
+        shutdown,
+    ));
+    let channel = tls(Role::Reconciler)
+        .connect(&format!("https://{addr}"), Role::PaymentResource)
         .await
         .unwrap();
     let health = tonic_health::pb::health_client::HealthClient::new(channel);
@@ -2161,27 +2180,31 @@ async fn binary_serves_and_stops_on_sigterm() {
             &url,
             "--grant-verify-keys",
             &signer().public_key().to_string(),
-        ]),
+            "--fixture-accounts",
+        ])
+        .args(binary_tls()),
     )
     .unwrap();
-    let client = testkit::eventually(
-        POLL_TIMEOUT,
-        "the binary to accept connections",
-        || async move {
-            PaymentClient::connect(format!("http://127.0.0.1:{port}"))
-                .await
-                .ok()
-        },
-    )
-    .await
-    .unwrap();
-    let account = client
+    let endpoint = format!("https://127.0.0.1:{port}");
+    let connect = |role| {
+        let endpoint = endpoint.clone();
+        async move {
+            testkit::eventually(POLL_TIMEOUT, "the binary to accept connections", || {
+                let (endpoint, tls) = (endpoint.clone(), tls(role));
+                async move { PaymentClient::connect(&endpoint, &tls).await.ok() }
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let (fixture, client) = (connect(Role::Fixture).await, connect(Role::Worker).await);
+    let account = fixture
         .open_account(&aid("acct-1"), &eur(), 1_000)
         .await
         .unwrap();
     assert_eq!(account.balance_minor, 1_000);
     // The binary verifies with the key it was given: a signed grant passes, an unsigned one not.
-    client
+    fixture
         .create_payout(&NewPayout {
             payout_id: pid("p-1"),
             account_id: aid("acct-1"),
@@ -2702,7 +2725,131 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
             let valid = raw.get_account(pb::GetAccountRequest {
                 account_id: "acct-w".into(),
             });
-            wire::still_serving(&h.service.endpoint, payment_resource::SERVICE_NAME, valid).await
+            wire::still_serving(
+                &h.service.endpoint,
+                payment_resource::SERVICE_NAME,
+                testkit::pki::Role::PaymentResource,
+                valid,
+            )
+            .await
         }
     });
+}
+
+/// The binary's TLS flags: a payment-resource certificate from this binary's test authority.
+fn binary_tls() -> Vec<std::ffi::OsString> {
+    testkit::pki::shared()
+        .issue(Role::PaymentResource, "payment-resource-binary")
+        .unwrap()
+        .to_args()
+}
+
+/// The binary serves its real authorisation table (`authz::POLICY`) over mutual TLS, with the
+/// fixture path off by default: a worker cannot open an account, an integrator cannot claim, the
+/// fixture path answers no one without `--fixture-accounts`; a certificate from another authority
+/// and a plaintext client do not get a single call through. Each refusal is counted where an
+/// operator sees it (`unauthorised_calls_total` by method and role), and nothing is written.
+#[tokio::test]
+async fn binary_refuses_calls_outside_the_authorisation_table() {
+    let url = Stack::shared().fresh_db(PgServer::Main).await;
+    let (port, metrics_port) = (testkit::free_port(), testkit::free_port());
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let _process = testkit::ManagedProcess::start(
+        testkit::ProcessSpec::new(
+            "payment-resource",
+            env!("CARGO_BIN_EXE_payment-resource"),
+            log.path(),
+        )
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "--metrics-listen",
+            &format!("127.0.0.1:{metrics_port}"),
+            "--database-url",
+            &url,
+            "--grant-verify-keys",
+            &signer().public_key().to_string(),
+        ])
+        .args(binary_tls()),
+    )
+    .unwrap();
+    let endpoint = format!("https://127.0.0.1:{port}");
+    let connect = |tls: mtls::Tls| {
+        let endpoint = endpoint.clone();
+        async move {
+            testkit::eventually(POLL_TIMEOUT, "the binary to accept connections", || {
+                let (endpoint, tls) = (endpoint.clone(), tls.clone());
+                async move { PaymentClient::connect(&endpoint, &tls).await.ok() }
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let worker = connect(tls(Role::Worker)).await;
+    let fixture = connect(tls(Role::Fixture)).await;
+    let intake = connect(tls(Role::Intake)).await;
+    fn code<T: std::fmt::Debug>(r: Result<T, PaymentError>) -> (tonic::Code, String) {
+        match r {
+            Err(PaymentError::Transport { code, message }) => (code, message),
+            other => panic!("expected a transport-level refusal, got {other:?}"),
+        }
+    }
+
+    let (c, m) = code(worker.open_account(&aid("acct-1"), &eur(), 1_000).await);
+    assert_eq!(c, tonic::Code::PermissionDenied, "{m}");
+    assert!(m.contains("worker may not call it"), "{m}");
+    let (c, m) = code(fixture.open_account(&aid("acct-1"), &eur(), 1_000).await);
+    assert_eq!(c, tonic::Code::FailedPrecondition, "{m}");
+    assert!(m.contains("--fixture-accounts"), "{m}");
+    let (c, m) = code(intake.claim(&pid("p-1"), &fence("acct-1", "w", 1)).await);
+    assert_eq!(c, tonic::Code::PermissionDenied, "{m}");
+    assert!(m.contains("PaymentResource/Claim"), "{m}");
+
+    // Another authority's certificate: the handshake fails, no call is made.
+    let foreign = mtls::issue::Authority::create()
+        .unwrap()
+        .issue(Role::Worker, "intruder")
+        .unwrap()
+        .tls();
+    assert!(PaymentClient::connect(&endpoint, &foreign).await.is_err());
+    // Plaintext: refused by the client library, and by the server's TLS listener.
+    let plain = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await;
+    if let Ok(channel) = plain {
+        let answer = PaymentClient::from_channel(channel)
+            .get_payout(&pid("p-1"))
+            .await;
+        assert!(answer.is_err(), "a plaintext call was answered: {answer:?}");
+    }
+    assert!(matches!(
+        PaymentClient::connect(&format!("http://127.0.0.1:{port}"), &tls(Role::Worker)).await,
+        Err(PaymentError::Transport { .. })
+    ));
+
+    let metrics = reqwest::get(format!("http://127.0.0.1:{metrics_port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"unauthorised_calls_total{method="/payment.v1.PaymentResource/OpenAccount",reason="role_not_allowed",role="worker"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"unauthorised_calls_total{method="/payment.v1.PaymentResource/Claim",reason="role_not_allowed",role="intake"} 1"#),
+        "{metrics}"
+    );
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let (accounts, payouts): (i64, i64) =
+        sqlx::query_as("SELECT (SELECT count(*) FROM account), (SELECT count(*) FROM payout)")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (accounts, payouts),
+        (0, 0),
+        "a refused call wrote something"
+    );
 }

@@ -22,6 +22,7 @@
 //! cargo feature `negative-controls`, which only test crates enable; no shipped binary is built
 //! with it.
 
+pub mod authz;
 pub mod model;
 pub mod rail;
 mod service;
@@ -84,6 +85,10 @@ pub struct ProxyConfig {
     pub rail_timeout: Duration,
     /// The lock service's public keys: a fenced call's grant must be signed by one of them.
     verifier: Verifier,
+    /// The proxy's certificate; every caller must present one from the same authority, and
+    /// `authz::POLICY` decides what its role may call.
+    tls: service_kit::grpc::Tls,
+    policy: &'static service_kit::grpc::Policy,
     #[cfg(feature = "negative-controls")]
     guards: Guards,
     pub(crate) protections: Protections,
@@ -103,12 +108,19 @@ pub enum ProxyServerError {
 
 impl ProxyConfig {
     /// The proxy in front of the rail at `rail_base_url`, verifying every fenced call's grant
-    /// with `verifier` (the lock service's public keys). There is no configuration without one.
-    pub fn new(rail_base_url: impl Into<String>, verifier: Verifier) -> Self {
+    /// with `verifier` (the lock service's public keys), serving over mutual TLS with `tls`.
+    /// There is no configuration without either.
+    pub fn new(
+        rail_base_url: impl Into<String>,
+        verifier: Verifier,
+        tls: service_kit::grpc::Tls,
+    ) -> Self {
         Self {
             rail_base_url: rail_base_url.into(),
             rail_timeout: Duration::from_millis(RAIL_CALL_TIMEOUT_MS_DEFAULT),
             verifier,
+            tls,
+            policy: &authz::POLICY,
             #[cfg(feature = "negative-controls")]
             guards: Guards::Enforced,
             protections: Protections {
@@ -120,6 +132,16 @@ impl ProxyConfig {
             #[cfg(feature = "negative-controls")]
             failpoint: None,
         }
+    }
+
+    /// TEST ONLY (feature `negative-controls`): serve with another authorisation table (this
+    /// crate's suite calls as worker and reconciler from one client:
+    /// `mtls::issue::every_role_for_tests(&authz::POLICY)`).
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn with_policy_for_tests(mut self, policy: &'static service_kit::grpc::Policy) -> Self {
+        self.policy = policy;
+        self
     }
 
     pub fn with_rail_timeout(mut self, timeout: Duration) -> Self {
@@ -234,15 +256,19 @@ pub async fn run(
     let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout);
     let counters = service::Counters::new(&metrics);
     tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, "rail proxy listening");
+    let mut server = service_kit::grpc::server(&config.tls, config.policy, &metrics)?;
     let service = service::ProxyService(Arc::new(service::Inner {
         pool,
         rail,
         config,
         counters,
     }));
-    let result = tonic::transport::Server::builder()
+    let result = server
         .add_service(health)
-        .add_service(RailProxyServer::new(service))
+        .add_service(
+            RailProxyServer::new(service)
+                .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
+        )
         .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
         .await;
     health_task.abort();
@@ -280,7 +306,7 @@ impl RunningProxy {
     }
 
     pub fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("https://{}", self.addr)
     }
 
     pub async fn stop(self) -> Result<(), ProxyServerError> {

@@ -5,6 +5,7 @@
 
 use std::sync::LazyLock;
 use std::time::Duration;
+use testkit::pki::{tls, Role};
 
 use grant_signing::{Signature, Signer};
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId};
@@ -65,11 +66,18 @@ async fn rig_with(
     let pool = service_kit::connect_pg(&db_url).await.unwrap();
     let stub = RunningStub::start(stub_config).await.unwrap();
     let config = configure(
-        ProxyConfig::new(stub.base_url(), verifier())
+        ProxyConfig::new(stub.base_url(), verifier(), tls(Role::RailProxy))
+            // The suite calls as worker and as reconciler from one client; the binary's real
+            // table is exercised by the system and attack suites.
+            .with_policy_for_tests(mtls::issue::every_role_for_tests(
+                &rail_proxy::authz::POLICY,
+            ))
             .with_rail_timeout(Duration::from_millis(TEST_RAIL_TIMEOUT_MS)),
     );
     let proxy = RunningProxy::start(pool.clone(), config).await.unwrap();
-    let client = RailProxyClient::connect(proxy.endpoint()).await.unwrap();
+    let client = RailProxyClient::connect(&proxy.endpoint(), &tls(Role::Worker))
+        .await
+        .unwrap();
     Rig {
         stub,
         proxy,
@@ -618,12 +626,22 @@ async fn a_proxy_killed_between_intent_and_rail_call_leaves_an_ambiguous_null() 
     .args([
         "--grant-verify-keys".to_string(),
         SIGNER.public_key().to_string(),
-    ]);
+    ])
+    .args(
+        testkit::pki::shared()
+            .issue(Role::RailProxy, "rail-proxy-binary")
+            .unwrap()
+            .to_args(),
+    );
     let process = testkit::ManagedProcess::start(spec).unwrap();
-    let endpoint = format!("http://127.0.0.1:{port}");
+    let endpoint = format!("https://127.0.0.1:{port}");
     let mut doomed = testkit::eventually(WAIT, "the proxy binary to listen", || {
         let endpoint = endpoint.clone();
-        async move { RailProxyClient::connect(endpoint).await.ok() }
+        async move {
+            RailProxyClient::connect(&endpoint, &tls(Role::Worker))
+                .await
+                .ok()
+        }
     })
     .await
     .unwrap();
@@ -1997,7 +2015,13 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
             let valid = client.raw().lookup(pb::LookupRequest {
                 payout_id: "p-w-sent".into(),
             });
-            wire::still_serving(&rig.proxy.endpoint(), rail_proxy::SERVICE_NAME, valid).await
+            wire::still_serving(
+                &rig.proxy.endpoint(),
+                rail_proxy::SERVICE_NAME,
+                testkit::pki::Role::RailProxy,
+                valid,
+            )
+            .await
         }
     });
 }

@@ -62,6 +62,15 @@ pub struct Config {
     pub rail_proxy_url: Option<String>,
     #[arg(long, env = "PAYMENT_RESOURCE_URL")]
     pub payment_resource_url: Option<String>,
+    /// The certificate authority, and this reconciler's certificate (role `reconciler`) and key:
+    /// required with any service URL above (every call is mutual TLS); the database and etcd
+    /// checks need none.
+    #[arg(long = "tls-ca", env = "PAYOUT_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    #[arg(long = "tls-cert", env = "PAYOUT_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long = "tls-key", env = "PAYOUT_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
     #[arg(long, env = "TEMPORAL_ADDRESS", default_value = "127.0.0.1:7233")]
     pub temporal_address: String,
     #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
@@ -96,8 +105,21 @@ pub struct Config {
 }
 
 impl Config {
+    /// The reconciler's certificate, needed by every call to a service.
+    pub fn tls(&self) -> anyhow::Result<mtls::Tls> {
+        match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            (Some(ca), Some(cert), Some(key)) => {
+                mtls::Tls::load(ca, cert, key).context("the reconciler's TLS material")
+            }
+            _ => anyhow::bail!(
+                "calling a service needs --tls-ca, --tls-cert and --tls-key (a certificate of role reconciler)"
+            ),
+        }
+    }
+
     pub fn resolve_config(&self) -> anyhow::Result<ResolveConfig> {
         Ok(ResolveConfig {
+            tls: self.tls()?,
             lock_url: self
                 .lock_server_url
                 .clone()
@@ -126,6 +148,7 @@ impl Config {
 
     pub fn resume_config(&self) -> anyhow::Result<ResumeConfig> {
         Ok(ResumeConfig {
+            tls: self.tls()?,
             lock_url: self
                 .lock_server_url
                 .clone()
@@ -140,7 +163,13 @@ impl Config {
             paydb: service_kit::connect_pg(&self.paydb_url).await?,
             proxydb: service_kit::connect_pg(&self.proxydb_url).await?,
             gldb: service_kit::connect_pg(&self.gldb_url).await?,
-            rail_proxy_url: self.rail_proxy_url.clone(),
+            rail_proxy: match &self.rail_proxy_url {
+                Some(url) => Some(reconciler::ProxySource {
+                    url: url.clone(),
+                    tls: self.tls()?,
+                }),
+                None => None,
+            },
             lock_grants: (!self.etcd_endpoints.is_empty()).then(|| reconciler::LockGrants {
                 etcd_endpoints: self.etcd_endpoints.clone(),
                 prefix: self.lock_prefix.clone(),

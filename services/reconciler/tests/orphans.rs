@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::time::Duration;
+use testkit::pki::Role;
 
 use payment_client::model::{Fence, NewPayout, RailOutcome};
 use payment_client::PaymentClient;
@@ -30,7 +31,7 @@ enum Ambiguity {
 }
 
 async fn grant(system: &System, account: &AccountId, owner: &str) -> lock_client::GrantHandle {
-    let lock = lock_client::LockClient::connect(system.lock_url())
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
     let session = lock
@@ -75,12 +76,17 @@ fn submit_request(new: &NewPayout, grant: &lock_client::GrantHandle) -> SubmitPa
 async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, how: Ambiguity) {
     let new = new_payout(account, payout);
     let grant = grant(system, &new.account_id, "test-holder").await;
-    let payments = PaymentClient::connect(system.payment_url()).await.unwrap();
-    payments
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+        .await
+        .unwrap();
+    fixture
         .open_account(&new.account_id, &new.currency, 100_000)
         .await
         .unwrap();
-    payments.create_payout(&new).await.unwrap();
+    fixture.create_payout(&new).await.unwrap();
     let fence = Fence::new(grant.owner(), grant.token())
         .unwrap()
         .signed(grant.key(), grant.signature().clone());
@@ -102,7 +108,10 @@ async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, how: A
                 .force(&reference, Some(mode))
                 .await
                 .unwrap();
-            let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+            let mut proxy =
+                RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
+                    .await
+                    .unwrap();
             let submission = proxy.submit(&submit_request(&new, &grant)).await.unwrap();
             assert!(
                 matches!(submission.outcome, Outcome::Timeout { .. }),
@@ -120,7 +129,7 @@ async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, how: A
 }
 
 async fn state_of(system: &System, payout: &str) -> PayoutState {
-    PaymentClient::connect(system.payment_url())
+    PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
         .await
         .unwrap()
         .get_payout(&PayoutId::parse(payout).unwrap())
@@ -297,7 +306,9 @@ async fn orphans_are_resolved_with_evidence_only_and_the_schedule_runs() {
     // Sealed: a later Submit, even under a newer grant, is a DUPLICATE and sends nothing.
     let late = new_payout("acct-o2", "po-unsent");
     let late_grant = grant(&system, &late.account_id, "late-holder").await;
-    let mut proxy = RailProxyClient::connect(system.proxy_url()).await.unwrap();
+    let mut proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
     match proxy.submit(&submit_request(&late, &late_grant)).await {
         Err(ProxyError::Duplicate { existing, .. }) => {
             assert!(existing.is_sealed(), "{existing:?}")

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::time::Duration;
+use testkit::pki::Role;
 
 use payment_client::model::NewPayout;
 use payment_client::PaymentClient;
@@ -154,7 +155,12 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
     )
     .await
     .unwrap();
-    let payments = PaymentClient::connect(system.payment_url()).await.unwrap();
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+        .await
+        .unwrap();
     let temporal = wf::connect(
         &system.temporal_address,
         testkit::temporal::NAMESPACE,
@@ -171,12 +177,12 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
     ];
     for (account, payouts) in &accounts {
         let first = new_payout(account, payouts[0]);
-        payments
+        fixture
             .open_account(&first.account_id, &first.currency, 100_000)
             .await
             .unwrap();
         for payout in payouts {
-            payments
+            fixture
                 .create_payout(&new_payout(account, payout))
                 .await
                 .unwrap();
@@ -250,7 +256,7 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
             "{payout} stranded"
         );
     }
-    let lock = lock_client::LockClient::connect(system.lock_url())
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
     let held = lock.describe("payout:s-acct-a").await.unwrap();
@@ -315,7 +321,10 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
         gldb: service_kit::connect_pg(&system.databases.gldb)
             .await
             .unwrap(),
-        rail_proxy_url: Some(system.proxy_url()),
+        rail_proxy: Some(reconciler::ProxySource {
+            url: system.proxy_url(),
+            tls: system.tls(Role::Reconciler),
+        }),
         lock_grants: None,
     };
     // The outbox drains into the GL; then every detective control is clean.

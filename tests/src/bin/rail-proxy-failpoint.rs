@@ -24,13 +24,16 @@ struct Args {
     /// As the shipped proxy's: the lock service's public grant keys (`key_id=<hex>[,...]`).
     #[arg(long, value_parser = Verifier::parse)]
     grant_verify_keys: Verifier,
+    #[command(flatten)]
+    tls: service_kit::grpc::TlsArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy-failpoint");
     let args = Args::parse();
-    let config = ProxyConfig::new(args.rail_url, args.grant_verify_keys)
+    let tls = args.tls.load().context("TLS material")?;
+    let config = ProxyConfig::new(args.rail_url, args.grant_verify_keys, tls)
         .with_failpoint(Some(Failpoint::AbortAfterIntent));
     let pool = service_kit::connect_pg(&args.database_url).await?;
     rail_proxy::migrate(&pool)

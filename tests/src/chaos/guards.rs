@@ -3,6 +3,7 @@
 //! IN-PROCESS on the same port, built with the test-only (`#[doc(hidden)]`) switch.
 
 use std::time::Duration;
+use testkit::pki::Role;
 
 use anyhow::Context;
 use service_kit::{Metrics, Shutdown};
@@ -91,15 +92,23 @@ pub async fn replace_services(
         );
         let listener = rebind(system.ports.payment_resource).await?;
         let (shutdown, stop) = Shutdown::new();
-        tokio::spawn(payment_resource::serve(listener, store, shutdown));
+        // Served as the binary serves: mutual TLS, the real authorisation table.
+        let front =
+            payment_resource::Front::new(system.tls(Role::PaymentResource), Metrics::default())
+                .with_fixture_accounts(true);
+        tokio::spawn(payment_resource::serve(listener, store, front, shutdown));
         stops.push(stop);
         testkit::eventually(
             Duration::from_secs(30),
             "in-process payment resource serving",
             || async {
-                testkit::system::probe_grpc(system.ports.payment_resource)
-                    .await
-                    .then_some(())
+                testkit::system::probe_grpc(
+                    system.ports.payment_resource,
+                    &system.tls(Role::Reconciler),
+                    Role::PaymentResource,
+                )
+                .await
+                .then_some(())
             },
         )
         .await
@@ -109,9 +118,10 @@ pub async fn replace_services(
         tokio::task::block_in_place(|| system.rail_proxy.kill())?;
         let pool = service_kit::connect_pg(&system.databases.proxydb).await?;
         let verifier = rail_proxy::Verifier::new([system.grant_keys.public_key.clone()])?;
-        let config = rail_proxy::ProxyConfig::new(system.rail_url(), verifier)
-            .with_rail_timeout(Duration::from_millis(super::RAIL_TIMEOUT_MS))
-            .disable_guards_for_negative_control();
+        let config =
+            rail_proxy::ProxyConfig::new(system.rail_url(), verifier, system.tls(Role::RailProxy))
+                .with_rail_timeout(Duration::from_millis(super::RAIL_TIMEOUT_MS))
+                .disable_guards_for_negative_control();
         let listener = rebind(system.ports.rail_proxy).await?;
         let (shutdown, stop) = Shutdown::new();
         tokio::spawn(rail_proxy::run(
@@ -126,9 +136,13 @@ pub async fn replace_services(
             Duration::from_secs(30),
             "in-process rail proxy serving",
             || async {
-                testkit::system::probe_grpc(system.ports.rail_proxy)
-                    .await
-                    .then_some(())
+                testkit::system::probe_grpc(
+                    system.ports.rail_proxy,
+                    &system.tls(Role::Reconciler),
+                    Role::RailProxy,
+                )
+                .await
+                .then_some(())
             },
         )
         .await

@@ -15,6 +15,7 @@
 //! With both guards off, the rail moves the money twice. With either one on, once.
 
 use std::time::Duration;
+use testkit::pki::Role;
 
 use lock_client::{Acquired, GrantHandle, LockClient};
 use payment_client::model::{Fence, NewPayout};
@@ -91,10 +92,12 @@ pub async fn stale_holder(
     )
     .await?;
     let _in_process = replace_services(&mut system, disable).await?;
-    let payments = PaymentClient::connect(system.payment_url())
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let lock = LockClient::connect(system.lock_url()).await?;
+    let lock = LockClient::connect(&system.lock_url(), &system.tls(Role::Worker)).await?;
+    let operator = LockClient::connect(&system.lock_url(), &system.tls(Role::Operator)).await?;
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture)).await?;
     let eur = Currency::parse("EUR").expect("supported");
     let mut steps = Vec::new();
     for i in 0..payouts {
@@ -102,11 +105,11 @@ pub async fn stale_holder(
         let payout_id = PayoutId::parse(format!("neg-{}-p{i}", disable.name()))?;
         let amount = AmountMinor::new(1_000)?;
         let beneficiary = BeneficiaryRef::parse("ben-neg")?;
-        payments
+        fixture
             .open_account(&account, &eur, 100_000)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        payments
+        fixture
             .create_payout(&NewPayout {
                 payout_id: payout_id.clone(),
                 account_id: account.clone(),
@@ -125,7 +128,8 @@ pub async fn stale_holder(
         };
         let t1 = grant_a.token().get();
         // 2. The operator revokes A's grant; B acquires (t2) and claims.
-        lock.force_revoke(&key, "negative-control-operator", "A is paused")
+        operator
+            .force_revoke(&key, "negative-control-operator", "A is paused")
             .await?;
         let session_b = lock.open_session("fresh-holder-b", SCENARIO_TTL).await?;
         let Acquired::Granted(grant_b) = session_b.acquire(&key, ACQUIRE_WAIT).await? else {
@@ -151,7 +155,8 @@ pub async fn stale_holder(
             )
             .signed(grant.key(), grant.signature().clone())
         };
-        let mut proxy = RailProxyClient::connect(system.proxy_url()).await?;
+        let mut proxy =
+            RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker)).await?;
         let stale_submit_accepted =
             stale_claim_accepted && proxy.submit(&submit(&grant_a)).await.is_ok();
         // 4. B submits.
@@ -209,10 +214,10 @@ pub async fn lock_history_overlap_control(stack: &Stack) -> anyhow::Result<(usiz
             lock_client::history::HistoryRecorder::open(&path)?,
         ))
     };
-    let lock_a = LockClient::connect(system.lock_url())
+    let lock_a = LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
         .await?
         .with_history(recorder("control-a")?);
-    let lock_b = LockClient::connect(system.lock_url())
+    let lock_b = LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
         .await?
         .with_history(recorder("control-b")?);
     let key = "payout:history-control";
@@ -221,7 +226,8 @@ pub async fn lock_history_overlap_control(stack: &Stack) -> anyhow::Result<(usiz
         anyhow::bail!("A could not acquire {key}");
     };
     let sent_ns = lock_client::history::monotonic_ns(std::time::Instant::now());
-    let answer = lock_a
+    let operator = LockClient::connect(&system.lock_url(), &system.tls(Role::Operator)).await?;
+    let answer = operator
         .force_revoke(key, "negative-control-operator", "A is stuck")
         .await?;
     let answered_ns = lock_client::history::monotonic_ns(std::time::Instant::now());

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+use testkit::pki::Role;
 
 use rand::{RngExt, SeedableRng};
 use serde::Serialize;
@@ -547,7 +548,8 @@ async fn force_revoke(
         rest.swap(i, rng.random_range(0..=i));
     }
     candidates.extend(rest);
-    let lock = lock_client::LockClient::connect(system.lock_url()).await?;
+    let lock =
+        lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Operator)).await?;
     let mut last = None;
     for account in candidates.iter().take(REVOKE_CANDIDATES_MAX) {
         let key = format!("payout:{account}");
@@ -603,7 +605,9 @@ async fn probe(system: &System, key: &str) -> anyhow::Result<Probe> {
     let mut last = String::new();
     while Instant::now() < give_up {
         let attempt = async {
-            let lock = lock_client::LockClient::connect(system.lock_url()).await?;
+            let lock =
+                lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+                    .await?;
             let session = lock
                 .open_session("chaos-restore-probe", Duration::from_secs(10))
                 .await?;
@@ -656,7 +660,13 @@ async fn restore_procedure(
         stopped + Duration::from_millis(WORKER_LOCK_TTL_MS + DEADLINE_SLACK_MS);
     tokio::time::sleep_until(all_deadlines_passed.into()).await;
     blocking(|| system.lock_server.restart())?;
-    testkit::system::wait_grpc(system.ports.lock_server, &system.lock_server).await?;
+    testkit::system::wait_grpc(
+        system.ports.lock_server,
+        &system.lock_server,
+        &system.tls(Role::Reconciler),
+        Role::LockServer,
+    )
+    .await?;
     Ok(reached)
 }
 
@@ -709,7 +719,13 @@ async fn etcd_restore(
             blocking(|| system.lock_server.kill())?;
             std::fs::remove_file(system.dir.join(testkit::system::ISSUED_TOKENS_FILE))?;
             blocking(|| system.lock_server.restart())?;
-            testkit::system::wait_grpc(system.ports.lock_server, &system.lock_server).await?;
+            testkit::system::wait_grpc(
+                system.ports.lock_server,
+                &system.lock_server,
+                &system.tls(Role::Reconciler),
+                Role::LockServer,
+            )
+            .await?;
         }
         let verdict = probe(system, &key).await;
         // Whatever the verdict, the operator now applies the procedure so the run can go on.

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use testkit::pki::Role;
 
 use payment_client::PaymentClient;
 use payout_activities::types::{AmbiguityPolicy, PayoutInput};
@@ -60,7 +61,7 @@ impl Workload {
         // Seed and system: two runs of one seed on one Temporal server (the negative controls'
         // configurations) must not share workflow ids.
         let run_id = format!("c{}s{}", config.seed, system.ports.lock_server);
-        let payments = PaymentClient::connect(system.payment_url())
+        let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let batch = crate::workload::Batch {

@@ -1,6 +1,7 @@
 //! The containers' health check (no gRPC health client ships in Debian's packages):
 //!
-//! - `payout-probe grpc 127.0.0.1:50052`: `grpc.health.v1.Health/Check` answers SERVING.
+//! - `payout-probe grpc 127.0.0.1:50052 payment-resource`: `grpc.health.v1.Health/Check` answers
+//!   SERVING over mutual TLS (the container's `PAYOUT_TLS_*`), from a server of that role.
 //! - `payout-probe http 127.0.0.1:8090 /healthz`: a plain HTTP GET answers 200.
 //! - `payout-probe connected 7233`: this container holds an ESTABLISHED TCP connection to some
 //!   host's port 7233 (the worker, which serves nothing, is healthy once it polls Temporal).
@@ -23,7 +24,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Check {
     /// grpc.health.v1 Check("") == SERVING.
-    Grpc { addr: String },
+    Grpc {
+        addr: String,
+        /// The server's role, as its certificate names it.
+        server: String,
+    },
     /// HTTP GET answers 200.
     Http {
         addr: String,
@@ -39,7 +44,10 @@ async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let timeout = std::time::Duration::from_millis(cli.timeout_ms);
     let result = match cli.check {
-        Check::Grpc { addr } => probe::grpc(&addr, timeout).await,
+        Check::Grpc { addr, server } => match mtls::Role::parse(&server) {
+            Ok(role) => probe::grpc(&addr, role, timeout).await,
+            Err(e) => Err(e.into()),
+        },
         Check::Http { addr, path } => probe::http(&addr, &path, timeout).await,
         Check::Connected { remote_port } => probe::connected(remote_port),
     };

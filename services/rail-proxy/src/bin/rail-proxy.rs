@@ -34,13 +34,16 @@ struct Args {
     /// a rotation). Required: every fenced call's grant must be signed by one of them.
     #[arg(long, env = "GRANT_VERIFY_KEYS", value_parser = Verifier::parse)]
     grant_verify_keys: Verifier,
+    #[command(flatten)]
+    tls: service_kit::grpc::TlsArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy");
     let args = Args::parse();
-    let config = ProxyConfig::new(args.rail_url, args.grant_verify_keys)
+    let tls = args.tls.load().context("TLS material")?;
+    let config = ProxyConfig::new(args.rail_url, args.grant_verify_keys, tls)
         .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms));
     let pool = service_kit::connect_pg(&args.database_url).await?;
     rail_proxy::migrate(&pool)

@@ -1,0 +1,220 @@
+//! Issuing: the project's certificate authority and one certificate per process. `payoutctl pki`
+//! is the operator's way in; the test kit and the dev stack issue fresh ones per system.
+//! Nothing issued here is committed: setup, the stack and compose's test script generate them.
+
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose,
+};
+
+use crate::{Role, Tls, TlsArgs, TlsError};
+
+const CA_CERT_FILE: &str = "ca.pem";
+const CA_KEY_FILE: &str = "ca.key";
+const CA_NAME: &str = "payout system certificate authority";
+/// How long an issued certificate is valid (the CA: ten times as long). Rotation is reissuing.
+pub const VALIDITY_DAYS: i64 = 365;
+
+/// The certificate authority: its certificate and key.
+pub struct Authority {
+    key: KeyPair,
+    cert_pem: String,
+}
+
+fn ca_params() -> CertificateParams {
+    let mut params = CertificateParams::default();
+    params.distinguished_name = DistinguishedName::new();
+    params.distinguished_name.push(DnType::CommonName, CA_NAME);
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    params
+}
+
+fn validity(params: &mut CertificateParams, days: i64) {
+    let now = rcgen::date_time_ymd(1970, 1, 1)
+        + std::time::Duration::from_secs(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        );
+    // An hour of slack for clocks a little behind the issuer's.
+    params.not_before = now - std::time::Duration::from_secs(3_600);
+    params.not_after = now + std::time::Duration::from_secs(days as u64 * 86_400);
+}
+
+fn write(path: &Path, contents: &str, private: bool) -> Result<(), TlsError> {
+    let result = (|| {
+        use std::io::Write;
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create(true).truncate(true);
+        if private {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
+        }
+        options.open(path)?.write_all(contents.as_bytes())
+    })();
+    result.map_err(|source| TlsError::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+impl Authority {
+    /// A new authority (ECDSA P-256 key).
+    pub fn create() -> Result<Authority, TlsError> {
+        let key = KeyPair::generate()?;
+        let mut params = ca_params();
+        validity(&mut params, VALIDITY_DAYS * 10);
+        let cert = params.self_signed(&key)?;
+        Ok(Authority {
+            key,
+            cert_pem: cert.pem(),
+        })
+    }
+
+    /// The authority in `dir` (`ca.pem`, `ca.key`), created there first if absent.
+    pub fn open_or_create(dir: &Path) -> Result<Authority, TlsError> {
+        let cert = dir.join(CA_CERT_FILE);
+        let key = dir.join(CA_KEY_FILE);
+        if cert.exists() && key.exists() {
+            let read = |path: &Path| {
+                std::fs::read_to_string(path).map_err(|source| TlsError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })
+            };
+            let key_pair = KeyPair::from_pem(&read(&key)?)?;
+            return Ok(Authority {
+                key: key_pair,
+                cert_pem: read(&cert)?,
+            });
+        }
+        std::fs::create_dir_all(dir).map_err(|source| TlsError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let authority = Authority::create()?;
+        write(&cert, &authority.cert_pem, false)?;
+        write(&key, &authority.key.serialize_pem(), true)?;
+        Ok(authority)
+    }
+
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// A certificate for one process: its DNS subject name is `role`'s name, its common name is
+    /// `instance` (for logs), and it serves as both TLS server and client.
+    pub fn issue(&self, role: Role, instance: &str) -> Result<Issued, TlsError> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(vec![role.name().to_string()])?;
+        params.distinguished_name = DistinguishedName::new();
+        params.distinguished_name.push(DnType::CommonName, instance);
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        params.use_authority_key_identifier_extension = true;
+        validity(&mut params, VALIDITY_DAYS);
+        // The issuer is rebuilt from the CA's fixed parameters and its key: the signature and the
+        // authority key identifier need nothing else.
+        let issuer = Issuer::new(ca_params(), &self.key);
+        let cert = params.signed_by(&key, &issuer)?;
+        Ok(Issued {
+            ca_pem: self.cert_pem.clone(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// Issues a certificate for `instance` and writes it beside the authority's certificate in
+    /// `dir` (`<instance>.pem`, `<instance>.key` with mode 0600).
+    pub fn issue_to(&self, role: Role, instance: &str, dir: &Path) -> Result<TlsArgs, TlsError> {
+        self.issue(role, instance)?.write(dir, instance)
+    }
+}
+
+/// TEST ONLY (this module is behind the `issue` feature, which no service binary enables): a
+/// copy of `policy` in which every role may call every method of its table. A service's own
+/// in-process suite, whose subject is the service's logic and which calls it from one client as
+/// several roles, serves with it; the real table is what the system tests and the attack suite
+/// run against (every process there is started by its binary, which knows no other table).
+pub fn every_role_for_tests(
+    policy: &'static crate::authz::Policy,
+) -> &'static crate::authz::Policy {
+    let rules: Vec<crate::authz::Rule> = policy
+        .rules
+        .iter()
+        .map(|r| crate::authz::Rule {
+            method: r.method,
+            roles: &Role::ALL,
+        })
+        .collect();
+    Box::leak(Box::new(crate::authz::Policy {
+        service: policy.service,
+        rules: Box::leak(rules.into_boxed_slice()),
+    }))
+}
+
+/// One issued certificate, its key and the authority's certificate.
+pub struct Issued {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl Issued {
+    pub fn tls(&self) -> Tls {
+        Tls::from_pem(&self.ca_pem, &self.cert_pem, &self.key_pem)
+    }
+
+    /// Writes `ca.pem` (if absent), `<name>.pem` and `<name>.key` into `dir`.
+    pub fn write(&self, dir: &Path, name: &str) -> Result<TlsArgs, TlsError> {
+        std::fs::create_dir_all(dir).map_err(|source| TlsError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let ca = dir.join(CA_CERT_FILE);
+        if !ca.exists() {
+            write(&ca, &self.ca_pem, false)?;
+        }
+        let cert: PathBuf = dir.join(format!("{name}.pem"));
+        let key: PathBuf = dir.join(format!("{name}.key"));
+        write(&cert, &self.cert_pem, false)?;
+        write(&key, &self.key_pem, true)?;
+        Ok(TlsArgs { ca, cert, key })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_issued_certificate_names_its_role_and_nothing_else() {
+        let ca = Authority::create().unwrap();
+        let issued = ca.issue(Role::Worker, "worker-0").unwrap();
+        let der =
+            rustls_pki_types::pem::PemObject::from_pem_slice(issued.cert_pem.as_bytes()).unwrap();
+        assert_eq!(crate::role_of(&der), Some(Role::Worker));
+        let other = ca.issue(Role::Worker, "worker-1").unwrap();
+        let other_der: rustls_pki_types::CertificateDer =
+            rustls_pki_types::pem::PemObject::from_pem_slice(other.cert_pem.as_bytes()).unwrap();
+        assert_ne!(crate::fingerprint(&der), crate::fingerprint(&other_der));
+    }
+
+    #[test]
+    fn a_reopened_authority_issues_under_the_same_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Authority::open_or_create(dir.path()).unwrap();
+        let again = Authority::open_or_create(dir.path()).unwrap();
+        assert_eq!(first.cert_pem(), again.cert_pem());
+        let issued = again.issue(Role::Operator, "alice").unwrap();
+        assert_eq!(issued.ca_pem, first.cert_pem());
+    }
+}

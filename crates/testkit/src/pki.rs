@@ -1,0 +1,71 @@
+//! The certificates of a system under test (or of the local stack): a certificate authority made
+//! on first use in the system's directory (kept across restarts of its processes, never
+//! committed), and one certificate per process, each with its own key. Test code that calls a
+//! service directly asks for a certificate of the role it plays ([`Pki::tls`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use anyhow::Context;
+pub use mtls::{Role, Tls, TlsArgs};
+
+const DIR: &str = "pki";
+
+pub struct Pki {
+    dir: PathBuf,
+    authority: mtls::issue::Authority,
+}
+
+impl std::fmt::Debug for Pki {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pki").field("dir", &self.dir).finish()
+    }
+}
+
+impl Pki {
+    /// The authority under `dir/pki`, made now if it is not there yet.
+    pub fn in_dir(dir: &Path) -> anyhow::Result<Self> {
+        let dir = dir.join(DIR);
+        let authority = mtls::issue::Authority::open_or_create(&dir)
+            .with_context(|| format!("certificate authority in {}", dir.display()))?;
+        Ok(Self { dir, authority })
+    }
+
+    /// Issues `instance`'s certificate for `role` into the directory, for a child process
+    /// (`--tls-ca/--tls-cert/--tls-key`, or the `PAYOUT_TLS_*` environment).
+    pub fn issue(&self, role: Role, instance: &str) -> anyhow::Result<TlsArgs> {
+        self.authority
+            .issue_to(role, instance, &self.dir)
+            .with_context(|| format!("issuing {instance}'s certificate"))
+    }
+
+    /// A fresh certificate of `role`, in memory: what a test presents when it calls a service
+    /// directly as that role.
+    pub fn tls(&self, role: Role) -> Tls {
+        self.authority
+            .issue(role, &format!("test-{role}"))
+            .expect("issuing a test certificate")
+            .tls()
+    }
+
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+}
+
+/// One authority for the in-process servers and clients of a test binary (its directory is a
+/// temporary one, kept for the life of the process).
+pub fn shared() -> &'static Pki {
+    static SHARED: OnceLock<(tempfile::TempDir, Pki)> = OnceLock::new();
+    let (_, pki) = SHARED.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let pki = Pki::in_dir(dir.path()).expect("a certificate authority");
+        (dir, pki)
+    });
+    pki
+}
+
+/// A fresh certificate of `role` from [`shared`].
+pub fn tls(role: Role) -> Tls {
+    shared().tls(role)
+}
