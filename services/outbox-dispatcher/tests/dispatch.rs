@@ -165,7 +165,7 @@ async fn gl_down_for_a_while_then_up_every_row_arrives_exactly_once() {
     let before = financial_columns(&paydb).await;
 
     let dispatcher = Dispatcher::new(
-        fast(&paydb_url, &format!("http://127.0.0.1:{port}"), "d1"),
+        fast(&paydb_url, &format!("https://127.0.0.1:{port}"), "d1"),
         &service_kit::Metrics::default(),
     )
     .await
