@@ -120,7 +120,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 );
                 for (name, f) in [
                     ("rail proxy Submit", &r.proxy),
-                    ("  verification off", &r.proxy_unverified),
+                    ("  security off", &r.proxy_insecure),
                     ("floor: 2 commits + stub", &r.floor),
                     ("stub called directly", &r.direct),
                 ] {
@@ -137,8 +137,8 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                     r.stub_movements
                 );
                 println!(
-                    "ratio verified/unverified proxy: {:.2} (grant signature check; target at least 0.95)",
-                    r.verified_over_unverified
+                    "ratio secured/insecure proxy: {:.2} (mutual TLS, the authorisation table and the grant signature check; target at least 0.95)",
+                    r.secured_over_insecure
                 );
             }
         }

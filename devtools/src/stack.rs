@@ -271,7 +271,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             let address = match process.name() {
                 "lock-server" => SystemRecord::url(system_ports.lock_server),
                 "payment-resource" => SystemRecord::url(system_ports.payment_resource),
-                "rail-stub" => SystemRecord::url(system_ports.rail_stub),
+                "rail-stub" => format!("http://127.0.0.1:{}", system_ports.rail_stub),
                 "rail-proxy" => SystemRecord::url(system_ports.rail_proxy),
                 "general-ledger" => SystemRecord::url(system_ports.general_ledger),
                 _ => "-".to_string(),
@@ -313,6 +313,13 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 SystemRecord::url(system_ports.payment_resource),
             ])
             .args(["--temporal-address".to_string(), record.temporal_address()])
+            // Its own certificate (role reconciler) from the stack's authority.
+            .args(
+                system
+                    .pki
+                    .issue(testkit::pki::Role::Reconciler, "reconciler")?
+                    .to_args(),
+            )
             .args([
                 "--temporal-cli".into(),
                 testkit::temporal::cli_path()?.into_os_string(),

@@ -139,28 +139,6 @@ impl Authority {
     }
 }
 
-/// TEST ONLY (this module is behind the `issue` feature, which no service binary enables): a
-/// copy of `policy` in which every role may call every method of its table. A service's own
-/// in-process suite, whose subject is the service's logic and which calls it from one client as
-/// several roles, serves with it; the real table is what the system tests and the attack suite
-/// run against (every process there is started by its binary, which knows no other table).
-pub fn every_role_for_tests(
-    policy: &'static crate::authz::Policy,
-) -> &'static crate::authz::Policy {
-    let rules: Vec<crate::authz::Rule> = policy
-        .rules
-        .iter()
-        .map(|r| crate::authz::Rule {
-            method: r.method,
-            roles: &Role::ALL,
-        })
-        .collect();
-    Box::leak(Box::new(crate::authz::Policy {
-        service: policy.service,
-        rules: Box::leak(rules.into_boxed_slice()),
-    }))
-}
-
 /// One issued certificate, its key and the authority's certificate.
 pub struct Issued {
     pub ca_pem: String,

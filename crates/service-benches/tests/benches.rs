@@ -150,13 +150,13 @@ async fn the_benchmark_measures_the_four_paths_in_one_run() {
     assert_eq!(
         (
             report.proxy.calls,
-            report.proxy_unverified.calls,
+            report.proxy_insecure.calls,
             report.floor.calls,
             report.direct.calls
         ),
         (200, 200, 200, 200)
     );
-    assert!(report.verified_over_unverified > 0.0);
+    assert!(report.secured_over_insecure > 0.0);
     assert!(
         report.proxy.p50_ms > 0.0
             && report.floor.p50_ms > 0.0

@@ -69,3 +69,22 @@ pub fn shared() -> &'static Pki {
 pub fn tls(role: Role) -> Tls {
     shared().tls(role)
 }
+
+/// TEST ONLY (the test kit is linked by no shipped package): a copy of `policy` in which every
+/// role may call every method of its table. A service's own in-process suite, whose subject is the
+/// service's logic and which calls it from one client as several roles, serves with it; the real
+/// table is what the binaries serve, and the system and attack suites run against them.
+pub fn every_role(policy: &'static mtls::authz::Policy) -> &'static mtls::authz::Policy {
+    let rules: Vec<mtls::authz::Rule> = policy
+        .rules
+        .iter()
+        .map(|r| mtls::authz::Rule {
+            method: r.method,
+            roles: &Role::ALL,
+        })
+        .collect();
+    Box::leak(Box::new(mtls::authz::Policy {
+        service: policy.service,
+        rules: Box::leak(rules.into_boxed_slice()),
+    }))
+}

@@ -49,7 +49,7 @@ impl Config {
     }
 
     /// TEST ONLY: serve with another table (this crate's own suite calls as dispatcher and as
-    /// operator from one client: `mtls::issue::every_role_for_tests(&authz::POLICY)`). The
+    /// operator from one client: `testkit::pki::every_role(&authz::POLICY)`). The
     /// binary has no way to call it.
     #[doc(hidden)]
     pub fn with_policy_for_tests(mut self, policy: &'static service_kit::grpc::Policy) -> Self {

@@ -18,9 +18,8 @@ async fn start() -> (Spawned, Client, String) {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
     // The suite calls as dispatcher and as operator from one client; the binary's real table is
     // exercised by the dispatcher's suite and the system and attack suites.
-    let config = general_ledger::Config::new(&url, tls(Role::GeneralLedger)).with_policy_for_tests(
-        mtls::issue::every_role_for_tests(&general_ledger::authz::POLICY),
-    );
+    let config = general_ledger::Config::new(&url, tls(Role::GeneralLedger))
+        .with_policy_for_tests(testkit::pki::every_role(&general_ledger::authz::POLICY));
     let server = general_ledger::spawn(config, "127.0.0.1:0".parse().unwrap())
         .await
         .expect("GL starts");

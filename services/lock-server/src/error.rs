@@ -28,6 +28,8 @@ pub enum LockError {
         returned_token: u64,
         highest_issued_token: u64,
     },
+    #[error("session {session_id} was created by another certificate; a session is usable only by its creator")]
+    SessionNotOwned { session_id: String },
     #[error("{waiting} callers already wait for locks in this server; retry later")]
     Overloaded { waiting: usize },
     #[error("{backend} backend unavailable: {detail}")]
@@ -70,6 +72,12 @@ impl LockError {
                     presented_session_id: presented_session_id.clone(),
                     presented_token: *presented_token,
                     current_token: *current_token,
+                }),
+            ),
+            Self::SessionNotOwned { session_id } => (
+                tonic::Code::PermissionDenied,
+                Kind::SessionNotOwned(pb::SessionNotOwned {
+                    session_id: session_id.clone(),
                 }),
             ),
             Self::NotHeld { key } => (

@@ -138,7 +138,7 @@ impl InProcess {
     }
 
     /// TEST ONLY: serves with another table (a suite that calls as several roles from one
-    /// client serves with `mtls::issue::every_role_for_tests(&authz::POLICY)`).
+    /// client serves with `testkit::pki::every_role(&authz::POLICY)`).
     #[doc(hidden)]
     pub async fn start_with_policy(
         config: &Config,

@@ -164,6 +164,21 @@ mod tests {
         );
     }
 
+    /// The server-wide count the waiter bound (`service::WAITERS_MAX`) reads: every join counts,
+    /// every leave (granted, timed out, gone) uncounts, over all keys.
+    #[tokio::test]
+    async fn waiters_are_counted_over_every_key_until_they_leave() {
+        let queues = Arc::new(Queues::default());
+        let a = queues.join("a");
+        let b1 = queues.join("b");
+        let b2 = queues.join("b");
+        assert_eq!(queues.waiting_total(), 3);
+        drop(b1);
+        assert_eq!(queues.waiting_total(), 2);
+        drop((a, b2));
+        assert_eq!(queues.waiting_total(), 0);
+    }
+
     #[tokio::test]
     async fn a_waiter_that_leaves_from_the_middle_keeps_the_order_of_the_rest() {
         let queues = Arc::new(Queues::default());

@@ -656,9 +656,10 @@ impl LockServiceImpl {
                     caller_certificate = %caller.fingerprint_hex(),
                     "a call on a session created by another certificate: refused"
                 );
-                Err(Status::permission_denied(
-                    "this session was created by another certificate; a session is usable only by its creator",
-                ))
+                Err(LockError::SessionNotOwned {
+                    session_id: wire.to_string(),
+                }
+                .into())
             }
             Err(Refused::Unbound) => Err(LockError::SessionNotFound {
                 session_id: wire.to_string(),

@@ -20,7 +20,7 @@ use testkit::{PgServer, Stack};
 /// every role call every method (the real table is the binary's: the system and attack suites).
 /// Session ownership is not part of the table and holds here as everywhere.
 fn every_role() -> &'static service_kit::grpc::Policy {
-    mtls::issue::every_role_for_tests(&lock_server::authz::POLICY)
+    testkit::pki::every_role(&lock_server::authz::POLICY)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -1673,6 +1673,11 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
                 let kind =
                     service_kit::rejection::decode::<pb::Rejection>(&status).and_then(|r| r.kind);
                 match (status.code(), &kind) {
+                    // A session id bound to another certificate (the wire values include ids
+                    // with a ':'): refused before the backend is asked.
+                    (tonic::Code::PermissionDenied, Some(Rejected::SessionNotOwned(_))) => {
+                        prop_assert_eq!(before.changed(&after), Vec::<String>::new());
+                    }
                     (tonic::Code::InvalidArgument, Some(Rejected::InvalidArgument(i))) => {
                         prop_assert!(!i.field.is_empty());
                         prop_assert_eq!(before.changed(&after), Vec::<String>::new());
@@ -1733,28 +1738,9 @@ fn postgres_wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
 #[tokio::test]
 async fn a_session_is_usable_only_by_the_certificate_that_created_it() {
     let s = start(Kind::Etcd).await;
-    let owner = RawLockClient::new(
-        tls(Role::Worker)
-            .connect(&s.server.endpoint, Role::LockServer)
-            .await
-            .unwrap(),
-    );
-    let intruder = RawLockClient::new(
-        tls(Role::Worker)
-            .connect(&s.server.endpoint, Role::LockServer)
-            .await
-            .unwrap(),
-    );
-    let session_id = owner
-        .clone()
-        .create_session(pb::CreateSessionRequest {
-            owner: "w-owner".into(),
-            ttl_ms: 10_000,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .session_id;
+    let owner = worker_raw(&s.server.endpoint).await;
+    let intruder = worker_raw(&s.server.endpoint).await;
+    let session_id = new_session(&owner).await;
     let granted = owner
         .clone()
         .acquire(pb::AcquireRequest {
@@ -1870,4 +1856,54 @@ async fn a_session_is_usable_only_by_the_certificate_that_created_it() {
             .contains(r#"event="session_not_owned""#),
         "the refusals are not counted"
     );
+}
+
+/// Negative control of the session binding: the same keep-alive and close, made on the service's
+/// inner methods (what the gRPC layer guards with the binding), are answered for anyone who knows
+/// the backend's session id. The binding in the wire layer is the only thing refusing the intruder
+/// in `a_session_is_usable_only_by_the_certificate_that_created_it`.
+#[tokio::test]
+async fn negative_control_without_the_binding_a_leaked_session_id_is_enough() {
+    let s = start(Kind::Etcd).await;
+    let owner = worker_raw(&s.server.endpoint).await;
+    let wire_id = new_session(&owner).await;
+    let (_, backend_id) = wire_id.split_once(':').expect("a bound session id");
+    assert!(s.server.service.keep_alive(backend_id).await.is_ok());
+    s.server.service.close_session(backend_id).await.unwrap();
+    let after = owner
+        .clone()
+        .keep_alive(pb::KeepAliveRequest {
+            session_id: wire_id,
+            vouch: vec![],
+        })
+        .await;
+    assert_eq!(
+        after.unwrap_err().code(),
+        tonic::Code::NotFound,
+        "the intruder closed the owner's session"
+    );
+}
+
+/// A raw client with a fresh worker certificate of its own.
+async fn worker_raw(endpoint: &str) -> RawLockClient {
+    RawLockClient::new(
+        tls(Role::Worker)
+            .connect(endpoint, Role::LockServer)
+            .await
+            .unwrap(),
+    )
+}
+
+/// A new session of `client`'s certificate: its id as the wire carries it.
+async fn new_session(client: &RawLockClient) -> String {
+    client
+        .clone()
+        .create_session(pb::CreateSessionRequest {
+            owner: "w-owner".into(),
+            ttl_ms: 10_000,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id
 }

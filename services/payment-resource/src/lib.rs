@@ -76,7 +76,7 @@ impl Front {
         self
     }
     /// TEST ONLY: serve with another table (this crate's own suite serves with
-    /// `mtls::issue::every_role_for_tests(&authz::POLICY)`). The binary has no way to call it.
+    /// `testkit::pki::every_role(&authz::POLICY)`). The binary has no way to call it.
     #[doc(hidden)]
     pub fn with_policy_for_tests(mut self, policy: &'static service_kit::grpc::Policy) -> Self {
         self.policy = policy;

@@ -81,9 +81,7 @@ async fn start_service(url: &str, options: StoreOptions) -> Service {
 fn front(metrics: &Metrics) -> payment_resource::Front {
     payment_resource::Front::new(tls(Role::PaymentResource), metrics.clone())
         .with_fixture_accounts(true)
-        .with_policy_for_tests(mtls::issue::every_role_for_tests(
-            &payment_resource::authz::POLICY,
-        ))
+        .with_policy_for_tests(testkit::pki::every_role(&payment_resource::authz::POLICY))
 }
 
 /// The shared harness enforces no resolution SLA (zero), so the transition table's
@@ -2852,4 +2850,20 @@ async fn binary_refuses_calls_outside_the_authorisation_table() {
         (0, 0),
         "a refused call wrote something"
     );
+}
+
+/// Negative control of the authorisation table: served with a table that lets every role call
+/// everything (what the binary's `authz::POLICY` is not), the same worker certificate that the
+/// binary refuses opens a funded account.
+#[tokio::test]
+async fn negative_control_with_every_role_allowed_a_worker_opens_a_funded_account() {
+    let h = harness().await;
+    let worker = PaymentClient::connect(&h.service.endpoint, &tls(Role::Worker))
+        .await
+        .unwrap();
+    let account = worker
+        .open_account(&aid("acct-forged"), &eur(), 1_000_000_000)
+        .await
+        .expect("the permissive table lets a worker open a funded account");
+    assert_eq!(account.balance_minor, 1_000_000_000);
 }

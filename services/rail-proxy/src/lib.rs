@@ -89,6 +89,10 @@ pub struct ProxyConfig {
     /// `authz::POLICY` decides what its role may call.
     tls: service_kit::grpc::Tls,
     policy: &'static service_kit::grpc::Policy,
+    /// TEST ONLY: serve without TLS and without the authorisation table (the bench's "security
+    /// off" path).
+    #[cfg(feature = "negative-controls")]
+    plaintext: bool,
     #[cfg(feature = "negative-controls")]
     guards: Guards,
     pub(crate) protections: Protections,
@@ -122,6 +126,8 @@ impl ProxyConfig {
             tls,
             policy: &authz::POLICY,
             #[cfg(feature = "negative-controls")]
+            plaintext: false,
+            #[cfg(feature = "negative-controls")]
             guards: Guards::Enforced,
             protections: Protections {
                 seal: true,
@@ -134,9 +140,19 @@ impl ProxyConfig {
         }
     }
 
+    /// TEST ONLY (feature `negative-controls`): serve without TLS and without the authorisation
+    /// table, so the bench can print what mutual TLS and the table cost a Submit beside what they
+    /// protect. No binary can reach it: the shipped one is never built with the feature.
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn plaintext_for_benches(mut self) -> Self {
+        self.plaintext = true;
+        self
+    }
+
     /// TEST ONLY (feature `negative-controls`): serve with another authorisation table (this
     /// crate's suite calls as worker and reconciler from one client:
-    /// `mtls::issue::every_role_for_tests(&authz::POLICY)`).
+    /// `testkit::pki::every_role(&authz::POLICY)`).
     #[cfg(feature = "negative-controls")]
     #[doc(hidden)]
     pub fn with_policy_for_tests(mut self, policy: &'static service_kit::grpc::Policy) -> Self {
@@ -257,18 +273,32 @@ pub async fn run(
     let counters = service::Counters::new(&metrics);
     tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, "rail proxy listening");
     let mut server = service_kit::grpc::server(&config.tls, config.policy, &metrics)?;
+    #[cfg(feature = "negative-controls")]
+    let plaintext = config.plaintext;
     let service = service::ProxyService(Arc::new(service::Inner {
         pool,
         rail,
         config,
         counters,
     }));
+    let service = RailProxyServer::new(service)
+        .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX);
+    #[cfg(feature = "negative-controls")]
+    if plaintext {
+        tracing::error!(
+            "rail proxy serving WITHOUT TLS or authorisation (test-only bench control)"
+        );
+        let result = tonic::transport::Server::builder()
+            .add_service(health)
+            .add_service(service)
+            .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
+            .await;
+        health_task.abort();
+        return Ok(result?);
+    }
     let result = server
         .add_service(health)
-        .add_service(
-            RailProxyServer::new(service)
-                .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
-        )
+        .add_service(service)
         .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
         .await;
     health_task.abort();

@@ -69,9 +69,7 @@ async fn rig_with(
         ProxyConfig::new(stub.base_url(), verifier(), tls(Role::RailProxy))
             // The suite calls as worker and as reconciler from one client; the binary's real
             // table is exercised by the system and attack suites.
-            .with_policy_for_tests(mtls::issue::every_role_for_tests(
-                &rail_proxy::authz::POLICY,
-            ))
+            .with_policy_for_tests(testkit::pki::every_role(&rail_proxy::authz::POLICY))
             .with_rail_timeout(Duration::from_millis(TEST_RAIL_TIMEOUT_MS)),
     );
     let proxy = RunningProxy::start(pool.clone(), config).await.unwrap();

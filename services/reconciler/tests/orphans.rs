@@ -150,32 +150,47 @@ async fn movements(system: &System, payout: &str) -> u64 {
 
 fn config_args(system: &System) -> Vec<String> {
     let s = |v: &str| v.to_string();
-    vec![
-        s("--paydb-url"),
-        system.databases.paydb.clone(),
-        s("--proxydb-url"),
-        system.databases.proxydb.clone(),
-        s("--gldb-url"),
-        system.databases.gldb.clone(),
-        s("--etcd-endpoints"),
-        Stack::shared().etcd_endpoints().join(","),
-        s("--lock-prefix"),
-        system.etcd_prefix.clone(),
-        s("--lock-server-url"),
-        system.lock_url(),
-        s("--rail-proxy-url"),
-        system.proxy_url(),
-        s("--payment-resource-url"),
-        system.payment_url(),
-        s("--temporal-address"),
-        system.temporal_address.clone(),
-        s("--temporal-cli"),
-        testkit::temporal::cli_path()
-            .unwrap()
-            .to_string_lossy()
-            .into_owned(),
-        s("--resolve-orphans"),
-    ]
+    reconciler_tls(system)
+        .into_iter()
+        .chain(vec![
+            s("--paydb-url"),
+            system.databases.paydb.clone(),
+            s("--proxydb-url"),
+            system.databases.proxydb.clone(),
+            s("--gldb-url"),
+            system.databases.gldb.clone(),
+            s("--etcd-endpoints"),
+            Stack::shared().etcd_endpoints().join(","),
+            s("--lock-prefix"),
+            system.etcd_prefix.clone(),
+            s("--lock-server-url"),
+            system.lock_url(),
+            s("--rail-proxy-url"),
+            system.proxy_url(),
+            s("--payment-resource-url"),
+            system.payment_url(),
+            s("--temporal-address"),
+            system.temporal_address.clone(),
+            s("--temporal-cli"),
+            testkit::temporal::cli_path()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned(),
+            s("--resolve-orphans"),
+        ])
+        .collect()
+}
+
+/// The reconciler's own certificate (role reconciler) from the system's authority.
+fn reconciler_tls(system: &System) -> Vec<String> {
+    system
+        .pki
+        .issue(testkit::pki::Role::Reconciler, "reconciler")
+        .unwrap()
+        .to_args()
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
 }
 
 /// `reconciler once --json --resolve-orphans`, the binary, as an operator runs it.

@@ -94,6 +94,14 @@ fn reconcile_once(system: &System) -> HashMap<String, serde_json::Value> {
     ];
     let out = std::process::Command::new(testkit::workspace_bin("reconciler"))
         .args(&args)
+        // Its own certificate (role reconciler) from the system's authority.
+        .args(
+            system
+                .pki
+                .issue(testkit::pki::Role::Reconciler, "reconciler")
+                .unwrap()
+                .to_args(),
+        )
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
