@@ -57,3 +57,56 @@ pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn issue(dir: &std::path::Path, role: &str, name: &str) -> anyhow::Result<()> {
+        run(Command::Issue(IssueArgs {
+            dir: dir.to_path_buf(),
+            role: role.into(),
+            name: name.into(),
+        }))
+        .map(|_| ())
+    }
+
+    #[test]
+    fn issued_files_load_name_their_role_and_keep_keys_owner_only() {
+        let dir = tempfile::tempdir().unwrap();
+        issue(dir.path(), "operator", "alice").unwrap();
+        issue(dir.path(), "worker", "worker-1").unwrap();
+        for key in ["ca.key", "alice.key", "worker-1.key"] {
+            let mode = std::fs::metadata(dir.path().join(key))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777;
+            assert_eq!(mode, 0o600, "{key}");
+        }
+        let tls = mtls::Tls::load(
+            &dir.path().join("ca.pem"),
+            &dir.path().join("alice.pem"),
+            &dir.path().join("alice.key"),
+        );
+        assert!(tls.is_ok(), "{tls:?}");
+        let pem = std::fs::read(dir.path().join("alice.pem")).unwrap();
+        let der: rustls_pki_types::CertificateDer =
+            rustls_pki_types::pem::PemObject::from_pem_slice(&pem).unwrap();
+        assert_eq!(mtls::role_of(&der), Some(mtls::Role::Operator));
+    }
+
+    #[test]
+    fn an_unknown_role_or_a_bad_name_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("pki");
+        let err = issue(&target, "root", "alice").unwrap_err().to_string();
+        assert!(err.contains("is not a role"), "{err}");
+        let err = issue(&target, "operator", "../alice")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--name"), "{err}");
+        assert!(!target.exists(), "something was written");
+    }
+}

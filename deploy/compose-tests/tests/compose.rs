@@ -186,7 +186,11 @@ struct Ports {
 
 struct Harness<'a> {
     project: &'a Project,
+    /// The suite as the fixture: it opens its accounts and submits its payouts.
     payment: PaymentClient,
+    /// The suite as the reconciler: the ledger check is its call (and an operator's), not the
+    /// fixture's.
+    checker: PaymentClient,
     temporal: temporalio_client::Client,
     temporal_container: String,
     http: reqwest::Client,
@@ -204,6 +208,12 @@ async fn scenarios(project: &Project, ports: &Ports) -> anyhow::Result<()> {
     )
     .await
     .context("payment-resource from the host")?;
+    let checker = PaymentClient::connect(
+        &format!("https://127.0.0.1:{}", ports.payment),
+        &suite_tls(mtls::Role::Reconciler)?,
+    )
+    .await
+    .context("payment-resource from the host, as the reconciler")?;
     let temporal = payout_workflows::client::connect(
         &format!("127.0.0.1:{}", ports.temporal),
         "default",
@@ -222,6 +232,7 @@ async fn scenarios(project: &Project, ports: &Ports) -> anyhow::Result<()> {
     let mut h = Harness {
         project,
         payment,
+        checker,
         temporal,
         temporal_container: project.container("temporal")?,
         http: reqwest::Client::new(),
@@ -652,11 +663,17 @@ async fn disconnect_worker_from_lock_network(h: &mut Harness<'_>) -> anyhow::Res
     // The cut worker still reaches the guards on `core`: its stale writes meet the fences.
     let reachable = h.project.exec(
         &container,
-        &["payout-probe", "grpc", "payment-resource:50052"],
+        &[
+            "payout-probe",
+            "grpc",
+            "payment-resource:50052",
+            "payment-resource",
+        ],
     );
-    let unreachable = h
-        .project
-        .exec(&container, &["payout-probe", "grpc", "lock-server:7100"]);
+    let unreachable = h.project.exec(
+        &container,
+        &["payout-probe", "grpc", "lock-server:7100", "lock-server"],
+    );
     let result = h.wait_settled(&ids).await;
     docker(&["network", "connect", &lock_net, &container])?;
     reachable.context("the cut worker must still reach payment-resource")?;
@@ -835,7 +852,7 @@ async fn check_everything(h: &Harness<'_>) -> anyhow::Result<()> {
             ));
         }
     }
-    let ledger = h.payment.check_ledger().await?;
+    let ledger = h.checker.check_ledger().await?;
     for v in &ledger.violations {
         violations.push(format!("ledger: {v:?}"));
     }
