@@ -242,12 +242,21 @@ pub mod grpc {
     pub use mtls::authz::{Policy, Refusal, Rule};
     pub use mtls::{Caller, Role, Tls, TlsArgs};
 
-    /// Requests one server handles at once; past it a call is answered UNAVAILABLE at once (load
-    /// shed) instead of queueing without bound. Callers retry UNAVAILABLE with backoff.
-    pub const CONCURRENCY_MAX: usize = 256;
-    /// A request that has not finished in this long is cancelled (DEADLINE_EXCEEDED); its
-    /// transaction rolls back. The lock service's longest wait (`WAIT_MS_MAX`) is below it.
-    pub const REQUEST_TIMEOUT_MS: u64 = 30_000;
+    /// A server's bounds: requests handled at once (past it a call is answered UNAVAILABLE at
+    /// once, load shed, instead of queueing without bound; callers retry UNAVAILABLE with
+    /// backoff), and how long one request may take (then DEADLINE_EXCEEDED; its transaction
+    /// rolls back).
+    #[derive(Debug, Clone, Copy)]
+    pub struct Bounds {
+        pub concurrency_max: usize,
+        pub request_timeout_ms: u64,
+    }
+
+    /// The guards' and the GL's bounds: every call is one short transaction.
+    pub const BOUNDS: Bounds = Bounds {
+        concurrency_max: 256,
+        request_timeout_ms: 30_000,
+    };
     /// The largest request any service decodes. Every request of this system is a few hundred
     /// bytes; a bigger one is refused (RESOURCE_EXHAUSTED) before it is parsed.
     pub const REQUEST_BYTES_MAX: usize = 64 * 1024;
@@ -262,6 +271,7 @@ pub mod grpc {
     pub fn server(
         tls: &Tls,
         policy: &'static Policy,
+        bounds: Bounds,
         metrics: &crate::Metrics,
     ) -> Result<SecureServer, tonic::transport::Error> {
         let refused = metrics.unauthorised_calls();
@@ -279,10 +289,10 @@ pub mod grpc {
         });
         Ok(Server::builder()
             .tls_config(tls.server_config())?
-            .timeout(Duration::from_millis(REQUEST_TIMEOUT_MS))
+            .timeout(Duration::from_millis(bounds.request_timeout_ms))
             .load_shed(true)
             .layer(mtls::authz::Authorize::new(policy, record))
-            .layer(GlobalConcurrencyLimitLayer::new(CONCURRENCY_MAX)))
+            .layer(GlobalConcurrencyLimitLayer::new(bounds.concurrency_max)))
     }
 
     /// The verified caller of a request (set by the authorisation layer), or INTERNAL if a

@@ -145,8 +145,13 @@ pub async fn serve(
     let address = listener.local_addr().ok();
     tracing::info!(?address, "general ledger serving");
     let incoming = service_kit::incoming(listener);
-    let mut server = service_kit::grpc::server(&config.tls, config.policy, &metrics)
-        .map_err(|e| LedgerError::Startup(format!("TLS: {e}")))?;
+    let mut server = service_kit::grpc::server(
+        &config.tls,
+        config.policy,
+        service_kit::grpc::BOUNDS,
+        &metrics,
+    )
+    .map_err(|e| LedgerError::Startup(format!("TLS: {e}")))?;
     let result = server
         .add_service(health_service)
         .add_service(service)

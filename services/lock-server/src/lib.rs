@@ -90,7 +90,8 @@ pub async fn serve(
         backend: "grpc-server",
         detail: e.to_string(),
     };
-    let mut server = service_kit::grpc::server(tls, policy, metrics).map_err(grpc_error)?;
+    let mut server =
+        service_kit::grpc::server(tls, policy, service::BOUNDS, metrics).map_err(grpc_error)?;
     let (reporter, health) = tonic_health::server::health_reporter();
     let probe = service.clone();
     let health_task = tokio::spawn(async move {

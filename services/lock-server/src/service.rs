@@ -56,6 +56,17 @@ pub mod event {
 /// (the caller retries with backoff) instead of parking without bound.
 pub const WAITERS_MAX: usize = 4_096;
 
+/// The lock service's server bounds: every parked waiter holds a request slot for up to
+/// `WAIT_MS_MAX`, so the concurrency bound is the waiter bound plus room for the calls that do
+/// not wait (keep-alives, releases), and a request may last the longest wait plus its backend
+/// calls. A waiting Acquire is never cut off by the server's own deadline.
+pub const BOUNDS: service_kit::grpc::Bounds = service_kit::grpc::Bounds {
+    concurrency_max: WAITERS_MAX + 512,
+    request_timeout_ms: WAIT_MS_MAX + 30_000,
+};
+const _: () = assert!(BOUNDS.request_timeout_ms > WAIT_MS_MAX + 10_000);
+const _: () = assert!(BOUNDS.concurrency_max > WAITERS_MAX);
+
 #[derive(Clone)]
 pub struct LockMetrics {
     events: IntCounterVec,

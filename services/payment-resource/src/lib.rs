@@ -100,7 +100,12 @@ pub async fn serve(
         store.pool().clone(),
         Duration::from_millis(service_kit::HEALTH_PERIOD_MS),
     ));
-    let mut server = service_kit::grpc::server(&front.tls, front.policy, &front.metrics)?;
+    let mut server = service_kit::grpc::server(
+        &front.tls,
+        front.policy,
+        service_kit::grpc::BOUNDS,
+        &front.metrics,
+    )?;
     let server = server
         .add_service(health)
         .add_service(

@@ -272,7 +272,12 @@ pub async fn run(
     let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout);
     let counters = service::Counters::new(&metrics);
     tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, "rail proxy listening");
-    let mut server = service_kit::grpc::server(&config.tls, config.policy, &metrics)?;
+    let mut server = service_kit::grpc::server(
+        &config.tls,
+        config.policy,
+        service_kit::grpc::BOUNDS,
+        &metrics,
+    )?;
     #[cfg(feature = "negative-controls")]
     let plaintext = config.plaintext;
     let service = service::ProxyService(Arc::new(service::Inner {
