@@ -126,6 +126,29 @@ impl Policy {
         }
     }
 
+    /// The rpcs of `proto` (a service's `.proto` text) that have no row in this table, and the
+    /// rows that name no rpc of it. Each service's test asserts both are empty: a new method is
+    /// refused to everyone until someone decides who may call it, and the test names it.
+    pub fn rows_out_of_step_with(&self, proto: &str) -> (Vec<String>, Vec<&'static str>) {
+        let methods: Vec<&str> = proto
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("rpc "))
+            .map(|l| l.split('(').next().unwrap_or("").trim())
+            .collect();
+        let missing = methods
+            .iter()
+            .filter(|m| self.roles(m).is_none())
+            .map(|m| m.to_string())
+            .collect();
+        let extra = self
+            .rules
+            .iter()
+            .map(|r| r.method)
+            .filter(|m| !methods.contains(m))
+            .collect();
+        (missing, extra)
+    }
+
     /// The roles that may call `method`, for tests and documentation.
     pub fn roles(&self, method: &str) -> Option<&'static [Role]> {
         self.rules

@@ -78,25 +78,16 @@ pub static POLICY: Policy = Policy {
 
 #[cfg(test)]
 mod tests {
-    use super::POLICY;
-
-    /// Every rpc of the service's proto has a row: a new method is refused to everyone until
-    /// someone decides who may call it, and this test names it.
+    /// Every rpc of the service's proto has a row, and every row an rpc.
     #[test]
     fn every_method_of_the_proto_has_a_row() {
         let proto = include_str!("../../../crates/proto/proto/payment.proto");
-        let methods: Vec<&str> = proto
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("rpc "))
-            .map(|l| l.split('(').next().unwrap_or("").trim())
-            .collect();
-        assert!(!methods.is_empty());
-        for method in methods {
-            assert!(
-                POLICY.roles(method).is_some(),
-                "{method} has no row in the table"
-            );
-        }
-        assert_eq!(POLICY.rules.len(), proto.matches("rpc ").count());
+        let (missing, extra) = super::POLICY.rows_out_of_step_with(proto);
+        assert!(proto.contains("rpc "));
+        assert!(
+            missing.is_empty(),
+            "rpcs with no row in the table: {missing:?}"
+        );
+        assert!(extra.is_empty(), "rows naming no rpc: {extra:?}");
     }
 }

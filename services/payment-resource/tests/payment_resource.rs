@@ -2162,40 +2162,9 @@ async fn health_reports_serving() {
 #[tokio::test]
 async fn binary_serves_and_stops_on_sigterm() {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
-    let (port, metrics_port) = (testkit::free_port(), testkit::free_port());
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let process = testkit::ManagedProcess::start(
-        testkit::ProcessSpec::new(
-            "payment-resource",
-            env!("CARGO_BIN_EXE_payment-resource"),
-            log.path(),
-        )
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .args([
-            "--metrics-listen",
-            &format!("127.0.0.1:{metrics_port}"),
-            "--database-url",
-            &url,
-            "--grant-verify-keys",
-            &signer().public_key().to_string(),
-            "--fixture-accounts",
-        ])
-        .args(binary_tls()),
-    )
-    .unwrap();
-    let endpoint = format!("https://127.0.0.1:{port}");
-    let connect = |role| {
-        let endpoint = endpoint.clone();
-        async move {
-            testkit::eventually(POLL_TIMEOUT, "the binary to accept connections", || {
-                let (endpoint, tls) = (endpoint.clone(), tls(role));
-                async move { PaymentClient::connect(&endpoint, &tls).await.ok() }
-            })
-            .await
-            .unwrap()
-        }
-    };
-    let (fixture, client) = (connect(Role::Fixture).await, connect(Role::Worker).await);
+    let binary = Binary::start(&url, &["--fixture-accounts"]);
+    let fixture = binary.client(&tls(Role::Fixture)).await;
+    let client = binary.client(&tls(Role::Worker)).await;
     let account = fixture
         .open_account(&aid("acct-1"), &eur(), 1_000)
         .await
@@ -2223,8 +2192,8 @@ async fn binary_serves_and_stops_on_sigterm() {
         .unwrap();
     assert_eq!(claimed.state, PayoutState::Claimed);
     let started = std::time::Instant::now();
-    process.terminate().unwrap();
-    let text = std::fs::read_to_string(log.path()).unwrap();
+    binary.process.terminate().unwrap();
+    let text = std::fs::read_to_string(binary.log.path()).unwrap();
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "did not stop promptly on SIGTERM: {text}"
@@ -2734,12 +2703,65 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
     });
 }
 
-/// The binary's TLS flags: a payment-resource certificate from this binary's test authority.
-fn binary_tls() -> Vec<std::ffi::OsString> {
-    testkit::pki::shared()
-        .issue(Role::PaymentResource, "payment-resource-binary")
+/// The shipped binary, serving on free ports with this suite's grant key and a payment-resource
+/// certificate from its test authority, plus `extra` flags.
+struct Binary {
+    process: testkit::ManagedProcess,
+    log: tempfile::NamedTempFile,
+    port: u16,
+    metrics_port: u16,
+}
+
+impl Binary {
+    fn start(database_url: &str, extra: &[&str]) -> Binary {
+        let (port, metrics_port) = (testkit::free_port(), testkit::free_port());
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let process = testkit::ManagedProcess::start(
+            testkit::ProcessSpec::new(
+                "payment-resource",
+                env!("CARGO_BIN_EXE_payment-resource"),
+                log.path(),
+            )
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .args([
+                "--metrics-listen",
+                &format!("127.0.0.1:{metrics_port}"),
+                "--database-url",
+                database_url,
+                "--grant-verify-keys",
+                &signer().public_key().to_string(),
+            ])
+            .args(extra)
+            .args(
+                testkit::pki::shared()
+                    .issue(Role::PaymentResource, "payment-resource-binary")
+                    .unwrap()
+                    .to_args(),
+            ),
+        )
+        .unwrap();
+        Binary {
+            process,
+            log,
+            port,
+            metrics_port,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
+    }
+
+    /// A client with `tls`'s certificate, once the binary accepts connections.
+    async fn client(&self, tls: &mtls::Tls) -> PaymentClient {
+        let endpoint = self.endpoint();
+        testkit::eventually(POLL_TIMEOUT, "the binary to accept connections", || {
+            let (endpoint, tls) = (endpoint.clone(), tls.clone());
+            async move { PaymentClient::connect(&endpoint, &tls).await.ok() }
+        })
+        .await
         .unwrap()
-        .to_args()
+    }
 }
 
 /// The binary serves its real authorisation table (`authz::POLICY`) over mutual TLS, with the
@@ -2750,41 +2772,12 @@ fn binary_tls() -> Vec<std::ffi::OsString> {
 #[tokio::test]
 async fn binary_refuses_calls_outside_the_authorisation_table() {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
-    let (port, metrics_port) = (testkit::free_port(), testkit::free_port());
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let _process = testkit::ManagedProcess::start(
-        testkit::ProcessSpec::new(
-            "payment-resource",
-            env!("CARGO_BIN_EXE_payment-resource"),
-            log.path(),
-        )
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .args([
-            "--metrics-listen",
-            &format!("127.0.0.1:{metrics_port}"),
-            "--database-url",
-            &url,
-            "--grant-verify-keys",
-            &signer().public_key().to_string(),
-        ])
-        .args(binary_tls()),
-    )
-    .unwrap();
-    let endpoint = format!("https://127.0.0.1:{port}");
-    let connect = |tls: mtls::Tls| {
-        let endpoint = endpoint.clone();
-        async move {
-            testkit::eventually(POLL_TIMEOUT, "the binary to accept connections", || {
-                let (endpoint, tls) = (endpoint.clone(), tls.clone());
-                async move { PaymentClient::connect(&endpoint, &tls).await.ok() }
-            })
-            .await
-            .unwrap()
-        }
-    };
-    let worker = connect(tls(Role::Worker)).await;
-    let fixture = connect(tls(Role::Fixture)).await;
-    let intake = connect(tls(Role::Intake)).await;
+    let binary = Binary::start(&url, &[]);
+    let (port, metrics_port) = (binary.port, binary.metrics_port);
+    let endpoint = binary.endpoint();
+    let worker = binary.client(&tls(Role::Worker)).await;
+    let fixture = binary.client(&tls(Role::Fixture)).await;
+    let intake = binary.client(&tls(Role::Intake)).await;
     fn code<T: std::fmt::Debug>(r: Result<T, PaymentError>) -> (tonic::Code, String) {
         match r {
             Err(PaymentError::Transport { code, message }) => (code, message),
