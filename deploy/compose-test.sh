@@ -2,8 +2,8 @@
 # The compose deployment's integration suite, from nothing: builds the binaries on the host
 # (`cargo build --bins`; nothing is compiled inside Docker), makes the base image if it is missing,
 # builds the four images, makes this run's grant signing key (`payoutctl keys grant-signing`, into
-# deploy/secrets/, git-ignored) and runs deploy/compose-tests against `docker-compose.yml`, which
-# refuses to start without the key.
+# deploy/secrets/, git-ignored), certificates (`payoutctl pki`) and database passwords, and runs
+# deploy/compose-tests against `docker-compose.yml`, which refuses to start without them.
 #
 #   deploy/compose-test.sh            # the whole suite
 #
@@ -65,9 +65,26 @@ chmod 711 "$TLS_DIR"
 for svc in lock-server payment-resource rail-proxy general-ledger outbox-dispatcher worker; do
     target/debug/payoutctl pki issue --dir "$TLS_DIR" --role "$svc" --name "$svc" > /dev/null
 done
+# The database servers' certificates name every host their clients reach them at: the service
+# name inside compose, 127.0.0.1 and localhost from the host (the suite's reconciler).
+for db in paydb proxydb; do
+    target/debug/payoutctl pki issue-server --dir "$TLS_DIR" --name "$db" \
+        --host "$db" --host 127.0.0.1 --host localhost > /dev/null
+done
 docker run --rm --user 0 -v "$TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
     sh -c 'chown payout /tls/*.key && chmod 644 /tls/*.pem'
+# PostgreSQL reads its key as its own user (the postgres image's uid), mode 0600.
+docker run --rm --user 0 -v "$TLS_DIR:/tls" "payout/postgres:15" \
+    sh -c 'chown postgres /tls/paydb.key /tls/proxydb.key && chmod 600 /tls/paydb.key /tls/proxydb.key'
 export PAYOUT_TLS_DIR="$TLS_DIR" PAYOUT_FIXTURE_ACCOUNTS=true
+
+# This run's database passwords: one per login, generated, never written to the repository
+# (compose refuses to start without any of them; deploy/README.md, "Database roles").
+pw() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
+export PAYOUT_DB_ADMIN_PASSWORD="$(pw)"
+for login in PAYOUT_OWNER PAYMENT_RESOURCE OUTBOX_DISPATCHER RECONCILER RAIL_PROXY GENERAL_LEDGER LOCK_SERVER; do
+    export "PAYOUT_DB_PASSWORD_$login=$(pw)"
+done
 
 t=$(date +%s%N)
 cargo test -p compose-tests -- --nocapture

@@ -202,10 +202,16 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             .start()
     })
     .await??;
-    for (db, _) in [("paydb", ()), ("gldb", ()), ("lockdb", ())] {
-        stack.main.create_database(db).await?;
+    // Each database as a deployment has it: owned by the owner role, which migrates it; only
+    // its services' roles may connect (the roles were provisioned when each server started).
+    use testkit::db_access::Database;
+    for kind in [Database::Paydb, Database::Gldb, Database::Lockdb] {
+        stack.main.provision_database(kind.name(), kind).await?;
     }
-    stack.proxy.create_database("proxydb").await?;
+    stack
+        .proxy
+        .provision_database("proxydb", Database::Proxydb)
+        .await?;
     let temporal = stack.temporal();
     let mut parts = vec![
         Part {
@@ -237,9 +243,6 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         system: None,
     };
     record.save(dir)?;
-    for (name, url) in record.database_urls() {
-        payoutctl::migrate::apply(name, &url).await?;
-    }
     if !args.infra_only {
         let base = args.service_port_base;
         let system_ports = SystemPorts {
@@ -251,9 +254,9 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             metrics: (11..17).map(|i| base + i).collect(),
         };
         let databases = Databases {
-            paydb: record.pg_url(record.ports.pg_main, "paydb"),
-            proxydb: record.pg_url(record.ports.pg_proxy, "proxydb"),
-            gldb: record.pg_url(record.ports.pg_main, "gldb"),
+            paydb: record.pg_url(dir, record.ports.pg_main, "paydb"),
+            proxydb: record.pg_url(dir, record.ports.pg_proxy, "proxydb"),
+            gldb: record.pg_url(dir, record.ports.pg_main, "gldb"),
         };
         let options = SystemOptions {
             workers: args.workers,
@@ -464,7 +467,7 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
                 "parts": rows,
                 "temporal_ui": record.ui_url(),
                 "temporal_address": record.temporal_address(),
-                "databases": record.database_urls().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+                "databases": record.database_urls(dir).into_iter().collect::<std::collections::BTreeMap<_, _>>(),
             })
         );
     } else {

@@ -5,6 +5,7 @@
 //! local stack, the main job, benchmarks, fault injection) builds on this crate, never the other
 //! way round, and this crate links no test kit.
 
+pub mod db;
 pub mod keys;
 pub mod migrate;
 pub mod pki;

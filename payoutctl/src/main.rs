@@ -20,8 +20,12 @@ struct Cli {
 enum Command {
     /// Check every invariant across paydb, proxydb, gldb, the rail and the lock grants.
     Reconcile(Box<reconcile::Args>),
-    /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb.
+    /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb, as the owner role
+    /// (the only way the schema changes; services only check its version).
     Migrate(migrate::Args),
+    /// Database roles: `db provision` (owner and service logins, databases), `db roles`.
+    #[command(subcommand)]
+    Db(payoutctl::db::Command),
     /// Make a deployment's keys (the lock service's grant signing key).
     #[command(subcommand)]
     Keys(keys::Command),
@@ -43,6 +47,7 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Migrate(args) => migrate::run(args).await,
+            Command::Db(command) => payoutctl::db::run(command).await,
             Command::Reconcile(args) => reconcile::run(*args).await,
             Command::Keys(command) => keys::run(command),
             Command::Pki(command) => payoutctl::pki::run(command),

@@ -16,6 +16,33 @@ use clap::{Args as ClapArgs, Subcommand};
 pub enum Command {
     /// Issue a certificate for one process (or one operator), making the authority if absent.
     Issue(IssueArgs),
+    /// Issue a server certificate for a database or etcd member, named by every host name and
+    /// address its clients connect to (each is checked: `sslmode=verify-full`).
+    IssueServer(IssueServerArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct IssueServerArgs {
+    /// The folder holding the authority (`ca.pem`, `ca.key`) and the issued certificates.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// The certificate's name (its files are NAME.pem and NAME.key), e.g. `paydb`.
+    #[arg(long)]
+    pub name: String,
+    /// A host name or IP address the server is reached at; repeat for each (at least one).
+    #[arg(long = "host", required = true)]
+    pub hosts: Vec<String>,
+}
+
+fn check_name(name: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)),
+        "--name must be letters, digits, '.', '_' or '-'"
+    );
+    Ok(())
 }
 
 #[derive(ClapArgs)]
@@ -36,14 +63,7 @@ pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
     match command {
         Command::Issue(args) => {
             let role = mtls::Role::parse(&args.role)?;
-            anyhow::ensure!(
-                !args.name.is_empty()
-                    && args
-                        .name
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)),
-                "--name must be letters, digits, '.', '_' or '-'"
-            );
+            check_name(&args.name)?;
             let authority = mtls::issue::Authority::open_or_create(&args.dir)
                 .with_context(|| format!("the authority in {}", args.dir.display()))?;
             let files = authority.issue_to(role, &args.name, &args.dir)?;
@@ -53,6 +73,26 @@ pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
                 files.cert.display(),
                 files.key.display()
             );
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::IssueServer(args) => {
+            check_name(&args.name)?;
+            for host in &args.hosts {
+                anyhow::ensure!(
+                    !host.is_empty()
+                        && host
+                            .chars()
+                            .all(|c| c.is_ascii_alphanumeric() || ".-:".contains(c)),
+                    "--host {host:?} is not a host name or an IP address"
+                );
+            }
+            let authority = mtls::issue::Authority::open_or_create(&args.dir)
+                .with_context(|| format!("the authority in {}", args.dir.display()))?;
+            let hosts: Vec<&str> = args.hosts.iter().map(String::as_str).collect();
+            let files = authority
+                .issue_named(&hosts, &args.name)?
+                .write(&args.dir, &args.name)?;
+            println!("{} {}", files.cert.display(), files.key.display());
             Ok(std::process::ExitCode::SUCCESS)
         }
     }

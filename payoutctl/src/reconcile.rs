@@ -21,7 +21,7 @@ pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
     let connect = |url: String| async move {
         sqlx::PgPool::connect(&url)
             .await
-            .with_context(|| format!("connecting {url}"))
+            .with_context(|| format!("connecting to {}", db_access::redact(&url)))
     };
     Ok(reconciler::Sources {
         paydb: connect(target.paydb.clone()).await?,

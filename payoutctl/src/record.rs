@@ -13,6 +13,8 @@ pub const DEFAULT_STATE_DIR: &str = ".state/stack";
 /// The task queue of the local stack's workers.
 pub const TASK_QUEUE: &str = "payouts";
 const RECORD_FILE: &str = "stack.json";
+/// The local stack's generated database passwords (the test kit writes them, mode 0600).
+pub const CREDENTIALS_FILE: &str = "db-credentials.json";
 
 /// The infrastructure's ports (PostgreSQL x2, etcd's members, Temporal and its UI).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -109,18 +111,51 @@ impl StackRecord {
         Ok(())
     }
 
-    pub fn pg_url(&self, port: u16, db: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{port}/{db}")
+    /// One of the stack's PostgreSQL servers: TLS, its certificate from the stack's authority.
+    pub fn pg_server(state_dir: &Path, port: u16) -> db_access::Server {
+        let state_dir = state_dir
+            .canonicalize()
+            .unwrap_or_else(|_| state_dir.to_path_buf());
+        db_access::Server {
+            host: "127.0.0.1".into(),
+            port,
+            ca_file: state_dir.join("pki").join("ca.pem"),
+        }
     }
 
-    /// (database, url) for every database of the system.
-    pub fn database_urls(&self) -> Vec<(&'static str, String)> {
+    /// The superuser's URL of `db`, without its password: what is recorded and printed.
+    pub fn pg_url(&self, state_dir: &Path, port: u16, db: &str) -> String {
+        Self::pg_server(state_dir, port).url_without_password("postgres", db)
+    }
+
+    /// (database, url without a password) for every database of the system.
+    pub fn database_urls(&self, state_dir: &Path) -> Vec<(&'static str, String)> {
+        self.databases()
+            .into_iter()
+            .map(|(db, port)| (db, self.pg_url(state_dir, port, db)))
+            .collect()
+    }
+
+    /// (database, port) of every database of the system.
+    pub fn databases(&self) -> Vec<(&'static str, u16)> {
         vec![
-            ("paydb", self.pg_url(self.ports.pg_main, "paydb")),
-            ("gldb", self.pg_url(self.ports.pg_main, "gldb")),
-            ("lockdb", self.pg_url(self.ports.pg_main, "lockdb")),
-            ("proxydb", self.pg_url(self.ports.pg_proxy, "proxydb")),
+            ("paydb", self.ports.pg_main),
+            ("gldb", self.ports.pg_main),
+            ("lockdb", self.ports.pg_main),
+            ("proxydb", self.ports.pg_proxy),
         ]
+    }
+
+    /// `login`'s URL of `db` on the server at `port`, with the password the stack generated
+    /// (`<state dir>/db-credentials.json`, mode 0600). It holds a secret: never print it.
+    pub fn login_url(state_dir: &Path, login: &str, port: u16, db: &str) -> anyhow::Result<String> {
+        let path = state_dir.join(CREDENTIALS_FILE);
+        let credentials = db_access::Credentials::load(&path)
+            .with_context(|| format!("the stack's database credentials ({})", path.display()))?;
+        let password = credentials
+            .password(login)
+            .with_context(|| format!("no password for {login} in {}", path.display()))?;
+        Ok(Self::pg_server(state_dir, port).url(login, &password, db))
     }
 
     pub fn etcd_endpoints(&self) -> Vec<String> {

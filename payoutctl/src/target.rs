@@ -117,10 +117,13 @@ impl Target {
             .system
             .as_ref()
             .context("the stack runs no services (it was started with --infra-only)")?;
+        // The reconciler's role: it reads every store and may write none.
+        let reader =
+            |port: u16, db: &str| StackRecord::login_url(&self.state_dir, "reconciler", port, db);
         Ok(Resolved {
-            paydb: system.databases.paydb.clone(),
-            proxydb: system.databases.proxydb.clone(),
-            gldb: system.databases.gldb.clone(),
+            paydb: reader(record.ports.pg_main, "paydb")?,
+            proxydb: reader(record.ports.pg_proxy, "proxydb")?,
+            gldb: reader(record.ports.pg_main, "gldb")?,
             rail_url: system.rail_url(),
             payment_url: system.payment_url(),
             proxy_url: system.proxy_url(),

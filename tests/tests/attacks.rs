@@ -5,8 +5,14 @@
 //! metric on the service's `/metrics`, or the guard's audit). The suite prints a table of the
 //! cases and their results, then fails if any case did not hold.
 //!
+//! Section 6 logs in to each database as each service's own role and tries the statements that
+//! would rewrite history (UPDATE or DELETE of append-only rows, disabling triggers, replica mode,
+//! DDL): the database refuses each with `insufficient_privilege`, nothing changes, and the server
+//! log records the refused statement with the role. Its negative control runs the same statements
+//! as the superuser (rolled back) and sees them accepted, so the refusals are the roles' doing.
+//!
 //! Cases still to come with the rest of issue 17: operator signatures (an unsigned and a wrongly
-//! signed abandon) and tampering SQL as each service's database role.
+//! signed abandon).
 
 use std::time::Duration;
 
@@ -17,7 +23,9 @@ use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId, PayoutState,
 };
 use payout_proto::{ledger, lock, payment, railproxy};
+use testkit::db_access::Database;
 use testkit::pki::Role;
+use testkit::stack::PgServer;
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;
 use tonic::transport::Channel;
@@ -560,6 +568,88 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
         });
     }
 
+    // 6. Tampering SQL as each service's own database role.
+    {
+        let stack = Stack::shared();
+        let lockdb = stack.provisioned_db(PgServer::Main, Database::Lockdb).await;
+        let admin_url = |db: Database| match db {
+            Database::Paydb => paydb.clone(),
+            Database::Proxydb => proxydb.clone(),
+            Database::Gldb => gldb.clone(),
+            Database::Lockdb => lockdb.clone(),
+        };
+        for t in TAMPERING {
+            let admin = admin_url(t.database);
+            let server = server_of(t.database);
+            let login = stack
+                .pg(server)
+                .login_url(t.role, testkit::system::database_name(&admin));
+            let log = stack.pg(server).process.log_path().to_path_buf();
+            let logged_before = logged(&log, t.role, t.statement);
+            let before = fingerprint(&admin, t.table).await;
+            let answer = as_role(&login, t.statement).await;
+            let after = fingerprint(&admin, t.table).await;
+            let recorded =
+                testkit::eventually(Duration::from_secs(5), "the refusal logged", || {
+                    let log = log.clone();
+                    async move { (logged(&log, t.role, t.statement) > logged_before).then_some(()) }
+                })
+                .await
+                .is_ok();
+            rows.push(Row {
+                case: leak(format!(
+                    "{} as {}: {}",
+                    t.database.name(),
+                    t.role,
+                    t.statement
+                )),
+                expected: "insufficient_privilege (42501), unchanged, in the server log",
+                held: answer == Err("42501".to_string()) && before == after && recorded,
+                observed: format!(
+                    "{answer:?}, {} {}, logged {recorded}",
+                    t.table,
+                    if before == after {
+                        "unchanged"
+                    } else {
+                        "CHANGED"
+                    }
+                ),
+            });
+        }
+    }
+
+    // 7. The databases themselves: TLS only, a password per login.
+    {
+        let stack = Stack::shared();
+        let pg = stack.pg(PgServer::Main);
+        let db = testkit::system::database_name(&paydb).to_string();
+        let right = pg.login_url("payment_resource", &db);
+        let plaintext = right.replace("sslmode=verify-full", "sslmode=disable");
+        let answer = connect_code(&plaintext).await;
+        rows.push(Row {
+            case: "paydb over plaintext with the right password",
+            expected: "refused: no host entry without TLS (28000)",
+            held: answer == Err("28000".to_string()),
+            observed: format!("{answer:?}"),
+        });
+        let other = pg.credentials().password("rail_proxy").expect("a password");
+        let wrong = pg.server().url("payment_resource", &other, &db);
+        let answer = connect_code(&wrong).await;
+        rows.push(Row {
+            case: "paydb as payment_resource with another role's password",
+            expected: "refused: password authentication failed (28P01)",
+            held: answer == Err("28P01".to_string()),
+            observed: format!("{answer:?}"),
+        });
+        let answer = connect_code(&pg.login_url("rail_proxy", &db)).await;
+        rows.push(Row {
+            case: "paydb as rail_proxy (a role of another database)",
+            expected: "refused: no CONNECT on paydb (42501)",
+            held: answer == Err("42501".to_string()),
+            observed: format!("{answer:?}"),
+        });
+    }
+
     println!("\n{:<62} {:<72} {:<5} observed", "case", "expected", "held");
     for r in &rows {
         println!(
@@ -572,6 +662,303 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
     }
     let failed: Vec<&str> = rows.iter().filter(|r| !r.held).map(|r| r.case).collect();
     assert!(failed.is_empty(), "cases that did not hold: {failed:?}");
+}
+
+/// One tampering attempt: a service's role, its database, a statement, the table it aims at.
+struct Tamper {
+    role: &'static str,
+    database: Database,
+    statement: &'static str,
+    table: &'static str,
+}
+
+const fn t(
+    role: &'static str,
+    database: Database,
+    statement: &'static str,
+    table: &'static str,
+) -> Tamper {
+    Tamper {
+        role,
+        database,
+        statement,
+        table,
+    }
+}
+
+/// What a compromised service (or anyone with its password) would try first.
+const TAMPERING: &[Tamper] = &[
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "UPDATE ledger_entry SET amount_minor = amount_minor + 1",
+        "ledger_entry",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "DELETE FROM audit_event",
+        "audit_event",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "TRUNCATE audit_event",
+        "audit_event",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "ALTER TABLE audit_event DISABLE TRIGGER ALL",
+        "audit_event",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "SET session_replication_role = replica",
+        "audit_event",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "UPDATE ledger_outbox SET payload = '{}'::jsonb",
+        "ledger_outbox",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "DROP TRIGGER audit_event_append_only ON audit_event",
+        "audit_event",
+    ),
+    t(
+        "outbox_dispatcher",
+        Database::Paydb,
+        "UPDATE ledger_outbox SET payload = '{}'::jsonb",
+        "ledger_outbox",
+    ),
+    t(
+        "outbox_dispatcher",
+        Database::Paydb,
+        "DELETE FROM ledger_outbox",
+        "ledger_outbox",
+    ),
+    t(
+        "outbox_dispatcher",
+        Database::Paydb,
+        "UPDATE account SET balance_minor = 0",
+        "account",
+    ),
+    t(
+        "outbox_dispatcher",
+        Database::Paydb,
+        "ALTER TABLE ledger_outbox DISABLE TRIGGER ALL",
+        "ledger_outbox",
+    ),
+    t(
+        "outbox_dispatcher",
+        Database::Paydb,
+        "SET session_replication_role = replica",
+        "ledger_outbox",
+    ),
+    t(
+        "reconciler",
+        Database::Paydb,
+        "UPDATE payout SET state = 'POSTED'",
+        "payout",
+    ),
+    t(
+        "reconciler",
+        Database::Paydb,
+        "DELETE FROM ledger_entry",
+        "ledger_entry",
+    ),
+    t(
+        "reconciler",
+        Database::Proxydb,
+        "UPDATE account_high_water SET high_water = 0",
+        "account_high_water",
+    ),
+    t(
+        "reconciler",
+        Database::Gldb,
+        "DELETE FROM journals",
+        "journals",
+    ),
+    t(
+        "rail_proxy",
+        Database::Proxydb,
+        "DELETE FROM guard_event",
+        "guard_event",
+    ),
+    t(
+        "rail_proxy",
+        Database::Proxydb,
+        "DELETE FROM rail_submission",
+        "rail_submission",
+    ),
+    t(
+        "rail_proxy",
+        Database::Proxydb,
+        "ALTER TABLE rail_submission DISABLE TRIGGER ALL",
+        "rail_submission",
+    ),
+    t(
+        "rail_proxy",
+        Database::Proxydb,
+        "SET session_replication_role = replica",
+        "rail_submission",
+    ),
+    t(
+        "general_ledger",
+        Database::Gldb,
+        "UPDATE entries SET amount = amount * 2",
+        "entries",
+    ),
+    t(
+        "general_ledger",
+        Database::Gldb,
+        "DELETE FROM journals",
+        "journals",
+    ),
+    t(
+        "general_ledger",
+        Database::Gldb,
+        "ALTER TABLE entries DISABLE TRIGGER ALL",
+        "entries",
+    ),
+    t(
+        "general_ledger",
+        Database::Gldb,
+        "SET session_replication_role = replica",
+        "entries",
+    ),
+    t(
+        "lock_server",
+        Database::Lockdb,
+        "DELETE FROM lock_audit",
+        "lock_audit",
+    ),
+    t(
+        "lock_server",
+        Database::Lockdb,
+        "ALTER TABLE lock_audit DISABLE TRIGGER ALL",
+        "lock_audit",
+    ),
+    t(
+        "lock_server",
+        Database::Lockdb,
+        "SET session_replication_role = replica",
+        "lock_audit",
+    ),
+];
+
+fn server_of(db: Database) -> PgServer {
+    match db {
+        Database::Proxydb => PgServer::Proxy,
+        _ => PgServer::Main,
+    }
+}
+
+/// Runs `statement` on one connection of `url`, in a transaction rolled back either way: Ok, or
+/// the SQLSTATE of the refusal.
+async fn as_role(url: &str, statement: &str) -> Result<(), String> {
+    run_rolled_back(url, None, statement).await
+}
+
+async fn run_rolled_back(url: &str, prelude: Option<&str>, statement: &str) -> Result<(), String> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(url)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut tx = conn.begin().await.map_err(|e| format!("begin: {e}"))?;
+    if let Some(prelude) = prelude {
+        sqlx::raw_sql(prelude)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| format!("prelude: {e}"))?;
+    }
+    let answer = sqlx::raw_sql(statement).execute(&mut *tx).await;
+    let _ = tx.rollback().await;
+    match answer {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(e)) => Err(e.code().map(|c| c.to_string()).unwrap_or_default()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Connects once: Ok, or the SQLSTATE of the refusal.
+async fn connect_code(url: &str) -> Result<(), String> {
+    use sqlx::Connection;
+    match sqlx::PgConnection::connect(url).await {
+        Ok(conn) => {
+            let _ = conn.close().await;
+            Ok(())
+        }
+        Err(sqlx::Error::Database(e)) => Err(e.code().map(|c| c.to_string()).unwrap_or_default()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The table's rows as text, in order: equal before and after means nothing was written.
+async fn fingerprint(admin_url: &str, table: &str) -> String {
+    let pool = sqlx::PgPool::connect(admin_url).await.unwrap();
+    let text: Option<String> = sqlx::query_scalar(&format!(
+        "SELECT md5(string_agg(t::text, '|' ORDER BY t::text)) || ':' || count(*) FROM {table} t"
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+    text.unwrap_or_default()
+}
+
+/// How often the server log records a refusal of `statement` by `role` (the stack's servers log
+/// `user@database` before each message, and every error with its statement).
+fn logged(log: &std::path::Path, role: &str, statement: &str) -> usize {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut n = 0;
+    let mut refused_by_role = false;
+    for line in text.lines() {
+        if line.contains(&format!("{role}@")) && line.contains("ERROR:") {
+            refused_by_role = true;
+        } else if refused_by_role && line.contains("STATEMENT:") {
+            if line.contains(statement) {
+                n += 1;
+            }
+            refused_by_role = false;
+        }
+    }
+    n
+}
+
+/// Negative control of section 6: as the superuser, with the triggers switched off the way only a
+/// superuser can (`SET LOCAL session_replication_role = replica`), every tampering statement is
+/// accepted (each in a transaction rolled back). The statements are real and well-formed; what
+/// refuses them in the suite is the service roles' lack of privilege, not a typo or a missing
+/// table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_as_the_superuser_every_tampering_statement_runs() {
+    let stack = Stack::shared();
+    let mut urls = std::collections::HashMap::new();
+    for db in Database::ALL {
+        urls.insert(db, stack.provisioned_db(server_of(db), db).await);
+    }
+    let mut accepted = Vec::new();
+    for t in TAMPERING {
+        let answer = run_rolled_back(
+            &urls[&t.database],
+            Some("SET LOCAL session_replication_role = replica"),
+            t.statement,
+        )
+        .await;
+        println!(
+            "superuser on {}: {} -> {answer:?}",
+            t.database.name(),
+            t.statement
+        );
+        accepted.push(answer.is_ok());
+    }
+    assert!(accepted.iter().all(|ok| *ok), "{accepted:?}");
 }
 
 fn leak(s: String) -> &'static str {

@@ -109,8 +109,16 @@ impl Authority {
     /// A certificate for one process: its DNS subject name is `role`'s name, its common name is
     /// `instance` (for logs), and it serves as both TLS server and client.
     pub fn issue(&self, role: Role, instance: &str) -> Result<Issued, TlsError> {
+        self.issue_named(&[role.name()], instance)
+    }
+
+    /// A certificate for a server that is not one of ours (PostgreSQL, etcd), named by what its
+    /// clients connect to: DNS names or IP addresses, each checked by the client
+    /// (`sslmode=verify-full`). Like [`issue`](Self::issue), it serves as server and client.
+    pub fn issue_named(&self, names: &[&str], instance: &str) -> Result<Issued, TlsError> {
         let key = KeyPair::generate()?;
-        let mut params = CertificateParams::new(vec![role.name().to_string()])?;
+        let mut params =
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
         params.distinguished_name = DistinguishedName::new();
         params.distinguished_name.push(DnType::CommonName, instance);
         params.is_ca = IsCa::ExplicitNoCa;

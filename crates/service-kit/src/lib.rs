@@ -190,23 +190,7 @@ pub async fn health_from_db(
 pub const HEALTH_PERIOD_MS: u64 = 1_000;
 
 /// Hides the password of a `postgres://user:password@host/db` URL before it is logged.
-pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let creds = &url[scheme + 3..at];
-            match creds.find(':') {
-                Some(colon) => format!(
-                    "{}{}:***{}",
-                    &url[..scheme + 3],
-                    &creds[..colon],
-                    &url[at..]
-                ),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
-    }
-}
+pub use db_access::redact;
 
 /// Binds a listener, with the address in the error.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {

@@ -2,8 +2,10 @@
 //! server as real processes on loopback ports with isolated state, plus process fault injection
 //! (SIGKILL, SIGTERM, SIGSTOP/SIGCONT, restart). No part of it is a mock.
 
+pub use db_access;
 pub mod etcd;
 pub mod grants;
+pub mod migrations;
 pub mod netns;
 pub mod pki;
 pub mod postgres;

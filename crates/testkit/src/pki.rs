@@ -39,6 +39,18 @@ impl Pki {
             .with_context(|| format!("issuing {instance}'s certificate"))
     }
 
+    /// A certificate for a server that is not one of ours (PostgreSQL, etcd), named by the
+    /// names and addresses its clients connect to.
+    pub fn issue_named(
+        &self,
+        names: &[&str],
+        instance: &str,
+    ) -> anyhow::Result<mtls::issue::Issued> {
+        self.authority
+            .issue_named(names, instance)
+            .with_context(|| format!("issuing {instance}'s certificate"))
+    }
+
     /// A fresh certificate of `role`, in memory: what a test presents when it calls a service
     /// directly as that role.
     pub fn tls(&self, role: Role) -> Tls {

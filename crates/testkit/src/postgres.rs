@@ -1,5 +1,8 @@
 //! A private PostgreSQL server: `initdb` into its own directory, run as an unprivileged user,
-//! reachable on 127.0.0.1 with trust authentication (a test or local-stack server, never shared).
+//! reachable on 127.0.0.1 over TLS only (its certificate from the stack's authority, checked by
+//! every client with `sslmode=verify-full`), every login with a password (SCRAM). Its roles are
+//! provisioned at start (`db_access::provision_roles`): the superuser is for the test kit's own
+//! administration and for tests that inspect a store; services log in as their own roles.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -40,6 +43,25 @@ pub struct PgOptions {
     /// Durable (fsync on) for the local stack; off for tests, whose data dies with them anyway.
     pub durable: bool,
     pub lifetime: Lifetime,
+    /// The passwords of the superuser and of every role (the stack's, generated).
+    pub credentials: std::sync::Arc<db_access::Credentials>,
+    /// The server's certificate and key (PEM) and the authority's certificate file.
+    pub tls: PgTls,
+}
+
+#[derive(Clone)]
+pub struct PgTls {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub ca_file: PathBuf,
+}
+
+impl std::fmt::Debug for PgTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgTls")
+            .field("ca_file", &self.ca_file)
+            .finish_non_exhaustive()
+    }
 }
 
 pub struct Postgres {
@@ -47,7 +69,16 @@ pub struct Postgres {
     pub port: u16,
     pub dir: PathBuf,
     pub process: ManagedProcess,
+    credentials: std::sync::Arc<db_access::Credentials>,
+    ca_file: PathBuf,
 }
+
+/// Host connections: TLS and a password only. The Unix socket (in the server's own directory,
+/// reachable only by its user and root) stays `trust` for local administration.
+const PG_HBA: &str = "\
+local all all trust
+hostssl all all all scram-sha-256
+";
 
 impl Postgres {
     /// Initialises `dir` if it holds no cluster yet, then starts the server and waits until it
@@ -62,17 +93,18 @@ impl Postgres {
             std::fs::create_dir_all(&data)?;
             hand_over(dir, user)?;
             let log = dir.join("initdb.log");
+            let pwfile = dir.join("initdb-password");
+            write_private(&pwfile, &options.credentials.superuser, user)?;
             let out = std::process::Command::new(bin.join("initdb"))
                 .args(["-D".as_ref(), data.as_os_str()])
                 .args([
                     "-U",
                     "postgres",
-                    "--auth=trust",
-                    "-E",
-                    "UTF8",
-                    "--locale=C.UTF-8",
-                    "--no-instructions",
+                    "--auth-local=trust",
+                    "--auth-host=scram-sha-256",
                 ])
+                .arg(format!("--pwfile={}", pwfile.display()))
+                .args(["-E", "UTF8", "--locale=C.UTF-8", "--no-instructions"])
                 .args(if options.durable {
                     &[][..]
                 } else {
@@ -81,6 +113,7 @@ impl Postgres {
                 .uid_gid(user)
                 .output()
                 .context("running initdb")?;
+            std::fs::remove_file(&pwfile)?;
             std::fs::write(&log, [&out.stdout[..], &out.stderr[..]].concat())?;
             anyhow::ensure!(
                 out.status.success(),
@@ -90,6 +123,10 @@ impl Postgres {
         } else {
             hand_over(dir, user)?;
         }
+        // Rewritten on every start, so a state directory from before TLS is brought up to it.
+        write_private(&data.join("pg_hba.conf"), PG_HBA, user)?;
+        write_private(&data.join("server.crt"), &options.tls.cert_pem, user)?;
+        write_private(&data.join("server.key"), &options.tls.key_pem, user)?;
         remove_stale_lock_file(&data.join("postmaster.pid"))?;
         for entry in std::fs::read_dir(&socket_dir)?.filter_map(|e| e.ok()) {
             if entry.file_name().to_string_lossy().ends_with(".lock") {
@@ -110,6 +147,10 @@ impl Postgres {
             format!("max_connections={MAX_CONNECTIONS}"),
         ])
         .args(["-c", "shared_buffers=64MB"])
+        .args(["-c", "ssl=on", "-c", "ssl_min_protocol_version=TLSv1.2"])
+        .args(["-c", "password_encryption=scram-sha-256"])
+        // Who did what: every log line names the role and the database.
+        .args(["-c", "log_line_prefix=%m [%p] %q%u@%d "])
         .user(user)
         .lifetime(options.lifetime);
         if !options.durable {
@@ -126,9 +167,70 @@ impl Postgres {
             port,
             dir: dir.to_path_buf(),
             process,
+            credentials: options.credentials.clone(),
+            ca_file: options.tls.ca_file.clone(),
         };
         server.wait_ready()?;
+        server.provision_roles()?;
         Ok(server)
+    }
+
+    /// The owner and every service role, with the stack's passwords (idempotent).
+    fn provision_roles(&self) -> anyhow::Result<()> {
+        let url = self.url("postgres");
+        let credentials = self.credentials.clone();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        runtime
+            .block_on(async move {
+                let mut admin = db_access::connect(&url).await?;
+                db_access::provision_roles(&mut admin, |login| credentials.password(login)).await
+            })
+            .with_context(|| format!("provisioning the roles of postgres {}", self.name))
+    }
+
+    /// Where this server is, for [`db_access::Server::url`].
+    pub fn server(&self) -> db_access::Server {
+        db_access::Server {
+            host: "127.0.0.1".into(),
+            port: self.port,
+            ca_file: self.ca_file.clone(),
+        }
+    }
+
+    pub fn credentials(&self) -> &db_access::Credentials {
+        &self.credentials
+    }
+
+    /// URL of `database` for `login` (a role of `db_access::logins`), with its password.
+    pub fn login_url(&self, login: &str, database: &str) -> String {
+        let password = self
+            .credentials
+            .password(login)
+            .unwrap_or_else(|| panic!("no password for {login}"));
+        self.server().url(login, &password, database)
+    }
+
+    /// Creates `name` as a database of kind `kind`, owned by the owner role, reachable only by
+    /// the owner and `kind`'s service roles, and applies its migrations as the owner (what
+    /// `payoutctl db provision` and `payoutctl migrate` do in a deployment). Answers the
+    /// superuser's URL of it.
+    pub async fn provision_database(
+        &self,
+        name: &str,
+        kind: db_access::Database,
+    ) -> anyhow::Result<String> {
+        let mut admin = db_access::connect(&self.url("postgres")).await?;
+        db_access::provision_database(&mut admin, name, kind).await?;
+        sqlx::Connection::close(admin).await?;
+        let owner = sqlx::PgPool::connect(&self.login_url(db_access::OWNER, name)).await?;
+        crate::migrations::migrator(kind)
+            .run(&owner)
+            .await
+            .with_context(|| format!("migrating {name} as the owner"))?;
+        owner.close().await;
+        Ok(self.url(name))
     }
 
     pub fn wait_ready(&self) -> anyhow::Result<()> {
@@ -154,9 +256,11 @@ impl Postgres {
         .with_context(|| format!("log tail:\n{}", self.process.log_tail(20)))
     }
 
-    /// URL of a database on this server.
+    /// The superuser's URL of a database on this server (it holds the password: tests pass it to
+    /// nothing but their own pools).
     pub fn url(&self, database: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+        self.server()
+            .url("postgres", &self.credentials.superuser, database)
     }
 
     /// Creates `database` if it does not exist (idempotent).
@@ -192,6 +296,28 @@ impl Postgres {
         self.process.restart()?;
         self.wait_ready()
     }
+}
+
+/// Writes `contents` to `path`, mode 0600, owned by the server's user (PostgreSQL refuses a key
+/// file others can read).
+fn write_private(path: &Path, contents: &str, user: Option<(u32, u32)>) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    file.write_all(contents.as_bytes())?;
+    // Only the file changes hands: its folders keep their modes (PostgreSQL refuses a data
+    // directory others may enter).
+    if let Some((uid, gid)) = user {
+        std::os::unix::fs::chown(path, Some(uid), Some(gid))
+            .with_context(|| format!("chown {}", path.display()))?;
+    }
+    Ok(())
 }
 
 trait UidGid {

@@ -81,6 +81,7 @@ impl StackBuilder {
     }
 
     pub fn start(self) -> anyhow::Result<Stack> {
+        const CREDENTIALS_FILE: &str = "db-credentials.json";
         let (state, tempdir) = match &self.state_dir {
             Some(dir) => {
                 std::fs::create_dir_all(dir)?;
@@ -100,9 +101,30 @@ impl StackBuilder {
                 (t.path().to_path_buf(), Some(t))
             }
         };
-        let pg_options = PgOptions {
+        // The stack's own authority (its PostgreSQL servers' certificates; each system has its
+        // own for its services) and its database passwords, both kept in the state directory.
+        let pki = crate::pki::Pki::in_dir(&state)?;
+        let credentials = std::sync::Arc::new(
+            db_access::Credentials::load_or_generate(&state.join(CREDENTIALS_FILE))
+                .context("the stack's database credentials")?,
+        );
+        let pg_tls = |name: &str| -> anyhow::Result<crate::postgres::PgTls> {
+            let issued = pki.issue_named(&["127.0.0.1", "localhost"], name)?;
+            Ok(crate::postgres::PgTls {
+                cert_pem: issued.cert_pem,
+                key_pem: issued.key_pem,
+                ca_file: pki.ca_file(),
+            })
+        };
+        let main_options = PgOptions {
             durable: self.durable,
             lifetime: self.lifetime,
+            credentials: credentials.clone(),
+            tls: pg_tls("postgres-main")?,
+        };
+        let proxy_options = PgOptions {
+            tls: pg_tls("postgres-proxy")?,
+            ..main_options.clone()
         };
         let ports = self.ports.clone();
         if let Some(p) = &ports {
@@ -122,11 +144,11 @@ impl StackBuilder {
         let (main, proxy, etcd) = std::thread::scope(|scope| {
             let main = scope.spawn(|| {
                 let port = ports.as_ref().map(|p| p.pg_main).unwrap_or_else(free_port);
-                Postgres::start("main", &state.join("pg-main"), port, &pg_options)
+                Postgres::start("main", &state.join("pg-main"), port, &main_options)
             });
             let proxy = scope.spawn(|| {
                 let port = ports.as_ref().map(|p| p.pg_proxy).unwrap_or_else(free_port);
-                Postgres::start("proxy", &state.join("pg-proxy"), port, &pg_options)
+                Postgres::start("proxy", &state.join("pg-proxy"), port, &proxy_options)
             });
             let etcd = scope.spawn(|| {
                 EtcdCluster::start(
@@ -224,6 +246,18 @@ impl Stack {
             .create_database(&name)
             .await
             .expect("creating a test database")
+    }
+
+    /// A brand-new database of kind `kind` on `server` as a deployment has it: owned by the owner
+    /// role, migrated by it, reachable only by the owner and `kind`'s service roles. Answers the
+    /// superuser's URL (for the test's own reads); services get [`Postgres::login_url`].
+    pub async fn provisioned_db(&self, server: PgServer, kind: db_access::Database) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let name = format!("t{}_{n}_{}", std::process::id(), kind.name());
+        self.pg(server)
+            .provision_database(&name, kind)
+            .await
+            .expect("provisioning a test database")
     }
 
     /// A key prefix no other test of this stack uses.

@@ -121,6 +121,12 @@ pub struct System {
 /// The lock-server's issued-token record (INV-04's memory), in the system's directory.
 pub const ISSUED_TOKENS_FILE: &str = "lock-issued-tokens.json";
 
+/// The database name of a URL this kit made (`postgres://…/NAME?…`).
+pub fn database_name(url: &str) -> &str {
+    let path = url.split('?').next().unwrap_or(url);
+    path.rsplit('/').next().unwrap_or(path)
+}
+
 /// Every gRPC endpoint is mutual TLS.
 fn url(port: u16) -> String {
     format!("https://127.0.0.1:{port}")
@@ -143,10 +149,21 @@ impl System {
         let databases = match &options.databases {
             Some(d) => d.clone(),
             None => Databases {
-                paydb: stack.fresh_db(PgServer::Main).await,
-                proxydb: stack.fresh_db(PgServer::Proxy).await,
-                gldb: stack.fresh_db(PgServer::Main).await,
+                paydb: stack
+                    .provisioned_db(PgServer::Main, db_access::Database::Paydb)
+                    .await,
+                proxydb: stack
+                    .provisioned_db(PgServer::Proxy, db_access::Database::Proxydb)
+                    .await,
+                gldb: stack
+                    .provisioned_db(PgServer::Main, db_access::Database::Gldb)
+                    .await,
             },
+        };
+        // Each service logs in as its own role; the URL (it holds the password) goes through the
+        // environment, never the command line.
+        let login = |server: PgServer, role: &str, admin_url: &str| {
+            stack.pg(server).login_url(role, database_name(admin_url))
         };
         if let Some(p) = &options.ports {
             crate::util::reserve_ports(
@@ -205,7 +222,10 @@ impl System {
                     format!("127.0.0.1:{}", ports.payment_resource),
                 ])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[1])])
-                .args(["--database-url", &databases.paydb])
+                .env(
+                    "PAYDB_URL",
+                    login(PgServer::Main, "payment_resource", &databases.paydb),
+                )
                 .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
                 .args(
                     pki.issue(Role::PaymentResource, "payment-resource")?
@@ -238,7 +258,10 @@ impl System {
             spec("rail-proxy")?
                 .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_proxy)])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[3])])
-                .args(["--database-url", &databases.proxydb])
+                .env(
+                    "RAIL_PROXY_DATABASE_URL",
+                    login(PgServer::Proxy, "rail_proxy", &databases.proxydb),
+                )
                 .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
                 .args(pki.issue(Role::RailProxy, "rail-proxy")?.to_args())
                 .args(["--rail-url".into(), rail_url(ports.rail_stub)])
@@ -249,7 +272,10 @@ impl System {
         )?;
         let general_ledger = ManagedProcess::start(
             spec("general-ledger")?
-                .args(["--database-url", &databases.gldb])
+                .env(
+                    "GL_DATABASE_URL",
+                    login(PgServer::Main, "general_ledger", &databases.gldb),
+                )
                 .args([
                     "--listen".into(),
                     format!("127.0.0.1:{}", ports.general_ledger),
@@ -288,7 +314,10 @@ impl System {
         .await?;
         let dispatcher = ManagedProcess::start(
             spec("outbox-dispatcher")?
-                .args(["--database-url", &databases.paydb])
+                .env(
+                    "PAYDB_DATABASE_URL",
+                    login(PgServer::Main, "outbox_dispatcher", &databases.paydb),
+                )
                 .arg("run")
                 .args(
                     pki.issue(Role::OutboxDispatcher, "outbox-dispatcher")?

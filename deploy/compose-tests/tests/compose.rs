@@ -36,9 +36,6 @@ const RAIL_LATENCY_MS: (u64, u64) = (800, 2_000);
 /// The rail stub's settlement window, and the workflow's view of it.
 const SETTLEMENT_WINDOW_MS: u64 = 2_000;
 const OPENING_BALANCE: i64 = 1_000_000;
-/// Set for the project (PAYOUT_DB_PASSWORD) so that an operator's own setting cannot differ from
-/// what the reconciler connects with.
-const DB_PASSWORD: &str = "compose-tests";
 const AMOUNT: i64 = 1_250;
 const POLL: Duration = Duration::from_millis(300);
 /// Payouts per account in the cut scenarios. One: with more, a cut that strands a CLAIMED payout
@@ -79,7 +76,6 @@ fn compose_deployment_end_to_end_with_cuts() {
         etcd: [free_port(), free_port(), free_port()],
     };
     let env: BTreeMap<String, String> = [
-        ("PAYOUT_DB_PASSWORD", DB_PASSWORD.to_string()),
         ("PAYOUT_TEMPORAL_PORT", ports.temporal.to_string()),
         ("PAYOUT_TEMPORAL_UI_PORT", ports.ui.to_string()),
         ("PAYOUT_PAYMENT_PORT", ports.payment.to_string()),
@@ -358,12 +354,23 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(90);
 /// The fault suite's checker (`crates/reconciler`, what `payoutctl reconcile` runs) over the
 /// deployment's stores, rail and lock grants, with the outbox required drained: zero violations.
 async fn reconcile(ports: &Ports) -> anyhow::Result<()> {
+    // As the reconciler's own role (it reads every store and may write none), over TLS with the
+    // servers' certificates checked: the password deploy/compose-test.sh generated for it.
+    let password = std::env::var("PAYOUT_DB_PASSWORD_RECONCILER")
+        .context("PAYOUT_DB_PASSWORD_RECONCILER is not set (run deploy/compose-test.sh)")?;
+    let tls_dir = std::env::var_os("PAYOUT_TLS_DIR")
+        .context("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)")?;
     let pg = |port: u16, db: &str| {
-        let url = format!("postgres://payout:{DB_PASSWORD}@127.0.0.1:{port}/{db}");
+        let url = db_access::Server {
+            host: "127.0.0.1".into(),
+            port,
+            ca_file: std::path::Path::new(&tls_dir).join("ca.pem"),
+        }
+        .url("reconciler", &password, db);
         async move {
             sqlx::PgPool::connect(&url)
                 .await
-                .with_context(|| url.clone())
+                .with_context(|| db_access::redact(&url))
         }
     };
     let sources = reconciler::Sources {

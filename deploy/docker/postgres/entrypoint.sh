@@ -2,18 +2,29 @@
 # initdb on the first start (empty volume), then create the databases named in POSTGRES_DATABASES
 # that are missing (on every start, so adding one to the list is enough), then serve on TCP.
 # While it initialises it listens on the unix socket only, so pg_isready (TCP) says "not ready".
+#
+# Host connections are TLS only (the certificate and key in PAYOUT_PG_TLS_CERT / _KEY, issued by
+# the deployment's authority for this server's name) and every login has a password (SCRAM);
+# pg_hba.conf is rewritten on every start, so nothing else is ever accepted. The superuser
+# (POSTGRES_USER) is the administrator's: `payoutctl db provision` creates the owner and the
+# service roles with it; no service logs in as it.
 set -euo pipefail
 : "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD must be set}"
+: "${PAYOUT_PG_TLS_CERT:?PAYOUT_PG_TLS_CERT must name this server certificate (see deploy/README.md)}"
+: "${PAYOUT_PG_TLS_KEY:?PAYOUT_PG_TLS_KEY must name this server key}"
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
     pwfile="$(mktemp)"
     printf '%s\n' "$POSTGRES_PASSWORD" >"$pwfile"
     initdb -D "$PGDATA" -U "$POSTGRES_USER" --pwfile="$pwfile" --encoding=UTF8 --locale=C.UTF-8 \
         --auth-local=trust --auth-host=scram-sha-256 >/dev/null
     rm -f "$pwfile"
-    echo "host all all 0.0.0.0/0 scram-sha-256" >>"$PGDATA/pg_hba.conf"
-    echo "host all all ::/0 scram-sha-256" >>"$PGDATA/pg_hba.conf"
     echo "payout-postgres: initialised $PGDATA"
 fi
+cat >"$PGDATA/pg_hba.conf" <<'HBA'
+local all all trust
+hostssl all all 0.0.0.0/0 scram-sha-256
+hostssl all all ::/0 scram-sha-256
+HBA
 pg_ctl -D "$PGDATA" -w -o "-c listen_addresses=''" start >/dev/null
 for db in $POSTGRES_DATABASES; do
     if [ -z "$(psql -U "$POSTGRES_USER" -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'")" ]; then
@@ -23,4 +34,6 @@ for db in $POSTGRES_DATABASES; do
 done
 pg_ctl -D "$PGDATA" -w -m fast stop >/dev/null
 # max_connections: every service keeps a bounded pool (service-kit), a few replicas each.
-exec postgres -D "$PGDATA" -c listen_addresses='*' -c max_connections="${POSTGRES_MAX_CONNECTIONS:-200}"
+exec postgres -D "$PGDATA" -c listen_addresses='*' -c max_connections="${POSTGRES_MAX_CONNECTIONS:-200}" \
+    -c ssl=on -c ssl_min_protocol_version=TLSv1.2 -c password_encryption=scram-sha-256 \
+    -c ssl_cert_file="$PAYOUT_PG_TLS_CERT" -c ssl_key_file="$PAYOUT_PG_TLS_KEY"

@@ -58,7 +58,11 @@ impl Config {
     }
 }
 
-/// Applies the migrations as the database owner.
+/// gldb's migrations.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/gldb");
+
+/// Applies the migrations as the database owner (tests and in-process harnesses; a deployment
+/// runs `payoutctl migrate`).
 pub async fn migrate(database_url: &str) -> Result<(), LedgerError> {
     let owner = PgPoolOptions::new()
         .max_connections(1)
@@ -70,7 +74,7 @@ pub async fn migrate(database_url: &str) -> Result<(), LedgerError> {
                 service_kit::redact(database_url)
             ))
         })?;
-    sqlx::migrate!("../../migrations/gldb")
+    MIGRATOR
         .run(&owner)
         .await
         .map_err(|e| LedgerError::Startup(format!("gldb migrations: {e}")))?;
@@ -117,15 +121,23 @@ pub async fn seed_system_accounts(store: &store::Store) -> Result<(), LedgerErro
     Ok(())
 }
 
-/// Migrates, seeds and serves until `shutdown` resolves.
+/// Refuses a gldb whose schema is not this build's (the service's role may not run DDL:
+/// `payoutctl migrate` applies the migrations as the owner).
+pub async fn require_schema(pool: &PgPool) -> Result<(), LedgerError> {
+    db_access::require_schema(pool, &MIGRATOR, "gldb")
+        .await
+        .map_err(|e| LedgerError::Startup(e.to_string()))
+}
+
+/// Checks the schema, seeds and serves until `shutdown` resolves.
 pub async fn serve(
     config: Config,
     listener: tokio::net::TcpListener,
     metrics: service_kit::Metrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), LedgerError> {
-    migrate(&config.database_url).await?;
     let pool = app_pool(&config.database_url).await?;
+    require_schema(&pool).await?;
     let store = Arc::new(store::Store::new(pool.clone()));
     seed_system_accounts(&store).await?;
 

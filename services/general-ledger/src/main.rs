@@ -59,12 +59,10 @@ async fn main() -> anyhow::Result<()> {
             metrics_task.abort();
         }
         Command::RebuildBalances => {
-            general_ledger::migrate(&cli.database_url)
-                .await
-                .context("migrations")?;
             let pool = general_ledger::app_pool(&cli.database_url)
                 .await
                 .context("database")?;
+            general_ledger::require_schema(&pool).await?;
             let report = general_ledger::projection::rebuild(&pool)
                 .await
                 .context("rebuild")?;

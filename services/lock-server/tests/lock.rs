@@ -59,10 +59,22 @@ async fn start(kind: Kind) -> Server {
             grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
         Kind::Postgres => BackendConfig::Postgres {
-            database_url: stack.fresh_db(PgServer::Main).await,
+            database_url: lock_server_login(stack).await.1,
         },
     };
     start_with(backend).await
+}
+
+/// A lockdb as a deployment has it (owned and migrated by the owner role): the superuser's URL
+/// (for the test's own reads) and the `lock_server` role's, which the server logs in as.
+async fn lock_server_login(stack: &Stack) -> (String, String) {
+    let admin = stack
+        .provisioned_db(PgServer::Main, testkit::db_access::Database::Lockdb)
+        .await;
+    let login = stack
+        .pg(PgServer::Main)
+        .login_url("lock_server", testkit::system::database_name(&admin));
+    (admin, login)
 }
 
 async fn start_with(backend: BackendConfig) -> Server {
@@ -1082,9 +1094,19 @@ async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
     let lock_server::backend::Backend::Postgres(pg) = s.server.service.backend() else {
         unreachable!()
     };
-    // What restoring an older backup does to the sequence.
+    // What restoring an older backup does to the sequence (an administrator's act: the
+    // server's own role may not set a sequence).
+    let database = pg
+        .pool()
+        .connect_options()
+        .get_database()
+        .expect("a database name")
+        .to_string();
+    let admin = sqlx::PgPool::connect(&Stack::shared().pg(PgServer::Main).url(&database))
+        .await
+        .unwrap();
     sqlx::query("SELECT setval('lock_token_seq', 1)")
-        .execute(pg.pool())
+        .execute(&admin)
         .await
         .unwrap();
     let e = a
@@ -1100,7 +1122,7 @@ async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
     a.close().await.unwrap();
     sqlx::query("SELECT setval('lock_token_seq', $1)")
         .bind(highest.as_i64() + 1_000)
-        .execute(pg.pool())
+        .execute(&admin)
         .await
         .unwrap();
     let b = s.client.open_session("worker-b", TTL).await.unwrap();
@@ -1604,8 +1626,8 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
         let stack = Stack::shared();
         let (backend, store) = match kind {
             Kind::Postgres => {
-                let url = stack.fresh_db(PgServer::Main).await;
-                let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                let (admin, url) = lock_server_login(stack).await;
+                let pool = sqlx::PgPool::connect(&admin).await.unwrap();
                 (
                     BackendConfig::Postgres { database_url: url },
                     LockStore::Postgres(pool),

@@ -40,9 +40,18 @@ pub use store::{Store, StoreOptions, RESOLUTION_SLA_DEFAULT};
 /// The gRPC service name, as `grpc.health.v1` reports it.
 pub const SERVICE_NAME: &str = "payment.v1.PaymentResource";
 
-/// Applies paydb's migrations (idempotent; every start runs them).
+/// paydb's migrations. `payoutctl migrate` applies them as the owner role; the binary only checks
+/// them ([`require_schema`]): its own role may not run DDL.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/paydb");
+
+/// Applies paydb's migrations (tests and in-process harnesses, which connect as the superuser).
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    sqlx::migrate!("../../migrations/paydb").run(pool).await
+    MIGRATOR.run(pool).await
+}
+
+/// Refuses to serve a paydb whose schema is not this build's (see `db_access::require_schema`).
+pub async fn require_schema(pool: &sqlx::PgPool) -> Result<(), db_access::DbError> {
+    db_access::require_schema(pool, &MIGRATOR, "paydb").await
 }
 
 /// How long in-flight requests may drain after shutdown is signalled. Clients keep HTTP/2

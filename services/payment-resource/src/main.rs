@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use grant_signing::Verifier;
-use payment_resource::{fixture, migrate, serve, Store, StoreOptions};
+use payment_resource::{fixture, serve, Store, StoreOptions};
 use service_kit::{Metrics, Shutdown};
 
 #[derive(Parser)]
@@ -91,7 +91,7 @@ async fn main() -> anyhow::Result<()> {
         } => {
             let tls = tls.load().context("TLS material")?;
             let pool = service_kit::connect_pg(&database_url).await?;
-            migrate(&pool).await.context("applying paydb migrations")?;
+            payment_resource::require_schema(&pool).await?;
             let metrics = Metrics::default();
             // The binary has no way to disable a check (the fence predicate, the grant's signature
             // or its key binding): the switches are test-only and unreachable from here.
@@ -125,7 +125,7 @@ async fn main() -> anyhow::Result<()> {
             currency,
         } => {
             let pool = service_kit::connect_pg(&database_url).await?;
-            migrate(&pool).await.context("applying paydb migrations")?;
+            payment_resource::require_schema(&pool).await?;
             let wanted = match (file, accounts) {
                 (Some(path), _) => {
                     let text = std::fs::read_to_string(&path)

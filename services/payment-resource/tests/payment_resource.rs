@@ -2082,10 +2082,9 @@ async fn fixture_command_opens_accounts() {
     let bin = env!("CARGO_BIN_EXE_payment-resource");
     for _ in 0..2 {
         let out = tokio::process::Command::new(bin)
+            .env("PAYDB_URL", &h.url)
             .args([
                 "fixture",
-                "--database-url",
-                &h.url,
                 "--accounts",
                 "3",
                 "--balance-minor",
@@ -2161,7 +2160,9 @@ async fn health_reports_serving() {
 /// on SIGTERM (well within the kit's grace period, with its own "stopped" log line).
 #[tokio::test]
 async fn binary_serves_and_stops_on_sigterm() {
-    let url = Stack::shared().fresh_db(PgServer::Main).await;
+    let url = Stack::shared()
+        .provisioned_db(PgServer::Main, testkit::db_access::Database::Paydb)
+        .await;
     let binary = Binary::start(&url, &["--fixture-accounts"]);
     let fixture = binary.client(&tls(Role::Fixture)).await;
     let client = binary.client(&tls(Role::Worker)).await;
@@ -2199,6 +2200,44 @@ async fn binary_serves_and_stops_on_sigterm() {
         "did not stop promptly on SIGTERM: {text}"
     );
     assert!(text.contains("payment-resource stopped"), "{text}");
+}
+
+/// The binary never runs DDL (its role may not: `payoutctl migrate` applies the schema as the
+/// owner); it checks the schema and refuses to serve a database that is not at this build's,
+/// naming what is wrong and what to run. Here: a database no migration ran on.
+#[tokio::test]
+async fn binary_refuses_a_database_not_at_its_schema() {
+    let url = Stack::shared().fresh_db(PgServer::Main).await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_payment-resource"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--grant-verify-keys", &signer().public_key().to_string()])
+        .args(
+            testkit::pki::shared()
+                .issue(Role::PaymentResource, "payment-resource-schema")
+                .unwrap()
+                .to_args(),
+        )
+        .env("PAYDB_URL", &url)
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("no migration has been applied"), "{stderr}");
+    assert!(stderr.contains("payoutctl migrate"), "{stderr}");
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let tables: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(tables, 0, "the binary created something");
 }
 
 /// `serve` requires `--grant-verify-keys` (there is no unsigned mode): missing, empty or malformed,
@@ -2713,7 +2752,13 @@ struct Binary {
 }
 
 impl Binary {
-    fn start(database_url: &str, extra: &[&str]) -> Binary {
+    /// The binary on the provisioned paydb at `admin_url`, logged in as its own role (the URL, with
+    /// its password, through the environment).
+    fn start(admin_url: &str, extra: &[&str]) -> Binary {
+        let database_url = Stack::shared().pg(PgServer::Main).login_url(
+            "payment_resource",
+            testkit::system::database_name(admin_url),
+        );
         let (port, metrics_port) = (testkit::free_port(), testkit::free_port());
         let log = tempfile::NamedTempFile::new().unwrap();
         let process = testkit::ManagedProcess::start(
@@ -2726,11 +2771,10 @@ impl Binary {
             .args([
                 "--metrics-listen",
                 &format!("127.0.0.1:{metrics_port}"),
-                "--database-url",
-                database_url,
                 "--grant-verify-keys",
                 &signer().public_key().to_string(),
             ])
+            .env("PAYDB_URL", database_url)
             .args(extra)
             .args(
                 testkit::pki::shared()
@@ -2771,7 +2815,9 @@ impl Binary {
 /// operator sees it (`unauthorised_calls_total` by method and role), and nothing is written.
 #[tokio::test]
 async fn binary_refuses_calls_outside_the_authorisation_table() {
-    let url = Stack::shared().fresh_db(PgServer::Main).await;
+    let url = Stack::shared()
+        .provisioned_db(PgServer::Main, testkit::db_access::Database::Paydb)
+        .await;
     let binary = Binary::start(&url, &[]);
     let (port, metrics_port) = (binary.port, binary.metrics_port);
     let endpoint = binary.endpoint();

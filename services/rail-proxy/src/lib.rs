@@ -238,10 +238,17 @@ impl ProxyConfig {
     }
 }
 
-/// Applies proxydb's migrations.
+/// Applies proxydb's migrations (tests and in-process harnesses; a deployment runs
+/// `payoutctl migrate` as the owner role).
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), store::StoreError> {
     MIGRATOR.run(pool).await?;
     Ok(())
+}
+
+/// Refuses to serve a proxydb whose schema is not this build's (the binary's check at start: its
+/// own role may not run DDL).
+pub async fn require_schema(pool: &sqlx::PgPool) -> Result<(), db_access::DbError> {
+    db_access::require_schema(pool, &MIGRATOR, "proxydb").await
 }
 
 /// Serves `railproxy.v1.RailProxy` and `grpc.health.v1` on `listener` until `shutdown` fires.

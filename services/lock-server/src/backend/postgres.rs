@@ -26,7 +26,7 @@ pub const LISTENER_RECONNECT_MS: u64 = 500;
 /// bounded because each re-run means another client is actively moving the key.
 pub const ACQUIRE_ATTEMPTS_MAX: usize = 3;
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/lockdb");
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/lockdb");
 
 fn backend_err(e: impl std::fmt::Display) -> LockError {
     LockError::Backend {
@@ -100,12 +100,15 @@ struct EntryRow {
 }
 
 impl PgBackend {
-    /// Connects, applies `migrations/lockdb`, and starts the release-notification listener.
+    /// Connects, checks that lockdb is at this build's schema (`payoutctl migrate` applies it as
+    /// the owner role; this role may not run DDL), and starts the release-notification listener.
     pub async fn connect(database_url: &str) -> Result<Self, LockError> {
         let pool = service_kit::connect_pg(database_url)
             .await
             .map_err(|e| backend_err(format!("{e:#}")))?;
-        MIGRATOR.run(&pool).await.map_err(backend_err)?;
+        db_access::require_schema(&pool, &MIGRATOR, "lockdb")
+            .await
+            .map_err(backend_err)?;
         let (released, _) = broadcast::channel(NOTIFY_BUFFER);
         let listener = tokio::spawn(listen(pool.clone(), released.clone()));
         Ok(Self {

@@ -46,9 +46,7 @@ async fn main() -> anyhow::Result<()> {
     let config = ProxyConfig::new(args.rail_url, args.grant_verify_keys, tls)
         .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms));
     let pool = service_kit::connect_pg(&args.database_url).await?;
-    rail_proxy::migrate(&pool)
-        .await
-        .context("applying proxydb migrations")?;
+    rail_proxy::require_schema(&pool).await?;
     let shutdown = service_kit::Shutdown::on_signal();
     let metrics = service_kit::Metrics::default();
     let metrics_listener = service_kit::bind(args.metrics_listen).await?;
