@@ -74,8 +74,8 @@ done
 docker run --rm --user 0 -v "$TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
     sh -c 'chown payout /tls/*.key && chmod 644 /tls/*.pem'
 # PostgreSQL reads its key as its own user (the postgres image's uid), mode 0600.
-docker run --rm --user 0 -v "$TLS_DIR:/tls" "payout/postgres:15" \
-    sh -c 'chown postgres /tls/paydb.key /tls/proxydb.key && chmod 600 /tls/paydb.key /tls/proxydb.key'
+docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/postgres:15" \
+    -c 'chown postgres /tls/paydb.key /tls/proxydb.key && chmod 600 /tls/paydb.key /tls/proxydb.key'
 export PAYOUT_TLS_DIR="$TLS_DIR" PAYOUT_FIXTURE_ACCOUNTS=true
 
 # This run's database passwords: one per login, generated, never written to the repository

@@ -400,6 +400,18 @@ pub struct AbandonInput {
     /// From RAIL_AMBIGUOUS: the workflow asserts the SLA has passed and says why (`sla_check`).
     pub resolution_sla_passed: bool,
     pub sla_check: String,
+    /// The operator's signature, as the signal carried it (histories from before have none).
+    #[serde(default)]
+    pub operator_signature: Option<OperatorSignatureInput>,
+}
+
+/// An operator's signature of a decision, as the `abandon` signal carries it (`payoutctl sign
+/// abandon`): the payment resource verifies it; the workflow only passes it on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperatorSignatureInput {
+    /// The Ed25519 signature, hex.
+    pub signature: String,
+    pub signed_at_unix_ms: u64,
 }
 
 /// An operator's signal, accepted or refused, written to the payment resource's audit trail
@@ -414,6 +426,9 @@ pub struct OperatorDecisionInput {
     pub note: String,
     /// The grant the workflow holds at that moment, if any.
     pub token: Option<FencingToken>,
+    /// The operator's signature, as the signal carried it (histories from before have none).
+    #[serde(default)]
+    pub operator_signature: Option<OperatorSignatureInput>,
 }
 
 /// The payment resource's view of a payout: the state the workflow continues from.

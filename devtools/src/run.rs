@@ -220,6 +220,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         &sources,
         &reconciler::Options {
             require_outbox_drained: true,
+            ..Default::default()
         },
     )
     .await?;

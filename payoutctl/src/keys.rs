@@ -23,6 +23,21 @@ pub enum Command {
     GrantSigning(GrantSigningArgs),
     /// Print the guards' public key line (`id=hex`) of an existing grant signing key.
     GrantPublicKey(GrantPublicKeyArgs),
+    /// Make an operator's own key: the secret to --out (mode 0600, never overwritten; it stays
+    /// with the operator), the registration line (`name=hex`, for the payment resource's
+    /// --operator-keys / PAYOUT_OPERATOR_KEYS) to standard output.
+    Operator(OperatorArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct OperatorArgs {
+    /// The operator's name, as the audit trail will record it: 1 to 64 characters of
+    /// [A-Za-z0-9._-].
+    #[arg(long)]
+    pub name: String,
+    /// Where to write the secret. Refused if the file exists.
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(ClapArgs)]
@@ -64,6 +79,21 @@ pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
         }
         Command::GrantPublicKey(args) => {
             println!("{}", grant_public_key(&args.key_id, &args.key_file)?);
+        }
+        Command::Operator(args) => {
+            // Same key kind and file format as a grant signing key; the id is the operator.
+            let public = grant_signing(&args.name, &args.out)?;
+            println!("{public}");
+            eprintln!(
+                "payoutctl: wrote operator {:?}'s key to {} (mode 0600; it never leaves the \
+                 operator).\n  payment-resource: add the line above to --operator-keys \
+                 (PAYOUT_OPERATOR_KEYS, comma-separated)\n  sign a decision: payoutctl sign \
+                 abandon --operator {} --key-file {} --payout-id ID --reason '...'",
+                args.name,
+                args.out.display(),
+                args.name,
+                args.out.display()
+            );
         }
     }
     Ok(std::process::ExitCode::SUCCESS)

@@ -11,4 +11,5 @@ pub mod migrate;
 pub mod pki;
 pub mod reconcile;
 pub mod record;
+pub mod sign;
 pub mod target;

@@ -23,6 +23,9 @@ enum Command {
     /// Apply the forward-only migrations of paydb, proxydb, gldb and lockdb, as the owner role
     /// (the only way the schema changes; services only check its version).
     Migrate(migrate::Args),
+    /// Sign an operator decision: `sign abandon` prints the `abandon` signal's input.
+    #[command(subcommand)]
+    Sign(payoutctl::sign::Command),
     /// Database roles: `db provision` (owner and service logins, databases), `db roles`.
     #[command(subcommand)]
     Db(payoutctl::db::Command),
@@ -48,6 +51,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Migrate(args) => migrate::run(args).await,
             Command::Db(command) => payoutctl::db::run(command).await,
+            Command::Sign(command) => payoutctl::sign::run(command),
             Command::Reconcile(args) => reconcile::run(*args).await,
             Command::Keys(command) => keys::run(command),
             Command::Pki(command) => payoutctl::pki::run(command),

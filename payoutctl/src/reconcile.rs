@@ -14,6 +14,12 @@ pub struct Args {
     /// One JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Where the audit chain's head is kept between runs (the check fails if a later run no
+    /// longer finds it: the chain was rewritten). The local stack's default is
+    /// `<state dir>/audit-anchor.json`; keep a deployment's somewhere paydb's administrators
+    /// cannot write.
+    #[arg(long, env = "PAYOUT_AUDIT_ANCHOR_FILE")]
+    pub audit_anchor_file: Option<std::path::PathBuf>,
 }
 
 pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
@@ -39,15 +45,30 @@ pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    use anyhow::Context;
     let target = args.target.resolve()?;
     let sources = sources(&target).await?;
+    let anchor_file = args.audit_anchor_file.clone().or_else(|| {
+        (!args.target.is_external()).then(|| args.target.state_dir.join("audit-anchor.json"))
+    });
+    let audit_anchor = match &anchor_file {
+        Some(path) => reconciler::AuditHead::load(path)
+            .with_context(|| format!("reading the audit anchor {}", path.display()))?,
+        None => None,
+    };
     let report = reconciler::reconcile(
         &sources,
         &reconciler::Options {
             require_outbox_drained: args.require_drained,
+            audit_anchor,
         },
     )
     .await?;
+    // A run that found the chain broken keeps the old anchor: the evidence stays.
+    if let (Some(path), Some(head), true) = (&anchor_file, &report.audit_head, report.is_clean()) {
+        head.save(path)
+            .with_context(|| format!("writing the audit anchor {}", path.display()))?;
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -11,8 +11,6 @@
 //! log records the refused statement with the role. Its negative control runs the same statements
 //! as the superuser (rolled back) and sees them accepted, so the refusals are the roles' doing.
 //!
-//! Cases still to come with the rest of issue 17: operator signatures (an unsigned and a wrongly
-//! signed abandon).
 
 use std::time::Duration;
 
@@ -616,6 +614,115 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
                 ),
             });
         }
+    }
+
+    // 8. Operator decisions: an abandon under a valid grant, but unsigned, or signed by a key no
+    //    operator registered, or signed by the registered operator for another payout. Each is
+    //    refused OperatorNotVerified, the payout untouched, audited and counted. (The same through
+    //    Temporal's `abandon` signal: tests/tests/payouts.rs,
+    //    an_unsigned_or_forged_abandon_signal_is_refused_on_record_and_the_payout_is_paid.)
+    {
+        let worker = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+            .await
+            .unwrap();
+        let target = PayoutId::parse("attack-b-p1").unwrap();
+        let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+            .await
+            .unwrap();
+        let session = lock
+            .open_session("attacker", Duration::from_secs(10))
+            .await
+            .unwrap();
+        let lock_client::Acquired::Granted(grant_b) = session
+            .acquire(
+                &payout_domain::lock_key(&AccountId::parse("attack-b").unwrap()),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+        else {
+            panic!("no grant for B");
+        };
+        let fence = Fence::new(grant_b.owner(), grant_b.token())
+            .unwrap()
+            .signed(grant_b.key(), grant_b.signature().clone());
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let sign = |signer: &Signer, payout: &str| {
+            Some(payment_client::model::OperatorSignature {
+                signature: signer
+                    .sign_decision(&grant_signing::operator::Decision {
+                        operator: testkit::grants::OPERATOR,
+                        decision: "abandon",
+                        payout_id: payout,
+                        reason: "attack",
+                        signed_at_unix_ms: now,
+                    })
+                    .bytes,
+                signed_at_unix_ms: now,
+            })
+        };
+        let (rogue, _) = Signer::generate(testkit::grants::OPERATOR).unwrap();
+        let cases = [
+            ("an unsigned operator abandon", None, "unsigned"),
+            (
+                "an operator abandon signed by an unregistered key",
+                sign(&rogue, target.as_str()),
+                "bad_signature",
+            ),
+            (
+                "the operator's abandon of another payout, replayed on this one",
+                sign(&system.operator.signer, "attack-a-p9"),
+                "bad_signature",
+            ),
+        ];
+        for (case, signature, reason) in cases {
+            let before = count(
+                &paydb,
+                "SELECT count(*) FROM audit_event WHERE kind = 'operator_not_verified'",
+            )
+            .await;
+            let answer = worker
+                .abandon(
+                    &target,
+                    &fence,
+                    &payment_client::model::AbandonRequest {
+                        operator: testkit::grants::OPERATOR.into(),
+                        reason: "attack".into(),
+                        resolution_sla_passed: false,
+                        sla_check: String::new(),
+                        signature,
+                    },
+                )
+                .await;
+            let state = worker.get_payout(&target).await.unwrap().payout;
+            let after = count(
+                &paydb,
+                "SELECT count(*) FROM audit_event WHERE kind = 'operator_not_verified'",
+            )
+            .await;
+            let counted = sample(
+                &metrics(&system, METRICS_PAYMENT).await,
+                "payment_operator_not_verified_total",
+                &[&format!(r#"reason="{reason}""#)],
+            );
+            rows.push(Row {
+                case,
+                expected: "OperatorNotVerified, payout untouched, audited, counted",
+                held: matches!(&answer, Err(PaymentError::OperatorNotVerified { reason: r, .. }) if r == reason)
+                    && state.state == PayoutState::Pending
+                    && after == before + 1
+                    && counted >= 1.0,
+                observed: format!(
+                    "{answer:?}, {:?}, audit {before}->{after}, counted {counted}",
+                    state.state
+                ),
+            });
+        }
+        let _ = grant_b.release().await;
+        let _ = session.close().await;
     }
 
     // 7. The databases themselves: TLS only, a password per login.

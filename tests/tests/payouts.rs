@@ -250,9 +250,18 @@ impl Ctx {
             .unwrap()
     }
 
-    /// The operator path, exactly as typed: `temporal workflow signal ... --name abandon`.
-    fn signal_abandon(&self, workflow_id: &str, operator: &str, reason: &str) {
-        let input = serde_json::json!({ "operator": operator, "reason": reason }).to_string();
+    /// The operator path, exactly as typed: `temporal workflow signal ... --name abandon` with the
+    /// input `payoutctl sign abandon` makes, signed by the system's registered operator.
+    fn signal_abandon(&self, workflow_id: &str, input: &PayoutInput, reason: &str) {
+        let signed = self
+            .system
+            .operator
+            .abandon_signal(input.payout_id.as_str(), reason);
+        self.signal_abandon_raw(workflow_id, &signed.to_string());
+    }
+
+    /// The same signal with any input: what someone who can reach Temporal can send.
+    fn signal_abandon_raw(&self, workflow_id: &str, input: &str) {
         Stack::shared()
             .temporal()
             .cli(&[
@@ -265,7 +274,7 @@ impl Ctx {
                 "--name",
                 "abandon",
                 "--input",
-                &input,
+                input,
             ])
             .unwrap();
     }
@@ -479,7 +488,7 @@ async fn abandon_of_a_pending_payout_is_recorded_then_honoured() {
         s.last_event.starts_with("WAITING_FOR_LOCK")
     })
     .await;
-    ctx.signal_abandon(&id, "alice", "customer withdrew the request");
+    ctx.signal_abandon(&id, &input, "customer withdrew the request");
     ctx.wait_status(&id, "the abandon accepted", |s| {
         s.last_event.starts_with("ABANDON ACCEPTED")
     })
@@ -501,6 +510,92 @@ async fn abandon_of_a_pending_payout_is_recorded_then_honoured() {
     assert_eq!(done.state, PayoutState::Abandoned, "{done:?}");
     assert_eq!(ctx.rail(&input).await, (0, 0));
     assert_eq!(ctx.ledger_rows(&input).await, 0);
+    session.close().await.unwrap();
+}
+
+/// Temporal authenticates nobody: anyone who reaches it can send `abandon` with any name in it.
+/// Unsigned, or signed by a key nobody registered, the signal is recorded as refused (the
+/// payment resource downgrades the workflow's "accepted" and says why), its Abandon is refused
+/// as OperatorNotVerified and audited, and the payout is paid as if nothing had been sent.
+#[tokio::test]
+async fn an_unsigned_or_forged_abandon_signal_is_refused_on_record_and_the_payout_is_paid() {
+    let ctx = Ctx::new(shared().await).await;
+    let input = ctx
+        .payout("abandon-forged", 10_000, 1_000, fast_ambiguity())
+        .await;
+    let lock = LockClient::connect(&ctx.system.lock_url(), &ctx.system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let session = lock
+        .open_session("operator-test-holder", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let Acquired::Granted(grant) = session
+        .acquire(
+            &payout_domain::lock_key(&input.account_id),
+            Duration::from_secs(1),
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("the test acquires the free key")
+    };
+    let id = ctx.start(&input).await;
+    ctx.wait_status(&id, "waiting for the lock", |s| {
+        s.last_event.starts_with("WAITING_FOR_LOCK")
+    })
+    .await;
+    // Unsigned: a name and a reason only.
+    ctx.signal_abandon_raw(
+        &id,
+        &serde_json::json!({"operator": "operator-1", "reason": "no signature"}).to_string(),
+    );
+    // Forged: the registered operator's name, a key of the attacker's own.
+    let (rogue, _) = grant_signing::Signer::generate("operator-1").unwrap();
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let forged = rogue.sign_decision(&grant_signing::operator::Decision {
+        operator: "operator-1",
+        decision: "abandon",
+        payout_id: input.payout_id.as_str(),
+        reason: "forged",
+        signed_at_unix_ms: at,
+    });
+    ctx.signal_abandon_raw(
+        &id,
+        &serde_json::json!({"operator": "operator-1", "reason": "forged", "signed_at_unix_ms": at,
+            "signature": grant_signing::operator::to_hex(&forged.bytes)})
+        .to_string(),
+    );
+    let decisions =
+        testkit::eventually(Duration::from_secs(60), "both decisions on record", || {
+            let ctx = &ctx;
+            let input = &input;
+            async move {
+                let d = ctx.operator_decisions(input).await;
+                (d.len() >= 2).then_some(d)
+            }
+        })
+        .await
+        .unwrap();
+    for d in &decisions {
+        assert_eq!(d["accepted"], false, "{d}");
+        assert_eq!(d["operator_verified"], false, "{d}");
+    }
+    grant.release().await.unwrap();
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert_eq!(ctx.rail(&input).await, (1, 1), "paid once");
+    let refused: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_event WHERE payout_id = $1 AND kind = 'operator_not_verified'",
+    )
+    .bind(input.payout_id.as_str())
+    .fetch_one(&ctx.paydb)
+    .await
+    .unwrap();
+    assert!(refused >= 1, "the Abandon itself was refused on record");
     session.close().await.unwrap();
 }
 
@@ -526,7 +621,7 @@ async fn abandon_is_refused_before_the_sla_and_honoured_past_it() {
         s.state == PayoutState::RailAmbiguous
     })
     .await;
-    ctx.signal_abandon(&id, "bob", "too early");
+    ctx.signal_abandon(&id, &input, "too early");
     let refused = ctx
         .wait_status(&id, "the refusal", |s| {
             s.last_event.starts_with("ABANDON REFUSED")
@@ -539,7 +634,7 @@ async fn abandon_is_refused_before_the_sla_and_honoured_past_it() {
         .wait_status(&id, "the SLA passed", |s| s.resolution_sla_passed)
         .await;
     assert_eq!(past.state, PayoutState::RailAmbiguous);
-    ctx.signal_abandon(&id, "carol", "finance ticket 42");
+    ctx.signal_abandon(&id, &input, "finance ticket 42");
     let done = ctx.result(&id).await;
     assert_eq!(done.state, PayoutState::Abandoned, "{done:?}");
     let decisions = ctx.operator_decisions(&input).await;

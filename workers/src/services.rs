@@ -300,6 +300,27 @@ impl ServiceBackend {
     }
 }
 
+/// The signal's signature as the payment resource takes it. Hex that does not decode is passed on
+/// as no bytes: the resource refuses it (and records why) like any other bad signature.
+fn operator_signature(
+    s: Option<payout_activities::types::OperatorSignatureInput>,
+) -> Option<model::OperatorSignature> {
+    s.map(|s| model::OperatorSignature {
+        signature: unhex(&s.signature).unwrap_or_default(),
+        signed_at_unix_ms: s.signed_at_unix_ms,
+    })
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 fn payment_failure(e: PaymentError) -> ActivityFailure {
     match e {
         PaymentError::FencedOut {
@@ -657,6 +678,7 @@ impl Backend for ServiceBackend {
                 reason: input.reason,
                 resolution_sla_passed: input.resolution_sla_passed,
                 sla_check: input.sla_check,
+                signature: operator_signature(input.operator_signature),
             };
             let p = self
                 .payment
@@ -677,6 +699,7 @@ impl Backend for ServiceBackend {
                 accepted: input.accepted,
                 note: input.note,
                 token: input.token,
+                signature: operator_signature(input.operator_signature),
             };
             self.payment
                 .record_operator_decision(&decision)

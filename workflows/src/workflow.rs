@@ -49,15 +49,37 @@ pub const GRANT_LOSSES_MAX: u32 = 20;
 /// so that a workflow waiting for an operator does not grow its history without bound.
 pub const POST_SLA_INQUIRY_INTERVAL_MAX: Duration = Duration::from_secs(3_600);
 
-/// The operator's `abandon` signal: `temporal workflow signal --name abandon --input
-/// '{"operator":"alice","reason":"finance ticket 42"}'`. A missing field decodes as empty and is
-/// refused (and recorded as refused) by the workflow: operator input never fails a payout.
+/// The operator's `abandon` signal: `temporal workflow signal --name abandon --input "$(payoutctl
+/// sign abandon --payout-id ID --reason '...' --operator alice --key-file alice.key)"`, which is
+/// `{"operator":"alice","reason":"...","signed_at_unix_ms":...,"signature":"<hex>"}`. A missing
+/// field decodes as empty and is refused (and recorded as refused) by the workflow: operator
+/// input never fails a payout. The signature is verified by the payment resource against the
+/// registered operator keys, not here: an unsigned or badly signed abandon is recorded as refused
+/// and never carried out.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AbandonSignal {
     #[serde(default)]
     pub operator: String,
     #[serde(default)]
     pub reason: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub signature: String,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub signed_at_unix_ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl AbandonSignal {
+    /// The signature as the activities carry it, if the signal had one.
+    pub fn operator_signature(&self) -> Option<OperatorSignatureInput> {
+        (!self.signature.is_empty()).then(|| OperatorSignatureInput {
+            signature: self.signature.clone(),
+            signed_at_unix_ms: self.signed_at_unix_ms,
+        })
+    }
 }
 
 /// An operator name longer than this is refused: it is an identity, not a message.
@@ -823,6 +845,7 @@ async fn record_decision(
             accepted,
             note: note.to_string(),
             token: facts.grant.as_ref().map(|g| g.token),
+            operator_signature: request.operator_signature(),
         },
         options::guard_call(),
     )
@@ -1137,6 +1160,7 @@ async fn abandon_payout(
         AbandonInput {
             payout_id: input.payout_id.clone(),
             grant: grant.clone(),
+            operator_signature: request.operator_signature(),
             operator: request.operator,
             reason: request.reason,
             resolution_sla_passed,

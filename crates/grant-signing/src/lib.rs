@@ -276,6 +276,215 @@ impl Verifier {
     }
 }
 
+/// Operator decisions, signed by the operator. Operators reach a payout through Temporal (the
+/// `abandon` signal), which authenticates nobody, so a name in a signal proves nothing: the
+/// operator signs the decision with their own Ed25519 key (`payoutctl keys operator`, `payoutctl
+/// sign abandon`), and the payment resource verifies it against the registered operator keys
+/// (`--operator-keys name=hex,...`: a [`Verifier`] whose key ids are operator names) before it
+/// records or carries out anything. The verified identity is the key's name, never the claimed one.
+pub mod operator {
+    use super::*;
+
+    /// Domain tag of an operator decision: never valid as a grant's signature, nor a grant's as
+    /// this.
+    const DOMAIN: &[u8] = b"payout-operator-decision-v1";
+    /// A signed decision is honoured this long after it was signed (and refused if it claims to
+    /// be signed more than [`FUTURE_SKEW_MS`] ahead of the verifier's clock): a captured signature
+    /// cannot be replayed days later.
+    pub const MAX_AGE_MS: u64 = 60 * 60 * 1_000;
+    pub const FUTURE_SKEW_MS: u64 = 5 * 60 * 1_000;
+
+    /// What an operator signs: who (the key's name), which decision, on which payout, why, when.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Decision<'a> {
+        pub operator: &'a str,
+        pub decision: &'a str,
+        pub payout_id: &'a str,
+        pub reason: &'a str,
+        pub signed_at_unix_ms: u64,
+    }
+
+    impl Decision<'_> {
+        /// The bytes the signature covers: the domain tag, each field length-prefixed (u32,
+        /// big-endian), then the signing time (u64, big-endian).
+        pub fn message(&self) -> Vec<u8> {
+            let mut m = Vec::new();
+            m.extend_from_slice(DOMAIN);
+            for field in [self.operator, self.decision, self.payout_id, self.reason] {
+                m.extend_from_slice(&(field.len() as u32).to_be_bytes());
+                m.extend_from_slice(field.as_bytes());
+            }
+            m.extend_from_slice(&self.signed_at_unix_ms.to_be_bytes());
+            m
+        }
+    }
+
+    /// Why an operator decision's signature was refused.
+    #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+    pub enum Refused {
+        #[error("the decision carries no operator signature")]
+        Unsigned,
+        #[error("no operator key is registered under {0:?}")]
+        UnknownOperator(String),
+        #[error("the signature does not match the operator, decision, payout, reason and time")]
+        BadSignature,
+        #[error(
+            "signed at {signed_at_unix_ms} ms, outside the window around now ({now_unix_ms} ms)"
+        )]
+        Stale {
+            signed_at_unix_ms: u64,
+            now_unix_ms: u64,
+        },
+    }
+
+    impl Refused {
+        /// As the audit rows and the metrics' labels name it.
+        pub fn reason(&self) -> &'static str {
+            match self {
+                Refused::Unsigned => "unsigned",
+                Refused::UnknownOperator(_) => "unknown_operator",
+                Refused::BadSignature => "bad_signature",
+                Refused::Stale { .. } => "stale",
+            }
+        }
+    }
+
+    impl Signer {
+        /// Signs `decision` (whose `operator` must be this key's id: the name it is registered
+        /// under).
+        pub fn sign_decision(&self, decision: &Decision<'_>) -> Signature {
+            Signature {
+                key_id: self.key_id.clone(),
+                bytes: self.pair.sign(&decision.message()).as_ref().to_vec(),
+            }
+        }
+    }
+
+    impl Verifier {
+        /// The verified operator (the signing key's registered name) of `decision`, or why not.
+        /// The signature must be by the key registered under `decision.operator`.
+        pub fn verify_decision(
+            &self,
+            decision: &Decision<'_>,
+            signature: &Signature,
+            now_unix_ms: u64,
+        ) -> Result<String, Refused> {
+            if signature.bytes.is_empty() {
+                return Err(Refused::Unsigned);
+            }
+            if signature.key_id != decision.operator {
+                return Err(Refused::BadSignature);
+            }
+            let public = self
+                .keys
+                .get(&signature.key_id)
+                .ok_or_else(|| Refused::UnknownOperator(signature.key_id.clone()))?;
+            UnparsedPublicKey::new(&ED25519, public)
+                .verify(&decision.message(), &signature.bytes)
+                .map_err(|_| Refused::BadSignature)?;
+            let at = decision.signed_at_unix_ms;
+            if at.saturating_add(MAX_AGE_MS) < now_unix_ms
+                || at > now_unix_ms.saturating_add(FUTURE_SKEW_MS)
+            {
+                return Err(Refused::Stale {
+                    signed_at_unix_ms: at,
+                    now_unix_ms,
+                });
+            }
+            Ok(signature.key_id.clone())
+        }
+
+        /// A verifier of operator keys: `name=hex[,name=hex...]`; empty means no operator is
+        /// registered (every decision is refused, and recorded as refused).
+        pub fn parse_operators(spec: &str) -> Result<Self, KeyError> {
+            if spec.trim().is_empty() {
+                return Ok(Self::refusing_all());
+            }
+            Self::parse(spec)
+        }
+    }
+
+    /// Hex, as a signature travels in a signal's JSON.
+    pub fn to_hex(bytes: &[u8]) -> String {
+        hex(bytes)
+    }
+
+    pub fn from_hex(text: &str) -> Option<Vec<u8>> {
+        unhex(text)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        fn decision(reason: &str, at: u64) -> Decision<'_> {
+            Decision {
+                operator: "alice",
+                decision: "abandon",
+                payout_id: "p-1",
+                reason,
+                signed_at_unix_ms: at,
+            }
+        }
+
+        #[test]
+        fn a_decision_verifies_only_as_signed_by_its_registered_operator_and_in_time() {
+            let (alice, _) = Signer::generate("alice").unwrap();
+            let (mallory, _) = Signer::generate("alice").unwrap(); // same name, other key
+            let keys = Verifier::parse_operators(&alice.public_key().to_string()).unwrap();
+            let now = 10 * MAX_AGE_MS;
+            let d = decision("ticket 42", now);
+            let sig = alice.sign_decision(&d);
+            assert_eq!(keys.verify_decision(&d, &sig, now), Ok("alice".into()));
+            // Another reason, payout or time under the same signature: refused.
+            for other in [
+                decision("ticket 43", now),
+                Decision {
+                    payout_id: "p-2",
+                    ..d.clone()
+                },
+            ] {
+                assert_eq!(
+                    keys.verify_decision(&other, &sig, now),
+                    Err(Refused::BadSignature)
+                );
+            }
+            assert_eq!(
+                keys.verify_decision(&d, &mallory.sign_decision(&d), now),
+                Err(Refused::BadSignature)
+            );
+            assert_eq!(
+                keys.verify_decision(&d, &Signature::default(), now),
+                Err(Refused::Unsigned)
+            );
+            let (bob, _) = Signer::generate("bob").unwrap();
+            let by_bob = Decision {
+                operator: "bob",
+                ..d.clone()
+            };
+            assert!(matches!(
+                keys.verify_decision(&by_bob, &bob.sign_decision(&by_bob), now),
+                Err(Refused::UnknownOperator(_))
+            ));
+            let old = decision("ticket 42", now - MAX_AGE_MS - 1);
+            assert!(matches!(
+                keys.verify_decision(&old, &alice.sign_decision(&old), now),
+                Err(Refused::Stale { .. })
+            ));
+            // A grant signature is never an operator signature.
+            let grant = alice.sign("payout:a", 7, "alice");
+            assert_eq!(
+                keys.verify_decision(&d, &grant, now),
+                Err(Refused::BadSignature)
+            );
+            assert!(Verifier::parse_operators("")
+                .unwrap()
+                .verify_decision(&d, &sig, now)
+                .is_err());
+        }
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

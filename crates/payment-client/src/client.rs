@@ -287,6 +287,7 @@ impl PaymentClient {
             reason: request.reason.clone(),
             resolution_sla_passed: request.resolution_sla_passed,
             sla_check: request.sla_check.clone(),
+            operator_signature: request.signature.as_ref().map(signature_to_proto),
         };
         let p = self
             .raw()
@@ -309,6 +310,7 @@ impl PaymentClient {
             accepted: decision.accepted,
             note: decision.note.clone(),
             token: decision.token.map(|t| t.get()).unwrap_or(0),
+            operator_signature: decision.signature.as_ref().map(signature_to_proto),
         };
         let e = self
             .raw()
@@ -327,5 +329,12 @@ impl PaymentClient {
             .await
             .map_err(status_to_error)?
             .into_inner())
+    }
+}
+
+fn signature_to_proto(s: &model::OperatorSignature) -> pb::OperatorSignature {
+    pb::OperatorSignature {
+        signature: s.signature.clone(),
+        signed_at_unix_ms: s.signed_at_unix_ms,
     }
 }

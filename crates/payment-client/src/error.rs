@@ -63,6 +63,16 @@ pub enum PaymentError {
     /// Abandoning a RAIL_AMBIGUOUS payout needs the caller to assert the resolution SLA passed.
     #[error("payout {payout_id} is RAIL_AMBIGUOUS and its resolution SLA has not passed")]
     ResolutionSlaNotPassed { payout_id: String },
+    /// An operator action whose signature is missing, by an operator with no registered key,
+    /// does not match the request, or is stale (`grant_signing::operator`). Nothing changed but
+    /// the refusal's audit row and a counter. PERMISSION_DENIED.
+    #[error("operator {operator:?} not verified on payout {payout_id}: {reason}")]
+    OperatorNotVerified {
+        payout_id: String,
+        operator: String,
+        /// `unsigned` | `unknown_operator` | `bad_signature` | `stale`
+        reason: String,
+    },
     #[error("invalid argument {field}: {}", reason.as_str_name())]
     InvalidArgument {
         field: String,

@@ -207,6 +207,16 @@ pub struct AbandonRequest {
     pub resolution_sla_passed: bool,
     /// The input of the caller's SLA check, stored with the decision.
     pub sla_check: String,
+    /// The operator's signature of (operator, "abandon", payout, reason, time); required.
+    pub signature: Option<OperatorSignature>,
+}
+
+/// An operator's signature of a decision (`grant_signing::operator`): the operator is the
+/// request's `operator`, the name its key is registered under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OperatorSignature {
+    pub signature: Vec<u8>,
+    pub signed_at_unix_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -218,4 +228,5 @@ pub struct OperatorDecision {
     pub accepted: bool,
     pub note: String,
     pub token: Option<FencingToken>,
+    pub signature: Option<OperatorSignature>,
 }

@@ -314,6 +314,18 @@ pub fn error_to_status(err: PaymentError) -> Status {
             Code::FailedPrecondition,
             Kind::ResolutionSlaNotPassed(pb::ResolutionSlaNotPassed { payout_id }),
         ),
+        PaymentError::OperatorNotVerified {
+            payout_id,
+            operator,
+            reason,
+        } => (
+            Code::PermissionDenied,
+            Kind::OperatorNotVerified(pb::OperatorNotVerified {
+                payout_id,
+                operator,
+                reason,
+            }),
+        ),
         PaymentError::InvalidArgument { field, reason } => (
             Code::InvalidArgument,
             Kind::InvalidArgument(pb::InvalidArgument {
@@ -419,6 +431,11 @@ pub fn status_to_error(status: Status) -> PaymentError {
         }
         Kind::ResolutionSlaNotPassed(r) => PaymentError::ResolutionSlaNotPassed {
             payout_id: r.payout_id,
+        },
+        Kind::OperatorNotVerified(r) => PaymentError::OperatorNotVerified {
+            payout_id: r.payout_id,
+            operator: r.operator,
+            reason: r.reason,
         },
     }
 }

@@ -86,6 +86,39 @@ pub const GRANT_RECORDS_PAGE: i64 = 5_000;
 pub struct Options {
     /// Undelivered outbox rows are a violation (use once the dispatcher has had time to drain).
     pub require_outbox_drained: bool,
+    /// The audit chain's head as an earlier run reported it ([`Report::audit_head`]): the chain
+    /// must still hold that row with that hash. A rewrite of the whole chain (by someone who can
+    /// bypass the database's privileges) is consistent in itself; only an anchor kept outside
+    /// paydb shows it.
+    pub audit_anchor: Option<AuditHead>,
+}
+
+/// A point of paydb's audit chain: its sequence number and row hash (hex).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct AuditHead {
+    pub seq: i64,
+    pub hash: String,
+}
+
+impl AuditHead {
+    /// The anchor an earlier run left in `path`, if any (kept outside paydb, by whoever runs the
+    /// reconciler: `payoutctl reconcile --audit-anchor-file`, the reconciler service's).
+    pub fn load(path: &std::path::Path) -> std::io::Result<Option<AuditHead>> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map(Some)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Keeps this head as the next run's anchor (written whole, then renamed).
+    pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(self)?)?;
+        std::fs::rename(tmp, path)
+    }
 }
 
 /// The outcome of one check.
@@ -110,6 +143,9 @@ pub struct Report {
     pub rail_movements: u64,
     pub outbox_pending: u64,
     pub ambiguous_payouts: Vec<String>,
+    /// paydb's audit chain head at this run: pass it as the next run's
+    /// [`Options::audit_anchor`].
+    pub audit_head: Option<AuditHead>,
 }
 
 impl Report {
@@ -230,6 +266,8 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
     let (gl, outbox_pending) = gl_matches_paydb(&sources.paydb, &sources.gldb, options).await?;
     checks.push(gl);
     checks.push(tokens_were_granted(sources).await?);
+    let (chain, audit_head) = audit_chain_intact(&sources.paydb, options).await?;
+    checks.push(chain);
 
     let violations = checks.iter().map(|c| c.violations.len()).sum();
     for c in &checks {
@@ -243,6 +281,7 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
         payouts_by_state,
         rail_movements,
         outbox_pending,
+        audit_head,
         ambiguous_payouts,
     })
 }
@@ -426,6 +465,96 @@ async fn guard1_tokens(paydb: &PgPool) -> Result<Check, ReconcileError> {
 }
 
 /// INV-03: every transaction group sums to zero; every balance equals the sum of its entries.
+/// paydb's audit trail is the chain its trigger wrote (migration 0005): every row still hashes to
+/// its `row_hash` (nothing edited), the sequence runs 1, 2, ... without a gap and each row names
+/// the hash of the one before (nothing deleted or inserted out of band), the last row is the
+/// head the trigger recorded (no tail removed), and the anchor of an earlier run is still in it
+/// (no rewrite of the whole chain).
+pub async fn audit_chain_intact(
+    paydb: &PgPool,
+    options: &Options,
+) -> Result<(Check, Option<AuditHead>), ReconcileError> {
+    let mut c = check("audit_chain_intact", "audit");
+    let rows = sqlx::query(
+        "WITH c AS ( \
+           SELECT id, chain_seq, prev_hash, row_hash, \
+                  sha256(prev_hash || audit_event_content(e)) AS recomputed, \
+                  lag(row_hash) OVER (ORDER BY chain_seq) AS before, \
+                  lag(chain_seq) OVER (ORDER BY chain_seq) AS seq_before \
+           FROM audit_event e) \
+         SELECT id, chain_seq, recomputed <> row_hash AS edited, \
+                chain_seq <> coalesce(seq_before, 0) + 1 AS gap, \
+                prev_hash <> coalesce(before, sha256(convert_to('payout-audit-chain-v1', 'UTF8'))) AS unlinked \
+         FROM c \
+         WHERE recomputed <> row_hash OR chain_seq <> coalesce(seq_before, 0) + 1 \
+            OR prev_hash <> coalesce(before, sha256(convert_to('payout-audit-chain-v1', 'UTF8')))",
+    )
+    .fetch_all(paydb)
+    .await
+    .map_err(store("paydb"))?;
+    for r in rows {
+        let id: i64 = r.get("id");
+        let seq: i64 = r.get("chain_seq");
+        let mut what = Vec::new();
+        if r.get::<bool, _>("edited") {
+            what.push("its content no longer hashes to its row_hash (edited)");
+        }
+        if r.get::<bool, _>("gap") {
+            what.push("the sequence skips before it (rows deleted)");
+        }
+        if r.get::<bool, _>("unlinked") {
+            what.push("its prev_hash is not the previous row's hash (the chain is broken)");
+        }
+        c.violations.push(format!(
+            "audit row {id} (chain seq {seq}): {}",
+            what.join("; ")
+        ));
+    }
+    let (examined, last_seq, last_hash): (i64, Option<i64>, Option<Vec<u8>>) = sqlx::query_as(
+        "SELECT count(*), max(chain_seq), \
+                (SELECT row_hash FROM audit_event ORDER BY chain_seq DESC LIMIT 1) FROM audit_event",
+    )
+    .fetch_one(paydb)
+    .await
+    .map_err(store("paydb"))?;
+    c.examined = examined as u64;
+    let (head_seq, head_hash): (i64, Vec<u8>) =
+        sqlx::query_as("SELECT seq, hash FROM audit_chain_head WHERE chain = 'audit_event'")
+            .fetch_one(paydb)
+            .await
+            .map_err(store("paydb"))?;
+    if head_seq != last_seq.unwrap_or(0) || (head_seq > 0 && Some(&head_hash) != last_hash.as_ref())
+    {
+        c.violations.push(format!(
+            "the chain head is at seq {head_seq} but the last audit row is seq {} (rows removed from the end, or the head rewritten)",
+            last_seq.unwrap_or(0)
+        ));
+    }
+    if let Some(anchor) = &options.audit_anchor {
+        let found: Option<Vec<u8>> =
+            sqlx::query_scalar("SELECT row_hash FROM audit_event WHERE chain_seq = $1")
+                .bind(anchor.seq)
+                .fetch_optional(paydb)
+                .await
+                .map_err(store("paydb"))?;
+        if found.as_deref().map(hex) != Some(anchor.hash.clone()) {
+            c.violations.push(format!(
+                "the chain no longer holds the head reported earlier (seq {}, hash {}): rewritten",
+                anchor.seq, anchor.hash
+            ));
+        }
+    }
+    let head = (head_seq > 0).then(|| AuditHead {
+        seq: head_seq,
+        hash: hex(&head_hash),
+    });
+    Ok((c, head))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 async fn ledger_balanced(paydb: &PgPool) -> Result<Check, ReconcileError> {
     let mut c = check("ledger_balanced", "INV-03");
     c.examined =

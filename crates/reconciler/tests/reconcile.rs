@@ -186,6 +186,7 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
     let src = sources(&system).await;
     let strict = Options {
         require_outbox_drained: true,
+        ..Options::default()
     };
 
     let report = reconciler::reconcile(&src, &strict).await.unwrap();

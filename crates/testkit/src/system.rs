@@ -108,6 +108,8 @@ pub struct System {
     pub grant_keys: crate::grants::GrantKeys,
     /// The system's certificate authority: every process has its own certificate from it.
     pub pki: crate::pki::Pki,
+    /// The system's registered operator (the payment resource's `--operator-keys`).
+    pub operator: crate::grants::OperatorKey,
     pub lock_server: ManagedProcess,
     pub payment_resource: ManagedProcess,
     pub rail_stub: ManagedProcess,
@@ -197,6 +199,7 @@ impl System {
 
         let grant_keys = crate::grants::GrantKeys::in_dir(&dir)?;
         let pki = crate::pki::Pki::in_dir(&dir)?;
+        let operator = crate::grants::OperatorKey::in_dir(&dir)?;
         let lock_server = ManagedProcess::start(
             spec("lock-server")?
                 .args(grant_keys.lock_server_args())
@@ -227,6 +230,7 @@ impl System {
                     login(PgServer::Main, "payment_resource", &databases.paydb),
                 )
                 .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
+                .args(["--operator-keys".into(), operator.registered()])
                 .args(
                     pki.issue(Role::PaymentResource, "payment-resource")?
                         .to_args(),
@@ -347,6 +351,7 @@ impl System {
             dir,
             grant_keys,
             pki,
+            operator,
             lock_server,
             payment_resource,
             rail_stub,

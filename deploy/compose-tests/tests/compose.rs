@@ -392,6 +392,7 @@ async fn reconcile(ports: &Ports) -> anyhow::Result<()> {
     };
     let options = reconciler::Options {
         require_outbox_drained: true,
+        ..Default::default()
     };
     let deadline = Instant::now() + DRAIN_TIMEOUT;
     loop {

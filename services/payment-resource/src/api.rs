@@ -215,6 +215,7 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
                 reason: model::required_text("reason", &r.reason, InvalidReason::ReasonMissing)?,
                 resolution_sla_passed: r.resolution_sla_passed,
                 sla_check: model::optional_text("sla_check", &r.sla_check)?,
+                signature: signature_from_proto(r.operator_signature),
             };
             self.store.abandon(&payout_id, &fence, &request).await
         }
@@ -248,6 +249,7 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
                     0 => None,
                     token => Some(parse_token("token", token)?),
                 },
+                signature: signature_from_proto(r.operator_signature),
             };
             self.store.record_operator_decision(&decision).await
         }
@@ -294,4 +296,11 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
             }
         })
     }
+}
+
+fn signature_from_proto(s: Option<pb::OperatorSignature>) -> Option<model::OperatorSignature> {
+    s.map(|s| model::OperatorSignature {
+        signature: s.signature,
+        signed_at_unix_ms: s.signed_at_unix_ms,
+    })
 }

@@ -45,6 +45,11 @@ enum Command {
         /// (else `forged_grant`); there is no unsigned mode.
         #[arg(long, env = "GRANT_VERIFY_KEYS", value_name = "ID=HEX,...", value_parser = parse_verify_keys)]
         grant_verify_keys: Verifier,
+        /// The registered operators' public keys, `name=<64 hex digits>[,...]` (`payoutctl keys
+        /// operator`). An abandon is carried out only under one of their signatures; without any,
+        /// every operator decision is refused and recorded as refused.
+        #[arg(long, env = "PAYOUT_OPERATOR_KEYS", value_name = "NAME=HEX,...", default_value = "", value_parser = parse_operator_keys)]
+        operator_keys: Verifier,
         #[command(flatten)]
         tls: service_kit::grpc::TlsArgs,
         /// Serve OpenAccount (funded accounts from nothing) to the fixture role. Off by default;
@@ -71,6 +76,11 @@ enum Command {
     },
 }
 
+/// `--operator-keys`: empty registers nobody; a malformed entry stops the start.
+fn parse_operator_keys(spec: &str) -> Result<Verifier, String> {
+    Verifier::parse_operators(spec).map_err(|e| e.to_string())
+}
+
 /// `--grant-verify-keys`: a malformed or empty list stops the start with the key's own error.
 fn parse_verify_keys(spec: &str) -> Result<Verifier, String> {
     Verifier::parse(spec).map_err(|e| e.to_string())
@@ -86,6 +96,7 @@ async fn main() -> anyhow::Result<()> {
             database_url,
             resolution_sla_ms,
             grant_verify_keys,
+            operator_keys,
             tls,
             fixture_accounts,
         } => {
@@ -96,7 +107,10 @@ async fn main() -> anyhow::Result<()> {
             // The binary has no way to disable a check (the fence predicate, the grant's signature
             // or its key binding): the switches are test-only and unreachable from here.
             let key_ids: Vec<String> = grant_verify_keys.key_ids().map(str::to_string).collect();
+            let operators: Vec<String> = operator_keys.key_ids().map(str::to_string).collect();
+            tracing::info!(?operators, "registered operators");
             let options = StoreOptions::new(grant_verify_keys)
+                .with_operator_keys(operator_keys)
                 .with_resolution_sla(std::time::Duration::from_millis(resolution_sla_ms));
             let store = Store::new(pool, options, &metrics);
             let shutdown = Shutdown::on_signal();

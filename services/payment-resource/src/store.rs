@@ -93,6 +93,10 @@ pub struct StoreOptions {
     grant_verification: bool,
     key_binding: bool,
     resolution_sla: std::time::Duration,
+    /// The registered operators' public keys (`--operator-keys`); none: every operator decision
+    /// is refused as `unknown_operator` or `unsigned`, and recorded as refused.
+    operators: Verifier,
+    operator_verification: bool,
 }
 
 /// Finance's resolution SLA for an ambiguous payout before an operator may abandon it (spec 2.3,
@@ -118,7 +122,15 @@ impl StoreOptions {
             grant_verification: true,
             key_binding: true,
             resolution_sla: RESOLUTION_SLA_DEFAULT,
+            operators: Verifier::refusing_all(),
+            operator_verification: true,
         }
+    }
+    /// The registered operators (`name=hex,...`, `payoutctl keys operator`): an abandon is carried
+    /// out, and an accepted decision recorded as accepted, only under one of their signatures.
+    pub fn with_operator_keys(mut self, operators: Verifier) -> Self {
+        self.operators = operators;
+        self
     }
     /// NEGATIVE CONTROL ONLY: the guard's predicate is dropped, so a stale token's write lands.
     /// Tests use it to show that the guarded tests detect what they claim to.
@@ -141,6 +153,13 @@ impl StoreOptions {
     #[doc(hidden)]
     pub fn without_key_binding_for_tests(mut self) -> Self {
         self.key_binding = false;
+        self
+    }
+    /// NEGATIVE CONTROL ONLY: operator signatures are not verified, so an unsigned abandon is
+    /// carried out. Tests use it to show that the operator-signature tests detect what they claim.
+    #[doc(hidden)]
+    pub fn without_operator_verification_for_tests(mut self) -> Self {
+        self.operator_verification = false;
         self
     }
     /// The resolution SLA this resource enforces: it decides from its own record when a
@@ -168,6 +187,7 @@ struct Counters {
     refused_transitions: IntCounterVec,
     account_busy: IntCounterVec,
     transitions: IntCounterVec,
+    operator_not_verified: IntCounterVec,
 }
 
 #[derive(Clone)]
@@ -435,6 +455,11 @@ impl Store {
                 "payment_transitions_total",
                 "Payout transitions performed.",
                 &["from", "to"],
+            ),
+            operator_not_verified: metrics.counter_vec(
+                "payment_operator_not_verified_total",
+                "Operator decisions whose signature was missing, unknown, wrong or stale (refused and audited). Alert on any.",
+                &["decision", "reason"],
             ),
         };
         Self {
@@ -1265,12 +1290,90 @@ impl Store {
     /// database's clock (a workflow reset or a second workflow does not restart it). What the
     /// caller believes (`resolution_sla_passed`) is stored with the decision, never trusted.
     /// Actor: operator, under a grant like every mutation (INV-07).
+    /// The verified operator of a signed decision, or why not (counted).
+    fn verify_operator(
+        &self,
+        decision: &str,
+        payout_id: &PayoutId,
+        operator: &str,
+        reason: &str,
+        signature: Option<&payment_client::model::OperatorSignature>,
+    ) -> Result<String, grant_signing::operator::Refused> {
+        if !self.options.operator_verification {
+            return Ok(operator.to_string());
+        }
+        let verdict = match signature {
+            None => Err(grant_signing::operator::Refused::Unsigned),
+            Some(s) => self.options.operators.verify_decision(
+                &grant_signing::operator::Decision {
+                    operator,
+                    decision,
+                    payout_id: payout_id.as_str(),
+                    reason,
+                    signed_at_unix_ms: s.signed_at_unix_ms,
+                },
+                &grant_signing::Signature {
+                    key_id: operator.to_string(),
+                    bytes: s.signature.clone(),
+                },
+                Utc::now().timestamp_millis().max(0) as u64,
+            ),
+        };
+        if let Err(refused) = &verdict {
+            self.counters
+                .operator_not_verified
+                .with_label_values(&[decision, refused.reason()])
+                .inc();
+            tracing::warn!(%payout_id, operator, decision, reason = refused.reason(), %refused,
+                "operator decision not verified");
+        }
+        verdict
+    }
+
     pub async fn abandon(
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
         request: &AbandonRequest,
     ) -> Result<Payout, ServerError> {
+        // The operator first: nothing is read under the fence, nothing changes, for an
+        // unverified decision; the refusal is audited.
+        if let Err(refused) = self.verify_operator(
+            "abandon",
+            payout_id,
+            &request.operator,
+            &request.reason,
+            request.signature.as_ref(),
+        ) {
+            let account_id: Option<String> =
+                sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
+                    .bind(payout_id.as_str())
+                    .fetch_optional(&self.pool)
+                    .await?;
+            insert_audit(
+                &self.pool,
+                &Audit {
+                    payout_id: account_id.as_ref().map(|_| payout_id.as_str()),
+                    account_id: account_id.as_deref(),
+                    kind: "operator_not_verified",
+                    actor: Actor::Operator.as_str(),
+                    owner: Some(fence.owner()),
+                    token: Some(fence.token().as_i64()),
+                    from_state: None,
+                    to_state: None,
+                    event: Some(PayoutEvent::OperatorAbandon.as_str()),
+                    detail: json!({"claimed_operator": request.operator, "reason": request.reason,
+                                   "refusal": refused.reason(), "detail": refused.to_string()}),
+                },
+            )
+            .await?;
+            return Err(PaymentError::OperatorNotVerified {
+                payout_id: payout_id.to_string(),
+                operator: request.operator.clone(),
+                reason: refused.reason().to_string(),
+            }
+            .into());
+        }
         let mut fenced = self.begin_fenced(payout_id, fence, "abandon").await?;
         let from = fenced.payout.state;
         let to = match from.apply(PayoutEvent::OperatorAbandon, Actor::Operator) {
@@ -1519,6 +1622,30 @@ impl Store {
             }
             .into());
         };
+        // A decision the workflow accepted stands as accepted only under a verified operator
+        // signature; otherwise it is recorded as refused, with why (the workflow's later Abandon
+        // is refused the same way). A decision the workflow refused is recorded as it is.
+        let verified = if decision.accepted {
+            Some(self.verify_operator(
+                &decision.decision,
+                &decision.payout_id,
+                &decision.operator,
+                &decision.reason,
+                decision.signature.as_ref(),
+            ))
+        } else {
+            None
+        };
+        let (accepted, note) = match &verified {
+            Some(Err(refused)) => (
+                false,
+                format!(
+                    "refused: operator not verified ({}): {refused}",
+                    refused.reason()
+                ),
+            ),
+            _ => (decision.accepted, decision.note.clone()),
+        };
         let event = insert_audit(
             &self.pool,
             &Audit {
@@ -1531,8 +1658,9 @@ impl Store {
                 from_state: None,
                 to_state: None,
                 event: None,
-                detail: json!({"decision": decision.decision, "reason": decision.reason, "accepted": decision.accepted,
-                               "note": decision.note}),
+                detail: json!({"decision": decision.decision, "reason": decision.reason, "accepted": accepted,
+                               "note": note, "operator_verified": matches!(verified, Some(Ok(_))),
+                               "signed_at_unix_ms": decision.signature.as_ref().map(|s| s.signed_at_unix_ms)}),
             },
         )
         .await?;

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use grant_signing::{Signer, Verifier};
 use payment_client::model::{
-    AbandonRequest, Evidence, Fence, NewPayout, OperatorDecision, Payout, RailOutcome, Signature,
+    AbandonRequest, Evidence, Fence, NewPayout, OperatorDecision, OperatorSignature, Payout,
+    RailOutcome, Signature,
 };
 use payment_client::{InvalidReason, PaymentClient, PaymentError};
 use payment_resource::{Store, StoreOptions};
@@ -107,9 +108,48 @@ fn signer() -> &'static Signer {
     SIGNER.get_or_init(|| Signer::generate("test-1").expect("a signing key").0)
 }
 
-/// The store options every test server starts from: the test signer's public key, nothing else.
+/// The store options every test server starts from: the test signer's public key and the test
+/// operators' keys, nothing else.
 fn options() -> StoreOptions {
     StoreOptions::new(Verifier::new([signer().public_key()]).expect("a verifier"))
+        .with_operator_keys(
+            Verifier::new(OPERATORS.iter().map(|name| operator(name).public_key())).unwrap(),
+        )
+}
+
+/// The registered operators of the test servers.
+const OPERATORS: [&str; 2] = ["op-1", "alice"];
+
+/// A registered operator's key (or, for any other name, a key nobody registered).
+fn operator(name: &str) -> &'static Signer {
+    static KEYS: OnceLock<std::sync::Mutex<std::collections::HashMap<String, &'static Signer>>> =
+        OnceLock::new();
+    let mut keys = KEYS.get_or_init(Default::default).lock().unwrap();
+    keys.entry(name.to_string())
+        .or_insert_with(|| Box::leak(Box::new(Signer::generate(name).unwrap().0)))
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// `operator`'s signature of an abandon of `payout` for `reason`, made now.
+fn signed(payout: &str, name: &str, reason: &str) -> Option<OperatorSignature> {
+    let at = now_ms();
+    let decision = grant_signing::operator::Decision {
+        operator: name,
+        decision: "abandon",
+        payout_id: payout,
+        reason,
+        signed_at_unix_ms: at,
+    };
+    Some(OperatorSignature {
+        signature: operator(name).sign_decision(&decision).bytes,
+        signed_at_unix_ms: at,
+    })
 }
 
 /// A genuine grant of `account`'s lock key (`payout:{account}`) with `token` to `owner`.
@@ -233,6 +273,7 @@ async fn perform(
                     reason: "customer request".into(),
                     resolution_sla_passed: true,
                     sla_check: "ambiguous_since=T0 sla=24h now=T0+25h".into(),
+                    signature: signed(p.as_str(), "op-1", "customer request"),
                 },
             )
             .await
@@ -692,6 +733,7 @@ async fn stale_holder_is_fenced_out_on_every_payout_of_the_account() {
                 reason: "r".into(),
                 resolution_sla_passed: false,
                 sla_check: String::new(),
+                signature: signed("p-1", "op-1", "r"),
             },
         )
         .await
@@ -1876,6 +1918,7 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
                 reason: "r".into(),
                 resolution_sla_passed: false,
                 sla_check: "since=T0 now=T0+1h".into(),
+                signature: signed("p-1", "op-1", "r"),
             },
         )
         .await
@@ -1918,6 +1961,7 @@ async fn the_resolution_sla_is_the_resources_own_record_not_the_callers_word() {
         reason: "finance ticket 42".into(),
         resolution_sla_passed: caller_says_passed,
         sla_check: "the caller's own clock".into(),
+        signature: signed("p-1", "op-1", "finance ticket 42"),
     };
     let err = c
         .abandon(&pid("p-1"), &f, &request(true))
@@ -1957,6 +2001,7 @@ async fn operator_decisions_are_recorded() {
             accepted: false,
             note: "payout is RAIL_SUBMITTED".into(),
             token: None,
+            signature: None,
         })
         .await
         .unwrap();
@@ -2592,6 +2637,7 @@ fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
         (fenced(), text(), text(), any::<bool>(), text()).prop_map(
             |((payout_id, fence), operator, reason, resolution_sla_passed, sla_check)| {
                 PaymentCall::Abandon(pb::AbandonRequest {
+                    operator_signature: None,
                     payout_id,
                     fence,
                     operator,
@@ -2613,6 +2659,7 @@ fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
             .prop_map(
                 |(payout_id, operator, decision, reason, accepted, note, token)| {
                     PaymentCall::RecordOperatorDecision(pb::RecordOperatorDecisionRequest {
+                        operator_signature: None,
                         payout_id,
                         operator,
                         decision,
@@ -2705,7 +2752,11 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
                         prop_assert!(
                             matches!(
                                 &kind,
-                                Some(Kind::ForgedGrant(_) | Kind::GrantForAnotherKey(_))
+                                Some(
+                                    Kind::ForgedGrant(_)
+                                        | Kind::GrantForAnotherKey(_)
+                                        | Kind::OperatorNotVerified(_)
+                                )
                             ),
                             "{kind:?}"
                         );
@@ -2905,4 +2956,191 @@ async fn negative_control_with_every_role_allowed_a_worker_opens_a_funded_accoun
         .await
         .expect("the permissive table lets a worker open a funded account");
     assert_eq!(account.balance_minor, 1_000_000_000);
+}
+
+/// Operators are authenticated (issue 17, section 3): an abandon is carried out only under the
+/// signature of a registered operator, over exactly this payout, decision and reason, and
+/// recently. Unsigned, signed by an unregistered key, signed for another payout or reason, or
+/// stale: PERMISSION_DENIED `OperatorNotVerified` naming why, the payout unchanged, the refusal
+/// audited (`operator_not_verified`) and counted. A decision recorded as accepted without a
+/// verified signature is recorded as refused.
+#[tokio::test]
+async fn an_abandon_without_a_registered_operators_signature_is_refused_and_changes_nothing() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let f = fence("acct-1", "worker-a", 10);
+    let request = |signature: Option<OperatorSignature>| AbandonRequest {
+        operator: "op-1".into(),
+        reason: "customer withdrew".into(),
+        resolution_sla_passed: false,
+        sla_check: String::new(),
+        signature,
+    };
+    let stale = {
+        let at = now_ms() - grant_signing::operator::MAX_AGE_MS - 60_000;
+        let d = grant_signing::operator::Decision {
+            operator: "op-1",
+            decision: "abandon",
+            payout_id: "p-1",
+            reason: "customer withdrew",
+            signed_at_unix_ms: at,
+        };
+        Some(OperatorSignature {
+            signature: operator("op-1").sign_decision(&d).bytes,
+            signed_at_unix_ms: at,
+        })
+    };
+    let mallory = {
+        // A key nobody registered, under a registered operator's name.
+        let (rogue, _) = Signer::generate("op-1").unwrap();
+        let at = now_ms();
+        let d = grant_signing::operator::Decision {
+            operator: "op-1",
+            decision: "abandon",
+            payout_id: "p-1",
+            reason: "customer withdrew",
+            signed_at_unix_ms: at,
+        };
+        Some(OperatorSignature {
+            signature: rogue.sign_decision(&d).bytes,
+            signed_at_unix_ms: at,
+        })
+    };
+    let cases = [
+        ("unsigned", None),
+        ("bad_signature", mallory),
+        ("bad_signature", signed("p-2", "op-1", "customer withdrew")),
+        ("bad_signature", signed("p-1", "op-1", "another reason")),
+        ("stale", stale),
+    ];
+    for (expected, signature) in cases {
+        let before = snapshot(&h.pool, "p-1").await;
+        let err = h
+            .c()
+            .abandon(&pid("p-1"), &f, &request(signature))
+            .await
+            .unwrap_err();
+        match &err {
+            PaymentError::OperatorNotVerified {
+                reason, operator, ..
+            } => {
+                assert_eq!((reason.as_str(), operator.as_str()), (expected, "op-1"))
+            }
+            other => panic!("expected OperatorNotVerified({expected}), got {other:?}"),
+        }
+        assert_eq!(
+            snapshot(&h.pool, "p-1").await,
+            before,
+            "{expected}: nothing changed"
+        );
+    }
+    // An unregistered operator's own, valid signature.
+    let err = h
+        .c()
+        .abandon(
+            &pid("p-1"),
+            &f,
+            &AbandonRequest {
+                operator: "mallory".into(),
+                signature: signed("p-1", "mallory", "customer withdrew"),
+                ..request(None)
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, PaymentError::OperatorNotVerified { reason, .. } if reason == "unknown_operator"),
+        "{err:?}"
+    );
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_event WHERE payout_id = 'p-1' AND kind = 'operator_not_verified'",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert_eq!(audited, 6);
+    let counted = h.service.metrics.render();
+    assert!(
+        counted.contains(
+            r#"payment_operator_not_verified_total{decision="abandon",reason="unsigned"} 1"#
+        ),
+        "{counted}"
+    );
+    // An accepted decision without a verified signature is recorded as refused, with why.
+    let e = h
+        .c()
+        .record_operator_decision(&OperatorDecision {
+            payout_id: pid("p-1"),
+            operator: "op-1".into(),
+            decision: "abandon".into(),
+            reason: "customer withdrew".into(),
+            accepted: true,
+            note: String::new(),
+            token: None,
+            signature: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(e.detail["accepted"], false, "{}", e.detail);
+    assert_eq!(e.detail["operator_verified"], false, "{}", e.detail);
+    assert!(
+        e.detail["note"].as_str().unwrap().contains("unsigned"),
+        "{}",
+        e.detail
+    );
+    // The operator's own signature: carried out, the verified operator on record.
+    let abandoned = h
+        .c()
+        .abandon(
+            &pid("p-1"),
+            &f,
+            &request(signed("p-1", "op-1", "customer withdrew")),
+        )
+        .await
+        .unwrap();
+    assert_eq!(abandoned.state, PayoutState::Abandoned);
+}
+
+/// Negative control: with operator verification switched off in-process, the same unsigned
+/// abandon is carried out: the test above sees what it claims to.
+#[tokio::test]
+async fn negative_control_without_operator_verification_an_unsigned_abandon_lands() {
+    let url = Stack::shared().fresh_db(PgServer::Main).await;
+    let service = start_service(&url, options().without_operator_verification_for_tests()).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let c = &service.client;
+    let fixture = PaymentClient::connect(&service.endpoint, &tls(Role::Fixture))
+        .await
+        .unwrap();
+    fixture
+        .open_account(&aid("acct-1"), &eur(), 10_000)
+        .await
+        .unwrap();
+    fixture
+        .create_payout(&NewPayout {
+            payout_id: pid("p-1"),
+            account_id: aid("acct-1"),
+            amount_minor: AmountMinor::new(1_000).unwrap(),
+            currency: eur(),
+            beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
+        })
+        .await
+        .unwrap();
+    let abandoned = c
+        .abandon(
+            &pid("p-1"),
+            &fence("acct-1", "worker-a", 10),
+            &AbandonRequest {
+                operator: "anyone".into(),
+                reason: "no signature at all".into(),
+                resolution_sla_passed: false,
+                sla_check: String::new(),
+                signature: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(abandoned.state, PayoutState::Abandoned);
+    assert_eq!(snapshot(&pool, "p-1").await.state, "ABANDONED");
 }

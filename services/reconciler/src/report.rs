@@ -104,6 +104,7 @@ mod tests {
                 rail_movements: 2,
                 outbox_pending: 0,
                 ambiguous_payouts: vec!["po-1".into()],
+                audit_head: None,
             },
             resolutions: vec![
                 Resolution {

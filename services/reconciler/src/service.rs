@@ -99,6 +99,10 @@ pub struct Config {
     /// Undelivered outbox rows count as violations.
     #[arg(long, env = "RECONCILE_REQUIRE_DRAINED")]
     pub require_drained: bool,
+    /// Where the audit chain's head is kept between runs: each run demands that the chain still
+    /// holds the head the run before saw (a rewritten chain is otherwise consistent in itself).
+    #[arg(long, env = "RECONCILE_AUDIT_ANCHOR_FILE")]
+    pub audit_anchor_file: Option<std::path::PathBuf>,
     /// Resolve orphaned RAIL_AMBIGUOUS payouts (evidence only) before the checks.
     #[arg(long, env = "RECONCILE_RESOLVE_ORPHANS")]
     pub resolve_orphans: bool,
@@ -192,13 +196,25 @@ pub async fn run_once(config: &Config, sources: &Sources) -> anyhow::Result<RunR
     } else {
         Vec::new()
     };
+    let audit_anchor = match &config.audit_anchor_file {
+        Some(path) => reconciler::AuditHead::load(path)?,
+        None => None,
+    };
     let checks = reconciler::reconcile(
         sources,
         &Options {
             require_outbox_drained: config.require_drained,
+            audit_anchor,
         },
     )
     .await?;
+    if let (Some(path), Some(head), true) = (
+        &config.audit_anchor_file,
+        &checks.audit_head,
+        checks.is_clean(),
+    ) {
+        head.save(path)?;
+    }
     Ok(RunReport {
         checks,
         resolutions,

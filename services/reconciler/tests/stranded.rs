@@ -341,6 +341,7 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
             &sources,
             &reconciler::Options {
                 require_outbox_drained: true,
+                ..Default::default()
             },
         )
         .await

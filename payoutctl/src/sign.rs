@@ -1,0 +1,131 @@
+//! `payoutctl sign abandon`: an operator's decision, signed with the operator's own key
+//! (`payoutctl keys operator`), as the input of the `abandon` signal:
+//!
+//! ```text
+//! temporal workflow signal --workflow-id payout-... --name abandon \
+//!   --input "$(payoutctl sign abandon --operator alice --key-file alice.key \
+//!              --payout-id p-1 --reason 'finance ticket 42')"
+//! ```
+//!
+//! Temporal authenticates nobody; the payment resource verifies the signature against the
+//! registered operator keys before it records the decision as accepted or carries it out, and
+//! records the refusal of anything else. The signature covers the operator, the decision, the
+//! payout, the reason and the time, and is honoured for an hour
+//! (`grant_signing::operator::MAX_AGE_MS`).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args as ClapArgs, Subcommand};
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Print the signed `abandon` signal input (JSON) for one payout.
+    Abandon(AbandonArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct AbandonArgs {
+    /// The operator's registered name (the key's).
+    #[arg(long)]
+    pub operator: String,
+    /// The operator's secret key, as `payoutctl keys operator` wrote it.
+    #[arg(long)]
+    pub key_file: PathBuf,
+    /// The payout to abandon (its id, not its workflow id).
+    #[arg(long)]
+    pub payout_id: String,
+    /// Why: recorded with the decision (at most 1,000 characters).
+    #[arg(long)]
+    pub reason: String,
+}
+
+pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
+    match command {
+        Command::Abandon(args) => {
+            println!("{}", abandon(&args, now_unix_ms())?);
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The signal's input: what the workflow reads (`AbandonSignal`).
+pub fn abandon(args: &AbandonArgs, now_unix_ms: u64) -> anyhow::Result<serde_json::Value> {
+    let reason = args.reason.trim();
+    anyhow::ensure!(!reason.is_empty(), "--reason must say why");
+    anyhow::ensure!(!args.payout_id.trim().is_empty(), "--payout-id is required");
+    let text = std::fs::read_to_string(&args.key_file)
+        .with_context(|| format!("reading the operator key {}", args.key_file.display()))?;
+    let signer = grant_signing::Signer::from_hex(&args.operator, &text)
+        .with_context(|| format!("reading the operator key {}", args.key_file.display()))?;
+    let signature = signer.sign_decision(&grant_signing::operator::Decision {
+        operator: &args.operator,
+        decision: "abandon",
+        payout_id: args.payout_id.trim(),
+        reason,
+        signed_at_unix_ms: now_unix_ms,
+    });
+    Ok(serde_json::json!({
+        "operator": args.operator,
+        "reason": reason,
+        "signed_at_unix_ms": now_unix_ms,
+        "signature": grant_signing::operator::to_hex(&signature.bytes),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_signed_input_verifies_against_the_registration_line_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("alice.key");
+        let line = crate::keys::grant_signing("alice", &key)
+            .unwrap()
+            .to_string();
+        let args = AbandonArgs {
+            operator: "alice".into(),
+            key_file: key,
+            payout_id: "p-1".into(),
+            reason: " finance ticket 42 ".into(),
+        };
+        let input = abandon(&args, 1_000_000).unwrap();
+        assert_eq!(input["reason"], "finance ticket 42");
+        let operators = grant_signing::Verifier::parse_operators(&line).unwrap();
+        let signature = grant_signing::Signature {
+            key_id: "alice".into(),
+            bytes: grant_signing::operator::from_hex(input["signature"].as_str().unwrap()).unwrap(),
+        };
+        let decision = |payout_id| grant_signing::operator::Decision {
+            operator: "alice",
+            decision: "abandon",
+            payout_id,
+            reason: "finance ticket 42",
+            signed_at_unix_ms: 1_000_000,
+        };
+        assert_eq!(
+            operators.verify_decision(&decision("p-1"), &signature, 1_000_000),
+            Ok("alice".into())
+        );
+        assert!(operators
+            .verify_decision(&decision("p-2"), &signature, 1_000_000)
+            .is_err());
+        let e = abandon(
+            &AbandonArgs {
+                reason: "  ".into(),
+                ..args
+            },
+            0,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("--reason"), "{e}");
+    }
+}
