@@ -306,19 +306,9 @@ fn operator_signature(
     s: Option<payout_activities::types::OperatorSignatureInput>,
 ) -> Option<model::OperatorSignature> {
     s.map(|s| model::OperatorSignature {
-        signature: unhex(&s.signature).unwrap_or_default(),
+        signature: grant_signing::operator::from_hex(&s.signature).unwrap_or_default(),
         signed_at_unix_ms: s.signed_at_unix_ms,
     })
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 fn payment_failure(e: PaymentError) -> ActivityFailure {

@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+/// Services that run once and exit (`db-setup`: roles, databases, migrations).
+pub const ONE_SHOT: &[&str] = &["db-setup"];
+
 /// Health checks run every 2 s; a cold start initialises two PostgreSQL servers, forms the etcd
 /// cluster and migrates Temporal's SQLite file, on 2 shared cores.
 pub const UP_TIMEOUT: Duration = Duration::from_secs(300);
@@ -188,8 +191,9 @@ impl Project {
             .with_context(|| format!("no container for service {service}"))
     }
 
-    /// Waits until every container of the project is running and healthy; fails at once when one
-    /// has exited or turned unhealthy, with its last log lines.
+    /// Waits until every container of the project is running and healthy (a one-shot: exited with
+    /// status 0); fails at once when one has exited otherwise or turned unhealthy, with its last
+    /// log lines.
     pub fn wait_healthy(&self, timeout: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -199,13 +203,22 @@ impl Project {
                 let state = docker(&[
                     "inspect",
                     "--format",
-                    "{{.Name}} {{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}",
+                    "{{.Name}} {{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}} {{.State.ExitCode}} {{index .Config.Labels \"com.docker.compose.service\"}}",
                     id,
                 ])?;
                 let fields: Vec<&str> = state.split_whitespace().collect();
                 let (name, status, health) = (fields[0], fields[1], fields[2]);
+                let (exit_code, service) = (
+                    fields.get(3).copied().unwrap_or(""),
+                    fields.get(4).copied().unwrap_or(""),
+                );
                 match (status, health) {
                     ("running", "healthy") => {}
+                    // A one-shot (db-setup) is done when it exited successfully.
+                    ("exited", _) if ONE_SHOT.contains(&service) && exit_code == "0" => {}
+                    ("running" | "created", _) if ONE_SHOT.contains(&service) => {
+                        waiting.push(format!("{name} {status}"))
+                    }
                     ("exited" | "dead" | "restarting", _) | (_, "unhealthy") => {
                         let logs = container_logs(id, 30);
                         bail!("{name} is {status}/{health}; its last log lines:\n{logs}");
