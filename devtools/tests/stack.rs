@@ -85,7 +85,19 @@ async fn stack_up_status_down_up_keeps_data() {
     );
 
     // Write into paydb, go down, come up: the row is still there.
-    let paydb = status["databases"]["paydb"].as_str().unwrap().to_string();
+    // What the stack prints holds no password; the superuser's is in the stack's credentials file.
+    let printed = status["databases"]["paydb"].as_str().unwrap().to_string();
+    assert!(
+        printed.starts_with("postgres://postgres@") && printed.contains("sslmode=verify-full"),
+        "{printed}"
+    );
+    let credentials = testkit::db_access::Credentials::load(&state.join("db-credentials.json"))
+        .expect("the stack's generated credentials");
+    let paydb = printed.replacen(
+        "postgres://postgres@",
+        &format!("postgres://postgres:{}@", credentials.superuser),
+        1,
+    );
     {
         let pool = sqlx::PgPool::connect(&paydb).await.unwrap();
         sqlx::query("CREATE TABLE kit_persisted (x int)")

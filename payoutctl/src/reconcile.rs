@@ -65,8 +65,8 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     )
     .await?;
     // A run that found the chain broken keeps the old anchor: the evidence stays.
-    if let (Some(path), Some(head), true) = (&anchor_file, &report.audit_head, report.is_clean()) {
-        head.save(path)
+    if let (Some(path), true) = (&anchor_file, report.is_clean()) {
+        reconciler::AuditHead::save(&report.audit_heads, path)
             .with_context(|| format!("writing the audit anchor {}", path.display()))?;
     }
     if args.json {

@@ -86,16 +86,18 @@ pub const GRANT_RECORDS_PAGE: i64 = 5_000;
 pub struct Options {
     /// Undelivered outbox rows are a violation (use once the dispatcher has had time to drain).
     pub require_outbox_drained: bool,
-    /// The audit chain's head as an earlier run reported it ([`Report::audit_head`]): the chain
-    /// must still hold that row with that hash. A rewrite of the whole chain (by someone who can
-    /// bypass the database's privileges) is consistent in itself; only an anchor kept outside
+    /// The audit chains' heads as an earlier run reported them ([`Report::audit_heads`]): each
+    /// chain must still hold that row with that hash. A rewrite of a whole chain (by someone who
+    /// can bypass the database's privileges) is consistent in itself; only an anchor kept outside
     /// paydb shows it.
-    pub audit_anchor: Option<AuditHead>,
+    pub audit_anchor: Option<Vec<AuditHead>>,
 }
 
-/// A point of paydb's audit chain: its sequence number and row hash (hex).
+/// A point of one of paydb's audit chains (one per account; "" for rows that name none): its
+/// sequence number and row hash (hex).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct AuditHead {
+    pub chain: String,
     pub seq: i64,
     pub hash: String,
 }
@@ -103,7 +105,7 @@ pub struct AuditHead {
 impl AuditHead {
     /// The anchor an earlier run left in `path`, if any (kept outside paydb, by whoever runs the
     /// reconciler: `payoutctl reconcile --audit-anchor-file`, the reconciler service's).
-    pub fn load(path: &std::path::Path) -> std::io::Result<Option<AuditHead>> {
+    pub fn load(path: &std::path::Path) -> std::io::Result<Option<Vec<AuditHead>>> {
         match std::fs::read_to_string(path) {
             Ok(text) => serde_json::from_str(&text)
                 .map(Some)
@@ -113,10 +115,10 @@ impl AuditHead {
         }
     }
 
-    /// Keeps this head as the next run's anchor (written whole, then renamed).
-    pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
+    /// Keeps `heads` as the next run's anchor (written whole, then renamed).
+    pub fn save(heads: &[AuditHead], path: &std::path::Path) -> std::io::Result<()> {
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec(self)?)?;
+        std::fs::write(&tmp, serde_json::to_vec(heads)?)?;
         std::fs::rename(tmp, path)
     }
 }
@@ -143,9 +145,9 @@ pub struct Report {
     pub rail_movements: u64,
     pub outbox_pending: u64,
     pub ambiguous_payouts: Vec<String>,
-    /// paydb's audit chain head at this run: pass it as the next run's
+    /// paydb's audit chains' heads at this run: pass them as the next run's
     /// [`Options::audit_anchor`].
-    pub audit_head: Option<AuditHead>,
+    pub audit_heads: Vec<AuditHead>,
 }
 
 impl Report {
@@ -266,7 +268,7 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
     let (gl, outbox_pending) = gl_matches_paydb(&sources.paydb, &sources.gldb, options).await?;
     checks.push(gl);
     checks.push(tokens_were_granted(sources).await?);
-    let (chain, audit_head) = audit_chain_intact(&sources.paydb, options).await?;
+    let (chain, audit_heads) = audit_chain_intact(&sources.paydb, options).await?;
     checks.push(chain);
 
     let violations = checks.iter().map(|c| c.violations.len()).sum();
@@ -281,7 +283,7 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
         payouts_by_state,
         rail_movements,
         outbox_pending,
-        audit_head,
+        audit_heads,
         ambiguous_payouts,
     })
 }
@@ -465,35 +467,36 @@ async fn guard1_tokens(paydb: &PgPool) -> Result<Check, ReconcileError> {
 }
 
 /// INV-03: every transaction group sums to zero; every balance equals the sum of its entries.
-/// paydb's audit trail is the chain its trigger wrote (migration 0005): every row still hashes to
-/// its `row_hash` (nothing edited), the sequence runs 1, 2, ... without a gap and each row names
-/// the hash of the one before (nothing deleted or inserted out of band), the last row is the
-/// head the trigger recorded (no tail removed), and the anchor of an earlier run is still in it
-/// (no rewrite of the whole chain).
+/// paydb's audit trail is the chains its trigger wrote (migration 0005, one chain per account):
+/// every row still hashes to its `row_hash` (nothing edited), each chain's sequence runs 1, 2, ...
+/// without a gap and each row names the hash of the one before (nothing deleted or inserted out of
+/// band), each chain's last row is the head the trigger recorded and every chain has its head (no
+/// tail removed, no head removed), and the heads of an earlier run are still in the chains (no
+/// rewrite).
 pub async fn audit_chain_intact(
     paydb: &PgPool,
     options: &Options,
-) -> Result<(Check, Option<AuditHead>), ReconcileError> {
+) -> Result<(Check, Vec<AuditHead>), ReconcileError> {
     let mut c = check("audit_chain_intact", "audit");
     let rows = sqlx::query(
         "WITH c AS ( \
-           SELECT id, chain_seq, prev_hash, row_hash, \
+           SELECT id, chain, chain_seq, prev_hash, row_hash, \
                   sha256(prev_hash || audit_event_content(e)) AS recomputed, \
-                  lag(row_hash) OVER (ORDER BY chain_seq) AS before, \
-                  lag(chain_seq) OVER (ORDER BY chain_seq) AS seq_before \
-           FROM audit_event e) \
-         SELECT id, chain_seq, recomputed <> row_hash AS edited, \
+                  lag(row_hash) OVER w AS before, lag(chain_seq) OVER w AS seq_before \
+           FROM audit_event e WINDOW w AS (PARTITION BY chain ORDER BY chain_seq)) \
+         SELECT id, chain, chain_seq, recomputed <> row_hash AS edited, \
                 chain_seq <> coalesce(seq_before, 0) + 1 AS gap, \
-                prev_hash <> coalesce(before, sha256(convert_to('payout-audit-chain-v1', 'UTF8'))) AS unlinked \
+                prev_hash <> coalesce(before, audit_chain_genesis()) AS unlinked \
          FROM c \
          WHERE recomputed <> row_hash OR chain_seq <> coalesce(seq_before, 0) + 1 \
-            OR prev_hash <> coalesce(before, sha256(convert_to('payout-audit-chain-v1', 'UTF8')))",
+            OR prev_hash <> coalesce(before, audit_chain_genesis())",
     )
     .fetch_all(paydb)
     .await
     .map_err(store("paydb"))?;
     for r in rows {
         let id: i64 = r.get("id");
+        let chain: String = r.get("chain");
         let seq: i64 = r.get("chain_seq");
         let mut what = Vec::new();
         if r.get::<bool, _>("edited") {
@@ -506,49 +509,84 @@ pub async fn audit_chain_intact(
             what.push("its prev_hash is not the previous row's hash (the chain is broken)");
         }
         c.violations.push(format!(
-            "audit row {id} (chain seq {seq}): {}",
+            "audit row {id} (chain {chain:?}, seq {seq}): {}",
             what.join("; ")
         ));
     }
-    let (examined, last_seq, last_hash): (i64, Option<i64>, Option<Vec<u8>>) = sqlx::query_as(
-        "SELECT count(*), max(chain_seq), \
-                (SELECT row_hash FROM audit_event ORDER BY chain_seq DESC LIMIT 1) FROM audit_event",
+    c.examined = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit_event")
+        .fetch_one(paydb)
+        .await
+        .map_err(store("paydb"))? as u64;
+    // Each chain's head against its last row.
+    let heads = sqlx::query(
+        "SELECT coalesce(h.chain, t.chain) AS chain, h.seq AS head_seq, h.hash AS head_hash, \
+                t.seq AS last_seq, t.hash AS last_hash \
+         FROM audit_chain_head h \
+         FULL JOIN (SELECT DISTINCT ON (chain) chain, chain_seq AS seq, row_hash AS hash \
+                    FROM audit_event ORDER BY chain, chain_seq DESC) t ON t.chain = h.chain",
     )
-    .fetch_one(paydb)
+    .fetch_all(paydb)
     .await
     .map_err(store("paydb"))?;
-    c.examined = examined as u64;
-    let (head_seq, head_hash): (i64, Vec<u8>) =
-        sqlx::query_as("SELECT seq, hash FROM audit_chain_head WHERE chain = 'audit_event'")
-            .fetch_one(paydb)
-            .await
-            .map_err(store("paydb"))?;
-    if head_seq != last_seq.unwrap_or(0) || (head_seq > 0 && Some(&head_hash) != last_hash.as_ref())
-    {
-        c.violations.push(format!(
-            "the chain head is at seq {head_seq} but the last audit row is seq {} (rows removed from the end, or the head rewritten)",
-            last_seq.unwrap_or(0)
-        ));
-    }
-    if let Some(anchor) = &options.audit_anchor {
-        let found: Option<Vec<u8>> =
-            sqlx::query_scalar("SELECT row_hash FROM audit_event WHERE chain_seq = $1")
-                .bind(anchor.seq)
-                .fetch_optional(paydb)
-                .await
-                .map_err(store("paydb"))?;
-        if found.as_deref().map(hex) != Some(anchor.hash.clone()) {
-            c.violations.push(format!(
-                "the chain no longer holds the head reported earlier (seq {}, hash {}): rewritten",
-                anchor.seq, anchor.hash
-            ));
+    let mut current = Vec::new();
+    for r in heads {
+        let chain: String = r.get("chain");
+        let head_seq: Option<i64> = r.get("head_seq");
+        let head_hash: Option<Vec<u8>> = r.get("head_hash");
+        let last_seq: Option<i64> = r.get("last_seq");
+        let last_hash: Option<Vec<u8>> = r.get("last_hash");
+        match (head_seq, last_seq) {
+            (None, Some(last)) => c.violations.push(format!(
+                "chain {chain:?} has rows up to seq {last} but no head (the head was removed)"
+            )),
+            (Some(head), last) if head != last.unwrap_or(0) || (head > 0 && head_hash != last_hash) => {
+                c.violations.push(format!(
+                    "chain {chain:?}: the head is at seq {head} but the last audit row is seq {} (rows removed from the end, or the head rewritten)",
+                    last.unwrap_or(0)
+                ))
+            }
+            _ => {}
+        }
+        if let (Some(seq), Some(hash)) = (head_seq, head_hash) {
+            if seq > 0 {
+                current.push(AuditHead {
+                    chain,
+                    seq,
+                    hash: hex(&hash),
+                });
+            }
         }
     }
-    let head = (head_seq > 0).then(|| AuditHead {
-        seq: head_seq,
-        hash: hex(&head_hash),
-    });
-    Ok((c, head))
+    current.sort_by(|a, b| a.chain.cmp(&b.chain));
+    if let Some(anchor) = &options.audit_anchor {
+        let chains: Vec<String> = anchor.iter().map(|h| h.chain.clone()).collect();
+        let seqs: Vec<i64> = anchor.iter().map(|h| h.seq).collect();
+        let found = sqlx::query(
+            "SELECT a.chain, a.seq, e.row_hash FROM unnest($1::text[], $2::bigint[]) AS a(chain, seq) \
+             LEFT JOIN audit_event e ON e.chain = a.chain AND e.chain_seq = a.seq",
+        )
+        .bind(&chains)
+        .bind(&seqs)
+        .fetch_all(paydb)
+        .await
+        .map_err(store("paydb"))?;
+        let found: std::collections::HashMap<(String, i64), Option<String>> = found
+            .into_iter()
+            .map(|r| {
+                let hash: Option<Vec<u8>> = r.get("row_hash");
+                ((r.get("chain"), r.get("seq")), hash.as_deref().map(hex))
+            })
+            .collect();
+        for h in anchor {
+            if found.get(&(h.chain.clone(), h.seq)).cloned().flatten() != Some(h.hash.clone()) {
+                c.violations.push(format!(
+                    "chain {:?} no longer holds the head reported earlier (seq {}, hash {}): rewritten",
+                    h.chain, h.seq, h.hash
+                ));
+            }
+        }
+    }
+    Ok((c, current))
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -59,13 +59,13 @@ BEGIN
     UPDATE audit_event SET prev_hash = prev, row_hash = h WHERE id = r.id;
     prev := h;
   END LOOP;
-  UPDATE audit_chain_head SET hash = prev WHERE chain = 'audit_event';
+  UPDATE audit_chain_head SET hash = prev WHERE chain = '';
 END $$";
 
 async fn findings(
     reader: &sqlx::PgPool,
-    anchor: Option<AuditHead>,
-) -> (Vec<String>, Option<AuditHead>) {
+    anchor: Option<Vec<AuditHead>>,
+) -> (Vec<String>, Vec<AuditHead>) {
     let options = Options {
         audit_anchor: anchor,
         ..Options::default()
@@ -79,8 +79,8 @@ async fn an_intact_chain_passes_and_a_no_op_rewrite_of_a_row_changes_nothing() {
     let (admin, reader) = chained(5).await;
     let (violations, head) = findings(&reader, None).await;
     assert!(violations.is_empty(), "{violations:?}");
-    let head = head.expect("a head");
-    assert_eq!(head.seq, 5);
+    assert_eq!(head.len(), 1, "one chain: the rows name no account");
+    assert_eq!(head[0].seq, 5);
     // Control for the edit case below: rewriting a row with its own content is not flagged.
     tamper(
         &admin,
@@ -89,7 +89,7 @@ async fn an_intact_chain_passes_and_a_no_op_rewrite_of_a_row_changes_nothing() {
     .await;
     let (violations, again) = findings(&reader, Some(head.clone())).await;
     assert!(violations.is_empty(), "{violations:?}");
-    assert_eq!(again, Some(head));
+    assert_eq!(again, head);
 }
 
 #[tokio::test]
@@ -103,7 +103,7 @@ async fn an_edited_row_is_found() {
     let (violations, _) = findings(&reader, None).await;
     assert_eq!(violations.len(), 1, "{violations:?}");
     assert!(
-        violations[0].contains("chain seq 3") && violations[0].contains("edited"),
+        violations[0].contains("seq 3)") && violations[0].contains("edited"),
         "{violations:?}"
     );
 }
@@ -116,7 +116,7 @@ async fn a_deleted_row_is_found() {
     assert!(
         violations
             .iter()
-            .any(|v| v.contains("chain seq 3") && v.contains("rows deleted")),
+            .any(|v| v.contains("seq 3)") && v.contains("rows deleted")),
         "{violations:?}"
     );
 }
@@ -148,7 +148,65 @@ async fn a_rewritten_chain_is_found_only_against_the_anchor_reported_earlier() {
         without_anchor.is_empty(),
         "consistent in itself: {without_anchor:?}"
     );
-    let (with_anchor, _) = findings(&reader, anchor).await;
+    let (with_anchor, _) = findings(&reader, Some(anchor)).await;
     assert_eq!(with_anchor.len(), 1, "{with_anchor:?}");
     assert!(with_anchor[0].contains("rewritten"), "{with_anchor:?}");
+}
+
+/// One chain per account: rows of two accounts make two chains, each with its own head. Removing
+/// one account's whole chain and its head leaves nothing inconsistent in paydb: the anchor of an
+/// earlier run finds it; removing only a chain's head is found at once.
+#[tokio::test]
+async fn chains_are_per_account_and_a_removed_chain_or_head_is_found() {
+    let (admin, reader) = chained(0).await;
+    let pg = Stack::shared().pg(PgServer::Main);
+    let db: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    let service = sqlx::PgPool::connect(&pg.login_url("payment_resource", &db))
+        .await
+        .unwrap();
+    for (i, account) in ["acct-a", "acct-b", "acct-a", "acct-b", "acct-a"]
+        .iter()
+        .enumerate()
+    {
+        sqlx::query(
+            "INSERT INTO audit_event (payout_id, account_id, kind, actor) \
+             VALUES ($1, $2, 'payout_created', 'INTEGRATOR')",
+        )
+        .bind(format!("q-{i}"))
+        .bind(account)
+        .execute(&service)
+        .await
+        .unwrap();
+    }
+    let (violations, heads) = findings(&reader, None).await;
+    assert!(violations.is_empty(), "{violations:?}");
+    let by_chain: Vec<(String, i64)> = heads.iter().map(|h| (h.chain.clone(), h.seq)).collect();
+    assert_eq!(
+        by_chain,
+        [("acct-a".to_string(), 3), ("acct-b".to_string(), 2)]
+    );
+    tamper(
+        &admin,
+        "DELETE FROM audit_chain_head WHERE chain = 'acct-a'",
+    )
+    .await;
+    let (violations, _) = findings(&reader, None).await;
+    assert!(
+        violations.len() == 1 && violations[0].contains("no head"),
+        "{violations:?}"
+    );
+    tamper(&admin, "DELETE FROM audit_event WHERE chain = 'acct-a'").await;
+    let (without_anchor, _) = findings(&reader, None).await;
+    assert!(
+        without_anchor.is_empty(),
+        "a whole chain gone leaves no trace in paydb: {without_anchor:?}"
+    );
+    let (with_anchor, _) = findings(&reader, Some(heads)).await;
+    assert!(
+        with_anchor.len() == 1 && with_anchor[0].contains("\"acct-a\""),
+        "{with_anchor:?}"
+    );
 }

@@ -2850,12 +2850,15 @@ impl Binary {
     /// A client with `tls`'s certificate, once the binary accepts connections.
     async fn client(&self, tls: &mtls::Tls) -> PaymentClient {
         let endpoint = self.endpoint();
-        testkit::eventually(POLL_TIMEOUT, "the binary to accept connections", || {
+        let answer = testkit::eventually(POLL_TIMEOUT, "the binary to accept connections", || {
             let (endpoint, tls) = (endpoint.clone(), tls.clone());
             async move { PaymentClient::connect(&endpoint, &tls).await.ok() }
         })
-        .await
-        .unwrap()
+        .await;
+        match answer {
+            Ok(client) => client,
+            Err(e) => panic!("{e:#}; the binary's log:\n{}", self.process.log_tail(40)),
+        }
     }
 }
 

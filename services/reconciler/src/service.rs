@@ -208,12 +208,8 @@ pub async fn run_once(config: &Config, sources: &Sources) -> anyhow::Result<RunR
         },
     )
     .await?;
-    if let (Some(path), Some(head), true) = (
-        &config.audit_anchor_file,
-        &checks.audit_head,
-        checks.is_clean(),
-    ) {
-        head.save(path)?;
+    if let (Some(path), true) = (&config.audit_anchor_file, checks.is_clean()) {
+        reconciler::AuditHead::save(&checks.audit_heads, path)?;
     }
     Ok(RunReport {
         checks,
