@@ -14,8 +14,10 @@ use crate::util::{hand_over, unprivileged_user, wait_blocking};
 
 /// initdb plus first start takes about two seconds here; a cold machine is slower.
 pub const READY_TIMEOUT_MS: u64 = 60_000;
-/// Tests run many pools at once (each service's pool is bounded at 16).
-pub const MAX_CONNECTIONS: u32 = 400;
+/// Tests run many pools at once (each service's pool is bounded at 16), and a connection (TLS and
+/// a SCRAM exchange) takes longer to open than it did in the clear, so under load the pools hold
+/// more at once: room for a test binary's thirty-odd services and their test pools.
+pub const MAX_CONNECTIONS: u32 = 1_000;
 
 /// Where Debian installs the server binaries: `/usr/lib/postgresql/<major>/bin`, newest major
 /// first; `PG_BIN` overrides.

@@ -2850,7 +2850,9 @@ impl Binary {
     /// A client with `tls`'s certificate, once the binary accepts connections.
     async fn client(&self, tls: &mtls::Tls) -> PaymentClient {
         let endpoint = self.endpoint();
-        let answer = testkit::eventually(POLL_TIMEOUT, "the binary to accept connections", || {
+        // A process start on a loaded two-core machine: the kit's own bound for a service.
+        let ready = Duration::from_millis(testkit::system::SERVICE_READY_TIMEOUT_MS);
+        let answer = testkit::eventually(ready, "the binary to accept connections", || {
             let (endpoint, tls) = (endpoint.clone(), tls.clone());
             async move { PaymentClient::connect(&endpoint, &tls).await.ok() }
         })
