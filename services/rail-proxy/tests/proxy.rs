@@ -429,7 +429,7 @@ async fn many_concurrent_submits_for_one_payout_reach_the_rail_once() {
             }
         }
     }
-    assert_eq!(at_rail(&rig, &request).await, (1, 1));
+    assert_eq!(at_rail(&rig, &request).await, (1, 1), "{winners:?}");
     assert_eq!(
         count(
             &rig.pool,
