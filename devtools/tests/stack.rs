@@ -91,8 +91,9 @@ async fn stack_up_status_down_up_keeps_data() {
         printed.starts_with("postgres://postgres@") && printed.contains("sslmode=verify-full"),
         "{printed}"
     );
-    let credentials = testkit::db_access::Credentials::load(&state.join("db-credentials.json"))
-        .expect("the stack's generated credentials");
+    let credentials =
+        testkit::db_access::Credentials::load(&state.join(testkit::db_access::CREDENTIALS_FILE))
+            .expect("the stack's generated credentials");
     let paydb = printed.replacen(
         "postgres://postgres@",
         &format!("postgres://postgres:{}@", credentials.superuser),

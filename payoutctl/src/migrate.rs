@@ -1,13 +1,9 @@
-//! Forward-only migrations, one folder per database, embedded at build time. Services apply the
-//! same folders at start; sqlx records each applied version and refuses a changed one.
+//! Forward-only migrations, one folder per database, embedded at build time
+//! (`db_access::migrations`). Applied here as the owner role; services only check that their
+//! database is at the version they were built for; sqlx records each applied version and refuses a
+//! changed one.
 
 use clap::Args as ClapArgs;
-use sqlx::migrate::Migrator;
-
-pub static PAYDB: Migrator = sqlx::migrate!("../migrations/paydb");
-pub static PROXYDB: Migrator = sqlx::migrate!("../migrations/proxydb");
-pub static GLDB: Migrator = sqlx::migrate!("../migrations/gldb");
-pub static LOCKDB: Migrator = sqlx::migrate!("../migrations/lockdb");
 
 /// The only way the schema changes: as the owner role (`payout_owner`), never as a service's
 /// role (which may not run DDL) and never as the superuser. Services only check the version.
@@ -40,39 +36,37 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                 database.name()
             )
         })?;
-        apply(database.name(), &url).await?;
+        apply(database, &url).await?;
         println!("migrated {}", database.name());
         return Ok(std::process::ExitCode::SUCCESS);
     }
     let record = crate::record::StackRecord::load(&args.state_dir)?;
-    for (name, port) in record.databases() {
-        let url =
-            crate::record::StackRecord::login_url(&args.state_dir, db_access::OWNER, port, name)?;
-        apply(name, &url).await?;
-        println!("migrated {name}");
+    for (database, port) in record.databases() {
+        let url = crate::record::StackRecord::login_url(
+            &args.state_dir,
+            db_access::OWNER,
+            port,
+            database.name(),
+        )?;
+        apply(database, &url).await?;
+        println!("migrated {}", database.name());
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-pub fn migrator(database: &str) -> &'static Migrator {
-    match database {
-        "paydb" => &PAYDB,
-        "proxydb" => &PROXYDB,
-        "gldb" => &GLDB,
-        "lockdb" => &LOCKDB,
-        other => panic!("no migrations for database {other}"),
-    }
-}
-
-pub async fn apply(database: &str, url: &str) -> anyhow::Result<()> {
+pub async fn apply(database: db_access::Database, url: &str) -> anyhow::Result<()> {
     use anyhow::Context;
-    let pool = sqlx::PgPool::connect(url)
-        .await
-        .with_context(|| format!("connecting to {database} at {}", db_access::redact(url)))?;
-    migrator(database)
+    let pool = sqlx::PgPool::connect(url).await.with_context(|| {
+        format!(
+            "connecting to {} at {}",
+            database.name(),
+            db_access::redact(url)
+        )
+    })?;
+    db_access::migrations::migrator(database)
         .run(&pool)
         .await
-        .with_context(|| format!("migrating {database}"))?;
+        .with_context(|| format!("migrating {}", database.name()))?;
     pool.close().await;
     Ok(())
 }

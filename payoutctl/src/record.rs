@@ -13,8 +13,6 @@ pub const DEFAULT_STATE_DIR: &str = ".state/stack";
 /// The task queue of the local stack's workers.
 pub const TASK_QUEUE: &str = "payouts";
 const RECORD_FILE: &str = "stack.json";
-/// The local stack's generated database passwords (the test kit writes them, mode 0600).
-pub const CREDENTIALS_FILE: &str = "db-credentials.json";
 
 /// The infrastructure's ports (PostgreSQL x2, etcd's members, Temporal and its UI).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -132,24 +130,25 @@ impl StackRecord {
     pub fn database_urls(&self, state_dir: &Path) -> Vec<(&'static str, String)> {
         self.databases()
             .into_iter()
-            .map(|(db, port)| (db, self.pg_url(state_dir, port, db)))
+            .map(|(db, port)| (db.name(), self.pg_url(state_dir, port, db.name())))
             .collect()
     }
 
-    /// (database, port) of every database of the system.
-    pub fn databases(&self) -> Vec<(&'static str, u16)> {
+    /// Every database of the system and the port of the server it is on.
+    pub fn databases(&self) -> Vec<(db_access::Database, u16)> {
+        use db_access::Database;
         vec![
-            ("paydb", self.ports.pg_main),
-            ("gldb", self.ports.pg_main),
-            ("lockdb", self.ports.pg_main),
-            ("proxydb", self.ports.pg_proxy),
+            (Database::Paydb, self.ports.pg_main),
+            (Database::Gldb, self.ports.pg_main),
+            (Database::Lockdb, self.ports.pg_main),
+            (Database::Proxydb, self.ports.pg_proxy),
         ]
     }
 
     /// `login`'s URL of `db` on the server at `port`, with the password the stack generated
     /// (`<state dir>/db-credentials.json`, mode 0600). It holds a secret: never print it.
     pub fn login_url(state_dir: &Path, login: &str, port: u16, db: &str) -> anyhow::Result<String> {
-        let path = state_dir.join(CREDENTIALS_FILE);
+        let path = state_dir.join(db_access::CREDENTIALS_FILE);
         let credentials = db_access::Credentials::load(&path)
             .with_context(|| format!("the stack's database credentials ({})", path.display()))?;
         let password = credentials

@@ -43,17 +43,13 @@ pub struct AbandonArgs {
 pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
     match command {
         Command::Abandon(args) => {
-            println!("{}", abandon(&args, now_unix_ms())?);
+            println!(
+                "{}",
+                abandon(&args, grant_signing::operator::now_unix_ms())?
+            );
             Ok(std::process::ExitCode::SUCCESS)
         }
     }
-}
-
-fn now_unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// The signal's input: what the workflow reads (`AbandonSignal`).

@@ -73,6 +73,32 @@ async fn count(url: &str, sql: &str) -> i64 {
     n
 }
 
+/// A genuine grant of `account`'s key from the system's lock service, on a worker's session of
+/// the attacker's own (an attacker who holds a worker certificate).
+async fn genuine_grant(
+    system: &System,
+    account: &str,
+) -> (lock_client::Session, lock_client::GrantHandle) {
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let session = lock
+        .open_session("attacker", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let lock_client::Acquired::Granted(grant) = session
+        .acquire(
+            &payout_domain::lock_key(&AccountId::parse(account).unwrap()),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("no grant for {account}");
+    };
+    (session, grant)
+}
+
 /// The four gRPC services: name, URL, the role their certificate names, their metrics index.
 fn services(system: &System) -> [(&'static str, String, Role); 4] {
     [
@@ -457,23 +483,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
         });
 
         // A real grant, minted by the lock service for account A, presented on B's payout.
-        let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
-            .await
-            .unwrap();
-        let session = lock
-            .open_session("attacker", Duration::from_secs(10))
-            .await
-            .unwrap();
-        let lock_client::Acquired::Granted(grant_a) = session
-            .acquire(
-                &payout_domain::lock_key(&AccountId::parse("attack-a").unwrap()),
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap()
-        else {
-            panic!("no grant for A");
-        };
+        let (session, grant_a) = genuine_grant(&system, "attack-a").await;
         let replayed = Fence::new(grant_a.owner(), grant_a.token())
             .unwrap()
             .signed(grant_a.key(), grant_a.signature().clone());
@@ -588,7 +598,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             let answer = as_role(&login, t.statement).await;
             let after = fingerprint(&admin, t.table).await;
             let recorded =
-                testkit::eventually(Duration::from_secs(5), "the refusal logged", || {
+                testkit::eventually(Duration::from_secs(30), "the refusal logged", || {
                     let log = log.clone();
                     async move { (logged(&log, t.role, t.statement) > logged_before).then_some(()) }
                 })
@@ -626,30 +636,11 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             .await
             .unwrap();
         let target = PayoutId::parse("attack-b-p1").unwrap();
-        let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
-            .await
-            .unwrap();
-        let session = lock
-            .open_session("attacker", Duration::from_secs(10))
-            .await
-            .unwrap();
-        let lock_client::Acquired::Granted(grant_b) = session
-            .acquire(
-                &payout_domain::lock_key(&AccountId::parse("attack-b").unwrap()),
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap()
-        else {
-            panic!("no grant for B");
-        };
+        let (session, grant_b) = genuine_grant(&system, "attack-b").await;
         let fence = Fence::new(grant_b.owner(), grant_b.token())
             .unwrap()
             .signed(grant_b.key(), grant_b.signature().clone());
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64;
+        let now = grant_signing::operator::now_unix_ms();
         let sign = |signer: &Signer, payout: &str| {
             Some(payment_client::model::OperatorSignature {
                 signature: signer

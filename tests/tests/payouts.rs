@@ -250,6 +250,37 @@ impl Ctx {
             .unwrap()
     }
 
+    /// Takes the account's key as another holder, starts the payout's workflow and waits until it
+    /// waits for that key (PENDING, nothing claimed). The caller releases the grant to let it go.
+    async fn start_behind_a_holder(
+        &self,
+        input: &PayoutInput,
+    ) -> (lock_client::Session, lock_client::GrantHandle, String) {
+        let lock = LockClient::connect(&self.system.lock_url(), &self.system.tls(Role::Worker))
+            .await
+            .unwrap();
+        let session = lock
+            .open_session("operator-test-holder", Duration::from_secs(30))
+            .await
+            .unwrap();
+        let Acquired::Granted(grant) = session
+            .acquire(
+                &payout_domain::lock_key(&input.account_id),
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap()
+        else {
+            panic!("the test acquires the free key")
+        };
+        let id = self.start(input).await;
+        self.wait_status(&id, "waiting for the lock", |s| {
+            s.last_event.starts_with("WAITING_FOR_LOCK")
+        })
+        .await;
+        (session, grant, id)
+    }
+
     /// The operator path, exactly as typed: `temporal workflow signal ... --name abandon` with the
     /// input `payoutctl sign abandon` makes, signed by the system's registered operator.
     fn signal_abandon(&self, workflow_id: &str, input: &PayoutInput, reason: &str) {
@@ -466,28 +497,7 @@ async fn abandon_of_a_pending_payout_is_recorded_then_honoured() {
         .payout("abandon-pending", 10_000, 1_000, fast_ambiguity())
         .await;
     // Another holder (this test) has the account's key: the payout waits in PENDING.
-    let lock = LockClient::connect(&ctx.system.lock_url(), &ctx.system.tls(Role::Worker))
-        .await
-        .unwrap();
-    let session = lock
-        .open_session("operator-test-holder", Duration::from_secs(30))
-        .await
-        .unwrap();
-    let Acquired::Granted(grant) = session
-        .acquire(
-            &payout_domain::lock_key(&input.account_id),
-            Duration::from_secs(1),
-        )
-        .await
-        .unwrap()
-    else {
-        panic!("the test acquires the free key")
-    };
-    let id = ctx.start(&input).await;
-    ctx.wait_status(&id, "waiting for the lock", |s| {
-        s.last_event.starts_with("WAITING_FOR_LOCK")
-    })
-    .await;
+    let (session, grant, id) = ctx.start_behind_a_holder(&input).await;
     ctx.signal_abandon(&id, &input, "customer withdrew the request");
     ctx.wait_status(&id, "the abandon accepted", |s| {
         s.last_event.starts_with("ABANDON ACCEPTED")
@@ -523,28 +533,7 @@ async fn an_unsigned_or_forged_abandon_signal_is_refused_on_record_and_the_payou
     let input = ctx
         .payout("abandon-forged", 10_000, 1_000, fast_ambiguity())
         .await;
-    let lock = LockClient::connect(&ctx.system.lock_url(), &ctx.system.tls(Role::Worker))
-        .await
-        .unwrap();
-    let session = lock
-        .open_session("operator-test-holder", Duration::from_secs(30))
-        .await
-        .unwrap();
-    let Acquired::Granted(grant) = session
-        .acquire(
-            &payout_domain::lock_key(&input.account_id),
-            Duration::from_secs(1),
-        )
-        .await
-        .unwrap()
-    else {
-        panic!("the test acquires the free key")
-    };
-    let id = ctx.start(&input).await;
-    ctx.wait_status(&id, "waiting for the lock", |s| {
-        s.last_event.starts_with("WAITING_FOR_LOCK")
-    })
-    .await;
+    let (session, grant, id) = ctx.start_behind_a_holder(&input).await;
     // Unsigned: a name and a reason only.
     ctx.signal_abandon_raw(
         &id,
@@ -552,10 +541,7 @@ async fn an_unsigned_or_forged_abandon_signal_is_refused_on_record_and_the_payou
     );
     // Forged: the registered operator's name, a key of the attacker's own.
     let (rogue, _) = grant_signing::Signer::generate("operator-1").unwrap();
-    let at = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
+    let at = grant_signing::operator::now_unix_ms();
     let forged = rogue.sign_decision(&grant_signing::operator::Decision {
         operator: "operator-1",
         decision: "abandon",

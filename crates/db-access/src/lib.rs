@@ -17,6 +17,9 @@
 use sqlx::migrate::Migrator;
 use sqlx::{Connection, PgConnection, Row};
 
+#[cfg(feature = "migrations")]
+pub mod migrations;
+
 /// The role that owns every schema object and runs the migrations. Not a superuser: it cannot
 /// create roles or databases, and services never log in as it.
 pub const OWNER: &str = "payout_owner";
@@ -310,6 +313,10 @@ impl std::fmt::Debug for Credentials {
     }
 }
 
+/// The file a local stack or a test stack keeps its generated [`Credentials`] in, in its state
+/// directory (mode 0600).
+pub const CREDENTIALS_FILE: &str = "db-credentials.json";
+
 /// 24 random bytes, hex: a password nobody has to type.
 pub fn generate_password() -> String {
     use ring::rand::SecureRandom;
@@ -336,9 +343,7 @@ impl Credentials {
 
     /// The credentials saved at `path`, or new ones saved there (mode 0600) if there are none.
     pub fn load_or_generate(path: &std::path::Path) -> std::io::Result<Self> {
-        match std::fs::read_to_string(path) {
-            Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e)),
+        match Self::load(path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let credentials = Self::generate();
                 use std::io::Write;
@@ -351,7 +356,7 @@ impl Credentials {
                 file.write_all(serde_json::to_string_pretty(&credentials)?.as_bytes())?;
                 Ok(credentials)
             }
-            Err(e) => Err(e),
+            other => other,
         }
     }
 

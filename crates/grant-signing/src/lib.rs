@@ -404,6 +404,15 @@ pub mod operator {
         }
     }
 
+    /// Milliseconds since the Unix epoch on this machine's clock: what a decision is signed at and
+    /// checked against.
+    pub fn now_unix_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    }
+
     /// Hex, as a signature travels in a signal's JSON.
     pub fn to_hex(bytes: &[u8]) -> String {
         hex(bytes)

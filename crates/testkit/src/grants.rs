@@ -94,10 +94,7 @@ impl OperatorKey {
 
     /// The `abandon` signal's JSON for `payout_id`, signed now by this operator.
     pub fn abandon_signal(&self, payout_id: &str, reason: &str) -> serde_json::Value {
-        let signed_at_unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
+        let signed_at_unix_ms = grant_signing::operator::now_unix_ms();
         let signature = self
             .signer
             .sign_decision(&grant_signing::operator::Decision {

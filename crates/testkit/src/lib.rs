@@ -5,7 +5,6 @@
 pub use db_access;
 pub mod etcd;
 pub mod grants;
-pub mod migrations;
 pub mod netns;
 pub mod pki;
 pub mod postgres;

@@ -227,7 +227,7 @@ impl Postgres {
         db_access::provision_database(&mut admin, name, kind).await?;
         sqlx::Connection::close(admin).await?;
         let owner = sqlx::PgPool::connect(&self.login_url(db_access::OWNER, name)).await?;
-        crate::migrations::migrator(kind)
+        db_access::migrations::migrator(kind)
             .run(&owner)
             .await
             .with_context(|| format!("migrating {name} as the owner"))?;
@@ -303,16 +303,8 @@ impl Postgres {
 /// Writes `contents` to `path`, mode 0600, owned by the server's user (PostgreSQL refuses a key
 /// file others can read).
 fn write_private(path: &Path, contents: &str, user: Option<(u32, u32)>) -> anyhow::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(path);
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("writing {}", path.display()))?;
-    file.write_all(contents.as_bytes())?;
+    crate::grants::write_secret(path, contents)?;
     // Only the file changes hands: its folders keep their modes (PostgreSQL refuses a data
     // directory others may enter).
     if let Some((uid, gid)) = user {

@@ -81,7 +81,6 @@ impl StackBuilder {
     }
 
     pub fn start(self) -> anyhow::Result<Stack> {
-        const CREDENTIALS_FILE: &str = "db-credentials.json";
         let (state, tempdir) = match &self.state_dir {
             Some(dir) => {
                 std::fs::create_dir_all(dir)?;
@@ -105,7 +104,7 @@ impl StackBuilder {
         // own for its services) and its database passwords, both kept in the state directory.
         let pki = crate::pki::Pki::in_dir(&state)?;
         let credentials = std::sync::Arc::new(
-            db_access::Credentials::load_or_generate(&state.join(CREDENTIALS_FILE))
+            db_access::Credentials::load_or_generate(&state.join(db_access::CREDENTIALS_FILE))
                 .context("the stack's database credentials")?,
         );
         let pg_tls = |name: &str| -> anyhow::Result<crate::postgres::PgTls> {

@@ -1316,7 +1316,7 @@ impl Store {
                     key_id: operator.to_string(),
                     bytes: s.signature.clone(),
                 },
-                Utc::now().timestamp_millis().max(0) as u64,
+                grant_signing::operator::now_unix_ms(),
             ),
         };
         if let Err(refused) = &verdict {

@@ -129,16 +129,25 @@ fn operator(name: &str) -> &'static Signer {
         .or_insert_with(|| Box::leak(Box::new(Signer::generate(name).unwrap().0)))
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
 /// `operator`'s signature of an abandon of `payout` for `reason`, made now.
 fn signed(payout: &str, name: &str, reason: &str) -> Option<OperatorSignature> {
-    let at = now_ms();
+    signed_by(
+        operator(name),
+        payout,
+        name,
+        reason,
+        grant_signing::operator::now_unix_ms(),
+    )
+}
+
+/// `key`'s signature, under operator `name`, of an abandon of `payout` for `reason` at `at`.
+fn signed_by(
+    key: &Signer,
+    payout: &str,
+    name: &str,
+    reason: &str,
+    at: u64,
+) -> Option<OperatorSignature> {
     let decision = grant_signing::operator::Decision {
         operator: name,
         decision: "abandon",
@@ -147,7 +156,7 @@ fn signed(payout: &str, name: &str, reason: &str) -> Option<OperatorSignature> {
         signed_at_unix_ms: at,
     };
     Some(OperatorSignature {
-        signature: operator(name).sign_decision(&decision).bytes,
+        signature: key.sign_decision(&decision).bytes,
         signed_at_unix_ms: at,
     })
 }
@@ -2982,36 +2991,17 @@ async fn an_abandon_without_a_registered_operators_signature_is_refused_and_chan
         sla_check: String::new(),
         signature,
     };
-    let stale = {
-        let at = now_ms() - grant_signing::operator::MAX_AGE_MS - 60_000;
-        let d = grant_signing::operator::Decision {
-            operator: "op-1",
-            decision: "abandon",
-            payout_id: "p-1",
-            reason: "customer withdrew",
-            signed_at_unix_ms: at,
-        };
-        Some(OperatorSignature {
-            signature: operator("op-1").sign_decision(&d).bytes,
-            signed_at_unix_ms: at,
-        })
-    };
-    let mallory = {
-        // A key nobody registered, under a registered operator's name.
-        let (rogue, _) = Signer::generate("op-1").unwrap();
-        let at = now_ms();
-        let d = grant_signing::operator::Decision {
-            operator: "op-1",
-            decision: "abandon",
-            payout_id: "p-1",
-            reason: "customer withdrew",
-            signed_at_unix_ms: at,
-        };
-        Some(OperatorSignature {
-            signature: rogue.sign_decision(&d).bytes,
-            signed_at_unix_ms: at,
-        })
-    };
+    let now = grant_signing::operator::now_unix_ms();
+    let stale = signed_by(
+        operator("op-1"),
+        "p-1",
+        "op-1",
+        "customer withdrew",
+        now - grant_signing::operator::MAX_AGE_MS - 60_000,
+    );
+    // A key nobody registered, under a registered operator's name.
+    let (rogue, _) = Signer::generate("op-1").unwrap();
+    let mallory = signed_by(&rogue, "p-1", "op-1", "customer withdrew", now);
     let cases = [
         ("unsigned", None),
         ("bad_signature", mallory),
@@ -3111,28 +3101,14 @@ async fn an_abandon_without_a_registered_operators_signature_is_refused_and_chan
 /// abandon is carried out: the test above sees what it claims to.
 #[tokio::test]
 async fn negative_control_without_operator_verification_an_unsigned_abandon_lands() {
-    let url = Stack::shared().fresh_db(PgServer::Main).await;
-    let service = start_service(&url, options().without_operator_verification_for_tests()).await;
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let c = &service.client;
-    let fixture = PaymentClient::connect(&service.endpoint, &tls(Role::Fixture))
-        .await
-        .unwrap();
-    fixture
-        .open_account(&aid("acct-1"), &eur(), 10_000)
-        .await
-        .unwrap();
-    fixture
-        .create_payout(&NewPayout {
-            payout_id: pid("p-1"),
-            account_id: aid("acct-1"),
-            amount_minor: AmountMinor::new(1_000).unwrap(),
-            currency: eur(),
-            beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
-        })
-        .await
-        .unwrap();
-    let abandoned = c
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    // A second server on the same database, as the other controls do: verification off.
+    let unverified =
+        start_service(&h.url, options().without_operator_verification_for_tests()).await;
+    let abandoned = unverified
+        .client
         .abandon(
             &pid("p-1"),
             &fence("acct-1", "worker-a", 10),
@@ -3147,5 +3123,5 @@ async fn negative_control_without_operator_verification_an_unsigned_abandon_land
         .await
         .unwrap();
     assert_eq!(abandoned.state, PayoutState::Abandoned);
-    assert_eq!(snapshot(&pool, "p-1").await.state, "ABANDONED");
+    assert_eq!(snapshot(&h.pool, "p-1").await.state, "ABANDONED");
 }

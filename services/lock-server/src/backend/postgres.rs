@@ -26,7 +26,7 @@ pub const LISTENER_RECONNECT_MS: u64 = 500;
 /// bounded because each re-run means another client is actively moving the key.
 pub const ACQUIRE_ATTEMPTS_MAX: usize = 3;
 
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/lockdb");
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/lockdb");
 
 fn backend_err(e: impl std::fmt::Display) -> LockError {
     LockError::Backend {
