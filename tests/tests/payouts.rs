@@ -1468,3 +1468,67 @@ async fn history_has_activity(ctx: &Ctx, workflow_id: &str, activity_type: &str)
                 == activity_type
         })
 }
+
+static STARTS_ALONE: OnceCell<System> = OnceCell::const_new();
+
+/// A worker started while the payment resource is down waits for it and then pays, instead of
+/// exiting. Before, `serve` returned "connecting the worker's services: payment resource:
+/// transport: Unavailable" at once: every restart during an outage was a crash loop for whoever
+/// supervised it, and the fault suite's planted holders were lost with the worker (their calls
+/// never answered: `chaos_run_under_the_nemesis_has_no_violations` failed on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_started_while_a_guard_is_down_waits_for_it_and_then_pays() {
+    let system = STARTS_ALONE
+        .get_or_init(|| async {
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 1,
+                    settlement_window_ms: 1_000,
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the system starts")
+        })
+        .await;
+    let worker = &system.workers[0];
+    let log_mark = std::fs::read_to_string(worker.log_path())
+        .unwrap_or_default()
+        .len();
+    tokio::task::block_in_place(|| {
+        system.payment_resource.kill().unwrap();
+        worker.kill().unwrap();
+        worker.restart().unwrap();
+    });
+    let waiting = testkit::eventually(Duration::from_secs(60), "the worker waits", || async {
+        let log = std::fs::read_to_string(worker.log_path()).unwrap_or_default();
+        log.get(log_mark..)
+            .is_some_and(|new| new.contains("a service the worker needs is not reachable"))
+            .then_some(())
+    })
+    .await;
+    assert!(
+        waiting.is_ok() && worker.is_running(),
+        "the worker waits for the payment resource instead of exiting (running: {}):\n{}",
+        worker.is_running(),
+        worker.log_tail(20)
+    );
+    tokio::task::block_in_place(|| system.payment_resource.restart().unwrap());
+    testkit::system::wait_grpc(
+        system.ports.payment_resource,
+        &system.payment_resource,
+        &system.tls(Role::Reconciler),
+        Role::PaymentResource,
+    )
+    .await
+    .unwrap();
+    let ctx = Ctx::new(system).await;
+    let input = ctx
+        .payout("starts-alone", 10_000, 1_000, fast_ambiguity())
+        .await;
+    let done = ctx.result(&ctx.start(&input).await).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert_eq!(ctx.rail(&input).await, (1, 1), "one request, one movement");
+    assert!(worker.is_running());
+}

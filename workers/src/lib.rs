@@ -190,7 +190,7 @@ pub async fn serve(
     };
     let private_task_queue = config.private_task_queue();
     let tls = config.tls.load().context("TLS material")?;
-    let backend = ServiceBackend::connect(ServiceConfig {
+    let service_config = ServiceConfig {
         tls,
         owner: config.identity(),
         private_task_queue: private_task_queue.clone(),
@@ -200,16 +200,36 @@ pub async fn serve(
         lock_ttl: Duration::from_millis(config.lock_ttl_ms),
         lock_history_path: config.lock_history_path.clone(),
         unclaimed_grant_max: Duration::from_millis(config.unclaimed_grant_max_ms),
-    })
-    .await
-    .context("connecting the worker's services")?;
+    };
+    let mut stop = Box::pin(service_kit::Shutdown::on_signal().wait());
+    // A service that is down now (restarting, cut off) is waited for; only the worker's own
+    // configuration ends it here. It polls Temporal only once every service answered.
+    let mut retry_in = services::CONNECT_RETRY_FIRST;
+    let backend = loop {
+        match ServiceBackend::connect(service_config.clone()).await {
+            Ok(backend) => break backend,
+            Err(e) if e.is_transient() => {
+                tracing::warn!(error = %e, retry_in_ms = retry_in.as_millis() as u64,
+                    "a service the worker needs is not reachable; waiting for it");
+                tokio::select! {
+                    () = tokio::time::sleep(retry_in) => {}
+                    () = &mut stop => {
+                        tracing::info!("shutdown requested before the worker's services answered");
+                        return Ok(());
+                    }
+                }
+                retry_in = (retry_in * 2).min(services::CONNECT_RETRY_MAX);
+            }
+            Err(e) => return Err(e).context("connecting the worker's services"),
+        }
+    };
+    tracing::info!("the worker's services answered");
     let backend = Arc::new(backend);
-    let shutdown = service_kit::Shutdown::on_signal();
     let result = run(
         &config,
         wrap(backend.clone()),
         Some(private_task_queue),
-        shutdown.wait(),
+        stop,
     )
     .await;
     // After the pollers stopped: ending the session frees this worker's keys at once, so the

@@ -86,6 +86,44 @@ pub enum ConnectError {
     },
 }
 
+impl ConnectError {
+    /// A service the worker needs is not reachable now (down, restarting, a network cut, a
+    /// deadline): worth trying again. Anything else is the worker's own configuration (a TTL
+    /// below the minimum, a bad URL or certificate, an unwritable history file) and is not.
+    pub fn is_transient(&self) -> bool {
+        use tonic::Code;
+        let transient_code = |code: Code| {
+            matches!(
+                code,
+                Code::Unavailable
+                    | Code::DeadlineExceeded
+                    | Code::ResourceExhausted
+                    | Code::Aborted
+            )
+        };
+        match self {
+            ConnectError::Lock(e) => match e {
+                ClientError::Connect(_) | ClientError::Timeout(_) => true,
+                ClientError::Status(status) => transient_code(status.code()),
+                _ => false,
+            },
+            ConnectError::Payment(PaymentError::Transport { code, .. }) => transient_code(*code),
+            ConnectError::Payment(_) => false,
+            ConnectError::Proxy(mtls::ConnectError::Connect { .. }) => true,
+            ConnectError::Proxy(_) => false,
+            ConnectError::TtlTooShort(_) | ConnectError::LockHistory { .. } => false,
+        }
+    }
+}
+
+/// A worker that starts while a service it needs is unreachable tries again after this long at
+/// first, doubling up to [`CONNECT_RETRY_MAX`]: it waits for its services instead of exiting
+/// (before, a worker restarted while the payment resource was down exited at once, and a
+/// supervisor restarted it into the same failure: a crash loop, and every payout stalled in one
+/// of its frozen calls lost with it).
+pub const CONNECT_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(200);
+pub const CONNECT_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A failed attempt to open a lock session is the answer for this long: a worker cut off from
 /// the lock service fails each lock step within the client's deadline once, not once per queued
 /// caller (each waited its turn, so N callers took N deadlines), and a workflow whose local steps
@@ -186,10 +224,12 @@ impl ServiceBackend {
             })?;
             lock = lock.with_history(Arc::new(recorder));
         }
-        let session = lock.open_session(&config.owner, config.lock_ttl).await?;
-        tracing::info!(owner = %config.owner, session_id = session.id(), ttl_ms = config.lock_ttl.as_millis() as u64, "lock session opened");
+        // Every connection before the session: an attempt that fails on a guard leaves no lease
+        // behind it.
         let payment = PaymentClient::connect(&config.payment_resource_url, &config.tls).await?;
         let proxy = RailProxyClient::connect(&config.rail_proxy_url, &config.tls).await?;
+        let session = lock.open_session(&config.owner, config.lock_ttl).await?;
+        tracing::info!(owner = %config.owner, session_id = session.id(), ttl_ms = config.lock_ttl.as_millis() as u64, "lock session opened");
         let grants = Arc::new(Mutex::new(HashMap::new()));
         let retired = Arc::new(Mutex::new(Retired::default()));
         let sweeper = tokio::spawn(sweep_unclaimed(

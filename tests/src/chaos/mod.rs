@@ -367,6 +367,9 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         }
     };
     let settle_time = settle_start.elapsed();
+    if !settled {
+        workload::describe_unsettled(stack, &system).await;
+    }
     // A planted stale call may still be waiting for its successor: the evidence is read after
     // every planted call was released and answered.
     let mut outcome = outcome;

@@ -232,3 +232,88 @@ async fn unsettled(paydb: &sqlx::PgPool, proxydb: &sqlx::PgPool) -> Option<(i64,
     }
     Some((open, ambiguous))
 }
+
+/// Prints what a run that did not settle left open, so a failed run says why (CI keeps no logs):
+/// each open payout's record, its workflow's status and pending work, the end of its history, and
+/// every line the system's processes logged about it. Diagnosis only: it decides nothing.
+pub async fn describe_unsettled(stack: &testkit::Stack, system: &System) {
+    const PAYOUTS_SHOWN_MAX: usize = 8;
+    let Ok(paydb) = super::one_connection(&system.databases.paydb).await else {
+        eprintln!("[chaos] unsettled: paydb unreachable");
+        return;
+    };
+    let rows: Vec<(
+        String,
+        String,
+        String,
+        Option<String>,
+        Option<i64>,
+        Option<String>,
+    )> = match sqlx::query_as(
+        "SELECT id, account_id, state, claimed_by, token_stamp, rail_outcome FROM payout \
+             WHERE state NOT IN ('POSTED', 'FAILED', 'ABANDONED') ORDER BY id",
+    )
+    .fetch_all(&paydb)
+    .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            eprintln!("[chaos] unsettled: reading paydb: {e}");
+            return;
+        }
+    };
+    eprintln!("[chaos] unsettled: {} payouts open", rows.len());
+    let logs: Vec<std::path::PathBuf> = std::fs::read_dir(&system.dir)
+        .map(|dir| {
+            dir.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                .collect()
+        })
+        .unwrap_or_default();
+    for (id, account, state, claimed_by, token, outcome) in rows.into_iter().take(PAYOUTS_SHOWN_MAX)
+    {
+        eprintln!(
+            "[chaos] unsettled {id}: account {account}, {state}, claimed by {claimed_by:?}, \
+             token {token:?}, rail outcome {outcome:?}"
+        );
+        let workflow = format!("payout-{id}");
+        let temporal = stack.temporal();
+        match tokio::task::block_in_place(|| {
+            temporal.cli(&["workflow", "describe", "--workflow-id", &workflow])
+        }) {
+            Ok(out) => eprintln!("[chaos]   describe:\n{out}"),
+            Err(e) => eprintln!("[chaos]   describe failed: {e}"),
+        }
+        match tokio::task::block_in_place(|| {
+            temporal.cli(&["workflow", "show", "--workflow-id", &workflow])
+        }) {
+            Ok(out) => {
+                let lines: Vec<&str> = out.lines().collect();
+                let tail = &lines[lines.len().saturating_sub(30)..];
+                eprintln!(
+                    "[chaos]   history (last {} lines):\n{}",
+                    tail.len(),
+                    tail.join("\n")
+                );
+            }
+            Err(e) => eprintln!("[chaos]   history failed: {e}"),
+        }
+        for log in &logs {
+            let Ok(text) = std::fs::read_to_string(log) else {
+                continue;
+            };
+            let lines: Vec<&str> = text.lines().filter(|l| l.contains(id.as_str())).collect();
+            if lines.is_empty() {
+                continue;
+            }
+            let tail = &lines[lines.len().saturating_sub(12)..];
+            eprintln!(
+                "[chaos]   {} ({} lines, last {}):\n{}",
+                log.display(),
+                lines.len(),
+                tail.len(),
+                tail.join("\n")
+            );
+        }
+    }
+}
