@@ -333,6 +333,52 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             observed: format!("{code:?}, counted {seen}"),
         });
     }
+    {
+        // An operator's certificate, naming another operator: the audit record would say
+        // someone else did it. Refused before anything is revoked; the holder keeps its grant.
+        let (session, held) = genuine_grant(&system, "attack-revoke").await;
+        let mut lock = lock::lock_service_client::LockServiceClient::new(
+            channel(
+                &system,
+                Role::Operator,
+                &system.lock_url(),
+                Role::LockServer,
+            )
+            .await,
+        );
+        let answer = lock
+            .force_revoke(lock::ForceRevokeRequest {
+                key: held.key().to_string(),
+                operator: "alice".into(),
+                reason: "attack: blame alice".into(),
+            })
+            .await;
+        let refused = answer
+            .as_ref()
+            .err()
+            .map(|s| (s.code(), s.message().to_string()));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let still_held = held.is_held() && held.renew().await.is_ok();
+        let seen = sample(
+            &metrics(&system, METRICS_LOCK).await,
+            "unauthorised_calls_total",
+            &[r#"reason="operator_not_certified""#, r#"role="operator""#],
+        );
+        rows.push(Row {
+            case: "an operator's certificate force-revokes naming another operator",
+            expected: "PERMISSION_DENIED operator_not_certified, holder kept, counted",
+            held: refused.as_ref().is_some_and(|(c, m)| {
+                *c == tonic::Code::PermissionDenied && m.contains("operator_not_certified")
+            }) && still_held
+                && seen >= 1.0,
+            observed: format!(
+                "{:?}, still held {still_held}, counted {seen}",
+                refused.map(|r| r.0)
+            ),
+        });
+        let _ = held.release().await;
+        let _ = session.close().await;
+    }
 
     // 3. Session hijack: Describe reveals no session id; a session id learnt elsewhere is
     //    worthless to another certificate; the holder keeps its grant.

@@ -51,6 +51,10 @@ pub enum RefusalReason {
     UnknownMethod,
     /// The caller's role is not in the method's row.
     RoleNotAllowed,
+    /// An operator action names an operator the caller's certificate does not carry
+    /// ([`crate::Caller::is_operator_named`]), or is made by a role that acts only as itself
+    /// under another name. Decided by the handler, which knows the claimed name.
+    OperatorNotCertified,
 }
 
 impl RefusalReason {
@@ -61,6 +65,7 @@ impl RefusalReason {
             RefusalReason::NoRole => "no_role",
             RefusalReason::UnknownMethod => "unknown_method",
             RefusalReason::RoleNotAllowed => "role_not_allowed",
+            RefusalReason::OperatorNotCertified => "operator_not_certified",
         }
     }
 }
@@ -85,6 +90,12 @@ impl Refusal {
             RefusalReason::RoleNotAllowed => {
                 format!("{}: refused, {role} may not call it", self.path)
             }
+            RefusalReason::OperatorNotCertified => format!(
+                "{}: refused, operator_not_certified: the operator this call names is not the one \
+                 the client certificate carries (an operator's certificate names them as \
+                 <name>.operator; another role acts only under its own role name)",
+                self.path
+            ),
         };
         tonic::Status::permission_denied(message)
     }
@@ -107,6 +118,7 @@ impl Policy {
         let caller = Caller {
             role,
             fingerprint: fingerprint(&cert),
+            certificate: cert.into_owned(),
         };
         let (service, method) = path
             .strip_prefix('/')
@@ -222,5 +234,26 @@ where
                 Box::pin(async move { Ok(response) })
             }
         }
+    }
+}
+
+/// The identity an operator action is recorded under: `claimed`, once the caller's certificate
+/// proves it. An operator must present a certificate that carries `<claimed>.operator`; another
+/// role the table lets make the call (the resolver's audited take-over) acts only under its own
+/// role name. Anything else is refused, so an audit record never names someone the call could
+/// not prove it was.
+pub fn certified_actor(caller: &Caller, claimed: &str, path: &str) -> Result<String, Refusal> {
+    let certified = match caller.role {
+        Role::Operator => caller.is_operator_named(claimed),
+        role => claimed == role.name(),
+    };
+    if certified {
+        Ok(claimed.to_string())
+    } else {
+        Err(Refusal {
+            path: path.to_string(),
+            reason: RefusalReason::OperatorNotCertified,
+            role: Some(caller.role),
+        })
     }
 }

@@ -108,8 +108,16 @@ impl Authority {
 
     /// A certificate for one process: its DNS subject name is `role`'s name, its common name is
     /// `instance` (for logs), and it serves as both TLS server and client.
+    /// An operator's certificate also carries `<instance>.operator` ([`crate::operator_subject`]):
+    /// the name its operator actions are recorded under, which must then be one DNS label.
     pub fn issue(&self, role: Role, instance: &str) -> Result<Issued, TlsError> {
-        self.issue_named(&[role.name()], instance)
+        if role != Role::Operator {
+            return self.issue_named(&[role.name()], instance);
+        }
+        if !crate::is_operator_name(instance) {
+            return Err(TlsError::OperatorName(instance.to_string()));
+        }
+        self.issue_named(&[role.name(), &crate::operator_subject(instance)], instance)
     }
 
     /// A certificate for a server that is not one of ours (PostgreSQL, etcd), named by what its

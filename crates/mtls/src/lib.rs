@@ -104,6 +104,8 @@ pub enum TlsError {
     },
     #[error("{0:?} is not a role (one of: lock-server, payment-resource, rail-proxy, general-ledger, outbox-dispatcher, worker, reconciler, operator, fixture, intake)")]
     UnknownRole(String),
+    #[error("{0:?} cannot be an operator's name: one DNS label (letters, digits and '-', at most 63), which the certificate carries as <name>.operator")]
+    OperatorName(String),
     #[error("{url}: every connection is mutual TLS, so the URL must be https://")]
     NotHttps { url: String },
     #[error("{url}: {source}")]
@@ -319,9 +321,41 @@ pub const HANDSHAKE_TIMEOUT_S: u64 = 10;
 pub struct Caller {
     pub role: Role,
     pub fingerprint: [u8; 32],
+    /// The verified certificate itself: what a claimed operator name is checked against.
+    pub certificate: CertificateDer<'static>,
+}
+
+/// The DNS name an operator's certificate carries beside its role's (`<name>.operator`): the
+/// identity an operator action is recorded under is a name the certificate proves, not a string
+/// the request carries.
+pub fn operator_subject(name: &str) -> String {
+    format!("{name}.{}", Role::Operator.name())
+}
+
+/// Whether `name` can be an operator's certified name: one DNS label (letters, digits, `-`, at
+/// most 63), so that `<name>.operator` is a name a certificate can carry and webpki can check.
+pub fn is_operator_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
 }
 
 impl Caller {
+    /// Whether this caller is the operator `name`: an operator's certificate that carries
+    /// [`operator_subject`]`(name)`. Any other role, or another operator's certificate, is not.
+    pub fn is_operator_named(&self, name: &str) -> bool {
+        if self.role != Role::Operator || !is_operator_name(name) {
+            return false;
+        }
+        let Ok(end_entity) = webpki::EndEntityCert::try_from(&self.certificate) else {
+            return false;
+        };
+        ServerName::try_from(operator_subject(name))
+            .ok()
+            .is_some_and(|n| end_entity.verify_is_valid_for_subject_name(&n).is_ok())
+    }
+
     /// The fingerprint in hex, as logs and the lock service's session owner record it.
     pub fn fingerprint_hex(&self) -> String {
         self.fingerprint

@@ -279,6 +279,35 @@ pub mod grpc {
             .layer(GlobalConcurrencyLimitLayer::new(bounds.concurrency_max)))
     }
 
+    /// The operator a break-glass call is recorded under: the name the request claims, proven
+    /// by the caller's certificate ([`mtls::authz::certified_actor`]); otherwise PERMISSION_DENIED,
+    /// counted in `unauthorised_calls` (the server's [`crate::Metrics::unauthorised_calls`],
+    /// `reason="operator_not_certified"`) and logged at alert level with the certificate's
+    /// fingerprint.
+    #[allow(clippy::result_large_err)]
+    pub fn certified_operator(
+        caller: &Caller,
+        method: &str,
+        claimed: &str,
+        unauthorised_calls: &prometheus::IntCounterVec,
+    ) -> Result<String, tonic::Status> {
+        mtls::authz::certified_actor(caller, claimed, method).map_err(|refusal| {
+            unauthorised_calls
+                .with_label_values(&[method, refusal.reason.as_str(), caller.role.name()])
+                .inc();
+            tracing::warn!(
+                method,
+                reason = refusal.reason.as_str(),
+                role = caller.role.name(),
+                claimed_operator = claimed,
+                certificate = %caller.fingerprint_hex(),
+                alert = true,
+                "operator action refused: the certificate does not carry the operator it names"
+            );
+            refusal.status()
+        })
+    }
+
     /// The verified caller of a request (set by the authorisation layer), or INTERNAL if a
     /// handler was reached without it, which only a server built without [`server`] can do.
     #[allow(clippy::result_large_err)]

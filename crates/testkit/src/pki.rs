@@ -11,6 +11,10 @@ pub use mtls::{Role, Tls, TlsArgs};
 
 const DIR: &str = "pki";
 
+/// The operator a test's operator certificate ([`Pki::tls`]`(Role::Operator)`) carries: the name
+/// its break-glass calls must give (the services record the certified name, never a free one).
+pub const TEST_OPERATOR: &str = "test-operator";
+
 pub struct Pki {
     dir: PathBuf,
     authority: mtls::issue::Authority,
@@ -52,7 +56,7 @@ impl Pki {
     }
 
     /// A fresh certificate of `role`, in memory: what a test presents when it calls a service
-    /// directly as that role.
+    /// directly as that role. An operator's is [`TEST_OPERATOR`]'s.
     pub fn tls(&self, role: Role) -> Tls {
         self.authority
             .issue(role, &format!("test-{role}"))

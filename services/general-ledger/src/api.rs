@@ -16,6 +16,9 @@ use crate::validate::{self, account_key, format_time, parse_time, AccountKey, AC
 pub struct LedgerMetrics {
     pub journals: prometheus::IntCounterVec,
     pub rejections: prometheus::IntCounterVec,
+    /// The server's `unauthorised_calls_total`: a mode change naming an operator its
+    /// certificate does not carry is counted there.
+    pub unauthorised_calls: prometheus::IntCounterVec,
 }
 
 impl LedgerMetrics {
@@ -31,6 +34,7 @@ impl LedgerMetrics {
                 "Refused requests by reason",
                 &["reason"],
             ),
+            unauthorised_calls: metrics.unauthorised_calls(),
         }
     }
 }
@@ -356,6 +360,21 @@ impl GeneralLedgerService for LedgerApi {
         &self,
         request: Request<pb::SetOperatingModeRequest>,
     ) -> Result<Response<pb::OperatingModeState>, Status> {
+        let checked = validate::bounded(&request.get_ref().operator_id, "operator_id")
+            .and_then(|_| validate::bounded(&request.get_ref().reason, "reason"));
+        if let Err(e) = checked {
+            return Err(self.refuse(e));
+        }
+        // The operator recorded is the one the caller's certificate carries, never a free string.
+        // (No name at all is the store's InvalidField, like a missing reason.)
+        if !request.get_ref().operator_id.trim().is_empty() {
+            service_kit::grpc::certified_operator(
+                &service_kit::grpc::caller(&request)?,
+                "/ledger.v1.GeneralLedgerService/SetOperatingMode",
+                &request.get_ref().operator_id,
+                &self.metrics.unauthorised_calls,
+            )?;
+        }
         let r = request.into_inner();
         let mode = match pb::OperatingMode::try_from(r.mode) {
             Ok(pb::OperatingMode::Mirror) => Mode::Mirror,
@@ -368,11 +387,6 @@ impl GeneralLedgerService for LedgerApi {
                 }))
             }
         };
-        let checked = validate::bounded(&r.operator_id, "operator_id")
-            .and_then(|_| validate::bounded(&r.reason, "reason"));
-        if let Err(e) = checked {
-            return Err(self.refuse(e));
-        }
         match self.store.set_mode(mode, &r.operator_id, &r.reason).await {
             Ok(state) => {
                 tracing::warn!(mode = mode.as_str(), operator_id = %r.operator_id, reason = %r.reason, "operating mode changed");

@@ -16,15 +16,17 @@ type Client = GeneralLedgerServiceClient<Channel>;
 
 async fn start() -> (Spawned, Client, String) {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
-    // The suite calls as dispatcher and as operator from one client; the binary's real table is
-    // exercised by the dispatcher's suite and the system and attack suites.
+    // The suite calls as dispatcher and as operator from one client, an operator's certificate
+    // (the permissive table lets it append; a mode change must name the operator it carries,
+    // `testkit::pki::TEST_OPERATOR`); the binary's real table is exercised by the dispatcher's
+    // suite and the system and attack suites.
     let config = general_ledger::Config::new(&url, tls(Role::GeneralLedger))
         .with_policy_for_tests(testkit::pki::every_role(&general_ledger::authz::POLICY));
     let server = general_ledger::spawn(config, "127.0.0.1:0".parse().unwrap())
         .await
         .expect("GL starts");
     let client = GeneralLedgerServiceClient::new(
-        tls(Role::OutboxDispatcher)
+        tls(Role::Operator)
             .connect(&server.endpoint(), Role::GeneralLedger)
             .await
             .expect("connect"),
@@ -505,7 +507,7 @@ async fn reversals_must_mirror_exactly_once_and_modes_are_audited() {
     // Modes: RECONCILE accepts only approved corrections; DEGRADED_LEDGER is refused and audited.
     let set = |mode: pb::OperatingMode| pb::SetOperatingModeRequest {
         mode: mode as i32,
-        operator_id: "op-1".into(),
+        operator_id: testkit::pki::TEST_OPERATOR.into(),
         reason: "drill".into(),
     };
     let state = client
@@ -515,7 +517,10 @@ async fn reversals_must_mirror_exactly_once_and_modes_are_audited() {
         .into_inner();
     assert_eq!(
         (state.mode, state.changed_by.as_str()),
-        (pb::OperatingMode::Reconcile as i32, "op-1")
+        (
+            pb::OperatingMode::Reconcile as i32,
+            testkit::pki::TEST_OPERATOR
+        )
     );
     let status = client
         .append_journal(payout("p2", "a1", "1.00"))
@@ -540,6 +545,25 @@ async fn reversals_must_mirror_exactly_once_and_modes_are_audited() {
         .await
         .unwrap_err();
     assert_eq!(reason(&status), R::ModeNotActivated);
+    // The operator recorded is the one the certificate carries: another name is refused and the
+    // mode stays (the same call under the certificate's own name, below, is carried out).
+    let mut someone_else = set(pb::OperatingMode::Mirror);
+    someone_else.operator_id = "another-operator".into();
+    let status = client.set_operating_mode(someone_else).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(
+        status.message().contains("operator_not_certified"),
+        "{status:?}"
+    );
+    assert_eq!(
+        client
+            .get_operating_mode(pb::GetOperatingModeRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .mode,
+        pb::OperatingMode::Reconcile as i32
+    );
     let mut no_operator = set(pb::OperatingMode::Mirror);
     no_operator.operator_id.clear();
     assert_eq!(
@@ -1074,18 +1098,15 @@ fn ledger_call() -> impl proptest::strategy::Strategy<Value = LedgerCall> {
         LedgerCall::GetBalance(pb::GetBalanceRequest { account, asset })
     });
     // RECONCILE is left out: it would refuse every later journal, hiding the deep paths.
-    let mode = (
-        hostile_enum(&[1, 3]),
-        text("op-[a-z]{1,4}"),
-        text("[a-z ]{1,12}"),
-    )
-        .prop_map(|(mode, operator_id, reason)| {
-            LedgerCall::SetOperatingMode(pb::SetOperatingModeRequest {
-                mode,
-                operator_id,
-                reason,
-            })
-        });
+    let mode = (hostile_enum(&[1, 3]), text("[a-z ]{1,12}")).prop_map(|(mode, reason)| {
+        // The certificate's own operator: another name is refused before the request is
+        // read (`reversals_must_mirror_exactly_once_and_modes_are_audited`).
+        LedgerCall::SetOperatingMode(pb::SetOperatingModeRequest {
+            mode,
+            operator_id: testkit::pki::TEST_OPERATOR.into(),
+            reason,
+        })
+    });
     prop_oneof![
         6 => journal,
         2 => event,

@@ -71,6 +71,9 @@ const _: () = assert!(BOUNDS.concurrency_max > WAITERS_MAX);
 pub struct LockMetrics {
     events: IntCounterVec,
     token_regressions: IntCounterVec,
+    /// The server's `unauthorised_calls_total`: a force-revoke naming an operator its
+    /// certificate does not carry is counted there.
+    unauthorised_calls: IntCounterVec,
 }
 
 impl LockMetrics {
@@ -84,6 +87,7 @@ impl LockMetrics {
                 "INV-04 alarms: a backend returned a token not above one already issued for the key",
                 &["backend"],
             ),
+            unauthorised_calls: metrics.unauthorised_calls(),
         }
     }
 }
@@ -558,15 +562,26 @@ impl LockServiceImpl {
         Ok(())
     }
 
+    /// Break-glass: takes `key` from its holder. The operator recorded (the backend's audit
+    /// record, the alert) is `operator` only if `caller`'s certificate carries it
+    /// ([`service_kit::grpc::certified_operator`]); otherwise PERMISSION_DENIED and nothing is
+    /// revoked.
     pub async fn force_revoke(
         &self,
+        caller: &Caller,
         key: &str,
         operator: &str,
         reason: &str,
-    ) -> Result<pb::ForceRevokeResponse, LockError> {
+    ) -> Result<pb::ForceRevokeResponse, Status> {
         check_text("key", key, KEY_LENGTH_MAX)?;
         check_text("operator", operator, OWNER_LENGTH_MAX)?;
         check_text("reason", reason, KEY_LENGTH_MAX)?;
+        let operator = &service_kit::grpc::certified_operator(
+            caller,
+            "/lock.v1.LockService/ForceRevoke",
+            operator,
+            &self.inner.metrics.unauthorised_calls,
+        )?;
         let holder = self
             .inner
             .backend
@@ -791,9 +806,10 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
         &self,
         r: Request<pb::ForceRevokeRequest>,
     ) -> Result<Response<pb::ForceRevokeResponse>, Status> {
+        let caller = service_kit::grpc::caller(&r)?;
         let r = r.into_inner();
         Ok(Response::new(
-            LockServiceImpl::force_revoke(self, &r.key, &r.operator, &r.reason).await?,
+            LockServiceImpl::force_revoke(self, &caller, &r.key, &r.operator, &r.reason).await?,
         ))
     }
 

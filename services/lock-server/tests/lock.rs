@@ -36,6 +36,8 @@ const TTL: Duration = Duration::from_secs(2);
 struct Server {
     server: InProcess,
     client: LockClient,
+    /// The same server as the operator [`testkit::pki::TEST_OPERATOR`]: break-glass calls.
+    operator: LockClient,
     /// The guards' side of this server's signing key.
     verifier: Verifier,
     _dir: tempfile::TempDir,
@@ -92,9 +94,13 @@ async fn start_with(backend: BackendConfig) -> Server {
     let client = LockClient::connect(&server.endpoint, &tls(Role::Worker))
         .await
         .expect("client connects");
+    let operator = LockClient::connect(&server.endpoint, &tls(Role::Operator))
+        .await
+        .expect("operator connects");
     Server {
         server,
         client,
+        operator,
         verifier,
         _dir: dir,
     }
@@ -280,14 +286,14 @@ async fn grants_and_refusals(kind: Kind) {
 
     // Typed argument refusals.
     let e = s
-        .client
+        .operator
         .force_revoke("payout:acc-1", "", "reason")
         .await
         .unwrap_err();
     assert!(matches!(rejection(&e), Rejection::InvalidArgument(_)));
     let e = s
-        .client
-        .force_revoke("payout:acc-1", "ops@example", " ")
+        .operator
+        .force_revoke("payout:acc-1", testkit::pki::TEST_OPERATOR, " ")
         .await
         .unwrap_err();
     assert!(matches!(rejection(&e), Rejection::InvalidArgument(_)));
@@ -423,9 +429,41 @@ async fn session_death_and_force_revoke(kind: Kind) {
 
     // Force-revoke: audited, alerted, and the next token is higher.
     let held = grant(&b, "revoked").await;
+    // The operator recorded is the one the certificate carries: another operator's name, or an
+    // operator's name from a worker's certificate, is refused, counted, and revokes nothing. (The
+    // same call with the certificate's own name, below, is carried out: the name decides.)
+    let unauthorised = |text: &str| -> f64 {
+        text.lines()
+            .filter(|l| {
+                l.starts_with("unauthorised_calls_total") && l.contains("operator_not_certified")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    for (client, name) in [
+        (&s.operator, "another-operator"),
+        (&s.client, testkit::pki::TEST_OPERATOR),
+    ] {
+        let e = client
+            .force_revoke("revoked", name, "not mine to give")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Status(st) if st.code() == tonic::Code::PermissionDenied
+                && st.message().contains("operator_not_certified")),
+            "{e:?}"
+        );
+    }
+    assert_eq!(s.server.service.event_count("revoked"), 0);
+    assert!(held.is_held(), "a refused revoke takes nothing");
+    assert_eq!(unauthorised(&s.server.metrics.render()), 2.0);
     let r = s
-        .client
-        .force_revoke("revoked", "ops@example", "stuck worker, ticket 42")
+        .operator
+        .force_revoke(
+            "revoked",
+            testkit::pki::TEST_OPERATOR,
+            "stuck worker, ticket 42",
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -461,8 +499,8 @@ async fn session_death_and_force_revoke(kind: Kind) {
     // Revoking a free key is a typed refusal.
     next.release().await.unwrap();
     let e = s
-        .client
-        .force_revoke("revoked", "ops@example", "again")
+        .operator
+        .force_revoke("revoked", testkit::pki::TEST_OPERATOR, "again")
         .await
         .unwrap_err();
     assert!(matches!(rejection(&e), Rejection::NotHeld(_)));
@@ -471,7 +509,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
         lock_server::backend::Backend::Etcd(e) => {
             let audit = e.audit_records().await.unwrap();
             assert_eq!(audit.len(), 1);
-            assert_eq!(audit[0]["operator"], "ops@example");
+            assert_eq!(audit[0]["operator"], testkit::pki::TEST_OPERATOR);
             assert_eq!(audit[0]["revoked_token"], held.token().get());
         }
         lock_server::backend::Backend::Postgres(p) => {
@@ -482,7 +520,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
                     .unwrap();
             assert_eq!(
                 (operator.as_str(), token as u64),
-                ("ops@example", held.token().get())
+                (testkit::pki::TEST_OPERATOR, held.token().get())
             );
         }
     }

@@ -557,7 +557,7 @@ async fn force_revoke(
         match lock
             .force_revoke(
                 &key,
-                "chaos-operator",
+                testkit::pki::TEST_OPERATOR,
                 "nemesis: operator revokes a lock during a payout",
             )
             .await
