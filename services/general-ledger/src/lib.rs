@@ -36,6 +36,7 @@ pub struct Config {
     /// `authz::POLICY` decides what its role may call.
     pub tls: service_kit::grpc::Tls,
     policy: &'static service_kit::grpc::Policy,
+    receipt_watermark: bool,
 }
 
 impl Config {
@@ -45,7 +46,16 @@ impl Config {
             database_url: database_url.into(),
             tls,
             policy: &authz::POLICY,
+            receipt_watermark: true,
         }
+    }
+
+    /// NEGATIVE CONTROL ONLY: listings read past the receipt watermark
+    /// (`Store::without_receipt_watermark_for_tests`). The binary has no way to call it.
+    #[doc(hidden)]
+    pub fn without_receipt_watermark_for_tests(mut self) -> Self {
+        self.receipt_watermark = false;
+        self
     }
 
     /// TEST ONLY: serve with another table (this crate's own suite calls as dispatcher and as
@@ -138,7 +148,11 @@ pub async fn serve(
 ) -> Result<(), LedgerError> {
     let pool = app_pool(&config.database_url).await?;
     require_schema(&pool).await?;
-    let store = Arc::new(store::Store::new(pool.clone()));
+    let mut store = store::Store::new(pool.clone());
+    if !config.receipt_watermark {
+        store = store.without_receipt_watermark_for_tests();
+    }
+    let store = Arc::new(store);
     seed_system_accounts(&store).await?;
 
     let (reporter, health_service) = tonic_health::server::health_reporter();

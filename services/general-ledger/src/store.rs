@@ -13,8 +13,10 @@ use crate::amount;
 use crate::error::LedgerError;
 use crate::validate::{AccountKey, ValidatedJournal};
 
-/// Advisory-lock key that orders journal posts (shared) against mode changes (exclusive), so a
-/// post never commits under a mode it did not check.
+/// Advisory-lock key that every journal post holds shared from its BEGIN (before its receipt
+/// sequence is taken) to its COMMIT. Taken exclusive, it waits for every post in flight: a mode
+/// change does so, so that a post never commits under a mode it did not check, and a paging
+/// reader does so for an instant, to learn the receipt watermark (`Store::receipt_watermark`).
 pub const MODE_LOCK_KEY: i64 = 0x0047_4c5f_4d4f_4445; // "GL_MODE" in ASCII
 /// A page of ListEntries never exceeds this: bounds memory and response size.
 pub const ENTRIES_PAGE_SIZE_MAX: u32 = 500;
@@ -111,6 +113,9 @@ pub struct Store {
     pool: PgPool,
     /// Accounts are immutable and never deleted, so a resolved id stays valid forever.
     account_cache: RwLock<HashMap<AccountKey, Uuid>>,
+    /// Whether a listing reads only up to the receipt watermark (always, but in the negative
+    /// control that shows what it prevents).
+    receipt_watermark: bool,
 }
 
 pub fn account_id_for(key: &AccountKey) -> Uuid {
@@ -130,7 +135,38 @@ impl Store {
         Self {
             pool,
             account_cache: RwLock::new(HashMap::new()),
+            receipt_watermark: true,
         }
+    }
+
+    /// NEGATIVE CONTROL ONLY: listings read past the receipt watermark, as before it existed, so
+    /// a journal that commits behind a higher receipt sequence already paged past is skipped.
+    #[doc(hidden)]
+    pub fn without_receipt_watermark_for_tests(mut self) -> Self {
+        self.receipt_watermark = false;
+        self
+    }
+
+    /// The highest receipt sequence below which nothing can still commit. A post takes its
+    /// receipt sequence at its INSERT, so posts commit out of sequence order: without a bound, a
+    /// reader paging by sequence could read 11, move its cursor past it, and never see 10 commit
+    /// afterwards. Every post holds [`MODE_LOCK_KEY`] shared from before its sequence is taken to
+    /// its commit; taking it exclusive waits for every post in flight (new ones queue behind),
+    /// so the highest committed sequence read under it has nothing uncommitted below it, and any
+    /// later post takes a higher one. Held for one statement: posts pause only as long as the
+    /// posts already in flight take to commit.
+    async fn receipt_watermark(&self) -> Result<i64, LedgerError> {
+        let mut tx = self
+            .pool
+            .begin_with(format!(
+                "BEGIN; SELECT pg_advisory_xact_lock({MODE_LOCK_KEY})"
+            ))
+            .await?;
+        let highest: Option<i64> = sqlx::query_scalar("SELECT max(receipt_sequence) FROM journals")
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(highest.unwrap_or(0))
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -587,6 +623,12 @@ impl Store {
             Some((c, t, o)) => (Some(c.as_str()), Some(t.as_str()), Some(o.as_str())),
             None => (None, None, None),
         };
+        // A page of a listing ends at the receipt watermark, so its cursor never passes a journal
+        // that has yet to commit; one journal's lines are read whole, as committed.
+        let watermark = match journal {
+            None if self.receipt_watermark => self.receipt_watermark().await?,
+            _ => i64::MAX,
+        };
         let rows = sqlx::query(
             "SELECT e.journal_id, e.line_number, e.account_id, a.class, a.owner_type, a.owner_id, e.asset_id, e.amount,
                     e.description, j.receipt_sequence, j.recorded_at, j.occurred_at
@@ -598,6 +640,7 @@ impl Store {
                AND ($7::timestamptz IS NULL OR j.recorded_at >= $7)
                AND ($8::timestamptz IS NULL OR j.recorded_at < $8)
                AND (j.receipt_sequence, e.line_number) > ($9, $10)
+               AND j.receipt_sequence <= $12
              ORDER BY j.receipt_sequence, e.line_number
              LIMIT $11",
         )
@@ -612,6 +655,7 @@ impl Store {
         .bind(f.after.0)
         .bind(f.after.1)
         .bind(limit)
+        .bind(watermark)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows

@@ -15,13 +15,21 @@ use tonic::transport::Channel;
 type Client = GeneralLedgerServiceClient<Channel>;
 
 async fn start() -> (Spawned, Client, String) {
+    start_with(|c| c).await
+}
+
+async fn start_with(
+    configure: impl FnOnce(general_ledger::Config) -> general_ledger::Config,
+) -> (Spawned, Client, String) {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
     // The suite calls as dispatcher and as operator from one client, an operator's certificate
     // (the permissive table lets it append; a mode change must name the operator it carries,
     // `testkit::pki::TEST_OPERATOR`); the binary's real table is exercised by the dispatcher's
     // suite and the system and attack suites.
-    let config = general_ledger::Config::new(&url, tls(Role::GeneralLedger))
-        .with_policy_for_tests(testkit::pki::every_role(&general_ledger::authz::POLICY));
+    let config = configure(
+        general_ledger::Config::new(&url, tls(Role::GeneralLedger))
+            .with_policy_for_tests(testkit::pki::every_role(&general_ledger::authz::POLICY)),
+    );
     let server = general_ledger::spawn(config, "127.0.0.1:0".parse().unwrap())
         .await
         .expect("GL starts");
@@ -1219,4 +1227,186 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
         }
     });
     runtime.block_on(server.stop()).unwrap();
+}
+
+/// Pages of the whole listing from `token` on, as a follower of the ledger reads it: the
+/// idempotency key of every journal whose lines it was given, in the order given, and the cursor
+/// it ends on.
+async fn follow(
+    client: &mut Client,
+    pool: &sqlx::PgPool,
+    mut token: String,
+) -> (Vec<String>, String) {
+    let mut keys = Vec::new();
+    loop {
+        let page = client
+            .list_entries(pb::ListEntriesRequest {
+                page_size: 100,
+                page_token: token.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        for e in &page.entries {
+            let key: String =
+                sqlx::query_scalar("SELECT idempotency_key FROM journals WHERE id = $1::uuid")
+                    .bind(&e.journal_id)
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+            if keys.last() != Some(&key) {
+                keys.push(key);
+            }
+            token = format!("{}:{}", e.receipt_sequence, e.line_number);
+        }
+        if page.next_page_token.is_empty() {
+            return (keys, token);
+        }
+    }
+}
+
+/// A post that takes its receipt sequence and then commits late, behind a later post that has
+/// already committed, as the GL's own posts do (the sequence is taken at INSERT): the GL's
+/// protocol by hand (the append lock shared, the journal and its lines, held open).
+async fn post_slowly(url: &str, key: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock_shared($1)")
+        .bind(general_ledger::store::MODE_LOCK_KEY)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let id: uuid::Uuid = sqlx::query_scalar(
+        "INSERT INTO journals (id, source_service, idempotency_key, payload_hash, source_transaction_id,
+             tracking_code, effect_kind, effect_version, occurred_at, correlation_id, actor_id)
+         VALUES (gen_random_uuid(), 'payment-resource', $1, repeat('0', 64), 'tx-' || $1, 'trk',
+             'PAYOUT_POSTED', 1, now(), 'corr', 'worker')
+         RETURNING id",
+    )
+    .bind(key)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO entries (journal_id, line_number, account_id, asset_id, amount)
+         SELECT $1, 1, id, 'EUR', -1 FROM ledger_accounts
+          WHERE class = 'CUSTOMER_AVAILABLE' AND owner_id = 'w1' AND asset_id = 'EUR'
+         UNION ALL
+         SELECT $1, 2, id, 'EUR', 1 FROM ledger_accounts
+          WHERE class = 'PAYOUT_CLEARING' AND owner_id = 'rail' AND asset_id = 'EUR'",
+    )
+    .bind(id)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx
+}
+
+/// Receipt order is final for a reader (issue 19): a journal that took its receipt sequence
+/// before a later one but commits after it is never paged past. The listing ends at the receipt
+/// watermark: a page asked while the earlier journal is still in flight waits for it, and then
+/// holds both, in sequence order; the follower's next page from there is empty. Its negative
+/// control (the same with the watermark switched off) pages past the later journal at once and
+/// never sees the earlier one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_journal_committing_behind_a_higher_receipt_sequence_is_never_paged_past() {
+    for watermark in [true, false] {
+        let (server, mut client, url) = start_with(|c| {
+            if watermark {
+                c
+            } else {
+                c.without_receipt_watermark_for_tests()
+            }
+        })
+        .await;
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        open(&mut client, customer("w1"), "EUR").await;
+        let slow = post_slowly(&url, "slow").await;
+        assert!(
+            client
+                .append_journal(payout("fast", "w1", "2.00"))
+                .await
+                .unwrap()
+                .into_inner()
+                .created
+        );
+        let page = tokio::spawn({
+            let (mut client, pool) = (client.clone(), pool.clone());
+            async move { follow(&mut client, &pool, String::new()).await }
+        });
+        let (first, cursor) = if watermark {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(
+                !page.is_finished(),
+                "the page waits for the journal in flight below the watermark"
+            );
+            slow.commit().await.unwrap();
+            page.await.unwrap()
+        } else {
+            let seen = page.await.unwrap();
+            slow.commit().await.unwrap();
+            seen
+        };
+        let (rest, _) = follow(&mut client, &pool, cursor).await;
+        let seen: Vec<String> = first.into_iter().chain(rest).collect();
+        if watermark {
+            assert_eq!(
+                seen,
+                ["slow", "fast"],
+                "every journal once, in receipt order"
+            );
+        } else {
+            assert_eq!(
+                seen,
+                ["fast"],
+                "without the watermark the follower pages past the journal still in flight and never sees it"
+            );
+        }
+        server.stop().await.unwrap();
+    }
+}
+
+/// Writers posting concurrently while a follower pages behind them: when they are done, the
+/// follower has been given every journal exactly once, in ascending receipt order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_follower_paging_behind_concurrent_writers_sees_every_journal_once() {
+    const WRITERS: usize = 6;
+    const JOURNALS_EACH: usize = 20;
+    let (server, mut client, url) = start().await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    for w in 0..WRITERS {
+        open(&mut client, customer(&format!("f{w}")), "EUR").await;
+    }
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                for i in 0..JOURNALS_EACH {
+                    client
+                        .append_journal(payout(&format!("f{w}-{i}"), &format!("f{w}"), "1.00"))
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut seen = Vec::new();
+    let mut cursor = String::new();
+    while !writers.iter().all(|w| w.is_finished()) {
+        let (keys, next) = follow(&mut client, &pool, cursor).await;
+        seen.extend(keys);
+        cursor = next;
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    let (keys, _) = follow(&mut client, &pool, cursor).await;
+    seen.extend(keys);
+    let mut unique = seen.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), seen.len(), "no journal given twice");
+    assert_eq!(seen.len(), WRITERS * JOURNALS_EACH, "every journal given");
+    server.stop().await.unwrap();
 }
