@@ -71,11 +71,20 @@ for db in paydb proxydb; do
     target/debug/payoutctl pki issue-server --dir "$TLS_DIR" --name "$db" \
         --host "$db" --host 127.0.0.1 --host localhost > /dev/null
 done
+# Each etcd member's certificate serves its clients and its peers: its own host name, `etcd` (the
+# name every etcd client checks), and loopback (its health check, the suite from the host).
+for member in etcd1 etcd2 etcd3; do
+    target/debug/payoutctl pki issue-server --dir "$TLS_DIR" --name "$member" \
+        --host "$member" --host etcd --host 127.0.0.1 --host localhost > /dev/null
+done
 docker run --rm --user 0 -v "$TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
     sh -c 'chown payout /tls/*.key && chmod 644 /tls/*.pem'
 # PostgreSQL reads its key as its own user (the postgres image's uid), mode 0600.
 docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/postgres:15" \
     -c 'chown postgres /tls/paydb.key /tls/proxydb.key && chmod 600 /tls/paydb.key /tls/proxydb.key'
+# etcd reads its members' keys as the etcd image's user.
+docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/etcd:3.4" \
+    -c 'chown etcd /tls/etcd1.key /tls/etcd2.key /tls/etcd3.key && chmod 600 /tls/etcd1.key /tls/etcd2.key /tls/etcd3.key'
 export PAYOUT_TLS_DIR="$TLS_DIR" PAYOUT_FIXTURE_ACCOUNTS=true
 
 # This run's database passwords: one per login, generated, never written to the repository

@@ -62,6 +62,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
         Which::Lock(args) => {
             let r = service_benches::lock::run(
                 &stack.etcd_endpoints(),
+                &stack.etcd_client_tls("bench"),
                 args.iterations,
                 args.concurrency,
             )
@@ -199,12 +200,20 @@ async fn soak(args: SoakArgs) -> anyhow::Result<std::process::ExitCode> {
     let etcd = {
         let (path, limits) = (dir.path().to_path_buf(), limits.clone());
         tokio::task::spawn_blocking(move || {
-            EtcdCluster::start_with_limits(&path, 1, None, Lifetime::Attached, &limits)
+            EtcdCluster::start_with_limits(
+                &path,
+                1,
+                None,
+                Lifetime::Attached,
+                &limits,
+                testkit::etcd::EtcdTls::with_own_authority(&path)?,
+            )
         })
         .await??
     };
     let r = service_benches::soak::run(
         &etcd.endpoints(),
+        &etcd.tls.client.load()?,
         args.grants,
         args.concurrency,
         args.grant_retention_ms,

@@ -302,6 +302,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 &databases.proxydb,
             ])
             .args(["--gldb-url", &databases.gldb, "--etcd-endpoints", &etcd])
+            .args(stack.etcd_client_args("reconciler")?.to_args())
             .args(["--lock-prefix", LOCK_ETCD_PREFIX])
             .args([
                 "--lock-server-url".to_string(),

@@ -39,6 +39,7 @@ pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
         }),
         lock_grants: Some(reconciler::LockGrants::new(
             target.etcd_endpoints.clone(),
+            target.etcd_tls.clone(),
             target.lock_prefix.clone(),
         )),
     })

@@ -161,7 +161,7 @@ impl StackRecord {
         self.ports
             .etcd_clients
             .iter()
-            .map(|p| format!("http://127.0.0.1:{p}"))
+            .map(|p| format!("https://127.0.0.1:{p}"))
             .collect()
     }
 

@@ -39,9 +39,13 @@ pub struct Target {
     pub temporal_address: Option<String>,
     #[arg(long, env = "PAYOUT_TEMPORAL_UI")]
     pub temporal_ui: Option<String>,
-    /// The lock service's etcd endpoints (comma-separated), for the grant records.
+    /// The lock service's etcd endpoints (comma-separated, `https://`), for the grant records.
     #[arg(long, env = "PAYOUT_ETCD_ENDPOINTS", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
+    /// etcd's authority and this operator's certificate from it (a deployment; the local stack's
+    /// is issued from the stack's own authority).
+    #[command(flatten)]
+    pub etcd_tls: mtls::EtcdTlsArgs,
     #[arg(long, env = "PAYOUT_LOCK_PREFIX", default_value = LOCK_ETCD_PREFIX)]
     pub lock_prefix: String,
     #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = TASK_QUEUE)]
@@ -64,6 +68,8 @@ pub struct Resolved {
     pub temporal_address: String,
     pub ui_url: String,
     pub etcd_endpoints: Vec<String>,
+    /// etcd's authority and payoutctl's certificate from it.
+    pub etcd_tls: mtls::Tls,
     pub lock_prefix: String,
     pub task_queue: String,
     pub settlement_window_ms: u64,
@@ -107,6 +113,7 @@ impl Target {
                     .unwrap_or_else(|| "(not given)".into()),
                 temporal_address,
                 etcd_endpoints: self.etcd_endpoints.clone(),
+                etcd_tls: self.etcd_tls.load()?,
                 lock_prefix: self.lock_prefix.clone(),
                 task_queue: self.task_queue.clone(),
                 settlement_window_ms: self.settlement_window_ms,
@@ -134,6 +141,10 @@ impl Target {
             temporal_address: record.temporal_address(),
             ui_url: record.ui_url(),
             etcd_endpoints: record.etcd_endpoints(),
+            // The stack's own authority (its databases' and etcd's, `<state dir>/pki`).
+            etcd_tls: mtls::issue::Authority::open_or_create(&self.state_dir.join("pki"))?
+                .issue_named(&["payoutctl.etcd-client"], "payoutctl")?
+                .tls(),
             lock_prefix: LOCK_ETCD_PREFIX.to_string(),
             task_queue: system.task_queue.clone(),
             settlement_window_ms: system.settlement_window_ms,

@@ -794,6 +794,40 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
         });
     }
 
+    // 9. etcd (the lock service's backend): TLS only, and only a client certificate from the
+    //    deployment's authority. The control: the lock-server's kind of certificate reads.
+    {
+        let stack = Stack::shared();
+        let endpoint = stack.etcd_endpoints()[0].clone();
+        let plaintext = endpoint.replace("https://", "http://");
+        let ca = std::fs::read_to_string(&stack.etcd.tls.ca_file).unwrap();
+        let foreign = mtls::issue::Authority::create()
+            .unwrap()
+            .issue_named(&["intruder.etcd-client"], "intruder")
+            .unwrap();
+        let foreign = mtls::Tls::from_pem(&ca, &foreign.cert_pem, &foreign.key_pem);
+        let own = stack.etcd_client_tls("attack-control");
+        let cases = [
+            (
+                "etcd over plaintext",
+                testkit::etcd::read_as(&plaintext, None).await,
+            ),
+            (
+                "etcd with another authority's client certificate",
+                testkit::etcd::read_as(&endpoint, Some(&foreign)).await,
+            ),
+        ];
+        let control = testkit::etcd::read_as(&endpoint, Some(&own)).await;
+        for (case, answer) in cases {
+            rows.push(Row {
+                case,
+                expected: "refused (no TLS, or a certificate etcd does not trust); a certificate of the authority reads",
+                held: answer.is_err() && control.is_ok(),
+                observed: format!("{answer:?}; control {control:?}"),
+            });
+        }
+    }
+
     println!("\n{:<62} {:<72} {:<5} observed", "case", "expected", "held");
     for r in &rows {
         println!(

@@ -106,6 +106,8 @@ pub enum TlsError {
     UnknownRole(String),
     #[error("{0:?} cannot be an operator's name: one DNS label (letters, digits and '-', at most 63), which the certificate carries as <name>.operator")]
     OperatorName(String),
+    #[error("etcd is reached over mutual TLS only: --etcd-tls-ca, --etcd-tls-cert and --etcd-tls-key (ETCD_TLS_CA, ETCD_TLS_CERT, ETCD_TLS_KEY) are all required")]
+    EtcdTlsMissing,
     #[error("{url}: every connection is mutual TLS, so the URL must be https://")]
     NotHttps { url: String },
     #[error("{url}: {source}")]
@@ -181,6 +183,88 @@ impl TlsArgs {
             ("PAYOUT_TLS_CERT", self.cert.clone()),
             ("PAYOUT_TLS_KEY", self.key.clone()),
         ]
+    }
+}
+
+/// The DNS name every etcd member's certificate carries, and the one an etcd client checks
+/// whatever address it dials (`Tls::etcd_client_config`).
+pub const ETCD_SERVER_NAME: &str = "etcd";
+
+/// Where an etcd client's TLS material is (the lock-server's etcd backend, the reconciler's read
+/// of the grant records): etcd's certificate authority, and this process's certificate from it
+/// and its key. etcd serves TLS only and admits only a client with a certificate from that
+/// authority (`--client-cert-auth`); there is no plaintext mode.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct EtcdTlsArgs {
+    /// The authority (PEM) of the etcd cluster's certificates.
+    #[arg(
+        id = "etcd_tls_ca",
+        long = "etcd-tls-ca",
+        env = "ETCD_TLS_CA",
+        value_name = "PEM"
+    )]
+    pub ca: Option<PathBuf>,
+    /// This process's certificate (PEM) for etcd, from that authority.
+    #[arg(
+        id = "etcd_tls_cert",
+        long = "etcd-tls-cert",
+        env = "ETCD_TLS_CERT",
+        value_name = "PEM"
+    )]
+    pub cert: Option<PathBuf>,
+    /// Its private key (PEM, PKCS#8).
+    #[arg(
+        id = "etcd_tls_key",
+        long = "etcd-tls-key",
+        env = "ETCD_TLS_KEY",
+        value_name = "PEM"
+    )]
+    pub key: Option<PathBuf>,
+}
+
+impl EtcdTlsArgs {
+    pub fn new(ca: PathBuf, cert: PathBuf, key: PathBuf) -> Self {
+        Self {
+            ca: Some(ca),
+            cert: Some(cert),
+            key: Some(key),
+        }
+    }
+
+    /// The three files, loaded; a missing flag is named (whoever talks to etcd needs all three).
+    pub fn load(&self) -> Result<Tls, TlsError> {
+        match (&self.ca, &self.cert, &self.key) {
+            (Some(ca), Some(cert), Some(key)) => Tls::load(ca, cert, key),
+            _ => Err(TlsError::EtcdTlsMissing),
+        }
+    }
+
+    /// The flags that pass these paths to a child process.
+    pub fn to_args(&self) -> Vec<std::ffi::OsString> {
+        let mut args = Vec::new();
+        for (flag, path) in [
+            ("--etcd-tls-ca", &self.ca),
+            ("--etcd-tls-cert", &self.cert),
+            ("--etcd-tls-key", &self.key),
+        ] {
+            if let Some(path) = path {
+                args.push(flag.into());
+                args.push(path.clone().into_os_string());
+            }
+        }
+        args
+    }
+}
+
+/// Refuses an etcd endpoint that is not `https://`: with TLS configured, etcd's client would
+/// refuse it too, but with a less helpful message.
+pub fn require_https(url: &str) -> Result<(), TlsError> {
+    if url.starts_with("https://") {
+        Ok(())
+    } else {
+        Err(TlsError::NotHttps {
+            url: url.to_string(),
+        })
     }
 }
 
@@ -274,10 +358,21 @@ impl Tls {
 
     /// The client TLS configuration on its own, for callers that build their endpoint.
     pub fn client_config(&self, server: Role) -> ClientTlsConfig {
+        self.client_config_named(server.name())
+    }
+
+    /// The client TLS configuration for an etcd cluster (etcd-client's `TlsOptions` is this
+    /// type): this certificate presented, the member's certificate checked for
+    /// [`ETCD_SERVER_NAME`].
+    pub fn etcd_client_config(&self) -> ClientTlsConfig {
+        self.client_config_named(ETCD_SERVER_NAME)
+    }
+
+    fn client_config_named(&self, server: &str) -> ClientTlsConfig {
         ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(&self.ca_pem))
             .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
-            .domain_name(server.name())
+            .domain_name(server)
             .timeout(std::time::Duration::from_secs(HANDSHAKE_TIMEOUT_S))
     }
 

@@ -54,7 +54,10 @@ pub struct ProxySource {
 /// Where the lock service's grant records are, and how far back they are kept.
 #[derive(Debug, Clone)]
 pub struct LockGrants {
+    /// `https://` only: etcd is reached over mutual TLS.
     pub etcd_endpoints: Vec<String>,
+    /// etcd's authority and the reconciler's certificate from it.
+    pub tls: mtls::Tls,
     /// The lock-server's key prefix (`{prefix}grants/...`).
     pub prefix: String,
     /// INV-07's horizon: a record is demanded only for tokens first accepted at a guard within
@@ -64,9 +67,10 @@ pub struct LockGrants {
 }
 
 impl LockGrants {
-    pub fn new(etcd_endpoints: Vec<String>, prefix: String) -> Self {
+    pub fn new(etcd_endpoints: Vec<String>, tls: mtls::Tls, prefix: String) -> Self {
         Self {
             etcd_endpoints,
+            tls,
             prefix,
             horizon_ms: GRANT_HORIZON_MS_DEFAULT,
         }
@@ -1068,7 +1072,11 @@ async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError>
 async fn grant_records(
     grants: &LockGrants,
 ) -> Result<HashMap<String, BTreeSet<i64>>, ReconcileError> {
-    let mut client = etcd_client::Client::connect(&grants.etcd_endpoints, None).await?;
+    let mut client = etcd_client::Client::connect(
+        &grants.etcd_endpoints,
+        Some(etcd_client::ConnectOptions::new().with_tls(grants.tls.etcd_client_config())),
+    )
+    .await?;
     let grants_prefix = format!("{}grants/", grants.prefix);
     let range_end = prefix_end(grants_prefix.as_bytes());
     let mut granted: HashMap<String, BTreeSet<i64>> = HashMap::new();

@@ -42,6 +42,7 @@ async fn sources(system: &System) -> Sources {
         }),
         lock_grants: Some(reconciler::LockGrants::new(
             Stack::shared().etcd_endpoints(),
+            Stack::shared().etcd_client_tls("reconciler"),
             system.etcd_prefix.clone(),
         )),
     }

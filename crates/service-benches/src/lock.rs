@@ -99,6 +99,7 @@ pub(crate) async fn acquire_and_release(
 
 pub async fn run(
     etcd_endpoints: &[String],
+    etcd_tls: &mtls::Tls,
     iterations: usize,
     concurrency: usize,
 ) -> Result<BenchReport, LockError> {
@@ -110,6 +111,7 @@ pub async fn run(
     let config = Config {
         backend: BackendConfig::Etcd {
             endpoints: etcd_endpoints.to_vec(),
+            tls: etcd_tls.clone(),
             prefix: format!("{prefix}svc/"),
             grant_retention_ms: lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT,
         },
@@ -170,9 +172,12 @@ pub async fn run(
     server.stop().await;
 
     // Directly on etcd.
-    let etcd = etcd_client::Client::connect(etcd_endpoints, None)
-        .await
-        .map_err(bench_err)?;
+    let etcd = etcd_client::Client::connect(
+        etcd_endpoints,
+        Some(etcd_client::ConnectOptions::new().with_tls(etcd_tls.etcd_client_config())),
+    )
+    .await
+    .map_err(bench_err)?;
     let started = Instant::now();
     let mut workers = Vec::new();
     for w in 0..concurrency {

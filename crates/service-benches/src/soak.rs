@@ -86,7 +86,11 @@ fn soak_err(e: impl std::fmt::Display) -> LockError {
 
 /// Reads etcd's status from every endpoint and keeps the largest figures (members of one cluster
 /// hold the same data; their files may differ by a compaction in flight).
-pub async fn etcd_status(endpoints: &[String], prefix: &str) -> Result<EtcdStatus, LockError> {
+pub async fn etcd_status(
+    endpoints: &[String],
+    tls: &mtls::Tls,
+    prefix: &str,
+) -> Result<EtcdStatus, LockError> {
     let mut status = EtcdStatus {
         db_size_bytes: 0,
         db_size_in_use_bytes: 0,
@@ -95,9 +99,12 @@ pub async fn etcd_status(endpoints: &[String], prefix: &str) -> Result<EtcdStatu
         leases: 0,
     };
     for endpoint in endpoints {
-        let mut c = etcd_client::Client::connect([endpoint], None)
-            .await
-            .map_err(soak_err)?;
+        let mut c = etcd_client::Client::connect(
+            [endpoint],
+            Some(etcd_client::ConnectOptions::new().with_tls(tls.etcd_client_config())),
+        )
+        .await
+        .map_err(soak_err)?;
         let s = c.status().await.map_err(soak_err)?;
         status.db_size_bytes = status.db_size_bytes.max(s.db_size());
         status.db_size_in_use_bytes = status.db_size_in_use_bytes.max(s.raft_used_db_size());
@@ -123,6 +130,7 @@ pub async fn etcd_status(endpoints: &[String], prefix: &str) -> Result<EtcdStatu
 /// are etcd's, not contention's), grant records kept `grant_retention_ms`.
 pub async fn run(
     etcd_endpoints: &[String],
+    etcd_tls: &mtls::Tls,
     grants: usize,
     concurrency: usize,
     grant_retention_ms: u64,
@@ -134,6 +142,7 @@ pub async fn run(
     let config = Config {
         backend: BackendConfig::Etcd {
             endpoints: etcd_endpoints.to_vec(),
+            tls: etcd_tls.clone(),
             prefix: prefix.clone(),
             grant_retention_ms,
         },
@@ -154,7 +163,7 @@ pub async fn run(
             .map_err(soak_err)?,
     );
 
-    let before = etcd_status(etcd_endpoints, &prefix).await?;
+    let before = etcd_status(etcd_endpoints, etcd_tls, &prefix).await?;
     let started = Instant::now();
     let next = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicUsize::new(0));
@@ -207,7 +216,7 @@ pub async fn run(
             checkpoints.push(Checkpoint {
                 grants: completed,
                 elapsed_ms: started.elapsed().as_millis() as u64,
-                status: etcd_status(etcd_endpoints, &prefix).await?,
+                status: etcd_status(etcd_endpoints, etcd_tls, &prefix).await?,
             });
         }
         tokio::time::sleep(Duration::from_millis(SAMPLE_PERIOD_MS)).await;
@@ -216,7 +225,7 @@ pub async fn run(
         w.await.map_err(soak_err)?.map_err(soak_err)?;
     }
     let elapsed = started.elapsed();
-    let after = etcd_status(etcd_endpoints, &prefix).await?;
+    let after = etcd_status(etcd_endpoints, etcd_tls, &prefix).await?;
     checkpoints.push(Checkpoint {
         grants: done.load(Ordering::Relaxed),
         elapsed_ms: elapsed.as_millis() as u64,

@@ -9,9 +9,14 @@ use testkit::{PgServer, Stack};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn benchmark_runs_and_reports_both_paths() {
-    let report = service_benches::lock::run(&Stack::shared().etcd_endpoints(), 200, 4)
-        .await
-        .unwrap();
+    let report = service_benches::lock::run(
+        &Stack::shared().etcd_endpoints(),
+        &Stack::shared().etcd_client_tls("bench"),
+        200,
+        4,
+    )
+    .await
+    .unwrap();
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     assert_eq!(report.service.operations, 200);
     assert_eq!(report.raw_etcd.operations, 200);
@@ -42,6 +47,7 @@ async fn soak_on(limits: testkit::etcd::EtcdLimits) -> service_benches::soak::So
                 None,
                 testkit::Lifetime::Attached,
                 &limits,
+                testkit::etcd::EtcdTls::with_own_authority(&path)?,
             )
         })
         .await
@@ -50,6 +56,7 @@ async fn soak_on(limits: testkit::etcd::EtcdLimits) -> service_benches::soak::So
     };
     let report = service_benches::soak::run(
         &etcd.endpoints(),
+        &etcd.tls.client.load().unwrap(),
         SOAK_GRANTS,
         SOAK_CONCURRENCY,
         lock_server::backend::etcd::GRANT_RETENTION_MS_MIN,

@@ -280,18 +280,18 @@ pub mod grpc {
     }
 
     /// The operator a break-glass call is recorded under: the name the request claims, proven
-    /// by the caller's certificate ([`mtls::authz::certified_actor`]); otherwise PERMISSION_DENIED,
-    /// counted in `unauthorised_calls` (the server's [`crate::Metrics::unauthorised_calls`],
+    /// by the caller's certificate ([`mtls::authz::certified_actor`]); otherwise the refusal
+    /// (each service answers it in its own typed way, PERMISSION_DENIED), counted in
+    /// `unauthorised_calls` (the server's [`crate::Metrics::unauthorised_calls`],
     /// `reason="operator_not_certified"`) and logged at alert level with the certificate's
     /// fingerprint.
-    #[allow(clippy::result_large_err)]
     pub fn certified_operator(
         caller: &Caller,
         method: &str,
         claimed: &str,
         unauthorised_calls: &prometheus::IntCounterVec,
-    ) -> Result<String, tonic::Status> {
-        mtls::authz::certified_actor(caller, claimed, method).map_err(|refusal| {
+    ) -> Result<String, Refusal> {
+        mtls::authz::certified_actor(caller, claimed, method).inspect_err(|refusal| {
             unauthorised_calls
                 .with_label_values(&[method, refusal.reason.as_str(), caller.role.name()])
                 .inc();
@@ -304,7 +304,6 @@ pub mod grpc {
                 alert = true,
                 "operator action refused: the certificate does not carry the operator it names"
             );
-            refusal.status()
         })
     }
 

@@ -75,22 +75,122 @@ impl EtcdLimits {
     }
 }
 
+/// The cluster's TLS, as files under the cluster's directory: the members' certificate (names
+/// [`mtls::ETCD_SERVER_NAME`], `127.0.0.1`, `localhost`; it serves peers and clients) and the
+/// test kit's own client certificate, both from the stack's authority. Members serve TLS only and
+/// admit only a client (and a peer) with a certificate from that authority.
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    pub ca_file: PathBuf,
+    member_cert: PathBuf,
+    member_key: PathBuf,
+    /// The test kit's own client identity (etcdctl, its etcd clients).
+    pub client: mtls::EtcdTlsArgs,
+}
+
+impl EtcdTls {
+    /// Issues the members' and the kit's certificates from `pki` into `dir`.
+    pub fn issue(pki: &crate::pki::Pki, dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let member = pki.issue_named(
+            &[mtls::ETCD_SERVER_NAME, "127.0.0.1", "localhost"],
+            "etcd-member",
+        )?;
+        let (member_cert, member_key) = (dir.join("member.pem"), dir.join("member.key"));
+        std::fs::write(&member_cert, &member.cert_pem)?;
+        crate::grants::write_secret(&member_key, &member.key_pem)?;
+        Ok(Self {
+            ca_file: pki.ca_file(),
+            member_cert,
+            member_key,
+            client: Self::client_of(pki, dir, "testkit")?,
+        })
+    }
+
+    /// For an etcd of its own outside any stack (the soak): an authority of its own in `dir`.
+    pub fn with_own_authority(dir: &Path) -> anyhow::Result<Self> {
+        Self::issue(&crate::pki::Pki::in_dir(dir)?, &dir.join("etcd-tls"))
+    }
+
+    /// A client certificate for `name` (a lock-server, a reconciler) from `pki`, written into
+    /// `dir`: the flags that give it to a process.
+    pub fn client_of(
+        pki: &crate::pki::Pki,
+        dir: &Path,
+        name: &str,
+    ) -> anyhow::Result<mtls::EtcdTlsArgs> {
+        let issued = pki.issue_named(&[&format!("{name}.etcd-client")], name)?;
+        let (cert, key) = (
+            dir.join(format!("{name}-client.pem")),
+            dir.join(format!("{name}-client.key")),
+        );
+        std::fs::write(&cert, &issued.cert_pem)?;
+        crate::grants::write_secret(&key, &issued.key_pem)?;
+        Ok(mtls::EtcdTlsArgs::new(pki.ca_file(), cert, key))
+    }
+
+    /// A member's TLS flags: clients and peers over TLS, each with a certificate from the
+    /// authority.
+    pub fn member_args(&self) -> Vec<std::ffi::OsString> {
+        let (ca, cert, key) = (&self.ca_file, &self.member_cert, &self.member_key);
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
+        for (flag, path) in [
+            ("--cert-file", cert),
+            ("--key-file", key),
+            ("--trusted-ca-file", ca),
+            ("--peer-cert-file", cert),
+            ("--peer-key-file", key),
+            ("--peer-trusted-ca-file", ca),
+        ] {
+            args.push(flag.into());
+            args.push(path.clone().into_os_string());
+        }
+        args.push("--client-cert-auth".into());
+        args.push("--peer-client-cert-auth".into());
+        args
+    }
+
+    /// etcdctl's flags for the kit's own identity.
+    pub fn etcdctl_args(&self) -> Vec<String> {
+        let path = |p: &Option<PathBuf>| p.as_deref().map(Path::display).map(|d| d.to_string());
+        let c = &self.client;
+        vec![
+            format!("--cacert={}", path(&c.ca).unwrap_or_default()),
+            format!("--cert={}", path(&c.cert).unwrap_or_default()),
+            format!("--key={}", path(&c.key).unwrap_or_default()),
+        ]
+    }
+
+    /// An etcd client of the kit's own identity to `endpoints`.
+    pub async fn connect(&self, endpoints: &[String]) -> anyhow::Result<etcd_client::Client> {
+        let tls = self.client.load()?;
+        Ok(etcd_client::Client::connect(
+            endpoints,
+            Some(etcd_client::ConnectOptions::new().with_tls(tls.etcd_client_config())),
+        )
+        .await?)
+    }
+}
+
 pub struct EtcdMember {
     pub name: String,
     pub client_port: u16,
     pub peer_port: u16,
+    /// Plain HTTP on loopback for `/health` and `/metrics` only (`--listen-metrics-urls`): no
+    /// keyspace is reachable through it.
+    pub metrics_port: u16,
     pub data_dir: PathBuf,
     pub process: ManagedProcess,
 }
 
 impl EtcdMember {
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        format!("https://127.0.0.1:{}", self.client_port)
     }
 
     /// Member's own health: `/health` answers `"health":"true"` only when the cluster has a leader.
     pub fn is_healthy(&self) -> bool {
-        http_get(self.client_port, "/health", Duration::from_millis(500))
+        http_get(self.metrics_port, "/health", Duration::from_millis(500))
             .is_ok_and(|(status, body)| status == 200 && body.contains("\"true\""))
     }
 
@@ -102,6 +202,7 @@ impl EtcdMember {
 
 pub struct EtcdCluster {
     pub members: Vec<EtcdMember>,
+    pub tls: EtcdTls,
     /// `--initial-cluster` and `--initial-cluster-token` of the first start: a restore from a
     /// snapshot rebuilds the same membership.
     initial_cluster: String,
@@ -116,8 +217,16 @@ impl EtcdCluster {
         count: usize,
         client_ports: Option<Vec<u16>>,
         lifetime: Lifetime,
+        tls: EtcdTls,
     ) -> anyhow::Result<Self> {
-        Self::start_with_limits(dir, count, client_ports, lifetime, &EtcdLimits::default())
+        Self::start_with_limits(
+            dir,
+            count,
+            client_ports,
+            lifetime,
+            &EtcdLimits::default(),
+            tls,
+        )
     }
 
     /// [`EtcdCluster::start`] with explicit limits (the soak's negative control turns compaction off).
@@ -127,6 +236,7 @@ impl EtcdCluster {
         client_ports: Option<Vec<u16>>,
         lifetime: Lifetime,
         limits: &EtcdLimits,
+        tls: EtcdTls,
     ) -> anyhow::Result<Self> {
         anyhow::ensure!(
             count == 1 || count == 3 || count == 5,
@@ -137,8 +247,9 @@ impl EtcdCluster {
             client_ports.unwrap_or_else(|| (0..count).map(|_| free_port()).collect());
         anyhow::ensure!(client_ports.len() == count, "one client port per member");
         let peer_ports: Vec<u16> = (0..count).map(|_| free_port()).collect();
+        let metrics_ports: Vec<u16> = (0..count).map(|_| free_port()).collect();
         let initial_cluster = (0..count)
-            .map(|i| format!("m{i}=http://127.0.0.1:{}", peer_ports[i]))
+            .map(|i| format!("m{i}=https://127.0.0.1:{}", peer_ports[i]))
             .collect::<Vec<_>>()
             .join(",");
         // A per-cluster token keeps members of different test stacks from ever joining each other.
@@ -148,8 +259,9 @@ impl EtcdCluster {
             let name = format!("m{i}");
             let data_dir = dir.join(&name);
             std::fs::create_dir_all(&data_dir)?;
-            let client = format!("http://127.0.0.1:{}", client_ports[i]);
-            let peer = format!("http://127.0.0.1:{}", peer_ports[i]);
+            let client = format!("https://127.0.0.1:{}", client_ports[i]);
+            let peer = format!("https://127.0.0.1:{}", peer_ports[i]);
+            let metrics = format!("http://127.0.0.1:{}", metrics_ports[i]);
             let spec = ProcessSpec::new(
                 &format!("etcd-{name}"),
                 &binary,
@@ -176,6 +288,8 @@ impl EtcdCluster {
                 "new",
             ])
             .args(["--initial-cluster-token", &token])
+            .args(tls.member_args())
+            .args(["--listen-metrics-urls", &metrics])
             // Short election timings so a leader kill is survived in about a second.
             .args(["--heartbeat-interval", "100", "--election-timeout", "1000"])
             .args(limits.args())
@@ -186,12 +300,14 @@ impl EtcdCluster {
                 name,
                 client_port: client_ports[i],
                 peer_port: peer_ports[i],
+                metrics_port: metrics_ports[i],
                 data_dir,
                 process,
             });
         }
         let cluster = Self {
             members,
+            tls,
             initial_cluster,
             token,
         };
@@ -220,13 +336,17 @@ impl EtcdCluster {
             .find(|m| m.process.is_running() && m.is_healthy())
             .context("no healthy etcd member to snapshot")?;
         let _ = std::fs::remove_file(path);
-        etcdctl(&[
+        let identity = self.tls.etcdctl_args();
+        let mut save: Vec<&str> = identity.iter().map(String::as_str).collect();
+        let endpoint = member.endpoint();
+        save.extend([
             "--endpoints",
-            &member.endpoint(),
+            &endpoint,
             "snapshot",
             "save",
             path.to_str().context("snapshot path is UTF-8")?,
-        ])?;
+        ]);
+        etcdctl(&save)?;
         let status = etcdctl(&[
             "snapshot",
             "status",
@@ -266,7 +386,7 @@ impl EtcdCluster {
                 "--initial-cluster-token",
                 &self.token,
                 "--initial-advertise-peer-urls",
-                &format!("http://127.0.0.1:{}", m.peer_port),
+                &format!("https://127.0.0.1:{}", m.peer_port),
             ])?;
             std::fs::remove_dir_all(&m.data_dir)
                 .with_context(|| format!("removing {}", m.data_dir.display()))?;
@@ -282,7 +402,7 @@ impl EtcdCluster {
     /// `--bump-revision`, so a scratch key is written until the cluster's revision is above
     /// `target` (each put advances it by one), then deleted. Returns the revision reached.
     pub async fn advance_revision_past(&self, target: i64) -> anyhow::Result<i64> {
-        let mut client = etcd_client::Client::connect(self.endpoints(), None).await?;
+        let mut client = self.client().await?;
         const SCRATCH: &str = "/restore/scratch";
         let mut revision = 0;
         while revision <= target {
@@ -295,7 +415,7 @@ impl EtcdCluster {
 
     /// The cluster's current revision.
     pub async fn revision(&self) -> anyhow::Result<i64> {
-        let mut client = etcd_client::Client::connect(self.endpoints(), None).await?;
+        let mut client = self.client().await?;
         let r = client.get("/restore/probe", None).await?;
         Ok(r.header().map(|h| h.revision()).unwrap_or_default())
     }
@@ -306,7 +426,7 @@ impl EtcdCluster {
     /// marker key `{prefix}retention/{lease id}`, and revoking one would delete the INV-07 grant
     /// records attached to it. Returns how many leases were revoked.
     pub async fn revoke_session_leases(&self) -> anyhow::Result<usize> {
-        let mut client = etcd_client::Client::connect(self.endpoints(), None).await?;
+        let mut client = self.client().await?;
         let leases = client.leases().await?;
         let ids: Vec<i64> = leases.leases().iter().map(|l| l.id()).collect();
         let mut revoked = 0;
@@ -333,11 +453,15 @@ impl EtcdCluster {
         self.members.iter().map(|m| m.endpoint()).collect()
     }
 
+    /// A client of the kit's own identity to every member.
+    pub async fn client(&self) -> anyhow::Result<etcd_client::Client> {
+        self.tls.connect(&self.endpoints()).await
+    }
+
     /// Index of the current leader, asked of every running member.
     pub async fn leader(&self) -> anyhow::Result<usize> {
         for member in self.members.iter().filter(|m| m.process.is_running()) {
-            let Ok(mut client) = etcd_client::Client::connect([member.endpoint()], None).await
-            else {
+            let Ok(mut client) = self.tls.connect(&[member.endpoint()]).await else {
                 continue;
             };
             let Ok(status) = client.status().await else {
@@ -363,6 +487,25 @@ impl EtcdCluster {
         }
         anyhow::bail!("no running etcd member knows a leader")
     }
+}
+
+/// One read from `endpoint` as a client presenting `tls` (none: a plaintext client), within a
+/// few seconds: Ok, or what refused it. The attack suite's probe of what etcd admits.
+pub async fn read_as(endpoint: &str, tls: Option<&mtls::Tls>) -> Result<(), String> {
+    let mut options = etcd_client::ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(3))
+        .with_timeout(Duration::from_secs(3));
+    if let Some(tls) = tls {
+        options = options.with_tls(tls.etcd_client_config());
+    }
+    let mut client = etcd_client::Client::connect([endpoint], Some(options))
+        .await
+        .map_err(|e| e.to_string())?;
+    client
+        .get("/", None)
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 /// Runs Debian's `etcdctl` (API v3) and returns its standard output.

@@ -155,6 +155,7 @@ impl StackBuilder {
                     self.etcd_members,
                     ports.as_ref().map(|p| p.etcd_clients.clone()),
                     self.lifetime,
+                    crate::etcd::EtcdTls::issue(&pki, &state.join("etcd-tls"))?,
                 )
             });
             (
@@ -168,6 +169,7 @@ impl StackBuilder {
             main: main.context("starting PostgreSQL (main)")?,
             proxy: proxy.context("starting PostgreSQL (proxy)")?,
             etcd: etcd.context("starting etcd")?,
+            pki,
             temporal: OnceLock::new(),
             temporal_start: Mutex::new(()),
             temporal_ports: self.ports.as_ref().map(|p| TemporalPorts {
@@ -193,6 +195,9 @@ pub struct Stack {
     pub main: Postgres,
     pub proxy: Postgres,
     pub etcd: EtcdCluster,
+    /// The stack's own authority: its PostgreSQL servers' and etcd's certificates, and the
+    /// client certificates its etcd admits.
+    pki: crate::pki::Pki,
     temporal: OnceLock<TemporalDev>,
     temporal_start: Mutex<()>,
     temporal_ports: Option<TemporalPorts>,
@@ -267,6 +272,30 @@ impl Stack {
 
     pub fn etcd_endpoints(&self) -> Vec<String> {
         self.etcd.endpoints()
+    }
+
+    /// A client certificate for `name` from the stack's authority, which the stack's etcd admits:
+    /// the `--etcd-tls-*` flags of a lock-server or reconciler.
+    pub fn etcd_client_args(&self, name: &str) -> anyhow::Result<mtls::EtcdTlsArgs> {
+        // Each call its own files: tests of one binary ask for the same name at once.
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        crate::etcd::EtcdTls::client_of(
+            &self.pki,
+            &self.state.join("etcd-tls"),
+            &format!("{name}-{n}"),
+        )
+    }
+
+    /// The same, loaded: for a lock-server or reconciler run in-process.
+    pub fn etcd_client_tls(&self, name: &str) -> mtls::Tls {
+        self.etcd_client_args(name)
+            .and_then(|args| Ok(args.load()?))
+            .expect("an etcd client certificate")
+    }
+
+    /// An etcd client of the test kit's own identity to the stack's etcd.
+    pub async fn etcd_client(&self) -> anyhow::Result<etcd_client::Client> {
+        self.etcd.client().await
     }
 
     /// The Temporal dev server, started on first use (a few seconds).

@@ -211,6 +211,11 @@ impl System {
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[0])])
                 .args(["--backend", "etcd"])
                 .args(["--etcd-endpoints".into(), stack.etcd_endpoints().join(",")])
+                .args(
+                    stack
+                        .etcd_client_args(&format!("lock-server-{n}"))?
+                        .to_args(),
+                )
                 .args(["--etcd-prefix".into(), etcd_prefix.clone()])
                 .args([
                     "--issued-tokens-path".into(),

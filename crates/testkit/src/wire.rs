@@ -148,10 +148,8 @@ pub async fn snapshot(pool: &sqlx::PgPool, tables: &[&str]) -> Snapshot {
 
 /// Counts and digests the etcd keys under `prefix`, one "table" per first path segment after it
 /// (`locks`, `audit`, `grants`, ...), with values and create revisions.
-pub async fn etcd_snapshot(endpoints: &[String], prefix: &str) -> Snapshot {
-    let mut client = etcd_client::Client::connect(endpoints, None)
-        .await
-        .expect("etcd answers");
+pub async fn etcd_snapshot(stack: &crate::Stack, prefix: &str) -> Snapshot {
+    let mut client = stack.etcd_client().await.expect("etcd answers");
     let answer = client
         .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
         .await

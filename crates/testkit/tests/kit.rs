@@ -44,9 +44,7 @@ async fn postgres_servers_are_separate_and_databases_fresh() {
 #[tokio::test]
 async fn etcd_answers_and_prefixes_are_unique() {
     let stack = Stack::shared();
-    let mut client = etcd_client::Client::connect(stack.etcd_endpoints(), None)
-        .await
-        .unwrap();
+    let mut client = stack.etcd_client().await.unwrap();
     let p1 = stack.unique_prefix("k");
     let p2 = stack.unique_prefix("k");
     assert_ne!(p1, p2);
@@ -84,14 +82,12 @@ async fn dedicated_stack_survives_restarts_with_its_data_and_pauses() {
 
     // etcd: a key survives a member kill and restart.
     let endpoints = stack.etcd_endpoints();
-    let mut client = etcd_client::Client::connect(endpoints.clone(), None)
-        .await
-        .unwrap();
+    let mut client = stack.etcd.tls.connect(&endpoints).await.unwrap();
     client.put("/kept", "yes", None).await.unwrap();
     stack.etcd.members[0].process.kill().unwrap();
     stack.etcd.members[0].restart().unwrap();
     stack.etcd.wait_healthy().unwrap();
-    let mut client = etcd_client::Client::connect(endpoints, None).await.unwrap();
+    let mut client = stack.etcd.tls.connect(&endpoints).await.unwrap();
     let got = client.get("/kept", None).await.unwrap();
     assert_eq!(got.kvs()[0].value(), b"yes");
 
@@ -135,7 +131,7 @@ async fn three_member_etcd_survives_a_leader_kill() {
         .filter(|(i, _)| *i != leader)
         .map(|(_, e)| e.clone())
         .collect();
-    let mut client = etcd_client::Client::connect(survivors, None).await.unwrap();
+    let mut client = stack.etcd.tls.connect(&survivors).await.unwrap();
     client.put("/after-failover", "ok", None).await.unwrap();
 }
 

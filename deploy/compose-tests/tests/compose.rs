@@ -385,8 +385,9 @@ async fn reconcile(ports: &Ports) -> anyhow::Result<()> {
             ports
                 .etcd
                 .iter()
-                .map(|p| format!("http://127.0.0.1:{p}"))
+                .map(|p| format!("https://127.0.0.1:{p}"))
                 .collect(),
+            suite_tls(mtls::Role::Reconciler)?,
             "/payout/lock/".to_string(),
         )),
     };
@@ -750,7 +751,10 @@ async fn kill_etcd_leader(h: &mut Harness<'_>) -> anyhow::Result<()> {
         &etcd1,
         &[
             "etcdctl",
-            "--endpoints=http://etcd1:2379,http://etcd2:2379,http://etcd3:2379",
+            "--endpoints=https://etcd1:2379,https://etcd2:2379,https://etcd3:2379",
+            "--cacert=/run/payout-tls/ca.pem",
+            "--cert=/run/payout-tls/etcd1.pem",
+            "--key=/run/payout-tls/etcd1.key",
             "endpoint",
             "status",
             "-w",
@@ -765,7 +769,7 @@ async fn kill_etcd_leader(h: &mut Harness<'_>) -> anyhow::Result<()> {
         .context("no etcd member reports itself leader")?;
     let service = leader
         .endpoint
-        .trim_start_matches("http://")
+        .trim_start_matches("https://")
         .split(':')
         .next()
         .unwrap_or_default()

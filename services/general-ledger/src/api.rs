@@ -373,7 +373,8 @@ impl GeneralLedgerService for LedgerApi {
                 "/ledger.v1.GeneralLedgerService/SetOperatingMode",
                 &request.get_ref().operator_id,
                 &self.metrics.unauthorised_calls,
-            )?;
+            )
+            .map_err(|refusal| refusal.status())?;
         }
         let r = request.into_inner();
         let mode = match pb::OperatingMode::try_from(r.mode) {

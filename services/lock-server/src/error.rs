@@ -30,6 +30,8 @@ pub enum LockError {
     },
     #[error("session {session_id} was created by another certificate; a session is usable only by its creator")]
     SessionNotOwned { session_id: String },
+    #[error("operator_not_certified: the caller's certificate does not carry the operator {operator:?} (an operator's certificate carries <name>.operator; the resolver acts only as `reconciler`)")]
+    OperatorNotCertified { operator: String },
     #[error("{waiting} callers already wait for locks in this server; retry later")]
     Overloaded { waiting: usize },
     #[error("{backend} backend unavailable: {detail}")]
@@ -78,6 +80,12 @@ impl LockError {
                 tonic::Code::PermissionDenied,
                 Kind::SessionNotOwned(pb::SessionNotOwned {
                     session_id: session_id.clone(),
+                }),
+            ),
+            Self::OperatorNotCertified { operator } => (
+                tonic::Code::PermissionDenied,
+                Kind::OperatorNotCertified(pb::OperatorNotCertified {
+                    operator: operator.clone(),
                 }),
             ),
             Self::NotHeld { key } => (

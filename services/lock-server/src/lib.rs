@@ -30,6 +30,8 @@ pub const HEALTH_SERVICE_NAME: &str = "lock.v1.LockService";
 pub enum BackendConfig {
     Etcd {
         endpoints: Vec<String>,
+        /// etcd's authority and this server's certificate from it (mutual TLS, `https://` only).
+        tls: mtls::Tls,
         prefix: String,
         /// How long grant records (INV-07 evidence) are kept; see
         /// [`backend::etcd::GRANT_RETENTION_MS_DEFAULT`].
@@ -58,10 +60,11 @@ pub async fn build(
     let backend = match &config.backend {
         BackendConfig::Etcd {
             endpoints,
+            tls,
             prefix,
             grant_retention_ms,
         } => Backend::Etcd(Box::new(
-            EtcdBackend::connect(endpoints, prefix, *grant_retention_ms).await?,
+            EtcdBackend::connect(endpoints, tls, prefix, *grant_retention_ms).await?,
         )),
         BackendConfig::Postgres { database_url } => {
             Backend::Postgres(PgBackend::connect(database_url).await?)

@@ -21,14 +21,17 @@ struct Args {
     metrics_listen: SocketAddr,
     #[arg(long, env = "LOCK_BACKEND", value_enum, default_value = "etcd")]
     backend: BackendKind,
-    /// Comma-separated etcd client URLs.
+    /// Comma-separated etcd client URLs (`https://`: etcd is reached over mutual TLS only).
     #[arg(
         long,
         env = "LOCK_ETCD_ENDPOINTS",
         value_delimiter = ',',
-        default_value = "http://127.0.0.1:2379"
+        default_value = "https://127.0.0.1:2379"
     )]
     etcd_endpoints: Vec<String>,
+    /// etcd's authority and this server's certificate from it, for `--backend etcd`.
+    #[command(flatten)]
+    etcd_tls: mtls::EtcdTlsArgs,
     #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = "/payout/lock/")]
     etcd_prefix: String,
     /// How long etcd keeps each grant record (the reconciler's INV-07 evidence) before deleting it
@@ -65,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
     let backend = match args.backend {
         BackendKind::Etcd => lock_server::BackendConfig::Etcd {
             endpoints: args.etcd_endpoints,
+            tls: args.etcd_tls.load().context("etcd TLS material")?,
             prefix: args.etcd_prefix,
             grant_retention_ms: args.grant_retention_ms,
         },

@@ -572,7 +572,7 @@ impl LockServiceImpl {
         key: &str,
         operator: &str,
         reason: &str,
-    ) -> Result<pb::ForceRevokeResponse, Status> {
+    ) -> Result<pb::ForceRevokeResponse, LockError> {
         check_text("key", key, KEY_LENGTH_MAX)?;
         check_text("operator", operator, OWNER_LENGTH_MAX)?;
         check_text("reason", reason, KEY_LENGTH_MAX)?;
@@ -581,7 +581,10 @@ impl LockServiceImpl {
             "/lock.v1.LockService/ForceRevoke",
             operator,
             &self.inner.metrics.unauthorised_calls,
-        )?;
+        )
+        .map_err(|_| LockError::OperatorNotCertified {
+            operator: operator.to_string(),
+        })?;
         let holder = self
             .inner
             .backend

@@ -57,6 +57,7 @@ async fn start(kind: Kind) -> Server {
     let backend = match kind {
         Kind::Etcd => BackendConfig::Etcd {
             endpoints: stack.etcd_endpoints(),
+            tls: stack.etcd_client_tls("lock-server"),
             prefix: stack.unique_prefix("lock"),
             grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
@@ -449,8 +450,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
             .await
             .unwrap_err();
         assert!(
-            matches!(&e, ClientError::Status(st) if st.code() == tonic::Code::PermissionDenied
-                && st.message().contains("operator_not_certified")),
+            matches!(rejection(&e), Rejection::OperatorNotCertified(o) if o.operator == name),
             "{e:?}"
         );
     }
@@ -871,6 +871,7 @@ async fn etcd_three_members_leader_killed_mid_run() {
     endpoints.swap(0, leader);
     let s = start_with(BackendConfig::Etcd {
         endpoints,
+        tls: stack.etcd_client_tls("lock-server"),
         prefix: "/leader-kill/".into(),
         grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
     })
@@ -917,9 +918,10 @@ fn etcd_spec(
     client_port: u16,
     peer_port: u16,
 ) -> testkit::ProcessSpec {
-    let client = format!("http://127.0.0.1:{client_port}");
-    let peer = format!("http://127.0.0.1:{peer_port}");
+    let client = format!("https://127.0.0.1:{client_port}");
+    let peer = format!("https://127.0.0.1:{peer_port}");
     testkit::ProcessSpec::new(name, "etcd", dir.join(format!("{name}.log")))
+        .args(Stack::shared().etcd.tls.member_args())
         .args(["--name", "m0"])
         .args(["--data-dir".into(), data_dir.as_os_str().to_owned()])
         .args([
@@ -947,6 +949,7 @@ fn etcd_spec(
 fn etcdctl(endpoint: &str, args: &[&str]) {
     let out = std::process::Command::new("etcdctl")
         .env("ETCDCTL_API", "3")
+        .args(Stack::shared().etcd.tls.etcdctl_args())
         .arg("--endpoints")
         .arg(endpoint)
         .args(args)
@@ -960,7 +963,7 @@ fn etcdctl(endpoint: &str, args: &[&str]) {
 }
 
 fn restore(dir: &Path, snapshot: &Path, data_dir: &Path, peer_port: u16) {
-    let peer = format!("http://127.0.0.1:{peer_port}");
+    let peer = format!("https://127.0.0.1:{peer_port}");
     let out = std::process::Command::new("etcdctl")
         .env("ETCDCTL_API", "3")
         .args(["snapshot", "restore"])
@@ -988,7 +991,12 @@ fn restore(dir: &Path, snapshot: &Path, data_dir: &Path, peer_port: u16) {
 
 async fn etcd_ready(endpoint: &str) {
     testkit::eventually(Duration::from_secs(30), "etcd ready", || async {
-        let mut c = etcd_client::Client::connect([endpoint], None).await.ok()?;
+        let mut c = Stack::shared()
+            .etcd
+            .tls
+            .connect(&[endpoint.to_string()])
+            .await
+            .ok()?;
         c.status().await.ok().map(|_| ())
     })
     .await
@@ -1004,6 +1012,7 @@ async fn grant_via(
     let config = Config {
         backend: BackendConfig::Etcd {
             endpoints: vec![endpoint.to_string()],
+            tls: Stack::shared().etcd_client_tls("lock-server"),
             prefix: "/restore/".into(),
             grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
@@ -1032,7 +1041,7 @@ async fn etcd_restore_from_snapshot_raises_token_regression_unless_revision_adva
     let dir = tempfile::tempdir().unwrap();
     let issued = dir.path().join("issued-tokens.json");
     let (client_port, peer_port) = (testkit::free_port(), testkit::free_port());
-    let endpoint = format!("http://127.0.0.1:{client_port}");
+    let endpoint = format!("https://127.0.0.1:{client_port}");
     let original = testkit::ManagedProcess::start(etcd_spec(
         dir.path(),
         "etcd-a",
@@ -1095,9 +1104,7 @@ async fn etcd_restore_from_snapshot_raises_token_regression_unless_revision_adva
     ))
     .unwrap();
     etcd_ready(&endpoint).await;
-    let mut etcd = etcd_client::Client::connect([endpoint.as_str()], None)
-        .await
-        .unwrap();
+    let mut etcd = etcd(&[endpoint.clone()]).await;
     let highest_seen = last.get() as i64;
     loop {
         let r = etcd
@@ -1178,7 +1185,7 @@ async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
 // A bounded backend: compacted history, grant records kept for a retention window
 
 async fn etcd(endpoints: &[String]) -> etcd_client::Client {
-    etcd_client::Client::connect(endpoints, None).await.unwrap()
+    Stack::shared().etcd.tls.connect(endpoints).await.unwrap()
 }
 
 /// The grant records under `prefix`: (key, create revision), in key order.
@@ -1250,6 +1257,7 @@ fn unix_now_ms() -> i64 {
 async fn start_retaining(prefix: &str, grant_retention_ms: u64) -> Server {
     start_with(BackendConfig::Etcd {
         endpoints: Stack::shared().etcd_endpoints(),
+        tls: Stack::shared().etcd_client_tls("lock-server"),
         prefix: prefix.to_string(),
         grant_retention_ms,
     })
@@ -1510,19 +1518,14 @@ struct Seeded {
 /// Where a backend keeps its state, snapshotted around each call.
 enum LockStore {
     Postgres(sqlx::PgPool),
-    Etcd {
-        endpoints: Vec<String>,
-        prefix: String,
-    },
+    Etcd { prefix: String },
 }
 
 impl LockStore {
     async fn snapshot(&self) -> testkit::wire::Snapshot {
         match self {
             Self::Postgres(pool) => testkit::wire::snapshot(pool, &LOCKDB_TABLES).await,
-            Self::Etcd { endpoints, prefix } => {
-                testkit::wire::etcd_snapshot(endpoints, prefix).await
-            }
+            Self::Etcd { prefix } => testkit::wire::etcd_snapshot(Stack::shared(), prefix).await,
         }
     }
 }
@@ -1675,10 +1678,11 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
                 let (endpoints, prefix) = (stack.etcd_endpoints(), stack.unique_prefix("wire"));
                 let backend = BackendConfig::Etcd {
                     endpoints: endpoints.clone(),
+                    tls: stack.etcd_client_tls("lock-server"),
                     prefix: prefix.clone(),
                     grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
                 };
-                (backend, LockStore::Etcd { endpoints, prefix })
+                (backend, LockStore::Etcd { prefix })
             }
         };
         let server = start_with(backend).await;
@@ -1735,7 +1739,10 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
                 match (status.code(), &kind) {
                     // A session id bound to another certificate (the wire values include ids
                     // with a ':'): refused before the backend is asked.
-                    (tonic::Code::PermissionDenied, Some(Rejected::SessionNotOwned(_))) => {
+                    (
+                        tonic::Code::PermissionDenied,
+                        Some(Rejected::SessionNotOwned(_) | Rejected::OperatorNotCertified(_)),
+                    ) => {
                         prop_assert_eq!(before.changed(&after), Vec::<String>::new());
                     }
                     (tonic::Code::InvalidArgument, Some(Rejected::InvalidArgument(i))) => {

@@ -50,6 +50,9 @@ pub struct Config {
     /// Comma-separated etcd endpoints of the lock service; without them the grant check is skipped.
     #[arg(long, env = "ETCD_ENDPOINTS", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
+    /// etcd's authority and the reconciler's certificate from it (required with the endpoints).
+    #[command(flatten)]
+    pub etcd_tls: mtls::EtcdTlsArgs,
     #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = "/payout/lock/")]
     pub lock_prefix: String,
     /// INV-07's horizon: grant records are demanded for tokens first accepted within this long.
@@ -174,11 +177,15 @@ impl Config {
                 }),
                 None => None,
             },
-            lock_grants: (!self.etcd_endpoints.is_empty()).then(|| reconciler::LockGrants {
-                etcd_endpoints: self.etcd_endpoints.clone(),
-                prefix: self.lock_prefix.clone(),
-                horizon_ms: self.grant_horizon_ms,
-            }),
+            lock_grants: match self.etcd_endpoints.is_empty() {
+                true => None,
+                false => Some(reconciler::LockGrants {
+                    etcd_endpoints: self.etcd_endpoints.clone(),
+                    tls: self.etcd_tls.load().context("etcd TLS material")?,
+                    prefix: self.lock_prefix.clone(),
+                    horizon_ms: self.grant_horizon_ms,
+                }),
+            },
         })
     }
 }

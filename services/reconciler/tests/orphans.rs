@@ -152,6 +152,14 @@ fn config_args(system: &System) -> Vec<String> {
     let s = |v: &str| v.to_string();
     reconciler_tls(system)
         .into_iter()
+        .chain(
+            Stack::shared()
+                .etcd_client_args("reconciler")
+                .unwrap()
+                .to_args()
+                .into_iter()
+                .map(|a| a.into_string().unwrap()),
+        )
         .chain(vec![
             s("--paydb-url"),
             system.databases.paydb.clone(),

@@ -87,6 +87,8 @@ struct AuditRecord<'a> {
 
 pub struct EtcdBackend {
     endpoints: Vec<String>,
+    /// etcd's authority and this server's certificate from it: every connection is mutual TLS.
+    tls: mtls::Tls,
     /// The member this process talks to, and its index in `endpoints`. A member that stops
     /// answering (connection refused, unavailable) is replaced by the next one that connects:
     /// etcd forwards every request to the leader, so any live member will do.
@@ -122,9 +124,10 @@ fn map_err(e: etcd_client::Error, session_id: Option<&str>) -> LockError {
     }
 }
 
-async fn connect_one(endpoint: &str) -> Result<Client, LockError> {
-    let options =
-        ConnectOptions::new().with_connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS));
+async fn connect_one(endpoint: &str, tls: &mtls::Tls) -> Result<Client, LockError> {
+    let options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
+        .with_tls(tls.etcd_client_config());
     Client::connect([endpoint], Some(options))
         .await
         .map_err(backend_err)
@@ -141,8 +144,11 @@ pub(crate) fn parse_lease(session_id: &str) -> Result<i64, LockError> {
 impl EtcdBackend {
     /// `prefix` namespaces every key this server writes (`{prefix}locks/...`, `{prefix}audit/...`,
     /// `{prefix}grants/...`, `{prefix}retention/...`); grant records are kept `grant_retention_ms`.
+    /// Every connection is mutual TLS (`tls`: etcd's authority, this server's certificate from
+    /// it); an endpoint that is not `https://` is refused.
     pub async fn connect(
         endpoints: &[String],
+        tls: &mtls::Tls,
         prefix: &str,
         grant_retention_ms: u64,
     ) -> Result<Self, LockError> {
@@ -150,6 +156,14 @@ impl EtcdBackend {
             return Err(LockError::invalid(
                 "etcd_endpoints",
                 "at least one endpoint",
+            ));
+        }
+        if let Some(plain) = endpoints.iter().find(|e| mtls::require_https(e).is_err()) {
+            return Err(LockError::invalid(
+                "etcd_endpoints",
+                format!(
+                    "{plain}: etcd is reached over mutual TLS only, so the URL must be https://"
+                ),
             ));
         }
         if !(GRANT_RETENTION_MS_MIN..=GRANT_RETENTION_MS_MAX).contains(&grant_retention_ms) {
@@ -161,7 +175,7 @@ impl EtcdBackend {
         let mut last_error = None;
         let mut connected = None;
         for (i, endpoint) in endpoints.iter().enumerate() {
-            match connect_one(endpoint).await {
+            match connect_one(endpoint, tls).await {
                 Ok(c) => {
                     connected = Some((i, c));
                     break;
@@ -178,6 +192,7 @@ impl EtcdBackend {
         }
         Ok(Self {
             endpoints: endpoints.to_vec(),
+            tls: tls.clone(),
             current: tokio::sync::Mutex::new(current),
             prefix,
             granted_ttl_ms: Mutex::new(HashMap::new()),
@@ -199,7 +214,7 @@ impl EtcdBackend {
         }
         for step in 1..=self.endpoints.len() {
             let next = (failed + step) % self.endpoints.len();
-            if let Ok(c) = connect_one(&self.endpoints[next]).await {
+            if let Ok(c) = connect_one(&self.endpoints[next], &self.tls).await {
                 tracing::warn!(from = %self.endpoints[failed], to = %self.endpoints[next], "etcd endpoint failed over");
                 *current = (next, c);
                 return;
