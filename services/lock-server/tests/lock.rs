@@ -1104,7 +1104,7 @@ async fn etcd_restore_from_snapshot_raises_token_regression_unless_revision_adva
     ))
     .unwrap();
     etcd_ready(&endpoint).await;
-    let mut etcd = etcd(&[endpoint.clone()]).await;
+    let mut etcd = etcd(std::slice::from_ref(&endpoint)).await;
     let highest_seen = last.get() as i64;
     loop {
         let r = etcd

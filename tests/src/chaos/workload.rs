@@ -233,6 +233,16 @@ async fn unsettled(paydb: &sqlx::PgPool, proxydb: &sqlx::PgPool) -> Option<(i64,
     Some((open, ambiguous))
 }
 
+/// An open payout's record: id, account, state, claimed by, token stamp, rail outcome.
+type OpenPayout = (
+    String,
+    String,
+    String,
+    Option<String>,
+    Option<i64>,
+    Option<String>,
+);
+
 /// Prints what a run that did not settle left open, so a failed run says why (CI keeps no logs):
 /// each open payout's record, its workflow's status and pending work, the end of its history, and
 /// every line the system's processes logged about it. Diagnosis only: it decides nothing.
@@ -242,14 +252,7 @@ pub async fn describe_unsettled(stack: &testkit::Stack, system: &System) {
         eprintln!("[chaos] unsettled: paydb unreachable");
         return;
     };
-    let rows: Vec<(
-        String,
-        String,
-        String,
-        Option<String>,
-        Option<i64>,
-        Option<String>,
-    )> = match sqlx::query_as(
+    let rows: Vec<OpenPayout> = match sqlx::query_as(
         "SELECT id, account_id, state, claimed_by, token_stamp, rail_outcome FROM payout \
              WHERE state NOT IN ('POSTED', 'FAILED', 'ABANDONED') ORDER BY id",
     )
