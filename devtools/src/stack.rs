@@ -534,7 +534,6 @@ async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
         }
         _ => {}
     }
-    let timeout = Duration::from_secs(2);
     if part.name.starts_with("postgres") {
         let port = part.address.rsplit(':').next().unwrap_or_default();
         let Ok(bin) = testkit::postgres::bin_dir() else {
@@ -545,14 +544,18 @@ async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
             .status()
             .is_ok_and(|s| s.success())
     } else if part.name.starts_with("etcd") {
-        let port: u16 = part
-            .address
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0);
-        testkit::util::http_get(port, "/health", timeout)
-            .is_ok_and(|(code, body)| code == 200 && body.contains("\"true\""))
+        // etcd is mutual TLS only: a read (which needs a leader) with the test kit's own client
+        // certificate from the stack's authority.
+        let Ok(tls) = mtls::Tls::load(
+            &dir.join("pki").join("ca.pem"),
+            &dir.join("etcd-tls").join("testkit-client.pem"),
+            &dir.join("etcd-tls").join("testkit-client.key"),
+        ) else {
+            return false;
+        };
+        testkit::etcd::read_as(&part.address, Some(&tls))
+            .await
+            .is_ok()
     } else if part.name == "temporal" {
         let Ok(cli) = testkit::temporal::cli_path() else {
             return false;

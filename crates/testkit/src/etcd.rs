@@ -97,6 +97,8 @@ impl EtcdTls {
             "etcd-member",
         )?;
         let (member_cert, member_key) = (dir.join("member.pem"), dir.join("member.key"));
+        // Issued afresh at every start (a restarted stack keeps its authority, not these files).
+        let _ = std::fs::remove_file(&member_key);
         std::fs::write(&member_cert, &member.cert_pem)?;
         crate::grants::write_secret(&member_key, &member.key_pem)?;
         Ok(Self {
@@ -124,6 +126,7 @@ impl EtcdTls {
             dir.join(format!("{name}-client.pem")),
             dir.join(format!("{name}-client.key")),
         );
+        let _ = std::fs::remove_file(&key);
         std::fs::write(&cert, &issued.cert_pem)?;
         crate::grants::write_secret(&key, &issued.key_pem)?;
         Ok(mtls::EtcdTlsArgs::new(pki.ca_file(), cert, key))
