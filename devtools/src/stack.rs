@@ -546,11 +546,7 @@ async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
     } else if part.name.starts_with("etcd") {
         // etcd is mutual TLS only: a read (which needs a leader) with the test kit's own client
         // certificate from the stack's authority.
-        let Ok(tls) = mtls::Tls::load(
-            &dir.join("pki").join("ca.pem"),
-            &dir.join("etcd-tls").join("testkit-client.pem"),
-            &dir.join("etcd-tls").join("testkit-client.key"),
-        ) else {
+        let Ok(tls) = testkit::etcd::EtcdTls::kit_client_in(dir).load() else {
             return false;
         };
         testkit::etcd::read_as(&part.address, Some(&tls))

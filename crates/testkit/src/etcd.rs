@@ -75,6 +75,11 @@ impl EtcdLimits {
     }
 }
 
+/// The folder of a stack's state directory that holds etcd's certificates.
+pub const STACK_DIR: &str = "etcd-tls";
+/// The name of the test kit's own etcd client certificate.
+const KIT_CLIENT: &str = "testkit";
+
 /// The cluster's TLS, as files under the cluster's directory: the members' certificate (names
 /// [`mtls::ETCD_SERVER_NAME`], `127.0.0.1`, `localhost`; it serves peers and clients) and the
 /// test kit's own client certificate, both from the stack's authority. Members serve TLS only and
@@ -105,13 +110,25 @@ impl EtcdTls {
             ca_file: pki.ca_file(),
             member_cert,
             member_key,
-            client: Self::client_of(pki, dir, "testkit")?,
+            client: Self::client_of(pki, dir, KIT_CLIENT)?,
         })
     }
 
     /// For an etcd of its own outside any stack (the soak): an authority of its own in `dir`.
     pub fn with_own_authority(dir: &Path) -> anyhow::Result<Self> {
-        Self::issue(&crate::pki::Pki::in_dir(dir)?, &dir.join("etcd-tls"))
+        Self::issue(&crate::pki::Pki::in_dir(dir)?, &dir.join(STACK_DIR))
+    }
+
+    /// Where the test kit's own client certificate is in a stack's state directory (what
+    /// [`EtcdTls::issue`] wrote there for the stack's etcd): `payoutdev stack status` reads etcd
+    /// with it.
+    pub fn kit_client_in(state_dir: &Path) -> mtls::EtcdTlsArgs {
+        let dir = state_dir.join(STACK_DIR);
+        mtls::EtcdTlsArgs::new(
+            state_dir.join("pki").join("ca.pem"),
+            dir.join(format!("{KIT_CLIENT}-client.pem")),
+            dir.join(format!("{KIT_CLIENT}-client.key")),
+        )
     }
 
     /// A client certificate for `name` (a lock-server, a reconciler) from `pki`, written into

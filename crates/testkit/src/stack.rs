@@ -155,7 +155,7 @@ impl StackBuilder {
                     self.etcd_members,
                     ports.as_ref().map(|p| p.etcd_clients.clone()),
                     self.lifetime,
-                    crate::etcd::EtcdTls::issue(&pki, &state.join("etcd-tls"))?,
+                    crate::etcd::EtcdTls::issue(&pki, &state.join(crate::etcd::STACK_DIR))?,
                 )
             });
             (
@@ -281,7 +281,7 @@ impl Stack {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         crate::etcd::EtcdTls::client_of(
             &self.pki,
-            &self.state.join("etcd-tls"),
+            &self.state.join(crate::etcd::STACK_DIR),
             &format!("{name}-{n}"),
         )
     }
