@@ -3,7 +3,8 @@
 # postgresql 15): the project's paydb and proxydb migrations plus the two drafts here, a real
 # pg_dump taken at fence 10, the successor's token 20, a restore (pg_restore --clean, then a new
 # database), the stale token 15 refused by the guarded statement and landing without the check
-# (the negative control, rolled back), the procedure's function, and tokens after it.
+# (the negative control, rolled back), the procedure's function, and tokens after it; then the
+# same for proxydb, with the token floor for an account that has no high-water row yet.
 # Usage: run as root from the repository's root: bash docs/design/guard-restore/demo.sh
 set -euo pipefail
 DIR=$(mktemp -d /tmp/guard-restore.XXXX); chown postgres "$DIR"; PORT=55433
@@ -36,3 +37,15 @@ echo "rearm to a horizon below an accepted fence: refused"
 as postgres postgres -c "DROP DATABASE paydb"; as postgres postgres -c "CREATE DATABASE paydb OWNER payout_owner"
 runuser -u postgres -- pg_restore -h "$DIR" -p $PORT -U postgres -d paydb "$DIR/paydb.dump"
 echo "restored into a new database: current $(as payment_resource paydb -c 'SELECT incarnation_is_current()'), stale 15 '$(guard 15)'"
+# proxydb: the same, with the token floor for an account that has no high-water row yet.
+hw() { as rail_proxy proxydb -c "INSERT INTO account_high_water (account_id, high_water, owner) SELECT '$1', $2, 'w' WHERE incarnation_admits($2) ON CONFLICT (account_id) DO UPDATE SET high_water = EXCLUDED.high_water WHERE account_high_water.high_water <= EXCLUDED.high_water RETURNING 'advanced ' || high_water"; }
+echo "proxydb token 10: $(hw acc-1 10)"
+runuser -u postgres -- pg_dump -h "$DIR" -p $PORT -U postgres -Fc proxydb -f "$DIR/proxydb.dump"
+echo "dump taken; the successor's token 20: $(hw acc-1 20)"
+runuser -u postgres -- pg_restore -h "$DIR" -p $PORT -U postgres --clean --if-exists -d proxydb "$DIR/proxydb.dump"
+echo "proxydb restored: high-water $(as rail_proxy proxydb -c 'SELECT high_water FROM account_high_water'), current $(as rail_proxy proxydb -c 'SELECT incarnation_is_current()')"
+echo "stale 15: '$(hw acc-1 15)'; another account's first row at 12: '$(hw acc-2 12)' (both refused)"
+echo "negative control, stale 15 without the check: $(as rail_proxy proxydb -c "BEGIN; UPDATE account_high_water SET high_water = 15 WHERE account_id = 'acc-1' AND high_water <= 15 RETURNING 'LANDED ' || high_water; ROLLBACK;")"
+echo "rearm to 25: $(as payout_owner proxydb -c "SELECT rearm_after_restore(25, 'alice', 'restored from the dump')") high-water(s) raised"
+echo "after: stale 15 '$(hw acc-1 15)', acc-2 at 12 below the floor '$(hw acc-2 12)', new 26: $(hw acc-1 26)"
+echo "rearm_event: $(as payout_owner proxydb -c 'SELECT horizon, armed_by, accounts_raised FROM rearm_event')"

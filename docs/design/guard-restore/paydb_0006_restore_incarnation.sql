@@ -40,11 +40,7 @@ $$;
 -- Whether a fenced statement may run with `token`: the database is current and the token is not
 -- below the last restore's horizon.
 CREATE FUNCTION incarnation_admits(token bigint) RETURNS boolean LANGUAGE sql STABLE AS $$
-    SELECT EXISTS (
-        SELECT 1 FROM incarnation i
-        WHERE i.database_oid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-          AND i.guarded_table = 'account'::regclass
-          AND token >= i.token_floor)
+    SELECT incarnation_is_current() AND token >= (SELECT i.token_floor FROM incarnation i)
 $$;
 
 ALTER TABLE audit_event DROP CONSTRAINT audit_event_kind_check;

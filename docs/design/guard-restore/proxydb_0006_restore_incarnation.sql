@@ -29,11 +29,7 @@ CREATE FUNCTION incarnation_is_current() RETURNS boolean LANGUAGE sql STABLE AS 
 $$;
 
 CREATE FUNCTION incarnation_admits(token bigint) RETURNS boolean LANGUAGE sql STABLE AS $$
-    SELECT EXISTS (
-        SELECT 1 FROM incarnation i
-        WHERE i.database_oid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-          AND i.guarded_table = 'account_high_water'::regclass
-          AND token >= i.token_floor)
+    SELECT incarnation_is_current() AND token >= (SELECT i.token_floor FROM incarnation i)
 $$;
 
 -- The re-arming's own record (the procedure's evidence; insert-only like guard_event).
