@@ -390,6 +390,10 @@ fn payment_failure(e: PaymentError) -> ActivityFailure {
         }
         // The database or the network: a retry may cure it.
         e @ PaymentError::Transport { .. } => ActivityFailure::Transient(e.to_string()),
+        // paydb is a restored copy not yet re-armed: nothing changed; the step is retried until
+        // the restore procedure has run (then this grant meets the raised fence and is fenced
+        // out, and the workflow re-acquires). The payout waits; it is neither failed nor lost.
+        e @ PaymentError::DatabaseRestored { .. } => ActivityFailure::Transient(e.to_string()),
         // Malformed requests, unknown payouts, broken invariants: a bug; never retried.
         e => Refusal::InvalidRequest {
             detail: e.to_string(),
@@ -796,6 +800,11 @@ impl Backend for ServiceBackend {
                     detail: format!("rail proxy refused the grant: {e}"),
                 }
                 .into()),
+                // proxydb is a restored copy not yet re-armed: nothing was written; the inquiry
+                // is retried until the restore procedure has run.
+                Err(e @ ProxyError::DatabaseRestored { .. }) => {
+                    Err(ActivityFailure::Transient(e.to_string()))
+                }
                 Err(e) => Err(ActivityFailure::Transient(e.to_string())),
             }
         })
@@ -859,6 +868,14 @@ impl ServiceBackend {
                 }
                 .into())
             }
+            // proxydb is a restored copy not yet re-armed: refused before the intent, so nothing
+            // was sent. The submission is never retried by Temporal, so the conservative answer
+            // stands: ambiguous, which the fenced inquiry resolves once the restore procedure has
+            // run (it finds no submission, seals the payout NOT_SENT, and the payout fails with
+            // its funds released; it is never paid twice and never stranded).
+            Err(e @ ProxyError::DatabaseRestored { .. }) => Ok(SubmitAnswer::Ambiguous {
+                detail: e.to_string(),
+            }),
             // Everything else is an unclear answer: money may have moved.
             Err(e) => Ok(SubmitAnswer::Ambiguous {
                 detail: e.to_string(),

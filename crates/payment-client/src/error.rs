@@ -44,6 +44,20 @@ pub enum PaymentError {
         owner: String,
         payout_id: String,
     },
+    /// paydb is a copy restored from a backup that the restore procedure has not re-armed, or the
+    /// token is below the last re-arming's horizon: a restore rewinds every fence, so the guard
+    /// refuses every fenced write until the procedure (`payoutctl restore rearm`) has raised every
+    /// fence past every token the lock service has issued. Nothing changed but the refusal's audit
+    /// row and a counter. UNAVAILABLE: a retry after the procedure meets the raised fence.
+    #[error("paydb refused the fenced call on payout {payout_id} (token {presented}): {}",
+        if *incarnation_current { format!("the token is below the horizon {token_floor} of the last restore's re-arming") }
+        else { "the database was restored from a backup and not re-armed (payoutctl restore rearm)".to_string() })]
+    DatabaseRestored {
+        payout_id: String,
+        presented: u64,
+        incarnation_current: bool,
+        token_floor: u64,
+    },
     /// The (state, event) pair is not in the 2.3 table, or needs another actor. Nothing changed.
     #[error("payout {payout_id}: transition {event} from {from} refused (actor {actor}{})",
         required.as_ref().map(|r| format!(", requires {r}")).unwrap_or_default())]

@@ -284,6 +284,20 @@ pub fn error_to_status(err: PaymentError) -> Status {
                 payout_id,
             }),
         ),
+        PaymentError::DatabaseRestored {
+            payout_id,
+            presented,
+            incarnation_current,
+            token_floor,
+        } => (
+            Code::Unavailable,
+            Kind::DatabaseRestored(pb::DatabaseRestored {
+                payout_id,
+                presented,
+                incarnation_current,
+                token_floor,
+            }),
+        ),
         PaymentError::RefusedTransition {
             payout_id,
             from,
@@ -397,6 +411,12 @@ pub fn status_to_error(status: Status) -> PaymentError {
             presented: g.presented,
             owner: g.owner,
             payout_id: g.payout_id,
+        },
+        Kind::DatabaseRestored(d) => PaymentError::DatabaseRestored {
+            payout_id: d.payout_id,
+            presented: d.presented,
+            incarnation_current: d.incarnation_current,
+            token_floor: d.token_floor,
         },
         Kind::RefusedTransition(r) => PaymentError::RefusedTransition {
             payout_id: r.payout_id,
@@ -605,6 +625,18 @@ mod tests {
             PaymentError::AccountBusy {
                 account_id: "acct-1".into(),
                 in_flight_payout_id: "p-2".into(),
+            },
+            PaymentError::DatabaseRestored {
+                payout_id: "p-1".into(),
+                presented: 15,
+                incarnation_current: false,
+                token_floor: 0,
+            },
+            PaymentError::DatabaseRestored {
+                payout_id: "p-1".into(),
+                presented: 15,
+                incarnation_current: true,
+                token_floor: 25,
             },
             PaymentError::ResolutionSlaNotPassed {
                 payout_id: "p-1".into(),

@@ -76,6 +76,18 @@ pub enum ProxyError {
         owner: String,
         payout_id: String,
     },
+    /// UNAVAILABLE: proxydb is a copy restored from a backup that was not re-armed, or the token
+    /// is below the last re-arming's horizon. Refused before the intent: nothing was sent and
+    /// nothing written but the refusal's guard event. Retry after `payoutctl restore rearm`.
+    #[error("rail proxy refused token {presented} on payout {payout_id}: {}; nothing sent",
+        if *incarnation_current { format!("the token is below the horizon {token_floor} of the last restore's re-arming") }
+        else { "proxydb was restored from a backup and not re-armed (payoutctl restore rearm)".to_string() })]
+    DatabaseRestored {
+        payout_id: String,
+        presented: u64,
+        incarnation_current: bool,
+        token_floor: u64,
+    },
     #[error(transparent)]
     Malformed(#[from] Malformed),
     /// Transport or server failure without a typed rejection.

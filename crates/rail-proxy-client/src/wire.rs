@@ -448,6 +448,20 @@ pub fn error_to_status(error: &ProxyError) -> Status {
                 payout_id: payout_id.clone(),
             }),
         ),
+        ProxyError::DatabaseRestored {
+            payout_id,
+            presented,
+            incarnation_current,
+            token_floor,
+        } => (
+            Code::Unavailable,
+            Kind::DatabaseRestored(pb::DatabaseRestored {
+                payout_id: payout_id.clone(),
+                presented: *presented,
+                incarnation_current: *incarnation_current,
+                token_floor: *token_floor,
+            }),
+        ),
         ProxyError::Malformed(m) => return Status::internal(m.to_string()),
         ProxyError::Rpc(status) => return status.clone(),
     };
@@ -516,6 +530,12 @@ pub fn status_to_error(status: Status) -> ProxyError {
             presented: g.presented,
             owner: g.owner,
             payout_id: g.payout_id,
+        },
+        Kind::DatabaseRestored(d) => ProxyError::DatabaseRestored {
+            payout_id: d.payout_id,
+            presented: d.presented,
+            incarnation_current: d.incarnation_current,
+            token_floor: d.token_floor,
         },
     }
 }
@@ -765,6 +785,27 @@ mod tests {
             format!("{:?}", status_to_error(status)),
             format!("{fenced:?}")
         );
+        for restored in [
+            ProxyError::DatabaseRestored {
+                payout_id: "p-4".into(),
+                presented: 15,
+                incarnation_current: false,
+                token_floor: 0,
+            },
+            ProxyError::DatabaseRestored {
+                payout_id: "p-4".into(),
+                presented: 15,
+                incarnation_current: true,
+                token_floor: 25,
+            },
+        ] {
+            let status = error_to_status(&restored);
+            assert_eq!(status.code(), Code::Unavailable);
+            assert_eq!(
+                format!("{:?}", status_to_error(status)),
+                format!("{restored:?}")
+            );
+        }
         let invalid = ProxyError::InvalidArgument {
             field: "key".into(),
             reason: "too long".into(),

@@ -36,6 +36,7 @@ pub fn init_tracing(service: &str) {
 pub struct Metrics {
     pub registry: Registry,
     unauthorised: std::sync::Arc<std::sync::OnceLock<IntCounterVec>>,
+    database_restored: std::sync::Arc<std::sync::OnceLock<prometheus::IntGaugeVec>>,
 }
 
 impl Metrics {
@@ -58,6 +59,28 @@ impl Metrics {
                     "calls refused by the authorisation table (role not allowed, unknown method, no role)",
                     &["method", "reason", "role"],
                 )
+            })
+            .clone()
+    }
+
+    /// `guard_database_restored{guard}`, registered on first use: 1 while the guard's database is
+    /// a copy restored from a backup that the restore procedure has not re-armed
+    /// ([`watch_incarnation`]), 0 otherwise.
+    pub fn database_restored(&self) -> prometheus::IntGaugeVec {
+        self.database_restored
+            .get_or_init(|| {
+                let gauge = prometheus::IntGaugeVec::new(
+                    Opts::new(
+                        "guard_database_restored",
+                        "1 while the guard's database is a copy restored from a backup and not re-armed (every fenced call is refused until `payoutctl restore rearm`). Alert on any.",
+                    ),
+                    &["guard"],
+                )
+                .expect("valid metric definition");
+                self.registry
+                    .register(Box::new(gauge.clone()))
+                    .expect("metric registered once");
+                gauge
             })
             .clone()
     }
@@ -185,6 +208,47 @@ pub async fn health_from_db(
         tokio::time::sleep(period).await;
     }
 }
+
+/// Watches whether a guard's database (paydb, proxydb) is the one its incarnation row was armed
+/// in (`incarnation_is_current()`, migration 0006), from the start and every `period`: a copy
+/// restored from a backup has rewound fences, so the guard refuses every fenced call on it (in the
+/// fence statement itself) until the restore procedure has run. This is the alarm: the gauge
+/// `guard_database_restored{guard}` and an alert-level log line when it is found, and again when
+/// it is re-armed.
+pub async fn watch_incarnation(
+    pool: sqlx::PgPool,
+    guard: &'static str,
+    gauge: prometheus::IntGaugeVec,
+    period: Duration,
+) {
+    let mut last: Option<bool> = None;
+    loop {
+        match sqlx::query_scalar::<_, bool>("SELECT incarnation_is_current()")
+            .fetch_one(&pool)
+            .await
+        {
+            Ok(current) => {
+                gauge.with_label_values(&[guard]).set(i64::from(!current));
+                if !current && last != Some(false) {
+                    tracing::error!(
+                        event = "database_restored", alert = true, guard,
+                        "the guard's database is a copy restored from a backup and not re-armed: every fenced call is refused until `payoutctl restore rearm` (RESTORE.md: A guard's database restored)"
+                    );
+                } else if current && last == Some(false) {
+                    tracing::warn!(event = "database_rearmed", guard, "the guard's database was re-armed after a restore; fenced calls are admitted again");
+                }
+                last = Some(current);
+            }
+            Err(e) => {
+                tracing::warn!(guard, error = %e, "could not ask whether the database was restored")
+            }
+        }
+        tokio::time::sleep(period).await;
+    }
+}
+
+/// How often a guard asks whether its database is a restored copy.
+pub const INCARNATION_PERIOD_MS: u64 = 5_000;
 
 /// How often health probes the database.
 pub const HEALTH_PERIOD_MS: u64 = 1_000;

@@ -265,6 +265,59 @@ impl Postgres {
             .url("postgres", &self.credentials.superuser, database)
     }
 
+    /// A backup of `database` as an operator takes one: `pg_dump --format=custom` as the
+    /// superuser over TLS, into `file`.
+    pub fn dump(&self, database: &str, file: &Path) -> anyhow::Result<()> {
+        let status = self
+            .pg_tool("pg_dump")?
+            .args(["--format=custom", "--file"])
+            .arg(file)
+            .args(["--dbname", database])
+            .status()
+            .context("running pg_dump")?;
+        anyhow::ensure!(status.success(), "pg_dump of {database} failed: {status}");
+        Ok(())
+    }
+
+    /// A restore of `database` from `file` (a [`Postgres::dump`]) into the same database, as an
+    /// operator restores one: `pg_restore --clean --if-exists --single-transaction` as the
+    /// superuser, which drops every object of the dump and recreates it with the dump's rows.
+    pub fn restore_clean(&self, database: &str, file: &Path) -> anyhow::Result<()> {
+        let output = self
+            .pg_tool("pg_restore")?
+            .args([
+                "--clean",
+                "--if-exists",
+                "--single-transaction",
+                "--dbname",
+                database,
+            ])
+            .arg(file)
+            .output()
+            .context("running pg_restore")?;
+        anyhow::ensure!(
+            output.status.success(),
+            "pg_restore of {database} failed: {}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(())
+    }
+
+    /// A PostgreSQL client tool of this server's version, connecting to this server as the
+    /// superuser over TLS with the certificate checked (the password through the environment).
+    fn pg_tool(&self, tool: &str) -> anyhow::Result<std::process::Command> {
+        let mut command = std::process::Command::new(bin_dir()?.join(tool));
+        command
+            .env("PGHOST", "127.0.0.1")
+            .env("PGPORT", self.port.to_string())
+            .env("PGUSER", "postgres")
+            .env("PGPASSWORD", &self.credentials.superuser)
+            .env("PGSSLMODE", "verify-full")
+            .env("PGSSLROOTCERT", &self.ca_file);
+        Ok(command)
+    }
+
     /// Creates `database` if it does not exist (idempotent).
     pub async fn create_database(&self, database: &str) -> anyhow::Result<String> {
         use sqlx::Connection;

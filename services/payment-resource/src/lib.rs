@@ -109,6 +109,12 @@ pub async fn serve(
         store.pool().clone(),
         Duration::from_millis(service_kit::HEALTH_PERIOD_MS),
     ));
+    let incarnation_task = tokio::spawn(service_kit::watch_incarnation(
+        store.pool().clone(),
+        "payment-resource",
+        front.metrics.database_restored(),
+        Duration::from_millis(service_kit::INCARNATION_PERIOD_MS),
+    ));
     let mut server = service_kit::grpc::server(
         &front.tls,
         front.policy,
@@ -136,5 +142,6 @@ pub async fn serve(
         }
     };
     health_task.abort();
+    incarnation_task.abort();
     result
 }

@@ -36,30 +36,46 @@ const ONE_IN_FLIGHT_INDEX: &str = "payout_one_in_flight_per_account";
 const IN_FLIGHT_STATES_SQL: &str = "('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS')";
 
 /// The guard, as one statement: advance the fence of the payout's account to the presented token
-/// if the token is not below it and the account is the one the grant was signed for ($3, the
-/// account id of the signed key `payout:{account_id}`; NULL for a key of another shape, which
-/// matches no account), and return the row (locked until commit). No row: fenced out, a grant for
-/// another key, or no such payout. The account id comes from the payout, whose account never
-/// changes.
+/// if the token is not below it, the account is the one the grant was signed for ($3, the account
+/// id of the signed key `payout:{account_id}`; NULL for a key of another shape, which matches no
+/// account), and this database admits the token (`incarnation_admits`, migration 0006: the
+/// database is the one its incarnation row was armed in, not a copy restored from a backup whose
+/// fences are rewound, and the token is not below the last re-arming's horizon); and return the
+/// row (locked until commit). No row: fenced out, a grant for another key, a restored database,
+/// or no such payout. The account id comes from the payout, whose account never changes.
 const FENCE_ADVANCE_SQL: &str = "UPDATE account SET fence = $2, updated_at = now() \
      WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND id = $3 AND fence <= $2 \
+     AND incarnation_admits($2) \
      RETURNING id, fence, balance_minor, now()";
-/// The same statement without the predicate: used only by the negative-control tests, to show
-/// that the stale write then lands. `GREATEST` keeps the fence non-decreasing, which the database
-/// enforces independently.
-const FENCE_ADVANCE_WITHOUT_PREDICATE_SQL: &str =
-    "UPDATE account SET fence = GREATEST(fence, $2), updated_at = now() \
-     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND id = $3 \
-     RETURNING id, fence, balance_minor, now()";
-/// The two statements above without the key binding (no $3): used only by the negative-control
-/// tests, to show that another account's grant then lands.
-const FENCE_ADVANCE_UNBOUND_SQL: &str = "UPDATE account SET fence = $2, updated_at = now() \
-     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND fence <= $2 \
-     RETURNING id, fence, balance_minor, now()";
-const FENCE_ADVANCE_UNBOUND_WITHOUT_PREDICATE_SQL: &str =
-    "UPDATE account SET fence = GREATEST(fence, $2), updated_at = now() \
-     WHERE id = (SELECT account_id FROM payout WHERE id = $1) \
-     RETURNING id, fence, balance_minor, now()";
+
+/// The guard statement with some of its checks dropped: used only by the negative-control tests
+/// (`StoreOptions::without_*_for_tests`), to show that the write they guard against then lands.
+/// Without the predicate, `GREATEST` keeps the fence non-decreasing, which the database enforces
+/// independently; without the key binding there is no $3.
+fn fence_advance_sql(predicate: bool, key_binding: bool, restore_check: bool) -> String {
+    if predicate && key_binding && restore_check {
+        return FENCE_ADVANCE_SQL.to_string();
+    }
+    let set = if predicate {
+        "fence = $2"
+    } else {
+        "fence = GREATEST(fence, $2)"
+    };
+    let mut conditions = vec!["id = (SELECT account_id FROM payout WHERE id = $1)"];
+    if key_binding {
+        conditions.push("id = $3");
+    }
+    if predicate {
+        conditions.push("fence <= $2");
+    }
+    if restore_check {
+        conditions.push("incarnation_admits($2)");
+    }
+    format!(
+        "UPDATE account SET {set}, updated_at = now() WHERE {} RETURNING id, fence, balance_minor, now()",
+        conditions.join(" AND ")
+    )
+}
 
 /// The prefix of a payout account's lock key (`payout_domain::lock_key`).
 const LOCK_KEY_PREFIX: &str = "payout:";
@@ -97,6 +113,7 @@ pub struct StoreOptions {
     /// is refused as `unknown_operator` or `unsigned`, and recorded as refused.
     operators: Verifier,
     operator_verification: bool,
+    restore_check: bool,
 }
 
 /// Finance's resolution SLA for an ambiguous payout before an operator may abandon it (spec 2.3,
@@ -124,6 +141,7 @@ impl StoreOptions {
             resolution_sla: RESOLUTION_SLA_DEFAULT,
             operators: Verifier::refusing_all(),
             operator_verification: true,
+            restore_check: true,
         }
     }
     /// The registered operators (`name=hex,...`, `payoutctl keys operator`): an abandon is carried
@@ -162,6 +180,14 @@ impl StoreOptions {
         self.operator_verification = false;
         self
     }
+    /// NEGATIVE CONTROL ONLY: the fence statement does not ask whether this database is a copy
+    /// restored from a backup (`incarnation_admits`), so a stale token passes a rewound fence.
+    /// Tests use it to show that the restore tests detect what they claim to.
+    #[doc(hidden)]
+    pub fn without_restore_check_for_tests(mut self) -> Self {
+        self.restore_check = false;
+        self
+    }
     /// The resolution SLA this resource enforces: it decides from its own record when a
     /// payout became RAIL_AMBIGUOUS, on the database's clock, never from what a caller asserts.
     pub fn with_resolution_sla(mut self, sla: std::time::Duration) -> Self {
@@ -177,6 +203,9 @@ impl StoreOptions {
     pub fn key_binding_enabled(&self) -> bool {
         self.key_binding
     }
+    pub fn restore_check_enabled(&self) -> bool {
+        self.restore_check
+    }
 }
 
 #[derive(Clone)]
@@ -188,6 +217,7 @@ struct Counters {
     account_busy: IntCounterVec,
     transitions: IntCounterVec,
     operator_not_verified: IntCounterVec,
+    database_restored: IntCounterVec,
 }
 
 #[derive(Clone)]
@@ -461,6 +491,11 @@ impl Store {
                 "Operator decisions whose signature was missing, unknown, wrong or stale (refused and audited). Alert on any.",
                 &["decision", "reason"],
             ),
+            database_restored: metrics.counter_vec(
+                "database_restored_refusals_total",
+                "Fenced calls refused because the guard's database is a copy restored from a backup and not re-armed, or the token is below the re-arming's horizon (the same name at both guards). Alert on any.",
+                &["guard", "operation"],
+            ),
         };
         Self {
             pool,
@@ -488,13 +523,12 @@ impl Store {
         // Then the fence statement, bound to the account the grant was signed for.
         let signed_account = account_of_lock_key(fence.key());
         let mut tx = self.pool.begin().await?;
-        let sql = match (self.options.fence_predicate, self.options.key_binding) {
-            (true, true) => FENCE_ADVANCE_SQL,
-            (false, true) => FENCE_ADVANCE_WITHOUT_PREDICATE_SQL,
-            (true, false) => FENCE_ADVANCE_UNBOUND_SQL,
-            (false, false) => FENCE_ADVANCE_UNBOUND_WITHOUT_PREDICATE_SQL,
-        };
-        let mut statement = sqlx::query_as(sql)
+        let sql = fence_advance_sql(
+            self.options.fence_predicate,
+            self.options.key_binding,
+            self.options.restore_check,
+        );
+        let mut statement = sqlx::query_as(&sql)
             .bind(payout_id.as_str())
             .bind(fence.token().as_i64());
         if self.options.key_binding {
@@ -655,6 +689,16 @@ impl Store {
         fence: &Fence,
         operation: &str,
     ) -> ServerError {
+        // A token below the last re-arming's horizon is stale like one below the fence: every
+        // fence was raised to that horizon, and the holder re-acquires.
+        let mut token_floor = 0i64;
+        if self.options.restore_check {
+            match self.restore_refusal(payout_id, fence, operation).await {
+                Ok(Err(refusal)) => return refusal,
+                Ok(Ok(floor)) => token_floor = floor,
+                Err(e) => return e.into(),
+            }
+        }
         let found: Result<Option<(String, i64)>, sqlx::Error> = sqlx::query_as(
             "SELECT p.account_id, a.fence FROM payout p JOIN account a ON a.id = p.account_id WHERE p.id = $1",
         )
@@ -680,7 +724,7 @@ impl Store {
                 .await;
         }
         let presented = fence.token().get();
-        let stored = u64::try_from(stored_fence).unwrap_or(0);
+        let stored = u64::try_from(stored_fence.max(token_floor)).unwrap_or(0);
         self.counters
             .fenced_out
             .with_label_values(&[operation])
@@ -714,6 +758,68 @@ impl Store {
             payout_id: payout_id.to_string(),
         }
         .into()
+    }
+
+    /// After the guard found no row: whether it is because this database is a copy restored from
+    /// a backup and not re-armed (`Err`, the refusal, recorded like every refusal), else the token
+    /// floor of its last re-arming (`Ok`; a token below it is fenced out by the caller). Asked
+    /// before anything else, since every other answer read from a restored copy (the payout, its
+    /// fence) may be rewound.
+    async fn restore_refusal(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        operation: &str,
+    ) -> Result<Result<i64, ServerError>, sqlx::Error> {
+        let (current, token_floor): (bool, i64) = sqlx::query_as(
+            "SELECT incarnation_is_current(), coalesce((SELECT token_floor FROM incarnation), 0)",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        if current {
+            return Ok(Ok(token_floor));
+        }
+        let presented = fence.token().get();
+        let token_floor = u64::try_from(token_floor).unwrap_or(0);
+        self.counters
+            .database_restored
+            .with_label_values(&["payment-resource", operation])
+            .inc();
+        tracing::error!(
+            event = "database_restored", alert = true, payout_id = %payout_id, key = fence.key(),
+            presented, owner = fence.owner(), incarnation_current = current, token_floor, operation,
+            "fenced call refused: paydb is a restored copy that was not re-armed, or the token is below the re-arming's horizon (RESTORE.md: A guard's database restored)"
+        );
+        let account_id: Option<String> =
+            sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
+                .bind(payout_id.as_str())
+                .fetch_optional(&self.pool)
+                .await
+                .unwrap_or(None);
+        let audit = Audit {
+            payout_id: account_id.as_ref().map(|_| payout_id.as_str()),
+            account_id: account_id.as_deref(),
+            kind: "database_restored",
+            actor: Actor::Holder.as_str(),
+            owner: Some(fence.owner()),
+            token: Some(fence.token().as_i64()),
+            from_state: None,
+            to_state: None,
+            event: Some(operation),
+            detail: json!({"key": fence.key(), "presented": presented, "owner": fence.owner(),
+                           "incarnation_current": current, "token_floor": token_floor,
+                           "operation": operation}),
+        };
+        if let Err(e) = insert_audit(&self.pool, &audit).await {
+            tracing::error!(error = %e, payout_id = %payout_id, "could not record the database_restored audit event");
+        }
+        Ok(Err(PaymentError::DatabaseRestored {
+            payout_id: payout_id.to_string(),
+            presented,
+            incarnation_current: current,
+            token_floor,
+        }
+        .into()))
     }
 
     /// A transition the table does not allow: nothing changes but the audit trail and a counter.

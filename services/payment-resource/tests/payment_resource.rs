@@ -3125,3 +3125,207 @@ async fn negative_control_without_operator_verification_an_unsigned_abandon_land
     assert_eq!(abandoned.state, PayoutState::Abandoned);
     assert_eq!(snapshot(&h.pool, "p-1").await.state, "ABANDONED");
 }
+
+// ----- the fence survives a restore of paydb (issue 19, section 3; migration 0006) -----
+
+/// The name of the test database behind a harness's URL.
+fn database_of(url: &str) -> String {
+    let (_, after_host) = url
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .expect("a URL with a host and a path");
+    after_host
+        .split('?')
+        .next()
+        .expect("a database name")
+        .to_string()
+}
+
+/// The gauge `guard_database_restored{guard="payment-resource"}` as the service renders it.
+fn restored_gauge(service: &Service) -> Option<i64> {
+    service
+        .metrics
+        .render()
+        .lines()
+        .find(|l| l.starts_with("guard_database_restored{guard=\"payment-resource\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+async fn gauge_becomes(service: &Service, want: i64) {
+    let deadline = tokio::time::Instant::now() + POLL_TIMEOUT;
+    while restored_gauge(service) != Some(want) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "guard_database_restored stayed {:?}, wanted {want}",
+            restored_gauge(service)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// paydb at fence 10 is dumped; the successor's token 20 then moves the fence to 20; paydb is
+/// restored from the dump (a real `pg_dump` / `pg_restore --clean`), which rewinds the fence to
+/// 10. Returns the dump's path (kept for the caller's lifetime by the temp dir).
+async fn restored_behind_a_successor(h: &Harness) -> tempfile::TempDir {
+    open(h, "acct-1", 10_000).await;
+    create(h, "p-1", "acct-1", 1_000).await;
+    let p = pid("p-1");
+    h.c()
+        .claim(&p, &fence("acct-1", "worker-a", 10))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("paydb.dump");
+    let pg = Stack::shared().pg(PgServer::Main);
+    pg.dump(&database_of(&h.url), &dump).unwrap();
+    h.c()
+        .claim(&p, &fence("acct-1", "worker-b", 20))
+        .await
+        .unwrap();
+    // Before the restore the guard holds as always: the stale 15 is fenced out.
+    assert!(matches!(
+        h.c()
+            .mark_submitted(&p, &fence("acct-1", "worker-a", 15))
+            .await,
+        Err(PaymentError::FencedOut { stored: 20, .. })
+    ));
+    pg.restore_clean(&database_of(&h.url), &dump).unwrap();
+    let s = snapshot(&h.pool, "p-1").await;
+    assert_eq!(
+        (s.fence, s.token_stamp),
+        (10, Some(10)),
+        "the restore rewound the fence"
+    );
+    dir
+}
+
+/// A paydb restored from a backup rewinds every fence: without more, a token the lost writes had
+/// fenced out passes again. The restored copy refuses every fenced write (the stale token and the
+/// real holder's alike) as `DatabaseRestored`, changes nothing, audits and counts each refusal,
+/// and raises the alarm (`guard_database_restored`). After the procedure's database half
+/// (`rearm_after_restore` with the lock service's horizon, 25 here) every fence is at the horizon:
+/// the stale and the superseded tokens are fenced out (so their holders re-acquire, rather than
+/// wait), a new grant (26) writes, the alarm clears. An account opened after the re-arming has a
+/// fence of 0, and a token below the horizon is still fenced out there: no such token was issued
+/// after the procedure.
+#[tokio::test]
+async fn a_restored_paydb_refuses_every_fenced_write_until_it_is_rearmed() {
+    let h = harness().await;
+    let _dump = restored_behind_a_successor(&h).await;
+    let p = pid("p-1");
+    let before = snapshot(&h.pool, "p-1").await;
+    for (owner, token) in [("worker-a", 15), ("worker-b", 20), ("worker-a", 10)] {
+        let err = h
+            .c()
+            .mark_submitted(&p, &fence("acct-1", owner, token))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PaymentError::DatabaseRestored {
+                    incarnation_current: false,
+                    presented,
+                    ..
+                } if presented == token
+            ),
+            "token {token}: {err:?}"
+        );
+    }
+    assert_eq!(snapshot(&h.pool, "p-1").await, before, "nothing changed");
+    assert_eq!(audit_count(&h.pool, "database_restored").await, 3);
+    assert_eq!(counted(&h, "database_restored_refusals_total"), 3);
+    gauge_becomes(&h.service, 1).await;
+
+    // The procedure's database half, as the owner: raise every fence to the lock service's
+    // horizon and re-arm the database.
+    let raised: i64 = sqlx::query_scalar(
+        "SELECT rearm_after_restore(25, 'alice', 'restored from the nightly dump')",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert_eq!(raised, 1);
+    assert_eq!(snapshot(&h.pool, "p-1").await.fence, 25);
+    for token in [15, 20, 25 - 1] {
+        let err = h
+            .c()
+            .mark_submitted(&p, &fence("acct-1", "worker-b", token))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, PaymentError::FencedOut { stored: 25, .. }),
+            "token {token}: {err:?}"
+        );
+    }
+    h.c()
+        .claim(&p, &fence("acct-1", "worker-c", 26))
+        .await
+        .unwrap();
+    let submitted = h
+        .c()
+        .mark_submitted(&p, &fence("acct-1", "worker-c", 26))
+        .await
+        .unwrap();
+    assert_eq!(
+        (submitted.state, submitted.token_stamp),
+        (PayoutState::RailSubmitted, Some(26))
+    );
+    assert_eq!(audit_count(&h.pool, "fence_raised_after_restore").await, 1);
+    assert_eq!(audit_count(&h.pool, "rearmed_after_restore").await, 1);
+    gauge_becomes(&h.service, 0).await;
+
+    open(&h, "acct-2", 10_000).await;
+    create(&h, "p-2", "acct-2", 1_000).await;
+    let err = h
+        .c()
+        .claim(&pid("p-2"), &fence("acct-2", "worker-a", 15))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PaymentError::FencedOut {
+                presented: 15,
+                stored: 25,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    h.c()
+        .claim(&pid("p-2"), &fence("acct-2", "worker-c", 27))
+        .await
+        .unwrap();
+
+    // A horizon below an accepted fence means the lock backend is behind this guard: refused.
+    let refused = sqlx::query_scalar::<_, i64>("SELECT rearm_after_restore(20, 'alice', 'wrong')")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .contains("above the lock service's horizon"),
+        "{refused}"
+    );
+}
+
+/// NEGATIVE CONTROL of the test above: the same restore, against a service whose fence statement
+/// does not ask whether the database is a restored copy (test-only switch). The stale token 15,
+/// which the successor's 20 had fenced out before the restore, lands on the rewound fence.
+#[tokio::test]
+async fn negative_control_without_the_restore_check_a_stale_token_lands_on_a_restored_paydb() {
+    let h = harness().await;
+    let _dump = restored_behind_a_successor(&h).await;
+    let unguarded = start_service(&h.url, options().without_restore_check_for_tests()).await;
+    let landed = unguarded
+        .client
+        .mark_submitted(&pid("p-1"), &fence("acct-1", "worker-a", 15))
+        .await
+        .unwrap();
+    assert_eq!(
+        (landed.state, landed.token_stamp),
+        (PayoutState::RailSubmitted, Some(15))
+    );
+}

@@ -76,6 +76,9 @@ pub(crate) struct Protections {
     pub grant_signature: bool,
     /// Every fenced call's signed key must be its account's (`grant_for_another_key`).
     pub grant_key_binding: bool,
+    /// No high-water advance passes a database that does not admit the token: a copy restored
+    /// from a backup and not re-armed, or a token below the re-arming's horizon (migration 0006).
+    pub restore_check: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -134,6 +137,7 @@ impl ProxyConfig {
                 expiry: true,
                 grant_signature: true,
                 grant_key_binding: true,
+                restore_check: true,
             },
             #[cfg(feature = "negative-controls")]
             failpoint: None,
@@ -188,6 +192,16 @@ impl ProxyConfig {
     #[doc(hidden)]
     pub fn disable_grant_key_binding_for_negative_control(mut self) -> Self {
         self.protections.grant_key_binding = false;
+        self
+    }
+
+    /// TEST ONLY (feature `negative-controls`): the negative control of the restore check. The
+    /// high-water statement does not ask whether proxydb is a restored copy, so a stale token
+    /// passes a rewound high-water. Not reachable from any flag or environment variable.
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn disable_restore_check_for_negative_control(mut self) -> Self {
+        self.protections.restore_check = false;
         self
     }
 
@@ -276,6 +290,12 @@ pub async fn run(
             "rail proxy grant checks DISABLED (test-only negative control)"
         );
     }
+    let incarnation_task = tokio::spawn(service_kit::watch_incarnation(
+        pool.clone(),
+        "rail-proxy",
+        metrics.database_restored(),
+        Duration::from_millis(service_kit::INCARNATION_PERIOD_MS),
+    ));
     let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout);
     let counters = service::Counters::new(&metrics);
     tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, "rail proxy listening");
@@ -306,6 +326,7 @@ pub async fn run(
             .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
             .await;
         health_task.abort();
+        incarnation_task.abort();
         return Ok(result?);
     }
     let result = server
@@ -314,6 +335,7 @@ pub async fn run(
         .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
         .await;
     health_task.abort();
+    incarnation_task.abort();
     Ok(result?)
 }
 

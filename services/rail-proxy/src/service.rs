@@ -40,6 +40,7 @@ pub(crate) struct Counters {
     pub rail_duplicates: IntCounterVec,
     pub forged_grants: IntCounterVec,
     pub grants_for_another_key: IntCounterVec,
+    pub database_restored: IntCounterVec,
 }
 
 impl Counters {
@@ -72,6 +73,11 @@ impl Counters {
                 "grants_for_another_key_total",
                 "Fenced calls refused by a guard because their genuine grant is of another lock key than the account's.",
                 &["guard"],
+            ),
+            database_restored: metrics.counter_vec(
+                "database_restored_refusals_total",
+                "Fenced calls refused because the guard's database is a copy restored from a backup and not re-armed, or the token is below the re-arming's horizon (the same name at both guards). Alert on any.",
+                &["guard", "operation"],
             ),
         }
     }
@@ -108,6 +114,34 @@ fn not_found(payout_id: &PayoutId) -> Status {
         format!("no submission for payout {payout_id}"),
         &detail,
     )
+}
+
+/// A token this proxydb does not admit (a restored copy not re-armed, or a token below the
+/// re-arming's horizon), at Submit or Inquire: the typed rejection, the alert, the counter.
+fn database_restored(
+    counters: &Counters,
+    operation: &str,
+    presented: u64,
+    owner: &str,
+    payout_id: &PayoutId,
+    restored: store::Restored,
+) -> Status {
+    counters
+        .database_restored
+        .with_label_values(&["rail-proxy", operation])
+        .inc();
+    tracing::error!(
+        event = "database_restored", alert = true, operation, presented, owner,
+        payout_id = %payout_id, incarnation_current = restored.incarnation_current,
+        token_floor = restored.token_floor,
+        "fenced call refused: proxydb is a restored copy that was not re-armed, or the token is below the re-arming's horizon (RESTORE.md: A guard's database restored); nothing sent"
+    );
+    wire::error_to_status(&ProxyError::DatabaseRestored {
+        payout_id: payout_id.to_string(),
+        presented,
+        incarnation_current: restored.incarnation_current,
+        token_floor: restored.token_floor,
+    })
 }
 
 /// A stale token at the proxy (Submit or Inquire): the typed rejection, the alert, the counter.
@@ -369,7 +403,16 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
                 .protections
                 .expiry
                 .then(|| self.0.config.rail_timeout.as_millis() as u64);
-            match store::record_intent(&self.0.pool, &request, valid_for_ms).await.map_err(store_failure)? {
+            let restore_check = self.0.config.protections.restore_check;
+            match store::record_intent(&self.0.pool, &request, valid_for_ms, restore_check).await.map_err(store_failure)? {
+                Intent::Restored(restored) => Err(database_restored(
+                    &self.0.counters,
+                    "submit",
+                    request.token.get(),
+                    &request.owner,
+                    &request.payout_id,
+                    restored,
+                )),
                 Intent::Fenced { stored, stored_owner } => Err(fenced_out(
                     &self.0.counters,
                     "submit",
@@ -496,10 +539,21 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         async {
             self.check_grant(&Presented::inquire(&request)).await?;
             let payout_id = &request.payout_id;
-            let guard = store::guard_inquiry(&self.0.pool, &request, self.0.config.protections.seal)
+            let protections = self.0.config.protections;
+            let guard = store::guard_inquiry(&self.0.pool, &request, protections.seal, protections.restore_check)
                 .await
                 .map_err(store_failure)?;
             let (submission, evidence) = match guard {
+                InquiryGuard::Restored(restored) => {
+                    return Err(database_restored(
+                        &self.0.counters,
+                        "inquire",
+                        request.token.get(),
+                        &request.owner,
+                        payout_id,
+                        restored,
+                    ));
+                }
                 InquiryGuard::Fenced { stored, stored_owner } => {
                     return Err(fenced_out(
                         &self.0.counters,

@@ -37,6 +37,19 @@ pub enum Intent {
         existing: Submission,
         class: DuplicateClass,
     },
+    /// proxydb does not admit the token: a copy restored from a backup and not re-armed, or a
+    /// token below the last re-arming's horizon. Nothing was recorded but a guard event.
+    Restored(Restored),
+}
+
+/// Why this database refused a token before its high-water statement could pass it
+/// (`incarnation_admits`, migration 0006).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Restored {
+    /// Whether the database is the one its incarnation row was armed in.
+    pub incarnation_current: bool,
+    /// The lowest token the database admits since its last re-arming (0: never re-armed).
+    pub token_floor: u64,
 }
 
 /// The guard's answer to a fenced inquiry, decided in one transaction.
@@ -44,6 +57,9 @@ pub enum Intent {
 pub enum InquiryGuard {
     /// The token is below the account's high-water. Nothing was recorded but a guard event.
     Fenced { stored: u64, stored_owner: String },
+    /// proxydb does not admit the token (see [`Intent::Restored`]). Nothing was recorded but a
+    /// guard event, not even the seal.
+    Restored(Restored),
     /// The payout had no submission: it is now sealed (NOT_SENT, final) by this inquiry
     /// (`by_this_inquiry`), or was sealed by an earlier one. The rail was never called for it
     /// and never will be.
@@ -248,35 +264,87 @@ async fn guard_event(
     Ok(())
 }
 
+/// What the high-water statement did.
+enum Advance {
+    Advanced,
+    /// The token is below the high-water: `(stored, stored_owner)`; a FENCED guard event written.
+    Fenced(u64, String),
+    /// The database does not admit the token; a DATABASE_RESTORED guard event written.
+    Restored(Restored),
+}
+
+/// The condition every high-water advance carries (migration 0006): this database is the one its
+/// incarnation row was armed in, not a restored copy whose high-waters are rewound, and the token
+/// ($2) is not below the last re-arming's horizon. `restore_check` is false only for the negative
+/// control.
+fn admits_condition(restore_check: bool) -> &'static str {
+    if restore_check {
+        "WHERE incarnation_admits($2)"
+    } else {
+        ""
+    }
+}
+
 /// Step 7's conditional high-water advance, the one statement both Submit and Inquire run first
-/// in their transaction: equal passes, lower is refused (then a FENCED guard event is written and
-/// `Some((stored, stored_owner))` returned). The row lock it takes serialises the account.
+/// in their transaction: equal passes, lower is refused (then a FENCED guard event is written),
+/// and nothing passes a database that does not admit the token (then a DATABASE_RESTORED guard
+/// event is written). The row lock it takes serialises the account.
 async fn advance_high_water(
     tx: &mut Transaction<'_, Postgres>,
     presented: &Presented<'_>,
-) -> Result<Option<(u64, String)>, StoreError> {
-    let advanced = sqlx::query(
-        "INSERT INTO account_high_water (account_id, high_water, owner) VALUES ($1, $2, $3) \
+    restore_check: bool,
+) -> Result<Advance, StoreError> {
+    let advanced = sqlx::query(&format!(
+        "INSERT INTO account_high_water (account_id, high_water, owner) SELECT $1, $2, $3 {} \
          ON CONFLICT (account_id) DO UPDATE \
            SET high_water = EXCLUDED.high_water, owner = EXCLUDED.owner, updated_at = now() \
            WHERE account_high_water.high_water <= EXCLUDED.high_water \
          RETURNING high_water",
-    )
+        admits_condition(restore_check)
+    ))
     .bind(presented.account_id.as_str())
     .bind(presented.token.as_i64())
     .bind(presented.owner)
     .fetch_optional(&mut **tx)
     .await?;
     if advanced.is_some() {
-        return Ok(None);
+        return Ok(Advance::Advanced);
+    }
+    // The high-water as this copy holds it (0 and '' for an account it has none for).
+    let row = sqlx::query(
+        "SELECT hw.high_water, hw.owner FROM (SELECT 1) AS one \
+         LEFT JOIN account_high_water hw ON hw.account_id = $1",
+    )
+    .bind(presented.account_id.as_str())
+    .fetch_one(&mut **tx)
+    .await?;
+    let mut stored: i64 = row.try_get::<Option<i64>, _>("high_water")?.unwrap_or(0);
+    let stored_owner: String = row
+        .try_get::<Option<String>, _>("owner")?
+        .unwrap_or_default();
+    if restore_check {
+        let restored = restored_refusal(tx, presented.token).await?;
+        match restored {
+            Some(restored) if !restored.incarnation_current => {
+                guard_event(
+                    tx,
+                    "DATABASE_RESTORED",
+                    None,
+                    presented,
+                    stored,
+                    &stored_owner,
+                )
+                .await?;
+                return Ok(Advance::Restored(restored));
+            }
+            // A token below the last re-arming's horizon is stale like one below the high-water:
+            // every high-water was raised to that horizon (an account without a row yet has it
+            // as its floor), and the holder re-acquires.
+            Some(restored) => stored = stored.max(restored.token_floor as i64),
+            None => {}
+        }
     }
     // The conflicting row is locked by the statement above, so this read is the value that refused us.
-    let row = sqlx::query("SELECT high_water, owner FROM account_high_water WHERE account_id = $1")
-        .bind(presented.account_id.as_str())
-        .fetch_one(&mut **tx)
-        .await?;
-    let stored: i64 = row.try_get("high_water")?;
-    let stored_owner: String = row.try_get("owner")?;
     if presented.token.admitted_by(stored as u64) {
         return Err(invariant(format!(
             "high-water {stored} refused token {} that it admits",
@@ -284,7 +352,26 @@ async fn advance_high_water(
         )));
     }
     guard_event(tx, "FENCED", None, presented, stored, &stored_owner).await?;
-    Ok(Some((stored as u64, stored_owner)))
+    Ok(Advance::Fenced(stored as u64, stored_owner))
+}
+
+/// Whether this database refuses `token` because it is a restored copy or the token is below the
+/// last re-arming's horizon (`None`: it admits the token).
+async fn restored_refusal(
+    tx: &mut Transaction<'_, Postgres>,
+    token: FencingToken,
+) -> Result<Option<Restored>, StoreError> {
+    let (admits, current, floor): (bool, bool, i64) = sqlx::query_as(
+        "SELECT incarnation_admits($1), incarnation_is_current(), \
+                coalesce((SELECT token_floor FROM incarnation), 0)",
+    )
+    .bind(token.as_i64())
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok((!admits).then_some(Restored {
+        incarnation_current: current,
+        token_floor: u64::try_from(floor).unwrap_or(0),
+    }))
 }
 
 /// Steps 6-7 of the token's journey, in one transaction, before the rail is contacted:
@@ -302,13 +389,14 @@ pub async fn record_intent(
     pool: &PgPool,
     request: &SubmitPayout,
     valid_for_ms: Option<u64>,
+    restore_check: bool,
 ) -> Result<Intent, StoreError> {
     let valid_for_ms = valid_for_ms
         .map(|ms| i64::try_from(ms).map_err(invariant))
         .transpose()?;
     let fast = sqlx::query(&format!(
         "WITH hw AS ( \
-           INSERT INTO account_high_water (account_id, high_water, owner) VALUES ($1, $2, $3) \
+           INSERT INTO account_high_water (account_id, high_water, owner) SELECT $1, $2, $3 {admits} \
            ON CONFLICT (account_id) DO UPDATE \
              SET high_water = EXCLUDED.high_water, owner = EXCLUDED.owner, updated_at = now() \
              WHERE account_high_water.high_water <= EXCLUDED.high_water \
@@ -318,7 +406,8 @@ pub async fn record_intent(
              amount_minor, currency, beneficiary_ref, valid_until) \
            SELECT $4, $1, $2, $3, $5, $6, $7, $8, now() + $9 * interval '1 millisecond' FROM hw \
            ON CONFLICT DO NOTHING RETURNING {COLUMNS}) \
-         SELECT * FROM intent"
+         SELECT * FROM intent",
+        admits = admits_condition(restore_check)
     ))
     .bind(request.account_id.as_str())
     .bind(request.token.as_i64())
@@ -334,7 +423,7 @@ pub async fn record_intent(
     if let Some(row) = fast {
         return Ok(Intent::Recorded(submission_from_row(&row)?));
     }
-    record_intent_or_refusal(pool, request, valid_for_ms).await
+    record_intent_or_refusal(pool, request, valid_for_ms, restore_check).await
 }
 
 /// The transaction that decides a Submit the single statement did not record: the advance again
@@ -344,15 +433,23 @@ async fn record_intent_or_refusal(
     pool: &PgPool,
     request: &SubmitPayout,
     valid_for_ms: Option<i64>,
+    restore_check: bool,
 ) -> Result<Intent, StoreError> {
     let mut tx = pool.begin().await?;
     let presented = Presented::submit(request);
-    if let Some((stored, stored_owner)) = advance_high_water(&mut tx, &presented).await? {
-        tx.commit().await?;
-        return Ok(Intent::Fenced {
-            stored,
-            stored_owner,
-        });
+    match advance_high_water(&mut tx, &presented, restore_check).await? {
+        Advance::Advanced => {}
+        Advance::Fenced(stored, stored_owner) => {
+            tx.commit().await?;
+            return Ok(Intent::Fenced {
+                stored,
+                stored_owner,
+            });
+        }
+        Advance::Restored(restored) => {
+            tx.commit().await?;
+            return Ok(Intent::Restored(restored));
+        }
     }
     let inserted = sqlx::query(&format!(
         "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, \
@@ -407,15 +504,23 @@ pub async fn guard_inquiry(
     pool: &PgPool,
     request: &InquirePayout,
     seal: bool,
+    restore_check: bool,
 ) -> Result<InquiryGuard, StoreError> {
     let mut tx = pool.begin().await?;
     let presented = Presented::inquire(request);
-    if let Some((stored, stored_owner)) = advance_high_water(&mut tx, &presented).await? {
-        tx.commit().await?;
-        return Ok(InquiryGuard::Fenced {
-            stored,
-            stored_owner,
-        });
+    match advance_high_water(&mut tx, &presented, restore_check).await? {
+        Advance::Advanced => {}
+        Advance::Fenced(stored, stored_owner) => {
+            tx.commit().await?;
+            return Ok(InquiryGuard::Fenced {
+                stored,
+                stored_owner,
+            });
+        }
+        Advance::Restored(restored) => {
+            tx.commit().await?;
+            return Ok(InquiryGuard::Restored(restored));
+        }
     }
     let now_unix_ms: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint")
         .fetch_one(&mut *tx)

@@ -2023,3 +2023,140 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
         }
     });
 }
+
+// ----- the high-water survives a restore of proxydb (issue 19, section 3; migration 0006) -----
+
+/// The name of the rig's database.
+fn database_of(url: &str) -> String {
+    let (_, after_host) = url
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .expect("a URL with a host and a path");
+    after_host
+        .split('?')
+        .next()
+        .expect("a database name")
+        .to_string()
+}
+
+/// p-r-1 paid under token 10; proxydb dumped; p-r-2 paid under the successor's 20; proxydb
+/// restored from the dump (real `pg_dump` / `pg_restore --clean`): the high-water is back at 10
+/// and p-r-2's submission is gone from the record, though the rail paid it.
+async fn restored_behind_a_successor(rig: &mut Rig) -> (tempfile::TempDir, SubmitPayout) {
+    let first = payout("p-r-1", "acct-r", 10, "worker-a");
+    rig.client.submit(&first).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("proxydb.dump");
+    let pg = Stack::shared().pg(PgServer::Proxy);
+    pg.dump(&database_of(&rig.db_url), &dump).unwrap();
+    let second = payout("p-r-2", "acct-r", 20, "worker-b");
+    let sent = rig.client.submit(&second).await.unwrap();
+    assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
+    assert_eq!(at_rail(rig, &second).await, (1, 1));
+    pg.restore_clean(&database_of(&rig.db_url), &dump).unwrap();
+    assert_eq!(high_water(&rig.pool, "acct-r").await.0, 10, "rewound");
+    (dir, second)
+}
+
+/// A proxydb restored from a backup rewinds every high-water and loses the submissions made
+/// since the backup. The restored copy refuses every fenced call (Submit and Inquire, the stale
+/// token and the real holder's alike) as `DatabaseRestored` before the intent: nothing is sent,
+/// nothing recorded but a DATABASE_RESTORED guard event, each counted. After the procedure's
+/// database half (`rearm_after_restore` to the lock service's horizon, 25) the tokens it passed
+/// are fenced out (on an account with no high-water row too: the floor), and a new grant sends.
+#[tokio::test]
+async fn a_restored_proxydb_refuses_every_fenced_call_until_it_is_rearmed() {
+    let mut rig = rig().await;
+    let (_dump, second) = restored_behind_a_successor(&mut rig).await;
+    let stale = payout("p-r-2", "acct-r", 15, "worker-a");
+    for request in [&stale, &second] {
+        match rig.client.submit(request).await {
+            Err(ProxyError::DatabaseRestored {
+                incarnation_current: false,
+                presented,
+                ..
+            }) => assert_eq!(presented, request.token.get()),
+            other => panic!("expected DatabaseRestored, got {other:?}"),
+        }
+    }
+    match rig.client.inquire(&inquiry_of(&second, "worker-b")).await {
+        Err(ProxyError::DatabaseRestored { .. }) => {}
+        other => panic!("expected DatabaseRestored, got {other:?}"),
+    }
+    assert_eq!(at_rail(&rig, &second).await, (1, 1), "nothing sent again");
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM rail_submission WHERE payout_id = 'p-r-2'"
+        )
+        .await,
+        0,
+        "nothing recorded, not even a seal"
+    );
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM guard_event WHERE kind = 'DATABASE_RESTORED'"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        counted(
+            &rig,
+            "database_restored_refusals_total{guard=\"rail-proxy\",operation=\"submit\"}"
+        ),
+        2
+    );
+    assert_eq!(high_water(&rig.pool, "acct-r").await.0, 10, "unchanged");
+
+    let raised: i64 = sqlx::query_scalar("SELECT rearm_after_restore(25, 'alice', 'restored')")
+        .fetch_one(&rig.pool)
+        .await
+        .unwrap();
+    assert_eq!(raised, 1);
+    for request in [&stale, &second] {
+        match rig.client.submit(request).await {
+            Err(ProxyError::FencedOut { stored: 25, .. }) => {}
+            other => panic!("expected FencedOut at 25, got {other:?}"),
+        }
+    }
+    // An account without a high-water row: the floor fences a token below the horizon.
+    match rig
+        .client
+        .submit(&payout("p-r-3", "acct-r-new", 12, "worker-a"))
+        .await
+    {
+        Err(ProxyError::FencedOut { stored: 25, .. }) => {}
+        other => panic!("expected FencedOut at the floor, got {other:?}"),
+    }
+    let fresh = payout("p-r-3", "acct-r-new", 26, "worker-c");
+    let sent = rig.client.submit(&fresh).await.unwrap();
+    assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
+    assert_eq!(at_rail(&rig, &second).await, (1, 1), "p-r-2 paid once");
+}
+
+/// NEGATIVE CONTROL of the test above: the same restore against a proxy whose high-water
+/// statement does not ask whether proxydb is a restored copy (test-only switch). The submission
+/// of p-r-2 is gone from the restored record and the stale token 15 passes the rewound
+/// high-water: the rail pays p-r-2 a second time.
+#[tokio::test]
+async fn negative_control_without_the_restore_check_a_restored_proxydb_pays_twice() {
+    let mut rig = rig_with(
+        StubConfig {
+            settlement_window: Duration::from_millis(1_500),
+            ..Default::default()
+        },
+        |c| c.disable_restore_check_for_negative_control(),
+    )
+    .await;
+    let (_dump, second) = restored_behind_a_successor(&mut rig).await;
+    let stale = payout("p-r-2", "acct-r", 15, "worker-a");
+    let sent = rig.client.submit(&stale).await.unwrap();
+    assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
+    assert_eq!(
+        at_rail(&rig, &second).await,
+        (2, 2),
+        "without the check the restored proxy pays p-r-2 twice"
+    );
+}
