@@ -35,6 +35,11 @@ enum Command {
     /// Certificates for mutual TLS: `pki issue --dir DIR --role ROLE --name NAME`.
     #[command(subcommand)]
     Pki(payoutctl::pki::Command),
+    /// After a guard's database (paydb, proxydb) was restored from a backup: `restore rearm`
+    /// raises its fences to the lock service's horizon and re-arms it; `restore status` says
+    /// whether each guard's database is current.
+    #[command(subcommand)]
+    Restore(payoutctl::restore::Command),
 }
 
 fn main() -> std::process::ExitCode {
@@ -55,6 +60,7 @@ fn main() -> std::process::ExitCode {
             Command::Reconcile(args) => reconcile::run(*args).await,
             Command::Keys(command) => keys::run(command),
             Command::Pki(command) => payoutctl::pki::run(command),
+            Command::Restore(command) => payoutctl::restore::run(command).await,
         }
     });
     match result {

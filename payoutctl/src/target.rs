@@ -141,15 +141,22 @@ impl Target {
             temporal_address: record.temporal_address(),
             ui_url: record.ui_url(),
             etcd_endpoints: record.etcd_endpoints(),
-            // The stack's own authority (its databases' and etcd's, `<state dir>/pki`).
-            etcd_tls: mtls::issue::Authority::open_or_create(&self.state_dir.join("pki"))?
-                .issue_named(&["payoutctl.etcd-client"], "payoutctl")?
-                .tls(),
+            etcd_tls: local_etcd_tls(&self.state_dir)?,
             lock_prefix: LOCK_ETCD_PREFIX.to_string(),
             task_queue: system.task_queue.clone(),
             settlement_window_ms: system.settlement_window_ms,
         })
     }
+}
+
+/// payoutctl's etcd client certificate for the local stack, from the stack's own authority (its
+/// databases' and etcd's, `<state dir>/pki`, made by `payoutdev stack up`).
+pub fn local_etcd_tls(state_dir: &std::path::Path) -> anyhow::Result<mtls::Tls> {
+    Ok(
+        mtls::issue::Authority::open_or_create(&state_dir.join("pki"))?
+            .issue_named(&["payoutctl.etcd-client"], "payoutctl")?
+            .tls(),
+    )
 }
 
 /// The certificates payoutctl calls services with.

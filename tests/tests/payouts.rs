@@ -1068,6 +1068,13 @@ async fn stalled_system() -> &'static System {
         .await
 }
 
+/// An explicit payout on an account of its own, both named after `name` and unique in the stack.
+async fn unique_explicit_payout(ctx: &Ctx, name: &str) -> PayoutInput {
+    let unique = Stack::shared().unique_prefix(name).replace(['/', ':'], "-");
+    let unique = unique.trim_matches('-').to_string();
+    explicit_payout(ctx, &format!("{unique}-p"), &format!("{unique}-acct")).await
+}
+
 async fn explicit_payout(ctx: &Ctx, payout: &str, account: &str) -> PayoutInput {
     let currency = Currency::parse("EUR").unwrap();
     let input = PayoutInput {
@@ -1267,24 +1274,13 @@ async fn a_grant_no_workflow_takes_up_is_handed_back_and_a_used_one_is_kept() {
 /// frozen between the check and the guard) keeps its signature, so the late call still reaches
 /// the guard and is refused there on its token (`FencedOut`), not as forged and not by the worker.
 /// A grant this process never held has no signature here: `GrantLost`, and nothing is sent.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_worker_presents_its_own_grants_signature_and_a_handed_back_grant_still_meets_the_fence(
-) {
-    use payout_activities::refusal::{ActivityFailure, Refusal};
-    use payout_activities::types::{AcquireInput, AcquireOutcome, FencedInput};
-    use payout_activities::Backend;
+/// The worker's own service backend, run by the test as a holder of its own (`owner`): its grants
+/// are genuine, signed by the lock service, and its guard calls are the worker's.
+async fn holder(system: &System, owner: &str) -> payout_worker::services::ServiceBackend {
     use payout_worker::services::{ServiceBackend, ServiceConfig};
-
-    let system = shared().await;
-    let ctx = Ctx::new(system).await;
-    let unique = Stack::shared()
-        .unique_prefix("signed")
-        .replace(['/', ':'], "-");
-    let unique = unique.trim_matches('-').to_string();
-    let input = explicit_payout(&ctx, &format!("{unique}-p"), &format!("{unique}-acct")).await;
-    let backend = ServiceBackend::connect(ServiceConfig {
-        owner: "signed-test".into(),
-        private_task_queue: "signed-test".into(),
+    ServiceBackend::connect(ServiceConfig {
+        owner: owner.into(),
+        private_task_queue: owner.into(),
         tls: system.tls(Role::Worker),
         lock_server_url: system.lock_url(),
         payment_resource_url: system.payment_url(),
@@ -1294,23 +1290,44 @@ async fn the_worker_presents_its_own_grants_signature_and_a_handed_back_grant_st
         unclaimed_grant_max: Duration::from_secs(60),
     })
     .await
-    .unwrap();
-    let acquire = || async {
-        match backend
-            .acquire(
-                AcquireInput {
-                    payout_id: input.payout_id.clone(),
-                    account_id: input.account_id.clone(),
-                },
-                Duration::ZERO,
-            )
-            .await
-            .unwrap()
-        {
-            AcquireOutcome::Granted(g) => g,
-            other => panic!("{other:?}"),
-        }
-    };
+    .unwrap()
+}
+
+/// A grant on `input`'s account, taken at once (the key must be free).
+async fn granted(
+    backend: &payout_worker::services::ServiceBackend,
+    input: &PayoutInput,
+) -> payout_activities::types::Grant {
+    use payout_activities::types::{AcquireInput, AcquireOutcome};
+    use payout_activities::Backend;
+    match backend
+        .acquire(
+            AcquireInput {
+                payout_id: input.payout_id.clone(),
+                account_id: input.account_id.clone(),
+            },
+            Duration::ZERO,
+        )
+        .await
+        .unwrap()
+    {
+        AcquireOutcome::Granted(g) => g,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_worker_presents_its_own_grants_signature_and_a_handed_back_grant_still_meets_the_fence(
+) {
+    use payout_activities::refusal::{ActivityFailure, Refusal};
+    use payout_activities::types::FencedInput;
+    use payout_activities::Backend;
+
+    let system = shared().await;
+    let ctx = Ctx::new(system).await;
+    let input = unique_explicit_payout(&ctx, "signed").await;
+    let backend = holder(system, "signed-test").await;
+    let acquire = || granted(&backend, &input);
     let fenced = |grant: &payout_activities::types::Grant| FencedInput {
         payout_id: input.payout_id.clone(),
         grant: grant.clone(),
@@ -1471,6 +1488,35 @@ async fn history_has_activity(ctx: &Ctx, workflow_id: &str, activity_type: &str)
 
 static STARTS_ALONE: OnceCell<System> = OnceCell::const_new();
 
+/// Waits until the (restarted) payment resource answers over gRPC.
+async fn payment_resource_answers(system: &System) {
+    testkit::system::wait_grpc(
+        system.ports.payment_resource,
+        &system.payment_resource,
+        &system.tls(Role::Reconciler),
+        Role::PaymentResource,
+    )
+    .await
+    .unwrap();
+}
+
+/// A system of its own with one worker, for a test that stops or rewinds a part of it.
+async fn one_worker_system(cell: &'static OnceCell<System>) -> &'static System {
+    cell.get_or_init(|| async {
+        System::start(
+            Stack::shared(),
+            SystemOptions {
+                workers: 1,
+                settlement_window_ms: 1_000,
+                ..SystemOptions::default()
+            },
+        )
+        .await
+        .expect("the system starts")
+    })
+    .await
+}
+
 /// A worker started while the payment resource is down waits for it and then pays, instead of
 /// exiting. Before, `serve` returned "connecting the worker's services: payment resource:
 /// transport: Unavailable" at once: every restart during an outage was a crash loop for whoever
@@ -1478,20 +1524,7 @@ static STARTS_ALONE: OnceCell<System> = OnceCell::const_new();
 /// never answered: `chaos_run_under_the_nemesis_has_no_violations` failed on it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_started_while_a_guard_is_down_waits_for_it_and_then_pays() {
-    let system = STARTS_ALONE
-        .get_or_init(|| async {
-            System::start(
-                Stack::shared(),
-                SystemOptions {
-                    workers: 1,
-                    settlement_window_ms: 1_000,
-                    ..SystemOptions::default()
-                },
-            )
-            .await
-            .expect("the system starts")
-        })
-        .await;
+    let system = one_worker_system(&STARTS_ALONE).await;
     let worker = &system.workers[0];
     let log_mark = std::fs::read_to_string(worker.log_path())
         .unwrap_or_default()
@@ -1515,14 +1548,7 @@ async fn a_worker_started_while_a_guard_is_down_waits_for_it_and_then_pays() {
         worker.log_tail(20)
     );
     tokio::task::block_in_place(|| system.payment_resource.restart().unwrap());
-    testkit::system::wait_grpc(
-        system.ports.payment_resource,
-        &system.payment_resource,
-        &system.tls(Role::Reconciler),
-        Role::PaymentResource,
-    )
-    .await
-    .unwrap();
+    payment_resource_answers(system).await;
     let ctx = Ctx::new(system).await;
     let input = ctx
         .payout("starts-alone", 10_000, 1_000, fast_ambiguity())
@@ -1531,4 +1557,155 @@ async fn a_worker_started_while_a_guard_is_down_waits_for_it_and_then_pays() {
     assert_eq!(done.state, PayoutState::Posted, "{done:?}");
     assert_eq!(ctx.rail(&input).await, (1, 1), "one request, one movement");
     assert!(worker.is_running());
+}
+
+static RESTORED: OnceCell<System> = OnceCell::const_new();
+
+/// `guard_database_restored{guard="payment-resource"}` as the running binary exports it.
+async fn paydb_restored_gauge(system: &System) -> Option<String> {
+    let body = reqwest::get(format!(
+        "http://127.0.0.1:{}/metrics",
+        system.ports.metrics[1]
+    ))
+    .await
+    .ok()?
+    .text()
+    .await
+    .ok()?;
+    body.lines()
+        .find(|l| l.starts_with("guard_database_restored{guard=\"payment-resource\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .map(str::to_string)
+}
+
+/// Issue 19, section 3, on the whole system: paydb restored from a real dump taken mid-run. A
+/// holder claims the payout (fence = its token), the dump is taken, the key passes to a successor
+/// whose grant claims again (fence = the successor's token, the first holder's late write fenced
+/// out), then paydb is restored from the dump with the payment resource stopped: the fence is
+/// back at the first holder's token. The restarted payment resource raises the alarm
+/// (`guard_database_restored` 1) and refuses the first holder's late write (`DatabaseRestored`,
+/// which the worker reads as transient: it waits, nothing lands). The operator's procedure reads
+/// the lock service's horizon from etcd and re-arms paydb as the owner (`payoutctl restore
+/// rearm`'s functions): both old holders are fenced out, the alarm clears, and the payout's
+/// workflow pays it once with a grant above the horizon. The payment resource's own suite has the
+/// negative control (`negative_control_without_the_restore_check_a_stale_token_lands_on_a_restored_paydb`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paydb_restored_from_a_mid_run_dump_refuses_the_stale_holder_until_rearmed() {
+    use payout_activities::refusal::{ActivityFailure, Refusal};
+    use payout_activities::types::{FencedInput, Grant};
+    use payout_activities::Backend;
+
+    let system = one_worker_system(&RESTORED).await;
+    let ctx = Ctx::new(system).await;
+    let input = unique_explicit_payout(&ctx, "restored").await;
+    let backend = holder(system, "restore-test").await;
+    let acquire = || granted(&backend, &input);
+    let fenced = |grant: &Grant| FencedInput {
+        payout_id: input.payout_id.clone(),
+        grant: grant.clone(),
+    };
+    let record = || async {
+        sqlx::query_as::<_, (String, Option<i64>, i64)>(
+            "SELECT p.state, p.token_stamp, a.fence FROM payout p JOIN account a ON a.id = p.account_id WHERE p.id = $1",
+        )
+        .bind(input.payout_id.as_str())
+        .fetch_one(&ctx.paydb)
+        .await
+        .unwrap()
+    };
+
+    let first = acquire().await;
+    backend.check_held(&first).unwrap();
+    backend.claim(fenced(&first)).await.unwrap();
+    let pg = Stack::shared().pg(testkit::PgServer::Main);
+    let paydb = testkit::system::database_name(&system.databases.paydb).to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("paydb.dump");
+    tokio::task::block_in_place(|| pg.dump(&paydb, &dump)).unwrap();
+
+    backend.release(first.clone()).await.unwrap();
+    let second = acquire().await;
+    assert!(second.token > first.token);
+    backend.check_held(&second).unwrap();
+    backend.claim(fenced(&second)).await.unwrap();
+    match backend.mark_submitted(fenced(&first)).await {
+        Err(ActivityFailure::Refused(Refusal::FencedOut { .. })) => {}
+        other => panic!("before the restore the first holder is fenced out, got {other:?}"),
+    }
+    backend.release(second.clone()).await.unwrap();
+
+    tokio::task::block_in_place(|| {
+        system.payment_resource.kill().unwrap();
+        pg.restore_clean(&paydb, &dump).unwrap();
+        system.payment_resource.restart().unwrap();
+    });
+    payment_resource_answers(system).await;
+    let rewound = record().await;
+    assert_eq!(
+        rewound,
+        (
+            "CLAIMED".to_string(),
+            Some(first.token.get() as i64),
+            first.token.get() as i64
+        ),
+        "the restore rewound the fence to the first holder's token"
+    );
+    testkit::eventually(Duration::from_secs(30), "the alarm", || async {
+        (paydb_restored_gauge(system).await.as_deref() == Some("1")).then_some(())
+    })
+    .await
+    .expect("guard_database_restored is 1 on the restored paydb");
+
+    // The first holder's late write: with the rewound fence at its own token it would land; the
+    // restored copy refuses it, and the worker waits (transient), nothing written.
+    match backend.mark_submitted(fenced(&first)).await {
+        Err(ActivityFailure::Transient(detail)) => {
+            assert!(detail.contains("restored from a backup"), "{detail}")
+        }
+        other => panic!("expected the restored copy's refusal, got {other:?}"),
+    }
+    assert_eq!(record().await, rewound, "no stale write landed");
+
+    // The procedure: the horizon from the lock backend itself, paydb re-armed as the owner.
+    let horizon = payoutctl::restore::etcd_horizon(
+        Stack::shared().etcd_endpoints(),
+        Stack::shared().etcd_client_tls("restore-rearm"),
+    )
+    .await
+    .unwrap();
+    assert!(horizon >= second.token.get() as i64, "{horizon}");
+    let raised = payoutctl::restore::rearm(
+        &pg.login_url(db_access::OWNER, &paydb),
+        horizon,
+        "alice",
+        "paydb restored from the mid-run dump",
+    )
+    .await
+    .unwrap();
+    assert!(raised >= 1, "{raised}");
+    for stale in [&first, &second] {
+        match backend.mark_submitted(fenced(stale)).await {
+            Err(ActivityFailure::Refused(Refusal::FencedOut { stored, .. })) => {
+                assert!(stored as i64 >= horizon)
+            }
+            other => panic!("expected FencedOut after the re-arming, got {other:?}"),
+        }
+    }
+    testkit::eventually(Duration::from_secs(30), "the alarm clears", || async {
+        (paydb_restored_gauge(system).await.as_deref() == Some("0")).then_some(())
+    })
+    .await
+    .expect("guard_database_restored back to 0");
+    backend.close().await;
+
+    // The payout continues: its workflow takes a grant above the horizon and pays it once.
+    let done = ctx.result(&ctx.start(&input).await).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    let (state, token_stamp, _) = record().await;
+    assert_eq!(state, "POSTED");
+    assert!(
+        token_stamp.unwrap() > horizon,
+        "{token_stamp:?} > {horizon}"
+    );
+    assert_eq!(ctx.rail(&input).await, (1, 1), "one request, one movement");
 }

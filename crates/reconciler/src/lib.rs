@@ -28,6 +28,12 @@ pub enum ReconcileError {
     Rail(String),
     #[error("reading the lock grants from etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
+    #[error(transparent)]
+    EtcdEndpoint(#[from] mtls::TlsError),
+    #[error(
+        "etcd answered a read without a response header: no revision to read the horizon from"
+    )]
+    EtcdNoHeader,
 }
 
 /// Where the evidence is.
@@ -74,6 +80,39 @@ impl LockGrants {
             prefix,
             horizon_ms: GRANT_HORIZON_MS_DEFAULT,
         }
+    }
+
+    /// A client of the lock service's etcd: `https://` endpoints only, mutual TLS with
+    /// [`LockGrants::tls`] (the server's certificate must name `etcd`).
+    async fn connect(&self) -> Result<etcd_client::Client, ReconcileError> {
+        for endpoint in &self.etcd_endpoints {
+            mtls::require_https(endpoint)?;
+        }
+        Ok(etcd_client::Client::connect(
+            &self.etcd_endpoints,
+            Some(etcd_client::ConnectOptions::new().with_tls(self.tls.etcd_client_config())),
+        )
+        .await?)
+    }
+
+    /// The lock service's horizon on etcd: the cluster's current revision, from the response
+    /// header of a linearizable read (of the prefix's own key, counted only; nothing is written).
+    /// Every token the lock service has issued is a grant key's create revision, so none is above
+    /// it: this is what a guard's database is re-armed to after a restore (`payoutctl restore
+    /// rearm`). It is read from etcd itself, never from what an operator types. (A cluster
+    /// restored from a snapshot without its procedure is behind the tokens it issued: its restore
+    /// procedure advances the revision first, services/lock-server/RESTORE.md.)
+    pub async fn horizon(&self) -> Result<i64, ReconcileError> {
+        let mut client = self.connect().await?;
+        let got = client
+            .get(
+                self.prefix.as_bytes(),
+                Some(etcd_client::GetOptions::new().with_count_only()),
+            )
+            .await?;
+        got.header()
+            .map(|h| h.revision())
+            .ok_or(ReconcileError::EtcdNoHeader)
     }
 }
 
@@ -266,6 +305,8 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
     checks.push(postings_match_payouts(&sources.paydb, &payouts).await?);
     checks.push(one_submission_per_payout(&sources.proxydb, &payouts).await?);
     checks.push(guard2_tokens(&sources.proxydb).await?);
+    checks.push(guard_database_current(&sources.paydb, &sources.proxydb).await?);
+    checks.push(fence_not_below_proxy_submissions(&sources.paydb, &sources.proxydb).await?);
     checks.push(submissions_match_payouts(&sources.proxydb, &payouts).await?);
     let (rail, rail_movements) = rail_movements(sources, &payouts).await?;
     checks.push(rail);
@@ -743,6 +784,100 @@ async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
     Ok(c)
 }
 
+/// The fence survives a restore (issue 19, section 3): each guard's database knows which database
+/// it is (`incarnation`, migrations 0006), and a copy restored from a backup is not the database
+/// its row was armed in until the procedure re-arms it (`payoutctl restore rearm`). Until then
+/// the guard refuses every fenced call (`incarnation_admits`), so payouts wait; this check is the
+/// alarm that says why and what to run.
+pub async fn guard_database_current(
+    paydb: &PgPool,
+    proxydb: &PgPool,
+) -> Result<Check, ReconcileError> {
+    let mut c = check("guard_database_current", "INV-04/INV-05");
+    for (name, guarded, pool) in [
+        ("paydb", "account", paydb),
+        ("proxydb", "account_high_water", proxydb),
+    ] {
+        c.examined += 1;
+        let r = sqlx::query(
+            "SELECT incarnation_is_current() AS current, \
+                    (SELECT database_oid::bigint FROM incarnation) AS armed_database, \
+                    (SELECT guarded_table::bigint FROM incarnation) AS armed_table, \
+                    (SELECT d.oid::bigint FROM pg_database d WHERE d.datname = current_database()) AS this_database, \
+                    to_regclass($1)::oid::bigint AS this_table",
+        )
+        .bind(guarded)
+        .fetch_one(pool)
+        .await
+        .map_err(store(name))?;
+        if !r.get::<bool, _>("current") {
+            let oid = |column: &str| {
+                r.get::<Option<i64>, _>(column)
+                    .map_or_else(|| "none".to_string(), |oid| oid.to_string())
+            };
+            c.violations.push(format!(
+                "{name}: restored from a backup and not re-armed: run payoutctl restore rearm \
+                 --database {name} (its incarnation row was armed for database OID {} and {guarded} \
+                 OID {}; this is database OID {} and {guarded} OID {}); until then its guard \
+                 refuses every fenced call",
+                oid("armed_database"),
+                oid("armed_table"),
+                oid("this_database"),
+                oid("this_table"),
+            ));
+        }
+    }
+    Ok(c)
+}
+
+/// The witness that paydb was not rewound (a restore the incarnation cannot see: a physical
+/// restore of the same cluster keeps its OIDs): every proxy submission follows the payment
+/// resource's MarkSubmitted under the same token, and paydb's fence never decreases, so each
+/// account's fence is at least the highest token of its submissions. (Sealed rows, NOT_SENT, are
+/// written by a fenced inquiry, and the proxy's high-water is advanced by inquiries too: their
+/// tokens may never have reached paydb, so neither is a witness.) proxydb is read first: a
+/// submission it shows was marked in paydb before it was made, so paydb, read after, shows the
+/// fence at least there; a submission made while this runs cannot be a false finding.
+pub async fn fence_not_below_proxy_submissions(
+    paydb: &PgPool,
+    proxydb: &PgPool,
+) -> Result<Check, ReconcileError> {
+    let mut c = check("fence_not_below_proxy_submissions", "INV-04/INV-05");
+    let submitted = sqlx::query(
+        "SELECT DISTINCT ON (account_id) account_id, fence_token, payout_id FROM rail_submission \
+         WHERE outcome IS DISTINCT FROM 'NOT_SENT' ORDER BY account_id, fence_token DESC, id",
+    )
+    .fetch_all(proxydb)
+    .await
+    .map_err(store("proxydb"))?;
+    let fences: HashMap<String, i64> = sqlx::query("SELECT id, fence FROM account")
+        .fetch_all(paydb)
+        .await
+        .map_err(store("paydb"))?
+        .into_iter()
+        .map(|r| (r.get("id"), r.get("fence")))
+        .collect();
+    for r in submitted {
+        c.examined += 1;
+        let account: String = r.get("account_id");
+        let token: i64 = r.get("fence_token");
+        let payout: String = r.get("payout_id");
+        match fences.get(&account) {
+            Some(&fence) if fence >= token => {}
+            Some(&fence) => c.violations.push(format!(
+                "account {account}: paydb's fence {fence} is below {token}, the token of its proxy \
+                 submission of {payout}: paydb was rewound (restored from a backup?); the \
+                 procedure is payoutctl restore rearm --database paydb"
+            )),
+            None => c.violations.push(format!(
+                "account {account}: no account in paydb, but the proxy has its submission of \
+                 {payout} under token {token}: paydb was rewound (restored from a backup?)"
+            )),
+        }
+    }
+    Ok(c)
+}
+
 /// The instruction a submission carried is the payout's record: account, amount, currency and
 /// beneficiary of every proxy submission equal paydb's (the rail is asked to pay what the books
 /// debit, never what a workflow's input said).
@@ -1072,11 +1207,7 @@ async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError>
 async fn grant_records(
     grants: &LockGrants,
 ) -> Result<HashMap<String, BTreeSet<i64>>, ReconcileError> {
-    let mut client = etcd_client::Client::connect(
-        &grants.etcd_endpoints,
-        Some(etcd_client::ConnectOptions::new().with_tls(grants.tls.etcd_client_config())),
-    )
-    .await?;
+    let mut client = grants.connect().await?;
     let grants_prefix = format!("{}grants/", grants.prefix);
     let range_end = prefix_end(grants_prefix.as_bytes());
     let mut granted: HashMap<String, BTreeSet<i64>> = HashMap::new();
