@@ -613,8 +613,10 @@ pub async fn list_quarantined(pool: &PgPool) -> Result<Vec<QuarantinedRow>, Disp
         .collect())
 }
 
-/// Clears a row's quarantine so the next round delivers it again. Audited in the log and in
-/// `last_error` (until the next attempt overwrites it).
+/// Clears a row's quarantine so the next round delivers it again. Audited durably: one
+/// `outbox_replay` row (who, when, why, and what the row was quarantined with), written in the
+/// same transaction as the release, so there is no release without its record (paydb migration
+/// 0007); and in the log.
 pub async fn replay(
     pool: &PgPool,
     id: i64,
@@ -627,19 +629,32 @@ pub async fn replay(
     if reason.trim().is_empty() {
         return Err(DispatchError::MissingOperatorField { field: "reason" });
     }
-    let updated = sqlx::query(
+    let mut tx = pool.begin().await?;
+    let recorded = sqlx::query(
+        "INSERT INTO outbox_replay (outbox_id, operator_id, reason, quarantined_at, last_error, attempts)
+         SELECT id, $2, $3, quarantined_at, last_error, attempts FROM ledger_outbox
+         WHERE id = $1 AND quarantined_at IS NOT NULL AND delivered_at IS NULL
+         FOR UPDATE",
+    )
+    .bind(id)
+    .bind(operator_id)
+    .bind(reason)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if recorded == 0 {
+        return Err(DispatchError::NotQuarantined { id });
+    }
+    sqlx::query(
         "UPDATE ledger_outbox SET quarantined_at = NULL, next_attempt_at = now(), claimed_by = NULL, claim_expires_at = NULL,
                 last_error = $2
-         WHERE id = $1 AND quarantined_at IS NOT NULL AND delivered_at IS NULL",
+         WHERE id = $1",
     )
     .bind(id)
     .bind(truncate(&format!("replayed by {operator_id}: {reason}")))
-    .execute(pool)
-    .await?
-    .rows_affected();
-    if updated == 0 {
-        return Err(DispatchError::NotQuarantined { id });
-    }
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
     tracing::warn!(
         outbox_id = id,
         operator_id,

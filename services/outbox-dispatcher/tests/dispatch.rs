@@ -339,6 +339,25 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
     outbox_dispatcher::replay(&paydb, unknown, "op-1", "account opened in GL")
         .await
         .unwrap();
+    // Each replay left its durable record (who, why, and the error it was quarantined with); the
+    // refused one (not quarantined) none.
+    let replays: Vec<(i64, String, String, bool)> = sqlx::query_as(
+        "SELECT outbox_id, operator_id, reason, last_error IS NOT NULL FROM outbox_replay ORDER BY id",
+    )
+    .fetch_all(&paydb)
+    .await
+    .unwrap();
+    assert_eq!(
+        replays,
+        [
+            (unbalanced, "op-1".into(), "retry".into(), true),
+            (unknown, "op-1".into(), "account opened in GL".into(), true),
+        ]
+    );
+    let tampered = sqlx::query("DELETE FROM outbox_replay")
+        .execute(&paydb)
+        .await;
+    assert!(tampered.is_err(), "the replay record is append-only");
     for _ in 0..5 {
         dispatcher.run_once().await.unwrap();
     }
