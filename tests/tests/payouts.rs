@@ -220,6 +220,66 @@ impl Ctx {
             .unwrap()
     }
 
+    /// Waits until every outbox row of the payout's account reached the GL, then reads what the GL
+    /// holds of the payout: its lifecycle events from gldb (event type, version, source sequence;
+    /// in version order) and its posting's journal through GetJournal, as a reconciler (a role the
+    /// GL's table allows to read journals) over mutual TLS.
+    async fn in_the_gl(
+        &self,
+        input: &PayoutInput,
+    ) -> (
+        Vec<(String, i32, Option<i64>)>,
+        payout_proto::ledger::Journal,
+    ) {
+        testkit::eventually(SETTLE_TIMEOUT, "the account's outbox drained", || async {
+            let pending: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM ledger_outbox WHERE account_id = $1 AND delivered_at IS NULL",
+            )
+            .bind(input.account_id.as_str())
+            .fetch_one(&self.paydb)
+            .await
+            .ok()?;
+            (pending == 0).then_some(())
+        })
+        .await
+        .unwrap();
+        let gldb = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&self.system.databases.gldb)
+            .await
+            .unwrap();
+        let events = sqlx::query_as(
+            "SELECT event_type, event_version, source_sequence FROM transaction_events \
+             WHERE source_service = 'payment-resource' AND source_transaction_id = $1 ORDER BY event_version",
+        )
+        .bind(input.payout_id.as_str())
+        .fetch_all(&gldb)
+        .await
+        .unwrap();
+        gldb.close().await;
+        let mut gl =
+            payout_proto::ledger::general_ledger_service_client::GeneralLedgerServiceClient::new(
+                self.system
+                    .tls(Role::Reconciler)
+                    .connect(&self.system.gl_url(), Role::GeneralLedger)
+                    .await
+                    .unwrap(),
+            );
+        let journal = gl
+            .get_journal(payout_proto::ledger::GetJournalRequest {
+                key: Some(
+                    payout_proto::ledger::get_journal_request::Key::IdempotencyKey(format!(
+                        "payment-resource:payout:{}:posting:v1",
+                        input.payout_id
+                    )),
+                ),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        (events, journal)
+    }
+
     async fn balance(&self, input: &PayoutInput) -> i64 {
         self.payment
             .get_account(&input.account_id)
@@ -352,6 +412,57 @@ async fn normal_path_moves_money_once_and_posts_two_balanced_rows() {
     assert_eq!(ctx.balance(&input).await, 9_000);
     let status = ctx.status(&id).await;
     assert!(status.claimer.starts_with("worker-"), "{status:?}");
+    // Issue 19: the GL holds the payout's lifecycle, in order, beside its journal, which carries
+    // the rail's reference and the client reference as fields.
+    let (events, journal) = ctx.in_the_gl(&input).await;
+    let versions: Vec<i32> = events.iter().map(|(_, v, _)| *v).collect();
+    assert_eq!(
+        versions,
+        (1..=events.len() as i32).collect::<Vec<_>>(),
+        "{events:?}"
+    );
+    let sequences: Vec<i64> = events.iter().filter_map(|(_, _, s)| *s).collect();
+    assert_eq!(
+        sequences.len(),
+        events.len(),
+        "every event has its source order: {events:?}"
+    );
+    assert!(
+        sequences.windows(2).all(|w| w[0] < w[1]),
+        "source order follows the versions: {events:?}"
+    );
+    // A re-claim by the same workflow (a retried activity) is CLAIMED again: one step.
+    let mut steps: Vec<&str> = events.iter().map(|(t, _, _)| t.as_str()).collect();
+    steps.dedup();
+    assert_eq!(
+        steps,
+        [
+            "PAYOUT_CREATED",
+            "PAYOUT_CLAIMED",
+            "PAYOUT_SUBMITTED",
+            "PAYOUT_ACKNOWLEDGED",
+            "PAYOUT_POSTED"
+        ],
+        "{events:?}"
+    );
+    let cref = ClientReference::for_payout(&input.payout_id);
+    assert_eq!(
+        (
+            journal.settlement_reference.as_str(),
+            journal.client_reference.as_str(),
+            journal.effect_kind.as_str()
+        ),
+        (done.rail_ref.as_str(), cref.as_str(), "PAYOUT_POSTED")
+    );
+    // The posting's journal sits in the source's order between ACKNOWLEDGED and POSTED (its
+    // outbox row was written in the posting's transaction, before the POSTED event's).
+    let posted_at = sequences[sequences.len() - 1];
+    assert!(
+        journal.source_sequence > sequences[sequences.len() - 2] as u64
+            && journal.source_sequence < posted_at as u64,
+        "journal at {} among {events:?}",
+        journal.source_sequence
+    );
     record_history(&ctx, "real_backend_normal_path", &id).await;
     // A duplicate start for the same payout is refused by Temporal (id reuse policy).
     let again = wf::start_payout(&ctx.temporal, &ctx.system.task_queue, &input).await;

@@ -40,6 +40,9 @@ use tonic::transport::Channel;
 /// leaving most of a multi-second TTL usable.
 pub const LOCAL_DEADLINE_MARGIN: Duration = Duration::from_millis(500);
 /// Keep-alives are sent every TTL / this: three chances to succeed before the deadline passes.
+/// The lock-server shows a session SUSPECT once its last keep-alive is older than one such
+/// interval plus a little slack (`lock_server::session::CLIENT_KEEP_ALIVES_PER_TTL`, asserted
+/// equal to this in its suite): change both together.
 pub const KEEP_ALIVE_PER_TTL: u32 = 3;
 /// Grants named in one keep-alive, as the lock service bounds them: a worker holds one per
 /// account in flight, far fewer; beyond it the rest are vouched for by their deadlines running out.

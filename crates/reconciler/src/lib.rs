@@ -1033,7 +1033,10 @@ async fn rail_movements(
     Ok((c, movements))
 }
 
-/// The GL holds exactly the postings paydb's outbox carried, one journal per row, same amounts.
+/// The GL holds exactly what paydb's outbox carried, told apart by the row's kind (paydb 0008):
+/// one journal per JOURNAL row, same amounts, and no payment-resource journal without its row;
+/// one transaction event per TRANSACTION_EVENT row, at its (payout, event version), of its event
+/// type, the one the delivery recorded, and no payment-resource event without its row.
 async fn gl_matches_paydb(
     paydb: &PgPool,
     gldb: &PgPool,
@@ -1041,7 +1044,8 @@ async fn gl_matches_paydb(
 ) -> Result<(Check, u64), ReconcileError> {
     let mut c = check("gl_matches_paydb", "outbox/GL");
     let outbox = sqlx::query(
-        "SELECT idempotency_key, payload, delivered_at IS NOT NULL AS delivered FROM ledger_outbox",
+        "SELECT idempotency_key, kind, payload, delivered_at IS NOT NULL AS delivered, journal_id \
+         FROM ledger_outbox",
     )
     .fetch_all(paydb)
     .await
@@ -1053,6 +1057,13 @@ async fn gl_matches_paydb(
     .fetch_all(gldb)
     .await
     .map_err(store("gldb"))?;
+    let events = sqlx::query(
+        "SELECT id::text AS id, source_transaction_id, event_version, event_type FROM transaction_events \
+         WHERE source_service = 'payment-resource'",
+    )
+    .fetch_all(gldb)
+    .await
+    .map_err(store("gldb"))?;
     let mut gl: HashMap<String, BTreeMap<i32, String>> = HashMap::new();
     for r in journals {
         let amount: String = r.get("amount");
@@ -1060,13 +1071,66 @@ async fn gl_matches_paydb(
             .or_default()
             .insert(r.get("line_number"), normalize_decimal(&amount));
     }
+    // (payout, event version) -> (event id, event type)
+    let mut gl_events: HashMap<(String, i64), (String, String)> = HashMap::new();
+    for r in events {
+        let version: i32 = r.get("event_version");
+        gl_events.insert(
+            (r.get("source_transaction_id"), i64::from(version)),
+            (r.get("id"), r.get("event_type")),
+        );
+    }
     let mut pending = 0;
     let mut keys = BTreeSet::new();
+    let mut event_keys = BTreeSet::new();
     for r in outbox {
         c.examined += 1;
         let key: String = r.get("idempotency_key");
+        let kind: String = r.get("kind");
         let payload: serde_json::Value = r.get("payload");
         let delivered: bool = r.get("delivered");
+        let recorded: Option<String> = r.get("journal_id");
+        let mut undelivered = |c: &mut Check, what: String| {
+            if delivered {
+                c.violations.push(format!(
+                    "outbox {what} marked delivered but absent from the GL"
+                ));
+            } else {
+                pending += 1;
+                if options.require_outbox_drained {
+                    c.violations.push(format!("outbox {what} not delivered"));
+                }
+            }
+        };
+        if kind == "TRANSACTION_EVENT" {
+            let identity = payload["source_transaction_id"]
+                .as_str()
+                .zip(payload["event_version"].as_i64());
+            let Some((payout, version)) = identity else {
+                c.violations.push(format!(
+                    "outbox event {key} names no (source_transaction_id, event_version)"
+                ));
+                continue;
+            };
+            let event_type = payload["event_type"].as_str().unwrap_or_default();
+            event_keys.insert((payout.to_string(), version));
+            match gl_events.get(&(payout.to_string(), version)) {
+                Some((id, gl_type)) => {
+                    if gl_type != event_type {
+                        c.violations.push(format!(
+                            "event {key}: the GL holds {gl_type} at {payout} v{version}, paydb {event_type}"
+                        ));
+                    }
+                    if let Some(recorded) = recorded.as_deref().filter(|r| r != id) {
+                        c.violations.push(format!(
+                            "event {key}: delivery recorded GL event {recorded}, the GL holds {id}"
+                        ));
+                    }
+                }
+                None => undelivered(&mut c, format!("event {key}")),
+            }
+            continue;
+        }
         keys.insert(key.clone());
         let expected: BTreeMap<i32, String> = payload["entries"]
             .as_array()
@@ -1087,20 +1151,19 @@ async fn gl_matches_paydb(
             Some(lines) => c.violations.push(format!(
                 "journal {key}: GL lines {lines:?} differ from paydb's {expected:?}"
             )),
-            None if delivered => c.violations.push(format!(
-                "outbox row {key} marked delivered but absent from the GL"
-            )),
-            None => {
-                pending += 1;
-                if options.require_outbox_drained {
-                    c.violations.push(format!("outbox row {key} not delivered"));
-                }
-            }
+            None => undelivered(&mut c, format!("row {key}")),
         }
     }
     for key in gl.keys().filter(|k| !keys.contains(*k)) {
         c.violations
             .push(format!("GL journal {key} has no posting in paydb"));
+    }
+    for ((payout, version), (_, event_type)) in &gl_events {
+        if !event_keys.contains(&(payout.clone(), *version)) {
+            c.violations.push(format!(
+                "GL event {event_type} of {payout} v{version} has no outbox row in paydb"
+            ));
+        }
     }
     Ok((c, pending))
 }

@@ -262,6 +262,18 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
          WHERE idempotency_key = 'payment-resource:payout:po-ghost:posting:v1'",
     )
     .await;
+    // The GL: a lifecycle event of a payout paydb never wrote, and one of po-r1 at a version
+    // paydb's outbox never carried.
+    behind_the_back(
+        &system.databases.gldb,
+        "INSERT INTO transaction_events (id, source_service, source_transaction_id, event_type, event_version, \
+           payload_hash, occurred_at, correlation_id, actor_id) \
+         VALUES (gen_random_uuid(), 'payment-resource', 'po-ghost', 'PAYOUT_CREATED', 1, repeat('0', 64), now(), \
+           'po-ghost', 'ghost'), \
+                (gen_random_uuid(), 'payment-resource', 'po-r1', 'PAYOUT_FAILED', 99, repeat('0', 64), now(), \
+           'po-r1', 'ghost')",
+    )
+    .await;
 
     // The rail's lookups are authoritative only after its settlement window.
     tokio::time::sleep(Duration::from_millis(
@@ -317,10 +329,20 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
             .any(|v| v.contains("RAIL_ACKED")),
         "{text}"
     );
+    let gl = violations(&report, "gl_matches_paydb");
     assert!(
-        violations(&report, "gl_matches_paydb")
-            .iter()
-            .any(|v| v.contains("po-ghost")),
+        gl.iter()
+            .any(|v| v.contains("GL journal") && v.contains("po-ghost")),
+        "{text}"
+    );
+    assert!(
+        gl.iter()
+            .any(|v| v.contains("GL event PAYOUT_CREATED of po-ghost v1 has no outbox row")),
+        "{text}"
+    );
+    assert!(
+        gl.iter()
+            .any(|v| v.contains("GL event PAYOUT_FAILED of po-r1 v99 has no outbox row")),
         "{text}"
     );
     assert!(

@@ -94,6 +94,7 @@ fn request(run: Uuid, worker: usize, i: usize, tag: &str) -> pb::AppendJournalRe
         ],
         reversal_of: String::new(),
         correction: None,
+        ..Default::default()
     }
 }
 

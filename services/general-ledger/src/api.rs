@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use payout_proto::ledger as pb;
 use payout_proto::ledger::general_ledger_service_server::GeneralLedgerService;
-use sha2::{Digest, Sha256};
 use tonic::{Request, Response, Status};
 use uuid::Uuid;
 
@@ -15,6 +14,7 @@ use crate::validate::{self, account_key, format_time, parse_time, AccountKey, AC
 #[derive(Clone)]
 pub struct LedgerMetrics {
     pub journals: prometheus::IntCounterVec,
+    pub events: prometheus::IntCounterVec,
     pub rejections: prometheus::IntCounterVec,
     /// The server's `unauthorised_calls_total`: a mode change naming an operator its
     /// certificate does not carry is counted there.
@@ -27,6 +27,11 @@ impl LedgerMetrics {
             journals: metrics.counter_vec(
                 "gl_journals_total",
                 "AppendJournal outcomes",
+                &["outcome"],
+            ),
+            events: metrics.counter_vec(
+                "gl_transaction_events_total",
+                "AppendTransactionEvent outcomes",
                 &["outcome"],
             ),
             rejections: metrics.counter_vec(
@@ -83,6 +88,9 @@ pub fn journal_to_wire(j: &StoredJournal) -> pb::Journal {
         metadata_json: validate::canonical_json(&j.metadata),
         receipt_sequence: j.receipt_sequence as u64,
         entries: j.entries.iter().map(entry_to_wire).collect(),
+        source_sequence: j.source_sequence.map_or(0, |s| s as u64),
+        settlement_reference: j.settlement_reference.clone(),
+        client_reference: j.client_reference.clone(),
         correction: j
             .correction
             .as_ref()
@@ -180,51 +188,30 @@ impl GeneralLedgerService for LedgerApi {
         request: Request<pb::AppendTransactionEventRequest>,
     ) -> Result<Response<pb::AppendTransactionEventResponse>, Status> {
         let r = request.into_inner();
-        let result = async {
-            for (value, field) in [
-                (&r.source_service, "source_service"),
-                (&r.source_transaction_id, "source_transaction_id"),
-                (&r.event_type, "event_type"),
-            ] {
-                validate::required(value, field)?;
-            }
-            validate::bounded(&r.correlation_id, "correlation_id")?;
-            validate::bounded(&r.actor_id, "actor_id")?;
-            if r.event_version == 0 {
-                return Err(LedgerError::MissingSourceIdentity { field: "event_version" });
-            }
-            let event_version = validate::storable_u32(r.event_version, "event_version")?;
-            let occurred_at = parse_time(&r.occurred_at, "occurred_at")?;
-            let metadata = validate::parse_metadata(&r.metadata_json)?;
-            let canonical = serde_json::json!({
-                "event_type": r.event_type, "occurred_at": format_time(occurred_at), "correlation_id": r.correlation_id,
-                "actor_id": r.actor_id, "metadata": metadata,
-            });
-            let hash = hex::encode(Sha256::digest(validate::canonical_json(&canonical).as_bytes()));
-            self.store
-                .append_event(
-                    &r.source_service,
-                    &r.source_transaction_id,
-                    &r.event_type,
-                    event_version,
-                    occurred_at,
-                    &r.correlation_id,
-                    &r.actor_id,
-                    &metadata,
-                    &hash,
-                )
-                .await
-        }
-        .await;
+        let result = match validate::validate_event(&r) {
+            Ok(event) => self.store.append_event(&event).await,
+            Err(e) => Err(e),
+        };
         match result {
             Ok((id, created, recorded_at)) => {
+                self.metrics
+                    .events
+                    .with_label_values(&[if created { "created" } else { "replayed" }])
+                    .inc();
+                tracing::info!(event_id = %id, source_transaction_id = %r.source_transaction_id,
+                    event_type = %r.event_type, event_version = r.event_version,
+                    source_sequence = r.source_sequence, created, "transaction event recorded");
                 Ok(Response::new(pb::AppendTransactionEventResponse {
                     event_id: id.to_string(),
                     created,
                     recorded_at: format_time(recorded_at),
                 }))
             }
-            Err(e) => Err(self.refuse(e)),
+            Err(e) => {
+                tracing::warn!(source_transaction_id = %r.source_transaction_id,
+                    event_version = r.event_version, error = %e, "transaction event refused");
+                Err(self.refuse(e))
+            }
         }
     }
 

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use crate::amount;
 use crate::error::LedgerError;
-use crate::validate::{AccountKey, ValidatedJournal};
+use crate::validate::{AccountKey, ValidatedEvent, ValidatedJournal};
 
 /// Advisory-lock key that every journal post holds shared from its BEGIN (before its receipt
 /// sequence is taken) to its COMMIT. Taken exclusive, it waits for every post in flight: a mode
@@ -86,6 +86,10 @@ pub struct StoredJournal {
     pub actor_id: String,
     pub metadata: serde_json::Value,
     pub correction: Option<(String, String)>,
+    /// The source's own order, as first appended (`None`: not stated).
+    pub source_sequence: Option<i64>,
+    pub settlement_reference: String,
+    pub client_reference: String,
     pub entries: Vec<StoredEntry>,
 }
 
@@ -361,8 +365,9 @@ impl Store {
             "WITH j AS (
                 INSERT INTO journals (id, source_service, idempotency_key, payload_hash, source_transaction_id,
                     tracking_code, effect_kind, effect_version, reversal_of, occurred_at, correlation_id, actor_id,
-                    metadata, correction_approved_by, correction_reference)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+                    metadata, correction_approved_by, correction_reference, source_sequence,
+                    settlement_reference, client_reference)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $21, $22, $23)
                 ON CONFLICT (idempotency_key) DO NOTHING
                 RETURNING id, receipt_sequence, recorded_at),
              u AS (
@@ -400,6 +405,9 @@ impl Store {
         .bind(&assets)
         .bind(&amounts)
         .bind(&descriptions)
+        .bind(j.source_sequence)
+        .bind(&j.settlement_reference)
+        .bind(&j.client_reference)
         .fetch_optional(&mut *tx)
         .await;
         let row = match inserted {
@@ -471,6 +479,9 @@ impl Store {
             actor_id: j.actor_id.clone(),
             metadata: j.metadata.clone(),
             correction: j.correction.clone(),
+            source_sequence: j.source_sequence,
+            settlement_reference: j.settlement_reference.clone(),
+            client_reference: j.client_reference.clone(),
             entries: j
                 .entries
                 .iter()
@@ -595,6 +606,9 @@ impl Store {
             actor_id: r.get("actor_id"),
             metadata: r.get("metadata"),
             correction: approved_by.zip(reference),
+            source_sequence: r.get("source_sequence"),
+            settlement_reference: r.get("settlement_reference"),
+            client_reference: r.get("client_reference"),
             entries,
         }))
     }
@@ -770,38 +784,33 @@ impl Store {
         self.mode().await
     }
 
-    /// Idempotent on (source_service, source_transaction_id, event_version). Returns (id, created, recorded_at).
-    #[allow(clippy::too_many_arguments)]
+    /// Idempotent on (source_service, source_transaction_id, event_version): an identical retry
+    /// (same payload hash) answers the original, whatever its `source_sequence` (delivery
+    /// metadata: the original position stays); another payload under the key is a conflict.
+    /// Returns (id, created, recorded_at).
     pub async fn append_event(
         &self,
-        source_service: &str,
-        source_transaction_id: &str,
-        event_type: &str,
-        event_version: i32,
-        occurred_at: DateTime<Utc>,
-        correlation_id: &str,
-        actor_id: &str,
-        metadata: &serde_json::Value,
-        payload_hash: &str,
+        e: &ValidatedEvent,
     ) -> Result<(Uuid, bool, DateTime<Utc>), LedgerError> {
         let id = Uuid::new_v4();
         let inserted = sqlx::query(
             "INSERT INTO transaction_events (id, source_service, source_transaction_id, event_type, event_version,
-                payload_hash, occurred_at, correlation_id, actor_id, metadata)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+                payload_hash, occurred_at, correlation_id, actor_id, metadata, source_sequence)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
              ON CONFLICT (source_service, source_transaction_id, event_version) DO NOTHING
              RETURNING recorded_at",
         )
         .bind(id)
-        .bind(source_service)
-        .bind(source_transaction_id)
-        .bind(event_type)
-        .bind(event_version)
-        .bind(payload_hash)
-        .bind(occurred_at)
-        .bind(correlation_id)
-        .bind(actor_id)
-        .bind(metadata)
+        .bind(&e.source_service)
+        .bind(&e.source_transaction_id)
+        .bind(&e.event_type)
+        .bind(e.event_version)
+        .bind(&e.payload_hash)
+        .bind(e.occurred_at)
+        .bind(&e.correlation_id)
+        .bind(&e.actor_id)
+        .bind(&e.metadata)
+        .bind(e.source_sequence)
         .fetch_optional(&self.pool)
         .await?;
         if let Some(r) = inserted {
@@ -811,13 +820,13 @@ impl Store {
             "SELECT id, payload_hash, recorded_at FROM transaction_events
              WHERE source_service = $1 AND source_transaction_id = $2 AND event_version = $3",
         )
-        .bind(source_service)
-        .bind(source_transaction_id)
-        .bind(event_version)
+        .bind(&e.source_service)
+        .bind(&e.source_transaction_id)
+        .bind(e.event_version)
         .fetch_one(&self.pool)
         .await?;
         let existing: Uuid = r.get("id");
-        if r.get::<String, _>("payload_hash") != payload_hash {
+        if r.get::<String, _>("payload_hash") != e.payload_hash {
             return Err(LedgerError::IdempotencyConflict {
                 existing_journal_id: existing.to_string(),
             });

@@ -76,6 +76,12 @@ pub struct ValidatedJournal {
     pub entries: Vec<ValidEntry>,
     pub reversal_of: Option<Uuid>,
     pub correction: Option<(String, String)>,
+    /// The source's own order (`None`: not stated). Not content: outside the payload hash.
+    pub source_sequence: Option<i64>,
+    /// The rail's reference of a settled movement; empty = none.
+    pub settlement_reference: String,
+    /// The reference the movement was sent with; empty = none.
+    pub client_reference: String,
     pub payload_hash: String,
 }
 
@@ -109,10 +115,20 @@ pub fn required(value: &str, field: &'static str) -> Result<String, LedgerError>
 /// and index rows stay small), and without NUL, which PostgreSQL text cannot hold (the statement
 /// would fail as a storage error instead of naming the field).
 pub fn bounded(value: &str, field: &'static str) -> Result<String, LedgerError> {
-    if value.len() > TEXT_LENGTH_MAX {
+    bounded_to(value, field, TEXT_LENGTH_MAX)
+}
+
+/// A rail's settlement reference as long as the payment resource may record one
+/// (`payment_client::model::TEXT_LENGTH_MAX`): a posting must never be quarantined for a rail
+/// reference the source accepted.
+pub const SETTLEMENT_REFERENCE_LENGTH_MAX: usize = 1024;
+
+/// [`bounded`] with another length bound.
+pub fn bounded_to(value: &str, field: &'static str, max: usize) -> Result<String, LedgerError> {
+    if value.len() > max {
         return Err(LedgerError::InvalidField {
             field,
-            detail: format!("longer than {TEXT_LENGTH_MAX} bytes"),
+            detail: format!("longer than {max} bytes"),
         });
     }
     if value.contains('\0') {
@@ -140,6 +156,20 @@ pub fn storable_u32(value: u32, field: &'static str) -> Result<i32, LedgerError>
         field,
         detail: format!("{value} is above {}", i32::MAX),
     })
+}
+
+/// A source's order position on the wire (`uint64`, 0 = not stated) as the GL stores it
+/// (`bigint`, positive): at most `i64::MAX`.
+pub fn source_sequence(value: u64) -> Result<Option<i64>, LedgerError> {
+    match value {
+        0 => Ok(None),
+        v => i64::try_from(v)
+            .map(Some)
+            .map_err(|_| LedgerError::InvalidField {
+                field: "source_sequence",
+                detail: format!("{v} is above {}", i64::MAX),
+            }),
+    }
 }
 
 pub fn parse_time(value: &str, field: &'static str) -> Result<DateTime<Utc>, LedgerError> {
@@ -273,6 +303,14 @@ pub fn validate(req: &pb::AppendJournalRequest) -> Result<ValidatedJournal, Ledg
         )),
     };
 
+    let source_sequence = source_sequence(req.source_sequence)?;
+    let settlement_reference = bounded_to(
+        &req.settlement_reference,
+        "settlement_reference",
+        SETTLEMENT_REFERENCE_LENGTH_MAX,
+    )?;
+    let client_reference = bounded(&req.client_reference, "client_reference")?;
+
     if req.entries.is_empty() {
         return Err(LedgerError::EmptyJournal);
     }
@@ -369,13 +407,76 @@ pub fn validate(req: &pb::AppendJournalRequest) -> Result<ValidatedJournal, Ledg
         entries,
         reversal_of,
         correction,
+        source_sequence,
+        settlement_reference,
+        client_reference,
         payload_hash: String::new(),
     };
     journal.payload_hash = payload_hash(&journal);
     Ok(journal)
 }
 
+/// A lifecycle event (spec 002 `transaction_events`), validated: non-monetary history, keyed by
+/// (source_service, source_transaction_id, event_version).
+#[derive(Debug, Clone)]
+pub struct ValidatedEvent {
+    pub source_service: String,
+    pub source_transaction_id: String,
+    pub event_type: String,
+    pub event_version: i32,
+    pub occurred_at: DateTime<Utc>,
+    pub correlation_id: String,
+    pub actor_id: String,
+    pub metadata: serde_json::Value,
+    /// The source's own order (`None`: not stated). Not content: outside the payload hash.
+    pub source_sequence: Option<i64>,
+    /// Of what the event says (type, time, correlation, actor, metadata); the key is its identity.
+    pub payload_hash: String,
+}
+
+pub fn validate_event(
+    r: &pb::AppendTransactionEventRequest,
+) -> Result<ValidatedEvent, LedgerError> {
+    let source_service = required(&r.source_service, "source_service")?;
+    let source_transaction_id = required(&r.source_transaction_id, "source_transaction_id")?;
+    let event_type = required(&r.event_type, "event_type")?;
+    let correlation_id = bounded(&r.correlation_id, "correlation_id")?;
+    let actor_id = bounded(&r.actor_id, "actor_id")?;
+    if r.event_version == 0 {
+        return Err(LedgerError::MissingSourceIdentity {
+            field: "event_version",
+        });
+    }
+    let event_version = storable_u32(r.event_version, "event_version")?;
+    let occurred_at = parse_time(&r.occurred_at, "occurred_at")?;
+    let metadata = parse_metadata(&r.metadata_json)?;
+    let source_sequence = source_sequence(r.source_sequence)?;
+    let canonical = serde_json::json!({
+        "event_type": event_type, "occurred_at": format_time(occurred_at), "correlation_id": correlation_id,
+        "actor_id": actor_id, "metadata": metadata,
+    });
+    let payload_hash = hex::encode(Sha256::digest(canonical_json(&canonical).as_bytes()));
+    Ok(ValidatedEvent {
+        source_service,
+        source_transaction_id,
+        event_type,
+        event_version,
+        occurred_at,
+        correlation_id,
+        actor_id,
+        metadata,
+        source_sequence,
+        payload_hash,
+    })
+}
+
 /// SHA-256 of the canonical JSON of every field that makes up the journal's content.
+///
+/// The settlement references are content, but they came after journals were first hashed: each
+/// is hashed only when it is not empty, so a journal without them (every journal before they
+/// existed, and every opening) keeps the hash it always had, and a sender that adds one to a key
+/// already recorded without it is told IDEMPOTENCY_CONFLICT. The source sequence is never hashed:
+/// it is where the sender's record sits in its own order, not what the journal says.
 pub fn payload_hash(j: &ValidatedJournal) -> String {
     let entries: Vec<serde_json::Value> = j
         .entries
@@ -392,7 +493,7 @@ pub fn payload_hash(j: &ValidatedJournal) -> String {
             })
         })
         .collect();
-    let canonical = serde_json::json!({
+    let mut canonical = serde_json::json!({
         "source_service": j.source_service,
         "idempotency_key": j.idempotency_key,
         "source_transaction_id": j.source_transaction_id,
@@ -407,6 +508,14 @@ pub fn payload_hash(j: &ValidatedJournal) -> String {
         "reversal_of": j.reversal_of.map(|u| u.to_string()),
         "correction": j.correction.as_ref().map(|(by, reference)| serde_json::json!({"approved_by": by, "approval_reference": reference})),
     });
+    for (field, value) in [
+        ("settlement_reference", &j.settlement_reference),
+        ("client_reference", &j.client_reference),
+    ] {
+        if !value.is_empty() {
+            canonical[field] = serde_json::Value::String(value.clone());
+        }
+    }
     hex::encode(Sha256::digest(canonical_json(&canonical).as_bytes()))
 }
 
@@ -452,6 +561,9 @@ mod tests {
             ],
             reversal_of: String::new(),
             correction: None,
+            source_sequence: 0,
+            settlement_reference: String::new(),
+            client_reference: String::new(),
         }
     }
 
@@ -465,5 +577,76 @@ mod tests {
         assert_eq!(a.payload_hash, validate(&r).unwrap().payload_hash);
         r.tracking_code = "other".into();
         assert_ne!(a.payload_hash, validate(&r).unwrap().payload_hash);
+    }
+
+    /// A request without the fields added by gldb 0003 hashes exactly as before they existed:
+    /// the hash below is the SHA-256 of this canonical JSON, the shape `payload_hash` had then,
+    /// so a journal recorded before them still replays (and does not conflict with its retry).
+    #[test]
+    fn a_journal_without_the_new_fields_keeps_the_hash_it_always_had() {
+        const CANONICAL_BEFORE_0003: &str = r#"{"actor_id":"actor","correction":null,"correlation_id":"corr","effect_kind":"PAYOUT_POSTED","effect_version":1,"entries":[{"amount":"-12.3","asset":"EUR","class":"CUSTOMER_AVAILABLE","description":"","line_number":1,"owner_id":"a","owner_type":"ACCOUNT"},{"amount":"12.3","asset":"EUR","class":"PAYOUT_CLEARING","description":"","line_number":2,"owner_id":"rail","owner_type":"SYSTEM"}],"idempotency_key":"k1","metadata":{"a":{"x":null,"y":2},"b":1},"occurred_at":"2026-01-01T00:00:00.000000Z","reversal_of":null,"source_service":"payment-resource","source_transaction_id":"t1","tracking_code":"c"}"#;
+        let before = hex::encode(Sha256::digest(CANONICAL_BEFORE_0003.as_bytes()));
+        assert_eq!(
+            before,
+            "9de106837b506e81209f800fbd22a5cad98c08cddf7cf6d2f4a47331773a424a"
+        );
+        let old_shape = validate(&request()).unwrap();
+        assert_eq!(old_shape.payload_hash, before);
+        assert_eq!(old_shape.source_sequence, None);
+
+        // The source's order is delivery metadata: any position, the same hash.
+        let mut r = request();
+        r.source_sequence = 42;
+        let positioned = validate(&r).unwrap();
+        assert_eq!(positioned.source_sequence, Some(42));
+        assert_eq!(positioned.payload_hash, before);
+
+        // A settlement reference is content: it changes the hash, each one on its own.
+        let mut r = request();
+        r.settlement_reference = "rail-1".into();
+        let settled = validate(&r).unwrap().payload_hash;
+        assert_ne!(settled, before);
+        r.client_reference = "cref-1".into();
+        let both = validate(&r).unwrap().payload_hash;
+        assert_ne!(both, settled);
+        let mut r = request();
+        r.client_reference = "cref-1".into();
+        assert_ne!(validate(&r).unwrap().payload_hash, before);
+        assert_ne!(validate(&r).unwrap().payload_hash, both);
+    }
+
+    #[test]
+    fn the_new_fields_are_bounded_like_the_others() {
+        let mut r = request();
+        r.source_sequence = i64::MAX as u64 + 1;
+        assert!(matches!(
+            validate(&r),
+            Err(LedgerError::InvalidField {
+                field: "source_sequence",
+                ..
+            })
+        ));
+        r.source_sequence = i64::MAX as u64;
+        assert_eq!(validate(&r).unwrap().source_sequence, Some(i64::MAX));
+        let mut r = request();
+        r.settlement_reference = "x".repeat(SETTLEMENT_REFERENCE_LENGTH_MAX);
+        assert!(validate(&r).is_ok(), "as long as the source may record one");
+        r.settlement_reference = "x".repeat(SETTLEMENT_REFERENCE_LENGTH_MAX + 1);
+        assert!(matches!(
+            validate(&r),
+            Err(LedgerError::InvalidField {
+                field: "settlement_reference",
+                ..
+            })
+        ));
+        let mut r = request();
+        r.client_reference = "a\0b".into();
+        assert!(matches!(
+            validate(&r),
+            Err(LedgerError::InvalidField {
+                field: "client_reference",
+                ..
+            })
+        ));
     }
 }

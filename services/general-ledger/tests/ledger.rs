@@ -83,6 +83,7 @@ fn journal(key: &str, entries: Vec<pb::EntryInput>) -> pb::AppendJournalRequest 
         entries,
         reversal_of: String::new(),
         correction: None,
+        ..Default::default()
     }
 }
 
@@ -391,6 +392,302 @@ async fn idempotency_same_payload_same_journal_changed_payload_conflicts_concurr
         .await
         .unwrap();
     assert_eq!(n, 1);
+    server.stop().await.unwrap();
+}
+
+fn event(payout: &str, event_type: &str, version: u32) -> pb::AppendTransactionEventRequest {
+    pb::AppendTransactionEventRequest {
+        source_service: "payment-resource".into(),
+        source_transaction_id: payout.into(),
+        event_type: event_type.into(),
+        event_version: version,
+        occurred_at: "2026-03-01T10:00:00.123456Z".into(),
+        correlation_id: payout.into(),
+        actor_id: "worker-a".into(),
+        metadata_json: r#"{"from_state":"PENDING","to_state":"CLAIMED","fencing_token":7}"#.into(),
+        source_sequence: u64::from(version) + 40,
+    }
+}
+
+/// Lifecycle events (spec 002 `transaction_events`): idempotent on (source service, source
+/// transaction, event version). An identical retry answers the original event, even from another
+/// source position (delivery metadata: the first one stays); the same key with other content is
+/// IDEMPOTENCY_CONFLICT naming the original and writes nothing; concurrent identical appends make
+/// one event; an event creates no journal and no entry; its source order is stored; a version 0,
+/// a position beyond `bigint` and a missing identity are refused typed.
+#[tokio::test]
+async fn transaction_events_are_idempotent_by_source_and_version_and_a_changed_event_conflicts() {
+    let (server, mut client, url) = start().await;
+    let first = client
+        .append_transaction_event(event("p-1", "PAYOUT_CLAIMED", 2))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(first.created);
+    assert!(!first.recorded_at.is_empty());
+    // The same event again, delivered from another position: the original, unchanged.
+    let mut redelivered = event("p-1", "PAYOUT_CLAIMED", 2);
+    redelivered.source_sequence = 99;
+    // Another spelling of the same metadata and time is the same content.
+    redelivered.metadata_json =
+        r#"{"fencing_token":7,"to_state":"CLAIMED","from_state":"PENDING"}"#.into();
+    redelivered.occurred_at = "2026-03-01T11:00:00.123456+01:00".into();
+    let again = client
+        .append_transaction_event(redelivered)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.created);
+    assert_eq!(
+        (again.event_id.as_str(), again.recorded_at.as_str()),
+        (first.event_id.as_str(), first.recorded_at.as_str())
+    );
+    // The same key with other content: a conflict naming the original, nothing written.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let events = |pool: sqlx::PgPool| async move {
+        sqlx::query_as::<_, (String, String, i32, Option<i64>)>(
+            "SELECT id::text, event_type, event_version, source_sequence FROM transaction_events \
+             WHERE source_service = 'payment-resource' AND source_transaction_id = 'p-1' ORDER BY event_version",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    let before = events(pool.clone()).await;
+    for changed in [
+        event("p-1", "PAYOUT_FAILED", 2),
+        pb::AppendTransactionEventRequest {
+            actor_id: "worker-b".into(),
+            ..event("p-1", "PAYOUT_CLAIMED", 2)
+        },
+        pb::AppendTransactionEventRequest {
+            metadata_json: r#"{"fencing_token":8}"#.into(),
+            ..event("p-1", "PAYOUT_CLAIMED", 2)
+        },
+        pb::AppendTransactionEventRequest {
+            occurred_at: "2026-03-01T10:00:01Z".into(),
+            ..event("p-1", "PAYOUT_CLAIMED", 2)
+        },
+    ] {
+        let status = client.append_transaction_event(changed).await.unwrap_err();
+        assert_eq!(reason(&status), R::IdempotencyConflict);
+        let detail: pb::Rejection = service_kit::rejection::decode(&status).unwrap();
+        assert_eq!(detail.existing_journal_id, first.event_id);
+    }
+    assert_eq!(
+        events(pool.clone()).await,
+        before,
+        "a conflict wrote nothing"
+    );
+    assert_eq!(
+        before,
+        [(first.event_id.clone(), "PAYOUT_CLAIMED".into(), 2, Some(42))],
+        "the first delivery's source position stays"
+    );
+
+    // Concurrent identical appends of a new version: one event.
+    let mut tasks = Vec::new();
+    for _ in 0..12 {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            c.append_transaction_event(event("p-1", "PAYOUT_SUBMITTED", 3))
+                .await
+                .map(|r| r.into_inner())
+        }));
+    }
+    let mut ids = std::collections::HashSet::new();
+    let mut created = 0;
+    for t in tasks {
+        let r = t.await.unwrap().expect("every identical append succeeds");
+        created += r.created as usize;
+        ids.insert(r.event_id);
+    }
+    assert_eq!((created, ids.len()), (1, 1));
+    // The same version of another payout is another event.
+    assert!(
+        client
+            .append_transaction_event(event("p-2", "PAYOUT_CLAIMED", 2))
+            .await
+            .unwrap()
+            .into_inner()
+            .created
+    );
+    assert_eq!(
+        events(pool.clone())
+            .await
+            .iter()
+            .map(|(_, t, v, s)| (t.as_str(), *v, *s))
+            .collect::<Vec<_>>(),
+        [
+            ("PAYOUT_CLAIMED", 2, Some(42)),
+            ("PAYOUT_SUBMITTED", 3, Some(43))
+        ]
+    );
+    // Non-monetary: no journal, no entry.
+    assert_eq!(journal_count(&url).await, 0);
+
+    // Refused, typed, naming the field, writing nothing.
+    let count = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM transaction_events")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let stored = count(pool.clone()).await;
+    for (bad, want, field) in [
+        (
+            event("p-3", "PAYOUT_CLAIMED", 0),
+            R::MissingSourceIdentity,
+            "event_version",
+        ),
+        (
+            pb::AppendTransactionEventRequest {
+                source_sequence: i64::MAX as u64 + 1,
+                ..event("p-3", "PAYOUT_CLAIMED", 1)
+            },
+            R::InvalidField,
+            "source_sequence",
+        ),
+        (
+            event("", "PAYOUT_CLAIMED", 1),
+            R::MissingSourceIdentity,
+            "source_transaction_id",
+        ),
+        (event("p-3", "", 1), R::MissingSourceIdentity, "event_type"),
+        (
+            pb::AppendTransactionEventRequest {
+                occurred_at: String::new(),
+                ..event("p-3", "PAYOUT_CLAIMED", 1)
+            },
+            R::InvalidField,
+            "occurred_at",
+        ),
+    ] {
+        let status = client.append_transaction_event(bad).await.unwrap_err();
+        let detail: pb::Rejection = service_kit::rejection::decode(&status).unwrap();
+        assert_eq!((reason(&status), detail.field.as_str()), (want, field));
+    }
+    assert_eq!(count(pool.clone()).await, stored);
+    server.stop().await.unwrap();
+}
+
+/// A posted payout's journal carries its settlement references as fields (the rail's reference,
+/// the client reference) and the source's order beside the receipt order, and GetJournal (by id
+/// and by idempotency key) returns them as appended. A retry from another source position is the
+/// same journal with its first position; a retry with another settlement reference is a
+/// conflict. A journal without the new fields (the shape before them) reads back empty and zero,
+/// and its retry with a source position is the same journal (the position is outside the hash).
+#[tokio::test]
+async fn get_journal_returns_the_settlement_references_and_the_source_order() {
+    let (server, mut client, _url) = start().await;
+    open(&mut client, customer("a1"), "EUR").await;
+    let settled = pb::AppendJournalRequest {
+        source_sequence: 41,
+        settlement_reference: "rail-ref-7".into(),
+        client_reference: "cref-p-7".into(),
+        ..payout("payment-resource:payout:p-7:posting:v1", "a1", "10.00")
+    };
+    let appended = client
+        .append_journal(settled.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .journal
+        .unwrap();
+    assert_eq!(
+        (
+            appended.source_sequence,
+            appended.settlement_reference.as_str(),
+            appended.client_reference.as_str()
+        ),
+        (41, "rail-ref-7", "cref-p-7")
+    );
+    assert!(appended.receipt_sequence > 0);
+    for key in [
+        pb::get_journal_request::Key::JournalId(appended.journal_id.clone()),
+        pb::get_journal_request::Key::IdempotencyKey(settled.idempotency_key.clone()),
+    ] {
+        let read = client
+            .get_journal(pb::GetJournalRequest { key: Some(key) })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(read, appended, "GetJournal answers the journal as appended");
+    }
+    // Redelivered from another position: the same journal, the first position.
+    let again = client
+        .append_journal(pb::AppendJournalRequest {
+            source_sequence: 77,
+            ..settled.clone()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.created);
+    assert_eq!(again.journal.as_ref(), Some(&appended));
+    // Another settlement reference under the key: a conflict.
+    let status = client
+        .append_journal(pb::AppendJournalRequest {
+            settlement_reference: "rail-ref-8".into(),
+            ..settled.clone()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&status), R::IdempotencyConflict);
+    // Without the references: another content too (they are in the hash once given).
+    let status = client
+        .append_journal(pb::AppendJournalRequest {
+            settlement_reference: String::new(),
+            client_reference: String::new(),
+            ..settled.clone()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&status), R::IdempotencyConflict);
+
+    // The shape before the new fields: empty, zero, and its hash is the one it always had
+    // (`validate::tests::a_journal_without_the_new_fields_keeps_the_hash_it_always_had`).
+    let old_shape = payout("k-old", "a1", "1.00");
+    let old = client
+        .append_journal(old_shape.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .journal
+        .unwrap();
+    assert_eq!(
+        (
+            old.source_sequence,
+            old.settlement_reference.as_str(),
+            old.client_reference.as_str()
+        ),
+        (0, "", "")
+    );
+    assert_eq!(
+        old.payload_hash,
+        general_ledger::validate::validate(&old_shape)
+            .unwrap()
+            .payload_hash
+    );
+    let positioned = client
+        .append_journal(pb::AppendJournalRequest {
+            source_sequence: 5,
+            ..old_shape
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!positioned.created, "the source position is not content");
+    assert_eq!(positioned.journal.unwrap().source_sequence, 0);
+    let missing = client
+        .get_journal(pb::GetJournalRequest {
+            key: Some(pb::get_journal_request::Key::IdempotencyKey(
+                "no-such-key".into(),
+            )),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&missing), R::NotFound);
     server.stop().await.unwrap();
 }
 
@@ -986,7 +1283,7 @@ mod ledger_values {
 fn ledger_call() -> impl proptest::strategy::Strategy<Value = LedgerCall> {
     use ledger_values::*;
     use proptest::prelude::*;
-    use testkit::wire::{hostile_enum, hostile_text, hostile_u32};
+    use testkit::wire::{hostile_enum, hostile_text, hostile_u32, hostile_u64};
     let version = || hostile_u32((1u32..4).boxed());
     let journal = (
         (
@@ -1003,12 +1300,18 @@ fn ledger_call() -> impl proptest::strategy::Strategy<Value = LedgerCall> {
             text("worker-[a-z]{1,4}"),
         ),
         (metadata(), entries(), hostile_text_or_uuid(), correction()),
+        (
+            hostile_u64((1u64..1_000).boxed()),
+            prop_oneof![Just(String::new()), text("rail-[a-z0-9]{1,8}")],
+            prop_oneof![Just(String::new()), text("cref-[a-z0-9]{1,8}")],
+        ),
     )
         .prop_map(
             |(
                 (source_service, idempotency_key, source_transaction_id, tracking_code),
                 (effect_kind, effect_version, occurred_at, correlation_id, actor_id),
                 (metadata_json, entries, reversal_of, correction),
+                (source_sequence, settlement_reference, client_reference),
             )| {
                 LedgerCall::AppendJournal(pb::AppendJournalRequest {
                     source_service,
@@ -1024,6 +1327,9 @@ fn ledger_call() -> impl proptest::strategy::Strategy<Value = LedgerCall> {
                     entries,
                     reversal_of,
                     correction,
+                    source_sequence,
+                    settlement_reference,
+                    client_reference,
                 })
             },
         );
@@ -1039,12 +1345,13 @@ fn ledger_call() -> impl proptest::strategy::Strategy<Value = LedgerCall> {
             text("corr-[a-z]{1,4}"),
             text("worker-[a-z]{1,4}"),
             metadata(),
+            hostile_u64((1u64..1_000).boxed()),
         ),
     )
         .prop_map(
             |(
                 (source_service, source_transaction_id, event_type, event_version),
-                (occurred_at, correlation_id, actor_id, metadata_json),
+                (occurred_at, correlation_id, actor_id, metadata_json, source_sequence),
             )| {
                 LedgerCall::AppendTransactionEvent(pb::AppendTransactionEventRequest {
                     source_service,
@@ -1055,6 +1362,7 @@ fn ledger_call() -> impl proptest::strategy::Strategy<Value = LedgerCall> {
                     correlation_id,
                     actor_id,
                     metadata_json,
+                    source_sequence,
                 })
             },
         );

@@ -3,7 +3,9 @@
 //! everything else with the token it mints.
 //!
 //! Architecture invariant: no timer in this process decides expiry. etcd's lease (replicated) or
-//! PostgreSQL's clock does; the only timers here bound how long a caller waits.
+//! PostgreSQL's clock does; the only timers here bound how long a caller waits, and the session
+//! view's sweep (`session`) only reads. The grace period after lockdb's outage is one statement by
+//! the database's clock, run when lockdb answers again, not when a timer fires.
 
 pub mod authz;
 pub mod backend;
@@ -12,6 +14,7 @@ pub mod error;
 pub mod issued;
 pub mod queue;
 pub mod service;
+pub mod session;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -57,6 +60,7 @@ pub async fn build(
     config: &Config,
     metrics: &service_kit::Metrics,
 ) -> Result<LockServiceImpl, LockError> {
+    let lock_metrics = service::LockMetrics::register(metrics);
     let backend = match &config.backend {
         BackendConfig::Etcd {
             endpoints,
@@ -64,17 +68,24 @@ pub async fn build(
             prefix,
             grant_retention_ms,
         } => Backend::Etcd(Box::new(
-            EtcdBackend::connect(endpoints, tls, prefix, *grant_retention_ms).await?,
+            EtcdBackend::connect(
+                endpoints,
+                tls,
+                prefix,
+                *grant_retention_ms,
+                lock_metrics.sessions.clone(),
+            )
+            .await?,
         )),
-        BackendConfig::Postgres { database_url } => {
-            Backend::Postgres(PgBackend::connect(database_url).await?)
-        }
+        BackendConfig::Postgres { database_url } => Backend::Postgres(
+            PgBackend::connect(database_url, lock_metrics.sessions.clone()).await?,
+        ),
     };
     let issued = issued::IssuedTokens::open(&config.issued_tokens_path)?;
     Ok(LockServiceImpl::new(
         backend,
         issued,
-        service::LockMetrics::register(metrics),
+        lock_metrics,
         Arc::clone(&config.signer),
     ))
 }
@@ -112,6 +123,16 @@ pub async fn serve(
             tokio::time::sleep(Duration::from_millis(service::HEALTH_PERIOD_MS)).await;
         }
     });
+    // The session view (spec 2.4): states, transitions, and the backend's failovers noticed.
+    let sweep_task = tokio::spawn({
+        let service = service.clone();
+        async move {
+            loop {
+                service.sweep_sessions().await;
+                tokio::time::sleep(Duration::from_millis(session::SWEEP_MS)).await;
+            }
+        }
+    });
     let result = server
         .add_service(health)
         .add_service(
@@ -122,6 +143,7 @@ pub async fn serve(
         .await
         .map_err(grpc_error);
     health_task.abort();
+    sweep_task.abort();
     result
 }
 

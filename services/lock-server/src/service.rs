@@ -14,6 +14,7 @@ use crate::backend::{Attempt, Backend, GrantInfo, HandleRef, Holder};
 use crate::error::LockError;
 use crate::issued::{AdmitError, IssuedTokens};
 use crate::queue::{Queues, Ticket};
+use crate::session::{SessionMetrics, SessionState, Tracker};
 
 /// Owner identities are names of workers or operators, not documents.
 pub const OWNER_LENGTH_MAX: usize = 256;
@@ -74,6 +75,8 @@ pub struct LockMetrics {
     /// The server's `unauthorised_calls_total`: a force-revoke naming an operator its
     /// certificate does not carry is counted there.
     unauthorised_calls: IntCounterVec,
+    /// The session lifecycle's (spec 2.4).
+    pub sessions: SessionMetrics,
 }
 
 impl LockMetrics {
@@ -88,6 +91,7 @@ impl LockMetrics {
                 &["backend"],
             ),
             unauthorised_calls: metrics.unauthorised_calls(),
+            sessions: SessionMetrics::register(metrics),
         }
     }
 }
@@ -103,6 +107,8 @@ struct Inner {
     /// Places kept for the next call of a caller whose call ended unanswered, by (key, owner,
     /// session), each for [`PLACE_KEPT_MS`].
     kept: std::sync::Mutex<std::collections::HashMap<(String, String, String), Ticket>>,
+    /// The last state seen of each session: transitions and the `lock_sessions` gauge.
+    sessions: Tracker,
 }
 
 #[derive(Clone)]
@@ -179,6 +185,7 @@ impl LockServiceImpl {
         metrics: LockMetrics,
         signer: Arc<Signer>,
     ) -> Self {
+        let sessions = Tracker::new(metrics.sessions.clone(), backend.name());
         Self {
             inner: Arc::new(Inner {
                 backend,
@@ -187,8 +194,25 @@ impl LockServiceImpl {
                 metrics,
                 queues: Arc::new(Queues::default()),
                 kept: Default::default(),
+                sessions,
             }),
         }
+    }
+
+    /// One reading of the session view (spec 2.4): transitions counted and logged, the
+    /// `lock_sessions` gauge set, and the backend probed for a failover. Run every
+    /// [`crate::session::SWEEP_MS`] by [`crate::serve`]; a failed reading is skipped.
+    pub async fn sweep_sessions(&self) {
+        let followed = self.inner.sessions.followed();
+        match self.inner.backend.sessions_view(&followed).await {
+            Ok(view) => self.inner.sessions.observe_all(view),
+            Err(e) => tracing::debug!(error = %e, "session view not read this time"),
+        }
+    }
+
+    /// Transitions seen between two states, for tests and `payoutctl`.
+    pub fn session_transitions(&self, from: SessionState, to: SessionState) -> u64 {
+        self.inner.sessions.transitions(from, to)
     }
 
     pub fn backend(&self) -> &Backend {
@@ -261,6 +285,9 @@ impl LockServiceImpl {
         let s = self.inner.backend.create_session(owner, ttl_ms).await?;
         tracing::info!(event = event::SESSION_CREATED, owner, session_id = %s.session_id, ttl_ms = s.ttl_ms, "session created");
         self.count(event::SESSION_CREATED);
+        self.inner
+            .sessions
+            .observe(&s.session_id, SessionState::Active);
         Ok((s.session_id, s.ttl_ms))
     }
 
@@ -352,6 +379,9 @@ impl LockServiceImpl {
             "session closed"
         );
         self.count(event::SESSION_CLOSED);
+        self.inner
+            .sessions
+            .observe(session_id, SessionState::Closed);
         Ok(())
     }
 
@@ -626,6 +656,10 @@ impl LockServiceImpl {
                 token: h.token,
                 server_expiry_unix_ms: h.server_expiry_unix_ms,
                 waiter_count,
+                holder_session_state: h
+                    .session_state
+                    .map(|s| s.as_str().to_string())
+                    .unwrap_or_default(),
             },
             None => pb::DescribeResponse {
                 key: key.to_string(),

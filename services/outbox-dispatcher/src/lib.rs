@@ -1,8 +1,13 @@
 //! The outbox dispatcher: delivers the payment resource's `ledger_outbox` rows (written in the
-//! same transaction as its ledger rows) to the General Ledger's `AppendJournal`.
+//! same transaction as its ledger rows, or as the payout transition they record) to the General
+//! Ledger, each according to its kind (paydb 0008): a JOURNAL (a monetary effect) to
+//! `AppendJournal`, a TRANSACTION_EVENT (a step of a payout's lifecycle, no money) to
+//! `AppendTransactionEvent`. Either carries the row's id as its `source_sequence`, the source's
+//! own order, which the GL records beside its receipt order.
 //!
-//! * At least once: a row is marked delivered only after the GL answered with its journal; the
-//!   GL's idempotency makes a repeated delivery return the same journal.
+//! * At least once: a row is marked delivered only after the GL answered with its journal (or
+//!   event), whose id the row records in `journal_id`; the GL's idempotency makes a repeated
+//!   delivery return the same journal (event).
 //! * In order per account: only the oldest undelivered row of an account is ever claimable, so
 //!   row N+1 never reaches the GL before row N (a quarantined row holds its account's later rows).
 //! * Several instances: rows are claimed with `FOR UPDATE SKIP LOCKED` and a lease; a crashed
@@ -13,7 +18,8 @@
 //!
 //! Architecture invariant: the dispatcher writes only the delivery columns of `ledger_outbox`
 //! (attempts, next_attempt_at, last_error, delivered_at, journal_id, quarantined_at, claimed_by,
-//! claim_expires_at); id, account_id, idempotency_key, payload and created_at are never written.
+//! claim_expires_at); id, account_id, idempotency_key, kind, payload and created_at are never
+//! written.
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
@@ -113,14 +119,22 @@ struct Claimed {
     id: i64,
     account_id: String,
     idempotency_key: String,
+    /// JOURNAL or TRANSACTION_EVENT: which GL call delivers the row.
+    kind: String,
     payload: serde_json::Value,
     attempts: i32,
 }
+
+/// `ledger_outbox.kind` of a monetary effect, delivered by `AppendJournal`.
+pub const KIND_JOURNAL: &str = "JOURNAL";
+/// `ledger_outbox.kind` of a lifecycle step, delivered by `AppendTransactionEvent`.
+pub const KIND_TRANSACTION_EVENT: &str = "TRANSACTION_EVENT";
 
 /// What one delivery attempt decided.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Delivery {
     Delivered {
+        /// The GL's id of what it recorded: the journal's, or the transaction event's.
         journal_id: String,
         created: bool,
     },
@@ -286,7 +300,7 @@ impl Dispatcher {
              UPDATE ledger_outbox t
                 SET claimed_by = $2, claim_expires_at = now() + make_interval(secs => $3), attempts = t.attempts + 1
                FROM candidates c WHERE t.id = c.id
-             RETURNING t.id, t.account_id, t.idempotency_key, t.payload, t.attempts",
+             RETURNING t.id, t.account_id, t.idempotency_key, t.kind, t.payload, t.attempts",
         )
         .bind(self.config.batch_size.clamp(1, BATCH_SIZE_MAX))
         .bind(&self.config.instance_id)
@@ -299,6 +313,7 @@ impl Dispatcher {
                 id: r.get("id"),
                 account_id: r.get("account_id"),
                 idempotency_key: r.get("idempotency_key"),
+                kind: r.get("kind"),
                 payload: r.get("payload"),
                 attempts: r.get("attempts"),
             })
@@ -314,6 +329,45 @@ impl Dispatcher {
     }
 
     async fn deliver(&self, row: &Claimed) -> Delivery {
+        match row.kind.as_str() {
+            KIND_JOURNAL => self.deliver_journal(row).await,
+            KIND_TRANSACTION_EVENT => self.deliver_event(row).await,
+            other => Delivery::Quarantine {
+                reason: "MALFORMED_PAYLOAD".into(),
+                detail: format!("unknown outbox row kind {other:?}"),
+            },
+        }
+    }
+
+    /// A lifecycle step: non-monetary history, idempotent in the GL on (source service, source
+    /// transaction, event version). A refusal is classified as a journal's is.
+    async fn deliver_event(&self, row: &Claimed) -> Delivery {
+        let request = match to_event_request(row) {
+            Ok(r) => r,
+            Err(detail) => {
+                return Delivery::Quarantine {
+                    reason: "MALFORMED_PAYLOAD".into(),
+                    detail,
+                }
+            }
+        };
+        match self.client.clone().append_transaction_event(request).await {
+            Ok(response) => {
+                let response = response.into_inner();
+                assert!(
+                    !response.event_id.is_empty(),
+                    "the GL answers AppendTransactionEvent with its event"
+                );
+                Delivery::Delivered {
+                    journal_id: response.event_id,
+                    created: response.created,
+                }
+            }
+            Err(status) => classify(status),
+        }
+    }
+
+    async fn deliver_journal(&self, row: &Claimed) -> Delivery {
         let request = match to_request(row) {
             Ok(r) => r,
             Err(detail) => {
@@ -378,7 +432,7 @@ impl Dispatcher {
                     .with_label_values(&[if created { "true" } else { "false" }])
                     .inc();
                 tracing::info!(outbox_id = row.id, account_id = %row.account_id, idempotency_key = %row.idempotency_key,
-                    journal_id = %journal_id, created, "outbox row delivered");
+                    kind = %row.kind, journal_id = %journal_id, created, "outbox row delivered");
             }
             Delivery::Retry { error } => {
                 let delay_ms = backoff_ms(
@@ -485,39 +539,88 @@ pub fn backoff_ms(attempts: i32, base_ms: u64, max_ms: u64, salt: i64) -> u64 {
     half + hasher.finish() % (ceiling - half + 1)
 }
 
-/// The payload as the payment resource wrote it, as an `AppendJournalRequest`. Only structure is
-/// checked here; content is the GL's to judge (and to reject with a typed reason).
-fn to_request(row: &Claimed) -> Result<pb::AppendJournalRequest, String> {
-    let p = row
-        .payload
-        .as_object()
-        .ok_or("payload is not a JSON object")?;
-    let text = |field: &str| -> Result<String, String> {
-        match p.get(field) {
+/// The row's payload as an object, with its string fields read one way: a missing or null field
+/// is empty, any other non-string is malformed. The payload's idempotency key must be the row's.
+struct Payload<'a> {
+    fields: &'a serde_json::Map<String, serde_json::Value>,
+}
+
+impl<'a> Payload<'a> {
+    fn of(row: &'a Claimed) -> Result<Self, String> {
+        let fields = row
+            .payload
+            .as_object()
+            .ok_or("payload is not a JSON object")?;
+        let payload = Self { fields };
+        let idempotency_key = payload.text("idempotency_key")?;
+        if idempotency_key != row.idempotency_key {
+            return Err(format!(
+                "payload idempotency_key {idempotency_key:?} differs from the row's {:?}",
+                row.idempotency_key
+            ));
+        }
+        Ok(payload)
+    }
+
+    fn text(&self, field: &str) -> Result<String, String> {
+        match self.fields.get(field) {
             None | Some(serde_json::Value::Null) => Ok(String::new()),
             Some(serde_json::Value::String(s)) => Ok(s.clone()),
             Some(other) => Err(format!("{field} is not a string: {other}")),
         }
-    };
-    let idempotency_key = text("idempotency_key")?;
-    if idempotency_key != row.idempotency_key {
-        return Err(format!(
-            "payload idempotency_key {idempotency_key:?} differs from the row's {:?}",
-            row.idempotency_key
-        ));
     }
-    let effect_version = match p.get("effect_version") {
-        Some(v) => v
-            .as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .ok_or("effect_version is not a small unsigned integer")?,
-        None => 0,
-    };
-    let metadata_json = match p.get("metadata") {
-        None | Some(serde_json::Value::Null) => String::new(),
-        Some(m @ serde_json::Value::Object(_)) => m.to_string(),
-        Some(_) => return Err("metadata is not a JSON object".into()),
-    };
+
+    /// A version (missing = 0, which the GL refuses as a missing identity).
+    fn version(&self, field: &str) -> Result<u32, String> {
+        match self.fields.get(field) {
+            Some(v) => v
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or(format!("{field} is not a small unsigned integer")),
+            None => Ok(0),
+        }
+    }
+
+    fn metadata_json(&self) -> Result<String, String> {
+        match self.fields.get("metadata") {
+            None | Some(serde_json::Value::Null) => Ok(String::new()),
+            Some(m @ serde_json::Value::Object(_)) => Ok(m.to_string()),
+            Some(_) => Err("metadata is not a JSON object".into()),
+        }
+    }
+}
+
+/// The row's id as the source's order: outbox ids are positive (`bigserial`).
+fn source_sequence(row: &Claimed) -> u64 {
+    u64::try_from(row.id).expect("outbox row ids are positive")
+}
+
+/// A TRANSACTION_EVENT row's payload as an `AppendTransactionEventRequest`. Structure only, as
+/// for a journal: the content is the GL's to judge.
+fn to_event_request(row: &Claimed) -> Result<pb::AppendTransactionEventRequest, String> {
+    let p = Payload::of(row)?;
+    Ok(pb::AppendTransactionEventRequest {
+        source_service: p.text("source_service")?,
+        source_transaction_id: p.text("source_transaction_id")?,
+        event_type: p.text("event_type")?,
+        event_version: p.version("event_version")?,
+        occurred_at: p.text("occurred_at")?,
+        correlation_id: p.text("correlation_id")?,
+        actor_id: p.text("actor_id")?,
+        metadata_json: p.metadata_json()?,
+        source_sequence: source_sequence(row),
+    })
+}
+
+/// The payload as the payment resource wrote it, as an `AppendJournalRequest`. Only structure is
+/// checked here; content is the GL's to judge (and to reject with a typed reason).
+fn to_request(row: &Claimed) -> Result<pb::AppendJournalRequest, String> {
+    let payload = Payload::of(row)?;
+    let p = payload.fields;
+    let text = |field: &str| payload.text(field);
+    let idempotency_key = row.idempotency_key.clone();
+    let effect_version = payload.version("effect_version")?;
+    let metadata_json = payload.metadata_json()?;
     let entries = p
         .get("entries")
         .and_then(|e| e.as_array())
@@ -572,6 +675,9 @@ fn to_request(row: &Claimed) -> Result<pb::AppendJournalRequest, String> {
         entries: wire_entries,
         reversal_of: text("reversal_of")?,
         correction: None,
+        source_sequence: source_sequence(row),
+        settlement_reference: text("settlement_reference")?,
+        client_reference: text("client_reference")?,
     })
 }
 

@@ -244,6 +244,299 @@ async fn gl_down_for_a_while_then_up_every_row_arrives_exactly_once() {
     gl.stop().await.unwrap();
 }
 
+/// A lifecycle event row of payout `payout_id` (kind TRANSACTION_EVENT), as the payment resource
+/// writes it.
+fn lifecycle(
+    account: &str,
+    payout_id: &str,
+    event_type: &str,
+    version: u32,
+) -> (String, serde_json::Value) {
+    let key = format!("payment-resource:payout:{payout_id}:event:v{version}");
+    let payload = serde_json::json!({
+        "source_service": "payment-resource", "idempotency_key": key, "source_transaction_id": payout_id,
+        "event_type": event_type, "event_version": version,
+        "occurred_at": format!("2026-03-01T10:00:{:02}Z", version), "correlation_id": payout_id,
+        "actor_id": "worker-a",
+        "metadata": {"account_id": account, "payout_id": payout_id, "to_state": event_type},
+    });
+    (key, payload)
+}
+
+async fn insert_event(
+    pool: &PgPool,
+    account: &str,
+    (key, payload): (String, serde_json::Value),
+) -> i64 {
+    sqlx::query_scalar(
+        "INSERT INTO ledger_outbox (account_id, idempotency_key, kind, payload) \
+         VALUES ($1, $2, 'TRANSACTION_EVENT', $3) RETURNING id",
+    )
+    .bind(account)
+    .bind(key)
+    .bind(payload)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Rounds until nothing is left to deliver (quarantined rows and the rows they hold aside).
+async fn drain(dispatcher: &Dispatcher) {
+    for _ in 0..100 {
+        if dispatcher.run_once().await.unwrap().claimed == 0 {
+            return;
+        }
+    }
+    panic!("the outbox did not drain in 100 rounds");
+}
+
+/// Issue 19: a payout's lifecycle reaches the GL through the same outbox as its journal. The
+/// TRANSACTION_EVENT rows are delivered by AppendTransactionEvent and the JOURNAL rows by
+/// AppendJournal, in one per-account order (each row after its predecessor committed in the GL),
+/// each with its outbox id as the source sequence; a delivered row records the GL's event or
+/// journal id; the posting's journal carries its settlement references as fields. Every row
+/// delivered again (the dispatcher died before recording) comes back as the same event or
+/// journal: nothing new in the GL. An event the GL refuses for its content (no version; another
+/// payload under a recorded version) is quarantined with an alert and holds its account's later
+/// rows, as a journal does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payouts_lifecycle_events_reach_the_gl_in_order_with_versions_and_source_order() {
+    let (paydb_url, paydb) = paydb().await;
+    let gl_url = Stack::shared().fresh_db(PgServer::Main).await;
+    let gl = general_ledger::spawn(
+        general_ledger::Config::new(&gl_url, tls(Role::GeneralLedger)),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let mut ids = vec![insert(&paydb, "acc", opening("acc", "100.00")).await];
+    let steps = [
+        "PAYOUT_CREATED",
+        "PAYOUT_CLAIMED",
+        "PAYOUT_SUBMITTED",
+        "PAYOUT_ACKNOWLEDGED",
+    ];
+    for (n, step) in steps.iter().enumerate() {
+        ids.push(insert_event(&paydb, "acc", lifecycle("acc", "p-1", step, n as u32 + 1)).await);
+        // Another account's rows interleave in the outbox: they have their own order.
+        insert_event(
+            &paydb,
+            "other",
+            lifecycle("other", "q-1", step, n as u32 + 1),
+        )
+        .await;
+    }
+    let (key, mut posting) = payout("acc", "p-1", "1.25", "1.25");
+    posting["settlement_reference"] = "rail-ref-1".into();
+    posting["client_reference"] = "cref-p-1".into();
+    posting["source_transaction_id"] = "p-1".into();
+    let posting_id = insert(&paydb, "acc", (key.clone(), posting)).await;
+    ids.push(posting_id);
+    ids.push(insert_event(&paydb, "acc", lifecycle("acc", "p-1", "PAYOUT_POSTED", 5)).await);
+    let before = financial_columns(&paydb).await;
+
+    let metrics = service_kit::Metrics::default();
+    let dispatcher = Dispatcher::new(fast(&paydb_url, &gl.endpoint(), "d1"), &metrics)
+        .await
+        .unwrap();
+    drain(&dispatcher).await;
+    assert_eq!(
+        count(
+            &paydb,
+            "SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NULL"
+        )
+        .await,
+        0
+    );
+    let gl_db = PgPool::connect(&gl_url).await.unwrap();
+    let events = |payout: &'static str| {
+        let gl_db = gl_db.clone();
+        async move {
+            sqlx::query_as::<_, (String, String, i32, Option<i64>)>(
+                "SELECT id::text, event_type, event_version, source_sequence FROM transaction_events \
+                 WHERE source_service = 'payment-resource' AND source_transaction_id = $1 ORDER BY event_version",
+            )
+            .bind(payout)
+            .fetch_all(&gl_db)
+            .await
+            .unwrap()
+        }
+    };
+    let p1 = events("p-1").await;
+    let event_rows: Vec<i64> = ids
+        .iter()
+        .copied()
+        .filter(|id| *id != ids[0] && *id != posting_id)
+        .collect();
+    assert_eq!(
+        p1.iter()
+            .map(|(_, t, v, s)| (t.as_str(), *v, *s))
+            .collect::<Vec<_>>(),
+        [
+            ("PAYOUT_CREATED", 1, Some(event_rows[0])),
+            ("PAYOUT_CLAIMED", 2, Some(event_rows[1])),
+            ("PAYOUT_SUBMITTED", 3, Some(event_rows[2])),
+            ("PAYOUT_ACKNOWLEDGED", 4, Some(event_rows[3])),
+            ("PAYOUT_POSTED", 5, Some(event_rows[4])),
+        ],
+        "every step, its version, its outbox row as the source order"
+    );
+    assert_eq!(events("q-1").await.len(), 4);
+    // Each delivered row records what the GL recorded: the event's id, or the journal's.
+    let recorded: Vec<(i64, String, Option<String>)> = sqlx::query_as(
+        "SELECT id, kind, journal_id FROM ledger_outbox WHERE account_id = 'acc' ORDER BY id",
+    )
+    .fetch_all(&paydb)
+    .await
+    .unwrap();
+    let event_ids: Vec<&str> = p1.iter().map(|(id, ..)| id.as_str()).collect();
+    let recorded_events: Vec<&str> = recorded
+        .iter()
+        .filter(|(_, kind, _)| kind == "TRANSACTION_EVENT")
+        .map(|(_, _, j)| j.as_deref().unwrap())
+        .collect();
+    assert_eq!(recorded_events, event_ids);
+    // The account's rows reached the GL in outbox order, journals and events alike.
+    let receipt: Vec<(String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT id::text, recorded_at FROM journals \
+         UNION ALL SELECT id::text, recorded_at FROM transaction_events",
+    )
+    .fetch_all(&gl_db)
+    .await
+    .unwrap();
+    let at: std::collections::HashMap<String, chrono::DateTime<chrono::Utc>> =
+        receipt.into_iter().collect();
+    let times: Vec<chrono::DateTime<chrono::Utc>> = recorded
+        .iter()
+        .map(|(id, _, j)| {
+            *at.get(j.as_deref().unwrap())
+                .unwrap_or_else(|| panic!("row {id} in the GL"))
+        })
+        .collect();
+    assert!(
+        times.windows(2).all(|w| w[0] < w[1]),
+        "in outbox order: {times:?}"
+    );
+    // Events are no money: the GL holds the two journals of the account, no more.
+    assert_eq!(count(&gl_db, "SELECT count(*) FROM journals").await, 2);
+    // The posting's journal, read back: the references and the source order as fields.
+    let mut client = GeneralLedgerServiceClient::new(
+        tls(Role::Operator)
+            .connect(&gl.endpoint(), Role::GeneralLedger)
+            .await
+            .unwrap(),
+    );
+    let journal = client
+        .get_journal(pb::GetJournalRequest {
+            key: Some(pb::get_journal_request::Key::IdempotencyKey(key.clone())),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            journal.source_sequence,
+            journal.settlement_reference.as_str(),
+            journal.client_reference.as_str()
+        ),
+        (posting_id as u64, "rail-ref-1", "cref-p-1")
+    );
+
+    // Delivered again, every row (as after a dispatcher that died before recording): the same
+    // events and journals, nothing new.
+    let gl_rows =
+        "SELECT (SELECT count(*) FROM journals) + (SELECT count(*) FROM transaction_events)";
+    let gl_before = count(&gl_db, gl_rows).await;
+    let redelivered = sqlx::query(
+        "UPDATE ledger_outbox SET delivered_at = NULL, journal_id = NULL, next_attempt_at = now()",
+    )
+    .execute(&paydb)
+    .await
+    .unwrap()
+    .rows_affected();
+    drain(&dispatcher).await;
+    assert_eq!(
+        count(&gl_db, gl_rows).await,
+        gl_before,
+        "no second event or journal"
+    );
+    let again: Vec<(i64, String, Option<String>)> = sqlx::query_as(
+        "SELECT id, kind, journal_id FROM ledger_outbox WHERE account_id = 'acc' ORDER BY id",
+    )
+    .fetch_all(&paydb)
+    .await
+    .unwrap();
+    assert_eq!(again, recorded, "the same GL ids recorded again");
+    assert!(
+        metrics.render().contains(&format!(
+            "outbox_delivered_total{{created=\"false\"}} {redelivered}"
+        )),
+        "{}",
+        metrics.render()
+    );
+    assert_eq!(events("p-1").await, p1, "the first source order stays");
+
+    // Refused for its content: quarantined, alerted, holding the account's later rows.
+    let mut alerts = dispatcher.subscribe_alerts();
+    let (key, mut no_version) = lifecycle("bad", "r-1", "PAYOUT_CREATED", 1);
+    no_version["event_version"] = 0.into();
+    let unversioned = insert_event(&paydb, "bad", (key, no_version)).await;
+    let held = insert_event(&paydb, "bad", lifecycle("bad", "r-1", "PAYOUT_CLAIMED", 2)).await;
+    // p-1's version 2 again under another key, saying something else: a conflict in the GL.
+    let (_, mut conflicting) = lifecycle("acc", "p-1", "PAYOUT_FAILED", 2);
+    conflicting["idempotency_key"] = "payment-resource:payout:p-1:event:v2-again".into();
+    let conflict = insert_event(
+        &paydb,
+        "acc",
+        (
+            "payment-resource:payout:p-1:event:v2-again".into(),
+            conflicting,
+        ),
+    )
+    .await;
+    drain(&dispatcher).await;
+    let mut got = [alerts.try_recv().unwrap(), alerts.try_recv().unwrap()];
+    got.sort_by_key(|a| a.outbox_id);
+    assert_eq!(
+        got.iter()
+            .map(|a| (a.outbox_id, a.reason.as_str()))
+            .collect::<Vec<_>>(),
+        [
+            (unversioned, "MISSING_SOURCE_IDENTITY"),
+            (conflict, "IDEMPOTENCY_CONFLICT")
+        ]
+    );
+    assert!(
+        got[1].detail.contains(event_ids[1]),
+        "names the original event: {}",
+        got[1].detail
+    );
+    let held_state: (
+        Option<chrono::DateTime<chrono::Utc>>,
+        Option<chrono::DateTime<chrono::Utc>>,
+    ) = sqlx::query_as("SELECT delivered_at, quarantined_at FROM ledger_outbox WHERE id = $1")
+        .bind(held)
+        .fetch_one(&paydb)
+        .await
+        .unwrap();
+    assert_eq!(
+        held_state,
+        (None, None),
+        "held behind the quarantined event"
+    );
+    assert_eq!(
+        events("p-1").await,
+        p1,
+        "the conflicting event wrote nothing"
+    );
+    assert_eq!(
+        &financial_columns(&paydb).await[..before.len()],
+        &before[..],
+        "payload columns untouched"
+    );
+    gl.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_works_after_a_fix() {
     let (paydb_url, paydb) = paydb().await;

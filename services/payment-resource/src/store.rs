@@ -89,7 +89,7 @@ fn account_of_lock_key(key: &str) -> Option<AccountId> {
 
 const PAYOUT_COLUMNS: &str = "id, account_id, amount_minor, currency, beneficiary_ref, state, client_reference, \
      claimed_by, token_stamp, failure_reason, rail_ref, rail_outcome, transaction_group, created_at, claimed_at, \
-     submitted_at, settled_at, updated_at";
+     submitted_at, settled_at, updated_at, version";
 const ACCOUNT_COLUMNS: &str =
     "id, currency, balance_minor, opening_balance_minor, fence, version, created_at, updated_at";
 const ENTRY_COLUMNS: &str =
@@ -247,6 +247,9 @@ struct PayoutRow {
     submitted_at: Option<DateTime<Utc>>,
     settled_at: Option<DateTime<Utc>>,
     updated_at: DateTime<Utc>,
+    /// 0 at creation, +1 per transition: the payout's lifecycle event of this row is
+    /// `version + 1` (`outbox::payout_event_key`).
+    version: i64,
 }
 
 fn stored<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) -> Result<T, ServerError> {
@@ -882,13 +885,17 @@ impl Store {
         error.into()
     }
 
-    /// Writes the transition and its audit row, then commits.
+    /// Writes the transition, its audit row and its lifecycle event's outbox row (kind
+    /// TRANSACTION_EVENT, on the payout's account, version = the payout's version + 1), then
+    /// commits: all or nothing. `operator` is the verified operator of an operator's step, who is
+    /// the event's actor; otherwise the grant's owner is.
     #[allow(clippy::too_many_arguments)]
     async fn commit_transition(
         &self,
         mut fenced: Fenced,
         event: PayoutEvent,
         actor: Actor,
+        operator: Option<&str>,
         fence: &Fence,
         to: PayoutState,
         changes: Changes,
@@ -921,8 +928,11 @@ impl Store {
         .bind(from.as_str())
         .fetch_optional(&mut *fenced.tx)
         .await;
-        let updated = match updated {
-            Ok(Some(row)) => row.into_model()?,
+        let (updated, version) = match updated {
+            Ok(Some(row)) => {
+                let version = row.version;
+                (row.into_model()?, version)
+            }
             Ok(None) => {
                 // The row is locked FOR UPDATE by this transaction: its state cannot have moved.
                 return Err(ServerError::InvariantBroken(format!(
@@ -953,6 +963,17 @@ impl Store {
             },
         )
         .await?;
+        let lifecycle = outbox::PayoutLifecycle {
+            payout: &updated,
+            transition: Some((from, event)),
+            event_version: version + 1,
+            actor_id: operator.unwrap_or(fence.owner()),
+            actor_role: actor.as_str(),
+            owner: Some(fence.owner()),
+            token: Some(fence.token()),
+            occurred_at: updated.updated_at,
+        };
+        insert_lifecycle_event(&mut fenced.tx, &lifecycle).await?;
         fenced.tx.commit().await?;
         self.counters
             .transitions
@@ -1019,7 +1040,7 @@ impl Store {
     ) -> Result<Payout, ServerError> {
         match fenced.payout.state.apply(event, actor) {
             Ok(to) => {
-                self.commit_transition(fenced, event, actor, fence, to, changes, detail)
+                self.commit_transition(fenced, event, actor, None, fence, to, changes, detail)
                     .await
             }
             Err(refusal) => Err(self.refuse(fenced, refusal, actor, Some(fence)).await),
@@ -1105,7 +1126,14 @@ impl Store {
                 group,
                 inserted.created_at,
             );
-            insert_outbox(&mut tx, account_id.as_str(), &key, &payload).await?;
+            insert_outbox(
+                &mut tx,
+                account_id.as_str(),
+                &key,
+                outbox::OutboxKind::Journal,
+                &payload,
+            )
+            .await?;
         }
         insert_audit(
             &mut *tx,
@@ -1190,6 +1218,7 @@ impl Store {
             }
             .into());
         };
+        let version = inserted.version;
         let payout = inserted.into_model()?;
         insert_audit(
             &mut *tx,
@@ -1197,7 +1226,7 @@ impl Store {
                 payout_id: Some(payout.payout_id.as_str()),
                 account_id: Some(payout.account_id.as_str()),
                 kind: "payout_created",
-                actor: "CREATOR",
+                actor: outbox::CREATOR_ACTOR,
                 owner: None,
                 token: None,
                 from_state: None,
@@ -1205,6 +1234,21 @@ impl Store {
                 event: None,
                 detail: json!({"amount_minor": payout.amount_minor, "currency": payout.currency.as_str(),
                                "client_reference": payout.client_reference}),
+            },
+        )
+        .await?;
+        // The lifecycle's first event (version 1: the payout's version 0, plus one).
+        insert_lifecycle_event(
+            &mut tx,
+            &outbox::PayoutLifecycle {
+                payout: &payout,
+                transition: None,
+                event_version: version + 1,
+                actor_id: outbox::CREATOR_ACTOR,
+                actor_role: outbox::CREATOR_ACTOR,
+                owner: None,
+                token: None,
+                occurred_at: payout.created_at,
             },
         )
         .await?;
@@ -1545,6 +1589,7 @@ impl Store {
             fenced,
             PayoutEvent::OperatorAbandon,
             Actor::Operator,
+            Some(&request.operator),
             fence,
             to,
             changes,
@@ -1660,8 +1705,16 @@ impl Store {
             token: fence.token(),
             transaction_group: group,
             occurred_at: fenced.now,
+            rail_ref: payout.rail_ref.as_deref(),
         });
-        insert_outbox(tx, payout.account_id.as_str(), &key, &payload).await?;
+        insert_outbox(
+            tx,
+            payout.account_id.as_str(),
+            &key,
+            outbox::OutboxKind::Journal,
+            &payload,
+        )
+        .await?;
         let changes = Changes {
             settled_now: true,
             transaction_group: Some(group),
@@ -1674,6 +1727,7 @@ impl Store {
                 fenced,
                 PayoutEvent::Posted,
                 Actor::Holder,
+                None,
                 fence,
                 to,
                 changes,
@@ -1911,13 +1965,36 @@ async fn insert_outbox(
     tx: &mut Transaction<'static, Postgres>,
     account_id: &str,
     key: &str,
+    kind: outbox::OutboxKind,
     payload: &Value,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO ledger_outbox (account_id, idempotency_key, payload) VALUES ($1, $2, $3::jsonb)")
-        .bind(account_id)
-        .bind(key)
-        .bind(payload.to_string())
-        .execute(&mut **tx)
-        .await?;
+    sqlx::query(
+        "INSERT INTO ledger_outbox (account_id, idempotency_key, kind, payload) VALUES ($1, $2, $3, $4::jsonb)",
+    )
+    .bind(account_id)
+    .bind(key)
+    .bind(kind.as_str())
+    .bind(payload.to_string())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// A payout's lifecycle step as its outbox row (kind TRANSACTION_EVENT), on the payout's account,
+/// so that the dispatcher delivers it in the account's source order with the account's journals.
+/// In the caller's transaction: the step and its event commit together or not at all.
+async fn insert_lifecycle_event(
+    tx: &mut Transaction<'static, Postgres>,
+    step: &outbox::PayoutLifecycle<'_>,
+) -> Result<(), ServerError> {
+    let payload = outbox::payout_event_payload(step).map_err(ServerError::InvariantBroken)?;
+    insert_outbox(
+        tx,
+        step.payout.account_id.as_str(),
+        &outbox::payout_event_key(&step.payout.payout_id, step.event_version),
+        outbox::OutboxKind::TransactionEvent,
+        &payload,
+    )
+    .await?;
     Ok(())
 }

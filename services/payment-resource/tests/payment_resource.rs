@@ -1260,7 +1260,7 @@ async fn second_in_flight_payout_is_account_busy() {
 }
 
 /// Concurrent postings of one payout: exactly one posts, the others answer as it did; two ledger
-/// rows, one outbox row, the balance debited once.
+/// rows, one posting outbox row and one POSTED event, the balance debited once.
 #[tokio::test]
 async fn concurrent_postings_post_exactly_once() {
     let h = harness().await;
@@ -1297,7 +1297,15 @@ async fn concurrent_postings_post_exactly_once() {
             .await
             .unwrap();
     assert_eq!(payout_rows, 2);
-    assert_eq!(s.outbox_rows, 2, "one opening row and one posting row");
+    let journals: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger_outbox WHERE kind = 'JOURNAL'")
+            .fetch_one(&h.pool)
+            .await
+            .unwrap();
+    assert_eq!(journals, 2, "one opening row and one posting row");
+    // Beside them, the payout's lifecycle: created, claimed, submitted, acknowledged, posted once.
+    assert_eq!(s.outbox_rows, 2 + 5);
+    assert_eq!(lifecycle_rows(&h.pool, "p-1").await.len(), 5);
     assert_ledger_clean(&h).await;
 
     // Many accounts posting at once (each under a grant of its own account's key): the ledger
@@ -1407,6 +1415,271 @@ async fn posting_writes_balanced_rows_and_the_outbox_payload() {
         100_000 - 1_234
     );
 
+    assert_ledger_clean(&h).await;
+}
+
+/// A payout's lifecycle events in the outbox, in outbox order: (id, account, kind, key, payload).
+async fn lifecycle_rows(
+    pool: &PgPool,
+    payout: &str,
+) -> Vec<(i64, String, String, String, serde_json::Value)> {
+    sqlx::query_as::<_, (i64, String, String, String, sqlx::types::Text<String>)>(
+        "SELECT id, account_id, kind, idempotency_key, payload::text FROM ledger_outbox \
+         WHERE kind = 'TRANSACTION_EVENT' AND payload->>'source_transaction_id' = $1 ORDER BY id",
+    )
+    .bind(payout)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, account, kind, key, payload)| {
+        (
+            id,
+            account,
+            kind,
+            key,
+            serde_json::from_str(&payload.0).unwrap(),
+        )
+    })
+    .collect()
+}
+
+/// Issue 19: the payout's lifecycle reaches the GL through the same outbox. Its creation and every
+/// transition (a re-claim, an ambiguity resolved by evidence and the posting included) write one
+/// TRANSACTION_EVENT row each, on the payout's account, versions 1..n in outbox order, with the
+/// step's name, actor and states; the POSTED journal row comes first in the posting's own
+/// transaction and carries the rail's and the client's reference. A refused, fenced-out or
+/// idempotent call writes none, and a transition killed while its event row waits leaves nothing
+/// of itself (the step and its event are one transaction). An operator's abandon names the
+/// verified operator as the event's actor.
+#[tokio::test]
+async fn every_step_of_a_payouts_lifecycle_writes_its_event_in_the_same_transaction() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let p = pid("p-1");
+    let a = fence("acct-1", "worker-a", 10);
+    let b = fence("acct-1", "worker-b", 20);
+    let steps: [(PayoutEvent, &Fence, &str, &str, &str); 6] = [
+        (
+            PayoutEvent::Claim,
+            &a,
+            "PAYOUT_CLAIMED",
+            "PENDING",
+            "worker-a",
+        ),
+        (
+            PayoutEvent::Claim,
+            &b,
+            "PAYOUT_CLAIMED",
+            "CLAIMED",
+            "worker-b",
+        ),
+        (
+            PayoutEvent::SubmissionAccepted,
+            &b,
+            "PAYOUT_SUBMITTED",
+            "CLAIMED",
+            "worker-b",
+        ),
+        (
+            PayoutEvent::RailTimeout,
+            &b,
+            "PAYOUT_AMBIGUOUS",
+            "RAIL_SUBMITTED",
+            "worker-b",
+        ),
+        (
+            PayoutEvent::EvidenceFound,
+            &b,
+            "PAYOUT_RESOLVED",
+            "RAIL_AMBIGUOUS",
+            "worker-b",
+        ),
+        (
+            PayoutEvent::Posted,
+            &b,
+            "PAYOUT_POSTED",
+            "RAIL_ACKED",
+            "worker-b",
+        ),
+    ];
+    let created = lifecycle_rows(&h.pool, "p-1").await;
+    assert_eq!(created.len(), 1);
+    let (_, account, kind, key, v) = &created[0];
+    assert_eq!(
+        (account.as_str(), kind.as_str(), key.as_str()),
+        (
+            "acct-1",
+            "TRANSACTION_EVENT",
+            "payment-resource:payout:p-1:event:v1"
+        )
+    );
+    assert_eq!(
+        (&v["event_type"], &v["event_version"], &v["actor_id"]),
+        (&"PAYOUT_CREATED".into(), &1.into(), &"CREATOR".into())
+    );
+    assert_eq!(v["metadata"]["to_state"], "PENDING");
+    assert!(v["metadata"]["from_state"].is_null());
+    assert_eq!(v["metadata"]["amount_minor"], 1_000);
+    assert_eq!(v["metadata"]["client_reference"], "cref-p-1");
+
+    for (n, (event, f, name, from, actor)) in steps.iter().enumerate() {
+        let version = n as i64 + 2;
+        let after = perform(h.c(), &p, *event, f)
+            .await
+            .unwrap_or_else(|e| panic!("{event:?}: {e}"));
+        let rows = lifecycle_rows(&h.pool, "p-1").await;
+        assert_eq!(rows.len() as i64, version, "one event per step, {event:?}");
+        let (_, account, kind, key, v) = rows.last().unwrap();
+        assert_eq!(
+            (account.as_str(), kind.as_str()),
+            ("acct-1", "TRANSACTION_EVENT")
+        );
+        assert_eq!(
+            key,
+            &format!("payment-resource:payout:p-1:event:v{version}")
+        );
+        assert_eq!(v["idempotency_key"], key.as_str());
+        assert_eq!(v["event_type"], *name, "{event:?}");
+        assert_eq!(v["event_version"], version);
+        assert_eq!(v["source_service"], "payment-resource");
+        assert_eq!(
+            (&v["source_transaction_id"], &v["correlation_id"]),
+            (&"p-1".into(), &"p-1".into())
+        );
+        assert_eq!(v["actor_id"], *actor);
+        assert_eq!(v["metadata"]["from_state"], *from);
+        assert_eq!(v["metadata"]["to_state"], after.state.as_str());
+        assert_eq!(v["metadata"]["transition_event"], event.as_str());
+        assert_eq!(v["metadata"]["fencing_token"], f.token().get());
+        assert_eq!(v["metadata"]["account_id"], "acct-1");
+        let occurred =
+            chrono::DateTime::parse_from_rfc3339(v["occurred_at"].as_str().unwrap()).unwrap();
+        assert_eq!(occurred.with_timezone(&chrono::Utc), after.updated_at);
+        let payout_version: i64 = sqlx::query_scalar("SELECT version FROM payout WHERE id = 'p-1'")
+            .fetch_one(&h.pool)
+            .await
+            .unwrap();
+        assert_eq!(
+            payout_version + 1,
+            version,
+            "event n is the payout's version + 1"
+        );
+    }
+    let rows = lifecycle_rows(&h.pool, "p-1").await;
+    assert!(
+        rows.windows(2).all(|w| w[0].0 < w[1].0),
+        "versions in outbox order"
+    );
+    assert_eq!(rows.last().unwrap().4["metadata"]["rail_ref"], "rail-1");
+    // The posting's journal: first in its transaction, JOURNAL, with the references as fields.
+    let (journal_id, journal_kind, journal): (i64, String, sqlx::types::Text<String>) =
+        sqlx::query_as(
+            "SELECT id, kind, payload::text FROM ledger_outbox \
+             WHERE idempotency_key = 'payment-resource:payout:p-1:posting:v1'",
+        )
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    let journal: serde_json::Value = serde_json::from_str(&journal.0).unwrap();
+    assert_eq!(journal_kind, "JOURNAL");
+    assert_eq!(
+        journal_id + 1,
+        rows.last().unwrap().0,
+        "journal, then its POSTED event"
+    );
+    assert_eq!(
+        (
+            &journal["settlement_reference"],
+            &journal["client_reference"]
+        ),
+        (&"rail-1".into(), &"cref-p-1".into())
+    );
+    let opening: String = sqlx::query_scalar(
+        "SELECT kind FROM ledger_outbox WHERE idempotency_key = 'payment-resource:account:acct-1:opening:v1'",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert_eq!(opening, "JOURNAL");
+
+    // Refused, fenced out, idempotent: no event.
+    let before = snapshot(&h.pool, "p-1").await;
+    assert!(matches!(
+        h.c().claim(&p, &fence("acct-1", "worker-c", 30)).await,
+        Err(PaymentError::RefusedTransition { .. })
+    ));
+    assert!(matches!(
+        h.c().mark_submitted(&p, &a).await,
+        Err(PaymentError::FencedOut { .. })
+    ));
+    assert!(
+        h.c()
+            .post(&p, &fence("acct-1", "worker-c", 30))
+            .await
+            .unwrap()
+            .already_posted
+    );
+    assert_eq!(snapshot(&h.pool, "p-1").await, before);
+    assert_eq!(lifecycle_rows(&h.pool, "p-1").await.len(), 7);
+    // The same id created again (idempotent): no second CREATED.
+    create(&h, "p-1", "acct-1", 1_000).await;
+    assert_eq!(lifecycle_rows(&h.pool, "p-1").await.len(), 7);
+
+    // A claim killed while its event row waits on the outbox: nothing of the step survives.
+    create(&h, "p-2", "acct-1", 500).await;
+    let before = snapshot(&h.pool, "p-2").await;
+    let transitions_before = audit_count(&h.pool, "transition").await;
+    let mut locker = h.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE ledger_outbox IN EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let c = h.c().clone();
+    let claiming =
+        tokio::spawn(async move { c.claim(&pid("p-2"), &fence("acct-1", "worker-d", 40)).await });
+    let victim = blocked_backend(&h.pool, "INSERT INTO ledger_outbox%").await;
+    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(victim)
+        .fetch_one(&mut *locker)
+        .await
+        .unwrap();
+    locker.commit().await.unwrap();
+    assert!(claiming.await.unwrap().is_err());
+    assert_eq!(
+        snapshot(&h.pool, "p-2").await,
+        before,
+        "the killed claim left nothing"
+    );
+    assert_eq!(audit_count(&h.pool, "transition").await, transitions_before);
+    assert_eq!(
+        lifecycle_rows(&h.pool, "p-2").await.len(),
+        1,
+        "only its CREATED"
+    );
+
+    // An operator's abandon: the verified operator is the event's actor.
+    perform(
+        h.c(),
+        &pid("p-2"),
+        PayoutEvent::OperatorAbandon,
+        &fence("acct-1", "worker-d", 40),
+    )
+    .await
+    .unwrap();
+    let rows = lifecycle_rows(&h.pool, "p-2").await;
+    let v = &rows.last().unwrap().4;
+    assert_eq!(
+        (&v["event_type"], &v["event_version"], &v["actor_id"]),
+        (&"PAYOUT_ABANDONED".into(), &2.into(), &"op-1".into())
+    );
+    assert_eq!(v["metadata"]["owner"], "worker-d");
+    assert_eq!(v["metadata"]["actor"], "OPERATOR");
+    assert!(v["metadata"]["failure_reason"]
+        .as_str()
+        .unwrap()
+        .contains("op-1"));
     assert_ledger_clean(&h).await;
 }
 
@@ -2044,6 +2317,8 @@ async fn database_enforces_the_invariants_on_its_own() {
         ("UPDATE account SET fence = 1", "may not decrease"),
         ("UPDATE account SET balance_minor = balance_minor + 1", "differs from the sum of its entries"),
         ("UPDATE ledger_outbox SET payload = '{}'::jsonb", "payload is immutable"),
+        // A row's kind decides the GL call that delivers it (paydb 0008): immutable too.
+        ("UPDATE ledger_outbox SET kind = 'JOURNAL' WHERE kind = 'TRANSACTION_EVENT'", "payload is immutable"),
         ("DELETE FROM ledger_outbox", "never deleted"),
         ("DELETE FROM payout", "never deleted"),
         ("UPDATE payout SET state = 'PENDING'", "is terminal"),

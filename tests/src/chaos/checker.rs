@@ -61,7 +61,8 @@ pub struct Evidence {
     pub ledger_groups: Vec<(String, i64, i64)>,
     /// (account, cached balance, sum of its entries)
     pub balances: Vec<(String, i64, i64)>,
-    /// paydb ledger_outbox idempotency keys (every posting is written with one).
+    /// paydb ledger_outbox idempotency keys of the JOURNAL rows (every posting is written with
+    /// one; the TRANSACTION_EVENT rows are [`Evidence::outbox_events`]).
     pub outbox_keys: Vec<String>,
     /// gldb journals' idempotency keys.
     pub journal_keys: Vec<String>,
@@ -72,10 +73,15 @@ pub struct Evidence {
     pub fenced_out_paydb: i64,
     /// proxydb guard_event counts by kind.
     pub guard_events: BTreeMap<String, i64>,
-    /// paydb ledger_outbox: (idempotency key, the journal id the delivery recorded).
+    /// paydb ledger_outbox JOURNAL rows: (idempotency key, the journal id the delivery recorded).
     pub outbox_journals: Vec<(String, Option<String>)>,
     /// gldb journals: (idempotency key, journal id).
     pub gl_journal_ids: Vec<(String, String)>,
+    /// paydb ledger_outbox TRANSACTION_EVENT rows (a payout's lifecycle): (payout, event version,
+    /// the GL event id the delivery recorded).
+    pub outbox_events: Vec<(String, i64, Option<String>)>,
+    /// gldb transaction_events of the payment resource: (payout, event version, event id).
+    pub gl_events: Vec<(String, i64, String)>,
     /// Every line of every worker's lock history (JSON objects, parsed here, not by the client).
     pub lock_history: Vec<serde_json::Value>,
     /// Lock history lines that did not parse (a torn last line of a killed writer is skipped).
@@ -159,9 +165,10 @@ impl Evidence {
         )
         .fetch_all(&paydb)
         .await?;
-        let outbox_keys = sqlx::query_scalar("SELECT idempotency_key FROM ledger_outbox")
-            .fetch_all(&paydb)
-            .await?;
+        let outbox_keys =
+            sqlx::query_scalar("SELECT idempotency_key FROM ledger_outbox WHERE kind = 'JOURNAL'")
+                .fetch_all(&paydb)
+                .await?;
         let journal_keys = sqlx::query_scalar("SELECT idempotency_key FROM journals")
             .fetch_all(&gldb)
             .await?;
@@ -188,17 +195,32 @@ impl Evidence {
         .await?
         .into_iter()
         .collect();
-        let outbox_journals =
-            sqlx::query_as("SELECT idempotency_key, journal_id FROM ledger_outbox")
-                .fetch_all(&paydb)
-                .await?;
+        let outbox_journals = sqlx::query_as(
+            "SELECT idempotency_key, journal_id FROM ledger_outbox WHERE kind = 'JOURNAL'",
+        )
+        .fetch_all(&paydb)
+        .await?;
         let gl_journal_ids = sqlx::query_as("SELECT idempotency_key, id::text FROM journals")
             .fetch_all(&gldb)
             .await?;
+        let outbox_events = sqlx::query_as(
+            "SELECT payload->>'source_transaction_id', (payload->>'event_version')::bigint, journal_id \
+             FROM ledger_outbox WHERE kind = 'TRANSACTION_EVENT'",
+        )
+        .fetch_all(&paydb)
+        .await?;
+        let gl_events = sqlx::query_as(
+            "SELECT source_transaction_id, event_version::bigint, id::text FROM transaction_events \
+             WHERE source_service = 'payment-resource'",
+        )
+        .fetch_all(&gldb)
+        .await?;
         let (lock_history, lock_history_malformed) = read_lock_histories(&system.dir)?;
         Ok(Self {
             outbox_journals,
             gl_journal_ids,
+            outbox_events,
+            gl_events,
             lock_history,
             lock_history_malformed,
             revokes: Vec::new(),
@@ -298,6 +320,7 @@ pub fn check(e: &Evidence) -> Vec<CheckResult> {
         ledger_groups_balanced(e),
         balances_equal_entries(e),
         gl_matches_paydb(e),
+        gl_lifecycle_matches_paydb(e),
         paydb_tokens_never_decrease(e),
         proxy_tokens_never_decrease(e),
         every_payout_settled(e),
@@ -638,6 +661,78 @@ pub fn gl_matches_paydb(e: &Evidence) -> CheckResult {
     result("gl_matches_paydb", outbox.len().max(gl.len()), details)
 }
 
+/// Issue 19: every payout's lifecycle reached the GL through the outbox, and nothing else did.
+/// In paydb, a payout's TRANSACTION_EVENT rows are versions 1..=n, n = 1 (its creation) + its
+/// accepted transitions (each transition and its event are one transaction); each is in the GL
+/// once at its (payout, version), and its delivery recorded the GL's own event id (a redelivery
+/// made no second event); the GL holds no payment-resource event without its outbox row.
+pub fn gl_lifecycle_matches_paydb(e: &Evidence) -> CheckResult {
+    let mut details = Vec::new();
+    let mut versions: BTreeMap<&str, BTreeSet<i64>> = BTreeMap::new();
+    for (payout, version, _) in &e.outbox_events {
+        if !versions
+            .entry(payout.as_str())
+            .or_default()
+            .insert(*version)
+        {
+            details.push(format!(
+                "payout {payout}: event v{version} twice in the outbox"
+            ));
+        }
+    }
+    let mut transitions: BTreeMap<&str, i64> = BTreeMap::new();
+    for t in &e.transitions {
+        if let Some(p) = t.payout_id.as_deref() {
+            *transitions.entry(p).or_default() += 1;
+        }
+    }
+    for p in &e.payouts {
+        let expected: BTreeSet<i64> =
+            (1..=1 + transitions.get(p.id.as_str()).copied().unwrap_or(0)).collect();
+        let found = versions.get(p.id.as_str()).cloned().unwrap_or_default();
+        if found != expected {
+            details.push(format!(
+                "payout {}: lifecycle events {found:?} in the outbox, its creation and transitions make {expected:?}",
+                p.id
+            ));
+        }
+    }
+    let mut gl: BTreeMap<(&str, i64), Vec<&str>> = BTreeMap::new();
+    for (payout, version, id) in &e.gl_events {
+        gl.entry((payout.as_str(), *version))
+            .or_default()
+            .push(id.as_str());
+    }
+    for (payout, version, recorded) in &e.outbox_events {
+        match (recorded.as_deref(), gl.get(&(payout.as_str(), *version)).map(Vec::as_slice)) {
+            (_, None) => details.push(format!("event {payout} v{version} has no GL event")),
+            (_, Some(ids)) if ids.len() > 1 => {
+                details.push(format!("event {payout} v{version}: {} GL events", ids.len()))
+            }
+            (Some(r), Some([id])) if r != *id => details.push(format!(
+                "event {payout} v{version} recorded GL event {r}, the GL holds {id}: a second delivery made a second event"
+            )),
+            (None, _) => details.push(format!("event {payout} v{version} was never recorded delivered")),
+            _ => {}
+        }
+    }
+    let outbox: BTreeSet<(&str, i64)> = e
+        .outbox_events
+        .iter()
+        .map(|(p, v, _)| (p.as_str(), *v))
+        .collect();
+    for (payout, version) in gl.keys().filter(|k| !outbox.contains(*k)) {
+        details.push(format!(
+            "GL event {payout} v{version} has no paydb outbox row"
+        ));
+    }
+    result(
+        "gl_lifecycle_matches_paydb",
+        e.outbox_events.len().max(e.gl_events.len()),
+        details,
+    )
+}
+
 fn never_decrease<'a>(
     rows: impl Iterator<Item = (&'a str, &'a str, i64)>,
     guard: &str,
@@ -908,5 +1003,52 @@ mod tests {
         assert_eq!(gl_matches_paydb(&e).violations.len(), 1);
         e.outbox_journals = vec![("p1".into(), None)];
         assert_eq!(gl_matches_paydb(&e).violations.len(), 1);
+    }
+
+    #[test]
+    fn a_lifecycle_out_of_step_with_the_transitions_or_the_gl_is_caught() {
+        let transition = |p: &str| Transition {
+            payout_id: Some(p.into()),
+            account_id: Some("a".into()),
+            token: Some(1),
+            to_state: Some("CLAIMED".into()),
+            actor: "HOLDER".into(),
+        };
+        let mut e = Evidence {
+            payouts: vec![PayoutRow {
+                id: "p1".into(),
+                account_id: "a".into(),
+                state: "CLAIMED".into(),
+                amount_minor: 1,
+                client_reference: "cref-p1".into(),
+            }],
+            transitions: vec![transition("p1")],
+            outbox_events: vec![
+                ("p1".into(), 1, Some("e-1".into())),
+                ("p1".into(), 2, Some("e-2".into())),
+            ],
+            gl_events: vec![
+                ("p1".into(), 1, "e-1".into()),
+                ("p1".into(), 2, "e-2".into()),
+            ],
+            ..Evidence::default()
+        };
+        let clean = gl_lifecycle_matches_paydb(&e);
+        assert!(clean.violations.is_empty(), "{:?}", clean.violations);
+        assert_eq!(clean.checked, 2);
+        // A transition without its event.
+        e.transitions.push(transition("p1"));
+        assert_eq!(gl_lifecycle_matches_paydb(&e).violations.len(), 1);
+        e.transitions.pop();
+        // A redelivery recorded another event id; an event never delivered; a GL event alone.
+        e.outbox_events[1].2 = Some("e-9".into());
+        assert_eq!(gl_lifecycle_matches_paydb(&e).violations.len(), 1);
+        e.outbox_events[1].2 = None;
+        assert_eq!(gl_lifecycle_matches_paydb(&e).violations.len(), 1);
+        e.outbox_events[1].2 = Some("e-2".into());
+        e.gl_events.push(("p9".into(), 1, "e-3".into()));
+        let stray = gl_lifecycle_matches_paydb(&e);
+        assert_eq!(stray.violations.len(), 1);
+        assert!(stray.violations[0].detail.contains("p9"));
     }
 }

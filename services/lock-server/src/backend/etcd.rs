@@ -1,6 +1,14 @@
 //! etcd backend (the default). A session is a lease; a lock is a key attached to that lease; the
 //! token is the revision at which the key was created (it is never rewritten while held, so that is
 //! also its ModRevision). Expiry is etcd's replicated lease decision: this process keeps no timer.
+//!
+//! The grace period of spec 2.4 is etcd's own: keep-alives are not replicated, so a new leader
+//! cannot know how much of a lease was left, and its lessor renews every lease to its full TTL
+//! plus an election timeout when it takes office (`Promote`; lease checkpointing, which would keep
+//! the remaining TTL across elections, is experimental in 3.4, off here, and only ever applies to
+//! leases longer than its five-minute interval). The lock-server adds no grace of its own; it
+//! notices the election (a higher raft term with a leader) and shows every session ACTIVE for one
+//! TTL. Proof on a real three-member cluster: `etcd_a_leader_election_gives_every_session_one_full_ttl`.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -14,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{unix_now_ms, Attempt, GrantInfo, HandleRef, Holder, SessionGrant, WaitFrom};
 use crate::error::LockError;
+use crate::session::{Heartbeats, SessionMetrics, SessionState};
 
 /// Reads per transaction when vouching for grants: below etcd's default `--max-txn-ops` (128).
 pub const VOUCH_READS_PER_TXN: usize = 100;
@@ -102,6 +111,13 @@ pub struct EtcdBackend {
     /// The current retention lease; replaced every rotation period. Held across the rotation's
     /// etcd calls, so concurrent acquires wait for one new lease instead of each making one.
     retention: tokio::sync::Mutex<Option<RetentionLease>>,
+    /// The last keep-alive answered for each session, for the session view (spec 2.4): etcd does
+    /// not say when a lease was last refreshed. Never used to decide anything.
+    heartbeats: Heartbeats,
+    /// The highest raft term seen with a leader: a higher one is an election, after which etcd's
+    /// lessor has renewed every lease to its full TTL (the grace period).
+    raft_term: Mutex<Option<u64>>,
+    session_metrics: SessionMetrics,
 }
 
 fn backend_err(e: impl std::fmt::Display) -> LockError {
@@ -151,6 +167,7 @@ impl EtcdBackend {
         tls: &mtls::Tls,
         prefix: &str,
         grant_retention_ms: u64,
+        session_metrics: SessionMetrics,
     ) -> Result<Self, LockError> {
         if endpoints.is_empty() {
             return Err(LockError::invalid(
@@ -198,6 +215,9 @@ impl EtcdBackend {
             granted_ttl_ms: Mutex::new(HashMap::new()),
             grant_retention_ms,
             retention: tokio::sync::Mutex::new(None),
+            heartbeats: Heartbeats::default(),
+            raft_term: Mutex::new(None),
+            session_metrics,
         })
     }
 
@@ -459,14 +479,18 @@ impl EtcdBackend {
         Ok(ttl)
     }
 
-    /// Remaining TTL as etcd reports it, for introspection (whole seconds, rounded down by etcd).
-    async fn expiry_hint(&self, lease: i64) -> Result<i64, LockError> {
+    /// The lease's remaining and granted TTL as etcd reports them, for introspection (whole
+    /// seconds, the remaining one rounded down by etcd).
+    async fn lease_ttl(&self, lease: i64) -> Result<(Duration, Duration), LockError> {
         let r = self
             .call(None, |mut c| async move {
                 c.lease_time_to_live(lease, None).await
             })
             .await?;
-        Ok(unix_now_ms() + r.ttl().max(0) * 1000)
+        Ok((
+            Duration::from_secs(r.ttl().max(0) as u64),
+            Duration::from_secs(r.granted_ttl().max(0) as u64),
+        ))
     }
 
     pub async fn create_session(
@@ -481,6 +505,8 @@ impl EtcdBackend {
             .lock()
             .expect("ttl cache")
             .insert(r.id(), ttl_ms);
+        self.heartbeats
+            .beat(&r.id().to_string(), Duration::from_millis(ttl_ms));
         Ok(SessionGrant {
             session_id: r.id().to_string(),
             ttl_ms,
@@ -494,7 +520,10 @@ impl EtcdBackend {
             c.lease_keep_alive(lease).await.map(|_| ())
         })
         .await?;
-        self.granted_ttl(lease).await
+        let ttl_ms = self.granted_ttl(lease).await?;
+        self.heartbeats
+            .beat(session_id, Duration::from_millis(ttl_ms));
+        Ok(ttl_ms)
     }
 
     /// Whether each handle holds its key now: one transaction of reads per
@@ -551,6 +580,9 @@ impl EtcdBackend {
                 .collect(),
             Err(_) => Vec::new(),
         };
+        // Out of the view before the lease goes, so the sweep never takes the close for an
+        // expiry (a session kept alive again through this process comes back into it).
+        self.heartbeats.forget(session_id);
         // Revoking the lease deletes every key attached to it in one raft entry.
         match self
             .call(Some(session_id), |mut c| async move {
@@ -665,6 +697,7 @@ impl EtcdBackend {
                 session_id: entry.session_id,
                 token: kv.create_revision() as u64,
                 server_expiry_unix_ms: 0,
+                session_state: None,
             },
             wait_from: WaitFrom::Revision(revision),
         })
@@ -863,6 +896,7 @@ impl EtcdBackend {
                     session_id: entry.session_id,
                     token,
                     server_expiry_unix_ms: 0,
+                    session_state: None,
                 });
             }
         }
@@ -883,13 +917,80 @@ impl EtcdBackend {
             return Ok(None);
         };
         let entry = Self::decode(kv.value());
-        let server_expiry_unix_ms = self.expiry_hint(kv.lease()).await.unwrap_or_default();
+        let (server_expiry_unix_ms, session_state) =
+            match self.lease_ttl(kv.lease()).await {
+                Ok((remaining, granted)) => (
+                    unix_now_ms() + remaining.as_millis() as i64,
+                    // The key exists, so etcd still holds its lease: ACTIVE or SUSPECT. A session
+                    // this process has not answered a keep-alive for is judged by what is left of
+                    // its TTL (whole seconds).
+                    Some(self.heartbeats.state(&entry.session_id).unwrap_or_else(|| {
+                        self.heartbeats.state_from_remaining(granted, remaining)
+                    })),
+                ),
+                Err(_) => (0, self.heartbeats.state(&entry.session_id)),
+            };
         Ok(Some(Holder {
             owner: entry.owner,
             session_id: entry.session_id,
             token: kv.create_revision() as u64,
             server_expiry_unix_ms,
+            session_state,
         }))
+    }
+
+    /// The session view (spec 2.4) of every session this process follows, and the election
+    /// probe: a higher raft term with a leader means a new leader, whose lessor renewed every
+    /// lease to its full TTL plus an election timeout (etcd's `Promote`), so every session is
+    /// shown ACTIVE for one TTL from now. A session etcd no longer lists is EXPIRED.
+    pub async fn sessions_view(&self) -> Result<Vec<(String, SessionState)>, LockError> {
+        if let Ok(status) = self
+            .call(None, |mut c| async move { c.status().await })
+            .await
+        {
+            self.observe_term(status.leader(), status.raft_term());
+        }
+        let asked_at = Instant::now();
+        let listed = self
+            .call(None, |mut c| async move { c.leases().await })
+            .await?;
+        let alive: std::collections::HashSet<i64> =
+            listed.leases().iter().map(|l| l.id()).collect();
+        self.granted_ttl_ms
+            .lock()
+            .expect("ttl cache")
+            .retain(|lease, _| alive.contains(lease));
+        Ok(self.heartbeats.sweep(
+            |id| id.parse::<i64>().is_ok_and(|lease| alive.contains(&lease)),
+            asked_at,
+        ))
+    }
+
+    fn observe_term(&self, leader: u64, term: u64) {
+        if leader == 0 {
+            return;
+        }
+        let mut last = self.raft_term.lock().expect("raft term");
+        let elected = last.is_some_and(|t| term > t);
+        if last.is_none_or(|t| term > t) {
+            *last = Some(term);
+        }
+        drop(last);
+        if elected {
+            self.heartbeats.start_grace(Instant::now());
+            let sessions = self.heartbeats.tracked() as u64;
+            tracing::warn!(
+                event = "grace_period",
+                backend = BACKEND,
+                cause = "leader_elected",
+                raft_term = term,
+                leader = format!("{leader:x}"),
+                sessions,
+                "etcd elected a new leader: its lessor renewed every lease to its full TTL, so every session is ACTIVE for one full TTL (grace period)"
+            );
+            self.session_metrics
+                .grace(BACKEND, "leader_elected", sessions);
+        }
     }
 
     /// The audit records written by force-revoke, oldest first (tests and operators).

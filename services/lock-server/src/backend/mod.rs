@@ -8,6 +8,7 @@ pub mod postgres;
 use std::time::Instant;
 
 use crate::error::LockError;
+use crate::session::SessionState;
 
 /// A session as the backend granted it.
 #[derive(Debug, Clone)]
@@ -45,6 +46,9 @@ pub struct Holder {
     pub session_id: String,
     pub token: u64,
     pub server_expiry_unix_ms: i64,
+    /// The holder's session in the server's view (spec 2.4), where the backend said; the key
+    /// being held, it is ACTIVE or SUSPECT.
+    pub session_state: Option<SessionState>,
 }
 
 /// Where a waiter resumes watching after a failed attempt.
@@ -166,6 +170,19 @@ impl Backend {
         match self {
             Self::Etcd(b) => b.describe(key).await,
             Self::Postgres(b) => b.describe(key).await,
+        }
+    }
+    /// The session view (spec 2.4): the state of every session the backend can tell about (every
+    /// live lockdb session; the etcd sessions this process answered for) and of `followed`, and
+    /// the backend probed for a failover (an etcd election, lockdb back after an outage), after
+    /// which every session is ACTIVE for one full TTL.
+    pub async fn sessions_view(
+        &self,
+        followed: &[String],
+    ) -> Result<Vec<(String, SessionState)>, LockError> {
+        match self {
+            Self::Etcd(b) => b.sessions_view().await,
+            Self::Postgres(b) => b.sessions_view(followed).await,
         }
     }
     /// A cheap liveness probe for grpc.health.v1.

@@ -2,14 +2,25 @@
 //! clock decides; a lock is a `lock_entry` row; tokens come from `lock_token_seq`, never reset.
 //! Acquire is one conditional statement. Waiters are woken by `NOTIFY lock_released` (sent in the
 //! same statement as every delete) or at the holder's expiry as the database computed it.
+//!
+//! The grace period (spec 2.4): lockdb's clock runs on through an outage while no client can keep
+//! alive, so without it every session whose expiry fell inside the outage would be gone the moment
+//! lockdb answers again. An outage is noticed by a failed call, the release listener losing its
+//! connection, or the sweep's probe going unanswered; the first connection taken after it runs
+//! `GRACE_SQL` before any call is answered: every session alive at the last contact before the
+//! outage gets one full TTL from the database's clock.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
-use sqlx::{PgPool, Row};
+use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres, Row};
 use tokio::sync::broadcast;
 
 use super::{Attempt, GrantInfo, HandleRef, Holder, SessionGrant, WaitFrom};
 use crate::error::LockError;
+use crate::session::{self, SessionMetrics, SessionState};
 
 const BACKEND: &str = "postgres";
 /// The NOTIFY channel; the payload is the released key.
@@ -25,6 +36,10 @@ pub const LISTENER_RECONNECT_MS: u64 = 500;
 /// Acquire re-runs its statement when the row it conflicted with vanished or died in between;
 /// bounded because each re-run means another client is actively moving the key.
 pub const ACQUIRE_ATTEMPTS_MAX: usize = 3;
+/// The sweep's probe (`session::SWEEP_MS` apart) that does not answer within this is an outage.
+/// Long enough that a loaded database is not taken for a lost one; a lost connection is seen at
+/// once anyway (the listener's, or a call's, error).
+pub const PROBE_TIMEOUT_MS: u64 = 1_000;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/lockdb");
 
@@ -32,6 +47,79 @@ fn backend_err(e: impl std::fmt::Display) -> LockError {
     LockError::Backend {
         backend: BACKEND,
         detail: e.to_string(),
+    }
+}
+
+/// Whether `e` says the database (or the way to it) is gone, rather than refusing a statement.
+fn is_connectivity(e: &sqlx::Error) -> bool {
+    match e {
+        // admin_shutdown, crash_shutdown, cannot_connect_now (57P0x); connection_exception (08).
+        sqlx::Error::Database(d) => d
+            .code()
+            .is_some_and(|c| c.starts_with("57P") || c.starts_with("08")),
+        sqlx::Error::RowNotFound
+        | sqlx::Error::TypeNotFound { .. }
+        | sqlx::Error::ColumnIndexOutOfBounds { .. }
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::Encode(_)
+        | sqlx::Error::Configuration(_)
+        | sqlx::Error::Migrate(_) => false,
+        _ => true,
+    }
+}
+
+/// What the lock-server knows of its contact with lockdb: an outage seen and not yet recovered
+/// from, and the database's clock at the last contact before it.
+struct Contact {
+    state: Mutex<ContactState>,
+    /// Held while the grace statement runs: one recovery, every other call waits for it.
+    recovering: tokio::sync::Mutex<()>,
+    /// TEST ONLY switch (the grace period's negative control): off, lockdb's return gives no
+    /// grace period and every session whose `expires_at` passed during the outage is gone.
+    grace_enabled: AtomicBool,
+}
+
+#[derive(Default)]
+struct ContactState {
+    /// The database clock (µs since the epoch) at the last successful probe.
+    last_seen_us: Option<i64>,
+    outage: Option<Outage>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Outage {
+    since: Instant,
+    /// `last_seen_us` when the outage began: sessions alive then are the ones the grace covers.
+    last_seen_us: Option<i64>,
+}
+
+impl Contact {
+    fn lost(&self, why: &str) {
+        let mut state = self.state.lock().expect("contact");
+        if state.outage.is_none() {
+            tracing::warn!(
+                backend = BACKEND,
+                why,
+                "lockdb unreachable: an outage begins (a grace period follows its end)"
+            );
+            state.outage = Some(Outage {
+                since: Instant::now(),
+                last_seen_us: state.last_seen_us,
+            });
+        }
+    }
+
+    fn seen(&self, now_us: i64) {
+        let mut state = self.state.lock().expect("contact");
+        if state.outage.is_none() {
+            state.last_seen_us = Some(now_us);
+        }
+    }
+
+    fn outage(&self) -> Option<Outage> {
+        self.state.lock().expect("contact").outage
     }
 }
 
@@ -47,6 +135,8 @@ pub struct PgBackend {
     pool: PgPool,
     released: broadcast::Sender<String>,
     _listener: tokio::task::JoinHandle<()>,
+    contact: Arc<Contact>,
+    session_metrics: SessionMetrics,
 }
 
 impl Drop for PgBackend {
@@ -80,14 +170,43 @@ RETURNING token,
     (SELECT s.ttl_ms FROM lock_session s WHERE s.session_id = $3) AS ttl_ms
 "#;
 
-const ENTRY_SQL: &str = r#"
-SELECT e.owner, e.session_id, e.token, s.ttl_ms,
-       (s.state = 'ACTIVE' AND s.expires_at > clock_timestamp()) AS alive,
-       (extract(epoch FROM s.expires_at) * 1000)::bigint AS expires_unix_ms,
-       GREATEST(0, extract(epoch FROM (s.expires_at - clock_timestamp())) * 1000)::bigint AS remaining_ms
-FROM lock_entry e JOIN lock_session s ON s.session_id = e.session_id
-WHERE e.key = $1
-"#;
+static ENTRY_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT e.owner, e.session_id, e.token, s.ttl_ms, \
+                (s.state = 'ACTIVE' AND s.expires_at > clock_timestamp()) AS alive, \
+                (extract(epoch FROM s.expires_at) * 1000)::bigint AS expires_unix_ms, \
+                GREATEST(0, extract(epoch FROM (s.expires_at - clock_timestamp())) * 1000)::bigint AS remaining_ms, \
+                {state} AS session_state \
+         FROM lock_entry e JOIN lock_session s ON s.session_id = e.session_id \
+         WHERE e.key = $1",
+        state = session::sql_state()
+    )
+});
+
+/// Every live session (and the followed ones, to see them end) with its state.
+static SESSIONS_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT s.session_id, {state} AS session_state FROM lock_session s \
+         WHERE (s.state = 'ACTIVE' AND s.expires_at > clock_timestamp()) OR s.session_id = ANY($1)",
+        state = session::sql_state()
+    )
+});
+
+/// The grace period after an outage (spec 2.4), in one statement by the database's clock: every
+/// session alive at the lock-server's last contact before the outage ($1, µs since the epoch; NULL
+/// if it had none) and not ended since is given one full TTL from now. `grace_until` shows it
+/// ACTIVE meanwhile. A session that had already expired before the outage stays expired.
+const GRACE_SQL: &str = "\
+WITH g AS (
+    UPDATE lock_session
+    SET expires_at = GREATEST(expires_at, clock_timestamp() + ttl_ms * interval '1 millisecond'),
+        grace_until = clock_timestamp() + ttl_ms * interval '1 millisecond'
+    WHERE state = 'ACTIVE'
+      AND ($1::bigint IS NULL OR expires_at > timestamptz 'epoch' + $1::bigint * interval '1 microsecond')
+    RETURNING session_id)
+SELECT count(*), (extract(epoch FROM clock_timestamp()) * 1000000)::bigint FROM g";
+/// The database clock, µs since the epoch: the probe, and the last contact it records.
+const CLOCK_SQL: &str = "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
 
 struct EntryRow {
     owner: String,
@@ -97,12 +216,16 @@ struct EntryRow {
     alive: bool,
     expires_unix_ms: i64,
     remaining_ms: i64,
+    session_state: String,
 }
 
 impl PgBackend {
     /// Connects, checks that lockdb is at this build's schema (`payoutctl migrate` applies it as
     /// the owner role; this role may not run DDL), and starts the release-notification listener.
-    pub async fn connect(database_url: &str) -> Result<Self, LockError> {
+    pub async fn connect(
+        database_url: &str,
+        session_metrics: SessionMetrics,
+    ) -> Result<Self, LockError> {
         let pool = service_kit::connect_pg(database_url)
             .await
             .map_err(|e| backend_err(format!("{e:#}")))?;
@@ -110,12 +233,144 @@ impl PgBackend {
             .await
             .map_err(backend_err)?;
         let (released, _) = broadcast::channel(NOTIFY_BUFFER);
-        let listener = tokio::spawn(listen(pool.clone(), released.clone()));
-        Ok(Self {
+        let contact = Arc::new(Contact {
+            state: Mutex::new(ContactState::default()),
+            recovering: tokio::sync::Mutex::new(()),
+            grace_enabled: AtomicBool::new(true),
+        });
+        let listener = tokio::spawn(listen(pool.clone(), released.clone(), contact.clone()));
+        let backend = Self {
             pool,
             released,
             _listener: listener,
-        })
+            contact,
+            session_metrics,
+        };
+        backend.probe().await?;
+        Ok(backend)
+    }
+
+    /// TEST ONLY (the negative control of the grace period): `false` makes lockdb's return after
+    /// an outage give no grace period. No flag or setting of the binary reaches it.
+    #[doc(hidden)]
+    pub fn set_grace_period_enabled_for_tests(&self, enabled: bool) {
+        self.contact.grace_enabled.store(enabled, Ordering::SeqCst);
+    }
+
+    /// A statement's error, noting an outage when it says the database is gone.
+    fn failed(&self, e: sqlx::Error) -> LockError {
+        if is_connectivity(&e) {
+            self.contact.lost(&e.to_string());
+        }
+        backend_err(e)
+    }
+
+    /// A connection for one call. After an outage, the first call to get one runs the grace
+    /// statement on it before anything else is answered (the others wait for it), so no
+    /// keep-alive, acquire or renew is judged against an expiry the outage made pass.
+    async fn conn(&self) -> Result<PoolConnection<Postgres>, LockError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| self.failed(e))?;
+        if self.contact.outage().is_some() {
+            self.recover(&mut conn).await?;
+        }
+        Ok(conn)
+    }
+
+    /// lockdb answers again after an outage: the grace period (spec 2.4), once.
+    async fn recover(&self, conn: &mut PoolConnection<Postgres>) -> Result<(), LockError> {
+        let _one = self.contact.recovering.lock().await;
+        let Some(outage) = self.contact.outage() else {
+            return Ok(());
+        };
+        let outage_ms = outage.since.elapsed().as_millis() as u64;
+        // One statement: the grace and the clock it was given by, or nothing done.
+        let (sessions, now_us) = if self.contact.grace_enabled.load(Ordering::SeqCst) {
+            let (n, now_us): (i64, i64) = sqlx::query_as(GRACE_SQL)
+                .bind(outage.last_seen_us)
+                .fetch_one(&mut **conn)
+                .await
+                .map_err(|e| self.failed(e))?;
+            (Some(n as u64), now_us)
+        } else {
+            let now_us: i64 = sqlx::query_scalar(CLOCK_SQL)
+                .fetch_one(&mut **conn)
+                .await
+                .map_err(|e| self.failed(e))?;
+            (None, now_us)
+        };
+        {
+            let mut state = self.contact.state.lock().expect("contact");
+            state.outage = None;
+            state.last_seen_us = Some(now_us);
+        }
+        match sessions {
+            Some(sessions) => {
+                tracing::warn!(
+                    event = "grace_period",
+                    backend = BACKEND,
+                    cause = "database_back",
+                    outage_ms,
+                    sessions,
+                    "lockdb is back: every session alive before the outage is ACTIVE for one full TTL (grace period)"
+                );
+                self.session_metrics
+                    .grace(BACKEND, "database_back", sessions);
+            }
+            None => tracing::warn!(
+                backend = BACKEND,
+                outage_ms,
+                "lockdb is back; the grace period is switched off (TEST ONLY)"
+            ),
+        }
+        Ok(())
+    }
+
+    /// One probe of lockdb: an outage is noted when it fails or does not answer within
+    /// [`PROBE_TIMEOUT_MS`]; the first answer after one runs the grace period.
+    pub async fn probe(&self) -> Result<(), LockError> {
+        let asked = tokio::time::timeout(
+            Duration::from_millis(PROBE_TIMEOUT_MS),
+            sqlx::query_scalar::<_, i64>(CLOCK_SQL).fetch_one(&self.pool),
+        )
+        .await;
+        match asked {
+            Ok(Ok(now_us)) => {
+                if self.contact.outage().is_some() {
+                    // Recovers on the connection it takes.
+                    self.conn().await?;
+                } else {
+                    self.contact.seen(now_us);
+                }
+                Ok(())
+            }
+            Ok(Err(e)) => Err(self.failed(e)),
+            Err(_) => {
+                self.contact.lost("probe unanswered");
+                Err(backend_err(format!(
+                    "no answer within {PROBE_TIMEOUT_MS} ms"
+                )))
+            }
+        }
+    }
+
+    /// The session view (spec 2.4): every live session and every one in `followed`, with its
+    /// state by the database's clock. Probes first, so lockdb's return is seen here too.
+    pub async fn sessions_view(
+        &self,
+        followed: &[String],
+    ) -> Result<Vec<(String, SessionState)>, LockError> {
+        self.probe().await?;
+        let ids: Vec<i64> = followed.iter().filter_map(|s| s.parse().ok()).collect();
+        let mut conn = self.conn().await?;
+        let rows: Vec<(i64, String)> = sqlx::query_as(SESSIONS_SQL.as_str())
+            .bind(&ids)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| self.failed(e))?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(id, state)| Some((id.to_string(), SessionState::parse(&state)?)))
+            .collect())
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -127,11 +382,12 @@ impl PgBackend {
     }
 
     async fn entry(&self, key: &str) -> Result<Option<EntryRow>, LockError> {
-        let row = sqlx::query(ENTRY_SQL)
+        let mut conn = self.conn().await?;
+        let row = sqlx::query(ENTRY_SQL.as_str())
             .bind(key)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *conn)
             .await
-            .map_err(backend_err)?;
+            .map_err(|e| self.failed(e))?;
         Ok(row.map(|r| EntryRow {
             owner: r.get("owner"),
             session_id: r.get("session_id"),
@@ -140,6 +396,7 @@ impl PgBackend {
             alive: r.get("alive"),
             expires_unix_ms: r.get("expires_unix_ms"),
             remaining_ms: r.get("remaining_ms"),
+            session_state: r.get("session_state"),
         }))
     }
 
@@ -154,9 +411,9 @@ impl PgBackend {
         )
         .bind(owner)
         .bind(ttl_ms as i64)
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *self.conn().await?)
         .await
-        .map_err(backend_err)?;
+        .map_err(|e| self.failed(e))?;
         Ok(SessionGrant {
             session_id: id.to_string(),
             ttl_ms,
@@ -171,9 +428,9 @@ impl PgBackend {
              WHERE e.key = ANY($1) AND s.state = 'ACTIVE' AND s.expires_at > clock_timestamp()",
         )
         .bind(&keys)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
-        .map_err(backend_err)?;
+        .map_err(|e| self.failed(e))?;
         Ok(handles
             .iter()
             .map(|h| {
@@ -197,9 +454,9 @@ impl PgBackend {
              WHERE session_id = $1 AND state = 'ACTIVE' AND expires_at > clock_timestamp() RETURNING ttl_ms",
         )
         .bind(id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
-        .map_err(backend_err)?;
+        .map_err(|e| self.failed(e))?;
         ttl.map(|t| t as u64)
             .ok_or_else(|| LockError::SessionNotFound {
                 session_id: session_id.to_string(),
@@ -208,7 +465,10 @@ impl PgBackend {
 
     pub async fn close_session(&self, session_id: &str) -> Result<Vec<String>, LockError> {
         let id = parse_session(session_id)?;
-        let mut tx = self.pool.begin().await.map_err(backend_err)?;
+        let mut conn = self.conn().await?;
+        let mut tx = sqlx::Connection::begin(&mut *conn)
+            .await
+            .map_err(|e| self.failed(e))?;
         sqlx::query(
             "UPDATE lock_session SET state = 'CLOSED', ended_at = clock_timestamp() \
              WHERE session_id = $1 AND state = 'ACTIVE'",
@@ -216,7 +476,7 @@ impl PgBackend {
         .bind(id)
         .execute(&mut *tx)
         .await
-        .map_err(backend_err)?;
+        .map_err(|e| self.failed(e))?;
         let keys: Vec<String> = sqlx::query_scalar(
             "WITH d AS (DELETE FROM lock_entry WHERE session_id = $1 RETURNING key) \
              SELECT key FROM d, LATERAL pg_notify('lock_released', d.key) AS n",
@@ -224,8 +484,8 @@ impl PgBackend {
         .bind(id)
         .fetch_all(&mut *tx)
         .await
-        .map_err(backend_err)?;
-        tx.commit().await.map_err(backend_err)?;
+        .map_err(|e| self.failed(e))?;
+        tx.commit().await.map_err(|e| self.failed(e))?;
         Ok(keys)
     }
 
@@ -241,9 +501,9 @@ impl PgBackend {
                 .bind(key)
                 .bind(owner)
                 .bind(id)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&mut *self.conn().await?)
                 .await
-                .map_err(backend_err)?;
+                .map_err(|e| self.failed(e))?;
             if let Some(r) = row {
                 let token: i64 = r.get("token");
                 let expires: Option<i64> = r.get("expires_unix_ms");
@@ -262,9 +522,9 @@ impl PgBackend {
                 "SELECT state = 'ACTIVE' AND expires_at > clock_timestamp() FROM lock_session WHERE session_id = $1",
             )
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *self.conn().await?)
             .await
-            .map_err(backend_err)?;
+            .map_err(|e| self.failed(e))?;
             if own_alive != Some(true) {
                 return Err(LockError::SessionNotFound {
                     session_id: session_id.to_string(),
@@ -289,6 +549,7 @@ impl PgBackend {
                             session_id: e.session_id.to_string(),
                             token: e.token as u64,
                             server_expiry_unix_ms: e.expires_unix_ms,
+                            session_state: SessionState::parse(&e.session_state),
                         },
                         wait_from: WaitFrom::ExpiresInMs(e.remaining_ms.max(0) as u64),
                     });
@@ -368,9 +629,9 @@ impl PgBackend {
         .bind(handle.token as i64)
         .bind(id)
         .bind(&handle.owner)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
-        .map_err(backend_err)?;
+        .map_err(|e| self.failed(e))?;
         let Some(r) = row else {
             return Err(self.not_holder(handle).await);
         };
@@ -399,9 +660,9 @@ impl PgBackend {
         .bind(handle.token as i64)
         .bind(id)
         .bind(&handle.owner)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *self.conn().await?)
         .await
-        .map_err(backend_err)?;
+        .map_err(|e| self.failed(e))?;
         if released.is_empty() {
             return Err(self.not_holder(handle).await);
         }
@@ -424,9 +685,9 @@ impl PgBackend {
         .bind(key)
         .bind(operator)
         .bind(reason)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *self.conn().await?)
         .await
-        .map_err(backend_err)?;
+        .map_err(|e| self.failed(e))?;
         let Some(r) = row else {
             return Err(LockError::NotHeld {
                 key: key.to_string(),
@@ -437,6 +698,7 @@ impl PgBackend {
             session_id: r.get::<i64, _>("session_id").to_string(),
             token: r.get::<i64, _>("token") as u64,
             server_expiry_unix_ms: 0,
+            session_state: None,
         })
     }
 
@@ -446,16 +708,25 @@ impl PgBackend {
             session_id: e.session_id.to_string(),
             token: e.token as u64,
             server_expiry_unix_ms: e.expires_unix_ms,
+            session_state: SessionState::parse(&e.session_state),
         }))
     }
 
     pub async fn ping(&self) -> bool {
-        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+        let Ok(mut conn) = self.conn().await else {
+            return false;
+        };
+        sqlx::query("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| self.failed(e))
+            .is_ok()
     }
 }
 
-/// Forwards `NOTIFY lock_released` payloads to the in-process waiters, reconnecting on loss.
-async fn listen(pool: PgPool, released: broadcast::Sender<String>) {
+/// Forwards `NOTIFY lock_released` payloads to the in-process waiters, reconnecting on loss. Its
+/// connection's loss is the first sign of an outage (a shut-down server closes it at once).
+async fn listen(pool: PgPool, released: broadcast::Sender<String>, contact: Arc<Contact>) {
     loop {
         match sqlx::postgres::PgListener::connect_with(&pool).await {
             Ok(mut listener) => {
@@ -469,13 +740,21 @@ async fn listen(pool: PgPool, released: broadcast::Sender<String>) {
                             }
                             Err(e) => {
                                 tracing::warn!(error = %e, "lock release listener lost its connection");
+                                if is_connectivity(&e) {
+                                    contact.lost("the release listener lost its connection");
+                                }
                                 break;
                             }
                         }
                     }
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "lock release listener could not connect"),
+            Err(e) => {
+                tracing::warn!(error = %e, "lock release listener could not connect");
+                if is_connectivity(&e) {
+                    contact.lost("the release listener could not connect");
+                }
+            }
         }
         tokio::time::sleep(Duration::from_millis(LISTENER_RECONNECT_MS)).await;
     }
