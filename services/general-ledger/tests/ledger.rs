@@ -113,6 +113,53 @@ fn reason(status: &tonic::Status) -> R {
     R::try_from(r.reason).unwrap()
 }
 
+/// `n` identical appends sent at once, each on a clone of `client`: how many answered that they
+/// created it, and how many distinct ids (journal or event) they answered with. Every append must
+/// succeed; `every_succeeds` is what a failure says.
+async fn identical_at_once<Append, Answer>(
+    client: &Client,
+    n: usize,
+    every_succeeds: &str,
+    append: Append,
+) -> (usize, usize)
+where
+    Append: Fn(Client) -> Answer,
+    Answer: std::future::Future<Output = Result<(bool, String), tonic::Status>> + Send + 'static,
+{
+    let tasks: Vec<_> = (0..n)
+        .map(|_| tokio::spawn(append(client.clone())))
+        .collect();
+    let mut ids = std::collections::HashSet::new();
+    let mut created = 0;
+    for t in tasks {
+        let (was_created, id) = t.await.unwrap().expect(every_succeeds);
+        created += was_created as usize;
+        ids.insert(id);
+    }
+    (created, ids.len())
+}
+
+/// The journal the GL answers `request` with (created, or the original of an identical retry).
+async fn append(client: &mut Client, request: pb::AppendJournalRequest) -> pb::Journal {
+    client
+        .append_journal(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .journal
+        .unwrap()
+}
+
+/// What a posting's journal carries beside its content: the source's position, the rail's
+/// settlement reference and the client's reference.
+fn source_and_references(journal: &pb::Journal) -> (u64, &str, &str) {
+    (
+        journal.source_sequence,
+        journal.settlement_reference.as_str(),
+        journal.client_reference.as_str(),
+    )
+}
+
 async fn journal_count(url: &str) -> i64 {
     let pool = sqlx::PgPool::connect(url).await.unwrap();
     let n: i64 = sqlx::query_scalar(
@@ -369,23 +416,19 @@ async fn idempotency_same_payload_same_journal_changed_payload_conflicts_concurr
     );
 
     // Concurrent identical requests: exactly one journal.
-    let mut tasks = Vec::new();
-    for _ in 0..16 {
-        let mut c = client.clone();
-        tasks.push(tokio::spawn(async move {
+    let (created, ids) = identical_at_once(
+        &client,
+        16,
+        "every identical request succeeds",
+        |mut c| async move {
             c.append_journal(payout("k2", "a1", "1.00"))
                 .await
                 .map(|r| r.into_inner())
-        }));
-    }
-    let mut ids = std::collections::HashSet::new();
-    let mut created = 0;
-    for t in tasks {
-        let r = t.await.unwrap().expect("every identical request succeeds");
-        created += r.created as usize;
-        ids.insert(r.journal.unwrap().journal_id);
-    }
-    assert_eq!((created, ids.len()), (1, 1));
+                .map(|r| (r.created, r.journal.unwrap().journal_id))
+        },
+    )
+    .await;
+    assert_eq!((created, ids), (1, 1));
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM journals WHERE idempotency_key = 'k2'")
         .fetch_one(&pool)
@@ -486,23 +529,19 @@ async fn transaction_events_are_idempotent_by_source_and_version_and_a_changed_e
     );
 
     // Concurrent identical appends of a new version: one event.
-    let mut tasks = Vec::new();
-    for _ in 0..12 {
-        let mut c = client.clone();
-        tasks.push(tokio::spawn(async move {
+    let (created, ids) = identical_at_once(
+        &client,
+        12,
+        "every identical append succeeds",
+        |mut c| async move {
             c.append_transaction_event(event("p-1", "PAYOUT_SUBMITTED", 3))
                 .await
                 .map(|r| r.into_inner())
-        }));
-    }
-    let mut ids = std::collections::HashSet::new();
-    let mut created = 0;
-    for t in tasks {
-        let r = t.await.unwrap().expect("every identical append succeeds");
-        created += r.created as usize;
-        ids.insert(r.event_id);
-    }
-    assert_eq!((created, ids.len()), (1, 1));
+                .map(|r| (r.created, r.event_id))
+        },
+    )
+    .await;
+    assert_eq!((created, ids), (1, 1));
     // The same version of another payout is another event.
     assert!(
         client
@@ -587,19 +626,9 @@ async fn get_journal_returns_the_settlement_references_and_the_source_order() {
         client_reference: "cref-p-7".into(),
         ..payout("payment-resource:payout:p-7:posting:v1", "a1", "10.00")
     };
-    let appended = client
-        .append_journal(settled.clone())
-        .await
-        .unwrap()
-        .into_inner()
-        .journal
-        .unwrap();
+    let appended = append(&mut client, settled.clone()).await;
     assert_eq!(
-        (
-            appended.source_sequence,
-            appended.settlement_reference.as_str(),
-            appended.client_reference.as_str()
-        ),
+        source_and_references(&appended),
         (41, "rail-ref-7", "cref-p-7")
     );
     assert!(appended.receipt_sequence > 0);
@@ -648,21 +677,8 @@ async fn get_journal_returns_the_settlement_references_and_the_source_order() {
     // The shape before the new fields: empty, zero, and its hash is the one it always had
     // (`validate::tests::a_journal_without_the_new_fields_keeps_the_hash_it_always_had`).
     let old_shape = payout("k-old", "a1", "1.00");
-    let old = client
-        .append_journal(old_shape.clone())
-        .await
-        .unwrap()
-        .into_inner()
-        .journal
-        .unwrap();
-    assert_eq!(
-        (
-            old.source_sequence,
-            old.settlement_reference.as_str(),
-            old.client_reference.as_str()
-        ),
-        (0, "", "")
-    );
+    let old = append(&mut client, old_shape.clone()).await;
+    assert_eq!(source_and_references(&old), (0, "", ""));
     assert_eq!(
         old.payload_hash,
         general_ledger::validate::validate(&old_shape)
@@ -695,13 +711,7 @@ async fn get_journal_returns_the_settlement_references_and_the_source_order() {
 async fn journals_are_append_only_for_the_service_role_and_the_owner() {
     let (server, mut client, url) = start().await;
     open(&mut client, customer("a1"), "EUR").await;
-    let j = client
-        .append_journal(payout("k1", "a1", "5.00"))
-        .await
-        .unwrap()
-        .into_inner()
-        .journal
-        .unwrap();
+    let j = append(&mut client, payout("k1", "a1", "5.00")).await;
     let owner = sqlx::PgPool::connect(&url).await.unwrap();
     let app = general_ledger::app_pool(&url).await.unwrap();
     for statement in [
@@ -767,13 +777,7 @@ async fn journals_are_append_only_for_the_service_role_and_the_owner() {
 async fn reversals_must_mirror_exactly_once_and_modes_are_audited() {
     let (server, mut client, url) = start().await;
     open(&mut client, customer("a1"), "EUR").await;
-    let original = client
-        .append_journal(payout("p1", "a1", "7.50"))
-        .await
-        .unwrap()
-        .into_inner()
-        .journal
-        .unwrap();
+    let original = append(&mut client, payout("p1", "a1", "7.50")).await;
     let reversal = |key: &str, amount: &str| {
         let mut r = journal(
             key,
@@ -791,13 +795,7 @@ async fn reversals_must_mirror_exactly_once_and_modes_are_audited() {
         .await
         .unwrap_err();
     assert_eq!(reason(&status), R::ReversalNotMirror);
-    let first = client
-        .append_journal(reversal("r1", "7.5"))
-        .await
-        .unwrap()
-        .into_inner()
-        .journal
-        .unwrap();
+    let first = append(&mut client, reversal("r1", "7.5")).await;
     assert_eq!(first.reversal_of, original.journal_id);
     let status = client
         .append_journal(reversal("r2", "7.50"))

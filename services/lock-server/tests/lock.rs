@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use grant_signing::{Forged, Signer, Verifier};
+use grant_signing::{Forged, Verifier};
 use lock_client::{
     Acquired, ClientError, FencingToken, GrantHandle, LockClient, Rejection, Session,
 };
@@ -16,113 +16,23 @@ use rand::RngExt;
 use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
 
-/// The suite calls as a worker and as an operator from one client; the in-process server lets
-/// every role call every method (the real table is the binary's: the system and attack suites).
-/// Session ownership is not part of the table and holds here as everywhere.
-fn every_role() -> &'static service_kit::grpc::Policy {
-    testkit::pki::every_role(&lock_server::authz::POLICY)
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Etcd,
-    Postgres,
-}
+mod support;
+use support::{
+    backend, every_role, grant, lockdb, on_three_etcd_members, signer, start_with, unix_now_ms,
+    Kind, Server, SIGNING_KEY_ID,
+};
 
 /// The etcd backend's shortest lease (whole seconds; etcd's minimum is about 1.5 s and is rounded
 /// up): short so expiry tests are quick.
 const TTL: Duration = Duration::from_secs(2);
 
-struct Server {
-    server: InProcess,
-    client: LockClient,
-    /// The same server as the operator [`testkit::pki::TEST_OPERATOR`]: break-glass calls.
-    operator: LockClient,
-    /// The guards' side of this server's signing key.
-    verifier: Verifier,
-    _dir: tempfile::TempDir,
-}
-
-/// The key id the test servers sign under.
-const SIGNING_KEY_ID: &str = "lock-test-1";
-
-/// A fresh signing key for an in-process lock-server (every server signs: there is no unsigned
-/// mode).
-fn signer() -> Arc<Signer> {
-    Arc::new(Signer::generate(SIGNING_KEY_ID).expect("a key").0)
-}
-
 async fn start(kind: Kind) -> Server {
-    let stack = Stack::shared();
-    let backend = match kind {
-        Kind::Etcd => BackendConfig::Etcd {
-            endpoints: stack.etcd_endpoints(),
-            tls: stack.etcd_client_tls("lock-server"),
-            prefix: stack.unique_prefix("lock"),
-            grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
-        },
-        Kind::Postgres => BackendConfig::Postgres {
-            database_url: lock_server_login(stack).await.1,
-        },
-    };
-    start_with(backend).await
-}
-
-/// A lockdb as a deployment has it (owned and migrated by the owner role): the superuser's URL
-/// (for the test's own reads) and the `lock_server` role's, which the server logs in as.
-async fn lock_server_login(stack: &Stack) -> (String, String) {
-    let admin = stack
-        .provisioned_db(PgServer::Main, testkit::db_access::Database::Lockdb)
-        .await;
-    let login = stack
-        .pg(PgServer::Main)
-        .login_url("lock_server", testkit::system::database_name(&admin));
-    (admin, login)
-}
-
-async fn start_with(backend: BackendConfig) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let signer = signer();
-    let verifier = Verifier::new([signer.public_key()]).unwrap();
-    let config = Config {
-        backend,
-        issued_tokens_path: dir.path().join("issued-tokens.json"),
-        signer,
-    };
-    let server = InProcess::start_with_policy(&config, &tls(Role::LockServer), every_role())
-        .await
-        .expect("lock-server starts");
-    let client = LockClient::connect(&server.endpoint, &tls(Role::Worker))
-        .await
-        .expect("client connects");
-    let operator = LockClient::connect(&server.endpoint, &tls(Role::Operator))
-        .await
-        .expect("operator connects");
-    Server {
-        server,
-        client,
-        operator,
-        verifier,
-        _dir: dir,
-    }
+    start_with(backend(kind, "lock").await).await
 }
 
 fn rejection(e: &ClientError) -> &Rejection {
     e.rejection()
         .unwrap_or_else(|| panic!("expected a typed rejection, got {e:?}"))
-}
-
-async fn grant(session: &Session, key: &str) -> GrantHandle {
-    match session
-        .acquire(key, Duration::ZERO)
-        .await
-        .expect("acquire answers")
-    {
-        Acquired::Granted(g) => g,
-        Acquired::NotAcquired { holder_owner, .. } => {
-            panic!("{key} unexpectedly held by {holder_owner}")
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -861,21 +771,7 @@ async fn postgres_contention_history_is_linearizable() {
 /// increase, and sessions are not mass-evicted by the election.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_three_members_leader_killed_mid_run() {
-    let stack = Stack::builder()
-        .etcd_members(3)
-        .start()
-        .expect("3-member stack");
-    let leader = stack.etcd.leader().await.unwrap();
-    // The leader first: the lock-server talks to it, so the kill also forces its fail-over.
-    let mut endpoints = stack.etcd_endpoints();
-    endpoints.swap(0, leader);
-    let s = start_with(BackendConfig::Etcd {
-        endpoints,
-        tls: stack.etcd_client_tls("lock-server"),
-        prefix: "/leader-kill/".into(),
-        grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
-    })
-    .await;
+    let (stack, leader, s) = on_three_etcd_members("/leader-kill/").await;
     // A long-lived holder whose session must survive the election.
     let survivor = s
         .client
@@ -1245,13 +1141,6 @@ async fn lease_alive(endpoints: &[String], lease: i64) -> bool {
         .unwrap()
         .ttl()
         > 0
-}
-
-fn unix_now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
 }
 
 async fn start_retaining(prefix: &str, grant_retention_ms: u64) -> Server {
@@ -1667,7 +1556,7 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
         let stack = Stack::shared();
         let (backend, store) = match kind {
             Kind::Postgres => {
-                let (admin, url) = lock_server_login(stack).await;
+                let (admin, url) = lockdb(stack).await;
                 let pool = sqlx::PgPool::connect(&admin).await.unwrap();
                 (
                     BackendConfig::Postgres { database_url: url },

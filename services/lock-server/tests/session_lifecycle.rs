@@ -4,73 +4,19 @@
 //! election (etcd's own lessor renews every lease) and lockdb coming back after an outage (the
 //! lock-server's grace statement), each with its control.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use grant_signing::Signer;
-use lock_client::{Acquired, GrantHandle, LockClient, Session};
-use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
+use lock_client::{Acquired, LockClient, Session};
 use lock_server::backend::Backend;
 use lock_server::session::{SessionState, CLIENT_KEEP_ALIVES_PER_TTL, SUSPECT_SLACK_MS};
-use lock_server::{BackendConfig, Config, InProcess};
+use lock_server::BackendConfig;
 use payout_proto::lock as pb;
-use testkit::pki::{tls, Role};
-use testkit::{PgServer, Stack};
+use testkit::Stack;
 
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Etcd,
-    Postgres,
-}
-
-struct Server {
-    server: InProcess,
-    client: LockClient,
-    _dir: tempfile::TempDir,
-}
-
-fn every_role() -> &'static service_kit::grpc::Policy {
-    testkit::pki::every_role(&lock_server::authz::POLICY)
-}
-
-async fn start_with(backend: BackendConfig) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let config = Config {
-        backend,
-        issued_tokens_path: dir.path().join("issued-tokens.json"),
-        signer: Arc::new(Signer::generate("lifecycle-test-1").expect("a key").0),
-    };
-    let server = InProcess::start_with_policy(&config, &tls(Role::LockServer), every_role())
-        .await
-        .expect("lock-server starts");
-    let client = LockClient::connect(&server.endpoint, &tls(Role::Worker))
-        .await
-        .expect("client connects");
-    Server {
-        server,
-        client,
-        _dir: dir,
-    }
-}
-
-/// A lockdb of `stack` as a deployment has it: the superuser's URL (the test's own reads) and the
-/// `lock_server` role's, which the server logs in as.
-async fn lockdb(stack: &Stack) -> (String, String) {
-    let admin = stack
-        .provisioned_db(PgServer::Main, testkit::db_access::Database::Lockdb)
-        .await;
-    let login = stack
-        .pg(PgServer::Main)
-        .login_url("lock_server", testkit::system::database_name(&admin));
-    (admin, login)
-}
-
-async fn grant(session: &Session, key: &str) -> GrantHandle {
-    match session.acquire(key, Duration::ZERO).await.unwrap() {
-        Acquired::Granted(g) => g,
-        Acquired::NotAcquired { holder_owner, .. } => panic!("{key} held by {holder_owner}"),
-    }
-}
+mod support;
+use support::{
+    backend, grant, lockdb, on_three_etcd_members, start_with, unix_now_ms, Kind, Server,
+};
 
 /// One keep-alive on the wire, the session's own background ones stopped: its send time is the
 /// last keep-alive the server answered for the session.
@@ -136,13 +82,6 @@ fn transitions(s: &Server, from: SessionState, to: SessionState, backend: &str) 
     )
 }
 
-fn unix_now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
-}
-
 /// The server judges SUSPECT by the lock-client's own cadence.
 #[test]
 fn the_server_reads_the_clients_keep_alive_cadence() {
@@ -161,25 +100,12 @@ fn the_server_reads_the_clients_keep_alive_cadence() {
 const TTL: Duration = Duration::from_secs(3);
 
 async fn session_states(kind: Kind) {
-    let stack = Stack::shared();
-    let (backend, label) = match kind {
-        Kind::Etcd => (
-            BackendConfig::Etcd {
-                endpoints: stack.etcd_endpoints(),
-                tls: stack.etcd_client_tls("lock-server"),
-                prefix: stack.unique_prefix("lifecycle"),
-                grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
-            },
-            "etcd",
-        ),
-        Kind::Postgres => (
-            BackendConfig::Postgres {
-                database_url: lockdb(stack).await.1,
-            },
-            "postgres",
-        ),
+    // The backend label on /metrics.
+    let label = match kind {
+        Kind::Etcd => "etcd",
+        Kind::Postgres => "postgres",
     };
-    let s = start_with(backend).await;
+    let s = start_with(backend(kind, "lifecycle").await).await;
     let healthy = s.client.open_session("healthy", TTL).await.unwrap();
     let _h = grant(&healthy, "healthy").await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
@@ -357,21 +283,7 @@ async fn until_free(client: &LockClient, key: &str, limit: Duration) -> (Instant
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_a_leader_election_gives_every_session_one_full_ttl() {
     const TTL: Duration = Duration::from_secs(4);
-    let stack = Stack::builder()
-        .etcd_members(3)
-        .start()
-        .expect("3-member stack");
-    let leader = stack.etcd.leader().await.unwrap();
-    // The leader first: the lock-server talks to it, so the kill also forces its fail-over.
-    let mut endpoints = stack.etcd_endpoints();
-    endpoints.swap(0, leader);
-    let s = start_with(BackendConfig::Etcd {
-        endpoints,
-        tls: stack.etcd_client_tls("lock-server"),
-        prefix: "/grace/".into(),
-        grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
-    })
-    .await;
+    let (stack, leader, s) = on_three_etcd_members("/grace/").await;
     let other = s
         .client
         .open_session("other", Duration::from_secs(30))

@@ -62,14 +62,28 @@ fn payout(
     )
 }
 
-async fn insert(pool: &PgPool, account: &str, (key, payload): (String, serde_json::Value)) -> i64 {
-    sqlx::query_scalar("INSERT INTO ledger_outbox (account_id, idempotency_key, payload) VALUES ($1, $2, $3) RETURNING id")
-        .bind(account)
-        .bind(key)
-        .bind(payload)
-        .fetch_one(pool)
-        .await
-        .unwrap()
+/// A journal row (kind JOURNAL), as the payment resource writes it.
+async fn insert(pool: &PgPool, account: &str, row: (String, serde_json::Value)) -> i64 {
+    insert_of_kind(pool, account, "JOURNAL", row).await
+}
+
+async fn insert_of_kind(
+    pool: &PgPool,
+    account: &str,
+    kind: &str,
+    (key, payload): (String, serde_json::Value),
+) -> i64 {
+    sqlx::query_scalar(
+        "INSERT INTO ledger_outbox (account_id, idempotency_key, kind, payload) \
+         VALUES ($1, $2, $3, $4) RETURNING id",
+    )
+    .bind(account)
+    .bind(key)
+    .bind(kind)
+    .bind(payload)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// `accounts` accounts, each with an opening of 100.00 and `payouts` payouts of 1.25.
@@ -96,6 +110,53 @@ fn fast(paydb_url: &str, gl: &str, instance: &str) -> Config {
     c.poll_interval_ms = 50;
     c.claim_lease_ms = 2_000;
     c
+}
+
+/// A GL of its own (a fresh database) on a free port: its database URL and the running server.
+async fn gl() -> (String, general_ledger::Spawned) {
+    let gl_url = Stack::shared().fresh_db(PgServer::Main).await;
+    let gl = spawn_gl(&gl_url, "127.0.0.1:0".parse().unwrap()).await;
+    (gl_url, gl)
+}
+
+async fn spawn_gl(gl_url: &str, listen: std::net::SocketAddr) -> general_ledger::Spawned {
+    general_ledger::spawn(
+        general_ledger::Config::new(gl_url, tls(Role::GeneralLedger)),
+        listen,
+    )
+    .await
+    .unwrap()
+}
+
+/// The GL as an operator calls it: to read back what arrived, or to repair what was refused.
+async fn gl_operator(endpoint: &str) -> GeneralLedgerServiceClient<tonic::transport::Channel> {
+    GeneralLedgerServiceClient::new(
+        tls(Role::Operator)
+            .connect(endpoint, Role::GeneralLedger)
+            .await
+            .unwrap(),
+    )
+}
+
+/// The next two alerts, already sent, in outbox order (not the order they were sent in).
+fn two_alerts_in_outbox_order(
+    alerts: &mut tokio::sync::broadcast::Receiver<outbox_dispatcher::Alert>,
+) -> [outbox_dispatcher::Alert; 2] {
+    let mut got = [alerts.try_recv().unwrap(), alerts.try_recv().unwrap()];
+    got.sort_by_key(|a| a.outbox_id);
+    got
+}
+
+/// What each outbox row of `account` recorded of the GL, in outbox order: (row, kind, the GL's
+/// event or journal id).
+async fn recorded_gl_ids(pool: &PgPool, account: &str) -> Vec<(i64, String, Option<String>)> {
+    sqlx::query_as(
+        "SELECT id, kind, journal_id FROM ledger_outbox WHERE account_id = $1 ORDER BY id",
+    )
+    .bind(account)
+    .fetch_all(pool)
+    .await
+    .unwrap()
 }
 
 async fn count(pool: &PgPool, sql: &str) -> i64 {
@@ -194,12 +255,7 @@ async fn gl_down_for_a_while_then_up_every_row_arrives_exactly_once() {
     .unwrap();
     assert_eq!(count(&paydb, "SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NOT NULL OR quarantined_at IS NOT NULL").await, 0);
 
-    let gl = general_ledger::spawn(
-        general_ledger::Config::new(&gl_url, tls(Role::GeneralLedger)),
-        format!("127.0.0.1:{port}").parse().unwrap(),
-    )
-    .await
-    .unwrap();
+    let gl = spawn_gl(&gl_url, format!("127.0.0.1:{port}").parse().unwrap()).await;
     eventually(WAIT, "every row delivered", || {
         let paydb = paydb.clone();
         async move {
@@ -220,12 +276,7 @@ async fn gl_down_for_a_while_then_up_every_row_arrives_exactly_once() {
         before,
         "payload columns untouched"
     );
-    let mut client = GeneralLedgerServiceClient::new(
-        tls(Role::Operator)
-            .connect(&gl.endpoint(), Role::GeneralLedger)
-            .await
-            .unwrap(),
-    );
+    let mut client = gl_operator(&gl.endpoint()).await;
     let balance = client
         .get_balance(pb::GetBalanceRequest {
             account: Some(pb::AccountRef {
@@ -263,21 +314,8 @@ fn lifecycle(
     (key, payload)
 }
 
-async fn insert_event(
-    pool: &PgPool,
-    account: &str,
-    (key, payload): (String, serde_json::Value),
-) -> i64 {
-    sqlx::query_scalar(
-        "INSERT INTO ledger_outbox (account_id, idempotency_key, kind, payload) \
-         VALUES ($1, $2, 'TRANSACTION_EVENT', $3) RETURNING id",
-    )
-    .bind(account)
-    .bind(key)
-    .bind(payload)
-    .fetch_one(pool)
-    .await
-    .unwrap()
+async fn insert_event(pool: &PgPool, account: &str, row: (String, serde_json::Value)) -> i64 {
+    insert_of_kind(pool, account, "TRANSACTION_EVENT", row).await
 }
 
 /// Rounds until nothing is left to deliver (quarantined rows and the rows they hold aside).
@@ -302,13 +340,7 @@ async fn drain(dispatcher: &Dispatcher) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_payouts_lifecycle_events_reach_the_gl_in_order_with_versions_and_source_order() {
     let (paydb_url, paydb) = paydb().await;
-    let gl_url = Stack::shared().fresh_db(PgServer::Main).await;
-    let gl = general_ledger::spawn(
-        general_ledger::Config::new(&gl_url, tls(Role::GeneralLedger)),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .await
-    .unwrap();
+    let (gl_url, gl) = gl().await;
     let mut ids = vec![insert(&paydb, "acc", opening("acc", "100.00")).await];
     let steps = [
         "PAYOUT_CREATED",
@@ -383,12 +415,7 @@ async fn a_payouts_lifecycle_events_reach_the_gl_in_order_with_versions_and_sour
     );
     assert_eq!(events("q-1").await.len(), 4);
     // Each delivered row records what the GL recorded: the event's id, or the journal's.
-    let recorded: Vec<(i64, String, Option<String>)> = sqlx::query_as(
-        "SELECT id, kind, journal_id FROM ledger_outbox WHERE account_id = 'acc' ORDER BY id",
-    )
-    .fetch_all(&paydb)
-    .await
-    .unwrap();
+    let recorded = recorded_gl_ids(&paydb, "acc").await;
     let event_ids: Vec<&str> = p1.iter().map(|(id, ..)| id.as_str()).collect();
     let recorded_events: Vec<&str> = recorded
         .iter()
@@ -420,12 +447,7 @@ async fn a_payouts_lifecycle_events_reach_the_gl_in_order_with_versions_and_sour
     // Events are no money: the GL holds the two journals of the account, no more.
     assert_eq!(count(&gl_db, "SELECT count(*) FROM journals").await, 2);
     // The posting's journal, read back: the references and the source order as fields.
-    let mut client = GeneralLedgerServiceClient::new(
-        tls(Role::Operator)
-            .connect(&gl.endpoint(), Role::GeneralLedger)
-            .await
-            .unwrap(),
-    );
+    let mut client = gl_operator(&gl.endpoint()).await;
     let journal = client
         .get_journal(pb::GetJournalRequest {
             key: Some(pb::get_journal_request::Key::IdempotencyKey(key.clone())),
@@ -460,12 +482,7 @@ async fn a_payouts_lifecycle_events_reach_the_gl_in_order_with_versions_and_sour
         gl_before,
         "no second event or journal"
     );
-    let again: Vec<(i64, String, Option<String>)> = sqlx::query_as(
-        "SELECT id, kind, journal_id FROM ledger_outbox WHERE account_id = 'acc' ORDER BY id",
-    )
-    .fetch_all(&paydb)
-    .await
-    .unwrap();
+    let again = recorded_gl_ids(&paydb, "acc").await;
     assert_eq!(again, recorded, "the same GL ids recorded again");
     assert!(
         metrics.render().contains(&format!(
@@ -495,8 +512,7 @@ async fn a_payouts_lifecycle_events_reach_the_gl_in_order_with_versions_and_sour
     )
     .await;
     drain(&dispatcher).await;
-    let mut got = [alerts.try_recv().unwrap(), alerts.try_recv().unwrap()];
-    got.sort_by_key(|a| a.outbox_id);
+    let got = two_alerts_in_outbox_order(&mut alerts);
     assert_eq!(
         got.iter()
             .map(|a| (a.outbox_id, a.reason.as_str()))
@@ -540,13 +556,7 @@ async fn a_payouts_lifecycle_events_reach_the_gl_in_order_with_versions_and_sour
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_works_after_a_fix() {
     let (paydb_url, paydb) = paydb().await;
-    let gl_url = Stack::shared().fresh_db(PgServer::Main).await;
-    let gl = general_ledger::spawn(
-        general_ledger::Config::new(&gl_url, tls(Role::GeneralLedger)),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .await
-    .unwrap();
+    let (_, gl) = gl().await;
     let healthy = fill(&paydb, "ok", 3, 2).await;
     // Poison 1: a payout of an account the GL has never seen (its opening never came): fixable.
     let unknown = insert(&paydb, "ghost", payout("ghost", "ghost-p0", "2.00", "2.00")).await;
@@ -563,8 +573,7 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
     for _ in 0..20 {
         dispatcher.run_once().await.unwrap();
     }
-    let mut got = [alerts.try_recv().unwrap(), alerts.try_recv().unwrap()];
-    got.sort_by_key(|a| a.outbox_id);
+    let got = two_alerts_in_outbox_order(&mut alerts);
     assert_eq!(
         (got[0].outbox_id, got[0].reason.as_str()),
         (unknown, "UNKNOWN_ACCOUNT")
@@ -608,12 +617,7 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
     dispatcher.run_once().await.unwrap();
     assert_eq!(alerts.try_recv().unwrap().outbox_id, unbalanced);
     // The fix: the operator opens the missing account in the GL; then replay delivers both rows in order.
-    let mut client = GeneralLedgerServiceClient::new(
-        tls(Role::Operator)
-            .connect(&gl.endpoint(), Role::GeneralLedger)
-            .await
-            .unwrap(),
-    );
+    let mut client = gl_operator(&gl.endpoint()).await;
     client
         .open_account(pb::OpenAccountRequest {
             account: Some(pb::AccountRef {
@@ -678,13 +682,7 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatcher_killed_mid_batch_loses_nothing_and_duplicates_nothing() {
     let (paydb_url, paydb) = paydb().await;
-    let gl_url = Stack::shared().fresh_db(PgServer::Main).await;
-    let gl = general_ledger::spawn(
-        general_ledger::Config::new(&gl_url, tls(Role::GeneralLedger)),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .await
-    .unwrap();
+    let (gl_url, gl) = gl().await;
     let rows = fill(&paydb, "k", 12, 2).await;
     let dir = tempfile::tempdir().unwrap();
     let spawn = |instance: &str, metrics_port: u16| {

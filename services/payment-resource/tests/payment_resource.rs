@@ -1631,22 +1631,12 @@ async fn every_step_of_a_payouts_lifecycle_writes_its_event_in_the_same_transact
     create(&h, "p-2", "acct-1", 500).await;
     let before = snapshot(&h.pool, "p-2").await;
     let transitions_before = audit_count(&h.pool, "transition").await;
-    let mut locker = h.pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE ledger_outbox IN EXCLUSIVE MODE")
-        .execute(&mut *locker)
-        .await
-        .unwrap();
     let c = h.c().clone();
-    let claiming =
-        tokio::spawn(async move { c.claim(&pid("p-2"), &fence("acct-1", "worker-d", 40)).await });
-    let victim = blocked_backend(&h.pool, "INSERT INTO ledger_outbox%").await;
-    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(victim)
-        .fetch_one(&mut *locker)
-        .await
-        .unwrap();
-    locker.commit().await.unwrap();
-    assert!(claiming.await.unwrap().is_err());
+    let (_, claimed) = killed_at_its_insert_into(&h.pool, "ledger_outbox", async move {
+        c.claim(&pid("p-2"), &fence("acct-1", "worker-d", 40)).await
+    })
+    .await;
+    assert!(claimed.is_err());
     assert_eq!(
         snapshot(&h.pool, "p-2").await,
         before,
@@ -1693,24 +1683,14 @@ async fn killed_connection_mid_posting_leaves_no_partial_state() {
     drive(h.c(), &pid("p-1"), PayoutState::RailAcked).await;
     let before = snapshot(&h.pool, "p-1").await;
 
-    let mut locker = h.pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE ledger_outbox IN EXCLUSIVE MODE")
-        .execute(&mut *locker)
-        .await
-        .unwrap();
     let c = h.c().clone();
-    let posting =
-        tokio::spawn(async move { c.post(&pid("p-1"), &fence("acct-1", "worker-b", 40)).await });
-    let victim = blocked_backend(&h.pool, "INSERT INTO ledger_outbox%").await;
     // The victim's transaction has already written both ledger rows and the balance.
-    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(victim)
-        .fetch_one(&mut *locker)
-        .await
-        .unwrap();
+    let (killed, posting) = killed_at_its_insert_into(&h.pool, "ledger_outbox", async move {
+        c.post(&pid("p-1"), &fence("acct-1", "worker-b", 40)).await
+    })
+    .await;
     assert!(killed);
-    locker.commit().await.unwrap();
-    let err = posting.await.unwrap().unwrap_err();
+    let err = posting.unwrap_err();
     assert!(matches!(err, PaymentError::Transport { .. }), "{err:?}");
     assert_eq!(
         snapshot(&h.pool, "p-1").await,
@@ -1736,22 +1716,12 @@ async fn killed_connection_mid_claim_leaves_no_partial_state() {
     open(&h, "acct-1", 10_000).await;
     create(&h, "p-1", "acct-1", 2_500).await;
     let before = snapshot(&h.pool, "p-1").await;
-    let mut locker = h.pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE audit_event IN EXCLUSIVE MODE")
-        .execute(&mut *locker)
-        .await
-        .unwrap();
     let c = h.c().clone();
-    let claiming =
-        tokio::spawn(async move { c.claim(&pid("p-1"), &fence("acct-1", "worker-a", 10)).await });
-    let victim = blocked_backend(&h.pool, "INSERT INTO audit_event%").await;
-    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(victim)
-        .fetch_one(&mut *locker)
-        .await
-        .unwrap();
-    locker.commit().await.unwrap();
-    assert!(claiming.await.unwrap().is_err());
+    let (_, claimed) = killed_at_its_insert_into(&h.pool, "audit_event", async move {
+        c.claim(&pid("p-1"), &fence("acct-1", "worker-a", 10)).await
+    })
+    .await;
+    assert!(claimed.is_err());
     let after = snapshot(&h.pool, "p-1").await;
     assert_eq!(after, before, "a killed claim left partial state");
     assert_eq!(
@@ -1764,6 +1734,30 @@ async fn killed_connection_mid_claim_leaves_no_partial_state() {
         .await
         .unwrap();
     assert_eq!(claimed.state, PayoutState::Claimed);
+}
+
+/// Runs `call` while `table` is locked, kills the database connection whose insert into `table`
+/// waits on that lock (so its transaction dies after everything it wrote before the insert), and
+/// returns whether the kill landed and what `call` answered.
+async fn killed_at_its_insert_into<T: Send + 'static>(
+    pool: &PgPool,
+    table: &'static str,
+    call: impl std::future::Future<Output = T> + Send + 'static,
+) -> (bool, T) {
+    let mut locker = pool.begin().await.unwrap();
+    sqlx::query(&format!("LOCK TABLE {table} IN EXCLUSIVE MODE"))
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let call = tokio::spawn(call);
+    let victim = blocked_backend(pool, &format!("INSERT INTO {table}%")).await;
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(victim)
+        .fetch_one(&mut *locker)
+        .await
+        .unwrap();
+    locker.commit().await.unwrap();
+    (killed, call.await.unwrap())
 }
 
 async fn blocked_backend(pool: &PgPool, query_like: &str) -> i32 {
