@@ -295,13 +295,29 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             )
             .lifetime(Lifetime::Detached)
             .arg("serve")
-            .args([
-                "--paydb-url",
-                &databases.paydb,
-                "--proxydb-url",
-                &databases.proxydb,
-            ])
-            .args(["--gldb-url", &databases.gldb, "--etcd-endpoints", &etcd])
+            // It reads as its own role (`reconciler`: SELECT only); each URL holds the password,
+            // so it goes through the environment, never the command line. (Before, it was given
+            // the superuser's URL without a password and exited at start: the local stack ran no
+            // reconciler, and every `up` found a dead part and restarted the whole stack.)
+            .env(
+                "PAYDB_URL",
+                stack
+                    .pg(testkit::PgServer::Main)
+                    .login_url("reconciler", "paydb"),
+            )
+            .env(
+                "PROXYDB_URL",
+                stack
+                    .pg(testkit::PgServer::Proxy)
+                    .login_url("reconciler", "proxydb"),
+            )
+            .env(
+                "GLDB_URL",
+                stack
+                    .pg(testkit::PgServer::Main)
+                    .login_url("reconciler", "gldb"),
+            )
+            .args(["--etcd-endpoints", &etcd])
             .args(stack.etcd_client_args("reconciler")?.to_args())
             .args(["--lock-prefix", LOCK_ETCD_PREFIX])
             .args([
@@ -411,7 +427,9 @@ fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
                 part.pid
             );
         }
-        println!("stopped {}", part.name);
+        // Progress, on stderr: a `run --json` or `bench --json` that restarts a part keeps its
+        // stdout one JSON object.
+        eprintln!("stopped {}", part.name);
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

@@ -74,6 +74,33 @@ async fn stack_up_status_down_up_keeps_data() {
             .unwrap_or_else(|| panic!("{name} in {status}"));
         assert_eq!(part["healthy"], true, "{name}: {status}");
     }
+    // The reconciler logs in as its own role and stays up: it creates its schedule and polls.
+    // (It was once handed the superuser's URL without a password: it retried for about twenty
+    // seconds, so the status above still saw it, then exited, and the stack ran no reconciler.)
+    let reconciler_log = state.join("system").join("reconciler.log");
+    testkit::eventually(
+        std::time::Duration::from_secs(60),
+        "the reconciler polls",
+        || async {
+            std::fs::read_to_string(&reconciler_log)
+                .unwrap_or_default()
+                .contains("reconciler worker polling")
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}",
+            std::fs::read_to_string(&reconciler_log).unwrap_or_default()
+        )
+    });
+    let (ok, status) = status_json(&state);
+    assert!(
+        ok,
+        "every part still healthy once the reconciler runs: {status}"
+    );
+
     // The UI serves its page.
     let ui_port = ports[4].1;
     let (code, body) =
