@@ -35,6 +35,20 @@ pub const LEDGER_VIOLATIONS_MAX: i64 = 1_000;
 const ONE_IN_FLIGHT_INDEX: &str = "payout_one_in_flight_per_account";
 const IN_FLIGHT_STATES_SQL: &str = "('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS')";
 
+/// `incarnation_admits($2)` (migration 0006) written out in the statement: a SQL function whose
+/// body has a sub-select is never inlined and re-plans its body on every call, which cost the
+/// guard statement about 40% of its throughput (pgbench of the proxy's equivalent statement:
+/// 5.3k/s with the function against 9.3k/s without the condition; 8.4k/s written out). The
+/// function stays the definition the diagnostics, the reconciler and `rearm_after_restore` use;
+/// the restore tests exercise this form.
+macro_rules! admits_token_2 {
+    () => {
+        "EXISTS (SELECT 1 FROM incarnation i \
+           WHERE i.database_oid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()) \
+             AND i.guarded_table = 'account'::regclass AND i.token_floor <= $2)"
+    };
+}
+
 /// The guard, as one statement: advance the fence of the payout's account to the presented token
 /// if the token is not below it, the account is the one the grant was signed for ($3, the account
 /// id of the signed key `payout:{account_id}`; NULL for a key of another shape, which matches no
@@ -43,10 +57,12 @@ const IN_FLIGHT_STATES_SQL: &str = "('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 
 /// fences are rewound, and the token is not below the last re-arming's horizon); and return the
 /// row (locked until commit). No row: fenced out, a grant for another key, a restored database,
 /// or no such payout. The account id comes from the payout, whose account never changes.
-const FENCE_ADVANCE_SQL: &str = "UPDATE account SET fence = $2, updated_at = now() \
-     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND id = $3 AND fence <= $2 \
-     AND incarnation_admits($2) \
-     RETURNING id, fence, balance_minor, now()";
+const FENCE_ADVANCE_SQL: &str = concat!(
+    "UPDATE account SET fence = $2, updated_at = now() \
+     WHERE id = (SELECT account_id FROM payout WHERE id = $1) AND id = $3 AND fence <= $2 AND ",
+    admits_token_2!(),
+    " RETURNING id, fence, balance_minor, now()"
+);
 
 /// The guard statement with some of its checks dropped: used only by the negative-control tests
 /// (`StoreOptions::without_*_for_tests`), to show that the write they guard against then lands.
@@ -69,7 +85,7 @@ fn fence_advance_sql(predicate: bool, key_binding: bool, restore_check: bool) ->
         conditions.push("fence <= $2");
     }
     if restore_check {
-        conditions.push("incarnation_admits($2)");
+        conditions.push(admits_token_2!());
     }
     format!(
         "UPDATE account SET {set}, updated_at = now() WHERE {} RETURNING id, fence, balance_minor, now()",
