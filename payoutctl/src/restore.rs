@@ -41,10 +41,11 @@ pub const EXIT_UNCHECKED: u8 = 2;
 pub enum Command {
     /// Re-arm a guard's database after it was restored from a backup: every fence (paydb) or
     /// high-water (proxydb) and the token floor raised to the lock service's horizon, read from
-    /// the lock backend itself, as the owner role; who and why recorded. Stop the guard's service
-    /// first (services/lock-server/RESTORE.md). Exit status 0 when re-armed, 3 when the guard refused the horizon (a
-    /// fence above it: the lock backend is behind the guard and must be restored first), 1 on any
-    /// other error.
+    /// the lock backend itself, as the owner role; who and why recorded. The guard's service may
+    /// run meanwhile: it refuses every fenced call on the restored copy until this has run
+    /// (services/lock-server/RESTORE.md). Exit status 0 when re-armed, 3 when the guard refused
+    /// the horizon (a fence above it: the lock backend is behind the guard and must be restored
+    /// first), 1 on any other error.
     Rearm(RearmArgs),
     /// Whether paydb and proxydb are each the database their incarnation row was armed in, and how
     /// it was last armed. Exit status 0 when both are current, 1 when one is not (restored from a
