@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the design check of README.md in this folder against a scratch PostgreSQL (Debian's
-# postgresql 15): the project's paydb and proxydb migrations plus the two drafts here, a real
+# postgresql 15): the project's paydb and proxydb migrations (0006 is this design), a real
 # pg_dump taken at fence 10, the successor's token 20, a restore (pg_restore --clean, then a new
 # database), the stale token 15 refused by the guarded statement and landing without the check
 # (the negative control, rolled back), the procedure's function, and tokens after it; then the
@@ -18,7 +18,7 @@ for s in "CREATE ROLE payout_owner LOGIN" "CREATE ROLE payment_resource LOGIN" \
   as postgres postgres -c "$s"; done
 for db in paydb proxydb; do
   as payout_owner $db -c "CREATE TABLE _sqlx_migrations (version bigint)"
-  for f in migrations/$db/*.sql docs/design/guard-restore/${db}_0006_restore_incarnation.sql; do
+  for f in migrations/$db/*.sql; do
     as payout_owner $db -f "$f"; done
 done
 as payout_owner paydb -c "INSERT INTO account (id, currency, balance_minor, opening_balance_minor) VALUES ('acc-1', 'EUR', 0, 0)"

@@ -68,9 +68,14 @@ const FENCE_ADVANCE_SQL: &str = concat!(
 /// (`StoreOptions::without_*_for_tests`), to show that the write they guard against then lands.
 /// Without the predicate, `GREATEST` keeps the fence non-decreasing, which the database enforces
 /// independently; without the key binding there is no $3.
-fn fence_advance_sql(predicate: bool, key_binding: bool, restore_check: bool) -> String {
+fn fence_advance_sql(
+    predicate: bool,
+    key_binding: bool,
+    restore_check: bool,
+) -> std::borrow::Cow<'static, str> {
     if predicate && key_binding && restore_check {
-        return FENCE_ADVANCE_SQL.to_string();
+        // The shipped statement: no allocation on the fenced path.
+        return FENCE_ADVANCE_SQL.into();
     }
     let set = if predicate {
         "fence = $2"
@@ -91,6 +96,7 @@ fn fence_advance_sql(predicate: bool, key_binding: bool, restore_check: bool) ->
         "UPDATE account SET {set}, updated_at = now() WHERE {} RETURNING id, fence, balance_minor, now()",
         conditions.join(" AND ")
     )
+    .into()
 }
 
 /// The prefix of a payout account's lock key (`payout_domain::lock_key`).
@@ -527,6 +533,15 @@ impl Store {
         &self.pool
     }
 
+    /// The account of a payout, outside any transaction (`None`: no such payout): what a
+    /// refusal's audit row and an operator's decision name.
+    async fn account_of(&self, payout_id: &PayoutId) -> Result<Option<String>, sqlx::Error> {
+        sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
+            .bind(payout_id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+    }
+
     // ----- the guard -----
 
     async fn begin_fenced(
@@ -612,13 +627,7 @@ impl Store {
         );
         // The payout's account, for the audit trail only (NULL if there is no such payout: the
         // forger learns nothing of it, the refusal is the same).
-        let account_id: Option<String> = match sqlx::query_scalar(
-            "SELECT account_id FROM payout WHERE id = $1",
-        )
-        .bind(payout_id.as_str())
-        .fetch_optional(&self.pool)
-        .await
-        {
+        let account_id = match self.account_of(payout_id).await {
             Ok(found) => found,
             Err(e) => {
                 tracing::error!(error = %e, payout_id = %payout_id, "could not read the payout's account for the forged_grant audit event");
@@ -809,12 +818,7 @@ impl Store {
             presented, owner = fence.owner(), incarnation_current = current, token_floor, operation,
             "fenced call refused: paydb is a restored copy that was not re-armed, or the token is below the re-arming's horizon (RESTORE.md: A guard's database restored)"
         );
-        let account_id: Option<String> =
-            sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
-                .bind(payout_id.as_str())
-                .fetch_optional(&self.pool)
-                .await
-                .unwrap_or(None);
+        let account_id = self.account_of(payout_id).await.unwrap_or(None);
         let audit = Audit {
             payout_id: account_id.as_ref().map(|_| payout_id.as_str()),
             account_id: account_id.as_deref(),
@@ -1511,11 +1515,7 @@ impl Store {
             &request.reason,
             request.signature.as_ref(),
         ) {
-            let account_id: Option<String> =
-                sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
-                    .bind(payout_id.as_str())
-                    .fetch_optional(&self.pool)
-                    .await?;
+            let account_id = self.account_of(payout_id).await?;
             insert_audit(
                 &self.pool,
                 &Audit {
@@ -1787,11 +1787,7 @@ impl Store {
         &self,
         decision: &OperatorDecision,
     ) -> Result<AuditEvent, ServerError> {
-        let account_id: Option<String> =
-            sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
-                .bind(decision.payout_id.as_str())
-                .fetch_optional(&self.pool)
-                .await?;
+        let account_id = self.account_of(&decision.payout_id).await?;
         let Some(account_id) = account_id else {
             return Err(PaymentError::PayoutNotFound {
                 payout_id: decision.payout_id.to_string(),

@@ -3397,19 +3397,6 @@ async fn negative_control_without_operator_verification_an_unsigned_abandon_land
 
 // ----- the fence survives a restore of paydb (issue 19, section 3; migration 0006) -----
 
-/// The name of the test database behind a harness's URL.
-fn database_of(url: &str) -> String {
-    let (_, after_host) = url
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split_once('/'))
-        .expect("a URL with a host and a path");
-    after_host
-        .split('?')
-        .next()
-        .expect("a database name")
-        .to_string()
-}
-
 /// The gauge `guard_database_restored{guard="payment-resource"}` as the service renders it.
 fn restored_gauge(service: &Service) -> Option<i64> {
     service
@@ -3446,7 +3433,8 @@ async fn restored_behind_a_successor(h: &Harness) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("paydb.dump");
     let pg = Stack::shared().pg(PgServer::Main);
-    pg.dump(&database_of(&h.url), &dump).unwrap();
+    pg.dump(testkit::system::database_name(&h.url), &dump)
+        .unwrap();
     h.c()
         .claim(&p, &fence("acct-1", "worker-b", 20))
         .await
@@ -3458,7 +3446,8 @@ async fn restored_behind_a_successor(h: &Harness) -> tempfile::TempDir {
             .await,
         Err(PaymentError::FencedOut { stored: 20, .. })
     ));
-    pg.restore_clean(&database_of(&h.url), &dump).unwrap();
+    pg.restore_clean(testkit::system::database_name(&h.url), &dump)
+        .unwrap();
     let s = snapshot(&h.pool, "p-1").await;
     assert_eq!(
         (s.fence, s.token_stamp),

@@ -2026,19 +2026,6 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
 
 // ----- the high-water survives a restore of proxydb (issue 19, section 3; migration 0006) -----
 
-/// The name of the rig's database.
-fn database_of(url: &str) -> String {
-    let (_, after_host) = url
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split_once('/'))
-        .expect("a URL with a host and a path");
-    after_host
-        .split('?')
-        .next()
-        .expect("a database name")
-        .to_string()
-}
-
 /// p-r-1 paid under token 10; proxydb dumped; p-r-2 paid under the successor's 20; proxydb
 /// restored from the dump (real `pg_dump` / `pg_restore --clean`): the high-water is back at 10
 /// and p-r-2's submission is gone from the record, though the rail paid it.
@@ -2048,12 +2035,14 @@ async fn restored_behind_a_successor(rig: &mut Rig) -> (tempfile::TempDir, Submi
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("proxydb.dump");
     let pg = Stack::shared().pg(PgServer::Proxy);
-    pg.dump(&database_of(&rig.db_url), &dump).unwrap();
+    pg.dump(testkit::system::database_name(&rig.db_url), &dump)
+        .unwrap();
     let second = payout("p-r-2", "acct-r", 20, "worker-b");
     let sent = rig.client.submit(&second).await.unwrap();
     assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
     assert_eq!(at_rail(rig, &second).await, (1, 1));
-    pg.restore_clean(&database_of(&rig.db_url), &dump).unwrap();
+    pg.restore_clean(testkit::system::database_name(&rig.db_url), &dump)
+        .unwrap();
     assert_eq!(high_water(&rig.pool, "acct-r").await.0, 10, "rewound");
     (dir, second)
 }
