@@ -8,8 +8,9 @@ cd "$root"
 need_apt=()
 # libprotobuf-dev carries google/protobuf/*.proto, which etcd-client's build imports; it is only a
 # Recommends of protobuf-compiler, so --no-install-recommends would leave it out. iproute2 and
-# iptables make the network namespaces of the fault-injection suite's partitions.
-for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables; do
+# iptables make the network namespaces of the fault-injection suite's partitions. prometheus
+# (with promtool) and prometheus-alertmanager run the alerting of deploy/monitoring.
+for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables prometheus prometheus-alertmanager; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -31,4 +32,4 @@ fi
 
 # Rust crates are fetched by cargo from crates.io through Cargo.lock.
 cargo fetch --locked -q 2>/dev/null || cargo fetch -q
-echo "setup: ok (postgres $(ls /usr/lib/postgresql 2>/dev/null | tail -1), $(etcd --version | head -1), $(protoc --version), temporal $("$venv/bin/temporal" --version 2>/dev/null | head -1))"
+echo "setup: ok (postgres $(ls /usr/lib/postgresql 2>/dev/null | tail -1), $(etcd --version | head -1), $(protoc --version), temporal $("$venv/bin/temporal" --version 2>/dev/null | head -1), $(prometheus --version 2>&1 | head -1 | cut -d' ' -f1-3), $(prometheus-alertmanager --version 2>&1 | head -1 | cut -d' ' -f1-3))"
