@@ -2,13 +2,15 @@
 //! every effect is an activity of `payout-activities`, called with explicit options
 //! ([`options`]) and with the grant's token in its input.
 
+pub mod abandon;
 pub mod floor;
 pub mod options;
 pub mod workflow;
 
 pub use options::TASK_QUEUE;
 pub use workflow::{
-    AbandonSignal, PayoutResult, PayoutStatus, PayoutWorkflow, ACCOUNT_ID, PAYOUT_STATE,
+    AbandonAnswer, AbandonDecider, AbandonOutcome, AbandonSignal, PayoutResult, PayoutStatus,
+    PayoutWorkflow, ACCOUNT_ID, PAYOUT_STATE,
 };
 
 use payout_activities::types::PayoutInput;

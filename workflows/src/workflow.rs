@@ -8,7 +8,7 @@
 //! harmless.
 
 use std::cell::Cell;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, SystemTime};
 
 use payout_activities::refusal::Refusal;
@@ -82,6 +82,53 @@ impl AbandonSignal {
     }
 }
 
+/// The answer of the `abandon` Update (`temporal workflow update execute --name abandon
+/// --workflow-id payout-ID --input "$(payoutctl sign abandon ...)"`), given once the request has
+/// been decided and that decision written to the payment resource's audit trail. A request the
+/// workflow can turn down without asking anyone (it does not parse, has no operator or reason, the
+/// payout is terminal or in a state where the spec never allows an abandon, another abandon is
+/// being carried out) is not answered with this: the Update is rejected by its validator, with
+/// the reason as the failure message, and nothing is recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbandonAnswer {
+    pub payout_id: String,
+    /// What became of the request.
+    pub outcome: AbandonOutcome,
+    /// `outcome` is not `refused`: the decision stands in the payment resource's audit trail as
+    /// accepted.
+    pub accepted: bool,
+    /// Who had the last word: the workflow (its own checks, e.g. the resolution SLA by its
+    /// clock) or the payment resource (operator signature, its own SLA record, the payout's
+    /// state under the fence).
+    pub decided_by: AbandonDecider,
+    /// Why, in words: the rule applied, or the payment resource's refusal as it gave it.
+    pub reason: String,
+    /// The payout's state when the answer was given.
+    pub state: PayoutState,
+}
+
+/// What became of an `abandon` Update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AbandonOutcome {
+    /// Carried out: the payment resource moved the payout to ABANDONED.
+    Abandoned,
+    /// Accepted and on record, to be carried out as soon as the payout holds its account's key
+    /// (it waits behind another payout of the account). The `status` query and the audit trail
+    /// show what became of it; if the payout has moved on by then it is withdrawn on record.
+    AcceptedWaitingForLock,
+    /// Not carried out, on record with `reason`; the payout goes on.
+    Refused,
+}
+
+/// Who decided an `abandon` Update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AbandonDecider {
+    Workflow,
+    PaymentResource,
+}
+
 /// An operator name longer than this is refused: it is an identity, not a message.
 pub const OPERATOR_LENGTH_MAX: usize = 200;
 /// A reason longer than this is refused; the payment resource stores at most 1024 bytes of text.
@@ -150,10 +197,34 @@ pub struct PayoutWorkflow {
     claimer: String,
     last_event: String,
     resolution_sla_passed: bool,
-    abandon_requests: VecDeque<AbandonSignal>,
+    abandon_requests: VecDeque<AbandonRequest>,
     /// An accepted abandon and the state it was accepted in: it is carried out only in that
     /// state, and withdrawn (on record) the moment the payout is seen elsewhere.
-    abandon_accepted: Option<(AbandonSignal, PayoutState)>,
+    abandon_accepted: Option<AcceptedAbandon>,
+    /// The last ticket handed to an `abandon` Update.
+    abandon_tickets_issued: u64,
+    /// The open `abandon` Updates by ticket, with their answer once there is one (each removed
+    /// by its handler as it answers).
+    abandon_answers: BTreeMap<u64, Option<AbandonAnswer>>,
+    /// The run waits in its account's line for the key (nothing else can happen meanwhile).
+    waiting_for_lock: bool,
+}
+
+/// An operator's abandon as queued for the run loop: from the signal, or from the Update with
+/// the ticket its handler waits on.
+#[derive(Debug, Clone)]
+struct AbandonRequest {
+    signal: AbandonSignal,
+    ticket: Option<u64>,
+}
+
+/// An abandon accepted on record, to be carried out in `state`.
+#[derive(Debug, Clone)]
+struct AcceptedAbandon {
+    request: AbandonRequest,
+    state: PayoutState,
+    /// Why it was accepted (the rule that allowed it).
+    note: String,
 }
 
 /// What a run works from: the payout and its recorded instruction (never the start input's
@@ -420,7 +491,82 @@ impl PayoutWorkflow {
     /// anything acts on it.
     #[signal(name = "abandon")]
     pub fn abandon(&mut self, _ctx: &mut SyncWorkflowContext<Self>, request: AbandonSignal) {
-        self.abandon_requests.push_back(request);
+        self.abandon_requests.push_back(AbandonRequest {
+            signal: request,
+            ticket: None,
+        });
+    }
+
+    /// The same request as the `abandon` signal, answered: queued for the run loop exactly as
+    /// the signal is (decided, recorded in the resource's audit trail, then acted on), and
+    /// answered once that is done, or once it is accepted on record and waits for the account's
+    /// key.
+    #[update(name = "abandon")]
+    pub async fn abandon_update(
+        ctx: &mut WorkflowContext<Self>,
+        request: AbandonSignal,
+    ) -> AbandonAnswer {
+        let ticket = ctx.state_mut(|s| {
+            s.abandon_tickets_issued += 1;
+            let ticket = s.abandon_tickets_issued;
+            s.abandon_answers.insert(ticket, None);
+            s.abandon_requests.push_back(AbandonRequest {
+                signal: request,
+                ticket: Some(ticket),
+            });
+            ticket
+        });
+        let waited = ctx
+            .wait_condition(|s| {
+                matches!(s.abandon_answers.get(&ticket), Some(Some(_)))
+                    || s.accepted_waiting_for_lock(ticket)
+            })
+            .await;
+        ctx.state_mut(|s| {
+            let state = s.state.unwrap_or(PayoutState::Pending);
+            if let Some(Some(answer)) = s.abandon_answers.remove(&ticket) {
+                return answer;
+            }
+            let (outcome, decided_by, reason) = match waited {
+                Ok(()) => (
+                    AbandonOutcome::AcceptedWaitingForLock,
+                    AbandonDecider::Workflow,
+                    s.abandon_accepted
+                        .as_ref()
+                        .map(|a| a.note.clone())
+                        .unwrap_or_default(),
+                ),
+                Err(cancelled) => (
+                    AbandonOutcome::Refused,
+                    AbandonDecider::Workflow,
+                    format!("the workflow was cancelled before it decided: {cancelled}"),
+                ),
+            };
+            AbandonAnswer {
+                payout_id: s.payout_id.clone(),
+                outcome,
+                accepted: outcome != AbandonOutcome::Refused,
+                decided_by,
+                reason,
+                state,
+            }
+        })
+    }
+
+    /// Turns down at once, recording nothing, what the run loop could only refuse: input it
+    /// cannot use, a payout that is terminal or in a state where the spec never allows an
+    /// abandon, a RAIL_AMBIGUOUS payout before its resolution SLA, a second abandon while one is
+    /// being carried out. (Unparsable input never gets here: the SDK rejects it while decoding.)
+    #[update_validator(abandon_update)]
+    pub fn validate_abandon(
+        &self,
+        _ctx: &WorkflowContextView,
+        request: &AbandonSignal,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        match self.abandon_rejection(request) {
+            Some(why) => Err(why.into()),
+            None => Ok(()),
+        }
     }
 
     #[query(name = "status")]
@@ -433,6 +579,69 @@ impl PayoutWorkflow {
             last_event: self.last_event.clone(),
             resolution_sla_passed: self.resolution_sla_passed,
         }
+    }
+}
+
+impl PayoutWorkflow {
+    /// Why an `abandon` Update is turned down before it is queued, if it is.
+    fn abandon_rejection(&self, request: &AbandonSignal) -> Option<String> {
+        if let Some(problem) = request.problem() {
+            return Some(problem);
+        }
+        let state = self.state.unwrap_or(PayoutState::Pending);
+        if state.is_terminal() {
+            return Some(format!(
+                "refused: payout {} is already {state}: there is nothing to abandon",
+                self.payout_id
+            ));
+        }
+        if self.abandon_accepted.is_some() {
+            return Some("refused: an abandon is already being carried out".into());
+        }
+        match state {
+            PayoutState::Pending => None,
+            PayoutState::RailAmbiguous if self.resolution_sla_passed => None,
+            PayoutState::RailAmbiguous => Some(
+                "refused: RAIL_AMBIGUOUS but the resolution SLA has not passed; the rail is still \
+                 being asked"
+                    .into(),
+            ),
+            other => Some(format!(
+                "refused: state {other} does not allow abandon (only PENDING, or RAIL_AMBIGUOUS \
+                 past the resolution SLA)"
+            )),
+        }
+    }
+
+    /// The Update holding `ticket` was accepted on record and the run now waits for the key.
+    fn accepted_waiting_for_lock(&self, ticket: u64) -> bool {
+        self.waiting_for_lock
+            && self
+                .abandon_accepted
+                .as_ref()
+                .is_some_and(|a| a.request.ticket == Some(ticket))
+    }
+
+    /// Gives the Update holding `ticket` (if any) its answer.
+    fn answer_abandon(
+        &mut self,
+        ticket: Option<u64>,
+        outcome: AbandonOutcome,
+        decided_by: AbandonDecider,
+        reason: String,
+    ) {
+        // An Update already answered (it was accepted and waits for the key) has no slot left.
+        let Some(slot) = ticket.and_then(|t| self.abandon_answers.get_mut(&t)) else {
+            return;
+        };
+        *slot = Some(AbandonAnswer {
+            payout_id: self.payout_id.clone(),
+            outcome,
+            accepted: outcome != AbandonOutcome::Refused,
+            decided_by,
+            reason,
+            state: self.state.unwrap_or(PayoutState::Pending),
+        });
     }
 }
 
@@ -657,10 +866,16 @@ async fn wait_in_line(
         request(input),
         options,
     ));
-    ctx.state_mut(|s| s.last_event = "WAITING_FOR_LOCK in the account's queue".into());
+    ctx.state_mut(|s| {
+        s.last_event = "WAITING_FOR_LOCK in the account's queue".into();
+        s.waiting_for_lock = true;
+    });
     loop {
         temporalio_sdk::workflows::select! {
-            outcome = &mut acquiring => return outcome,
+            outcome = &mut acquiring => {
+                ctx.state_mut(|s| s.waiting_for_lock = false);
+                return outcome;
+            },
             _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {
                 process_signals(ctx, input, facts).await;
             }
@@ -778,7 +993,8 @@ async fn process_signals(
     input: &PayoutRun,
     facts: &RunFacts,
 ) {
-    while let Some(request) = ctx.state_mut(|s| s.abandon_requests.pop_front()) {
+    while let Some(queued) = ctx.state_mut(|s| s.abandon_requests.pop_front()) {
+        let request = &queued.signal;
         let (state, sla_passed, already) = ctx.state(|s| {
             (
                 s.state.unwrap_or(PayoutState::Pending),
@@ -803,7 +1019,7 @@ async fn process_signals(
                 other => (false, format!("state {other} does not allow abandon")),
             }
         };
-        let recorded = record_decision(ctx, input, facts, &request, accepted, &note).await;
+        let recorded = record_decision(ctx, input, facts, request, accepted, &note).await;
         let (accepted, note) = match recorded {
             Ok(()) => (accepted, note),
             Err(e) => (
@@ -818,7 +1034,18 @@ async fn process_signals(
                 recordable(&request.operator, OPERATOR_LENGTH_MAX)
             );
             if accepted {
-                s.abandon_accepted = Some((request, state));
+                s.abandon_accepted = Some(AcceptedAbandon {
+                    request: queued.clone(),
+                    state,
+                    note,
+                });
+            } else {
+                s.answer_abandon(
+                    queued.ticket,
+                    AbandonOutcome::Refused,
+                    AbandonDecider::Workflow,
+                    note,
+                );
             }
         });
     }
@@ -860,7 +1087,7 @@ async fn withdraw_stale_abandon(
     facts: &RunFacts,
     snapshot: &PayoutSnapshot,
 ) {
-    let Some((_, accepted_in)) = ctx.state(|s| s.abandon_accepted.clone()) else {
+    let Some(accepted_in) = ctx.state(|s| s.abandon_accepted.as_ref().map(|a| a.state)) else {
         return;
     };
     if accepted_in != snapshot.state {
@@ -885,11 +1112,12 @@ async fn withdraw_abandon(
     facts: &RunFacts,
     why: String,
 ) {
-    let Some((request, _)) = ctx.state_mut(|s| s.abandon_accepted.take()) else {
+    let Some(accepted) = ctx.state_mut(|s| s.abandon_accepted.take()) else {
         return;
     };
+    let request = &accepted.request.signal;
     let note = format!("withdrawn: {why}");
-    let recorded = record_decision(ctx, input, facts, &request, false, &note).await;
+    let recorded = record_decision(ctx, input, facts, request, false, &note).await;
     ctx.state_mut(|s| {
         s.last_event = format!(
             "ABANDON WITHDRAWN (by {}): {why}{}",
@@ -899,7 +1127,15 @@ async fn withdraw_abandon(
             } else {
                 " [not recorded]"
             }
-        )
+        );
+        // Withdrawn on what the payment resource answered or reported: the payout moved on,
+        // or it refused to carry the abandon out.
+        s.answer_abandon(
+            accepted.request.ticket,
+            AbandonOutcome::Refused,
+            AbandonDecider::PaymentResource,
+            format!("accepted ({}), then {note}", accepted.note),
+        );
     });
 }
 
@@ -920,10 +1156,10 @@ async fn step(
         PayoutState::Pending
             if abandon
                 .as_ref()
-                .is_some_and(|(_, s)| *s == PayoutState::Pending) =>
+                .is_some_and(|a| a.state == PayoutState::Pending) =>
         {
-            let (request, _) = abandon.expect("checked");
-            abandon_payout(ctx, input, grant, request, false, String::new()).await
+            let accepted = abandon.expect("checked");
+            abandon_payout(ctx, input, grant, accepted, false, String::new()).await
         }
         PayoutState::Pending => {
             let claimed = fenced_step(
@@ -1082,13 +1318,14 @@ async fn ambiguity_step(
     let since = *facts.ambiguous_since.get_or_insert(now);
     let sla = Duration::from_millis(input.ambiguity.resolution_sla_ms);
     let elapsed = now.duration_since(since).unwrap_or_default();
-    if let Some((request, PayoutState::RailAmbiguous)) = ctx.state(|s| s.abandon_accepted.clone()) {
+    let accepted = ctx.state(|s| s.abandon_accepted.clone());
+    if let Some(accepted) = accepted.filter(|a| a.state == PayoutState::RailAmbiguous) {
         let sla_check = format!(
             "ambiguous for {} ms in this run, resolution SLA {} ms",
             elapsed.as_millis(),
             sla.as_millis()
         );
-        return abandon_payout(ctx, input, grant, request, true, sla_check).await;
+        return abandon_payout(ctx, input, grant, accepted, true, sla_check).await;
     }
     let interval = *facts
         .inquiry_interval
@@ -1149,10 +1386,11 @@ async fn abandon_payout(
     ctx: &WorkflowContext<PayoutWorkflow>,
     input: &PayoutRun,
     grant: &Grant,
-    request: AbandonSignal,
+    accepted: AcceptedAbandon,
     resolution_sla_passed: bool,
     sla_check: String,
 ) -> Result<(PayoutSnapshot, &'static str), StepError> {
+    let request = accepted.request.signal;
     let abandoned = call(
         ctx,
         &input.local,
@@ -1179,6 +1417,25 @@ async fn abandon_payout(
         _ => classify(e, grant),
     })?;
     // Carried out: nothing is left to withdraw.
-    ctx.state_mut(|s| s.abandon_accepted = None);
+    ctx.state_mut(|s| {
+        s.abandon_accepted = None;
+        s.answer_abandon(
+            accepted.request.ticket,
+            AbandonOutcome::Abandoned,
+            AbandonDecider::PaymentResource,
+            format!(
+                "carried out ({}): the payment resource moved the payout to {}",
+                accepted.note, abandoned.state
+            ),
+        );
+        // Answered with the state the resource reported (the run loop observes it next).
+        if let Some(Some(answer)) = accepted
+            .request
+            .ticket
+            .and_then(|t| s.abandon_answers.get_mut(&t))
+        {
+            answer.state = abandoned.state;
+        }
+    });
     Ok((abandoned, "OPERATOR_ABANDON"))
 }
