@@ -1672,7 +1672,7 @@ async fn a_worker_started_while_a_guard_is_down_waits_for_it_and_then_pays() {
 
 static RESTORED: OnceCell<System> = OnceCell::const_new();
 
-/// `guard_database_restored{guard="payment-resource"}` as the running binary exports it.
+/// `guard_database_restored{guard="payment_resource"}` as the running binary exports it.
 async fn paydb_restored_gauge(system: &System) -> Option<String> {
     let body = reqwest::get(format!(
         "http://127.0.0.1:{}/metrics",
@@ -1684,7 +1684,7 @@ async fn paydb_restored_gauge(system: &System) -> Option<String> {
     .await
     .ok()?;
     body.lines()
-        .find(|l| l.starts_with("guard_database_restored{guard=\"payment-resource\"}"))
+        .find(|l| l.starts_with("guard_database_restored{guard=\"payment_resource\"}"))
         .and_then(|l| l.rsplit(' ').next())
         .map(str::to_string)
 }

@@ -12,6 +12,9 @@ use prometheus::{Encoder, IntCounterVec, Opts, Registry, TextEncoder};
 pub use prometheus;
 pub use tonic_health;
 
+pub mod guard_metrics;
+pub use guard_metrics::{Guard, GuardCounters};
+
 /// Installs the global subscriber. `RUST_LOG` filters (default `info`); `LOG_FORMAT=json` emits one
 /// JSON object per event, which is what a deployment ships to its log pipeline.
 pub fn init_tracing(service: &str) {
@@ -398,8 +401,8 @@ mod tests {
     #[test]
     fn metrics_render_registered_counters() {
         let m = Metrics::default();
-        let c = m.counter_vec("fenced_out_total", "rejections", &["guard"]);
+        let c = m.counter_vec("example_refusals_total", "rejections", &["guard"]);
         c.with_label_values(&["paydb"]).inc();
-        assert!(m.render().contains("fenced_out_total{guard=\"paydb\"} 1"));
+        assert!(m.render().contains("example_refusals_total{guard=\"paydb\"} 1"));
     }
 }

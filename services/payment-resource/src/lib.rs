@@ -111,7 +111,7 @@ pub async fn serve(
     ));
     let incarnation_task = tokio::spawn(service_kit::watch_incarnation(
         store.pool().clone(),
-        "payment-resource",
+        service_kit::Guard::PaymentResource.label(),
         front.metrics.database_restored(),
         Duration::from_millis(service_kit::INCARNATION_PERIOD_MS),
     ));

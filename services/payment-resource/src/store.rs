@@ -232,15 +232,25 @@ impl StoreOptions {
 
 #[derive(Clone)]
 struct Counters {
-    fenced_out: IntCounterVec,
-    forged_grant: IntCounterVec,
-    grant_for_another_key: IntCounterVec,
+    /// `fenced_out_total`, `forged_grants_total`, `grants_for_another_key_total` and
+    /// `database_restored_refusals_total` under `guard="payment_resource"`.
+    guard: service_kit::GuardCounters,
     refused_transitions: IntCounterVec,
     account_busy: IntCounterVec,
     transitions: IntCounterVec,
     operator_not_verified: IntCounterVec,
-    database_restored: IntCounterVec,
 }
+/// The `operation` of every fenced call (`begin_fenced`): the guard's refusal counters are
+/// registered at 0 for each, so the first refusal is an increase Prometheus sees.
+const FENCED_OPERATIONS: [&str; 6] = [
+    "claim",
+    "mark_submitted",
+    "record_outcome",
+    "resolve_ambiguity",
+    "abandon",
+    "post",
+];
+
 
 #[derive(Clone)]
 pub struct Store {
@@ -481,20 +491,10 @@ fn lost_create_race<T>(err: sqlx::Error) -> Result<Option<T>, sqlx::Error> {
 impl Store {
     pub fn new(pool: PgPool, options: StoreOptions, metrics: &service_kit::Metrics) -> Self {
         let counters = Counters {
-            fenced_out: metrics.counter_vec(
-                "payment_fenced_out_total",
-                "Mutations rejected because the token was below the account fence (INV-05). Alert on any.",
-                &["operation"],
-            ),
-            forged_grant: metrics.counter_vec(
-                "payment_forged_grant_total",
-                "Fenced calls rejected because the grant is not signed by a known lock service key (forged). Alert on any.",
-                &["operation"],
-            ),
-            grant_for_another_key: metrics.counter_vec(
-                "payment_grant_for_another_key_total",
-                "Fenced calls rejected because the grant was signed for another lock key than the payout's account's. Alert on any.",
-                &["operation"],
+            guard: service_kit::GuardCounters::register(
+                metrics,
+                service_kit::Guard::PaymentResource,
+                &FENCED_OPERATIONS,
             ),
             refused_transitions: metrics.counter_vec(
                 "payment_refused_transitions_total",
@@ -515,11 +515,6 @@ impl Store {
                 "payment_operator_not_verified_total",
                 "Operator decisions whose signature was missing, unknown, wrong or stale (refused and audited). Alert on any.",
                 &["decision", "reason"],
-            ),
-            database_restored: metrics.counter_vec(
-                "database_restored_refusals_total",
-                "Fenced calls refused because the guard's database is a copy restored from a backup and not re-armed, or the token is below the re-arming's horizon (the same name at both guards). Alert on any.",
-                &["guard", "operation"],
             ),
         };
         Self {
@@ -617,10 +612,7 @@ impl Store {
         let key = fence.key();
         let signing_key_id = fence.signature().key_id.as_str();
         let presented = fence.token().get();
-        self.counters
-            .forged_grant
-            .with_label_values(&[operation])
-            .inc();
+        self.counters.guard.forged_grant(operation, reason);
         tracing::warn!(
             event = "forged_grant", payout_id = %payout_id, key, token = presented, owner = fence.owner(),
             signing_key_id, reason, operation, "grant refused: not signed by the lock service"
@@ -673,10 +665,7 @@ impl Store {
         operation: &str,
     ) -> ServerError {
         let presented = fence.token().get();
-        self.counters
-            .grant_for_another_key
-            .with_label_values(&[operation])
-            .inc();
+        self.counters.guard.grant_for_another_key(operation);
         tracing::warn!(
             event = "grant_for_another_key", payout_id = %payout_id, key = fence.key(), required_key,
             token = presented, owner = fence.owner(), account_id, operation,
@@ -753,10 +742,7 @@ impl Store {
         }
         let presented = fence.token().get();
         let stored = u64::try_from(stored_fence.max(token_floor)).unwrap_or(0);
-        self.counters
-            .fenced_out
-            .with_label_values(&[operation])
-            .inc();
+        self.counters.guard.fenced_out(operation);
         tracing::warn!(
             event = "fenced_out", key, presented, stored, owner = fence.owner(), payout_id = %payout_id,
             account_id, operation, "stale token rejected by the account fence"
@@ -809,10 +795,7 @@ impl Store {
         }
         let presented = fence.token().get();
         let token_floor = u64::try_from(token_floor).unwrap_or(0);
-        self.counters
-            .database_restored
-            .with_label_values(&["payment-resource", operation])
-            .inc();
+        self.counters.guard.database_restored(operation);
         tracing::error!(
             event = "database_restored", alert = true, payout_id = %payout_id, key = fence.key(),
             presented, owner = fence.owner(), incarnation_current = current, token_floor, operation,

@@ -688,7 +688,7 @@ async fn stale_holder_is_fenced_out_and_changes_nothing() {
         .service
         .metrics
         .render()
-        .contains("payment_fenced_out_total{operation=\"claim\"} 2"));
+        .contains("fenced_out_total{guard=\"payment_resource\",operation=\"claim\"} 2"));
 
     // Interleave further: T' moves on, T keeps trying at every step and never lands.
     h.c().mark_submitted(&p, &new).await.unwrap();
@@ -916,7 +916,7 @@ async fn a_fabricated_grant_is_refused_as_forged_and_changes_nothing() {
     refused += 1;
     assert_eq!(audit_count(&h.pool, "forged_grant").await, refused);
     assert_eq!(audit_count(&h.pool, "fenced_out").await, 0);
-    assert_eq!(counted(&h, "payment_forged_grant_total"), refused as u64);
+    assert_eq!(counted(&h, "forged_grants_total"), refused as u64);
     let (account, token, owner, detail): (Option<String>, i64, String, serde_json::Value) =
         sqlx::query_as(
             "SELECT account_id, token, owner, detail FROM audit_event WHERE kind = 'forged_grant' ORDER BY id LIMIT 1",
@@ -1059,10 +1059,7 @@ async fn a_grant_for_another_account_is_refused_and_changes_nothing() {
     }
     assert_eq!(audit_count(&h.pool, "grant_for_another_key").await, refused);
     assert_eq!(audit_count(&h.pool, "fenced_out").await, 0);
-    assert_eq!(
-        counted(&h, "payment_grant_for_another_key_total"),
-        refused as u64
-    );
+    assert_eq!(counted(&h, "grants_for_another_key_total"), refused as u64);
     let (account, detail): (String, serde_json::Value) = sqlx::query_as(
         "SELECT account_id, detail FROM audit_event WHERE kind = 'grant_for_another_key' ORDER BY id LIMIT 1",
     )
@@ -3397,13 +3394,13 @@ async fn negative_control_without_operator_verification_an_unsigned_abandon_land
 
 // ----- the fence survives a restore of paydb (issue 19, section 3; migration 0006) -----
 
-/// The gauge `guard_database_restored{guard="payment-resource"}` as the service renders it.
+/// The gauge `guard_database_restored{guard="payment_resource"}` as the service renders it.
 fn restored_gauge(service: &Service) -> Option<i64> {
     service
         .metrics
         .render()
         .lines()
-        .find(|l| l.starts_with("guard_database_restored{guard=\"payment-resource\"}"))
+        .find(|l| l.starts_with("guard_database_restored{guard=\"payment_resource\"}"))
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 

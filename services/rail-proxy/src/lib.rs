@@ -292,7 +292,7 @@ pub async fn run(
     }
     let incarnation_task = tokio::spawn(service_kit::watch_incarnation(
         pool.clone(),
-        "rail-proxy",
+        service_kit::Guard::RailProxy.label(),
         metrics.database_restored(),
         Duration::from_millis(service_kit::INCARNATION_PERIOD_MS),
     ));

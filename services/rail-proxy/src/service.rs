@@ -32,21 +32,27 @@ const OUTCOME_RECORD_BACKOFF_MS: u64 = 200;
 pub const RAIL_CLOCK_SKEW_MARGIN_MS: i64 = 1_000;
 
 pub(crate) struct Counters {
-    pub fenced_out: IntCounterVec,
+    /// `fenced_out_total`, `forged_grants_total`, `grants_for_another_key_total` and
+    /// `database_restored_refusals_total` under `guard="rail_proxy"`.
+    pub guard: service_kit::GuardCounters,
     pub duplicates: IntCounterVec,
     pub outcomes: IntCounterVec,
     pub inquiries: IntCounterVec,
     pub seals: IntCounterVec,
     pub rail_duplicates: IntCounterVec,
-    pub forged_grants: IntCounterVec,
-    pub grants_for_another_key: IntCounterVec,
-    pub database_restored: IntCounterVec,
 }
+
+/// The fenced operations (the `operation` label of the guard's refusal counters, registered at 0).
+pub const FENCED_OPERATIONS: [&str; 2] = ["submit", "inquire"];
 
 impl Counters {
     pub fn new(metrics: &service_kit::Metrics) -> Self {
-        Self {
-            fenced_out: metrics.counter_vec("fenced_out_total", "Stale tokens refused by a guard.", &["guard"]),
+        let counters = Self {
+            guard: service_kit::GuardCounters::register(
+                metrics,
+                service_kit::Guard::RailProxy,
+                &FENCED_OPERATIONS,
+            ),
             duplicates: metrics.counter_vec(
                 "rail_proxy_duplicate_submissions_total",
                 "Submits refused because the payout already has a submission, by kind: retry (the recorded grant asking again) or second_submitter (pages). The sum is every duplicate.",
@@ -64,22 +70,13 @@ impl Counters {
                 "Inquiries that found more than one movement for one client reference (safety event).",
                 &[],
             ),
-            forged_grants: metrics.counter_vec(
-                "forged_grants_total",
-                "Fenced calls refused by a guard because the lock service did not sign their grant, by reason (unsigned, unknown_key_id, bad_signature).",
-                &["guard", "reason"],
-            ),
-            grants_for_another_key: metrics.counter_vec(
-                "grants_for_another_key_total",
-                "Fenced calls refused by a guard because their genuine grant is of another lock key than the account's.",
-                &["guard"],
-            ),
-            database_restored: metrics.counter_vec(
-                "database_restored_refusals_total",
-                "Fenced calls refused because the guard's database is a copy restored from a backup and not re-armed, or the token is below the re-arming's horizon (the same name at both guards). Alert on any.",
-                &["guard", "operation"],
-            ),
+        };
+        // The alerted series exist at 0 from the start: the first occurrence is an increase.
+        for kind in [DuplicateClass::Retry, DuplicateClass::SecondSubmitter] {
+            counters.duplicates.with_label_values(&[kind.label()]);
         }
+        counters.rail_duplicates.with_label_values(&[] as &[&str]);
+        counters
     }
 }
 
@@ -126,10 +123,7 @@ fn database_restored(
     payout_id: &PayoutId,
     restored: store::Restored,
 ) -> Status {
-    counters
-        .database_restored
-        .with_label_values(&["rail-proxy", operation])
-        .inc();
+    counters.guard.database_restored(operation);
     tracing::error!(
         event = "database_restored", alert = true, operation, presented, owner,
         payout_id = %payout_id, incarnation_current = restored.incarnation_current,
@@ -156,7 +150,7 @@ fn fenced_out(
     stored_owner: String,
     payout_id: &PayoutId,
 ) -> Status {
-    counters.fenced_out.with_label_values(&["rail-proxy"]).inc();
+    counters.guard.fenced_out(operation);
     tracing::error!(
         event = "fenced_out", alert = true, operation, key = %key, presented, stored,
         owner, stored_owner = %stored_owner, payout_id = %payout_id,
@@ -177,6 +171,14 @@ fn fenced_out(
         format!("fenced out: token {presented} is below the high-water {stored} of {key}"),
         &detail,
     )
+}
+
+/// The metrics' `operation` of a `guard_event.operation` (`SUBMIT`, `INQUIRE`).
+fn metric_operation(operation: &str) -> &'static str {
+    match operation {
+        "SUBMIT" => FENCED_OPERATIONS[0],
+        _ => FENCED_OPERATIONS[1],
+    }
 }
 
 /// The `guard_event.forged_reason` of a forged grant.
@@ -222,9 +224,8 @@ impl ProxyService {
                 let reason = forged.reason();
                 inner
                     .counters
-                    .forged_grants
-                    .with_label_values(&["rail-proxy", reason])
-                    .inc();
+                    .guard
+                    .forged_grant(metric_operation(presented.operation), reason);
                 tracing::warn!(
                     event = "forged_grant", operation = presented.operation, reason,
                     key = presented.signed_key, presented = token, owner = presented.owner,
@@ -249,9 +250,8 @@ impl ProxyService {
         {
             inner
                 .counters
-                .grants_for_another_key
-                .with_label_values(&["rail-proxy"])
-                .inc();
+                .guard
+                .grant_for_another_key(metric_operation(presented.operation));
             tracing::warn!(
                 event = "grant_for_another_key", operation = presented.operation,
                 presented_key = presented.signed_key, required_key = %presented.lock_key,

@@ -286,11 +286,20 @@ async fn two_holders_race_at_most_one_movement_and_the_stale_holder_is_fenced() 
         .await,
         2
     );
-    assert!(rig
-        .proxy
-        .metrics
-        .render()
-        .contains("fenced_out_total{guard=\"rail-proxy\"}"));
+    // Counted once per refusal (the racing rounds above may have fenced some too).
+    let fenced_events = count(
+        &rig.pool,
+        "SELECT count(*) FROM guard_event WHERE kind = 'FENCED'",
+    )
+    .await;
+    assert!(fenced_events >= 2);
+    assert_eq!(
+        counted(
+            &rig,
+            "fenced_out_total{guard=\"rail_proxy\",operation=\"submit\"}"
+        ) as i64,
+        fenced_events
+    );
 }
 
 /// The value of `rail_proxy_duplicate_submissions_total{kind}` (0 before the first).
@@ -1264,16 +1273,35 @@ async fn negative_control_without_expiry_a_paused_send_moves_money_after_absent(
 // Signed grants (issue 17): a token the lock service never signed, or signed for another key,
 // is refused before the high-water statement.
 
-/// The value of a counter series, e.g. `forged_grants_total{guard="rail-proxy",reason="unsigned"}`
-/// (0 before the first).
+/// The sum of a counter's series whose labels include the given ones, e.g.
+/// `forged_grants_total{guard="rail_proxy",reason="unsigned"}` (over every `operation`);
+/// 0 if there is none.
 fn counted(rig: &Rig, series: &str) -> u64 {
-    let prefix = format!("{series} ");
+    fn split(series: &str) -> (&str, Vec<&str>) {
+        match series.split_once('{') {
+            Some((name, labels)) => (
+                name,
+                labels
+                    .trim_end_matches('}')
+                    .split(',')
+                    .filter(|l| !l.is_empty())
+                    .collect(),
+            ),
+            None => (series, Vec::new()),
+        }
+    }
+    let (name, wanted) = split(series);
     rig.proxy
         .metrics
         .render()
         .lines()
-        .find_map(|l| l.strip_prefix(&prefix).map(|v| v.parse().unwrap()))
-        .unwrap_or(0)
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter(|(s, _)| {
+            let (n, labels) = split(s);
+            n == name && wanted.iter().all(|w| labels.contains(w))
+        })
+        .map(|(_, v)| v.parse::<u64>().unwrap())
+        .sum()
 }
 
 /// (high-water, its owner) of an account at the proxy.
@@ -1467,7 +1495,7 @@ async fn a_fabricated_token_is_refused_as_a_forged_grant_and_changes_nothing() {
         assert_eq!(
             counted(
                 &rig,
-                &format!("forged_grants_total{{guard=\"rail-proxy\",reason=\"{reason}\"}}")
+                &format!("forged_grants_total{{guard=\"rail_proxy\",reason=\"{reason}\"}}")
             ),
             n,
             "{reason}"
@@ -1639,7 +1667,7 @@ async fn a_genuine_grant_of_another_account_is_refused_as_grant_for_another_key(
         2
     );
     assert_eq!(
-        counted(&rig, "grants_for_another_key_total{guard=\"rail-proxy\"}"),
+        counted(&rig, "grants_for_another_key_total{guard=\"rail_proxy\"}"),
         2
     );
     // Relabelled as B's key, A's signature no longer matches: forged.
@@ -2093,7 +2121,7 @@ async fn a_restored_proxydb_refuses_every_fenced_call_until_it_is_rearmed() {
     assert_eq!(
         counted(
             &rig,
-            "database_restored_refusals_total{guard=\"rail-proxy\",operation=\"submit\"}"
+            "database_restored_refusals_total{guard=\"rail_proxy\",operation=\"submit\"}"
         ),
         2
     );
