@@ -44,6 +44,17 @@ pub struct SystemOptions {
     /// The payment resource's resolution SLA (when an operator may abandon an ambiguous
     /// payout); its production default (one hour) if `None`.
     pub resolution_sla_ms: Option<u64>,
+    /// The dispatcher delivers the payout workflow starts CreatePayout stages (paydb 0009), on
+    /// this system's task queue with these clocks. `None` (the tests' default: they start their
+    /// own workflows, with their own clocks, or none at all): `--without-workflow-starts`.
+    pub workflow_starts: Option<WorkflowStarts>,
+}
+
+/// The ambiguity clocks of the workflows the dispatcher's starter starts.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkflowStarts {
+    pub settlement_window_ms: u64,
+    pub resolution_sla_ms: u64,
 }
 
 impl Default for SystemOptions {
@@ -62,6 +73,7 @@ impl Default for SystemOptions {
             task_queue: None,
             etcd_prefix: None,
             resolution_sla_ms: None,
+            workflow_starts: None,
         }
     }
 }
@@ -321,6 +333,21 @@ impl System {
             Role::PaymentResource,
         )
         .await?;
+        let starts: Vec<String> = match options.workflow_starts {
+            Some(clocks) => vec![
+                "--temporal-address".into(),
+                temporal.address(),
+                "--temporal-namespace".into(),
+                crate::temporal::NAMESPACE.into(),
+                "--payout-task-queue".into(),
+                task_queue.clone(),
+                "--settlement-window-ms".into(),
+                clocks.settlement_window_ms.to_string(),
+                "--resolution-sla-ms".into(),
+                clocks.resolution_sla_ms.to_string(),
+            ],
+            None => vec!["--without-workflow-starts".into()],
+        };
         let dispatcher = ManagedProcess::start(
             spec("outbox-dispatcher")?
                 .env(
@@ -333,7 +360,8 @@ impl System {
                         .to_args(),
                 )
                 .args(["--gl-endpoint".into(), url(ports.general_ledger)])
-                .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[5])]),
+                .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[5])])
+                .args(starts),
         )?;
         wait_grpc(ports.lock_server, &lock_server, &probe, Role::LockServer).await?;
         wait_grpc(ports.rail_proxy, &rail_proxy, &probe, Role::RailProxy).await?;

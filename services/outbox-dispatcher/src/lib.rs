@@ -21,6 +21,8 @@
 //! claim_expires_at); id, account_id, idempotency_key, kind, payload and created_at are never
 //! written.
 
+pub mod starts;
+
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 

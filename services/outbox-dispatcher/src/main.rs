@@ -41,12 +41,41 @@ enum Command {
         backoff_max_ms: u64,
         #[arg(long, default_value_t = outbox_dispatcher::POLL_INTERVAL_MS)]
         poll_interval_ms: u64,
+        #[command(flatten)]
+        starts: Box<StartArgs>,
     },
     /// Operator commands for rows the GL refused.
     Quarantine {
         #[command(subcommand)]
         action: QuarantineAction,
     },
+}
+
+/// The workflow starter: delivers the payout workflow starts CreatePayout staged in paydb.
+#[derive(clap::Args)]
+struct StartArgs {
+    /// The Temporal frontend (host:port) the staged payout workflow starts are delivered to.
+    /// Required unless --without-workflow-starts.
+    #[arg(long, env = "TEMPORAL_ADDRESS")]
+    temporal_address: Option<String>,
+    /// The Temporal namespace of the payout workflows.
+    #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
+    temporal_namespace: String,
+    /// The payout workers' task queue, where started workflows run.
+    #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = payout_workflows::TASK_QUEUE)]
+    payout_task_queue: String,
+    /// The rail's settlement window each started workflow waits out before a lookup counts.
+    #[arg(long, env = "PAYOUT_SETTLEMENT_WINDOW_MS",
+          default_value_t = payout_activities::types::SETTLEMENT_WINDOW_MS_DEFAULT)]
+    settlement_window_ms: u64,
+    /// How long an ambiguous payout waits for evidence before an operator may abandon it.
+    #[arg(long, env = "PAYOUT_RESOLUTION_SLA_MS",
+          default_value_t = payout_activities::types::RESOLUTION_SLA_MS_DEFAULT)]
+    resolution_sla_ms: u64,
+    /// Deliver no workflow starts (staged starts wait): only where another process delivers
+    /// them, or a test system whose tests start their own workflows.
+    #[arg(long, conflicts_with = "temporal_address")]
+    without_workflow_starts: bool,
 }
 
 #[derive(Subcommand)]
@@ -78,12 +107,17 @@ async fn main() -> anyhow::Result<()> {
             claim_lease_ms,
             backoff_max_ms,
             poll_interval_ms,
+            starts,
         } => {
             let instance_id =
                 instance_id.unwrap_or_else(|| format!("dispatcher-{}", std::process::id()));
             let tls = tls.load().context("TLS material")?;
-            let mut config =
-                outbox_dispatcher::Config::new(cli.database_url, gl_endpoint, tls, instance_id);
+            let mut config = outbox_dispatcher::Config::new(
+                cli.database_url.clone(),
+                gl_endpoint,
+                tls,
+                instance_id.clone(),
+            );
             config.batch_size = batch_size;
             config.claim_lease_ms = claim_lease_ms;
             config.backoff_max_ms = backoff_max_ms;
@@ -96,10 +130,43 @@ async fn main() -> anyhow::Result<()> {
                 metrics.clone(),
                 shutdown.clone().wait(),
             ));
+            let starter = match (starts.temporal_address, starts.without_workflow_starts) {
+                (Some(address), false) => {
+                    let config = outbox_dispatcher::starts::StarterConfig::new(
+                        address,
+                        starts.temporal_namespace,
+                        starts.payout_task_queue,
+                        payout_activities::types::AmbiguityPolicy {
+                            settlement_window_ms: starts.settlement_window_ms,
+                            resolution_sla_ms: starts.resolution_sla_ms,
+                        },
+                        instance_id.clone(),
+                    );
+                    let pool = service_kit::connect_pg(&cli.database_url).await?;
+                    Some(outbox_dispatcher::starts::Starter::new(
+                        pool, config, &metrics,
+                    ))
+                }
+                (None, true) => {
+                    tracing::warn!("--without-workflow-starts: staged payout workflow starts are not delivered by this process");
+                    None
+                }
+                _ => anyhow::bail!(
+                    "give --temporal-address (TEMPORAL_ADDRESS) to deliver the payout workflow starts CreatePayout stages, or --without-workflow-starts"
+                ),
+            };
             let dispatcher = outbox_dispatcher::Dispatcher::new(config, &metrics)
                 .await
                 .context("starting the dispatcher")?;
-            dispatcher.run(shutdown.wait()).await;
+            match &starter {
+                Some(starter) => {
+                    tokio::join!(
+                        dispatcher.run(shutdown.clone().wait()),
+                        starter.run(shutdown.wait())
+                    );
+                }
+                None => dispatcher.run(shutdown.wait()).await,
+            }
             metrics_task.abort();
         }
         Command::Quarantine { action } => {

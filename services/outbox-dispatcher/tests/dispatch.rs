@@ -709,6 +709,8 @@ async fn dispatcher_killed_mid_batch_loses_nothing_and_duplicates_nothing() {
             "1500",
         ])
         .args(["--backoff-max-ms", "400", "--poll-interval-ms", "50"])
+        // The GL delivery alone: this suite starts no payout workflow.
+        .arg("--without-workflow-starts")
         .args(
             testkit::pki::shared()
                 .issue(Role::OutboxDispatcher, instance)

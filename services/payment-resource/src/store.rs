@@ -136,6 +136,8 @@ pub struct StoreOptions {
     operators: Verifier,
     operator_verification: bool,
     restore_check: bool,
+    /// CreatePayout stages the workflow's start in its own transaction (paydb 0009).
+    start_staging: bool,
 }
 
 /// Finance's resolution SLA for an ambiguous payout before an operator may abandon it (spec 2.3,
@@ -164,6 +166,7 @@ impl StoreOptions {
             operators: Verifier::refusing_all(),
             operator_verification: true,
             restore_check: true,
+            start_staging: true,
         }
     }
     /// The registered operators (`name=hex,...`, `payoutctl keys operator`): an abandon is carried
@@ -208,6 +211,14 @@ impl StoreOptions {
     #[doc(hidden)]
     pub fn without_restore_check_for_tests(mut self) -> Self {
         self.restore_check = false;
+        self
+    }
+    /// NEGATIVE CONTROL ONLY: CreatePayout commits the payout row without staging its workflow's
+    /// start, as before paydb 0009, so nobody starts a workflow for it. Tests use it to show that
+    /// the intake tests detect a stranded payout.
+    #[doc(hidden)]
+    pub fn without_start_staging_for_tests(mut self) -> Self {
+        self.start_staging = false;
         self
     }
     /// The resolution SLA this resource enforces: it decides from its own record when a
@@ -1255,6 +1266,12 @@ impl Store {
             },
         )
         .await?;
+        // The workflow's start, staged in the same transaction: the payout and the promise that
+        // its workflow starts commit together (the starter delivers it). A repeated create finds
+        // the payout above and stages nothing.
+        if self.options.start_staging {
+            stage_workflow_start(&mut tx, &payout).await?;
+        }
         tx.commit().await?;
         tracing::info!(payout_id = %payout.payout_id, account_id = %payout.account_id, amount_minor = payout.amount_minor, "payout created");
         Ok(payout)
@@ -1970,6 +1987,30 @@ async fn insert_outbox(
     .bind(key)
     .bind(kind.as_str())
     .bind(payload.to_string())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Stages `payout-{id}`'s start (paydb 0009's `workflow_start`) in the creating transaction,
+/// with the payout's instruction as the start input's fields.
+async fn stage_workflow_start(
+    tx: &mut Transaction<'static, Postgres>,
+    payout: &Payout,
+) -> Result<(), sqlx::Error> {
+    let input = json!({
+        "payout_id": payout.payout_id.as_str(),
+        "account_id": payout.account_id.as_str(),
+        "amount_minor": payout.amount_minor,
+        "currency": payout.currency.as_str(),
+        "beneficiary_ref": payout.beneficiary_ref.as_str(),
+    });
+    sqlx::query(
+        "INSERT INTO workflow_start (payout_id, workflow_id, input) VALUES ($1, $2, $3::jsonb)",
+    )
+    .bind(payout.payout_id.as_str())
+    .bind(payout_domain::workflow_id(&payout.payout_id))
+    .bind(input.to_string())
     .execute(&mut **tx)
     .await?;
     Ok(())
