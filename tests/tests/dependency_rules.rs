@@ -32,8 +32,17 @@ const SHIPPED: &[&str] = &[
     "compose-tests",
 ];
 
-/// Test and developer machinery: never linked by a shipped package.
-const HARNESS: &[&str] = &["testkit", "system-tests", "service-benches", "payoutdev"];
+/// Test and developer machinery: never linked by a shipped package. testcontainers (and bollard,
+/// the Docker client it wraps) drive the compose suite: compose-tests ships payout-probe, so they
+/// stay its dev-dependencies.
+const HARNESS: &[&str] = &[
+    "testkit",
+    "system-tests",
+    "service-benches",
+    "payoutdev",
+    "testcontainers",
+    "bollard",
+];
 
 /// Packages allowed to start servers in-process (the developer harness and the fault suite).
 const MAY_LINK_SERVERS: &[&str] = &["system-tests", "service-benches", "payoutdev"];
