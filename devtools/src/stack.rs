@@ -341,10 +341,6 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                     .to_args(),
             )
             .args([
-                "--temporal-cli".into(),
-                testkit::temporal::cli_path()?.into_os_string(),
-            ])
-            .args([
                 "--metrics-listen".to_string(),
                 format!("127.0.0.1:{}", base + 17),
             ])

@@ -27,8 +27,8 @@ use serde::Serialize;
 use sqlx::PgPool;
 use temporalio_client::errors::{WorkflowInteractionError, WorkflowStartError};
 use temporalio_client::{
-    Client, ClientOptions, ConnectionOptions, UntypedWorkflow, Url, WorkflowDescribeOptions,
-    WorkflowExecutionStatus, WorkflowIdReusePolicy, WorkflowStartOptions,
+    Client, UntypedWorkflow, WorkflowDescribeOptions, WorkflowExecutionStatus,
+    WorkflowIdReusePolicy, WorkflowStartOptions,
 };
 use temporalio_common::data_converters::RawValue;
 use temporalio_common::protos::temporal::api::common::v1::Payload;
@@ -90,8 +90,8 @@ pub struct Temporal {
 /// Where Temporal is and how resumed workflows are started.
 #[derive(Debug, Clone)]
 pub struct TemporalConfig {
-    pub address: String,
-    pub namespace: String,
+    /// The connection, configured as every process's is (flags, `TEMPORAL_*`, the config file).
+    pub connection: payout_workflows::client::TemporalArgs,
     pub payout_task_queue: String,
     pub settlement_window_ms: u64,
     pub resolution_sla_ms: u64,
@@ -103,19 +103,21 @@ impl Temporal {
             service: "temporal",
             detail,
         };
-        let url = Url::parse(&format!("http://{}", config.address))
-            .map_err(|e| err(format!("address {}: {e}", config.address)))?;
+        let target = config
+            .connection
+            .resolve()
+            .map_err(|e| err(e.to_string()))?;
         let client = tokio::time::timeout(
             TEMPORAL_CALL_TIMEOUT,
-            Client::connect(
-                ConnectionOptions::new(url)
-                    .identity(RECOVERER.to_string())
-                    .build(),
-                ClientOptions::new(config.namespace.clone()).build(),
-            ),
+            payout_workflows::client::connect_to(&target, RECOVERER),
         )
         .await
-        .map_err(|_| err(format!("no answer within {TEMPORAL_CALL_TIMEOUT:?}")))?
+        .map_err(|_| {
+            err(format!(
+                "{} gave no answer within {TEMPORAL_CALL_TIMEOUT:?}",
+                target.describe()
+            ))
+        })?
         .map_err(|e| err(e.to_string()))?;
         Ok(Self {
             client,

@@ -7,11 +7,16 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
+use payout_workflows::client::TemporalArgs;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts};
 use serde::{Deserialize, Serialize};
 use service_kit::prometheus;
 use service_kit::Metrics;
-use temporalio_client::{Client, ClientOptions, ConnectionOptions, Url};
+use temporalio_client::schedules::{
+    CreateScheduleOptions, ScheduleAction, ScheduleDescription, ScheduleDescriptionAction,
+    ScheduleError, ScheduleOverlapPolicy, ScheduleSpec,
+};
+use temporalio_client::{tonic, Client};
 use temporalio_common::RetryPolicy;
 use temporalio_macros::{activities, workflow, workflow_methods};
 use temporalio_sdk::activities::{ActivityContext, ActivityError};
@@ -36,8 +41,15 @@ pub const RECONCILE_ATTEMPTS_MAX: u32 = 3;
 pub const RECONCILE_RETRY_INITIAL: Duration = Duration::from_secs(5);
 /// On SIGTERM an in-flight run may finish for this long before being handed back.
 pub const GRACEFUL_SHUTDOWN_PERIOD: Duration = Duration::from_secs(30);
-/// Upper bound of one `temporal schedule create`.
-pub const SCHEDULE_CLI_TIMEOUT: Duration = Duration::from_secs(30);
+/// Upper bound of one schedule call (create, describe, update) to Temporal.
+pub const SCHEDULE_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Temporal's schedules fire at a whole second at best; a shorter interval is raised to it.
+pub const SCHEDULE_INTERVAL_MIN: Duration = Duration::from_secs(1);
+/// The reconciler's workflow type, as the schedule names it (`#[run(name = ...)]` below).
+pub const RECONCILE_WORKFLOW_TYPE: &str = "ReconcileWorkflow";
+/// Shown on the schedule in the Temporal UI and `temporal schedule describe`.
+const SCHEDULE_NOTE: &str =
+    "created by the reconciler (reconciler serve); every replica ensures it at start";
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
@@ -74,14 +86,11 @@ pub struct Config {
     pub tls_cert: Option<PathBuf>,
     #[arg(long = "tls-key", env = "PAYOUT_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
-    #[arg(long, env = "TEMPORAL_ADDRESS", default_value = "127.0.0.1:7233")]
-    pub temporal_address: String,
-    #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
-    pub temporal_namespace: String,
-    /// The `temporal` CLI (schedule creation only: workflows are described and started through
-    /// Temporal's client).
-    #[arg(long, env = "TEMPORAL_CLI", default_value = "temporal")]
-    pub temporal_cli: PathBuf,
+    /// Temporal: configured as the `temporal` CLI is (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE,
+    /// TEMPORAL_TLS_*, TEMPORAL_API_KEY, TEMPORAL_PROFILE and its config file); a flag overrides
+    /// the environment.
+    #[command(flatten)]
+    pub temporal: TemporalArgs,
     /// The payout workers' task queue, where a resumed payout's workflow runs.
     #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = "payouts")]
     pub payout_task_queue: String,
@@ -145,8 +154,7 @@ impl Config {
 
     pub fn temporal_config(&self) -> TemporalConfig {
         TemporalConfig {
-            address: self.temporal_address.clone(),
-            namespace: self.temporal_namespace.clone(),
+            connection: self.temporal.clone(),
             payout_task_queue: self.payout_task_queue.clone(),
             settlement_window_ms: self.settlement_window_ms,
             resolution_sla_ms: self.resolution_sla_ms,
@@ -428,47 +436,117 @@ pub struct ServeOptions {
     pub identity: String,
 }
 
-/// Creates the schedule that starts `ReconcileWorkflow` every `interval`; an existing schedule
-/// of that id is success (idempotent: every replica calls this at start).
-pub async fn ensure_schedule(config: &Config, serve: &ServeOptions) -> anyhow::Result<()> {
-    let interval = format!("{}s", serve.interval.as_secs().max(1));
-    let run = tokio::process::Command::new(&config.temporal_cli)
-        .args(["schedule", "create", "--schedule-id", &serve.schedule_id])
-        .args(["--workflow-id", &format!("{}-run", serve.schedule_id)])
-        .args(["--type", "ReconcileWorkflow"])
-        .args(["--task-queue", &serve.task_queue])
-        .args(["--interval", &interval])
-        .args(["--overlap-policy", "Skip"])
-        .args(["--address", &config.temporal_address])
-        .args(["--namespace", &config.temporal_namespace])
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(SCHEDULE_CLI_TIMEOUT, run)
-        .await
-        .context("temporal schedule create did not answer")?
-        .with_context(|| format!("running {}", config.temporal_cli.display()))?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if out.status.success() {
-        tracing::info!(schedule_id = %serve.schedule_id, interval, task_queue = %serve.task_queue, "schedule created");
-    } else if stderr.to_ascii_lowercase().contains("already") {
-        tracing::info!(schedule_id = %serve.schedule_id, "schedule already exists");
-    } else {
-        anyhow::bail!("temporal schedule create failed: {}", stderr.trim());
-    }
-    Ok(())
+/// What [`ensure_schedule`] found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleOutcome {
+    /// There was no schedule of that id: it was created.
+    Created,
+    /// It existed with this interval, workflow type and task queue: left as it is.
+    Unchanged,
+    /// It existed with another interval, workflow or task queue (a redeployment changed
+    /// `--interval-s`): its spec and action were replaced, its history kept.
+    Updated,
 }
 
-async fn connect(config: &Config, identity: &str) -> anyhow::Result<Client> {
-    let url = Url::parse(&format!("http://{}", config.temporal_address))
-        .context("TEMPORAL_ADDRESS must be host:port")?;
-    Client::connect(
-        ConnectionOptions::new(url)
-            .identity(identity.to_string())
-            .build(),
-        ClientOptions::new(config.temporal_namespace.clone()).build(),
+/// The schedule's spec and action as this process would create them.
+fn schedule_spec(serve: &ServeOptions) -> ScheduleSpec {
+    ScheduleSpec::from_interval(serve.interval.max(SCHEDULE_INTERVAL_MIN))
+}
+
+fn schedule_action(serve: &ServeOptions) -> ScheduleAction {
+    ScheduleAction::start_workflow(
+        ReconcileWorkflow::run,
+        (),
+        serve.task_queue.clone(),
+        format!("{}-run", serve.schedule_id),
+    )
+}
+
+/// Makes sure the schedule that starts `ReconcileWorkflow` every `interval` exists, through
+/// Temporal's client: created if missing, left alone if it already matches, updated if its
+/// interval, workflow type or task queue differ. Every replica calls this at start, so it is
+/// idempotent; a race between two creations is read by its gRPC status (`ALREADY_EXISTS`), never
+/// by matching error text.
+pub async fn ensure_schedule(
+    client: &Client,
+    serve: &ServeOptions,
+) -> anyhow::Result<ScheduleOutcome> {
+    let created = tokio::time::timeout(
+        SCHEDULE_CALL_TIMEOUT,
+        client.create_schedule(
+            serve.schedule_id.clone(),
+            CreateScheduleOptions::builder()
+                .action(schedule_action(serve))
+                .spec(schedule_spec(serve))
+                // A run still going when the next is due is skipped: two runs never overlap.
+                .overlap_policy(ScheduleOverlapPolicy::Skip)
+                .note(SCHEDULE_NOTE)
+                .build(),
+        ),
     )
     .await
-    .with_context(|| format!("connecting to Temporal at {}", config.temporal_address))
+    .with_context(|| format!("creating schedule {}: no answer", serve.schedule_id))?;
+    match created {
+        Ok(_) => {
+            tracing::info!(schedule_id = %serve.schedule_id, interval_s = serve.interval.as_secs(), task_queue = %serve.task_queue, "schedule created");
+            return Ok(ScheduleOutcome::Created);
+        }
+        Err(ScheduleError::Rpc(status)) if status.code() == tonic::Code::AlreadyExists => {}
+        Err(e) => {
+            return Err(e).with_context(|| format!("creating schedule {}", serve.schedule_id))
+        }
+    }
+    let handle = client.get_schedule_handle(serve.schedule_id.clone());
+    let described =
+        tokio::time::timeout(SCHEDULE_CALL_TIMEOUT, handle.describe(Default::default()))
+            .await
+            .with_context(|| format!("describing schedule {}: no answer", serve.schedule_id))?
+            .with_context(|| format!("describing schedule {}", serve.schedule_id))?;
+    if schedule_matches(&described, serve) {
+        tracing::info!(schedule_id = %serve.schedule_id, "schedule already exists as configured");
+        return Ok(ScheduleOutcome::Unchanged);
+    }
+    let (spec, action) = (schedule_spec(serve), schedule_action(serve));
+    tokio::time::timeout(
+        SCHEDULE_CALL_TIMEOUT,
+        handle.update(
+            move |update| {
+                update.set_spec(spec).set_action(action);
+            },
+            Default::default(),
+        ),
+    )
+    .await
+    .with_context(|| format!("updating schedule {}: no answer", serve.schedule_id))?
+    .with_context(|| format!("updating schedule {}", serve.schedule_id))?;
+    tracing::info!(schedule_id = %serve.schedule_id, interval_s = serve.interval.as_secs(), task_queue = %serve.task_queue, "schedule updated to this configuration");
+    Ok(ScheduleOutcome::Updated)
+}
+
+/// Whether an existing schedule starts the same workflow on the same queue at the same interval.
+fn schedule_matches(described: &ScheduleDescription, serve: &ServeOptions) -> bool {
+    let action = match described.action() {
+        ScheduleDescriptionAction::StartWorkflow(action) => action,
+        // Another kind of action under our id: replace it with ours.
+        _ => return false,
+    };
+    let interval = described
+        .raw()
+        .schedule
+        .as_ref()
+        .and_then(|s| s.spec.as_ref())
+        .map(|spec| {
+            spec.interval
+                .iter()
+                .filter_map(|i| i.interval.as_ref())
+                .map(|d| (d.seconds, d.nanos))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    let wanted = serve.interval.max(SCHEDULE_INTERVAL_MIN);
+    action.workflow_type() == RECONCILE_WORKFLOW_TYPE
+        && action.task_queue() == serve.task_queue
+        && interval == [(wanted.as_secs() as i64, wanted.subsec_nanos() as i32)]
 }
 
 /// Runs the worker (and ensures the schedule) until `stop` resolves.
@@ -483,8 +561,10 @@ pub async fn serve(
     }
     let sources = config.sources().await?;
     let runtime = Runtime::from_current_tokio(Default::default())?;
-    let client = connect(&config, &serve.identity).await?;
-    ensure_schedule(&config, &serve).await?;
+    let target = config.temporal.resolve()?;
+    let client = payout_workflows::client::connect_to(&target, &serve.identity).await?;
+    tracing::info!(temporal = %target.describe(), "connected to Temporal");
+    ensure_schedule(&client, &serve).await?;
     let activities = ReconcileActivities {
         config,
         sources,

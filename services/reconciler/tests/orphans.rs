@@ -179,11 +179,6 @@ fn config_args(system: &System) -> Vec<String> {
             system.payment_url(),
             s("--temporal-address"),
             system.temporal_address.clone(),
-            s("--temporal-cli"),
-            testkit::temporal::cli_path()
-                .unwrap()
-                .to_string_lossy()
-                .into_owned(),
             s("--resolve-orphans"),
         ])
         .collect()
