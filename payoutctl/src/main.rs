@@ -3,13 +3,14 @@
 //! injection) is `payoutdev`, which this binary does not contain.
 
 use clap::{Parser, Subcommand};
-use payoutctl::{keys, migrate, reconcile};
+use payoutctl::{keys, migrate, ops::exit, reconcile};
 
 #[derive(Parser)]
 #[command(
     name = "payoutctl",
     version,
-    about = "Operate the fenced payout system"
+    about = "Operate the fenced payout system",
+    after_help = exit::TABLE
 )]
 struct Cli {
     #[command(subcommand)]
@@ -40,6 +41,16 @@ enum Command {
     /// whether each guard's database is current.
     #[command(subcommand)]
     Restore(payoutctl::restore::Command),
+    /// Payouts: `payout show ID`, `payout list`, `payout create`, `payout abandon ID` (through
+    /// the workflow's `abandon` Update).
+    #[command(subcommand)]
+    Payout(payoutctl::payout::Command),
+    /// The lock service: `lock describe KEY`, `lock revoke KEY` (break-glass, audited).
+    #[command(subcommand)]
+    Lock(payoutctl::lock::Command),
+    /// paydb's outbox to the General Ledger: `outbox quarantine list|replay`.
+    #[command(subcommand)]
+    Outbox(payoutctl::outbox::Command),
 }
 
 fn main() -> std::process::ExitCode {
@@ -61,13 +72,16 @@ fn main() -> std::process::ExitCode {
             Command::Keys(command) => keys::run(command),
             Command::Pki(command) => payoutctl::pki::run(command),
             Command::Restore(command) => payoutctl::restore::run(command).await,
+            Command::Payout(command) => payoutctl::payout::run(command).await,
+            Command::Lock(command) => payoutctl::lock::run(command).await,
+            Command::Outbox(command) => payoutctl::outbox::run(command).await,
         }
     });
     match result {
         Ok(code) => code,
         Err(error) => {
             eprintln!("payoutctl: error: {error:#}");
-            std::process::ExitCode::FAILURE
+            std::process::ExitCode::from(exit::code_of(&error))
         }
     }
 }

@@ -28,14 +28,14 @@ use crate::record::{StackRecord, LOCK_ETCD_PREFIX};
 /// owner's) when the lock service's backend is PostgreSQL.
 pub const LOCKDB_URL_ENV: &str = "PAYOUT_LOCKDB_URL";
 
-/// `restore rearm`'s exit status when the guard refused the horizon (0: re-armed; 1: any other
-/// error).
-pub const EXIT_REFUSED: u8 = 3;
+/// `restore rearm`'s exit status when the guard refused the horizon: a problem found
+/// ([`crate::ops::exit`], the same scheme as every command).
+pub const EXIT_REFUSED: u8 = crate::ops::exit::PROBLEM;
 /// `restore status`'s exit status when a database is not current (a restored copy not re-armed).
-pub const EXIT_NOT_CURRENT: u8 = 1;
+pub const EXIT_NOT_CURRENT: u8 = crate::ops::exit::PROBLEM;
 /// `restore status`'s exit status when a database could not be checked (no connection, no
-/// incarnation table). It wins over [`EXIT_NOT_CURRENT`].
-pub const EXIT_UNCHECKED: u8 = 2;
+/// incarnation table). It wins over [`EXIT_NOT_CURRENT`]: nothing can be said of that database.
+pub const EXIT_UNCHECKED: u8 = crate::ops::exit::UNREACHABLE;
 
 #[derive(Subcommand)]
 pub enum Command {
@@ -43,13 +43,14 @@ pub enum Command {
     /// high-water (proxydb) and the token floor raised to the lock service's horizon, read from
     /// the lock backend itself, as the owner role; who and why recorded. The guard's service may
     /// run meanwhile: it refuses every fenced call on the restored copy until this has run
-    /// (services/lock-server/RESTORE.md). Exit status 0 when re-armed, 3 when the guard refused
+    /// (services/lock-server/RESTORE.md). Exit status 0 when re-armed, 1 when the guard refused
     /// the horizon (a fence above it: the lock backend is behind the guard and must be restored
-    /// first), 1 on any other error.
+    /// first) or on any other error, 3 when the database or the lock backend could not be
+    /// reached.
     Rearm(RearmArgs),
     /// Whether paydb and proxydb are each the database their incarnation row was armed in, and how
     /// it was last armed. Exit status 0 when both are current, 1 when one is not (restored from a
-    /// backup and not re-armed), 2 when one cannot be checked.
+    /// backup and not re-armed), 3 when one cannot be checked (not reached, or no incarnation).
     Status(StatusArgs),
 }
 
@@ -154,19 +155,19 @@ const REFUSAL_MARK: &str = "is above the lock service's horizon";
 pub async fn etcd_horizon(endpoints: Vec<String>, tls: mtls::Tls) -> anyhow::Result<i64> {
     anyhow::ensure!(!endpoints.is_empty(), "no etcd endpoint given");
     let grants = reconciler::LockGrants::new(endpoints, tls, LOCK_ETCD_PREFIX.to_string());
-    grants
-        .horizon()
-        .await
-        .context("reading the lock service's horizon (the current revision) from etcd")
+    grants.horizon().await.map_err(|e| {
+        crate::ops::exit::unreachable(
+            "etcd, to read the lock service's horizon (the current revision)",
+            e,
+        )
+    })
 }
 
 /// The lock service's horizon on PostgreSQL: the last value `lock_token_seq` gave out (0 when it
 /// never gave one), read at `lockdb_url` (a role that may read the sequence: the owner's).
 /// Sequences are never rolled back, so no token issued is above it.
 pub async fn lockdb_horizon(lockdb_url: &str) -> anyhow::Result<i64> {
-    let mut conn = db_access::connect(lockdb_url)
-        .await
-        .with_context(|| format!("connecting to lockdb at {}", db_access::redact(lockdb_url)))?;
+    let mut conn = crate::ops::connect_db(lockdb_url, "lockdb").await?;
     let horizon: i64 = sqlx::query_scalar(
         "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM lock_token_seq",
     )
@@ -187,12 +188,7 @@ pub async fn rearm(
     armed_by: &str,
     reason: &str,
 ) -> anyhow::Result<u64> {
-    let mut conn = db_access::connect(owner_url).await.with_context(|| {
-        format!(
-            "connecting as the owner to {}",
-            db_access::redact(owner_url)
-        )
-    })?;
+    let mut conn = crate::ops::connect_db(owner_url, "the guard's database as the owner").await?;
     let answer = sqlx::query_scalar::<_, i64>("SELECT rearm_after_restore($1, $2, $3)")
         .bind(horizon)
         .bind(armed_by)
@@ -231,9 +227,7 @@ pub struct Incarnation {
 /// Reads the incarnation of the guard's database at `url` (any role that may read `incarnation`:
 /// the reconciler's, the service's, the owner's).
 pub async fn incarnation(url: &str) -> anyhow::Result<Incarnation> {
-    let mut conn = db_access::connect(url)
-        .await
-        .with_context(|| format!("connecting to {}", db_access::redact(url)))?;
+    let mut conn = crate::ops::connect_db(url, "the guard's database").await?;
     let row: Option<(bool, i64, String, String, String, i64, i64)> = sqlx::query_as(
         "SELECT incarnation_is_current(), token_floor, armed_by, reason, \
                 to_char(armed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), \
@@ -462,7 +456,7 @@ pub struct DatabaseStatus {
     pub error: Option<String>,
 }
 
-/// `restore status`'s exit status for these databases: 2 if one could not be checked, else 1 if
+/// `restore status`'s exit status for these databases: 3 if one could not be checked, else 1 if
 /// one is not current, else 0.
 pub fn status_exit_code(statuses: &[DatabaseStatus]) -> u8 {
     if statuses.iter().any(|s| s.incarnation.is_none()) {
@@ -651,7 +645,7 @@ mod tests {
     }
 
     #[test]
-    fn status_exits_2_when_a_database_cannot_be_checked_else_1_when_one_is_not_current() {
+    fn status_exits_3_when_a_database_cannot_be_checked_else_1_when_one_is_not_current() {
         let status = |database, incarnation: Option<Incarnation>| DatabaseStatus {
             database,
             error: incarnation

@@ -1,0 +1,1154 @@
+//! `payoutctl payout show|list|create|abandon`: one payout as every store sees it, the payouts of
+//! an account or a state, a payout submitted through the payment resource's intake, and an
+//! operator's abandon through the workflow's `abandon` Update (answered at once: accepted or
+//! refused, and why).
+//!
+//! `show` and `list` only read: paydb, proxydb and gldb as a read-only role, the rail through the
+//! proxy's read-only lookup. `create` is the payment resource's CreatePayout (idempotent: the same
+//! payout id and content answer the same payout). `abandon` signs the decision as `payoutctl sign
+//! abandon` does; the payment resource verifies the signature before anything is carried out.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use clap::{Args as ClapArgs, Subcommand};
+use serde::Serialize;
+use sqlx::Row;
+
+use payout_workflows::abandon::AbandonError;
+
+use crate::ops::{cell, exit, table, Db, Deployment, Parts, READER_NAME};
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
+
+/// `payout list` answers at most this many payouts per call: one page an operator can read, and
+/// one bounded query on paydb (its total count of matches is printed when the page is cut).
+pub const LIST_LIMIT_MAX: i64 = 1_000;
+/// `payout list`'s page size when `--limit` is not given.
+pub const LIST_LIMIT_DEFAULT: i64 = 50;
+/// `payout show` prints at most this many audit rows, transitions and GL rows of one payout (a
+/// payout has a few dozen; more means something loops, and the count says so).
+pub const SHOW_ROWS_MAX: i64 = 500;
+/// How long `payout abandon` waits for the workflow's answer: the Update is decided by the
+/// workflow's next task, which records the decision at the payment resource first (an activity
+/// of at most a few seconds). No answer in this time means no worker is polling the payout's
+/// queue; nothing was decided that this command saw.
+pub const ABANDON_ANSWER_TIMEOUT_MS: u64 = 60_000;
+/// `payout abandon` says on stderr that it is still waiting this often.
+const PROGRESS_EVERY_MS: u64 = 5_000;
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// One payout as every store sees it: state, state history, audit trail, the rail
+    /// submission (proxydb) and the guard's events, the rail's movements, the ledger rows (paydb)
+    /// and the General Ledger's journals and events. Reads only. Exit status 1 if there is no
+    /// such payout.
+    Show(ShowArgs),
+    /// Payouts, newest first, filtered by account and state (at most 1,000 per call).
+    List(ListArgs),
+    /// Submit a payout through the payment resource's CreatePayout. Idempotent: the same payout
+    /// id with the same content answers the existing payout; with other content it is refused.
+    Create(CreateArgs),
+    /// Abandon a payout through its workflow's `abandon` Update, signed with the operator's key:
+    /// prints whether it was accepted (carried out, or on record and waiting for the account's
+    /// lock) or refused, and why. Exit status 0 when accepted, 1 when refused.
+    Abandon(AbandonArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct ShowArgs {
+    /// The payout's id (not its workflow id).
+    #[arg(value_parser = parse_payout_id)]
+    pub payout_id: PayoutId,
+    /// One JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub deployment: Deployment,
+}
+
+#[derive(ClapArgs)]
+pub struct ListArgs {
+    /// Only this account's payouts.
+    #[arg(long, value_parser = parse_account_id)]
+    pub account: Option<AccountId>,
+    /// Only payouts in this state (PENDING, CLAIMED, RAIL_SUBMITTED, RAIL_ACKED, RAIL_AMBIGUOUS,
+    /// POSTED, FAILED, ABANDONED).
+    #[arg(long, value_parser = parse_state)]
+    pub state: Option<PayoutState>,
+    /// At most this many payouts, newest first (1 to 1,000).
+    #[arg(long, default_value_t = LIST_LIMIT_DEFAULT, value_parser = clap::value_parser!(i64).range(1..=LIST_LIMIT_MAX))]
+    pub limit: i64,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub deployment: Deployment,
+}
+
+#[derive(ClapArgs)]
+pub struct CreateArgs {
+    /// The account the payout is paid from.
+    #[arg(long, value_parser = parse_account_id)]
+    pub account: AccountId,
+    /// The amount in minor units (cents), positive.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_amount)]
+    pub amount_minor: AmountMinor,
+    /// The currency (ISO 4217: the account's own).
+    #[arg(long, value_parser = parse_currency)]
+    pub currency: Currency,
+    /// The beneficiary's synthetic reference.
+    #[arg(long, value_parser = parse_beneficiary)]
+    pub beneficiary: BeneficiaryRef,
+    /// The payout's id. Give it to retry safely: a second create with the same id and content
+    /// answers the same payout. Without it a new id is made and printed.
+    #[arg(long, value_parser = parse_payout_id)]
+    pub payout_id: Option<PayoutId>,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub deployment: Deployment,
+}
+
+#[derive(ClapArgs)]
+pub struct AbandonArgs {
+    /// The payout to abandon (its id, not its workflow id).
+    #[arg(value_parser = parse_payout_id)]
+    pub payout_id: PayoutId,
+    /// Why: recorded with the decision (at most 1,000 characters).
+    #[arg(long)]
+    pub reason: String,
+    /// The operator's registered name (the key's).
+    #[arg(long)]
+    pub operator: String,
+    /// The operator's secret key, as `payoutctl keys operator` wrote it.
+    #[arg(long)]
+    pub key_file: std::path::PathBuf,
+    /// One JSON object instead of a line.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub deployment: Deployment,
+}
+
+fn parse_payout_id(value: &str) -> Result<PayoutId, String> {
+    PayoutId::parse(value).map_err(|e| e.to_string())
+}
+fn parse_account_id(value: &str) -> Result<AccountId, String> {
+    AccountId::parse(value).map_err(|e| e.to_string())
+}
+fn parse_beneficiary(value: &str) -> Result<BeneficiaryRef, String> {
+    BeneficiaryRef::parse(value).map_err(|e| e.to_string())
+}
+fn parse_currency(value: &str) -> Result<Currency, String> {
+    Currency::parse(value).map_err(|e| e.to_string())
+}
+fn parse_amount(value: &str) -> Result<AmountMinor, String> {
+    let n: i64 = value
+        .parse()
+        .map_err(|_| format!("{value:?} is not a whole number of minor units"))?;
+    AmountMinor::new(n).map_err(|e| e.to_string())
+}
+fn parse_state(value: &str) -> Result<PayoutState, String> {
+    PayoutState::parse(&value.to_ascii_uppercase()).ok_or_else(|| {
+        format!(
+            "{value:?} is not a payout state (one of {})",
+            PayoutState::ALL.map(|s| s.as_str()).join(", ")
+        )
+    })
+}
+
+pub async fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
+    match command {
+        Command::Show(args) => show(args).await,
+        Command::List(args) => list(args).await,
+        Command::Create(args) => create(args).await,
+        Command::Abandon(args) => abandon(args).await,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// show
+
+/// A payout's row in paydb.
+#[derive(Debug, Clone, Serialize)]
+pub struct PayoutRow {
+    pub payout_id: String,
+    pub account_id: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub beneficiary_ref: String,
+    pub state: String,
+    pub client_reference: String,
+    pub claimed_by: Option<String>,
+    pub token_stamp: Option<i64>,
+    pub failure_reason: Option<String>,
+    pub rail_ref: Option<String>,
+    pub rail_outcome: Option<String>,
+    pub version: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+const PAYOUT_COLUMNS: &str = "id, account_id, amount_minor, currency, beneficiary_ref, state, \
+     client_reference, claimed_by, token_stamp, failure_reason, rail_ref, rail_outcome, version, \
+     created_at, updated_at";
+
+fn payout_row(r: &sqlx::postgres::PgRow) -> PayoutRow {
+    PayoutRow {
+        payout_id: r.get("id"),
+        account_id: r.get("account_id"),
+        amount_minor: r.get("amount_minor"),
+        currency: r.get("currency"),
+        beneficiary_ref: r.get("beneficiary_ref"),
+        state: r.get("state"),
+        client_reference: r.get("client_reference"),
+        claimed_by: r.get("claimed_by"),
+        token_stamp: r.get("token_stamp"),
+        failure_reason: r.get("failure_reason"),
+        rail_ref: r.get("rail_ref"),
+        rail_outcome: r.get("rail_outcome"),
+        version: r.get("version"),
+        created_at: r.get("created_at"),
+        updated_at: r.get("updated_at"),
+    }
+}
+
+/// One row of the payout's audit trail (paydb's `audit_event`); a `transition` row is a step of
+/// its state history.
+#[derive(Debug, Clone, Serialize)]
+pub struct AuditRow {
+    pub id: i64,
+    pub at: DateTime<Utc>,
+    pub kind: String,
+    pub actor: String,
+    pub owner: Option<String>,
+    pub token: Option<i64>,
+    pub from_state: Option<String>,
+    pub to_state: Option<String>,
+    pub event: Option<String>,
+    pub detail: serde_json::Value,
+}
+
+/// The proxy's record of the payout's submission to the rail (proxydb's `rail_submission`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Submission {
+    pub fence_token: i64,
+    pub owner: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub beneficiary_ref: String,
+    pub outcome: Option<String>,
+    pub rail_ref: Option<String>,
+    pub decline_code: Option<String>,
+    pub failure_detail: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub resolved_at: Option<DateTime<Utc>>,
+}
+
+/// A refusal or a duplicate the rail proxy's guard recorded for the payout (proxydb's
+/// `guard_event`).
+#[derive(Debug, Clone, Serialize)]
+pub struct GuardEvent {
+    pub at: DateTime<Utc>,
+    pub kind: String,
+    pub presented: i64,
+    pub stored: i64,
+    pub owner: String,
+    pub stored_owner: String,
+}
+
+/// What the rail reports for the payout's client reference, through the proxy's lookup.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "snake_case", tag = "answer")]
+pub enum Rail {
+    Found {
+        movements: Vec<Movement>,
+    },
+    Absent,
+    /// Inside the settlement window: the rail's answer is not authoritative yet.
+    Unknown {
+        detail: String,
+    },
+    /// The lookup failed (the rest of the record is still shown).
+    Error {
+        error: String,
+    },
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Movement {
+    pub rail_ref: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub beneficiary_ref: String,
+}
+
+/// A row of paydb's ledger for the payout.
+#[derive(Debug, Clone, Serialize)]
+pub struct LedgerRow {
+    pub transaction_group: String,
+    pub line_number: i16,
+    pub account_id: String,
+    pub amount_minor: i64,
+    pub currency: String,
+    pub counterparty: String,
+    pub token: Option<i64>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// A line of a General Ledger journal for the payout.
+#[derive(Debug, Clone, Serialize)]
+pub struct GlLine {
+    pub journal_id: String,
+    pub receipt_sequence: i64,
+    pub effect_kind: String,
+    pub line_number: i32,
+    pub account_class: String,
+    pub owner_id: String,
+    pub asset_id: String,
+    pub amount: String,
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// A General Ledger transaction event for the payout (one per payout transition).
+#[derive(Debug, Clone, Serialize)]
+pub struct GlEvent {
+    pub event_version: i32,
+    pub event_type: String,
+    pub occurred_at: DateTime<Utc>,
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// Everything `payout show` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct PayoutView {
+    pub payout: PayoutRow,
+    /// The transitions of the audit trail, oldest first: (from, to, event, at, by).
+    pub history: Vec<AuditRow>,
+    /// The whole audit trail of the payout, oldest first.
+    pub audit: Vec<AuditRow>,
+    pub submission: Option<Submission>,
+    pub guard_events: Vec<GuardEvent>,
+    pub rail: Rail,
+    pub ledger: Vec<LedgerRow>,
+    pub gl_journal_lines: Vec<GlLine>,
+    pub gl_events: Vec<GlEvent>,
+}
+
+/// The payout's record in every store (`None`: no such payout in paydb).
+pub async fn view(parts: &Parts, payout_id: &PayoutId) -> anyhow::Result<Option<PayoutView>> {
+    let id = payout_id.as_str();
+    let mut paydb = parts.read(Db::Paydb).await?;
+    let Some(row) = sqlx::query(&format!(
+        "SELECT {PAYOUT_COLUMNS} FROM payout WHERE id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(&mut paydb)
+    .await
+    .context("reading the payout from paydb")?
+    else {
+        return Ok(None);
+    };
+    let payout = payout_row(&row);
+    let audit: Vec<AuditRow> = sqlx::query(
+        "SELECT id, at, kind, actor, owner, token, from_state, to_state, event, detail \
+         FROM audit_event WHERE payout_id = $1 ORDER BY id LIMIT $2",
+    )
+    .bind(id)
+    .bind(SHOW_ROWS_MAX)
+    .fetch_all(&mut paydb)
+    .await
+    .context("reading the payout's audit trail from paydb")?
+    .iter()
+    .map(|r| AuditRow {
+        id: r.get("id"),
+        at: r.get("at"),
+        kind: r.get("kind"),
+        actor: r.get("actor"),
+        owner: r.get("owner"),
+        token: r.get("token"),
+        from_state: r.get("from_state"),
+        to_state: r.get("to_state"),
+        event: r.get("event"),
+        detail: r.get("detail"),
+    })
+    .collect();
+    let history = audit
+        .iter()
+        .filter(|a| a.kind == "transition" || a.kind == "payout_created")
+        .cloned()
+        .collect();
+    let ledger = sqlx::query(
+        "SELECT transaction_group::text AS transaction_group, line_number, account_id, \
+                amount_minor, currency, counterparty, token, created_at \
+         FROM ledger_entry WHERE payout_id = $1 ORDER BY id LIMIT $2",
+    )
+    .bind(id)
+    .bind(SHOW_ROWS_MAX)
+    .fetch_all(&mut paydb)
+    .await
+    .context("reading the payout's ledger rows from paydb")?
+    .iter()
+    .map(|r| LedgerRow {
+        transaction_group: r.get("transaction_group"),
+        line_number: r.get("line_number"),
+        account_id: r.get("account_id"),
+        amount_minor: r.get("amount_minor"),
+        currency: r.get("currency"),
+        counterparty: r.get("counterparty"),
+        token: r.get("token"),
+        created_at: r.get("created_at"),
+    })
+    .collect();
+    let _ = sqlx::Connection::close(paydb).await;
+
+    let mut proxydb = parts.read(Db::Proxydb).await?;
+    let submission = sqlx::query(
+        "SELECT fence_token, owner, amount_minor, currency, beneficiary_ref, outcome, rail_ref, \
+                decline_code, failure_detail, created_at, resolved_at \
+         FROM rail_submission WHERE payout_id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut proxydb)
+    .await
+    .context("reading the payout's rail submission from proxydb")?
+    .map(|r| Submission {
+        fence_token: r.get("fence_token"),
+        owner: r.get("owner"),
+        amount_minor: r.get("amount_minor"),
+        currency: r.get("currency"),
+        beneficiary_ref: r.get("beneficiary_ref"),
+        outcome: r.get("outcome"),
+        rail_ref: r.get("rail_ref"),
+        decline_code: r.get("decline_code"),
+        failure_detail: r.get("failure_detail"),
+        created_at: r.get("created_at"),
+        resolved_at: r.get("resolved_at"),
+    });
+    let guard_events = sqlx::query(
+        "SELECT created_at, kind, presented, stored, owner, stored_owner FROM guard_event \
+         WHERE payout_id = $1 ORDER BY id LIMIT $2",
+    )
+    .bind(id)
+    .bind(SHOW_ROWS_MAX)
+    .fetch_all(&mut proxydb)
+    .await
+    .context("reading the rail proxy's guard events from proxydb")?
+    .iter()
+    .map(|r| GuardEvent {
+        at: r.get("created_at"),
+        kind: r.get("kind"),
+        presented: r.get("presented"),
+        stored: r.get("stored"),
+        owner: r.get("owner"),
+        stored_owner: r.get("stored_owner"),
+    })
+    .collect();
+    let _ = sqlx::Connection::close(proxydb).await;
+
+    let mut gldb = parts.read(Db::Gldb).await?;
+    let gl_journal_lines = sqlx::query(
+        "SELECT j.id::text AS journal_id, j.receipt_sequence, j.effect_kind, e.line_number, \
+                a.class, a.owner_id, e.asset_id, e.amount::text AS amount, j.recorded_at \
+         FROM journals j JOIN entries e ON e.journal_id = j.id \
+              JOIN ledger_accounts a ON a.id = e.account_id \
+         WHERE j.source_service = 'payment-resource' AND j.source_transaction_id = $1 \
+         ORDER BY j.receipt_sequence, e.line_number LIMIT $2",
+    )
+    .bind(id)
+    .bind(SHOW_ROWS_MAX)
+    .fetch_all(&mut gldb)
+    .await
+    .context("reading the payout's journals from gldb")?
+    .iter()
+    .map(|r| GlLine {
+        journal_id: r.get("journal_id"),
+        receipt_sequence: r.get("receipt_sequence"),
+        effect_kind: r.get("effect_kind"),
+        line_number: r.get("line_number"),
+        account_class: r.get("class"),
+        owner_id: r.get("owner_id"),
+        asset_id: r.get("asset_id"),
+        amount: r.get("amount"),
+        recorded_at: r.get("recorded_at"),
+    })
+    .collect();
+    let gl_events = sqlx::query(
+        "SELECT event_version, event_type, occurred_at, recorded_at FROM transaction_events \
+         WHERE source_service = 'payment-resource' AND source_transaction_id = $1 \
+         ORDER BY event_version LIMIT $2",
+    )
+    .bind(id)
+    .bind(SHOW_ROWS_MAX)
+    .fetch_all(&mut gldb)
+    .await
+    .context("reading the payout's transaction events from gldb")?
+    .iter()
+    .map(|r| GlEvent {
+        event_version: r.get("event_version"),
+        event_type: r.get("event_type"),
+        occurred_at: r.get("occurred_at"),
+        recorded_at: r.get("recorded_at"),
+    })
+    .collect();
+    let _ = sqlx::Connection::close(gldb).await;
+
+    let rail = rail_lookup(parts, payout_id).await;
+    Ok(Some(PayoutView {
+        payout,
+        history,
+        audit,
+        submission,
+        guard_events,
+        rail,
+        ledger,
+        gl_journal_lines,
+        gl_events,
+    }))
+}
+
+/// The rail's movements for the payout, through the proxy (an operator's certificate may ask).
+async fn rail_lookup(parts: &Parts, payout_id: &PayoutId) -> Rail {
+    let answer = async {
+        let url = parts.proxy_url()?;
+        let tls = parts.operator_tls(READER_NAME)?;
+        let mut proxy = rail_proxy_client::RailProxyClient::connect(&url, &tls)
+            .await
+            .map_err(|e| exit::unreachable(format!("the rail proxy at {url}"), e))?;
+        proxy
+            .rail_movements(payout_id)
+            .await
+            .context("the rail proxy's lookup")
+    }
+    .await;
+    match answer {
+        Ok(rail_proxy_client::RailLookup::Found(found)) => Rail::Found {
+            movements: found
+                .into_iter()
+                .map(|m| Movement {
+                    rail_ref: m.rail_ref,
+                    amount_minor: m.amount_minor,
+                    currency: m.currency,
+                    beneficiary_ref: m.beneficiary_ref,
+                })
+                .collect(),
+        },
+        Ok(rail_proxy_client::RailLookup::Absent) => Rail::Absent,
+        Ok(rail_proxy_client::RailLookup::Unknown { detail }) => Rail::Unknown { detail },
+        Err(e) => Rail::Error {
+            error: format!("{e:#}"),
+        },
+    }
+}
+
+fn time(at: &DateTime<Utc>) -> String {
+    at.format("%Y-%m-%dT%H:%M:%S%.3fZ").to_string()
+}
+
+/// The readable form of `payout show`.
+pub fn render_view(v: &PayoutView) -> String {
+    let p = &v.payout;
+    let mut out = format!(
+        "payout {}  {}\n  account {}  amount {} {}  beneficiary {}  client reference {}\n  \
+         claimed by {}  token {}  rail ref {}  rail outcome {}  failure {}\n  \
+         created {}  updated {}  version {}\n",
+        p.payout_id,
+        p.state,
+        p.account_id,
+        p.amount_minor,
+        p.currency,
+        p.beneficiary_ref,
+        p.client_reference,
+        cell(&p.claimed_by),
+        cell(&p.token_stamp),
+        cell(&p.rail_ref),
+        cell(&p.rail_outcome),
+        cell(&p.failure_reason),
+        time(&p.created_at),
+        time(&p.updated_at),
+        p.version
+    );
+    out.push_str("\nstate history\n");
+    out.push_str(&table(
+        &["AT", "FROM", "TO", "EVENT", "ACTOR", "OWNER", "TOKEN"],
+        &v.history
+            .iter()
+            .map(|a| {
+                vec![
+                    time(&a.at),
+                    cell(&a.from_state),
+                    cell(&a.to_state),
+                    cell(&a.event),
+                    a.actor.clone(),
+                    cell(&a.owner),
+                    cell(&a.token),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    ));
+    out.push_str("\naudit trail\n");
+    out.push_str(&table(
+        &["ID", "AT", "KIND", "ACTOR", "TOKEN", "DETAIL"],
+        &v.audit
+            .iter()
+            .map(|a| {
+                vec![
+                    a.id.to_string(),
+                    time(&a.at),
+                    a.kind.clone(),
+                    a.actor.clone(),
+                    cell(&a.token),
+                    if a.detail.as_object().is_some_and(|o| o.is_empty()) {
+                        "-".into()
+                    } else {
+                        a.detail.to_string()
+                    },
+                ]
+            })
+            .collect::<Vec<_>>(),
+    ));
+    out.push_str("\nrail submission (proxydb)\n");
+    match &v.submission {
+        None => out.push_str("  none: the proxy never recorded a submission for this payout\n"),
+        Some(s) => out.push_str(&format!(
+            "  token {} by {}  {} {} to {}  outcome {}  rail ref {}  decline {}  detail {}\n  \
+             recorded {}  resolved {}\n",
+            s.fence_token,
+            s.owner,
+            s.amount_minor,
+            s.currency,
+            s.beneficiary_ref,
+            s.outcome.as_deref().unwrap_or("unresolved"),
+            cell(&s.rail_ref),
+            cell(&s.decline_code),
+            cell(&s.failure_detail),
+            time(&s.created_at),
+            s.resolved_at
+                .as_ref()
+                .map(time)
+                .unwrap_or_else(|| "-".into())
+        )),
+    }
+    if !v.guard_events.is_empty() {
+        out.push_str("\nrail proxy guard events\n");
+        out.push_str(&table(
+            &["AT", "KIND", "PRESENTED", "STORED", "OWNER", "STORED_OWNER"],
+            &v.guard_events
+                .iter()
+                .map(|g| {
+                    vec![
+                        time(&g.at),
+                        g.kind.clone(),
+                        g.presented.to_string(),
+                        g.stored.to_string(),
+                        g.owner.clone(),
+                        g.stored_owner.clone(),
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ));
+    }
+    out.push_str("\nrail movements\n");
+    match &v.rail {
+        Rail::Found { movements } => out.push_str(&table(
+            &["RAIL_REF", "AMOUNT", "CURRENCY", "BENEFICIARY"],
+            &movements
+                .iter()
+                .map(|m| {
+                    vec![
+                        m.rail_ref.clone(),
+                        m.amount_minor.to_string(),
+                        m.currency.clone(),
+                        m.beneficiary_ref.clone(),
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        )),
+        Rail::Absent => out.push_str("  none: the rail reports no movement\n"),
+        Rail::Unknown { detail } => out.push_str(&format!(
+            "  unknown yet (inside the settlement window): {detail}\n"
+        )),
+        Rail::Error { error } => out.push_str(&format!("  lookup failed: {error}\n")),
+    }
+    out.push_str("\nledger (paydb)\n");
+    out.push_str(&table(
+        &[
+            "GROUP",
+            "LINE",
+            "ACCOUNT",
+            "AMOUNT",
+            "CURRENCY",
+            "COUNTERPARTY",
+            "TOKEN",
+            "AT",
+        ],
+        &v.ledger
+            .iter()
+            .map(|l| {
+                vec![
+                    l.transaction_group.clone(),
+                    l.line_number.to_string(),
+                    l.account_id.clone(),
+                    l.amount_minor.to_string(),
+                    l.currency.clone(),
+                    l.counterparty.clone(),
+                    cell(&l.token),
+                    time(&l.created_at),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    ));
+    out.push_str("\nGeneral Ledger journals (gldb)\n");
+    out.push_str(&table(
+        &[
+            "RECEIPT", "JOURNAL", "EFFECT", "LINE", "CLASS", "OWNER", "AMOUNT", "ASSET",
+        ],
+        &v.gl_journal_lines
+            .iter()
+            .map(|g| {
+                vec![
+                    g.receipt_sequence.to_string(),
+                    g.journal_id.clone(),
+                    g.effect_kind.clone(),
+                    g.line_number.to_string(),
+                    g.account_class.clone(),
+                    g.owner_id.clone(),
+                    g.amount.clone(),
+                    g.asset_id.clone(),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    ));
+    out.push_str("\nGeneral Ledger transaction events (gldb)\n");
+    out.push_str(&table(
+        &["VERSION", "EVENT", "OCCURRED", "RECORDED"],
+        &v.gl_events
+            .iter()
+            .map(|e| {
+                vec![
+                    e.event_version.to_string(),
+                    e.event_type.clone(),
+                    time(&e.occurred_at),
+                    time(&e.recorded_at),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    ));
+    out
+}
+
+async fn show(args: ShowArgs) -> anyhow::Result<std::process::ExitCode> {
+    let parts = args.deployment.parts()?;
+    let Some(view) = view(&parts, &args.payout_id).await? else {
+        eprintln!(
+            "payoutctl: no payout {} in paydb (nothing was changed)",
+            args.payout_id
+        );
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({"payout_id": args.payout_id.as_str(), "found": false})
+            );
+        }
+        return Ok(std::process::ExitCode::from(exit::PROBLEM));
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&view)?);
+    } else {
+        print!("{}", render_view(&view));
+    }
+    // The stores were read; a rail lookup that could not be made is said in the output and in
+    // the exit status.
+    Ok(std::process::ExitCode::from(match &view.rail {
+        Rail::Error { .. } => exit::PROBLEM,
+        _ => exit::OK,
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// list
+
+/// `payout list`'s answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct Listing {
+    pub payouts: Vec<PayoutRow>,
+    /// How many payouts match the filters (more than `payouts.len()` when the page was cut).
+    pub matching: i64,
+}
+
+pub async fn listing(
+    parts: &Parts,
+    account: Option<&AccountId>,
+    state: Option<PayoutState>,
+    limit: i64,
+) -> anyhow::Result<Listing> {
+    let limit = limit.clamp(1, LIST_LIMIT_MAX);
+    let mut paydb = parts.read(Db::Paydb).await?;
+    let filter = "($1::text IS NULL OR account_id = $1) AND ($2::text IS NULL OR state = $2)";
+    let account = account.map(|a| a.as_str().to_string());
+    let state = state.map(|s| s.as_str().to_string());
+    let payouts = sqlx::query(&format!(
+        "SELECT {PAYOUT_COLUMNS} FROM payout WHERE {filter} \
+         ORDER BY created_at DESC, id DESC LIMIT $3"
+    ))
+    .bind(&account)
+    .bind(&state)
+    .bind(limit)
+    .fetch_all(&mut paydb)
+    .await
+    .context("listing payouts in paydb")?
+    .iter()
+    .map(payout_row)
+    .collect::<Vec<_>>();
+    let matching = if (payouts.len() as i64) < limit {
+        payouts.len() as i64
+    } else {
+        sqlx::query_scalar(&format!("SELECT count(*) FROM payout WHERE {filter}"))
+            .bind(&account)
+            .bind(&state)
+            .fetch_one(&mut paydb)
+            .await
+            .context("counting payouts in paydb")?
+    };
+    let _ = sqlx::Connection::close(paydb).await;
+    Ok(Listing { payouts, matching })
+}
+
+pub fn render_listing(l: &Listing) -> String {
+    let mut out = table(
+        &[
+            "PAYOUT", "ACCOUNT", "STATE", "AMOUNT", "CURRENCY", "TOKEN", "CREATED", "UPDATED",
+        ],
+        &l.payouts
+            .iter()
+            .map(|p| {
+                vec![
+                    p.payout_id.clone(),
+                    p.account_id.clone(),
+                    p.state.clone(),
+                    p.amount_minor.to_string(),
+                    p.currency.clone(),
+                    cell(&p.token_stamp),
+                    time(&p.created_at),
+                    time(&p.updated_at),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    );
+    out.push_str(&format!(
+        "{} payout(s){}\n",
+        l.payouts.len(),
+        if l.matching > l.payouts.len() as i64 {
+            format!(
+                " of {} matching (newest first; narrow the filters or raise --limit, at most {LIST_LIMIT_MAX})",
+                l.matching
+            )
+        } else {
+            String::new()
+        }
+    ));
+    out
+}
+
+async fn list(args: ListArgs) -> anyhow::Result<std::process::ExitCode> {
+    let parts = args.deployment.parts()?;
+    let listing = listing(&parts, args.account.as_ref(), args.state, args.limit).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&listing)?);
+    } else {
+        print!("{}", render_listing(&listing));
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+// ---------------------------------------------------------------------------------------------
+// create
+
+async fn create(args: CreateArgs) -> anyhow::Result<std::process::ExitCode> {
+    let payout_id = match &args.payout_id {
+        Some(id) => id.clone(),
+        None => {
+            let id = PayoutId::parse(format!("p-{}", uuid_like()))
+                .expect("a generated id has the id's shape");
+            eprintln!(
+                "payoutctl: payout id {id} (to retry safely, run again with --payout-id {id})"
+            );
+            id
+        }
+    };
+    let parts = args.deployment.parts()?;
+    let url = parts.payment_url()?;
+    let tls = parts.operator_tls(READER_NAME)?;
+    let client = payment_client::PaymentClient::connect(&url, &tls)
+        .await
+        .map_err(|e| exit::unreachable(format!("the payment resource at {url}"), e))?;
+    let new = payment_client::model::NewPayout {
+        payout_id: payout_id.clone(),
+        account_id: args.account.clone(),
+        amount_minor: args.amount_minor,
+        currency: args.currency.clone(),
+        beneficiary_ref: args.beneficiary.clone(),
+    };
+    let payout = match client.create_payout(&new).await {
+        Ok(p) => p,
+        Err(e @ payment_client::PaymentError::Transport { .. }) => {
+            return Err(exit::unreachable(
+                format!("the payment resource at {url}"),
+                e,
+            ))
+        }
+        Err(e) => {
+            eprintln!("payoutctl: payout {payout_id} not created: {e}");
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"payout_id": payout_id.as_str(), "created": false, "refused": e.to_string()})
+                );
+            }
+            return Ok(std::process::ExitCode::from(exit::PROBLEM));
+        }
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "created": true,
+                "payout_id": payout.payout_id.as_str(),
+                "account_id": payout.account_id.as_str(),
+                "amount_minor": payout.amount_minor,
+                "currency": payout.currency.to_string(),
+                "beneficiary_ref": payout.beneficiary_ref,
+                "state": payout.state.as_str(),
+                "client_reference": payout.client_reference,
+                "workflow_id": payout_domain::workflow_id(&payout.payout_id),
+                "created_at": payout.created_at,
+            })
+        );
+    } else {
+        println!(
+            "payout {} {} on account {}: {} {} to {} (client reference {}; workflow {})",
+            payout.payout_id,
+            payout.state.as_str(),
+            payout.account_id,
+            payout.amount_minor,
+            payout.currency,
+            payout.beneficiary_ref,
+            payout.client_reference,
+            payout_domain::workflow_id(&payout.payout_id)
+        );
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// A fresh id part: the time in milliseconds and the process id, unique for one operator's
+/// machine (an id the operator should keep to retry: it is printed).
+fn uuid_like() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!("{}-{}", now.as_millis(), std::process::id())
+}
+
+// ---------------------------------------------------------------------------------------------
+// abandon
+
+/// What `payout abandon` prints with `--json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct AbandonReport {
+    pub payout_id: String,
+    pub workflow_id: String,
+    pub accepted: bool,
+    /// The workflow's answer (`None` when the Update was rejected by its validator).
+    pub answer: Option<payout_workflows::AbandonAnswer>,
+    /// The validator's reason, when the Update was rejected.
+    pub rejected: Option<String>,
+}
+
+async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
+    let signed = crate::sign::abandon(
+        &crate::sign::AbandonArgs {
+            operator: args.operator.clone(),
+            key_file: args.key_file.clone(),
+            payout_id: args.payout_id.to_string(),
+            reason: args.reason.clone(),
+        },
+        grant_signing::operator::now_unix_ms(),
+    )?;
+    let signal: payout_workflows::AbandonSignal =
+        serde_json::from_value(signed).context("the signed abandon input")?;
+    let parts = args.deployment.parts()?;
+    let address = parts.temporal_address()?;
+    let client = payout_workflows::client::connect(
+        &address,
+        parts.temporal_namespace(),
+        &format!("payoutctl-{}", args.operator),
+    )
+    .await
+    .map_err(|e| exit::unreachable(format!("Temporal at {address}"), e))?;
+    let workflow_id = payout_domain::workflow_id(&args.payout_id);
+    eprintln!("payoutctl: asking {workflow_id} to abandon (the workflow answers once the decision is on record)");
+    let update = payout_workflows::abandon::execute(&client, &workflow_id, signal, None);
+    tokio::pin!(update);
+    let started = std::time::Instant::now();
+    let answer = loop {
+        tokio::select! {
+            answer = &mut update => break answer,
+            _ = tokio::time::sleep(Duration::from_millis(PROGRESS_EVERY_MS)) => {
+                let waited = started.elapsed();
+                if waited >= Duration::from_millis(ABANDON_ANSWER_TIMEOUT_MS) {
+                    anyhow::bail!(
+                        "{workflow_id} did not answer within {} s: is a worker polling its task queue? \
+                         This command saw no decision; `payoutctl payout show {}` shows whether one was recorded",
+                        ABANDON_ANSWER_TIMEOUT_MS / 1000,
+                        args.payout_id
+                    );
+                }
+                eprintln!("payoutctl: still waiting for {workflow_id}'s answer ({} s)", waited.as_secs());
+            }
+        }
+    };
+    let report = match answer {
+        Ok(answer) => AbandonReport {
+            payout_id: args.payout_id.to_string(),
+            workflow_id: workflow_id.clone(),
+            accepted: answer.accepted,
+            answer: Some(answer),
+            rejected: None,
+        },
+        Err(AbandonError::Rejected { reason, .. }) => AbandonReport {
+            payout_id: args.payout_id.to_string(),
+            workflow_id: workflow_id.clone(),
+            accepted: false,
+            answer: None,
+            rejected: Some(reason),
+        },
+        Err(e @ AbandonError::NotFound { .. }) => {
+            eprintln!("payoutctl: {e}: nothing was changed");
+            return Ok(std::process::ExitCode::from(exit::PROBLEM));
+        }
+        Err(e @ AbandonError::Update { .. }) => return Err(anyhow::Error::new(e)),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{}", render_abandon(&report));
+    }
+    Ok(std::process::ExitCode::from(if report.accepted {
+        exit::OK
+    } else {
+        exit::PROBLEM
+    }))
+}
+
+pub fn render_abandon(r: &AbandonReport) -> String {
+    match (&r.answer, &r.rejected) {
+        (Some(a), _) => {
+            let what = match a.outcome {
+                payout_workflows::AbandonOutcome::Abandoned => "ACCEPTED: abandoned",
+                payout_workflows::AbandonOutcome::AcceptedWaitingForLock => {
+                    "ACCEPTED: on record, carried out once the payout holds its account's lock"
+                }
+                payout_workflows::AbandonOutcome::Refused => "REFUSED",
+            };
+            format!(
+                "{} {what} (decided by the {}; the payout is {}): {}",
+                r.workflow_id,
+                match a.decided_by {
+                    payout_workflows::AbandonDecider::Workflow => "workflow",
+                    payout_workflows::AbandonDecider::PaymentResource => "payment resource",
+                },
+                a.state.as_str(),
+                a.reason
+            )
+        }
+        (None, rejected) => format!(
+            "{} REFUSED by the workflow's validator (nothing recorded): {}",
+            r.workflow_id,
+            rejected.as_deref().unwrap_or("no reason given")
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    fn parse(args: &[&str]) -> Result<Command, clap::Error> {
+        Cli::try_parse_from(std::iter::once("payoutctl-payout").chain(args.iter().copied()))
+            .map(|c| c.command)
+    }
+
+    #[test]
+    fn bad_input_is_a_usage_error_that_names_the_problem() {
+        for (args, words) in [
+            (vec!["show", "p 1"], "may contain only"),
+            (vec!["list", "--state", "PAID"], "is not a payout state"),
+            (vec!["list", "--limit", "1001"], "1001"),
+            (
+                vec![
+                    "create",
+                    "--account",
+                    "a-1",
+                    "--amount-minor",
+                    "-5",
+                    "--currency",
+                    "EUR",
+                    "--beneficiary",
+                    "b-1",
+                ],
+                "amount must be positive, got -5",
+            ),
+            (
+                vec![
+                    "create",
+                    "--account",
+                    "a-1",
+                    "--amount-minor",
+                    "5",
+                    "--currency",
+                    "XYZ",
+                    "--beneficiary",
+                    "b-1",
+                ],
+                "not supported",
+            ),
+        ] {
+            let e = parse(&args)
+                .err()
+                .unwrap_or_else(|| panic!("{args:?} parsed"));
+            assert_eq!(e.exit_code(), i32::from(exit::USAGE), "{args:?}");
+            assert!(e.to_string().contains(words), "{args:?}: {e}");
+        }
+        let Command::List(list) = parse(&["list", "--state", "rail_ambiguous"]).unwrap() else {
+            panic!("not list")
+        };
+        assert_eq!(list.state, Some(PayoutState::RailAmbiguous));
+        assert_eq!(list.limit, LIST_LIMIT_DEFAULT);
+    }
+
+    #[test]
+    fn every_flag_has_help() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        for sub in cli.get_subcommands() {
+            assert!(sub.get_about().is_some(), "{}", sub.get_name());
+            for arg in sub.get_arguments() {
+                assert!(
+                    arg.get_help().is_some() || arg.get_id() == "help",
+                    "{} --{}",
+                    sub.get_name(),
+                    arg.get_id()
+                );
+            }
+        }
+    }
+}

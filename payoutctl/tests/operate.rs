@@ -1,0 +1,774 @@
+//! The operator commands (`payoutctl payout|lock|outbox`) as an operator runs them: the shipped
+//! binary, against a real system (testkit: PostgreSQL, etcd, Temporal and every service as its own
+//! process), addressed as a deployment (endpoints and an operator's certificate in the
+//! environment), with the exit codes of `payoutctl --help`.
+//!
+//! Run: `cargo build --bins -p lock-server -p payment-resource -p rail-stub -p rail-proxy
+//! -p general-ledger -p outbox-dispatcher -p payout-worker && cargo test -p payoutctl --test
+//! operate`.
+
+use std::process::Command;
+use std::time::Duration;
+
+use lock_client::LockClient;
+use payment_client::{model::Fence, PaymentClient, PaymentError};
+use payout_activities::types::PayoutInput;
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
+use payout_workflows::client as wf;
+use serde_json::Value;
+use testkit::pki::Role;
+use testkit::stack::PgServer;
+use testkit::system::{database_name, System, SystemOptions};
+use testkit::Stack;
+
+/// A payout through every service settles in a few seconds; this bounds a test gone wrong.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// The dispatcher delivers an outbox row (and quarantines a refused one) within a few rounds.
+const OUTBOX_TIMEOUT: Duration = Duration::from_secs(60);
+/// The operator whose certificate the commands present (the lock service records this name).
+const OPERATOR: &str = "alice";
+
+/// What one run of `payoutctl` did.
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Out {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("not one JSON object ({e}): {}", self.stdout))
+    }
+}
+
+impl std::fmt::Debug for Out {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "exit {}\nstdout: {}\nstderr: {}",
+            self.code, self.stdout, self.stderr
+        )
+    }
+}
+
+/// `payoutctl` with a deployment's endpoints and the operator's certificate in its environment
+/// (never a password on the command line).
+struct Ctl {
+    env: Vec<(String, String)>,
+}
+
+impl Ctl {
+    fn for_system(system: &System) -> Self {
+        let stack = Stack::shared();
+        let reader = |server: PgServer, url: &str| {
+            stack.pg(server).login_url("reconciler", database_name(url))
+        };
+        let tls = system
+            .pki
+            .issue(Role::Operator, OPERATOR)
+            .expect("the operator's certificate");
+        let env = [
+            (
+                "PAYOUT_PAYDB_URL",
+                reader(PgServer::Main, &system.databases.paydb),
+            ),
+            (
+                "PAYOUT_PROXYDB_URL",
+                reader(PgServer::Proxy, &system.databases.proxydb),
+            ),
+            (
+                "PAYOUT_GLDB_URL",
+                reader(PgServer::Main, &system.databases.gldb),
+            ),
+            ("PAYOUT_PAYMENT_URL", system.payment_url()),
+            ("PAYOUT_PROXY_URL", system.proxy_url()),
+            ("PAYOUT_LOCK_URL", system.lock_url()),
+            ("PAYOUT_TEMPORAL_ADDRESS", system.temporal_address.clone()),
+            (
+                "TEMPORAL_NAMESPACE",
+                testkit::temporal::NAMESPACE.to_string(),
+            ),
+            ("PAYOUT_TLS_CA", tls.ca.display().to_string()),
+            ("PAYOUT_TLS_CERT", tls.cert.display().to_string()),
+            ("PAYOUT_TLS_KEY", tls.key.display().to_string()),
+            (
+                "PAYOUT_OUTBOX_REPLAY_URL",
+                stack
+                    .pg(PgServer::Main)
+                    .login_url("outbox_dispatcher", database_name(&system.databases.paydb)),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        Self { env }
+    }
+
+    fn bare() -> Self {
+        Self { env: Vec::new() }
+    }
+
+    fn run(&self, args: &[&str]) -> Out {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_payoutctl"));
+        // Only what this test gives: nothing of the caller's own deployment settings.
+        for (name, _) in std::env::vars() {
+            if name.starts_with("PAYOUT_") || name.starts_with("TEMPORAL_") {
+                cmd.env_remove(name);
+            }
+        }
+        let out = cmd
+            .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .expect("payoutctl runs");
+        Out {
+            code: out.status.code().expect("payoutctl exited"),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Runs and expects exit status `code`.
+    fn expect(&self, args: &[&str], code: i32) -> Out {
+        let out = self.run(args);
+        assert_eq!(out.code, code, "payoutctl {args:?}: {out:?}");
+        out
+    }
+}
+
+fn unique(name: &str) -> String {
+    Stack::shared()
+        .unique_prefix(name)
+        .replace(['/', ':'], "-")
+        .trim_matches('-')
+        .to_string()
+}
+
+fn input(payout: &str, account: &str, amount_minor: i64) -> PayoutInput {
+    PayoutInput {
+        payout_id: PayoutId::parse(payout).unwrap(),
+        account_id: AccountId::parse(account).unwrap(),
+        amount_minor: AmountMinor::new(amount_minor).unwrap(),
+        currency: Currency::parse("EUR").unwrap(),
+        beneficiary_ref: BeneficiaryRef::parse("ben-ops").unwrap(),
+        ambiguity: Default::default(),
+    }
+}
+
+/// Starts the payout's workflow; "already started" (a starter got there first) is a start too.
+async fn start(temporal: &temporalio_client::Client, system: &System, input: &PayoutInput) {
+    match wf::start_payout(temporal, &system.task_queue, input).await {
+        Ok(_) | Err(wf::PayoutClientError::AlreadyStarted { .. }) => {}
+        Err(e) => panic!("starting {}: {e}", input.payout_id),
+    }
+}
+
+async fn state_of(paydb: &sqlx::PgPool, payout: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT state FROM payout WHERE id = $1")
+        .bind(payout)
+        .fetch_optional(paydb)
+        .await
+        .unwrap()
+}
+
+async fn count(paydb: &sqlx::PgPool, sql: &str, bind: &str) -> i64 {
+    sqlx::query_scalar(sql)
+        .bind(bind)
+        .fetch_one(paydb)
+        .await
+        .unwrap()
+}
+
+fn create_args<'a>(payout: &'a str, account: &'a str, amount: &'a str) -> Vec<&'a str> {
+    vec![
+        "payout",
+        "create",
+        "--account",
+        account,
+        "--amount-minor",
+        amount,
+        "--currency",
+        "EUR",
+        "--beneficiary",
+        "ben-ops",
+        "--payout-id",
+        payout,
+        "--json",
+    ]
+}
+
+/// Every operator command against one real system: payouts created through the CLI and paid,
+/// failed and abandoned; `show` and `list` over them; the abandon Update accepted, refused and
+/// carried out once an operator revoked the account's lock from a holder, which is then fenced
+/// out at the guard; a quarantined outbox row listed and replayed with its audit row; bad input
+/// refused with its reason and nothing changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_commands_against_a_real_system() {
+    let stack = Stack::shared();
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 1,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .expect("the system starts");
+    let ctl = Ctl::for_system(&system);
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+        .await
+        .unwrap();
+    let temporal = wf::connect(
+        &system.temporal_address,
+        testkit::temporal::NAMESPACE,
+        "payoutctl-tests",
+    )
+    .await
+    .unwrap();
+    let paydb = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&system.databases.paydb)
+        .await
+        .unwrap();
+    let eur = Currency::parse("EUR").unwrap();
+    let (paid_account, busy_account, poor_account) =
+        (unique("a-paid"), unique("a-busy"), unique("a-poor"));
+    for (account, balance) in [
+        (&paid_account, 10_000),
+        (&busy_account, 10_000),
+        (&poor_account, 100),
+    ] {
+        fixture
+            .open_account(&AccountId::parse(account.as_str()).unwrap(), &eur, balance)
+            .await
+            .unwrap();
+    }
+
+    // --- payout create: idempotent; bad input refused with its reason, nothing created.
+    let paid = unique("p-paid");
+    let created = ctl
+        .expect(&create_args(&paid, &paid_account, "1250"), 0)
+        .json();
+    assert_eq!(
+        (created["state"].as_str(), created["amount_minor"].as_i64()),
+        (Some("PENDING"), Some(1250)),
+        "{created}"
+    );
+    let again = ctl
+        .expect(&create_args(&paid, &paid_account, "1250"), 0)
+        .json();
+    assert_eq!(
+        again["created_at"], created["created_at"],
+        "the same payout"
+    );
+    let other = ctl.expect(&create_args(&paid, &paid_account, "999"), 1);
+    assert!(other.stderr.contains("different content"), "{other:?}");
+    let negative = unique("p-negative");
+    let refused = ctl.expect(&create_args(&negative, &paid_account, "-5"), 2);
+    assert!(
+        refused.stderr.contains("amount must be positive, got -5"),
+        "{refused:?}"
+    );
+    let unknown_account = ctl.expect(&create_args(&negative, "no-such-account", "5"), 1);
+    assert!(
+        unknown_account.stderr.contains("not found"),
+        "{unknown_account:?}"
+    );
+    assert_eq!(state_of(&paydb, &negative).await, None, "nothing created");
+    assert_eq!(
+        count(
+            &paydb,
+            "SELECT amount_minor FROM payout WHERE id = $1",
+            &paid
+        )
+        .await,
+        1250,
+        "the refused create changed nothing"
+    );
+
+    // Paid, and failed for want of funds.
+    let paid_input = input(&paid, &paid_account, 1250);
+    start(&temporal, &system, &paid_input).await;
+    let failed = unique("p-failed");
+    ctl.expect(&create_args(&failed, &poor_account, "500"), 0);
+    let failed_input = input(&failed, &poor_account, 500);
+    start(&temporal, &system, &failed_input).await;
+    for id in [&paid, &failed] {
+        wf::wait_result(&temporal, &format!("payout-{id}"), SETTLE_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| panic!("{id}: {e}"));
+    }
+    assert_eq!(state_of(&paydb, &paid).await.as_deref(), Some("POSTED"));
+    assert_eq!(state_of(&paydb, &failed).await.as_deref(), Some("FAILED"));
+
+    // --- payout show: every store's record of the paid payout (the GL's once delivered).
+    let shown = testkit::eventually(OUTBOX_TIMEOUT, "the paid payout's GL journal", || async {
+        let v = ctl.expect(&["payout", "show", &paid, "--json"], 0).json();
+        (v["gl_journal_lines"]
+            .as_array()
+            .is_some_and(|l| l.len() == 2))
+        .then_some(v)
+    })
+    .await
+    .expect("the GL holds the paid payout's journal");
+    assert_eq!(shown["payout"]["state"], "POSTED");
+    let path: Vec<&str> = shown["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["to_state"].as_str())
+        .collect();
+    assert_eq!(
+        path,
+        [
+            "PENDING",
+            "CLAIMED",
+            "RAIL_SUBMITTED",
+            "RAIL_ACKED",
+            "POSTED"
+        ],
+        "{shown}"
+    );
+    assert_eq!(shown["submission"]["outcome"], "ACKED", "{shown}");
+    assert_eq!(shown["rail"]["answer"], "found", "{shown}");
+    assert_eq!(shown["rail"]["movements"].as_array().unwrap().len(), 1);
+    assert_eq!(shown["rail"]["movements"][0]["amount_minor"], 1250);
+    let ledger: i64 = shown["ledger"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["amount_minor"].as_i64().unwrap())
+        .sum();
+    assert_eq!(
+        (shown["ledger"].as_array().unwrap().len(), ledger),
+        (2, 0),
+        "two rows summing to zero: {shown}"
+    );
+    assert!(
+        !shown["gl_events"].as_array().unwrap().is_empty(),
+        "{shown}"
+    );
+    let table = ctl.expect(&["payout", "show", &paid], 0).stdout;
+    for section in [
+        "state history",
+        "audit trail",
+        "rail submission (proxydb)",
+        "rail movements",
+        "ledger (paydb)",
+        "General Ledger journals (gldb)",
+        "General Ledger transaction events (gldb)",
+    ] {
+        assert!(table.contains(section), "{section}: {table}");
+    }
+    let missing = ctl.expect(&["payout", "show", "p-no-such-payout"], 1);
+    assert!(
+        missing.stderr.contains("no payout p-no-such-payout"),
+        "{missing:?}"
+    );
+    let malformed = ctl.expect(&["payout", "show", "p 1;drop"], 2);
+    assert!(
+        malformed.stderr.contains("may contain only"),
+        "{malformed:?}"
+    );
+
+    // --- the abandon Update and the lock's break-glass. A holder (not a worker) holds the busy
+    // account's key, so its payout waits PENDING for the lock.
+    let key = payout_domain::lock_key(&AccountId::parse(busy_account.as_str()).unwrap());
+    let lock = LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let session = lock
+        .open_session("stale-holder", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let grant = session
+        .acquire(&key, Duration::ZERO)
+        .await
+        .unwrap()
+        .granted()
+        .expect("the key is free");
+    let stale_token = grant.token().get();
+    let described = ctl.expect(&["lock", "describe", &key, "--json"], 0).json();
+    assert_eq!(
+        (
+            described["held"].as_bool(),
+            described["holder"].as_str(),
+            described["token"].as_u64(),
+            described["session_state"].as_str()
+        ),
+        (
+            Some(true),
+            Some("stale-holder"),
+            Some(stale_token),
+            Some("ACTIVE")
+        ),
+        "{described}"
+    );
+    let abandoned = unique("p-abandoned");
+    ctl.expect(&create_args(&abandoned, &busy_account, "700"), 0);
+    start(&temporal, &system, &input(&abandoned, &busy_account, 700)).await;
+    let abandon = |reason: &str| {
+        ctl.run(&[
+            "payout",
+            "abandon",
+            &abandoned,
+            "--reason",
+            reason,
+            "--operator",
+            testkit::grants::OPERATOR,
+            "--key-file",
+            system.operator.key_file.to_str().unwrap(),
+            "--json",
+        ])
+    };
+    let accepted = abandon("customer cancelled, ticket 7");
+    assert_eq!(accepted.code, 0, "{accepted:?}");
+    let answer = accepted.json();
+    assert_eq!(answer["accepted"], true, "{answer}");
+    // The control: accepted, but nothing carries it out while the holder keeps the key.
+    assert_eq!(
+        state_of(&paydb, &abandoned).await.as_deref(),
+        Some("PENDING"),
+        "{answer}"
+    );
+    let second = abandon("again");
+    assert_eq!(second.code, 1, "{second:?}");
+    let second = second.json();
+    assert_eq!(second["accepted"], false, "{second}");
+    assert!(
+        second["rejected"]
+            .as_str()
+            .is_some_and(|r| r.contains("already being carried out")),
+        "{second}"
+    );
+
+    // Revoke: a key nobody holds, an operator the certificate does not carry, then the holder.
+    let free = ctl.expect(
+        &[
+            "lock",
+            "revoke",
+            "payout:nobody-holds-this",
+            "--reason",
+            "INC-1",
+            "--operator",
+            OPERATOR,
+        ],
+        1,
+    );
+    assert!(free.stderr.contains("nobody holds"), "{free:?}");
+    let impostor = ctl.expect(
+        &[
+            "lock",
+            "revoke",
+            &key,
+            "--reason",
+            "INC-1",
+            "--operator",
+            "mallory",
+        ],
+        1,
+    );
+    assert!(
+        impostor.stderr.contains("does not carry the operator"),
+        "{impostor:?}"
+    );
+    assert_eq!(
+        ctl.expect(&["lock", "describe", &key, "--json"], 0).json()["token"].as_u64(),
+        Some(stale_token),
+        "the refused revokes took nothing"
+    );
+    let revoked = ctl
+        .expect(
+            &[
+                "lock",
+                "revoke",
+                &key,
+                "--reason",
+                "INC-1: holder wedged",
+                "--operator",
+                OPERATOR,
+                "--json",
+            ],
+            0,
+        )
+        .json();
+    assert_eq!(
+        (
+            revoked["revoked_owner"].as_str(),
+            revoked["revoked_token"].as_u64()
+        ),
+        (Some("stale-holder"), Some(stale_token)),
+        "{revoked}"
+    );
+    // The payout's workflow takes the key with a higher token and carries the abandon out.
+    wf::wait_result(&temporal, &format!("payout-{abandoned}"), SETTLE_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        state_of(&paydb, &abandoned).await.as_deref(),
+        Some("ABANDONED")
+    );
+    // The deposed holder is fenced out at the guard.
+    let worker = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let fence = Fence::new(grant.owner(), grant.token())
+        .unwrap()
+        .signed(grant.key(), grant.signature().clone());
+    match worker
+        .claim(&PayoutId::parse(abandoned.as_str()).unwrap(), &fence)
+        .await
+    {
+        Err(PaymentError::FencedOut {
+            presented, stored, ..
+        }) => assert!(presented == stale_token && stored > stale_token),
+        other => panic!("expected the deposed holder fenced out, got {other:?}"),
+    }
+    let after = ctl
+        .expect(&["payout", "show", &abandoned, "--json"], 0)
+        .json();
+    let kinds: Vec<&str> = after["audit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a["kind"].as_str())
+        .collect();
+    assert!(
+        kinds.contains(&"operator_decision") && kinds.contains(&"fenced_out"),
+        "show carries the decision and the fenced-out attempt: {kinds:?}"
+    );
+    // A terminal payout's workflow has closed: nothing to abandon.
+    assert_eq!(abandon("too late").code, 1);
+
+    // --- payout list over the three states.
+    let listed = ctl
+        .expect(&["payout", "list", "--account", &busy_account, "--json"], 0)
+        .json();
+    assert_eq!(
+        listed["payouts"][0]["payout_id"].as_str(),
+        Some(abandoned.as_str())
+    );
+    assert_eq!(listed["matching"], 1);
+    for (state, id) in [
+        ("POSTED", &paid),
+        ("FAILED", &failed),
+        ("ABANDONED", &abandoned),
+    ] {
+        let l = ctl
+            .expect(
+                &[
+                    "payout", "list", "--state", state, "--limit", "1000", "--json",
+                ],
+                0,
+            )
+            .json();
+        let ids: Vec<&str> = l["payouts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p["payout_id"].as_str())
+            .collect();
+        assert!(ids.contains(&id.as_str()), "{state}: {ids:?}");
+        assert!(
+            l["payouts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|p| p["state"] == state),
+            "{l}"
+        );
+    }
+    let page = ctl.expect(&["payout", "list", "--limit", "1"], 0).stdout;
+    assert!(page.contains("payout(s) of"), "a cut page says so: {page}");
+
+    // --- outbox quarantine: a row the GL refuses for its content (an unbalanced journal,
+    // planted as the paid payout's journal under another key) is quarantined; replayed with its
+    // audit row; a row that is not quarantined is refused.
+    let (original_id, payload): (i64, Value) = sqlx::query_as(
+        "SELECT id, payload FROM ledger_outbox WHERE kind = 'JOURNAL' AND payload->>'source_transaction_id' = $1",
+    )
+    .bind(&paid)
+    .fetch_one(&paydb)
+    .await
+    .unwrap();
+    let poison_key = format!("{}-poison", unique("outbox"));
+    let mut poison = payload.clone();
+    poison["idempotency_key"] = Value::from(poison_key.clone());
+    poison["entries"][1]["amount"] = Value::from("0.01");
+    let poison_id: i64 = sqlx::query_scalar(
+        "INSERT INTO ledger_outbox (account_id, idempotency_key, kind, payload) \
+         VALUES ($1, $2, 'JOURNAL', $3) RETURNING id",
+    )
+    .bind(&paid_account)
+    .bind(&poison_key)
+    .bind(&poison)
+    .fetch_one(&paydb)
+    .await
+    .unwrap();
+    let listed = testkit::eventually(OUTBOX_TIMEOUT, "the planted row quarantined", || async {
+        let v = ctl
+            .expect(&["outbox", "quarantine", "list", "--json"], 0)
+            .json();
+        v["quarantined"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|q| q["id"] == poison_id)
+            .then_some(v)
+    })
+    .await
+    .expect("the dispatcher quarantines the unbalanced journal");
+    let row = listed["quarantined"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["id"] == poison_id)
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (
+            row["account_id"].as_str(),
+            row["kind"].as_str(),
+            row["payout_id"].as_str()
+        ),
+        (
+            Some(paid_account.as_str()),
+            Some("JOURNAL"),
+            Some(paid.as_str())
+        ),
+        "{row}"
+    );
+    let table = ctl.expect(&["outbox", "quarantine", "list"], 0).stdout;
+    assert!(
+        table.starts_with("ID") && table.contains(&format!("\n{poison_id} ")),
+        "{table}"
+    );
+
+    let not_quarantined = ctl.expect(
+        &[
+            "outbox",
+            "quarantine",
+            "replay",
+            &original_id.to_string(),
+            "--reason",
+            "INC-2",
+            "--operator",
+            OPERATOR,
+        ],
+        1,
+    );
+    assert!(
+        not_quarantined.stderr.contains("is not quarantined"),
+        "{not_quarantined:?}"
+    );
+    assert_eq!(
+        count(
+            &paydb,
+            "SELECT count(*) FROM outbox_replay WHERE outbox_id = $1::text::bigint",
+            &original_id.to_string()
+        )
+        .await,
+        0,
+        "a refused replay records nothing"
+    );
+    let replayed = ctl
+        .expect(
+            &[
+                "outbox",
+                "quarantine",
+                "replay",
+                &poison_id.to_string(),
+                "--reason",
+                "INC-2: GL fix deployed",
+                "--operator",
+                OPERATOR,
+                "--json",
+            ],
+            0,
+        )
+        .json();
+    assert_eq!(
+        (
+            replayed["outbox_id"].as_i64(),
+            replayed["operator"].as_str(),
+            replayed["reason"].as_str()
+        ),
+        (
+            Some(poison_id),
+            Some(OPERATOR),
+            Some("INC-2: GL fix deployed")
+        ),
+        "{replayed}"
+    );
+    assert!(
+        replayed["last_error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "the record keeps the error it was quarantined with: {replayed}"
+    );
+    assert_eq!(
+        count(
+            &paydb,
+            "SELECT count(*) FROM outbox_replay WHERE outbox_id = $1::text::bigint",
+            &poison_id.to_string()
+        )
+        .await,
+        1
+    );
+}
+
+/// A part that does not answer exits 3 ("could not connect"), with what it tried; nothing else
+/// is attempted.
+#[test]
+fn an_unreachable_deployment_exits_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = testkit::pki::Pki::in_dir(dir.path()).unwrap();
+    let tls = pki.issue(Role::Operator, OPERATOR).unwrap();
+    let port = testkit::free_port().to_string();
+    let ctl = Ctl::bare();
+    let db = ctl.expect(
+        &[
+            "payout",
+            "list",
+            "--paydb-url",
+            &format!("postgres://reconciler@127.0.0.1:{port}/paydb"),
+        ],
+        3,
+    );
+    assert!(db.stderr.contains("could not connect to paydb"), "{db:?}");
+    let lock = ctl.expect(
+        &[
+            "lock",
+            "describe",
+            "payout:a-1",
+            "--lock-url",
+            &format!("https://127.0.0.1:{port}"),
+            "--tls-ca",
+            tls.ca.to_str().unwrap(),
+            "--tls-cert",
+            tls.cert.to_str().unwrap(),
+            "--tls-key",
+            tls.key.to_str().unwrap(),
+        ],
+        3,
+    );
+    assert!(
+        lock.stderr
+            .contains("could not connect to the lock service"),
+        "{lock:?}"
+    );
+    let no_stack = ctl.expect(
+        &[
+            "outbox",
+            "quarantine",
+            "list",
+            "--state-dir",
+            dir.path().join("no-stack").to_str().unwrap(),
+        ],
+        3,
+    );
+    assert!(no_stack.stderr.contains("no stack record"), "{no_stack:?}");
+    // Usage: clap's own code.
+    ctl.expect(&["payout", "list", "--state", "PAID"], 2);
+}
