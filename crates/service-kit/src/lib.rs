@@ -12,6 +12,8 @@ use prometheus::{Encoder, IntCounterVec, Opts, Registry, TextEncoder};
 pub use prometheus;
 pub use tonic_health;
 
+pub mod latency;
+
 pub mod guard_metrics;
 pub use guard_metrics::{Guard, GuardCounters};
 
@@ -40,6 +42,10 @@ pub struct Metrics {
     pub registry: Registry,
     unauthorised: std::sync::Arc<std::sync::OnceLock<IntCounterVec>>,
     database_restored: std::sync::Arc<std::sync::OnceLock<prometheus::IntGaugeVec>>,
+    /// Histograms by name ([`Metrics::histogram_vec`]): registered once per registry.
+    histograms: std::sync::Arc<
+        std::sync::Mutex<std::collections::HashMap<String, prometheus::HistogramVec>>,
+    >,
 }
 
 impl Metrics {

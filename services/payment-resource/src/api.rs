@@ -10,6 +10,7 @@ use payment_client::wire::{
 };
 use payment_client::InvalidReason;
 use payout_proto::payment as pb;
+use service_kit::latency::{CallOutcome, CallTimer, GuardCalls};
 use tonic::{Code, Request, Response, Status};
 
 use crate::error::ServerError;
@@ -48,28 +49,67 @@ pub fn error_to_status(err: ServerError) -> Status {
     }
 }
 
+/// How a call ended, for `guard_call_duration_seconds`: read from the typed error before it
+/// becomes a status.
+fn outcome_of<T>(result: &Result<T, ServerError>) -> CallOutcome {
+    use payment_client::PaymentError as E;
+    match result {
+        Ok(_) => CallOutcome::Ok,
+        Err(ServerError::Payment(E::FencedOut { .. })) => CallOutcome::FencedOut,
+        Err(ServerError::Payment(E::InvalidArgument { .. })) => CallOutcome::Invalid,
+        Err(ServerError::Payment(E::Transport { .. } | E::MalformedResponse(_))) => {
+            CallOutcome::Error
+        }
+        Err(ServerError::Payment(_)) => CallOutcome::Refused,
+        Err(ServerError::InvariantBroken(_) | ServerError::Storage(_)) => CallOutcome::Error,
+    }
+}
+
 // ----- the service -----
+
+/// Every RPC of the service, as `guard_call_duration_seconds{operation}` names it.
+pub const OPERATIONS: &[&str] = &[
+    "open_account",
+    "get_account",
+    "create_payout",
+    "get_payout",
+    "claim",
+    "mark_submitted",
+    "record_outcome",
+    "post",
+    "resolve_ambiguity",
+    "abandon",
+    "record_operator_decision",
+    "check_ledger",
+];
 
 pub struct PaymentApi {
     store: Store,
     fixture_accounts: bool,
+    calls: GuardCalls,
 }
 
 impl PaymentApi {
     /// `fixture_accounts`: whether OpenAccount (funded accounts from nothing) is served at all.
     /// Off in a deployment; the local stack and the tests turn it on. Even on, only the fixture
-    /// role may call it (`authz::POLICY`).
-    pub fn new(store: Store, fixture_accounts: bool) -> Self {
+    /// role may call it (`authz::POLICY`). Every call is timed on `metrics`.
+    pub fn new(store: Store, fixture_accounts: bool, metrics: &service_kit::Metrics) -> Self {
         Self {
             store,
             fixture_accounts,
+            calls: GuardCalls::new(metrics, service_kit::Guard::PaymentResource, OPERATIONS),
         }
     }
 }
 
 type Reply<T> = Result<Response<T>, Status>;
 
-fn reply<T, U>(result: Result<T, ServerError>, convert: impl FnOnce(T) -> U) -> Reply<U> {
+fn reply<T, U>(
+    timer: CallTimer<'_>,
+    result: Result<T, ServerError>,
+    convert: impl FnOnce(T) -> U,
+) -> Reply<U> {
+    timer.finish(outcome_of(&result));
     result
         .map(|v| Response::new(convert(v)))
         .map_err(error_to_status)
@@ -78,7 +118,9 @@ fn reply<T, U>(result: Result<T, ServerError>, convert: impl FnOnce(T) -> U) -> 
 #[tonic::async_trait]
 impl pb::payment_resource_server::PaymentResource for PaymentApi {
     async fn open_account(&self, request: Request<pb::OpenAccountRequest>) -> Reply<pb::Account> {
+        let timer = self.calls.start("open_account");
         if !self.fixture_accounts {
+            timer.finish(CallOutcome::Refused);
             return Err(Status::failed_precondition(
                 "OpenAccount is the fixture path and is off on this server (start it with --fixture-accounts to serve it)",
             ));
@@ -92,10 +134,11 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
                 .await
         }
         .await;
-        reply(result, |a| account_to_proto(&a))
+        reply(timer, result, |a| account_to_proto(&a))
     }
 
     async fn get_account(&self, request: Request<pb::GetAccountRequest>) -> Reply<pb::Account> {
+        let timer = self.calls.start("get_account");
         let r = request.into_inner();
         let result = async {
             self.store
@@ -103,28 +146,31 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
                 .await
         }
         .await;
-        reply(result, |a| account_to_proto(&a))
+        reply(timer, result, |a| account_to_proto(&a))
     }
 
     async fn create_payout(&self, request: Request<pb::CreatePayoutRequest>) -> Reply<pb::Payout> {
+        let timer = self.calls.start("create_payout");
         let r = request.into_inner();
         let result = async { self.store.create_payout(&parse_new_payout(&r)?).await }.await;
-        reply(result, |p| payout_to_proto(&p))
+        reply(timer, result, |p| payout_to_proto(&p))
     }
 
     async fn get_payout(
         &self,
         request: Request<pb::GetPayoutRequest>,
     ) -> Reply<pb::GetPayoutResponse> {
+        let timer = self.calls.start("get_payout");
         let r = request.into_inner();
         let result = async { self.store.get_payout(&parse_payout_id(&r.payout_id)?).await }.await;
-        reply(result, |(p, history)| pb::GetPayoutResponse {
+        reply(timer, result, |(p, history)| pb::GetPayoutResponse {
             payout: Some(payout_to_proto(&p)),
             history: history.iter().map(audit_to_proto).collect(),
         })
     }
 
     async fn claim(&self, request: Request<pb::ClaimRequest>) -> Reply<pb::Payout> {
+        let timer = self.calls.start("claim");
         let r = request.into_inner();
         let result = async {
             let payout_id = parse_payout_id(&r.payout_id)?;
@@ -132,13 +178,14 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
             self.store.claim(&payout_id, &fence).await
         }
         .await;
-        reply(result, |p| payout_to_proto(&p))
+        reply(timer, result, |p| payout_to_proto(&p))
     }
 
     async fn mark_submitted(
         &self,
         request: Request<pb::MarkSubmittedRequest>,
     ) -> Reply<pb::Payout> {
+        let timer = self.calls.start("mark_submitted");
         let r = request.into_inner();
         let result = async {
             let payout_id = parse_payout_id(&r.payout_id)?;
@@ -146,13 +193,14 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
             self.store.mark_submitted(&payout_id, &fence).await
         }
         .await;
-        reply(result, |p| payout_to_proto(&p))
+        reply(timer, result, |p| payout_to_proto(&p))
     }
 
     async fn record_outcome(
         &self,
         request: Request<pb::RecordOutcomeRequest>,
     ) -> Reply<pb::Payout> {
+        let timer = self.calls.start("record_outcome");
         let r = request.into_inner();
         let result = async {
             let payout_id = parse_payout_id(&r.payout_id)?;
@@ -164,10 +212,11 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
                 .await
         }
         .await;
-        reply(result, |p| payout_to_proto(&p))
+        reply(timer, result, |p| payout_to_proto(&p))
     }
 
     async fn post(&self, request: Request<pb::PostRequest>) -> Reply<pb::PostResponse> {
+        let timer = self.calls.start("post");
         let r = request.into_inner();
         let result = async {
             let payout_id = parse_payout_id(&r.payout_id)?;
@@ -175,7 +224,7 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
             self.store.post(&payout_id, &fence).await
         }
         .await;
-        reply(result, |o| pb::PostResponse {
+        reply(timer, result, |o| pb::PostResponse {
             payout: Some(payout_to_proto(&o.payout)),
             transaction_group: o.transaction_group.to_string(),
             entries: o.entries.iter().map(entry_to_proto).collect(),
@@ -188,6 +237,7 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
         &self,
         request: Request<pb::ResolveAmbiguityRequest>,
     ) -> Reply<pb::Payout> {
+        let timer = self.calls.start("resolve_ambiguity");
         let r = request.into_inner();
         let result = async {
             let payout_id = parse_payout_id(&r.payout_id)?;
@@ -198,10 +248,11 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
                 .await
         }
         .await;
-        reply(result, |p| payout_to_proto(&p))
+        reply(timer, result, |p| payout_to_proto(&p))
     }
 
     async fn abandon(&self, request: Request<pb::AbandonRequest>) -> Reply<pb::Payout> {
+        let timer = self.calls.start("abandon");
         let r = request.into_inner();
         let result = async {
             let payout_id = parse_payout_id(&r.payout_id)?;
@@ -220,13 +271,14 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
             self.store.abandon(&payout_id, &fence, &request).await
         }
         .await;
-        reply(result, |p| payout_to_proto(&p))
+        reply(timer, result, |p| payout_to_proto(&p))
     }
 
     async fn record_operator_decision(
         &self,
         request: Request<pb::RecordOperatorDecisionRequest>,
     ) -> Reply<pb::AuditEvent> {
+        let timer = self.calls.start("record_operator_decision");
         let r = request.into_inner();
         let result = async {
             let decision = model::OperatorDecision {
@@ -254,14 +306,15 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
             self.store.record_operator_decision(&decision).await
         }
         .await;
-        reply(result, |e| audit_to_proto(&e))
+        reply(timer, result, |e| audit_to_proto(&e))
     }
 
     async fn check_ledger(
         &self,
         _request: Request<pb::CheckLedgerRequest>,
     ) -> Reply<pb::CheckLedgerResponse> {
-        reply(self.store.check_ledger().await, |c| {
+        let timer = self.calls.start("check_ledger");
+        reply(timer, self.store.check_ledger().await, |c| {
             pb::CheckLedgerResponse {
                 groups_checked: c.groups_checked,
                 accounts_checked: c.accounts_checked,

@@ -125,7 +125,7 @@ pub async fn serve(
         .add_service(health)
         .add_service(
             payout_proto::payment::payment_resource_server::PaymentResourceServer::new(
-                api::PaymentApi::new(store, front.fixture_accounts),
+                api::PaymentApi::new(store, front.fixture_accounts, &front.metrics),
             )
             .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
         )

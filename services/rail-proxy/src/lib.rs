@@ -27,6 +27,7 @@ pub mod model;
 pub mod rail;
 mod service;
 pub mod store;
+mod timed;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -296,7 +297,7 @@ pub async fn run(
         metrics.database_restored(),
         Duration::from_millis(service_kit::INCARNATION_PERIOD_MS),
     ));
-    let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout);
+    let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout, &metrics);
     let counters = service::Counters::new(&metrics);
     tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, "rail proxy listening");
     let mut server = service_kit::grpc::server(
@@ -313,7 +314,7 @@ pub async fn run(
         config,
         counters,
     }));
-    let service = RailProxyServer::new(service)
+    let service = RailProxyServer::new(timed::TimedProxy::new(service, &metrics))
         .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX);
     #[cfg(feature = "negative-controls")]
     if plaintext {

@@ -1,9 +1,10 @@
 //! The proxy's client of the rail's HTTP/JSON API. It sends a payment **once**: no retry layer,
 //! no pooled connection that the HTTP stack could transparently resend on, an explicit timeout.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use service_kit::latency::{LabelGrid, RAIL_CALL_BUCKETS_SECONDS};
 
 use rail_proxy_client::model::{RailLookup, RailMovement};
 
@@ -75,11 +76,37 @@ struct LookupMovement {
     beneficiary_ref: String,
 }
 
+/// `rail_call_duration_seconds{operation,outcome}`: each operation with the outcomes it can
+/// have, resolved once at start (the payment call is on Submit's hot path).
+const RAIL_CALLS: &[(&str, &[&str])] = &[
+    ("pay", &["acked", "rejected", "ambiguous"]),
+    ("lookup", &["found", "absent", "unknown"]),
+];
+
 #[derive(Clone)]
 pub struct Rail {
     base_url: String,
     http: reqwest::Client,
     timeout: Duration,
+    latency: LabelGrid,
+}
+
+impl RailAnswer {
+    fn label(&self) -> &'static str {
+        match self {
+            RailAnswer::Acked { .. } => "acked",
+            RailAnswer::Rejected { .. } => "rejected",
+            RailAnswer::Ambiguous { .. } => "ambiguous",
+        }
+    }
+}
+
+fn lookup_label(lookup: &RailLookup) -> &'static str {
+    match lookup {
+        RailLookup::Found(_) => "found",
+        RailLookup::Absent => "absent",
+        RailLookup::Unknown { .. } => "unknown",
+    }
 }
 
 fn truncate(text: &str) -> &str {
@@ -91,7 +118,13 @@ fn truncate(text: &str) -> &str {
 }
 
 impl Rail {
-    pub fn new(base_url: impl Into<String>, timeout: Duration) -> Self {
+    /// A client of the rail at `base_url`; every call is timed in `metrics`'
+    /// `rail_call_duration_seconds`.
+    pub fn new(
+        base_url: impl Into<String>,
+        timeout: Duration,
+        metrics: &service_kit::Metrics,
+    ) -> Self {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_millis(RAIL_CONNECT_TIMEOUT_MS))
             // No retry of any kind: reqwest's default policy resends on protocol NACKs.
@@ -106,12 +139,31 @@ impl Rail {
             base_url: base_url.into().trim_end_matches('/').to_string(),
             http,
             timeout,
+            latency: LabelGrid::new(
+                metrics,
+                "rail_call_duration_seconds",
+                "Latency of the proxy's calls to the rail, by operation (pay: the one payment call; lookup: by client reference) and outcome (acked, rejected, ambiguous; found, absent, unknown). An ambiguous payment near the rail timeout is a timeout.",
+                RAIL_CALL_BUCKETS_SECONDS,
+                RAIL_CALLS,
+            ),
         }
     }
 
     /// Sends the payment once, valid at the rail until `valid_until_unix_ms`, and classifies
     /// the answer. Never retries.
     pub async fn pay_once(
+        &self,
+        request: &SubmitPayout,
+        valid_until_unix_ms: Option<i64>,
+    ) -> RailAnswer {
+        let started = Instant::now();
+        let answer = self.pay_once_untimed(request, valid_until_unix_ms).await;
+        self.latency
+            .observe("pay", answer.label(), started.elapsed().as_secs_f64());
+        answer
+    }
+
+    async fn pay_once_untimed(
         &self,
         request: &SubmitPayout,
         valid_until_unix_ms: Option<i64>,
@@ -186,6 +238,17 @@ impl Rail {
     /// The rail's lookup by client reference, movements with their amounts, currencies and
     /// beneficiaries: what a detective control compares with the books.
     pub async fn movements(&self, client_reference: &str) -> RailLookup {
+        let started = Instant::now();
+        let lookup = self.movements_untimed(client_reference).await;
+        self.latency.observe(
+            "lookup",
+            lookup_label(&lookup),
+            started.elapsed().as_secs_f64(),
+        );
+        lookup
+    }
+
+    async fn movements_untimed(&self, client_reference: &str) -> RailLookup {
         let sent = self
             .http
             .get(format!("{}/v1/payments", self.base_url))

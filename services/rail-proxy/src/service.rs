@@ -381,9 +381,9 @@ impl ProxyService {
     }
 }
 
-#[tonic::async_trait]
-impl pb::rail_proxy_server::RailProxy for ProxyService {
-    async fn submit(
+/// The RPCs' bodies; `timed::TimedProxy` serves them as `RailProxy`, timing each call.
+impl ProxyService {
+    pub(crate) async fn submit(
         &self,
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
@@ -474,7 +474,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         }))
     }
 
-    async fn lookup(
+    pub(crate) async fn lookup(
         &self,
         request: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupResponse>, Status> {
@@ -492,7 +492,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         }))
     }
 
-    async fn rail_movements(
+    pub(crate) async fn rail_movements(
         &self,
         request: Request<pb::RailMovementsRequest>,
     ) -> Result<Response<pb::RailMovementsResponse>, Status> {
@@ -530,7 +530,7 @@ impl pb::rail_proxy_server::RailProxy for ProxyService {
         }))
     }
 
-    async fn inquire(
+    pub(crate) async fn inquire(
         &self,
         request: Request<pb::InquireRequest>,
     ) -> Result<Response<pb::InquireResponse>, Status> {
