@@ -5,6 +5,7 @@
 mod bench;
 mod chaos;
 mod e2e;
+mod parts;
 mod run;
 mod stack;
 

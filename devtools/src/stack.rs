@@ -16,6 +16,13 @@ use testkit::{Lifetime, Stack};
 /// Services listen at `--service-port-base` + 1 ..= this (gRPC, /metrics, the reconciler's).
 const SERVICE_PORT_OFFSET_MAX: u16 = 20;
 
+/// The local stack's payouts wait this much past the stub's settlement window before a lookup
+/// counts, so the first lookup after the window is authoritative.
+pub(crate) const SETTLEMENT_MARGIN_MS: u64 = 500;
+/// The local stack's resolution SLA for the workflows it starts: an ambiguous payout may be
+/// abandoned after two minutes, not finance's hour.
+pub(crate) const LOCAL_RESOLUTION_SLA_MS: u64 = 120_000;
+
 /// How long `down` waits for a part to exit on SIGTERM before SIGKILL.
 const STOP_GRACE_MS: u64 = 15_000;
 
@@ -103,12 +110,6 @@ pub async fn up_quiet(args: UpArgs) -> anyhow::Result<()> {
 
 async fn up(args: UpArgs) -> anyhow::Result<std::process::ExitCode> {
     let dir = args.state.state_dir.clone();
-    if let Ok(record) = StackRecord::load(&dir) {
-        if record.parts.iter().all(|p| alive(p.pid)) {
-            println!("stack already up");
-            return status(&dir, false).await;
-        }
-    }
     start(args).await?;
     // Processes that were just started may still be opening their listeners (the reconciler's
     // metrics, the UI): wait for every part to answer, up to a bound, then print the table.
@@ -162,11 +163,30 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
     let dir = &args.state.state_dir;
     std::fs::create_dir_all(dir)?;
     if let Ok(record) = StackRecord::load(dir) {
-        if record.parts.iter().all(|p| alive(p.pid)) {
-            return Ok(());
+        // Up already, or partly: each part is asked by its own health check, and only the parts
+        // that do not answer are started again (crate::parts); the rest keep running.
+        let repair = if record.system.is_none() && !args.infra_only {
+            crate::parts::Repair::NeedsFullStart {
+                why: "the recorded stack runs no services".into(),
+            }
+        } else {
+            crate::parts::repair(dir).await?
+        };
+        match repair {
+            crate::parts::Repair::Repaired { restarted } => {
+                if restarted.is_empty() {
+                    eprintln!("stack already up");
+                } else {
+                    eprintln!("started again: {}", restarted.join(", "));
+                }
+                return Ok(());
+            }
+            crate::parts::Repair::NeedsFullStart { why } => {
+                // Stop what is left, then start everything from the same data.
+                eprintln!("{why}: restarting the whole stack");
+                down(dir)?;
+            }
         }
-        // Partly up: stop what is left, then start everything from the same data.
-        down(dir)?;
     }
     let ports = StackPorts {
         pg_main: args.pg_main_port,
@@ -189,6 +209,11 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         );
     }
     let started = Instant::now();
+    eprintln!(
+        "starting PostgreSQL x2, etcd ({} member(s)) and Temporal in {}",
+        args.etcd_members,
+        dir.display()
+    );
     let dir_for_thread = dir.clone();
     let ports_for_thread = ports.clone();
     let stack = tokio::task::spawn_blocking(move || {
@@ -204,6 +229,10 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
     .await??;
     // Each database as a deployment has it: owned by the owner role, which migrates it; only
     // its services' roles may connect (the roles were provisioned when each server started).
+    eprintln!(
+        "infrastructure up in {:.1}s; provisioning the databases",
+        started.elapsed().as_secs_f64()
+    );
     use testkit::db_access::Database;
     for kind in [Database::Paydb, Database::Gldb, Database::Lockdb] {
         stack.main.provision_database(kind.name(), kind).await?;
@@ -242,6 +271,12 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         parts,
         system: None,
     };
+    crate::parts::save(dir, "postgres-main", &stack.main.process)?;
+    crate::parts::save(dir, "postgres-proxy", &stack.proxy.process)?;
+    for member in &stack.etcd.members {
+        crate::parts::save(dir, &format!("etcd-{}", member.name), &member.process)?;
+    }
+    crate::parts::save(dir, "temporal", &temporal.process)?;
     record.save(dir)?;
     if !args.infra_only {
         let base = args.service_port_base;
@@ -267,8 +302,15 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             databases: Some(testkit_databases(&databases)),
             task_queue: Some(TASK_QUEUE.to_string()),
             etcd_prefix: Some(LOCK_ETCD_PREFIX.to_string()),
+            // CreatePayout's staged starts, delivered by the dispatcher with the clocks the main
+            // job and the benchmarks use.
+            workflow_starts: Some(testkit::system::WorkflowStarts {
+                settlement_window_ms: args.settlement_window_ms + SETTLEMENT_MARGIN_MS,
+                resolution_sla_ms: LOCAL_RESOLUTION_SLA_MS,
+            }),
             ..SystemOptions::default()
         };
+        eprintln!("starting the services and {} worker(s)", args.workers);
         let system = System::start(&stack, options).await?;
         for process in system.processes() {
             let address = match process.name() {
@@ -279,6 +321,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 "general-ledger" => SystemRecord::url(system_ports.general_ledger),
                 _ => "-".to_string(),
             };
+            crate::parts::save(dir, process.name(), process)?;
             record.parts.push(Part {
                 name: process.name().to_string(),
                 pid: process.pid().unwrap_or(0),
@@ -357,6 +400,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 args.settlement_window_ms.to_string(),
             ]),
         )?;
+        crate::parts::save(dir, "reconciler", &reconciler)?;
         record.parts.push(Part {
             name: "reconciler".into(),
             pid: reconciler.pid().unwrap_or(0),
@@ -443,8 +487,10 @@ struct PartStatus {
 async fn part_rows(record: &StackRecord, dir: &Path) -> Vec<PartStatus> {
     let mut rows = Vec::new();
     for part in &record.parts {
-        let running = alive(part.pid);
-        let healthy = running && healthy(part, record, dir).await;
+        // A part restarted by hand has another pid than the recorded one: its own health check
+        // says what it does.
+        let healthy = healthy(part, record, dir).await;
+        let running = healthy || alive(part.pid);
         rows.push(PartStatus {
             name: part.name.clone(),
             address: part.address.clone(),
@@ -511,7 +557,9 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
     })
 }
 
-async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
+/// A part's own health check (its port, its health endpoint); a worker without an endpoint and
+/// a part of unknown kind are judged by their recorded pid.
+pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
     let port = |url: &str| {
         url.rsplit(':')
             .next()
@@ -539,8 +587,17 @@ async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
             )
             .is_ok_and(|(code, _)| code == 200);
         }
-        // The dispatcher and the workers have no listener to probe; running is their health.
-        name if name == "outbox-dispatcher" || name.starts_with("payout-worker") => return true,
+        // The dispatcher (GL delivery and workflow starts) answers on its /metrics, the last of
+        // the services' metrics ports.
+        "outbox-dispatcher" => {
+            let Some(metrics) = record.system.as_ref().and_then(|s| s.ports.metrics.last()) else {
+                return alive(part.pid);
+            };
+            return testkit::util::http_get(*metrics, "/metrics", Duration::from_secs(2))
+                .is_ok_and(|(code, _)| code == 200);
+        }
+        // The workers have no listener to probe; running is their health.
+        name if name.starts_with("payout-worker") => return alive(part.pid),
         "reconciler" => {
             let metrics = part.address.trim_end_matches("/metrics");
             return testkit::util::http_get(port(metrics), "/metrics", Duration::from_secs(2))

@@ -188,3 +188,161 @@ fn scopeguard(state: &Path) -> impl Drop + '_ {
     }
     Down(state)
 }
+
+/// Every part's recorded pid, by name, from `stack status --json` (the UI's row is Temporal's).
+fn pids(state: &Path) -> std::collections::BTreeMap<String, i64> {
+    let (_, status) = status_json(state);
+    status["parts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["name"] != "temporal-ui")
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_string(),
+                p["pid"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// SIGKILL to a part's whole process group (its leader's pid), as a crash would.
+fn kill_part(pid: i64) {
+    // SAFETY: a signal to a process group this test's stack started.
+    unsafe {
+        libc::kill(-(pid as i32), libc::SIGKILL);
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while testkit::util::pid_alive(pid as u32) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        !testkit::util::pid_alive(pid as u32),
+        "pid {pid} survived SIGKILL"
+    );
+}
+
+/// `up` again after `victim` died: only `victim` has a new pid; status all healthy.
+fn up_restarts_only(state: &Path, victim: &str) {
+    let before = pids(state);
+    kill_part(before[victim]);
+    let (ok, status) = status_json(state);
+    assert!(!ok, "status must report {victim} down: {status}");
+    let up = payoutdev(state, &["stack", "up"], &[]);
+    let stderr = String::from_utf8_lossy(&up.stderr);
+    assert!(
+        up.status.success(),
+        "up after {victim} died: {}\n{stderr}",
+        String::from_utf8_lossy(&up.stdout)
+    );
+    assert!(
+        stderr.contains(&format!("started again: {victim}")),
+        "up names what it restarted: {stderr}"
+    );
+    let after = pids(state);
+    for (name, pid) in &before {
+        if name == victim {
+            assert_ne!(after[name], *pid, "{victim} was started again");
+        } else {
+            assert_eq!(
+                after[name], *pid,
+                "{name} kept running (up restarted only {victim})"
+            );
+        }
+    }
+    let (ok, status) = status_json(state);
+    assert!(ok, "every part healthy after up: {status}");
+}
+
+#[tokio::test]
+async fn up_after_one_part_died_restarts_that_part_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("stack");
+    let b = free_port_block(60);
+    let ports = [
+        ("PAYOUT_PG_MAIN_PORT", b),
+        ("PAYOUT_PG_PROXY_PORT", b + 1),
+        ("PAYOUT_ETCD_PORT", b + 2),
+        ("PAYOUT_TEMPORAL_PORT", b + 5),
+        ("PAYOUT_TEMPORAL_UI_PORT", b + 6),
+        ("PAYOUT_SERVICE_PORT_BASE", b + 10),
+    ];
+    let up = payoutdev(&state, &["stack", "up"], &ports);
+    let stop = scopeguard(&state);
+    assert!(
+        up.status.success(),
+        "up failed: {}\n{}",
+        String::from_utf8_lossy(&up.stdout),
+        String::from_utf8_lossy(&up.stderr)
+    );
+    // Long operations say what they do.
+    let stderr = String::from_utf8_lossy(&up.stderr);
+    assert!(stderr.contains("provisioning the databases"), "{stderr}");
+
+    // One of our services; then a database (its services reconnect by themselves).
+    up_restarts_only(&state, "payment-resource");
+    up_restarts_only(&state, "postgres-proxy");
+
+    // A part restarted by hand (another pid than the recorded one) is reported by what it does,
+    // and `up` keeps it.
+    let recorded = pids(&state);
+    kill_part(recorded["rail-stub"]);
+    let launch: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state.join("parts").join("rail-stub.json")).unwrap())
+            .unwrap();
+    let by_hand = {
+        use std::os::unix::process::CommandExt;
+        Command::new(launch["program"].as_str().unwrap())
+            .args(
+                launch["args"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a.as_str().unwrap()),
+            )
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap()
+    };
+    let by_hand_pid = by_hand.id() as i64;
+    let _kill_by_hand = KillOnDrop(by_hand_pid);
+    testkit::eventually(
+        std::time::Duration::from_secs(30),
+        "the hand-started rail stub reported healthy",
+        || async {
+            let (ok, status) = status_json(&state);
+            let stub = status["parts"]
+                .as_array()?
+                .iter()
+                .find(|p| p["name"] == "rail-stub")?
+                .clone();
+            (ok && stub["healthy"] == true && stub["running"] == true).then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    let up = payoutdev(&state, &["stack", "up"], &[]);
+    assert!(up.status.success());
+    assert!(
+        String::from_utf8_lossy(&up.stderr).contains("stack already up"),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    assert_eq!(pids(&state), recorded, "up restarted nothing");
+    assert!(testkit::util::pid_alive(by_hand_pid as u32));
+    drop(stop);
+}
+
+/// Kills a process group this test started by hand, whatever happens.
+struct KillOnDrop(i64);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: a signal to the process group this test created.
+        unsafe {
+            libc::kill(-(self.0 as i32), libc::SIGKILL);
+        }
+    }
+}
