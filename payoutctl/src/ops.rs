@@ -97,12 +97,11 @@ pub struct Deployment {
     /// The lock service (`https://host:port`).
     #[arg(long, env = "PAYOUT_LOCK_URL")]
     pub lock_url: Option<String>,
-    /// The Temporal frontend, host:port.
-    #[arg(long, env = "PAYOUT_TEMPORAL_ADDRESS")]
-    pub temporal_address: Option<String>,
-    /// The Temporal namespace the payout workflows run in.
-    #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
-    pub temporal_namespace: String,
+    /// Temporal, configured as the `temporal` CLI is (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE,
+    /// TLS, API key, profiles: `payout_workflows::client`). The local stack's Temporal when no
+    /// deployment is named.
+    #[command(flatten)]
+    pub temporal: payout_workflows::client::TemporalArgs,
     /// A deployment's certificate authority (PEM): every service call is mutual TLS.
     #[arg(long = "tls-ca", env = "PAYOUT_TLS_CA")]
     pub tls_ca: Option<std::path::PathBuf>,
@@ -131,7 +130,7 @@ impl Deployment {
             &self.payment_url,
             &self.proxy_url,
             &self.lock_url,
-            &self.temporal_address,
+            &self.temporal.address,
         ]
         .iter()
         .any(|v| v.is_some())
@@ -265,15 +264,24 @@ impl Parts {
         })
     }
 
-    pub fn temporal_address(&self) -> anyhow::Result<String> {
-        match &self.record {
-            None => required(&self.deployment.temporal_address, "temporal-address"),
-            Some((record, _)) => Ok(record.temporal_address()),
-        }
-    }
-
-    pub fn temporal_namespace(&self) -> &str {
-        &self.deployment.temporal_namespace
+    /// Connects to Temporal: the deployment's as configured, or the local stack's.
+    pub async fn temporal(&self, identity: &str) -> anyhow::Result<temporalio_client::Client> {
+        use payout_workflows::client::{connect_to, TemporalArgs, DEFAULT_NAMESPACE};
+        let args = match &self.record {
+            None => self.deployment.temporal.clone(),
+            Some((record, _)) => TemporalArgs::at(
+                record.temporal_address(),
+                self.deployment
+                    .temporal
+                    .namespace
+                    .clone()
+                    .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string()),
+            ),
+        };
+        let target = args.resolve()?;
+        connect_to(&target, identity)
+            .await
+            .map_err(|e| exit::unreachable(format!("Temporal at {}", target.describe()), e))
     }
 
     /// The operator's certificate: the one given (a deployment), or one the local stack's own

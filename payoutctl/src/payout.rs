@@ -979,14 +979,9 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
     let signal: payout_workflows::AbandonSignal =
         serde_json::from_value(signed).context("the signed abandon input")?;
     let parts = args.deployment.parts()?;
-    let address = parts.temporal_address()?;
-    let client = payout_workflows::client::connect(
-        &address,
-        parts.temporal_namespace(),
-        &format!("payoutctl-{}", args.operator),
-    )
-    .await
-    .map_err(|e| exit::unreachable(format!("Temporal at {address}"), e))?;
+    let client = parts
+        .temporal(&format!("payoutctl-{}", args.operator))
+        .await?;
     let workflow_id = payout_domain::workflow_id(&args.payout_id);
     eprintln!("payoutctl: asking {workflow_id} to abandon (the workflow answers once the decision is on record)");
     let update = payout_workflows::abandon::execute(&client, &workflow_id, signal, None);

@@ -84,7 +84,7 @@ impl Ctl {
             ("PAYOUT_PAYMENT_URL", system.payment_url()),
             ("PAYOUT_PROXY_URL", system.proxy_url()),
             ("PAYOUT_LOCK_URL", system.lock_url()),
-            ("PAYOUT_TEMPORAL_ADDRESS", system.temporal_address.clone()),
+            ("TEMPORAL_ADDRESS", system.temporal_address.clone()),
             (
                 "TEMPORAL_NAMESPACE",
                 testkit::temporal::NAMESPACE.to_string(),

@@ -723,8 +723,9 @@ pub async fn list_quarantined(pool: &PgPool) -> Result<Vec<QuarantinedRow>, Disp
 
 /// Clears a row's quarantine so the next round delivers it again. Audited durably: one
 /// `outbox_replay` row (who, when, why, and what the row was quarantined with), written in the
-/// same transaction as the release, so there is no release without its record (paydb migration
-/// 0007); and in the log.
+/// same statement as the release by paydb's `replay_quarantined` (migrations 0007, 0010: the one
+/// definition of a replay, which `payoutctl outbox quarantine replay` calls too), so there is no
+/// release without its record; and in the log.
 pub async fn replay(
     pool: &PgPool,
     id: i64,
@@ -737,32 +738,19 @@ pub async fn replay(
     if reason.trim().is_empty() {
         return Err(DispatchError::MissingOperatorField { field: "reason" });
     }
-    let mut tx = pool.begin().await?;
-    let recorded = sqlx::query(
-        "INSERT INTO outbox_replay (outbox_id, operator_id, reason, quarantined_at, last_error, attempts)
-         SELECT id, $2, $3, quarantined_at, last_error, attempts FROM ledger_outbox
-         WHERE id = $1 AND quarantined_at IS NOT NULL AND delivered_at IS NULL
-         FOR UPDATE",
-    )
-    .bind(id)
-    .bind(operator_id)
-    .bind(reason)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    if recorded == 0 {
-        return Err(DispatchError::NotQuarantined { id });
+    match sqlx::query_scalar::<_, i64>("SELECT replay_quarantined($1, $2, $3)")
+        .bind(id)
+        .bind(operator_id)
+        .bind(reason)
+        .fetch_one(pool)
+        .await
+    {
+        Ok(_) => {}
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(NOT_QUARANTINED_STATE) => {
+            return Err(DispatchError::NotQuarantined { id })
+        }
+        Err(e) => return Err(e.into()),
     }
-    sqlx::query(
-        "UPDATE ledger_outbox SET quarantined_at = NULL, next_attempt_at = now(), claimed_by = NULL, claim_expires_at = NULL,
-                last_error = $2
-         WHERE id = $1",
-    )
-    .bind(id)
-    .bind(truncate(&format!("replayed by {operator_id}: {reason}")))
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
     tracing::warn!(
         outbox_id = id,
         operator_id,
@@ -771,6 +759,9 @@ pub async fn replay(
     );
     Ok(())
 }
+
+/// `replay_quarantined`'s refusal of a row that is not quarantined (SQLSTATE no_data_found).
+const NOT_QUARANTINED_STATE: &str = "P0002";
 
 #[cfg(test)]
 mod tests {
