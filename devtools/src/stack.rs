@@ -15,6 +15,8 @@ use testkit::{Lifetime, Stack};
 
 /// Services listen at `--service-port-base` + 1 ..= this (gRPC, /metrics, the reconciler's).
 const SERVICE_PORT_OFFSET_MAX: u16 = 20;
+/// Worker i serves `/metrics` and `/healthz` at `--service-port-base` + this + i.
+const WORKER_METRICS_PORT_OFFSET: u16 = 21;
 
 /// The local stack's payouts wait this much past the stub's settlement window before a lookup
 /// counts, so the first lookup after the window is authoritative.
@@ -73,7 +75,8 @@ pub struct UpArgs {
     #[arg(long, env = "PAYOUT_TEMPORAL_UI_PORT", default_value_t = 8233)]
     pub temporal_ui_port: u16,
     /// Our services listen on base+1.. (lock-server, payment-resource, rail-stub, rail-proxy,
-    /// general-ledger) and serve /metrics on base+11..base+16.
+    /// general-ledger) and serve /metrics on base+11..base+16; worker i serves /metrics and
+    /// /healthz on base+21+i.
     #[arg(long, env = "PAYOUT_SERVICE_PORT_BASE", default_value_t = 20050)]
     pub service_port_base: u16,
     /// Payout workers to run.
@@ -204,8 +207,11 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
     // The services' ports, before any part picks a fresh port of its own (etcd's peers): the
     // parts start in parallel, and a fresh pick must never be a port another part will bind.
     if !args.infra_only {
+        let workers = u16::try_from(args.workers).unwrap_or(u16::MAX);
         testkit::util::reserve_ports(
-            (1..=SERVICE_PORT_OFFSET_MAX).map(|i| args.service_port_base + i),
+            (1..=SERVICE_PORT_OFFSET_MAX)
+                .chain((0..workers).map(|i| WORKER_METRICS_PORT_OFFSET + i))
+                .map(|i| args.service_port_base + i),
         );
     }
     let started = Instant::now();
@@ -287,6 +293,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             rail_proxy: base + 4,
             general_ledger: base + 5,
             metrics: (11..17).map(|i| base + i).collect(),
+            worker_metrics_base: Some(base + WORKER_METRICS_PORT_OFFSET),
         };
         let databases = Databases {
             paydb: record.pg_url(dir, record.ports.pg_main, "paydb"),
@@ -312,8 +319,18 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         };
         eprintln!("starting the services and {} worker(s)", args.workers);
         let system = System::start(&stack, options).await?;
+        // Each worker's address is its health endpoint, which `status` checks.
+        let worker_endpoints: std::collections::HashMap<&str, u16> = system
+            .workers
+            .iter()
+            .map(|w| w.name())
+            .zip(system.worker_metrics.iter().copied())
+            .collect();
         for process in system.processes() {
             let address = match process.name() {
+                name if worker_endpoints.contains_key(name) => {
+                    format!("http://127.0.0.1:{}/healthz", worker_endpoints[name])
+                }
                 "lock-server" => SystemRecord::url(system_ports.lock_server),
                 "payment-resource" => SystemRecord::url(system_ports.payment_resource),
                 "rail-stub" => format!("http://127.0.0.1:{}", system_ports.rail_stub),
@@ -587,6 +604,15 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
             )
             .is_ok_and(|(code, _)| code == 200);
         }
+        // A worker answers 200 on /healthz while connected to Temporal with its pollers
+        // running (a record from before it served one has no address: running is its health).
+        name if name.starts_with("payout-worker") => {
+            let Some(endpoint) = part.address.strip_suffix("/healthz") else {
+                return alive(part.pid);
+            };
+            return testkit::util::http_get(port(endpoint), "/healthz", Duration::from_secs(2))
+                .is_ok_and(|(code, _)| code == 200);
+        }
         // The dispatcher (GL delivery and workflow starts) answers on its /metrics, the last of
         // the services' metrics ports.
         "outbox-dispatcher" => {
@@ -596,8 +622,6 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
             return testkit::util::http_get(*metrics, "/metrics", Duration::from_secs(2))
                 .is_ok_and(|(code, _)| code == 200);
         }
-        // The workers have no listener to probe; running is their health.
-        name if name.starts_with("payout-worker") => return alive(part.pid),
         "reconciler" => {
             let metrics = part.address.trim_end_matches("/metrics");
             return testkit::util::http_get(port(metrics), "/metrics", Duration::from_secs(2))
@@ -667,6 +691,7 @@ fn testkit_system_ports(p: &SystemPorts) -> testkit::system::SystemPorts {
         rail_proxy: p.rail_proxy,
         general_ledger: p.general_ledger,
         metrics: p.metrics.clone(),
+        worker_metrics_base: p.worker_metrics_base,
     }
 }
 

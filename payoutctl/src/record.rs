@@ -36,6 +36,10 @@ pub struct SystemPorts {
     pub general_ledger: u16,
     /// `/metrics` of each service, in the order above, then the dispatcher's.
     pub metrics: Vec<u16>,
+    /// Worker i serves `/metrics` and `/healthz` on this + i (`None` in a record written
+    /// before workers served them).
+    #[serde(default)]
+    pub worker_metrics_base: Option<u16>,
 }
 
 /// The databases' URLs.

@@ -87,6 +87,10 @@ pub struct SystemPorts {
     pub general_ledger: u16,
     /// `/metrics` of each service, in the order above, then the dispatcher's.
     pub metrics: Vec<u16>,
+    /// Worker i (`worker-<i>`, started by [`System::add_worker`]) serves `/metrics` and
+    /// `/healthz` on this + i; free ports if `None`.
+    #[serde(default)]
+    pub worker_metrics_base: Option<u16>,
 }
 
 impl SystemPorts {
@@ -98,6 +102,7 @@ impl SystemPorts {
             rail_proxy: free_port(),
             general_ledger: free_port(),
             metrics: (0..6).map(|_| free_port()).collect(),
+            worker_metrics_base: None,
         }
     }
 }
@@ -129,6 +134,8 @@ pub struct System {
     pub general_ledger: ManagedProcess,
     pub dispatcher: ManagedProcess,
     pub workers: Vec<ManagedProcess>,
+    /// The `/metrics` and `/healthz` port of each of `workers`, in the same order.
+    pub worker_metrics: Vec<u16>,
     worker_template: ProcessSpec,
 }
 
@@ -392,6 +399,7 @@ impl System {
             general_ledger,
             dispatcher,
             workers: Vec::new(),
+            worker_metrics: Vec::new(),
             worker_template,
         };
         for _ in 0..options.workers {
@@ -403,7 +411,15 @@ impl System {
     /// Starts one more worker (identity `worker-<index>`).
     pub fn add_worker(&mut self) -> anyhow::Result<&ManagedProcess> {
         let index = self.workers.len();
-        let worker = self.start_worker(&format!("worker-{index}"))?;
+        let port = match self.ports.worker_metrics_base {
+            Some(base) => base + u16::try_from(index).context("too many workers")?,
+            None => free_port(),
+        };
+        let spec = self
+            .worker_spec(&format!("worker-{index}"))
+            .env("PAYOUT_WORKER_METRICS_LISTEN", format!("127.0.0.1:{port}"));
+        let worker = ManagedProcess::start(spec)?;
+        self.worker_metrics.push(port);
         self.workers.push(worker);
         Ok(self.workers.last().expect("just pushed"))
     }

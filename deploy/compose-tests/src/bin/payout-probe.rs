@@ -2,9 +2,8 @@
 //!
 //! - `payout-probe grpc 127.0.0.1:50052 payment-resource`: `grpc.health.v1.Health/Check` answers
 //!   SERVING over mutual TLS (the container's `PAYOUT_TLS_*`), from a server of that role.
-//! - `payout-probe http 127.0.0.1:8090 /healthz`: a plain HTTP GET answers 200.
-//! - `payout-probe connected 7233`: this container holds an ESTABLISHED TCP connection to some
-//!   host's port 7233 (the worker, which serves nothing, is healthy once it polls Temporal).
+//! - `payout-probe http 127.0.0.1:8090 /healthz`: a plain HTTP GET answers 200 (the worker's
+//!   `/healthz` does only while it is connected to Temporal with its pollers running).
 //!
 //! Exit status 0 means healthy; anything else prints why on stderr.
 
@@ -35,8 +34,6 @@ enum Check {
         #[arg(default_value = "/")]
         path: String,
     },
-    /// An ESTABLISHED TCP connection to this remote port exists.
-    Connected { remote_port: u16 },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -49,7 +46,6 @@ async fn main() -> std::process::ExitCode {
             Err(e) => Err(e.into()),
         },
         Check::Http { addr, path } => probe::http(&addr, &path, timeout).await,
-        Check::Connected { remote_port } => probe::connected(remote_port),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
