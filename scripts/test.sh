@@ -14,6 +14,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== monitoring: promtool check config, promtool test rules, amtool check-config"
+deploy/monitoring/check.sh
 echo "== build the binaries that tests start as processes"
 cargo build --workspace --bins --locked
 echo "== tests"

@@ -5,6 +5,7 @@
 pub use db_access;
 pub mod etcd;
 pub mod grants;
+pub mod monitoring;
 pub mod netns;
 pub mod pki;
 pub mod postgres;

@@ -91,7 +91,17 @@ pub async fn stale_holder(
         },
     )
     .await?;
-    let _in_process = replace_services(&mut system, disable).await?;
+    stale_holder_on(&mut system, disable, payouts).await
+}
+
+/// The same scenario on a running system of the caller's (no workers needed), e.g. one that
+/// Prometheus scrapes (tests/tests/alerting.rs).
+pub async fn stale_holder_on(
+    system: &mut System,
+    disable: DisableGuard,
+    payouts: usize,
+) -> anyhow::Result<NegativeReport> {
+    let _in_process = replace_services(system, disable).await?;
     let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -173,7 +183,7 @@ pub async fn stale_holder(
         let _ = session_a.close().await;
         let _ = session_b.close().await;
     }
-    let evidence = Evidence::collect(&system).await?;
+    let evidence = Evidence::collect(system).await?;
     let checks = vec![
         checker::at_most_one_movement_per_payout(&evidence),
         checker::paydb_tokens_never_decrease(&evidence),

@@ -1,0 +1,465 @@
+//! Prometheus and Alertmanager (Debian's `prometheus`, `prometheus-alertmanager`) as real
+//! processes with the project's configuration (deploy/monitoring): the rules of `alerts.yml`, the
+//! Prometheus template `prometheus.yml.in`, `alertmanager.yml`. Used by the alerting tests and by
+//! `payoutdev stack up`. Targets are file-based service discovery (`targets/*.json`), one group per
+//! job, so a part that starts later is added by writing its file.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::process::{Lifetime, ManagedProcess, ProcessSpec};
+use crate::util::{eventually, free_port, workspace_root};
+
+/// The Debian packages' binaries.
+pub const PROMETHEUS_BIN: &str = "/usr/bin/prometheus";
+pub const ALERTMANAGER_BIN: &str = "/usr/bin/prometheus-alertmanager";
+
+/// How long Prometheus or Alertmanager may take to answer its readiness endpoint: both start in
+/// well under a second here; ten seconds covers a loaded CI machine.
+const READY_TIMEOUT_MS: u64 = 10_000;
+/// One HTTP call to either API, on loopback.
+const API_CALL_TIMEOUT_MS: u64 = 2_000;
+
+/// deploy/monitoring in the checkout.
+pub fn config_dir() -> PathBuf {
+    workspace_root().join("deploy/monitoring")
+}
+
+/// One scrape target: the `job` label and `host:port` of its `/metrics`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub job: String,
+    pub address: String,
+}
+
+impl Target {
+    pub fn local(job: &str, port: u16) -> Self {
+        Self {
+            job: job.to_string(),
+            address: format!("127.0.0.1:{port}"),
+        }
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct MonitoringOptions {
+    /// Scrape and rule evaluation interval (the tests use 1 s; the local stack 5 s).
+    pub interval: Duration,
+    /// Alert rules to leave out of `alerts.yml` (a test's negative control only).
+    pub without_alerts: Vec<String>,
+    pub prometheus_port: Option<u16>,
+    pub alertmanager_port: Option<u16>,
+    pub lifetime: Lifetime,
+}
+
+impl Default for MonitoringOptions {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(1),
+            without_alerts: Vec::new(),
+            prometheus_port: None,
+            alertmanager_port: None,
+            lifetime: Lifetime::Attached,
+        }
+    }
+}
+
+/// An alert as Alertmanager's `/api/v2/alerts` returns it (the fields the tests read).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Alert {
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub annotations: std::collections::BTreeMap<String, String>,
+    pub status: AlertStatus,
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct AlertStatus {
+    pub state: String,
+}
+
+impl Alert {
+    pub fn name(&self) -> &str {
+        self.labels.get("alertname").map_or("", String::as_str)
+    }
+}
+
+/// A scrape target's health as Prometheus's `/api/v1/targets` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetHealth {
+    pub job: String,
+    pub address: String,
+    pub health: String,
+    pub last_scrape: String,
+}
+
+pub struct Monitoring {
+    pub dir: PathBuf,
+    pub prometheus_port: u16,
+    pub alertmanager_port: u16,
+    pub prometheus: ManagedProcess,
+    pub alertmanager: ManagedProcess,
+    http: reqwest::Client,
+}
+
+/// The rules file with the named alert rules left out (each rule is the block from its
+/// `- alert: NAME` line to the next rule or group).
+pub fn rules_without(rules: &str, without: &[String]) -> anyhow::Result<String> {
+    let mut out = String::new();
+    let mut skipping = false;
+    let mut left_out = Vec::new();
+    for line in rules.lines() {
+        let trimmed = line.trim_start();
+        if let Some(name) = trimmed.strip_prefix("- alert: ") {
+            skipping = without.iter().any(|w| w == name.trim());
+            if skipping {
+                left_out.push(name.trim().to_string());
+            }
+        } else if trimmed.starts_with("- name: ") || trimmed.starts_with("groups:") {
+            skipping = false;
+        }
+        if !skipping {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    for w in without {
+        anyhow::ensure!(left_out.contains(w), "no alert rule {w} in alerts.yml");
+    }
+    Ok(out)
+}
+
+/// Writes `dir/targets/<job>.json` (file-based service discovery; Prometheus rereads it).
+pub fn write_targets(dir: &Path, targets: &[Target]) -> anyhow::Result<()> {
+    let targets_dir = dir.join("targets");
+    std::fs::create_dir_all(&targets_dir)?;
+    let mut jobs: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for t in targets {
+        jobs.entry(&t.job).or_default().push(&t.address);
+    }
+    for (job, addresses) in jobs {
+        let group = serde_json::json!([{ "targets": addresses, "labels": { "job": job } }]);
+        let path = targets_dir.join(format!("{job}.json"));
+        let tmp = targets_dir.join(format!(".{job}.json.tmp"));
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&group)?)?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Renders deploy/monitoring/prometheus.yml.in.
+pub fn prometheus_config(
+    interval: Duration,
+    rules_file: &Path,
+    targets_dir: &Path,
+    alertmanager: &str,
+) -> anyhow::Result<String> {
+    let template = std::fs::read_to_string(config_dir().join("prometheus.yml.in"))?;
+    let interval = format!("{}ms", interval.as_millis());
+    Ok(template
+        .replace("@INTERVAL@", &interval)
+        .replace("@RULES_FILE@", &rules_file.display().to_string())
+        .replace("@TARGETS_DIR@", &targets_dir.display().to_string())
+        .replace("@ALERTMANAGER@", alertmanager))
+}
+
+impl Monitoring {
+    /// Starts Alertmanager, then Prometheus scraping `targets` with the project's rules (minus
+    /// `options.without_alerts`), state and logs under `dir`, and waits until both are ready.
+    pub async fn start(
+        dir: &Path,
+        targets: &[Target],
+        options: MonitoringOptions,
+    ) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let rules = std::fs::read_to_string(config_dir().join("alerts.yml"))?;
+        let rules_file = dir.join("alerts.yml");
+        std::fs::write(&rules_file, rules_without(&rules, &options.without_alerts)?)?;
+        write_targets(dir, targets)?;
+        let am_port = options.alertmanager_port.unwrap_or_else(free_port);
+        let prom_port = options.prometheus_port.unwrap_or_else(free_port);
+        let am_config = dir.join("alertmanager.yml");
+        std::fs::copy(config_dir().join("alertmanager.yml"), &am_config)?;
+        let alertmanager = ManagedProcess::start(
+            ProcessSpec::new(
+                "alertmanager",
+                ALERTMANAGER_BIN,
+                dir.join("alertmanager.log"),
+            )
+            .arg(format!("--config.file={}", am_config.display()))
+            .arg(format!(
+                "--storage.path={}",
+                dir.join("alertmanager-data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{am_port}"))
+            // No gossip cluster: a single instance, and no fixed port shared between stacks.
+            .arg("--cluster.listen-address=")
+            .lifetime(options.lifetime),
+        )?;
+        let prom_config = dir.join("prometheus.yml");
+        std::fs::write(
+            &prom_config,
+            prometheus_config(
+                options.interval,
+                &rules_file,
+                &dir.join("targets"),
+                &format!("127.0.0.1:{am_port}"),
+            )?,
+        )?;
+        let prometheus = ManagedProcess::start(
+            ProcessSpec::new("prometheus", PROMETHEUS_BIN, dir.join("prometheus.log"))
+                .arg(format!("--config.file={}", prom_config.display()))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    dir.join("prometheus-data").display()
+                ))
+                .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+                .lifetime(options.lifetime),
+        )?;
+        let monitoring = Self {
+            dir: dir.to_path_buf(),
+            prometheus_port: prom_port,
+            alertmanager_port: am_port,
+            prometheus,
+            alertmanager,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_millis(API_CALL_TIMEOUT_MS))
+                .build()?,
+        };
+        for (port, path, process) in [
+            (am_port, "/-/ready", &monitoring.alertmanager),
+            (prom_port, "/-/ready", &monitoring.prometheus),
+        ] {
+            let http = monitoring.http.clone();
+            eventually(
+                Duration::from_millis(READY_TIMEOUT_MS),
+                &format!(
+                    "{} ready (log: {})",
+                    process.name(),
+                    process.log_path().display()
+                ),
+                || {
+                    let http = http.clone();
+                    async move {
+                        let r = http
+                            .get(format!("http://127.0.0.1:{port}{path}"))
+                            .send()
+                            .await
+                            .ok()?;
+                        r.status().is_success().then_some(())
+                    }
+                },
+            )
+            .await?;
+        }
+        Ok(monitoring)
+    }
+
+    async fn get_json(&self, url: String) -> anyhow::Result<serde_json::Value> {
+        let response = self.http.get(&url).send().await?;
+        anyhow::ensure!(
+            response.status().is_success(),
+            "{url}: {}",
+            response.status()
+        );
+        Ok(response.json().await?)
+    }
+
+    /// Every scrape target and its health (`up`, `down`, `unknown` before the first scrape).
+    pub async fn targets(&self) -> anyhow::Result<Vec<TargetHealth>> {
+        let v = self
+            .get_json(format!(
+                "http://127.0.0.1:{}/api/v1/targets?state=active",
+                self.prometheus_port
+            ))
+            .await?;
+        let active = v["data"]["activeTargets"]
+            .as_array()
+            .context("no activeTargets in /api/v1/targets")?;
+        Ok(active
+            .iter()
+            .map(|t| TargetHealth {
+                job: t["labels"]["job"].as_str().unwrap_or_default().to_string(),
+                address: t["labels"]["instance"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                health: t["health"].as_str().unwrap_or_default().to_string(),
+                last_scrape: t["lastScrape"].as_str().unwrap_or_default().to_string(),
+            })
+            .collect())
+    }
+
+    /// Waits until every one of `expected` is a target Prometheus has scraped successfully.
+    pub async fn wait_targets_up(
+        &self,
+        expected: &[Target],
+        timeout: Duration,
+    ) -> anyhow::Result<Vec<TargetHealth>> {
+        let waited = eventually(timeout, "every target scraped and up", || async {
+            let targets = self.targets().await.ok()?;
+            expected
+                .iter()
+                .all(|e| {
+                    targets
+                        .iter()
+                        .any(|t| t.job == e.job && t.address == e.address && t.health == "up")
+                })
+                .then_some(targets)
+        })
+        .await;
+        match waited {
+            Ok(targets) => Ok(targets),
+            Err(e) => Err(e.context(format!(
+                "expected {expected:?}; Prometheus reports {:?}",
+                self.targets().await
+            ))),
+        }
+    }
+
+    /// The number of completed evaluations of the rule groups so far is not exported; this is
+    /// the time of each group's last evaluation (RFC 3339), by group name.
+    pub async fn rule_group_evaluations(
+        &self,
+    ) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+        let v = self
+            .get_json(format!(
+                "http://127.0.0.1:{}/api/v1/rules",
+                self.prometheus_port
+            ))
+            .await?;
+        let groups = v["data"]["groups"]
+            .as_array()
+            .context("no groups in /api/v1/rules")?;
+        Ok(groups
+            .iter()
+            .map(|g| {
+                (
+                    g["name"].as_str().unwrap_or_default().to_string(),
+                    g["lastEvaluation"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect())
+    }
+
+    /// The names of the alert rules Prometheus loaded.
+    pub async fn alert_rules(&self) -> anyhow::Result<Vec<String>> {
+        let v = self
+            .get_json(format!(
+                "http://127.0.0.1:{}/api/v1/rules?type=alert",
+                self.prometheus_port
+            ))
+            .await?;
+        let mut names = Vec::new();
+        for g in v["data"]["groups"].as_array().into_iter().flatten() {
+            for r in g["rules"].as_array().into_iter().flatten() {
+                names.push(r["name"].as_str().unwrap_or_default().to_string());
+            }
+        }
+        Ok(names)
+    }
+
+    /// An instant query's result vector (`/api/v1/query`).
+    pub async fn query(&self, promql: &str) -> anyhow::Result<Vec<serde_json::Value>> {
+        let url = reqwest::Url::parse_with_params(
+            &format!("http://127.0.0.1:{}/api/v1/query", self.prometheus_port),
+            &[("query", promql)],
+        )?;
+        let v = self.get_json(url.to_string()).await?;
+        Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// The alerts Prometheus itself holds as firing (`/api/v1/alerts`), by name.
+    pub async fn prometheus_firing(&self) -> anyhow::Result<Vec<String>> {
+        let v = self
+            .get_json(format!(
+                "http://127.0.0.1:{}/api/v1/alerts",
+                self.prometheus_port
+            ))
+            .await?;
+        Ok(v["data"]["alerts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|a| a["state"] == "firing")
+            .map(|a| {
+                a["labels"]["alertname"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect())
+    }
+
+    /// Alertmanager's active alerts (`/api/v2/alerts`: firing, not silenced or inhibited).
+    pub async fn alertmanager_alerts(&self) -> anyhow::Result<Vec<Alert>> {
+        let url = format!(
+            "http://127.0.0.1:{}/api/v2/alerts?active=true&silenced=false&inhibited=false",
+            self.alertmanager_port
+        );
+        let response = self.http.get(&url).send().await?;
+        anyhow::ensure!(
+            response.status().is_success(),
+            "{url}: {}",
+            response.status()
+        );
+        Ok(response.json().await?)
+    }
+}
+
+/// The scrape targets of a system (crates/testkit/src/system.rs): every service, the
+/// dispatcher and every worker that serves `/metrics`. The rail stub serves `/metrics` on its
+/// API port (its metrics port in `SystemPorts::metrics` is unused).
+pub fn system_targets(system: &crate::system::System) -> Vec<Target> {
+    let ports = &system.ports;
+    let mut targets = vec![
+        Target::local("lock-server", ports.metrics[0]),
+        Target::local("payment-resource", ports.metrics[1]),
+        Target::local("rail-stub", ports.rail_stub),
+        Target::local("rail-proxy", ports.metrics[3]),
+        Target::local("general-ledger", ports.metrics[4]),
+        Target::local("outbox-dispatcher", ports.metrics[5]),
+    ];
+    targets.extend(
+        system
+            .worker_metrics
+            .iter()
+            .map(|port| Target::local("worker", *port)),
+    );
+    targets
+}
+
+/// The scrape targets of a stack's own parts: each etcd member's `/metrics`, and Temporal's if
+/// it was started.
+pub fn stack_targets(stack: &crate::stack::Stack) -> Vec<Target> {
+    let mut targets: Vec<Target> = stack
+        .etcd
+        .members
+        .iter()
+        .map(|m| Target::local("etcd", m.metrics_port))
+        .collect();
+    if let Ok(temporal) = stack.try_temporal() {
+        targets.push(Target::local("temporal", temporal.ports.metrics));
+    }
+    targets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rule_left_out_is_gone_and_the_others_stay() {
+        let rules = std::fs::read_to_string(config_dir().join("alerts.yml")).unwrap();
+        let without = rules_without(&rules, &["FencedOut".to_string()]).unwrap();
+        assert!(rules.contains("- alert: FencedOut\n"));
+        assert!(!without.contains("- alert: FencedOut\n"));
+        assert!(!without.contains("fenced_out_total"));
+        for kept in ["ForgedGrant", "ServiceDown", "OutboxBacklogOld"] {
+            assert!(without.contains(&format!("- alert: {kept}\n")), "{kept}");
+        }
+        assert!(rules_without(&rules, &["NoSuchAlert".to_string()]).is_err());
+    }
+}

@@ -1,0 +1,212 @@
+//! Alerting end to end, with real Prometheus and Alertmanager (Debian's packages) and the
+//! project's rules (deploy/monitoring/alerts.yml), scraping a real system every second:
+//! - a healthy system fires nothing: every target is scraped and up, the rules have been
+//!   evaluated several times since, and Prometheus and Alertmanager hold no alert;
+//! - the fault suite's stale holder (tests/src/chaos/negative.rs: holder A's grant is revoked,
+//!   B claims, A's late claim is refused by the payment resource's fence) makes `FencedOut`
+//!   appear in Alertmanager's API with `guard="payment_resource"`;
+//! - negative control: with the `FencedOut` rule left out (test-only configuration), the same
+//!   planted fault is in Prometheus (`fenced_out_total` 1) and Alertmanager never hears of it.
+
+use std::time::Duration;
+
+use system_tests::chaos::guards::DisableGuard;
+use system_tests::chaos::negative;
+use testkit::monitoring::{self, Monitoring, MonitoringOptions, Target};
+use testkit::system::{System, SystemOptions};
+use testkit::Stack;
+
+/// Start-up and the first scrape of every target at a 1 s interval.
+const TARGETS_UP_TIMEOUT: Duration = Duration::from_secs(30);
+/// A scrape (1 s), a rule evaluation (1 s) and Alertmanager's group_wait (5 s), with margin.
+const ALERT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Rule group evaluations to wait for before an absence of alerts means something.
+const EVALUATIONS_BEFORE_ABSENCE: usize = 3;
+
+async fn monitored_system(without_alerts: &[&str]) -> (System, Monitoring, Vec<Target>) {
+    let stack = Stack::shared();
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 0,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .expect("system starts");
+    let mut targets = monitoring::system_targets(&system);
+    targets.extend(monitoring::stack_targets(stack));
+    let monitoring = Monitoring::start(
+        &system.dir.join("monitoring"),
+        &targets,
+        MonitoringOptions {
+            without_alerts: without_alerts.iter().map(|s| s.to_string()).collect(),
+            ..MonitoringOptions::default()
+        },
+    )
+    .await
+    .expect("prometheus and alertmanager start");
+    monitoring
+        .wait_targets_up(&targets, TARGETS_UP_TIMEOUT)
+        .await
+        .expect("every target scraped and up");
+    (system, monitoring, targets)
+}
+
+/// Waits until every rule group has been evaluated `n` more times (each evaluation changes the
+/// group's lastEvaluation).
+async fn wait_evaluations(monitoring: &Monitoring, n: usize) {
+    let mut last = monitoring.rule_group_evaluations().await.unwrap();
+    assert!(!last.is_empty(), "the rule groups are loaded");
+    for _ in 0..n {
+        last = testkit::eventually(ALERT_TIMEOUT, "a rule evaluation of every group", || {
+            let before = last.clone();
+            async move {
+                let now = monitoring.rule_group_evaluations().await.ok()?;
+                now.iter()
+                    .all(|(group, at)| before.get(group).is_some_and(|b| b != at) && !at.is_empty())
+                    .then_some(now)
+            }
+        })
+        .await
+        .unwrap();
+    }
+}
+
+/// The value of a query's single-series result.
+async fn scalar(monitoring: &Monitoring, promql: &str) -> Option<f64> {
+    let result = monitoring.query(promql).await.ok()?;
+    let series = result.first()?;
+    series["value"][1].as_str()?.parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stale_holders_refused_write_fires_fenced_out_in_alertmanager_and_a_healthy_system_fires_nothing(
+) {
+    let (mut system, monitoring, targets) = monitored_system(&[]).await;
+
+    // Healthy: every part scraped (one `up` series per target, all 1), the guards' refusal
+    // counters exported at 0, several evaluations since, and not one alert anywhere.
+    let up = monitoring.query("up").await.unwrap();
+    assert_eq!(up.len(), targets.len(), "one up series per target: {up:?}");
+    assert!(up.iter().all(|s| s["value"][1] == "1"), "{up:?}");
+    for guard in ["payment_resource", "rail_proxy"] {
+        assert_eq!(
+            scalar(
+                &monitoring,
+                &format!("sum(fenced_out_total{{guard=\"{guard}\"}})")
+            )
+            .await,
+            Some(0.0),
+            "{guard}'s fenced_out_total is scraped at 0"
+        );
+    }
+    wait_evaluations(&monitoring, EVALUATIONS_BEFORE_ABSENCE).await;
+    let rules = monitoring.alert_rules().await.unwrap();
+    assert!(rules.contains(&"FencedOut".to_string()), "{rules:?}");
+    let prometheus_alerts = monitoring.prometheus_firing().await.unwrap();
+    assert!(
+        prometheus_alerts.is_empty(),
+        "a healthy system fires nothing in Prometheus: {prometheus_alerts:?}"
+    );
+    let pending_or_firing = monitoring.query("ALERTS").await.unwrap();
+    assert!(
+        pending_or_firing.is_empty(),
+        "no alert even pending: {pending_or_firing:?}"
+    );
+    let alerts = monitoring.alertmanager_alerts().await.unwrap();
+    assert!(
+        alerts.is_empty(),
+        "a healthy system leaves Alertmanager empty: {alerts:?}"
+    );
+
+    // The planted stale holder: its claim is refused at the payment resource's fence.
+    let report = negative::stale_holder_on(&mut system, DisableGuard::None, 1)
+        .await
+        .expect("the stale-holder scenario runs");
+    assert!(
+        !report.steps[0].stale_claim_accepted,
+        "the fence refused the stale claim: {report:?}"
+    );
+    let fired = testkit::eventually(ALERT_TIMEOUT, "FencedOut in Alertmanager", || async {
+        monitoring
+            .alertmanager_alerts()
+            .await
+            .ok()?
+            .into_iter()
+            .find(|a| {
+                a.name() == "FencedOut"
+                    && a.labels.get("guard").map(String::as_str) == Some("payment_resource")
+            })
+    })
+    .await
+    .unwrap();
+    assert_eq!(fired.status.state, "active");
+    assert_eq!(fired.labels["severity"], "page");
+    assert_eq!(fired.labels["operation"], "claim");
+    assert_eq!(fired.labels["job"], "payment-resource");
+    assert!(
+        fired.annotations["summary"].contains("payment_resource"),
+        "{fired:?}"
+    );
+    assert!(
+        fired.annotations["description"].contains("First:"),
+        "the runbook's first command: {fired:?}"
+    );
+    println!(
+        "fired: {}",
+        serde_json::to_string_pretty(&serde_json::json!({
+            "labels": fired.labels, "annotations": fired.annotations, "state": fired.status.state,
+        }))
+        .unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_the_fenced_out_rule_the_planted_stale_holder_never_reaches_alertmanager(
+) {
+    let (mut system, monitoring, _targets) = monitored_system(&["FencedOut"]).await;
+    let rules = monitoring.alert_rules().await.unwrap();
+    assert!(!rules.contains(&"FencedOut".to_string()), "{rules:?}");
+
+    let report = negative::stale_holder_on(&mut system, DisableGuard::None, 1)
+        .await
+        .expect("the stale-holder scenario runs");
+    assert!(!report.steps[0].stale_claim_accepted, "{report:?}");
+    // The refusal is in Prometheus ...
+    testkit::eventually(ALERT_TIMEOUT, "the refusal scraped", || async {
+        (scalar(
+            &monitoring,
+            "sum(fenced_out_total{guard=\"payment_resource\"})",
+        )
+        .await?
+            >= 1.0)
+            .then_some(())
+    })
+    .await
+    .unwrap();
+    // ... the rules have been evaluated since, and the same plant's force-revoke (LockForceRevoked,
+    // same group, same evaluations) has reached Alertmanager through the same path ...
+    wait_evaluations(&monitoring, EVALUATIONS_BEFORE_ABSENCE).await;
+    let alerts = testkit::eventually(
+        ALERT_TIMEOUT,
+        "LockForceRevoked in Alertmanager",
+        || async {
+            let alerts = monitoring.alertmanager_alerts().await.ok()?;
+            alerts
+                .iter()
+                .any(|a| a.name() == "LockForceRevoked")
+                .then_some(alerts)
+        },
+    )
+    .await
+    .unwrap();
+    // ... and Alertmanager has no fenced-out alert: the rule is what alerts.
+    assert!(alerts.iter().all(|a| a.name() != "FencedOut"), "{alerts:?}");
+    assert!(monitoring
+        .prometheus_firing()
+        .await
+        .unwrap()
+        .iter()
+        .all(|a| a != "FencedOut"));
+}
