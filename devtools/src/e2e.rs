@@ -29,7 +29,10 @@ use temporalio_client::{
 };
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
-use crate::run::{ensure_up, measure, run_id, run_payouts, Measured, Workload};
+use crate::run::{
+    ensure_up, measure, open_accounts, run_id, run_payouts, submit_payouts, Measured, Starts,
+    Workload,
+};
 
 /// As the payout worker's cache (`payout_worker::MAX_CACHED_WORKFLOWS`): the floors run with
 /// the same worker settings as the system.
@@ -59,7 +62,10 @@ pub struct Args {
     /// Give up waiting for one configuration's batch after this long.
     #[arg(long, default_value_t = 600)]
     pub timeout_s: u64,
-    /// Which configurations to run (comma-separated: system, workflow-floor, temporal-floor, idle).
+    /// Which configurations to run (comma-separated: system, system-caller-start,
+    /// workflow-floor, temporal-floor, idle). `system-caller-start` is `system` with the bench
+    /// starting each workflow itself right after CreatePayout, as integrators did before the
+    /// dispatcher's starter: the before figure of the intake.
     #[arg(long, default_value = "system,workflow-floor,temporal-floor,idle")]
     pub only: String,
     /// One JSON object with every figure.
@@ -101,7 +107,14 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let wanted: Vec<&str> = args.only.split(',').map(str::trim).collect();
     for w in &wanted {
         anyhow::ensure!(
-            ["system", "workflow-floor", "temporal-floor", "idle"].contains(w),
+            [
+                "system",
+                "system-caller-start",
+                "workflow-floor",
+                "temporal-floor",
+                "idle"
+            ]
+            .contains(w),
             "--only: unknown configuration {w:?}"
         );
     }
@@ -131,16 +144,31 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     };
 
     let mut configurations = Vec::new();
-    if wanted.contains(&"system") {
+    // (a) Each payout submitted with one CreatePayout (its workflow started by the dispatcher's
+    // starter), timed from that call; then the same with the caller also starting it at once.
+    for (name, starts) in [
+        ("system", Starts::Staged),
+        ("system-caller-start", Starts::Caller),
+    ] {
+        if !wanted.contains(&name) {
+            continue;
+        }
         say(format!(
-            "(a) system: {} payouts over {} accounts",
+            "(a) {name}: {} payouts over {} accounts",
             args.payouts, args.accounts
         ));
         let workload = even_workload(args.payouts, args.accounts, 1, ambiguity)?;
-        let (_, inputs) = workload.create(&payments).await?;
+        let inputs = open_accounts(&workload, &payments).await?;
         let ids = workflow_ids(&inputs);
-        let measured = run_payouts(client.clone(), &system.task_queue, inputs, timeout).await?;
-        configurations.push(figures("system", &client, &ids, measured, args.sample).await);
+        let measured = submit_payouts(
+            client.clone(),
+            &payments,
+            inputs,
+            (starts, &system.task_queue),
+            timeout,
+        )
+        .await?;
+        configurations.push(figures(name, &client, &ids, measured, args.sample).await);
     }
     if wanted.contains(&"workflow-floor") {
         say(format!(
@@ -220,7 +248,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             args.idle
         ));
         let workload = even_workload(args.idle, args.idle, 2, ambiguity)?;
-        let (_, inputs) = workload.create(&payments).await?;
+        let inputs = open_accounts(&workload, &payments).await?;
         let ids = workflow_ids(&inputs);
         let mut total = Measured {
             latencies: Vec::new(),
@@ -228,7 +256,14 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             elapsed: Duration::ZERO,
         };
         for input in inputs {
-            let one = run_payouts(client.clone(), &system.task_queue, vec![input], timeout).await?;
+            let one = submit_payouts(
+                client.clone(),
+                &payments,
+                vec![input],
+                (Starts::Staged, &system.task_queue),
+                timeout,
+            )
+            .await?;
             total.latencies.extend(one.latencies);
             total.failures.extend(one.failures);
             total.elapsed += one.elapsed;

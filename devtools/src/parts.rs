@@ -205,7 +205,10 @@ fn remove_stale_postgres_locks(spec: &ProcessSpec) -> anyhow::Result<()> {
         let Ok(text) = std::fs::read_to_string(&lock) else {
             continue;
         };
-        let pid = text.lines().next().and_then(|l| l.trim().parse::<u32>().ok());
+        let pid = text
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse::<u32>().ok());
         if pid.is_some_and(|pid| !testkit::util::pid_alive(pid)) {
             std::fs::remove_file(&lock)
                 .with_context(|| format!("removing the stale {}", lock.display()))?;

@@ -13,7 +13,6 @@ use payout_activities::types::{AmbiguityPolicy, PayoutInput};
 use serde::Serialize;
 
 use crate::stack::UpArgs;
-use payoutctl::record::StackRecord;
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -100,16 +99,12 @@ pub(crate) async fn ensure_up(
     if target.is_external() {
         return target.resolve();
     }
-    let dir = &target.state_dir;
-    let up = StackRecord::load(dir).is_ok_and(|r| {
-        r.system.is_some() && r.parts.iter().all(|p| testkit::util::pid_alive(p.pid))
-    });
-    if !up {
-        let workers = workers.to_string();
-        let state = dir.display().to_string();
-        let up = UpOnly::parse_from(["payoutdev", "--workers", &workers, "--state-dir", &state]).up;
-        crate::stack::up_quiet(up).await?;
-    }
+    // `up` asks each part's health and starts only what does not answer (nothing, when the
+    // stack is up).
+    let workers = workers.to_string();
+    let state = target.state_dir.display().to_string();
+    let up = UpOnly::parse_from(["payoutdev", "--workers", &workers, "--state-dir", &state]).up;
+    crate::stack::up_quiet(up).await?;
     target.resolve()
 }
 
@@ -178,13 +173,14 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         },
         round_robin: false,
     };
-    let (_, inputs) = workload.create(&payments).await?;
+    let inputs = open_accounts(&workload, &payments).await?;
     say(format!(
-        "{} accounts and {} payouts created (run {run_id})",
+        "{} accounts opened; submitting {} payouts (run {run_id})",
         args.accounts, args.payouts
     ));
 
-    // Start every workflow, then await each result; the latency is start to final state.
+    // Submit every payout (CreatePayout: its workflow starts by itself), then await each
+    // result; the latency is submission to final state.
     let client = Arc::new(
         payout_workflows::client::connect(&system.temporal_address, "default", "payoutdev")
             .await
@@ -197,7 +193,14 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         args.payouts,
         args.json,
     ));
-    let measured = run_payouts(client, &system.task_queue, inputs, timeout).await?;
+    let measured = submit_payouts(
+        client,
+        &payments,
+        inputs,
+        (Starts::Staged, &system.task_queue),
+        timeout,
+    )
+    .await?;
     progress.abort();
     let failures = &measured.failures;
     for f in failures.iter().take(10) {
@@ -438,13 +441,101 @@ pub(crate) async fn run_payouts(
         let queue = task_queue.to_string();
         async move {
             let permit = semaphore.acquire_owned().await.expect("semaphore open");
-            let id = payout_workflows::client::start_payout(&client, &queue, &input).await;
+            let id = match payout_workflows::client::start_payout(&client, &queue, &input).await {
+                // Started already (by the dispatcher's starter, or a retry): the same workflow.
+                Ok(id)
+                | Err(payout_workflows::client::PayoutClientError::AlreadyStarted {
+                    workflow_id: id,
+                }) => id,
+                Err(e) => anyhow::bail!("starting {}: {e}", input.payout_id),
+            };
             drop(permit);
-            let id = id.map_err(|e| anyhow::anyhow!("starting {}: {e}", input.payout_id))?;
             payout_workflows::client::wait_result(&client, &id, timeout)
                 .await
                 .map_err(|e| anyhow::anyhow!("{id}: {e}"))?;
             Ok(())
+        }
+    })
+    .await
+}
+
+/// Opens the batch's fixture accounts; its payouts are not created yet (their submission is
+/// what is measured).
+pub(crate) async fn open_accounts(
+    workload: &Workload,
+    payments: &PaymentClient,
+) -> anyhow::Result<Vec<PayoutInput>> {
+    let (accounts, inputs) = workload.build()?;
+    let eur = payout_domain::Currency::parse("EUR").expect("supported");
+    for id in &accounts {
+        payments
+            .open_account(id, &eur, workload.opening_balance_minor)
+            .await
+            .map_err(|e| anyhow::anyhow!("open account {id}: {e}"))?;
+    }
+    Ok(inputs)
+}
+
+/// Who starts a submitted payout's workflow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Starts {
+    /// CreatePayout alone: the dispatcher's starter delivers the start it staged.
+    Staged,
+    /// CreatePayout, then the caller starts the workflow itself at once, as integrators did
+    /// before the starter ("already started" is success): the before figure.
+    Caller,
+}
+
+/// Pause between two looks for a workflow the starter has not started yet.
+const START_POLL_MS: u64 = 10;
+
+/// Submits each payout (at most [`START_CONCURRENCY_MAX`] submissions in flight): one
+/// CreatePayout, then (`Starts::Caller`) the caller's own start; then awaits the workflow's
+/// result. Each latency runs from the CreatePayout call to the final state.
+pub(crate) async fn submit_payouts(
+    client: Arc<temporalio_client::Client>,
+    payments: &PaymentClient,
+    inputs: Vec<PayoutInput>,
+    (starts, task_queue): (Starts, &str),
+    timeout: Duration,
+) -> anyhow::Result<Measured> {
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(START_CONCURRENCY_MAX));
+    let queue = task_queue.to_string();
+    measure(inputs, |input| {
+        let client = client.clone();
+        let payments = payments.clone();
+        let semaphore = semaphore.clone();
+        let queue = queue.clone();
+        async move {
+            let deadline = Instant::now() + timeout;
+            let permit = semaphore.acquire_owned().await.expect("semaphore open");
+            payments
+                .create_payout(&system_tests::workload::new_payout(&input))
+                .await
+                .map_err(|e| anyhow::anyhow!("create payout {}: {e}", input.payout_id))?;
+            if starts == Starts::Caller {
+                match payout_workflows::client::start_payout(&client, &queue, &input).await {
+                    Ok(_)
+                    | Err(payout_workflows::client::PayoutClientError::AlreadyStarted { .. }) => {}
+                    Err(e) => anyhow::bail!("starting {}: {e}", input.payout_id),
+                }
+            }
+            drop(permit);
+            let id = payout_domain::workflow_id(&input.payout_id);
+            // The workflow appears when the starter has delivered its start: a bounded poll.
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match payout_workflows::client::wait_result(&client, &id, left).await {
+                    Ok(_) => return Ok(()),
+                    Err(payout_workflows::client::PayoutClientError::Result {
+                        source: temporalio_client::errors::WorkflowGetResultError::NotFound(_),
+                        ..
+                    }) if !left.is_zero() => {
+                        tokio::time::sleep(Duration::from_millis(START_POLL_MS)).await;
+                    }
+                    Err(e) => anyhow::bail!("{id}: {e}"),
+                }
+            }
         }
     })
     .await
