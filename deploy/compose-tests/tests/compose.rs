@@ -470,11 +470,28 @@ impl Harness<'_> {
         Ok(input)
     }
 
-    /// CreatePayout, then the workflow through the Rust client (what payoutctl uses).
+    /// CreatePayout, then the workflow through the Rust client (what payoutctl uses). The
+    /// dispatcher's starter starts it from CreatePayout's staged start too: "already started"
+    /// is success.
     async fn submit(&mut self, account: &AccountId, amount: i64) -> anyhow::Result<PayoutId> {
         let input = self.create(account, amount).await?;
-        payout_workflows::client::start_payout(&self.temporal, "payouts", &input).await?;
+        match payout_workflows::client::start_payout(&self.temporal, "payouts", &input).await {
+            Ok(_) | Err(payout_workflows::client::PayoutClientError::AlreadyStarted { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
         Ok(input.payout_id)
+    }
+
+    /// After an operator's start failed: the start stands if the workflow exists (the
+    /// dispatcher's starter started it from CreatePayout's staged start first).
+    async fn started_anyway(&self, workflow_id: &str, failed: anyhow::Error) -> anyhow::Result<()> {
+        use temporalio_client::{UntypedWorkflow, WorkflowDescribeOptions};
+        self.temporal
+            .get_workflow_handle::<UntypedWorkflow>(workflow_id)
+            .describe(WorkflowDescribeOptions::default())
+            .await
+            .map(|_| ())
+            .map_err(|_| failed)
     }
 
     /// CreatePayout, then the workflow through the operators' CLI inside the Temporal container.
@@ -487,7 +504,7 @@ impl Harness<'_> {
         let json = serde_json::to_string(&input)?;
         let workflow_id = payout_domain::workflow_id(&input.payout_id);
         let account_attr = format!("AccountId={}", serde_json::to_string(account.as_str())?);
-        self.project.exec(
+        let started = self.project.exec(
             &self.temporal_container,
             &[
                 "temporal",
@@ -512,7 +529,10 @@ impl Harness<'_> {
                 "--input",
                 &json,
             ],
-        )?;
+        );
+        if let Err(failed) = started {
+            self.started_anyway(&workflow_id, failed).await?;
+        }
         Ok(input.payout_id)
     }
 
