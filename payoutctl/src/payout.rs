@@ -26,6 +26,9 @@ use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, 
 pub const LIST_LIMIT_MAX: i64 = 1_000;
 /// `payout list`'s page size when `--limit` is not given.
 pub const LIST_LIMIT_DEFAULT: i64 = 50;
+/// A `payout list` of more than this many rows says on stderr what it reads (a page of up to
+/// 1,000 rows and its count can take a few seconds on a large paydb).
+const LIST_PROGRESS_ABOVE: i64 = 100;
 /// `payout show` prints at most this many audit rows, transitions and GL rows of one payout (a
 /// payout has a few dozen; more means something loops, and the count says so).
 pub const SHOW_ROWS_MAX: i64 = 500;
@@ -854,6 +857,12 @@ pub fn render_listing(l: &Listing) -> String {
 
 async fn list(args: ListArgs) -> anyhow::Result<std::process::ExitCode> {
     let parts = args.deployment.parts()?;
+    if args.limit > LIST_PROGRESS_ABOVE {
+        eprintln!(
+            "payoutctl: reading up to {} payouts from paydb (newest first)",
+            args.limit
+        );
+    }
     let listing = listing(&parts, args.account.as_ref(), args.state, args.limit).await?;
     if args.json {
         println!("{}", serde_json::to_string(&listing)?);
