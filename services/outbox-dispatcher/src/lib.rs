@@ -21,6 +21,7 @@
 //! claim_expires_at); id, account_id, idempotency_key, kind, payload and created_at are never
 //! written.
 
+pub mod backlog;
 pub mod starts;
 
 use std::hash::{BuildHasher, Hasher};
@@ -163,6 +164,8 @@ pub struct DispatchMetrics {
     pub delivered: service_kit::prometheus::IntCounterVec,
     pub retried: service_kit::prometheus::IntCounterVec,
     pub quarantined: service_kit::prometheus::IntCounterVec,
+    /// The backlog's gauges (`backlog`), measured while the dispatcher runs.
+    pub backlog: backlog::BacklogGauges,
 }
 
 impl DispatchMetrics {
@@ -183,6 +186,7 @@ impl DispatchMetrics {
                 "Rows quarantined (alerts)",
                 &["reason"],
             ),
+            backlog: backlog::BacklogGauges::register(metrics),
         }
     }
 }
@@ -241,6 +245,11 @@ impl Dispatcher {
     /// (each is bounded by the GL call deadline).
     pub async fn run(&self, shutdown: impl std::future::Future<Output = ()>) {
         tokio::pin!(shutdown);
+        let backlog = tokio::spawn(backlog::watch(
+            self.pool.clone(),
+            self.metrics.backlog.clone(),
+            Duration::from_millis(backlog::BACKLOG_PERIOD_MS),
+        ));
         loop {
             let idle = match self.run_once().await {
                 Ok(outcome) => outcome.claimed == 0,
@@ -258,7 +267,14 @@ impl Dispatcher {
                 break;
             }
         }
+        backlog.abort();
         tracing::info!(instance = %self.config.instance_id, "outbox dispatcher stopped");
+    }
+
+    /// Measures the outbox's backlog now and sets its gauges (`run` does so every
+    /// `backlog::BACKLOG_PERIOD_MS`).
+    pub async fn measure_backlog(&self) -> Result<backlog::Backlog, DispatchError> {
+        Ok(backlog::measure(&self.pool, &self.metrics.backlog).await?)
     }
 
     /// One round: claim a batch, deliver it, record the outcome of each row.

@@ -585,6 +585,14 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
     assert!(metrics
         .render()
         .contains("outbox_quarantined_total{reason=\"UNKNOWN_ACCOUNT\"} 1"));
+    // The backlog's gauges (the alerts OutboxQuarantineNotEmpty and OutboxBacklogOld): two rows
+    // quarantined, the one held behind the first still pending, as old as its insert.
+    let backlog = dispatcher.measure_backlog().await.unwrap();
+    assert_eq!((backlog.quarantined_rows, backlog.pending_rows), (2, 1));
+    assert!(backlog.oldest_pending_age_seconds > 0.0, "{backlog:?}");
+    let rendered = metrics.render();
+    assert!(rendered.contains("outbox_quarantined_rows 2"), "{rendered}");
+    assert!(rendered.contains("outbox_pending_rows 1"), "{rendered}");
     // The rest flowed; the row behind the poison waits (per-account order), it is not quarantined.
     assert_eq!(
         count(

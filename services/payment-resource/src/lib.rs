@@ -28,6 +28,7 @@ pub mod error;
 pub mod fixture;
 pub mod model;
 pub mod outbox;
+pub mod payout_ages;
 pub mod store;
 
 use std::time::Duration;
@@ -115,6 +116,12 @@ pub async fn serve(
         front.metrics.database_restored(),
         Duration::from_millis(service_kit::INCARNATION_PERIOD_MS),
     ));
+    let payout_ages_task = tokio::spawn(payout_ages::watch(
+        store.pool().clone(),
+        store.payout_age_gauges().clone(),
+        store.resolution_sla(),
+        Duration::from_millis(payout_ages::PAYOUT_AGES_PERIOD_MS),
+    ));
     let mut server = service_kit::grpc::server(
         &front.tls,
         front.policy,
@@ -143,5 +150,6 @@ pub async fn serve(
     };
     health_task.abort();
     incarnation_task.abort();
+    payout_ages_task.abort();
     result
 }

@@ -241,16 +241,6 @@ impl StoreOptions {
     }
 }
 
-#[derive(Clone)]
-struct Counters {
-    /// `fenced_out_total`, `forged_grants_total`, `grants_for_another_key_total` and
-    /// `database_restored_refusals_total` under `guard="payment_resource"`.
-    guard: service_kit::GuardCounters,
-    refused_transitions: IntCounterVec,
-    account_busy: IntCounterVec,
-    transitions: IntCounterVec,
-    operator_not_verified: IntCounterVec,
-}
 /// The `operation` of every fenced call (`begin_fenced`): the guard's refusal counters are
 /// registered at 0 for each, so the first refusal is an increase Prometheus sees.
 const FENCED_OPERATIONS: [&str; 6] = [
@@ -262,12 +252,24 @@ const FENCED_OPERATIONS: [&str; 6] = [
     "post",
 ];
 
+#[derive(Clone)]
+struct Counters {
+    /// `fenced_out_total`, `forged_grants_total`, `grants_for_another_key_total` and
+    /// `database_restored_refusals_total` under `guard="payment_resource"`.
+    guard: service_kit::GuardCounters,
+    refused_transitions: IntCounterVec,
+    account_busy: IntCounterVec,
+    transitions: IntCounterVec,
+    operator_not_verified: IntCounterVec,
+}
 
 #[derive(Clone)]
 pub struct Store {
     pool: PgPool,
     options: StoreOptions,
     counters: Counters,
+    /// Registered with the counters (once per registry); `serve` measures into them.
+    payout_ages: crate::payout_ages::PayoutAgeGauges,
 }
 
 #[derive(sqlx::FromRow)]
@@ -532,11 +534,22 @@ impl Store {
             pool,
             options,
             counters,
+            payout_ages: crate::payout_ages::PayoutAgeGauges::register(metrics),
         }
     }
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The resolution SLA this resource enforces (`StoreOptions::with_resolution_sla`).
+    pub fn resolution_sla(&self) -> std::time::Duration {
+        self.options.resolution_sla
+    }
+
+    /// The gauges of the payouts in flight (`payout_ages`).
+    pub fn payout_age_gauges(&self) -> &crate::payout_ages::PayoutAgeGauges {
+        &self.payout_ages
     }
 
     /// The account of a payout, outside any transaction (`None`: no such payout): what a

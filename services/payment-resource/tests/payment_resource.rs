@@ -3584,3 +3584,81 @@ async fn negative_control_without_the_restore_check_a_stale_token_lands_on_a_res
         (PayoutState::RailSubmitted, Some(15))
     );
 }
+
+/// The gauges of the payouts in flight (the alerts AmbiguousPastResolutionSla, PayoutStuckInState
+/// and PayoutNonTerminalTooLong; paydb 0011's partial index): every non-terminal state exported
+/// (0 when empty), and an ambiguous payout counted past the resource's own SLA once it has been
+/// RAIL_AMBIGUOUS that long on the database's clock, not before; a terminal payout leaves them.
+#[tokio::test]
+async fn payout_age_gauges_count_the_payouts_in_flight_and_the_ambiguous_past_the_sla() {
+    use payment_resource::payout_ages;
+    const SLA: Duration = Duration::from_millis(1_000);
+    let h = harness().await;
+    let metrics = Metrics::default();
+    let store = Store::new(
+        service_kit::connect_pg(&h.url).await.unwrap(),
+        options().with_resolution_sla(SLA),
+        &metrics,
+    );
+    let gauges = store.payout_age_gauges();
+    let (ages, past) = payout_ages::measure(&h.pool, gauges, SLA).await.unwrap();
+    assert_eq!(ages.len(), payout_ages::NON_TERMINAL.len());
+    assert!(ages.iter().all(|a| a.count == 0), "{ages:?}");
+    assert_eq!(past, 0);
+
+    open(&h, "acct-1", 10_000).await;
+    open(&h, "acct-2", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    create(&h, "p-2", "acct-2", 1_000).await;
+    let f = drive(h.c(), &pid("p-2"), PayoutState::RailAmbiguous).await;
+    let count_of = |ages: &[payout_ages::StateAges], state: &str| {
+        ages.iter().find(|a| a.state == state).unwrap().count
+    };
+    let (ages, past) = payout_ages::measure(&h.pool, gauges, SLA).await.unwrap();
+    assert_eq!(count_of(&ages, "PENDING"), 1);
+    assert_eq!(count_of(&ages, "RAIL_AMBIGUOUS"), 1);
+    assert_eq!(past, 0, "not past the SLA yet");
+    let past = testkit::eventually(Duration::from_secs(10), "past the SLA", || async {
+        let (_, past) = payout_ages::measure(&h.pool, gauges, SLA).await.ok()?;
+        (past == 1).then_some(past)
+    })
+    .await
+    .unwrap();
+    assert_eq!(past, 1);
+    let rendered = metrics.render();
+    for line in [
+        "payouts_ambiguous_past_sla 1",
+        "payouts_non_terminal{state=\"PENDING\"} 1",
+        "payouts_non_terminal{state=\"RAIL_AMBIGUOUS\"} 1",
+        "payouts_non_terminal{state=\"CLAIMED\"} 0",
+    ] {
+        assert!(rendered.contains(line), "{line} in\n{rendered}");
+    }
+    let in_state: f64 = rendered
+        .lines()
+        .find_map(|l| l.strip_prefix("payout_oldest_in_state_seconds{state=\"RAIL_AMBIGUOUS\"} "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(in_state >= SLA.as_secs_f64(), "{in_state}");
+
+    // Abandoned: terminal, out of every gauge.
+    h.c()
+        .abandon(
+            &pid("p-2"),
+            &f,
+            &AbandonRequest {
+                operator: "op-1".into(),
+                reason: "finance ticket 42".into(),
+                resolution_sla_passed: true,
+                sla_check: "test".into(),
+                signature: signed("p-2", "op-1", "finance ticket 42"),
+            },
+        )
+        .await
+        .unwrap();
+    let (ages, past) = payout_ages::measure(&h.pool, gauges, SLA).await.unwrap();
+    assert_eq!(count_of(&ages, "RAIL_AMBIGUOUS"), 0);
+    assert_eq!(past, 0);
+    assert!(metrics.render().contains("payouts_ambiguous_past_sla 0"));
+}
