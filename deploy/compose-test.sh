@@ -3,7 +3,9 @@
 # (`cargo build --bins`; nothing is compiled inside Docker), makes the base image if it is missing,
 # builds the four images, makes this run's grant signing key (`payoutctl keys grant-signing`, into
 # deploy/secrets/, git-ignored), certificates (`payoutctl pki`) and database passwords, and runs
-# deploy/compose-tests against `docker-compose.yml`, which refuses to start without them.
+# deploy/compose-tests against `docker-compose.yml`, which refuses to start without them. The suite
+# brings the deployment up and down through the testcontainers crate, which runs Compose v2
+# (`docker compose`; scripts/setup.sh installs it where Debian has only v1).
 #
 #   deploy/compose-test.sh            # the whole suite
 #

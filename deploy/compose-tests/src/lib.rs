@@ -1,5 +1,5 @@
-//! The compose deployment's helpers: [`probe`] (the health checks run inside the containers by
-//! `payout-probe`) and [`compose`] (driving `docker compose` / `docker-compose` from the tests).
+//! The compose deployment's health probe, [`probe`]: the checks `payout-probe` runs inside the
+//! containers. The suite that drives the deployment is tests/compose.rs (through testcontainers,
+//! tests/support), a test only: nothing of it ships in the image.
 
-pub mod compose;
 pub mod probe;

@@ -1,32 +1,38 @@
-//! The compose deployment, end to end: `docker-compose.yml` brought up under a unique project
-//! name, payouts driven through the payment resource's gRPC API and Temporal, and hosts cut off
-//! while payouts are in flight:
+//! The compose deployment, end to end: `docker-compose.yml` brought up through testcontainers
+//! (tests/support) under a unique project name, payouts driven through the payment resource's
+//! gRPC API and Temporal, and hosts cut off while payouts are in flight. The scenarios, in order
+//! ([`SCENARIOS`]; a new one is one more entry):
 //!
 //! 1. happy path (and a payout refused for insufficient funds), one started with the operators'
 //!    `temporal workflow start` CLI inside the Temporal container;
-//! 2. `docker stop` of the worker that claimed a payout;
-//! 3. `docker network disconnect` of a worker from the `lock` network (etcd, lock-server) while it
-//!    keeps reaching the guards on `core`;
-//! 4. `docker pause` of the worker that claimed a payout until another worker took it over, then
-//!    `docker unpause` (the stale holder resumes with its old token);
-//! 5. `docker kill` of the etcd leader;
-//! 6. `docker restart` of the paydb container.
+//! 2. stop of the worker that claimed a payout;
+//! 3. disconnect of a worker from the `lock` network (etcd, lock-server) while it keeps reaching
+//!    the guards on `core`;
+//! 4. pause of the worker that claimed a payout until another worker took it over, then unpause
+//!    (the stale holder resumes with its old token);
+//! 5. kill of the etcd leader;
+//! 6. restart of the paydb container.
 //!
 //! Then the checker: at most one rail movement per payout (the rail stub's ground truth), exactly
 //! one for each POSTED payout and none for a FAILED one, the ledger balanced (CheckLedger), every
-//! payout terminal or RAIL_AMBIGUOUS with evidence. `down -v` always runs (Project's Drop).
+//! payout terminal or RAIL_AMBIGUOUS with evidence; the reconciler with zero violations; and the
+//! negative control (a duplicate rail payment caught by both). `down --volumes` always runs.
 //!
 //! With no Docker engine the suite prints why it was skipped and passes: the one allowed skip.
 
+mod support;
+
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
-use compose_tests::compose::{self, docker, Engine, Project};
 use payment_client::model::NewPayout;
 use payment_client::PaymentClient;
 use payout_activities::types::{AmbiguityPolicy, PayoutInput};
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
+use support::{Deployment, Engine};
 
 /// A payout settles in a few seconds; after a cut, a lock session's TTL (10 s), an activity's
 /// start-to-close timeout (up to 30 s) and a retry must pass first.
@@ -45,57 +51,100 @@ const POLL: Duration = Duration::from_millis(300);
 const CUT_PAYOUTS_PER_ACCOUNT: usize = 1;
 /// Accounts in each cut scenario: enough payouts in flight on two workers.
 const CUT_ACCOUNTS: usize = 6;
+/// Worker replicas: a cut worker's payouts are taken over by the other.
+const WORKERS: usize = 2;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+/// The images docker-compose.yml names, all built locally (deploy/base-image.sh,
+/// deploy/build-images.sh): nothing is pulled.
+const IMAGES: &[&str] = &[
+    "payout/postgres:15",
+    "payout/etcd:3.4",
+    "payout/temporal:1.9.1",
+    "payout/services:dev",
+];
+
+/// The container ports the suite reaches from the host (docker-compose.yml's `ports:`).
+const TEMPORAL_PORT: u16 = 7233;
+const TEMPORAL_UI_PORT: u16 = 8233;
+const PAYMENT_PORT: u16 = 50052;
+const RAIL_STUB_PORT: u16 = 8090;
+const PROXY_PORT: u16 = 50053;
+const POSTGRES_PORT: u16 = 5432;
+const ETCD_PORT: u16 = 2379;
+const ETCD_MEMBERS: [&str; 3] = ["etcd1", "etcd2", "etcd3"];
+
+type ScenarioRun =
+    for<'a, 'd> fn(&'a mut Harness<'d>) -> Pin<Box<dyn Future<Output = anyhow::Result<()>> + 'a>>;
+
+/// One scenario: payouts submitted, a cut, every payout settled.
+struct Scenario {
+    /// Its TIMING line's name.
+    name: &'static str,
+    /// What the error says when it fails.
+    what: &'static str,
+    run: ScenarioRun,
 }
 
-#[test]
-fn compose_deployment_end_to_end_with_cuts() {
-    let compose = match Engine::detect() {
-        Engine::Ready { compose } => compose,
+/// The scenarios, run in this order on one deployment; the checkers run after the last.
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "happy path",
+        what: "scenario happy path",
+        run: |h| Box::pin(happy_path(h)),
+    },
+    Scenario {
+        name: "stop worker",
+        what: "scenario: stop the worker mid-payout",
+        run: |h| Box::pin(stop_claiming_worker(h)),
+    },
+    Scenario {
+        name: "lock-network cut",
+        what: "scenario: worker cut off from etcd/lock-server",
+        run: |h| Box::pin(disconnect_worker_from_lock_network(h)),
+    },
+    Scenario {
+        name: "paused worker",
+        what: "scenario: worker paused past its lease",
+        run: |h| Box::pin(pause_claiming_worker(h)),
+    },
+    Scenario {
+        name: "etcd leader kill",
+        what: "scenario: kill the etcd leader",
+        run: |h| Box::pin(kill_etcd_leader(h)),
+    },
+    Scenario {
+        name: "paydb restart",
+        what: "scenario: restart paydb",
+        run: |h| Box::pin(restart_paydb(h)),
+    },
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compose_deployment_end_to_end_with_cuts() {
+    let docker = match Engine::detect().await.expect("engine") {
+        Engine::Ready(docker) => docker,
         Engine::Absent { reason } => {
             println!("SKIPPED: compose suite not run: {reason}");
             eprintln!("SKIPPED: compose suite not run: {reason}");
             return;
         }
     };
-    ensure_images().expect("images");
+    ensure_images(&docker).await.expect("images");
 
-    let ports = Ports {
-        temporal: free_port(),
-        ui: free_port(),
-        payment: free_port(),
-        rail: free_port(),
-        proxy: free_port(),
-        paydb: free_port(),
-        proxydb: free_port(),
-        etcd: [free_port(), free_port(), free_port()],
-    };
-    let env: BTreeMap<String, String> = [
-        ("PAYOUT_TEMPORAL_PORT", ports.temporal.to_string()),
-        ("PAYOUT_TEMPORAL_UI_PORT", ports.ui.to_string()),
-        ("PAYOUT_PAYMENT_PORT", ports.payment.to_string()),
-        ("PAYOUT_RAIL_STUB_PORT", ports.rail.to_string()),
-        ("PAYOUT_PROXY_PORT", ports.proxy.to_string()),
-        ("PAYOUT_PAYDB_PORT", ports.paydb.to_string()),
-        ("PAYOUT_PROXYDB_PORT", ports.proxydb.to_string()),
-        ("PAYOUT_ETCD1_PORT", ports.etcd[0].to_string()),
-        ("PAYOUT_ETCD2_PORT", ports.etcd[1].to_string()),
-        ("PAYOUT_ETCD3_PORT", ports.etcd[2].to_string()),
-        ("PAYOUT_RAIL_LATENCY_MS_MIN", RAIL_LATENCY_MS.0.to_string()),
-        ("PAYOUT_RAIL_LATENCY_MS_MAX", RAIL_LATENCY_MS.1.to_string()),
-        (
-            "PAYOUT_RAIL_SETTLEMENT_WINDOW_MS",
-            SETTLEMENT_WINDOW_MS.to_string(),
-        ),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    // Every published host port chosen by Docker (support::published_port_vars).
+    let mut env = support::published_port_vars().expect("docker-compose.yml");
+    env.extend(
+        [
+            ("PAYOUT_RAIL_LATENCY_MS_MIN", RAIL_LATENCY_MS.0.to_string()),
+            ("PAYOUT_RAIL_LATENCY_MS_MAX", RAIL_LATENCY_MS.1.to_string()),
+            (
+                "PAYOUT_RAIL_SETTLEMENT_WINDOW_MS",
+                SETTLEMENT_WINDOW_MS.to_string(),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v)),
+    );
     let name = format!(
         "payoutct{}x{}",
         std::process::id(),
@@ -105,39 +154,30 @@ fn compose_deployment_end_to_end_with_cuts() {
             .as_millis()
             % 1_000_000
     );
-    let project = Project::new(compose, &name, env);
-    println!("compose: project {name}, ports {ports:?}");
+    println!("compose: project {name}");
 
-    let up = project.up(2);
-    let up = match up {
-        Ok(elapsed) => elapsed,
-        Err(e) => {
-            eprintln!("{}", project.logs_tail(40));
-            panic!("compose up: {e:#}");
-        }
+    let up = Instant::now();
+    let mut deployment = match Deployment::up(docker, &name, WORKERS, env).await {
+        Ok(deployment) => deployment,
+        Err(e) => panic!("compose up: {e:#}"),
     };
     println!(
-        "TIMING compose up (2 workers, all healthy): {:.1}s",
-        up.as_secs_f64()
+        "TIMING compose up ({WORKERS} workers, all healthy): {:.1}s",
+        up.elapsed().as_secs_f64()
     );
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     let started = Instant::now();
-    let result = runtime.block_on(scenarios(&project, &ports));
+    let result = scenarios(&deployment).await;
     println!("TIMING scenarios: {:.1}s", started.elapsed().as_secs_f64());
     if let Err(e) = &result {
         eprintln!(
             "---- last log lines of every container ----\n{}",
-            project.logs_tail(60)
+            deployment.logs_tail(60).await
         );
         eprintln!("compose suite failed: {e:#}");
     }
     let down = Instant::now();
-    drop(project);
+    deployment.down().await;
     println!(
         "TIMING compose down -v: {:.1}s",
         down.elapsed().as_secs_f64()
@@ -147,41 +187,32 @@ fn compose_deployment_end_to_end_with_cuts() {
 
 /// Builds the images when one is missing (base image, then the four images from the binaries
 /// already built on the host). deploy/compose-test.sh does this before running the suite.
-fn ensure_images() -> anyhow::Result<()> {
-    let wanted = [
-        "payout/postgres:15",
-        "payout/etcd:3.4",
-        "payout/temporal:1.9.1",
-        "payout/services:dev",
-    ];
-    if wanted
-        .iter()
-        .all(|i| docker(&["image", "inspect", i]).is_ok())
-    {
+async fn ensure_images(docker: &testcontainers::bollard::Docker) -> anyhow::Result<()> {
+    let mut missing = false;
+    for image in IMAGES {
+        missing |= docker.inspect_image(image).await.is_err();
+    }
+    if !missing {
         return Ok(());
     }
-    let root = compose::repo_root();
+    let root = support::repo_root();
     for script in ["deploy/base-image.sh", "deploy/build-images.sh"] {
-        compose::run(std::process::Command::new("bash").arg(root.join(script)))
-            .with_context(|| format!("{script} (build the binaries first: cargo build --bins)"))?;
+        let status = tokio::process::Command::new("bash")
+            .arg(root.join(script))
+            .stdin(std::process::Stdio::null())
+            .status()
+            .await
+            .with_context(|| format!("run {script}"))?;
+        ensure!(
+            status.success(),
+            "{script} exited {status} (build the binaries first: cargo build --bins)"
+        );
     }
     Ok(())
 }
 
-#[derive(Debug)]
-struct Ports {
-    temporal: u16,
-    ui: u16,
-    payment: u16,
-    rail: u16,
-    proxy: u16,
-    paydb: u16,
-    proxydb: u16,
-    etcd: [u16; 3],
-}
-
 struct Harness<'a> {
-    project: &'a Project,
+    project: &'a Deployment,
     /// The suite as the fixture: it opens its accounts and submits its payouts.
     payment: PaymentClient,
     /// The suite as the reconciler: the ledger check is its call (and an operator's), not the
@@ -197,29 +228,33 @@ struct Harness<'a> {
     run: String,
 }
 
-async fn scenarios(project: &Project, ports: &Ports) -> anyhow::Result<()> {
-    let payment = PaymentClient::connect(
-        &format!("https://127.0.0.1:{}", ports.payment),
-        &suite_tls(mtls::Role::Fixture)?,
-    )
-    .await
-    .context("payment-resource from the host")?;
-    let checker = PaymentClient::connect(
-        &format!("https://127.0.0.1:{}", ports.payment),
-        &suite_tls(mtls::Role::Reconciler)?,
-    )
-    .await
-    .context("payment-resource from the host, as the reconciler")?;
+async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
+    let payment_url = format!(
+        "https://127.0.0.1:{}",
+        project.host_port("payment-resource", PAYMENT_PORT).await?
+    );
+    let payment = PaymentClient::connect(&payment_url, &suite_tls(mtls::Role::Fixture)?)
+        .await
+        .context("payment-resource from the host")?;
+    let checker = PaymentClient::connect(&payment_url, &suite_tls(mtls::Role::Reconciler)?)
+        .await
+        .context("payment-resource from the host, as the reconciler")?;
     let temporal = payout_workflows::client::connect(
-        &format!("127.0.0.1:{}", ports.temporal),
+        &format!(
+            "127.0.0.1:{}",
+            project.host_port("temporal", TEMPORAL_PORT).await?
+        ),
         "default",
         "compose-tests",
     )
     .await
     .context("Temporal from the host")?;
-    let ui = reqwest::get(format!("http://127.0.0.1:{}/", ports.ui))
-        .await
-        .context("Temporal UI from the host")?;
+    let ui = reqwest::get(format!(
+        "http://127.0.0.1:{}/",
+        project.host_port("temporal", TEMPORAL_UI_PORT).await?
+    ))
+    .await
+    .context("Temporal UI from the host")?;
     ensure!(
         ui.status().is_success(),
         "Temporal UI answers {}",
@@ -232,75 +267,34 @@ async fn scenarios(project: &Project, ports: &Ports) -> anyhow::Result<()> {
         temporal,
         temporal_container: project.container("temporal")?,
         http: reqwest::Client::new(),
-        rail_url: format!("http://127.0.0.1:{}", ports.rail),
+        rail_url: format!(
+            "http://127.0.0.1:{}",
+            project.host_port("rail-stub", RAIL_STUB_PORT).await?
+        ),
         payouts: Vec::new(),
         next: 0,
         run: uuid::Uuid::new_v4().simple().to_string()[..8].to_string(),
     };
 
-    let t = Instant::now();
-    happy_path(&mut h).await.context("scenario happy path")?;
-    println!(
-        "TIMING scenario happy path: {:.1}s",
-        t.elapsed().as_secs_f64()
-    );
-
-    let t = Instant::now();
-    stop_claiming_worker(&mut h)
-        .await
-        .context("scenario: stop the worker mid-payout")?;
-    println!(
-        "TIMING scenario stop worker: {:.1}s",
-        t.elapsed().as_secs_f64()
-    );
-
-    let t = Instant::now();
-    disconnect_worker_from_lock_network(&mut h)
-        .await
-        .context("scenario: worker cut off from etcd/lock-server")?;
-    println!(
-        "TIMING scenario lock-network cut: {:.1}s",
-        t.elapsed().as_secs_f64()
-    );
-
-    let t = Instant::now();
-    pause_claiming_worker(&mut h)
-        .await
-        .context("scenario: worker paused past its lease")?;
-    println!(
-        "TIMING scenario paused worker: {:.1}s",
-        t.elapsed().as_secs_f64()
-    );
-
-    let t = Instant::now();
-    kill_etcd_leader(&mut h)
-        .await
-        .context("scenario: kill the etcd leader")?;
-    println!(
-        "TIMING scenario etcd leader kill: {:.1}s",
-        t.elapsed().as_secs_f64()
-    );
-
-    let t = Instant::now();
-    restart_paydb(&mut h)
-        .await
-        .context("scenario: restart paydb")?;
-    println!(
-        "TIMING scenario paydb restart: {:.1}s",
-        t.elapsed().as_secs_f64()
-    );
+    for scenario in SCENARIOS {
+        let t = Instant::now();
+        (scenario.run)(&mut h).await.context(scenario.what)?;
+        println!(
+            "TIMING scenario {}: {:.1}s",
+            scenario.name,
+            t.elapsed().as_secs_f64()
+        );
+    }
 
     check_everything(&h).await.context("final checker")?;
-    reconcile(ports).await.context("reconciler")?;
-    negative_control(&h, ports)
-        .await
-        .context("negative control")
+    reconcile(project).await.context("reconciler")?;
+    negative_control(&h).await.context("negative control")
 }
 
 /// The checkers are not vacuous: one duplicate payment sent straight to the rail (bypassing the
 /// proxy, as a deployment without the second guard would) for a POSTED payout is a violation for
 /// both the suite's checker and the reconciler.
-async fn negative_control(h: &Harness<'_>, ports: &Ports) -> anyhow::Result<()> {
+async fn negative_control(h: &Harness<'_>) -> anyhow::Result<()> {
     let mut posted = None;
     for id in &h.payouts {
         let p = h.state(id).await?;
@@ -338,7 +332,7 @@ async fn negative_control(h: &Harness<'_>, ports: &Ports) -> anyhow::Result<()> 
         message.contains(&format!("{}: 2 rail movements", p.client_reference)),
         "the checker failed for another reason: {message}"
     );
-    let caught = reconcile(ports).await;
+    let caught = reconcile(h.project).await;
     ensure!(caught.is_err(), "the reconciler missed a duplicate payment");
     println!(
         "negative control: a duplicate rail payment for {} is caught by both checkers",
@@ -353,7 +347,7 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The fault suite's checker (`crates/reconciler`, what `payoutctl reconcile` runs) over the
 /// deployment's stores, rail and lock grants, with the outbox required drained: zero violations.
-async fn reconcile(ports: &Ports) -> anyhow::Result<()> {
+async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
     // As the reconciler's own role (it reads every store and may write none), over TLS with the
     // servers' certificates checked: the password deploy/compose-test.sh generated for it.
     let password = std::env::var("PAYOUT_DB_PASSWORD_RECONCILER")
@@ -373,20 +367,28 @@ async fn reconcile(ports: &Ports) -> anyhow::Result<()> {
                 .with_context(|| db_access::redact(&url))
         }
     };
+    // Read now: paydb and an etcd member were restarted by the cuts, and Docker may have
+    // published them on other ports since.
+    let paydb = project.host_port("paydb", POSTGRES_PORT).await?;
+    let proxydb = project.host_port("proxydb", POSTGRES_PORT).await?;
+    let proxy = project.host_port("rail-proxy", PROXY_PORT).await?;
+    let mut etcd = Vec::new();
+    for member in ETCD_MEMBERS {
+        etcd.push(format!(
+            "https://127.0.0.1:{}",
+            project.host_port(member, ETCD_PORT).await?
+        ));
+    }
     let sources = reconciler::Sources {
-        paydb: pg(ports.paydb, "paydb").await?,
-        proxydb: pg(ports.proxydb, "proxydb").await?,
-        gldb: pg(ports.paydb, "gldb").await?,
+        paydb: pg(paydb, "paydb").await?,
+        proxydb: pg(proxydb, "proxydb").await?,
+        gldb: pg(paydb, "gldb").await?,
         rail_proxy: Some(reconciler::ProxySource {
-            url: format!("https://127.0.0.1:{}", ports.proxy),
+            url: format!("https://127.0.0.1:{proxy}"),
             tls: suite_tls(mtls::Role::Reconciler)?,
         }),
         lock_grants: Some(reconciler::LockGrants::new(
-            ports
-                .etcd
-                .iter()
-                .map(|p| format!("https://127.0.0.1:{p}"))
-                .collect(),
+            etcd,
             suite_tls(mtls::Role::Reconciler)?,
             "/payout/lock/".to_string(),
         )),
@@ -470,28 +472,11 @@ impl Harness<'_> {
         Ok(input)
     }
 
-    /// CreatePayout, then the workflow through the Rust client (what payoutctl uses). The
-    /// dispatcher's starter starts it from CreatePayout's staged start too: "already started"
-    /// is success.
+    /// CreatePayout, then the workflow through the Rust client (what payoutctl uses).
     async fn submit(&mut self, account: &AccountId, amount: i64) -> anyhow::Result<PayoutId> {
         let input = self.create(account, amount).await?;
-        match payout_workflows::client::start_payout(&self.temporal, "payouts", &input).await {
-            Ok(_) | Err(payout_workflows::client::PayoutClientError::AlreadyStarted { .. }) => {}
-            Err(e) => return Err(e.into()),
-        }
+        payout_workflows::client::start_payout(&self.temporal, "payouts", &input).await?;
         Ok(input.payout_id)
-    }
-
-    /// After an operator's start failed: the start stands if the workflow exists (the
-    /// dispatcher's starter started it from CreatePayout's staged start first).
-    async fn started_anyway(&self, workflow_id: &str, failed: anyhow::Error) -> anyhow::Result<()> {
-        use temporalio_client::{UntypedWorkflow, WorkflowDescribeOptions};
-        self.temporal
-            .get_workflow_handle::<UntypedWorkflow>(workflow_id)
-            .describe(WorkflowDescribeOptions::default())
-            .await
-            .map(|_| ())
-            .map_err(|_| failed)
     }
 
     /// CreatePayout, then the workflow through the operators' CLI inside the Temporal container.
@@ -504,35 +489,34 @@ impl Harness<'_> {
         let json = serde_json::to_string(&input)?;
         let workflow_id = payout_domain::workflow_id(&input.payout_id);
         let account_attr = format!("AccountId={}", serde_json::to_string(account.as_str())?);
-        let started = self.project.exec(
-            &self.temporal_container,
-            &[
-                "temporal",
-                "workflow",
-                "start",
-                "--address",
-                "127.0.0.1:7233",
-                "--namespace",
-                "default",
-                "--type",
-                "PayoutWorkflow",
-                "--task-queue",
-                "payouts",
-                "--workflow-id",
-                &workflow_id,
-                "--id-reuse-policy",
-                "RejectDuplicate",
-                "--search-attribute",
-                "PayoutState=\"PENDING\"",
-                "--search-attribute",
-                &account_attr,
-                "--input",
-                &json,
-            ],
-        );
-        if let Err(failed) = started {
-            self.started_anyway(&workflow_id, failed).await?;
-        }
+        self.project
+            .exec(
+                &self.temporal_container,
+                &[
+                    "temporal",
+                    "workflow",
+                    "start",
+                    "--address",
+                    "127.0.0.1:7233",
+                    "--namespace",
+                    "default",
+                    "--type",
+                    "PayoutWorkflow",
+                    "--task-queue",
+                    "payouts",
+                    "--workflow-id",
+                    &workflow_id,
+                    "--id-reuse-policy",
+                    "RejectDuplicate",
+                    "--search-attribute",
+                    "PayoutState=\"PENDING\"",
+                    "--search-attribute",
+                    &account_attr,
+                    "--input",
+                    &json,
+                ],
+            )
+            .await?;
         Ok(input.payout_id)
     }
 
@@ -593,11 +577,12 @@ impl Harness<'_> {
     /// The worker container whose identity (`worker-<hostname>`, the hostname being the short
     /// container id) claimed the payout. The claimer is the grant's owner,
     /// `worker-<hostname>/<payout_id>`: one grant per payout.
-    fn worker_of(&self, claimer: &str) -> anyhow::Result<String> {
+    async fn worker_of(&self, claimer: &str) -> anyhow::Result<String> {
         let identity = claimer.split('/').next().unwrap_or(claimer);
         let host = identity.strip_prefix("worker-").unwrap_or(identity);
         self.project
-            .service_containers("worker")?
+            .service_containers("worker")
+            .await?
             .into_iter()
             .find(|id| id.starts_with(host) || host.starts_with(id.as_str()))
             .with_context(|| format!("no worker container for claimer {claimer}"))
@@ -661,17 +646,18 @@ async fn stop_claiming_worker(h: &mut Harness<'_>) -> anyhow::Result<()> {
         .await?;
     let victim = h.wait_any(&ids, "claimed", in_flight).await?;
     let claimer = victim.claimed_by.clone().unwrap_or_default();
-    let container = h.worker_of(&claimer)?;
+    let container = h.worker_of(&claimer).await?;
     println!(
         "cut: docker stop worker {container} ({claimer}) while {} is {}",
         victim.payout_id,
         victim.state.as_str()
     );
-    docker(&["stop", "-t", "2", &container])?;
+    h.project.stop(&container).await?;
     let result = h.wait_settled(&ids).await;
-    docker(&["start", &container])?;
+    h.project.start(&container).await?;
     h.project
-        .wait_container_healthy(&container, compose::UP_TIMEOUT)?;
+        .wait_container_healthy(&container, support::UP_TIMEOUT)
+        .await?;
     result.map(|_| ())
 }
 
@@ -681,30 +667,36 @@ async fn disconnect_worker_from_lock_network(h: &mut Harness<'_>) -> anyhow::Res
         .await?;
     let victim = h.wait_any(&ids, "claimed", in_flight).await?;
     let claimer = victim.claimed_by.clone().unwrap_or_default();
-    let container = h.worker_of(&claimer)?;
-    let lock_net = h.project.network("lock")?;
+    let container = h.worker_of(&claimer).await?;
+    let lock_net = h.project.network("lock").await?;
     println!(
         "cut: disconnect worker {container} ({claimer}) from the lock network while {} is {}",
         victim.payout_id,
         victim.state.as_str()
     );
-    docker(&["network", "disconnect", "-f", &lock_net, &container])?;
+    h.project.disconnect(&lock_net, &container).await?;
     // The cut worker still reaches the guards on `core`: its stale writes meet the fences.
-    let reachable = h.project.exec(
-        &container,
-        &[
-            "payout-probe",
-            "grpc",
-            "payment-resource:50052",
-            "payment-resource",
-        ],
-    );
-    let unreachable = h.project.exec(
-        &container,
-        &["payout-probe", "grpc", "lock-server:7100", "lock-server"],
-    );
+    let reachable = h
+        .project
+        .exec(
+            &container,
+            &[
+                "payout-probe",
+                "grpc",
+                "payment-resource:50052",
+                "payment-resource",
+            ],
+        )
+        .await;
+    let unreachable = h
+        .project
+        .exec(
+            &container,
+            &["payout-probe", "grpc", "lock-server:7100", "lock-server"],
+        )
+        .await;
     let result = h.wait_settled(&ids).await;
-    docker(&["network", "connect", &lock_net, &container])?;
+    h.project.connect(&lock_net, &container).await?;
     reachable.context("the cut worker must still reach payment-resource")?;
     ensure!(
         unreachable.is_err(),
@@ -723,13 +715,13 @@ async fn pause_claiming_worker(h: &mut Harness<'_>) -> anyhow::Result<()> {
         .await?;
     let victim = h.wait_any(&ids, "claimed", in_flight).await?;
     let claimer = victim.claimed_by.clone().unwrap_or_default();
-    let container = h.worker_of(&claimer)?;
+    let container = h.worker_of(&claimer).await?;
     println!(
         "cut: docker pause worker {container} ({claimer}) while {} is {}",
         victim.payout_id,
         victim.state.as_str()
     );
-    docker(&["pause", &container])?;
+    h.project.pause(&container).await?;
     let taken_over = h
         .wait_any(
             std::slice::from_ref(&victim.payout_id),
@@ -737,7 +729,7 @@ async fn pause_claiming_worker(h: &mut Harness<'_>) -> anyhow::Result<()> {
             |p| p.state.is_terminal() || p.claimed_by.as_deref() != Some(claimer.as_str()),
         )
         .await;
-    docker(&["unpause", &container])?;
+    h.project.unpause(&container).await?;
     let taken_over = taken_over?;
     println!(
         "cut: {} is {} (claimer {:?}) before the paused worker resumes",
@@ -767,20 +759,23 @@ struct EtcdHeader {
 
 async fn kill_etcd_leader(h: &mut Harness<'_>) -> anyhow::Result<()> {
     let etcd1 = h.project.container("etcd1")?;
-    let status = h.project.exec(
-        &etcd1,
-        &[
-            "etcdctl",
-            "--endpoints=https://etcd1:2379,https://etcd2:2379,https://etcd3:2379",
-            "--cacert=/run/payout-tls/ca.pem",
-            "--cert=/run/payout-tls/etcd1.pem",
-            "--key=/run/payout-tls/etcd1.key",
-            "endpoint",
-            "status",
-            "-w",
-            "json",
-        ],
-    )?;
+    let status = h
+        .project
+        .exec(
+            &etcd1,
+            &[
+                "etcdctl",
+                "--endpoints=https://etcd1:2379,https://etcd2:2379,https://etcd3:2379",
+                "--cacert=/run/payout-tls/ca.pem",
+                "--cert=/run/payout-tls/etcd1.pem",
+                "--key=/run/payout-tls/etcd1.key",
+                "endpoint",
+                "status",
+                "-w",
+                "json",
+            ],
+        )
+        .await?;
     let statuses: Vec<EtcdEndpointStatus> =
         serde_json::from_str(&status).with_context(|| format!("etcdctl status: {status}"))?;
     let leader = statuses
@@ -801,11 +796,12 @@ async fn kill_etcd_leader(h: &mut Harness<'_>) -> anyhow::Result<()> {
         .await?;
     h.wait_any(&ids, "claimed", in_flight).await?;
     println!("cut: docker kill etcd leader {service} ({container})");
-    docker(&["kill", &container])?;
+    h.project.kill(&container).await?;
     let result = h.wait_settled(&ids).await;
-    docker(&["start", &container])?;
+    h.project.start(&container).await?;
     h.project
-        .wait_container_healthy(&container, compose::UP_TIMEOUT)?;
+        .wait_container_healthy(&container, support::UP_TIMEOUT)
+        .await?;
     result.map(|_| ())
 }
 
@@ -816,9 +812,10 @@ async fn restart_paydb(h: &mut Harness<'_>) -> anyhow::Result<()> {
     h.wait_any(&ids, "claimed", in_flight).await?;
     let paydb = h.project.container("paydb")?;
     println!("cut: docker restart paydb ({paydb})");
-    docker(&["restart", "-t", "2", &paydb])?;
+    h.project.restart(&paydb).await?;
     h.project
-        .wait_container_healthy(&paydb, compose::UP_TIMEOUT)?;
+        .wait_container_healthy(&paydb, support::UP_TIMEOUT)
+        .await?;
     h.wait_settled(&ids).await.map(|_| ())
 }
 
