@@ -238,6 +238,18 @@ async fn revoke(args: RevokeArgs) -> anyhow::Result<std::process::ExitCode> {
 mod tests {
     use super::*;
 
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    #[test]
+    fn every_flag_has_help() {
+        use clap::CommandFactory;
+        crate::ops::assert_every_flag_has_help(&Cli::command());
+    }
+
     #[test]
     fn a_free_key_says_so_and_a_held_one_is_a_table() {
         let mut d = Described {

@@ -356,6 +356,24 @@ pub fn cell<T: std::fmt::Display>(value: &Option<T>) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
+/// Test support: every subcommand of `command` (recursively) says what it does and every flag
+/// has its help text.
+#[cfg(test)]
+pub(crate) fn assert_every_flag_has_help(command: &clap::Command) {
+    for sub in command.get_subcommands() {
+        assert!(sub.get_about().is_some(), "{}", sub.get_name());
+        for arg in sub.get_arguments() {
+            assert!(
+                arg.get_help().is_some() || arg.get_id() == "help",
+                "{} --{}",
+                sub.get_name(),
+                arg.get_id()
+            );
+        }
+        assert_every_flag_has_help(sub);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -268,3 +268,20 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<std::process::ExitCode> {
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    #[test]
+    fn every_flag_has_help() {
+        use clap::CommandFactory;
+        crate::ops::assert_every_flag_has_help(&Cli::command());
+    }
+}

@@ -618,18 +618,7 @@ mod tests {
     #[test]
     fn every_flag_has_help() {
         use clap::CommandFactory;
-        let cli = Cli::command();
-        for sub in cli.get_subcommands() {
-            assert!(sub.get_about().is_some(), "{}", sub.get_name());
-            for arg in sub.get_arguments() {
-                assert!(
-                    arg.get_help().is_some() || arg.get_id() == "help",
-                    "{} --{}",
-                    sub.get_name(),
-                    arg.get_id()
-                );
-            }
-        }
+        crate::ops::assert_every_flag_has_help(&Cli::command());
     }
 
     fn incarnation(current: bool) -> Incarnation {
