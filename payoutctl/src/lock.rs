@@ -238,16 +238,9 @@ async fn revoke(args: RevokeArgs) -> anyhow::Result<std::process::ExitCode> {
 mod tests {
     use super::*;
 
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(subcommand)]
-        command: Command,
-    }
-
     #[test]
     fn every_flag_has_help() {
-        use clap::CommandFactory;
-        crate::ops::assert_every_flag_has_help(&Cli::command());
+        crate::ops::cli_test::assert_every_flag_has_help::<Command>();
     }
 
     #[test]

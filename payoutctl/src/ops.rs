@@ -356,21 +356,40 @@ pub fn cell<T: std::fmt::Display>(value: &Option<T>) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
-/// Test support: every subcommand of `command` (recursively) says what it does and every flag
-/// has its help text.
+/// Test support for a command group's subcommands `C` (`payout`, `lock`, ...), outside the
+/// binary's own parser.
 #[cfg(test)]
-pub(crate) fn assert_every_flag_has_help(command: &clap::Command) {
-    for sub in command.get_subcommands() {
-        assert!(sub.get_about().is_some(), "{}", sub.get_name());
-        for arg in sub.get_arguments() {
-            assert!(
-                arg.get_help().is_some() || arg.get_id() == "help",
-                "{} --{}",
-                sub.get_name(),
-                arg.get_id()
-            );
+pub(crate) mod cli_test {
+    use clap::{FromArgMatches, Subcommand};
+
+    fn command<C: Subcommand>() -> clap::Command {
+        C::augment_subcommands(clap::Command::new("payoutctl")).subcommand_required(true)
+    }
+
+    /// Parses `args` as `payoutctl <group> args...` would after the group's name.
+    pub(crate) fn parse<C: Subcommand>(args: &[&str]) -> Result<C, clap::Error> {
+        let matches = command::<C>()
+            .try_get_matches_from(std::iter::once("payoutctl").chain(args.iter().copied()))?;
+        C::from_arg_matches(&matches)
+    }
+
+    /// Every subcommand of `C` (recursively) says what it does and every flag has its help.
+    pub(crate) fn assert_every_flag_has_help<C: Subcommand>() {
+        fn check(command: &clap::Command) {
+            for sub in command.get_subcommands() {
+                assert!(sub.get_about().is_some(), "{}", sub.get_name());
+                for arg in sub.get_arguments() {
+                    assert!(
+                        arg.get_help().is_some() || arg.get_id() == "help",
+                        "{} --{}",
+                        sub.get_name(),
+                        arg.get_id()
+                    );
+                }
+                check(sub);
+            }
         }
-        assert_every_flag_has_help(sub);
+        check(&command::<C>());
     }
 }
 

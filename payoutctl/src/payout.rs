@@ -1078,17 +1078,9 @@ pub fn render_abandon(r: &AbandonReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(subcommand)]
-        command: Command,
-    }
 
     fn parse(args: &[&str]) -> Result<Command, clap::Error> {
-        Cli::try_parse_from(std::iter::once("payoutctl-payout").chain(args.iter().copied()))
-            .map(|c| c.command)
+        crate::ops::cli_test::parse(args)
     }
 
     #[test]
@@ -1141,7 +1133,6 @@ mod tests {
 
     #[test]
     fn every_flag_has_help() {
-        use clap::CommandFactory;
-        crate::ops::assert_every_flag_has_help(&Cli::command());
+        crate::ops::cli_test::assert_every_flag_has_help::<Command>();
     }
 }

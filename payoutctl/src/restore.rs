@@ -569,17 +569,9 @@ fn causes(error: &anyhow::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(subcommand)]
-        command: Command,
-    }
 
     fn parse(args: &[&str]) -> Result<Command, clap::Error> {
-        Cli::try_parse_from(std::iter::once("payoutctl-restore").chain(args.iter().copied()))
-            .map(|c| c.command)
+        crate::ops::cli_test::parse(args)
     }
 
     #[test]
@@ -617,8 +609,7 @@ mod tests {
 
     #[test]
     fn every_flag_has_help() {
-        use clap::CommandFactory;
-        crate::ops::assert_every_flag_has_help(&Cli::command());
+        crate::ops::cli_test::assert_every_flag_has_help::<Command>();
     }
 
     fn incarnation(current: bool) -> Incarnation {
