@@ -360,7 +360,7 @@ pub fn cell<T: std::fmt::Display>(value: &Option<T>) -> String {
 /// binary's own parser.
 #[cfg(test)]
 pub(crate) mod cli_test {
-    use clap::{FromArgMatches, Subcommand};
+    use clap::Subcommand;
 
     fn command<C: Subcommand>() -> clap::Command {
         C::augment_subcommands(clap::Command::new("payoutctl")).subcommand_required(true)
