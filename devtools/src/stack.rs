@@ -17,6 +17,12 @@ use testkit::{Lifetime, Stack};
 const SERVICE_PORT_OFFSET_MAX: u16 = 20;
 /// Worker i serves `/metrics` and `/healthz` at `--service-port-base` + this + i.
 const WORKER_METRICS_PORT_OFFSET: u16 = 21;
+/// Prometheus and Alertmanager listen at `--service-port-base` + these (so up to nine workers fit
+/// below them).
+const PROMETHEUS_PORT_OFFSET: u16 = 30;
+const ALERTMANAGER_PORT_OFFSET: u16 = 31;
+/// The local stack's scrape and rule evaluation interval: alerts within seconds, a light load.
+const MONITORING_INTERVAL_MS: u64 = 5_000;
 
 /// The local stack's payouts wait this much past the stub's settlement window before a lookup
 /// counts, so the first lookup after the window is authoritative.
@@ -76,7 +82,7 @@ pub struct UpArgs {
     pub temporal_ui_port: u16,
     /// Our services listen on base+1.. (lock-server, payment-resource, rail-stub, rail-proxy,
     /// general-ledger) and serve /metrics on base+11..base+16; worker i serves /metrics and
-    /// /healthz on base+21+i.
+    /// /healthz on base+21+i; Prometheus listens on base+30 and Alertmanager on base+31.
     #[arg(long, env = "PAYOUT_SERVICE_PORT_BASE", default_value_t = 20050)]
     pub service_port_base: u16,
     /// Payout workers to run.
@@ -211,6 +217,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         testkit::util::reserve_ports(
             (1..=SERVICE_PORT_OFFSET_MAX)
                 .chain((0..workers).map(|i| WORKER_METRICS_PORT_OFFSET + i))
+                .chain([PROMETHEUS_PORT_OFFSET, ALERTMANAGER_PORT_OFFSET])
                 .map(|i| args.service_port_base + i),
         );
     }
@@ -423,6 +430,34 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             pid: reconciler.pid().unwrap_or(0),
             address: format!("http://127.0.0.1:{}/metrics", base + 17),
         });
+        // Prometheus (base + 30) scraping every part with the project's alert rules, and
+        // Alertmanager (base + 31): deploy/monitoring, started as testkit::monitoring does.
+        let mut targets = testkit::monitoring::system_targets(&system);
+        targets.push(testkit::monitoring::Target::local("reconciler", base + 17));
+        targets.extend(testkit::monitoring::stack_targets(&stack));
+        let monitoring = testkit::monitoring::Monitoring::start(
+            &dir.join("monitoring"),
+            &targets,
+            testkit::monitoring::MonitoringOptions {
+                interval: Duration::from_millis(MONITORING_INTERVAL_MS),
+                prometheus_port: Some(base + PROMETHEUS_PORT_OFFSET),
+                alertmanager_port: Some(base + ALERTMANAGER_PORT_OFFSET),
+                lifetime: Lifetime::Detached,
+                ..Default::default()
+            },
+        )
+        .await?;
+        for (process, port) in [
+            (&monitoring.prometheus, monitoring.prometheus_port),
+            (&monitoring.alertmanager, monitoring.alertmanager_port),
+        ] {
+            crate::parts::save(dir, process.name(), process)?;
+            record.parts.push(Part {
+                name: process.name().to_string(),
+                pid: process.pid().unwrap_or(0),
+                address: format!("http://127.0.0.1:{port}"),
+            });
+        }
         record.system = Some(SystemRecord {
             ports: system_ports,
             databases,
@@ -621,6 +656,15 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
             };
             return testkit::util::http_get(*metrics, "/metrics", Duration::from_secs(2))
                 .is_ok_and(|(code, _)| code == 200);
+        }
+        // Both answer 200 on /-/ready once their configuration is loaded.
+        "prometheus" | "alertmanager" => {
+            return testkit::util::http_get(
+                port(&part.address),
+                "/-/ready",
+                Duration::from_secs(2),
+            )
+            .is_ok_and(|(code, _)| code == 200);
         }
         "reconciler" => {
             let metrics = part.address.trim_end_matches("/metrics");
