@@ -71,7 +71,7 @@ impl Engine {
             Ok(docker) => docker,
             Err(e) => {
                 return Ok(Engine::Absent {
-                    reason: format!("no Docker client configuration ({e})"),
+                    reason: format!("no Docker engine to connect to ({e})"),
                 })
             }
         };
