@@ -769,6 +769,64 @@ fn an_unreachable_deployment_exits_3() {
         3,
     );
     assert!(no_stack.stderr.contains("no stack record"), "{no_stack:?}");
+    // The existing commands keep the same scheme.
+    let dead_db = format!("postgres://reconciler@127.0.0.1:{port}/paydb");
+    let status = ctl.expect(
+        &[
+            "restore",
+            "status",
+            "--paydb-url",
+            &dead_db,
+            "--proxydb-url",
+            &dead_db,
+        ],
+        3,
+    );
+    assert!(status.stdout.contains("cannot check"), "{status:?}");
+    let dead_service = format!("https://127.0.0.1:{port}");
+    let (ca, cert, key) = (
+        tls.ca.to_str().unwrap(),
+        tls.cert.to_str().unwrap(),
+        tls.key.to_str().unwrap(),
+    );
+    let reconcile = ctl.expect(
+        &[
+            "reconcile",
+            "--paydb-url",
+            &dead_db,
+            "--proxydb-url",
+            &dead_db,
+            "--gldb-url",
+            &dead_db,
+            "--rail-url",
+            &format!("http://127.0.0.1:{port}"),
+            "--payment-url",
+            &dead_service,
+            "--proxy-url",
+            &dead_service,
+            "--temporal-address",
+            &format!("127.0.0.1:{port}"),
+            "--etcd-endpoints",
+            &dead_service,
+            "--tls-ca",
+            ca,
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            key,
+            "--etcd-tls-ca",
+            ca,
+            "--etcd-tls-cert",
+            cert,
+            "--etcd-tls-key",
+            key,
+        ],
+        3,
+    );
+    assert!(
+        reconcile.stderr.contains("could not connect"),
+        "{reconcile:?}"
+    );
     // Usage: clap's own code.
     ctl.expect(&["payout", "list", "--state", "PAID"], 2);
 }
