@@ -54,13 +54,10 @@ enum Command {
 /// The workflow starter: delivers the payout workflow starts CreatePayout staged in paydb.
 #[derive(clap::Args)]
 struct StartArgs {
-    /// The Temporal frontend (host:port) the staged payout workflow starts are delivered to.
-    /// Required unless --without-workflow-starts.
-    #[arg(long, env = "TEMPORAL_ADDRESS")]
-    temporal_address: Option<String>,
-    /// The Temporal namespace of the payout workflows.
-    #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
-    temporal_namespace: String,
+    /// Where the staged payout workflow starts are delivered (as every process configures
+    /// Temporal: the flags, then TEMPORAL_*, then the config file's profile).
+    #[command(flatten)]
+    temporal: payout_workflows::client::TemporalArgs,
     /// The payout workers' task queue, where started workflows run.
     #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = payout_workflows::TASK_QUEUE)]
     payout_task_queue: String,
@@ -74,7 +71,7 @@ struct StartArgs {
     resolution_sla_ms: u64,
     /// Deliver no workflow starts (staged starts wait): only where another process delivers
     /// them, or a test system whose tests start their own workflows.
-    #[arg(long, conflicts_with = "temporal_address")]
+    #[arg(long)]
     without_workflow_starts: bool,
 }
 
@@ -130,30 +127,30 @@ async fn main() -> anyhow::Result<()> {
                 metrics.clone(),
                 shutdown.clone().wait(),
             ));
-            let starter = match (starts.temporal_address, starts.without_workflow_starts) {
-                (Some(address), false) => {
-                    let config = outbox_dispatcher::starts::StarterConfig::new(
-                        address,
-                        starts.temporal_namespace,
-                        starts.payout_task_queue,
-                        payout_activities::types::AmbiguityPolicy {
-                            settlement_window_ms: starts.settlement_window_ms,
-                            resolution_sla_ms: starts.resolution_sla_ms,
-                        },
-                        instance_id.clone(),
-                    );
-                    let pool = service_kit::connect_pg(&cli.database_url).await?;
-                    Some(outbox_dispatcher::starts::Starter::new(
-                        pool, config, &metrics,
-                    ))
-                }
-                (None, true) => {
-                    tracing::warn!("--without-workflow-starts: staged payout workflow starts are not delivered by this process");
-                    None
-                }
-                _ => anyhow::bail!(
-                    "give --temporal-address (TEMPORAL_ADDRESS) to deliver the payout workflow starts CreatePayout stages, or --without-workflow-starts"
-                ),
+            let starter = if starts.without_workflow_starts {
+                tracing::warn!("--without-workflow-starts: staged payout workflow starts are not delivered by this process");
+                None
+            } else {
+                // A bad Temporal setting is refused here, naming it.
+                let temporal = starts
+                    .temporal
+                    .resolve()
+                    .context("the Temporal connection")?;
+                tracing::info!(temporal = %temporal.describe(), task_queue = %starts.payout_task_queue,
+                    "delivering staged payout workflow starts");
+                let config = outbox_dispatcher::starts::StarterConfig::new(
+                    temporal,
+                    starts.payout_task_queue,
+                    payout_activities::types::AmbiguityPolicy {
+                        settlement_window_ms: starts.settlement_window_ms,
+                        resolution_sla_ms: starts.resolution_sla_ms,
+                    },
+                    instance_id.clone(),
+                );
+                let pool = service_kit::connect_pg(&cli.database_url).await?;
+                Some(outbox_dispatcher::starts::Starter::new(
+                    pool, config, &metrics,
+                ))
             };
             let dispatcher = outbox_dispatcher::Dispatcher::new(config, &metrics)
                 .await

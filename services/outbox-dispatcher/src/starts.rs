@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use payout_activities::types::{AmbiguityPolicy, PayoutInput};
-use payout_workflows::client::PayoutClientError;
+use payout_workflows::client::{PayoutClientError, TemporalTarget};
 use sqlx::{PgPool, Row};
 use tokio::sync::Notify;
 
@@ -61,9 +61,9 @@ pub const OUTCOME_ALREADY_STARTED: &str = "ALREADY_STARTED";
 /// Where Temporal is and what the payout workflow is started with.
 #[derive(Debug, Clone)]
 pub struct StarterConfig {
-    /// The Temporal frontend, `host:port`.
-    pub temporal_address: String,
-    pub namespace: String,
+    /// Temporal, resolved as every process resolves it (`payout_workflows::client::TemporalArgs`:
+    /// flags, TEMPORAL_* and the config file's profile; TLS and an API key included).
+    pub temporal: TemporalTarget,
     /// The payout workers' task queue.
     pub task_queue: String,
     /// The ambiguity clocks every started workflow gets (the deployment's rail's).
@@ -80,15 +80,13 @@ pub struct StarterConfig {
 
 impl StarterConfig {
     pub fn new(
-        temporal_address: impl Into<String>,
-        namespace: impl Into<String>,
+        temporal: TemporalTarget,
         task_queue: impl Into<String>,
         ambiguity: AmbiguityPolicy,
         instance_id: impl Into<String>,
     ) -> Self {
         Self {
-            temporal_address: temporal_address.into(),
-            namespace: namespace.into(),
+            temporal,
             task_queue: task_queue.into(),
             ambiguity,
             instance_id: instance_id.into(),
@@ -278,11 +276,8 @@ impl Starter {
         if let Some(client) = guard.as_ref() {
             return Ok(client.clone());
         }
-        let connect = payout_workflows::client::connect(
-            &self.config.temporal_address,
-            &self.config.namespace,
-            &self.config.instance_id,
-        );
+        let connect =
+            payout_workflows::client::connect_to(&self.config.temporal, &self.config.instance_id);
         match tokio::time::timeout(Duration::from_millis(START_CALL_TIMEOUT_MS), connect).await {
             Ok(Ok(client)) => {
                 let client = Arc::new(client);
@@ -292,7 +287,7 @@ impl Starter {
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err(format!(
                 "connecting to Temporal at {}: no answer within {START_CALL_TIMEOUT_MS} ms",
-                self.config.temporal_address
+                self.config.temporal.describe()
             )),
         }
     }

@@ -102,13 +102,10 @@ fn new_payout(id: &str, account: &AccountId, amount: i64) -> NewPayout {
 
 /// The starter's configuration for one test: its own task queue (nobody polls it), quick retries.
 fn starter_config(temporal: &str, task_queue: &str, instance: &str) -> StarterConfig {
-    let mut config = StarterConfig::new(
-        temporal,
-        testkit::temporal::NAMESPACE,
-        task_queue,
-        AmbiguityPolicy::default(),
-        instance,
-    );
+    let target = payout_workflows::client::TemporalArgs::at(temporal, testkit::temporal::NAMESPACE)
+        .resolve()
+        .expect("a Temporal target");
+    let mut config = StarterConfig::new(target, task_queue, AmbiguityPolicy::default(), instance);
     config.backoff_base_ms = 100;
     config.backoff_max_ms = 500;
     config
@@ -179,6 +176,14 @@ async fn staged(paydb: &PgPool, payout_id: &str) -> Option<(bool, Option<String>
     .unwrap()
 }
 
+async fn last_error(paydb: &PgPool, payout_id: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT last_error FROM workflow_start WHERE payout_id = $1")
+        .bind(payout_id)
+        .fetch_one(paydb)
+        .await
+        .unwrap()
+}
+
 fn counter(metrics: &Metrics, line_prefix: &str) -> f64 {
     metrics
         .render()
@@ -220,7 +225,8 @@ async fn create_starts_the_workflow_and_a_second_create_starts_nothing() {
     assert_eq!(
         staged(&paydb, "po-s1").await,
         Some((true, Some(OUTCOME_STARTED.to_string()), 1)),
-        "delivered once, marked, not deleted"
+        "delivered once, marked, not deleted (last error: {:?})",
+        last_error(&paydb, "po-s1").await
     );
 
     // The same payout again: the same answer, nothing staged, the same run.
@@ -285,6 +291,9 @@ async fn create_starts_the_workflow_and_a_second_create_starts_nothing() {
 /// knows nothing of. `stage`: CreatePayout stages the start (the product); off, it commits the
 /// payout row alone (the negative control).
 async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
+    // Both runs of this scenario share the test binary's Temporal: ids of their own.
+    let p = if stage { "po-k" } else { "po-n" };
+    let id = |n: u32| format!("{p}{n}");
     let stack = Stack::shared();
     let temporal_address = stack.temporal().address();
     let (url, paydb) = fresh_paydb(stack).await;
@@ -321,20 +330,21 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
         testkit::ManagedProcess::start(spec).unwrap()
     };
     let first = spawn("starter-a");
-    let account = intake.account("acct-k").await;
-    intake.create("po-k1", &account, 100).await.unwrap();
-    started(&temporal, "po-k1").await;
+    let account = intake.account(&format!("acct-{p}")).await;
+    intake.create(&id(1), &account, 100).await.unwrap();
+    started(&temporal, &id(1)).await;
 
     // Killed: what commits now has nobody to start it.
     first.kill().unwrap();
     let creator = unstaged.as_ref().unwrap_or(&intake);
-    creator.create("po-k2", &account, 200).await.unwrap();
-    creator.create("po-k3", &account, 300).await.unwrap();
-    // po-k3's start claimed by the dead instance (a kill mid-round): its lease must run out.
+    creator.create(&id(2), &account, 200).await.unwrap();
+    creator.create(&id(3), &account, 300).await.unwrap();
+    // The third payout's start claimed by the dead instance (a kill mid-round): its lease must run out.
     sqlx::query(
         "UPDATE workflow_start SET claimed_by = 'starter-a', claim_expires_at = now() + interval '2 seconds',
-                attempts = attempts + 1 WHERE payout_id = 'po-k3'",
+                attempts = attempts + 1 WHERE payout_id = $1",
     )
+    .bind(id(3))
     .execute(&paydb)
     .await
     .unwrap();
@@ -342,8 +352,8 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
     let _second = spawn("starter-b");
     // A payout created after the restart, staged: once its workflow exists (and the dead
     // instance's lease has run out), the restarted starter has been through every earlier row.
-    intake.create("po-k4", &account, 400).await.unwrap();
-    started(&temporal, "po-k4").await;
+    intake.create(&id(4), &account, 400).await.unwrap();
+    started(&temporal, &id(4)).await;
     eventually(
         WAIT,
         "every claim of the dead instance expired and retried",
@@ -378,7 +388,7 @@ async fn negative_control_without_staging_the_killed_starter_strands_the_payout(
     let stranded = killed_starter_leaves_stranded(false).await;
     assert_eq!(
         stranded,
-        vec!["po-k2".to_string(), "po-k3".to_string()],
+        vec!["po-n2".to_string(), "po-n3".to_string()],
         "without the staged start, the payouts committed while the starter was dead wait for nobody"
     );
 }
