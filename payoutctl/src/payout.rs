@@ -879,7 +879,7 @@ async fn create(args: CreateArgs) -> anyhow::Result<std::process::ExitCode> {
     let payout_id = match &args.payout_id {
         Some(id) => id.clone(),
         None => {
-            let id = PayoutId::parse(format!("p-{}", uuid_like()))
+            let id = PayoutId::parse(format!("p-{}", uuid::Uuid::new_v4()))
                 .expect("a generated id has the id's shape");
             eprintln!(
                 "payoutctl: payout id {id} (to retry safely, run again with --payout-id {id})"
@@ -949,15 +949,6 @@ async fn create(args: CreateArgs) -> anyhow::Result<std::process::ExitCode> {
         );
     }
     Ok(std::process::ExitCode::SUCCESS)
-}
-
-/// A fresh id part: the time in milliseconds and the process id, unique for one operator's
-/// machine (an id the operator should keep to retry: it is printed).
-fn uuid_like() -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    format!("{}-{}", now.as_millis(), std::process::id())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -276,6 +276,31 @@ async fn operator_commands_against_a_real_system() {
         "{unknown_account:?}"
     );
     assert_eq!(state_of(&paydb, &negative).await, None, "nothing created");
+    // Without --payout-id a fresh id is made and said, so that a retry can name it.
+    let fresh = ctl.expect(
+        &[
+            "payout",
+            "create",
+            "--account",
+            &poor_account,
+            "--amount-minor",
+            "1",
+            "--currency",
+            "EUR",
+            "--beneficiary",
+            "ben-ops",
+            "--json",
+        ],
+        0,
+    );
+    let fresh_id = fresh.json()["payout_id"].as_str().unwrap().to_string();
+    assert!(
+        fresh_id.starts_with("p-")
+            && fresh
+                .stderr
+                .contains(&format!("run again with --payout-id {fresh_id}")),
+        "{fresh:?}"
+    );
     assert_eq!(
         count(
             &paydb,

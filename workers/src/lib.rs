@@ -2,6 +2,7 @@
 //! and polls until told to stop. Any number of replicas may run at once: correctness never
 //! depends on which one runs a task (the guards and the proxy decide), only liveness does.
 
+pub mod deployment;
 pub mod services;
 
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use anyhow::Context;
 use payout_activities::{Backend, PayoutActivities};
 use payout_workflows::PayoutWorkflow;
 use services::{ServiceBackend, ServiceConfig};
-use temporalio_client::{Client, ClientOptions, ConnectionOptions, Url};
+use temporalio_client::Client;
 use temporalio_sdk::runtime::worker_tuner::{FixedSizeSlotSupplier, TunerHolder};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
@@ -44,11 +45,14 @@ fn private_queue_tuner() -> TunerHolder {
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "payout-worker", about = "Temporal worker for payout workflows")]
 pub struct WorkerConfig {
-    /// Temporal frontend, host:port (Temporal's own variable name).
-    #[arg(long, env = "TEMPORAL_ADDRESS", default_value = "127.0.0.1:7233")]
-    pub temporal_address: String,
-    #[arg(long, env = "TEMPORAL_NAMESPACE", default_value = "default")]
-    pub temporal_namespace: String,
+    /// Temporal: configured as the `temporal` CLI is (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE,
+    /// TEMPORAL_TLS_*, TEMPORAL_API_KEY, TEMPORAL_PROFILE and its config file); a flag overrides
+    /// the environment.
+    #[command(flatten)]
+    pub temporal: payout_workflows::client::TemporalArgs,
+    /// The deployment version this worker runs (Worker Versioning).
+    #[command(flatten)]
+    pub deployment: deployment::DeploymentArgs,
     #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = payout_workflows::TASK_QUEUE)]
     pub task_queue: String,
     /// This replica's identity: the lock owner and the claimer recorded by the guards.
@@ -108,16 +112,10 @@ impl WorkerConfig {
 }
 
 pub async fn connect(config: &WorkerConfig) -> anyhow::Result<Client> {
-    let url = Url::parse(&format!("http://{}", config.temporal_address))
-        .context("TEMPORAL_ADDRESS must be host:port")?;
-    Client::connect(
-        ConnectionOptions::new(url)
-            .identity(config.identity())
-            .build(),
-        ClientOptions::new(config.temporal_namespace.clone()).build(),
-    )
-    .await
-    .with_context(|| format!("connecting to Temporal at {}", config.temporal_address))
+    let target = config.temporal.resolve()?;
+    let client = payout_workflows::client::connect_to(&target, &config.identity()).await?;
+    tracing::info!(temporal = %target.describe(), "connected to Temporal");
+    Ok(client)
 }
 
 /// Runs the worker until `stop` resolves, then shuts it down gracefully and returns when every
@@ -134,6 +132,8 @@ pub async fn run(
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let runtime = Runtime::from_current_tokio(Default::default())?;
+    let deployment_options = config.deployment.options()?;
+    tracing::info!(version = %config.deployment.version_name(), routed = config.deployment.versioning, "worker deployment version");
     let client = connect(config).await?;
     let mut options = WorkerOptions::new(config.task_queue.clone())
         .register_workflow::<PayoutWorkflow>()?
@@ -142,6 +142,7 @@ pub async fn run(
     options.graceful_shutdown_period = Some(GRACEFUL_SHUTDOWN_PERIOD);
     options.max_cached_workflows = MAX_CACHED_WORKFLOWS;
     options.client_identity_override = Some(config.identity());
+    options.deployment_options = deployment_options.clone();
     let mut worker = Worker::new(&runtime, client.clone(), options)?;
     let mut private = match &private_task_queue {
         Some(queue) => {
@@ -151,6 +152,7 @@ pub async fn run(
             options.graceful_shutdown_period = Some(GRACEFUL_SHUTDOWN_PERIOD);
             options.client_identity_override = Some(config.identity());
             options.tuner = private_queue_tuner().into();
+            options.deployment_options = config.deployment.private_queue_options();
             Some(Worker::new(&runtime, client, options)?)
         }
         None => None,

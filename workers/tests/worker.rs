@@ -21,8 +21,11 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
     let temporal = stack.temporal();
     let queue = stack.unique_prefix("worker-q");
     let config = WorkerConfig {
-        temporal_address: temporal.address(),
-        temporal_namespace: testkit::temporal::NAMESPACE.into(),
+        temporal: payout_workflows::client::TemporalArgs::at(
+            temporal.address(),
+            testkit::temporal::NAMESPACE,
+        ),
+        deployment: Default::default(),
         task_queue: queue.clone(),
         identity: Some("worker-test".into()),
         lock_server_url: None,
