@@ -13,12 +13,12 @@ BASE_TAG="${BASE_TAG:-20261130}"
 BASE_IMAGE="${BASE_IMAGE:-payout/debian:bookworm-${BASE_TAG}}"
 BIN_DIR="${BIN_DIR:-$ROOT/target/debug}"
 STAGE="$ROOT/target/deploy-stage"
-BINARIES=(lock-server payment-resource rail-stub rail-proxy general-ledger outbox-dispatcher payout-worker payoutctl payout-probe)
+BINARIES=(lock-server payment-resource rail-stub rail-proxy general-ledger outbox-dispatcher payout-worker reconciler payoutctl payout-probe)
 # The packages that ship, built alone: a whole-workspace build unifies features across every
 # package, and the fault harness (tests/, never shipped) turns on the rail proxy's
 # `negative-controls` feature for itself. Built as a selection, no shipped binary carries it
 # (tests/tests/dependency_rules.rs checks the same selection with `cargo tree`).
-SHIPPED_PACKAGES=(lock-server payment-resource rail-stub rail-proxy general-ledger outbox-dispatcher payout-worker payoutctl compose-tests)
+SHIPPED_PACKAGES=(lock-server payment-resource rail-stub rail-proxy general-ledger outbox-dispatcher payout-worker reconciler-service payoutctl compose-tests)
 if [ -z "${SKIP_CARGO_BUILD:-}" ]; then
     PROFILE_FLAG=()
     [ "$(basename "$BIN_DIR")" = release ] && PROFILE_FLAG=(--release)

@@ -64,7 +64,7 @@ TLS_DIR="$KEY_DIR/tls"
 rm -rf "$TLS_DIR"
 mkdir -p "$TLS_DIR"
 chmod 711 "$TLS_DIR"
-for svc in lock-server payment-resource rail-proxy general-ledger outbox-dispatcher worker; do
+for svc in lock-server payment-resource rail-proxy general-ledger outbox-dispatcher worker reconciler; do
     target/debug/payoutctl pki issue --dir "$TLS_DIR" --role "$svc" --name "$svc" > /dev/null
 done
 # The database servers' certificates name every host their clients reach them at: the service

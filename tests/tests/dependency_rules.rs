@@ -27,6 +27,8 @@ const SHIPPED: &[&str] = &[
     "general-ledger",
     "outbox-dispatcher",
     "payout-worker",
+    // The reconciler on its schedule (compose's `reconciler` service).
+    "reconciler-service",
     "payoutctl",
     // payout-probe, the containers' health check.
     "compose-tests",

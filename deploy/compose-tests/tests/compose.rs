@@ -15,8 +15,9 @@
 //!
 //! Then the checker: at most one rail movement per payout (the rail stub's ground truth), exactly
 //! one for each POSTED payout and none for a FAILED one, the ledger balanced (CheckLedger), every
-//! payout terminal or RAIL_AMBIGUOUS with evidence; the reconciler with zero violations; and the
-//! negative control (a duplicate rail payment caught by both). `down --volumes` always runs.
+//! payout terminal or RAIL_AMBIGUOUS with evidence; the reconciler with zero violations; the
+//! compose `reconciler` service's Temporal schedule with a completed run; and the negative control
+//! (a duplicate rail payment caught by both). `down --volumes` always runs.
 //!
 //! With no Docker engine the suite prints why it was skipped and passes: the one allowed skip.
 
@@ -53,6 +54,10 @@ const CUT_PAYOUTS_PER_ACCOUNT: usize = 1;
 const CUT_ACCOUNTS: usize = 6;
 /// Worker replicas: a cut worker's payouts are taken over by the other.
 const WORKERS: usize = 2;
+/// The compose reconciler's schedule interval in the suite (its default is five minutes).
+const RECONCILE_INTERVAL_S: u64 = 10;
+/// A scheduled reconciler run completes within a few intervals of the deployment coming up.
+const RECONCILE_RUN_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The images docker-compose.yml names, all built locally (deploy/base-image.sh,
 /// deploy/build-images.sh): nothing is pulled.
@@ -140,6 +145,10 @@ async fn compose_deployment_end_to_end_with_cuts() {
             (
                 "PAYOUT_RAIL_SETTLEMENT_WINDOW_MS",
                 SETTLEMENT_WINDOW_MS.to_string(),
+            ),
+            (
+                "PAYOUT_RECONCILE_INTERVAL_S",
+                RECONCILE_INTERVAL_S.to_string(),
             ),
         ]
         .into_iter()
@@ -288,7 +297,60 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
 
     check_everything(&h).await.context("final checker")?;
     reconcile(project).await.context("reconciler")?;
+    scheduled_reconciler(&h)
+        .await
+        .context("the reconciler service on its schedule")?;
     negative_control(&h).await.context("negative control")
+}
+
+/// The compose `reconciler` service runs on its Temporal schedule: the schedule `reconciler`
+/// exists (created by the service through Temporal's client, starting `ReconcileWorkflow` on
+/// the `reconciliation` queue) and one of its runs has completed.
+async fn scheduled_reconciler(h: &Harness<'_>) -> anyhow::Result<()> {
+    use temporalio_client::schedules::ScheduleDescriptionAction;
+    use temporalio_client::{UntypedWorkflow, WorkflowDescribeOptions, WorkflowExecutionStatus};
+    let schedule = h.temporal.get_schedule_handle("reconciler");
+    let deadline = Instant::now() + RECONCILE_RUN_TIMEOUT;
+    loop {
+        match schedule.describe(Default::default()).await {
+            Ok(described) => {
+                let ScheduleDescriptionAction::StartWorkflow(action) = described.action() else {
+                    bail!("the reconciler schedule starts no workflow");
+                };
+                ensure!(
+                    action.workflow_type() == "ReconcileWorkflow"
+                        && action.task_queue() == "reconciliation",
+                    "the schedule starts {} on {}",
+                    action.workflow_type(),
+                    action.task_queue()
+                );
+                for run in described.recent_actions() {
+                    let status = h
+                        .temporal
+                        .get_workflow_handle::<UntypedWorkflow>(&run.workflow_id)
+                        .describe(WorkflowDescribeOptions::default())
+                        .await?
+                        .status();
+                    if status == WorkflowExecutionStatus::Completed {
+                        println!(
+                            "compose: scheduled reconciler run {} completed",
+                            run.workflow_id
+                        );
+                        return Ok(());
+                    }
+                }
+            }
+            Err(e) if Instant::now() < deadline => {
+                println!("compose: no reconciler schedule yet ({e})");
+            }
+            Err(e) => return Err(e).context("describing the reconciler schedule"),
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no scheduled reconciler run completed within {RECONCILE_RUN_TIMEOUT:?}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
 }
 
 /// The checkers are not vacuous: one duplicate payment sent straight to the rail (bypassing the
@@ -472,11 +534,28 @@ impl Harness<'_> {
         Ok(input)
     }
 
-    /// CreatePayout, then the workflow through the Rust client (what payoutctl uses).
+    /// CreatePayout, then the workflow through the Rust client (what payoutctl uses). The
+    /// dispatcher's starter starts it from CreatePayout's staged start too: "already started"
+    /// is success.
     async fn submit(&mut self, account: &AccountId, amount: i64) -> anyhow::Result<PayoutId> {
         let input = self.create(account, amount).await?;
-        payout_workflows::client::start_payout(&self.temporal, "payouts", &input).await?;
+        match payout_workflows::client::start_payout(&self.temporal, "payouts", &input).await {
+            Ok(_) | Err(payout_workflows::client::PayoutClientError::AlreadyStarted { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
         Ok(input.payout_id)
+    }
+
+    /// After an operator's start failed: the start stands if the workflow exists (the
+    /// dispatcher's starter started it from CreatePayout's staged start first).
+    async fn started_anyway(&self, workflow_id: &str, failed: anyhow::Error) -> anyhow::Result<()> {
+        use temporalio_client::{UntypedWorkflow, WorkflowDescribeOptions};
+        self.temporal
+            .get_workflow_handle::<UntypedWorkflow>(workflow_id)
+            .describe(WorkflowDescribeOptions::default())
+            .await
+            .map(|_| ())
+            .map_err(|_| failed)
     }
 
     /// CreatePayout, then the workflow through the operators' CLI inside the Temporal container.
@@ -489,7 +568,8 @@ impl Harness<'_> {
         let json = serde_json::to_string(&input)?;
         let workflow_id = payout_domain::workflow_id(&input.payout_id);
         let account_attr = format!("AccountId={}", serde_json::to_string(account.as_str())?);
-        self.project
+        let started = self
+            .project
             .exec(
                 &self.temporal_container,
                 &[
@@ -516,7 +596,10 @@ impl Harness<'_> {
                     &json,
                 ],
             )
-            .await?;
+            .await;
+        if let Err(failed) = started {
+            self.started_anyway(&workflow_id, failed).await?;
+        }
         Ok(input.payout_id)
     }
 
