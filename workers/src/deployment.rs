@@ -112,3 +112,61 @@ impl DeploymentArgs {
         WorkerDeploymentOptions::from_build_id(self.build_id())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routed_workers_pin_payouts_and_unrouted_ones_only_report_their_version() {
+        let routed = DeploymentArgs {
+            build_id: Some("1.5.0".into()),
+            versioning: true,
+            ..DeploymentArgs::default()
+        };
+        let options = routed.options().unwrap();
+        assert!(options.use_worker_versioning);
+        assert_eq!(
+            options.default_versioning_behavior,
+            Some(VersioningBehavior::Pinned)
+        );
+        assert_eq!(options.version.deployment_name, DEPLOYMENT_NAME);
+        assert_eq!(options.version.build_id, "1.5.0");
+        assert_eq!(routed.version_name(), "payouts.1.5.0");
+
+        let reporting = DeploymentArgs::default().options().unwrap();
+        assert!(!reporting.use_worker_versioning);
+        assert_eq!(reporting.default_versioning_behavior, None);
+        assert_eq!(reporting.version.build_id, BUILD_ID_DEFAULT);
+    }
+
+    #[test]
+    fn a_bad_deployment_setting_is_refused_naming_it() {
+        for (args, setting) in [
+            (
+                DeploymentArgs {
+                    name: "pay.outs".into(),
+                    ..DeploymentArgs::default()
+                },
+                "PAYOUT_WORKER_DEPLOYMENT_NAME",
+            ),
+            (
+                DeploymentArgs {
+                    name: " ".into(),
+                    ..DeploymentArgs::default()
+                },
+                "PAYOUT_WORKER_DEPLOYMENT_NAME",
+            ),
+            (
+                DeploymentArgs {
+                    build_id: Some(String::new()),
+                    ..DeploymentArgs::default()
+                },
+                "PAYOUT_WORKER_BUILD_ID",
+            ),
+        ] {
+            let refused = args.options().unwrap_err().to_string();
+            assert!(refused.contains(setting), "{refused}");
+        }
+    }
+}

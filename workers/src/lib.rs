@@ -190,6 +190,10 @@ pub async fn serve(
     let required = |name: &str, value: &Option<String>| {
         value.clone().with_context(|| format!("{name} is required"))
     };
+    // Temporal's and the deployment version's settings are checked before anything else: a bad
+    // one stops the worker at start, naming it (not after its services have answered).
+    config.temporal.resolve()?;
+    config.deployment.options()?;
     let private_task_queue = config.private_task_queue();
     let tls = config.tls.load().context("TLS material")?;
     let service_config = ServiceConfig {

@@ -556,12 +556,13 @@ pub async fn serve(
     metrics: ReconcileMetrics,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    // Temporal's settings are checked first: a bad one stops the process at start, naming it.
+    let target = config.temporal.resolve()?;
     if config.resolve_orphans {
         config.resolve_config()?;
     }
     let sources = config.sources().await?;
     let runtime = Runtime::from_current_tokio(Default::default())?;
-    let target = config.temporal.resolve()?;
     let client = payout_workflows::client::connect_to(&target, &serve.identity).await?;
     tracing::info!(temporal = %target.describe(), "connected to Temporal");
     ensure_schedule(&client, &serve).await?;
