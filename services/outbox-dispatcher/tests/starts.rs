@@ -148,6 +148,25 @@ async fn started(temporal: &Client, payout_id: &str) -> String {
     .unwrap()
 }
 
+/// [`started`], naming what the starters logged if it does not happen.
+async fn started_or_logs(
+    temporal: &Client,
+    payout_id: &str,
+    starters: &[&testkit::ManagedProcess],
+) {
+    let found = eventually(WAIT, &format!("payout-{payout_id} started"), || async {
+        run_of(temporal, payout_id).await
+    })
+    .await;
+    if let Err(e) = found {
+        let logs: Vec<String> = starters
+            .iter()
+            .map(|p| format!("--- {}\n{}", p.name(), p.log_tail(40)))
+            .collect();
+        panic!("{e}\n{}", logs.join("\n"));
+    }
+}
+
 /// The detective question the negative control must answer: PENDING payouts whose workflow
 /// Temporal does not know (nobody will ever pay them).
 async fn stranded(paydb: &PgPool, temporal: &Client) -> Vec<String> {
@@ -332,7 +351,7 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
     let first = spawn("starter-a");
     let account = intake.account(&format!("acct-{p}")).await;
     intake.create(&id(1), &account, 100).await.unwrap();
-    started(&temporal, &id(1)).await;
+    started_or_logs(&temporal, &id(1), &[&first]).await;
 
     // Killed: what commits now has nobody to start it.
     first.kill().unwrap();
@@ -349,11 +368,11 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
     .await
     .unwrap();
 
-    let _second = spawn("starter-b");
+    let second = spawn("starter-b");
     // A payout created after the restart, staged: once its workflow exists (and the dead
     // instance's lease has run out), the restarted starter has been through every earlier row.
     intake.create(&id(4), &account, 400).await.unwrap();
-    started(&temporal, &id(4)).await;
+    started_or_logs(&temporal, &id(4), &[&first, &second]).await;
     eventually(
         WAIT,
         "every claim of the dead instance expired and retried",
