@@ -4,6 +4,7 @@
 # folder under target/deploy-stage/, never the repository.
 #
 #   payout/postgres:15   payout/etcd:3.4   payout/temporal:1.9.1   payout/services:dev
+#   payout/monitoring:dev
 #
 # BASE_IMAGE overrides the base (e.g. BASE_IMAGE=debian:bookworm on a machine with a registry).
 # Prints one "build-images: <image> <seconds>s" line per image.
@@ -52,6 +53,11 @@ for b in "${BINARIES[@]}"; do
     ln "$BIN_DIR/$b" "$STAGE/services/bin/$b" 2>/dev/null || cp "$BIN_DIR/$b" "$STAGE/services/bin/$b"
 done
 cp -r "$ROOT/migrations" "$STAGE/services/migrations"
+# Prometheus and Alertmanager (Debian's packages) with deploy/monitoring's configuration.
+mkdir -p "$STAGE/monitoring/monitoring"
+cp "$ROOT/deploy/docker/monitoring/Dockerfile" "$ROOT/deploy/docker/monitoring/entrypoint.sh" "$STAGE/monitoring/"
+cp -r "$ROOT/deploy/monitoring/alerts.yml" "$ROOT/deploy/monitoring/alertmanager.yml" \
+    "$ROOT/deploy/monitoring/prometheus.yml.in" "$ROOT/deploy/monitoring/compose-targets" "$STAGE/monitoring/monitoring/"
 
 build() { # image context
     local start; start=$(date +%s%N)
@@ -65,3 +71,4 @@ build payout/postgres:15 postgres
 build payout/etcd:3.4 etcd
 build payout/temporal:1.9.1 temporal
 build payout/services:dev services
+build payout/monitoring:dev monitoring

@@ -8,7 +8,8 @@ args=(server start-dev
       --ip 0.0.0.0 --port 7233
       --ui-ip 0.0.0.0 --ui-port 8233
       --namespace "${TEMPORAL_NAMESPACE:-default}"
-      --log-level "${TEMPORAL_LOG_LEVEL:-warn}")
+      --log-level "${TEMPORAL_LOG_LEVEL:-warn}"
+      --metrics-port "${TEMPORAL_METRICS_PORT:-9090}")
 settings() { grep -v '^[[:space:]]*#' "$1" 2>/dev/null | sed 's/[[:space:]]*$//' | grep -v '^$' || true; }
 while read -r attribute; do args+=(--search-attribute "$attribute"); done < <(settings /etc/temporal-dev/search-attributes)
 while read -r value; do args+=(--dynamic-config-value "$value"); done < <(settings /etc/temporal-dev/dynamic-config)
