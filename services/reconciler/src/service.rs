@@ -530,7 +530,14 @@ fn schedule_matches(described: &ScheduleDescription, serve: &ServeOptions) -> bo
         // Another kind of action under our id: replace it with ours.
         _ => return false,
     };
-    let interval = described
+    action.workflow_type() == RECONCILE_WORKFLOW_TYPE
+        && action.task_queue() == serve.task_queue
+        && schedule_intervals(described) == [serve.interval.max(SCHEDULE_INTERVAL_MIN)]
+}
+
+/// The intervals a described schedule fires at.
+pub fn schedule_intervals(described: &ScheduleDescription) -> Vec<Duration> {
+    described
         .raw()
         .schedule
         .as_ref()
@@ -539,14 +546,15 @@ fn schedule_matches(described: &ScheduleDescription, serve: &ServeOptions) -> bo
             spec.interval
                 .iter()
                 .filter_map(|i| i.interval.as_ref())
-                .map(|d| (d.seconds, d.nanos))
-                .collect::<Vec<_>>()
+                .map(|d| {
+                    Duration::new(
+                        u64::try_from(d.seconds).unwrap_or(0),
+                        u32::try_from(d.nanos).unwrap_or(0),
+                    )
+                })
+                .collect()
         })
-        .unwrap_or_default();
-    let wanted = serve.interval.max(SCHEDULE_INTERVAL_MIN);
-    action.workflow_type() == RECONCILE_WORKFLOW_TYPE
-        && action.task_queue() == serve.task_queue
-        && interval == [(wanted.as_secs() as i64, wanted.subsec_nanos() as i32)]
+        .unwrap_or_default()
 }
 
 /// Runs the worker (and ensures the schedule) until `stop` resolves.

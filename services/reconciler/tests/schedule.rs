@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use payout_workflows::client::{connect_configured, TemporalArgs};
 use reconciler_service::service::{
-    ensure_schedule, ScheduleOutcome, ServeOptions, RECONCILE_WORKFLOW_TYPE,
+    ensure_schedule, schedule_intervals, ScheduleOutcome, ServeOptions, RECONCILE_WORKFLOW_TYPE,
 };
 use resolver::resume::{ResumeError, Temporal, TemporalConfig, WorkflowStatus};
 use temporalio_client::schedules::ScheduleDescriptionAction;
@@ -41,18 +41,10 @@ async fn intervals_s(client: &temporalio_client::Client, schedule_id: &str) -> V
     };
     assert_eq!(action.workflow_type(), RECONCILE_WORKFLOW_TYPE);
     assert_eq!(action.task_queue(), format!("{schedule_id}-queue"));
-    described
-        .raw()
-        .schedule
-        .as_ref()
-        .and_then(|s| s.spec.as_ref())
-        .map(|spec| {
-            spec.interval
-                .iter()
-                .filter_map(|i| i.interval.as_ref().map(|d| d.seconds))
-                .collect()
-        })
-        .unwrap_or_default()
+    schedule_intervals(&described)
+        .iter()
+        .map(|d| d.as_secs() as i64)
+        .collect()
 }
 
 #[tokio::test]
