@@ -4,6 +4,7 @@
 
 pub mod deployment;
 pub mod services;
+pub mod telemetry;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +16,17 @@ use services::{ServiceBackend, ServiceConfig};
 use temporalio_client::Client;
 use temporalio_sdk::runtime::worker_tuner::{FixedSizeSlotSupplier, TunerHolder};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
+
+pub use telemetry::Telemetry;
+
+/// A task that stops when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 /// On SIGTERM the worker stops polling and lets in-flight activities finish for this long; then
 /// it cancels them and hands the work back to Temporal (another replica picks it up). It is
@@ -85,6 +97,11 @@ pub struct WorkerConfig {
     /// certificate.
     #[command(flatten)]
     pub tls: mtls::TlsArgs,
+    /// Serve `/metrics` (this worker's activity latencies and the Temporal SDK's own metrics)
+    /// and `/healthz` (200 while connected to Temporal with its pollers running, else 503 and
+    /// why) on this address. Off when unset.
+    #[arg(long, env = "PAYOUT_WORKER_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl WorkerConfig {
@@ -131,10 +148,27 @@ pub async fn run(
     private_task_queue: Option<String>,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let runtime = Runtime::from_current_tokio(Default::default())?;
+    run_with(config, backend, private_task_queue, &Telemetry::new(), stop).await
+}
+
+/// [`run`], recording into `telemetry` (whose endpoint the caller serves): the SDK's metrics,
+/// each activity's latency, and the health `/healthz` answers from.
+pub async fn run_with(
+    config: &WorkerConfig,
+    backend: Arc<dyn Backend>,
+    private_task_queue: Option<String>,
+    telemetry: &Telemetry,
+    stop: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let runtime = Runtime::from_current_tokio(telemetry.runtime_options()?)?;
     let deployment_options = config.deployment.options()?;
     tracing::info!(version = %config.deployment.version_name(), routed = config.deployment.versioning, "worker deployment version");
     let client = connect(config).await?;
+    // Aborted when this function returns: the probe lives as long as the pollers.
+    let probe = AbortOnDrop(tokio::spawn(telemetry::watch_temporal(
+        client.clone(),
+        telemetry.health_handle(),
+    )));
     let mut options = WorkerOptions::new(config.task_queue.clone())
         .register_workflow::<PayoutWorkflow>()?
         .register_activities(PayoutActivities::new(backend.clone()))
@@ -143,6 +177,7 @@ pub async fn run(
     options.max_cached_workflows = MAX_CACHED_WORKFLOWS;
     options.client_identity_override = Some(config.identity());
     options.deployment_options = deployment_options.clone();
+    options.activity_inbound_interceptor(telemetry.activity_timing());
     let mut worker = Worker::new(&runtime, client.clone(), options)?;
     let mut private = match &private_task_queue {
         Some(queue) => {
@@ -153,6 +188,7 @@ pub async fn run(
             options.client_identity_override = Some(config.identity());
             options.tuner = private_queue_tuner().into();
             options.deployment_options = config.deployment.private_queue_options();
+            options.activity_inbound_interceptor(telemetry.activity_timing());
             Some(Worker::new(&runtime, client, options)?)
         }
         None => None,
@@ -160,20 +196,34 @@ pub async fn run(
     let shutdown = worker.shutdown_handle();
     let private_shutdown = private.as_ref().map(|w| w.shutdown_handle());
     tracing::info!(task_queue = %config.task_queue, private_task_queue = ?private_task_queue, identity = %config.identity(), "worker polling");
+    let health = telemetry.health();
+    let has_private = private.is_some();
+    health.polling(1 + usize::from(has_private));
     let private_run = async {
-        match private.as_mut() {
+        let result = match private.as_mut() {
             Some(w) => w.run().await,
             None => Ok(()),
+        };
+        if has_private {
+            health.poller_stopped();
         }
+        result
     };
-    let (result, private_result, ()) = tokio::join!(worker.run(), private_run, async {
+    let shared_run = async {
+        let result = worker.run().await;
+        health.poller_stopped();
+        result
+    };
+    let (result, private_result, ()) = tokio::join!(shared_run, private_run, async {
         stop.await;
         tracing::info!("shutdown requested: finishing in-flight tasks");
+        health.stopping();
         shutdown();
         if let Some(s) = private_shutdown {
             s();
         }
     });
+    drop(probe);
     result.context("worker stopped with an error")?;
     private_result.context("private-queue worker stopped with an error")?;
     tracing::info!("worker stopped");
@@ -208,6 +258,20 @@ pub async fn serve(
         unclaimed_grant_max: Duration::from_millis(config.unclaimed_grant_max_ms),
     };
     let mut stop = Box::pin(service_kit::Shutdown::on_signal().wait());
+    // The endpoint answers from the start (503 while the services are awaited) until the worker
+    // has stopped.
+    let telemetry = Telemetry::new();
+    let (endpoint_stop, endpoint_stopped) = tokio::sync::oneshot::channel::<()>();
+    let endpoint = match config.metrics_listen {
+        Some(addr) => {
+            let listener = service_kit::bind(addr).await?;
+            tracing::info!(%addr, "serving /metrics and /healthz");
+            Some(tokio::spawn(telemetry.clone().serve(listener, async {
+                let _ = endpoint_stopped.await;
+            })))
+        }
+        None => None,
+    };
     // A service that is down now (restarting, cut off) is waited for; only the worker's own
     // configuration ends it here. It polls Temporal only once every service answered.
     let mut retry_in = services::CONNECT_RETRY_FIRST;
@@ -231,13 +295,22 @@ pub async fn serve(
     };
     tracing::info!("the worker's services answered");
     let backend = Arc::new(backend);
-    let result = run(
+    let result = run_with(
         &config,
         wrap(backend.clone()),
         Some(private_task_queue),
+        &telemetry,
         stop,
     )
     .await;
+    let _ = endpoint_stop.send(());
+    if let Some(endpoint) = endpoint {
+        match endpoint.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "the metrics and health endpoint failed"),
+            Err(e) => tracing::warn!(error = %e, "the metrics and health endpoint's task failed"),
+            Ok(Ok(())) => {}
+        }
+    }
     // After the pollers stopped: ending the session frees this worker's keys at once, so the
     // payouts it handed back continue on another replica without waiting for the lease.
     backend.close().await;

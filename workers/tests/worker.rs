@@ -38,6 +38,7 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
         tls: testkit::pki::shared()
             .issue(testkit::pki::Role::Worker, "worker-test")
             .unwrap(),
+        metrics_listen: None,
     };
     let world = InMemoryBackend::new("worker-test");
     let input = PayoutInput {
@@ -82,4 +83,126 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
     stopped.unwrap();
     assert_eq!(done.state, PayoutState::Posted);
     assert_eq!(world.rail_movements(&input.payout_id), 1);
+}
+
+/// The health endpoint follows Temporal: `/healthz` is 200 while the worker polls a Temporal
+/// that answers, 503 saying why within a bounded poll once Temporal is stopped, and 200 again
+/// after it is back. `/metrics` carries the SDK's families beside the worker's own histogram.
+/// The worker runs against a Temporal dev server of its own, which the test stops.
+#[tokio::test]
+async fn healthz_follows_temporal_and_metrics_carry_the_sdks_families() {
+    let stack = Stack::shared();
+    let dir = stack.state_dir().join(
+        stack
+            .unique_prefix("worker-health")
+            .replace(['/', ':'], "-"),
+    );
+    let temporal = tokio::task::spawn_blocking(move || {
+        testkit::temporal::TemporalDev::start(
+            &dir,
+            testkit::temporal::TemporalPorts::free(false),
+            testkit::Lifetime::Attached,
+        )
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let config = WorkerConfig {
+        temporal: payout_workflows::client::TemporalArgs::at(
+            temporal.address(),
+            testkit::temporal::NAMESPACE,
+        ),
+        deployment: Default::default(),
+        task_queue: "health-q".into(),
+        identity: Some("worker-health".into()),
+        lock_server_url: None,
+        payment_resource_url: None,
+        rail_proxy_url: None,
+        lock_ttl_ms: 10_000,
+        lock_history_path: None,
+        unclaimed_grant_max_ms: payout_worker::services::UNCLAIMED_GRANT_MAX_MS_DEFAULT,
+        tls: testkit::pki::shared()
+            .issue(testkit::pki::Role::Worker, "worker-health")
+            .unwrap(),
+        metrics_listen: None,
+    };
+    let telemetry = payout_worker::Telemetry::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(
+        telemetry
+            .clone()
+            .serve(listener, std::future::pending::<()>()),
+    );
+    let healthz = move || async move {
+        tokio::task::spawn_blocking(move || {
+            testkit::util::http_get(port, "/healthz", Duration::from_secs(2))
+        })
+        .await
+        .unwrap()
+        .ok()
+    };
+    // Before the worker runs, it is not healthy, and says so.
+    let (code, body) = healthz().await.unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("not polling"), "{body}");
+
+    let backend: Arc<dyn payout_activities::Backend> =
+        Arc::new(InMemoryBackend::new("worker-health"));
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let worker = payout_worker::run_with(&config, backend, None, &telemetry, async {
+        let _ = stop_rx.await;
+    });
+    let status_is = |want: u16, what: &'static str| async move {
+        testkit::eventually(TIMEOUT, what, || async {
+            healthz()
+                .await
+                .filter(|(code, _)| *code == want)
+                .map(|(_, body)| body)
+        })
+        .await
+        .unwrap()
+    };
+    let body = async {
+        let body = status_is(200, "/healthz 200 while polling").await;
+        assert!(body.starts_with("ok: 1 pollers running"), "{body}");
+
+        let metrics = reqwest_free_get(port, "/metrics").await;
+        for family in [
+            "temporal_num_pollers",
+            "temporal_worker_task_slots_available",
+            "temporal_worker_start_total",
+        ] {
+            assert!(
+                metrics.lines().any(|l| l.starts_with(family)),
+                "/metrics lacks {family}:\n{metrics}"
+            );
+        }
+
+        temporal.process.kill().unwrap();
+        let body = status_is(503, "/healthz 503 once Temporal is stopped").await;
+        assert!(body.contains("Temporal unreachable"), "{body}");
+
+        temporal.process.restart().unwrap();
+        status_is(200, "/healthz 200 again once Temporal is back").await;
+        stop_tx.send(()).unwrap();
+    };
+    let (stopped, ()) = tokio::time::timeout(4 * TIMEOUT, async { tokio::join!(worker, body) })
+        .await
+        .expect("the checks end and the worker stops within the bound");
+    stopped.unwrap();
+    let (code, body) = healthz().await.unwrap();
+    assert_eq!(code, 503, "{body}");
+}
+
+/// `GET path` on the loopback port, body of a 200.
+async fn reqwest_free_get(port: u16, path: &'static str) -> String {
+    let (code, body) = tokio::task::spawn_blocking(move || {
+        testkit::util::http_get(port, path, Duration::from_secs(5))
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(code, 200, "{body}");
+    body
 }
