@@ -1820,3 +1820,190 @@ async fn a_paydb_restored_from_a_mid_run_dump_refuses_the_stale_holder_until_rea
     );
     assert_eq!(ctx.rail(&input).await, (1, 1), "one request, one movement");
 }
+
+// ----- telemetry: the latency histograms and the worker's endpoint -----
+
+/// The sum of every sample of `name` whose labels include all of `labels`, in a Prometheus
+/// text exposition (0 when there is none).
+fn sample_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| line.rsplit_once(' '))
+        .filter(|(series, _)| {
+            let (series_name, series_labels) = series.split_once('{').unwrap_or((series, ""));
+            series_name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| series_labels.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|(_, value)| value.parse::<f64>().ok())
+        .sum()
+}
+
+/// Every scrape the test reads: the payment resource's, the proxy's and each worker's.
+struct Scrapes {
+    payment: String,
+    proxy: String,
+    workers: Vec<String>,
+}
+
+async fn scrape(system: &System) -> Scrapes {
+    let get = |port: u16, path: &'static str| async move {
+        let response = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+            .await
+            .unwrap_or_else(|e| panic!("GET {path} on {port}: {e}"));
+        assert_eq!(response.status(), 200, "GET {path} on {port}");
+        response.text().await.unwrap()
+    };
+    let mut workers = Vec::new();
+    for port in &system.worker_metrics {
+        workers.push(get(*port, "/metrics").await);
+    }
+    Scrapes {
+        payment: get(system.ports.metrics[1], "/metrics").await,
+        proxy: get(system.ports.metrics[3], "/metrics").await,
+        workers,
+    }
+}
+
+impl Scrapes {
+    fn workers_sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.workers
+            .iter()
+            .map(|w| sample_sum(w, name, labels))
+            .sum()
+    }
+}
+
+/// Issue 18, part 1: one payout through the real system shows up in every latency histogram:
+/// each guard call it made (`guard_call_duration_seconds` at both guards, one name), the payout
+/// end to end (`payout_duration_seconds{final_state}`), the rail call
+/// (`rail_call_duration_seconds`) and each workflow step (`payout_activity_duration_seconds`
+/// on the worker that ran it), counted in the `+Inf` bucket and in a finite one; each worker's
+/// `/metrics` also carries the Temporal SDK's own metric families, and its `/healthz` answers 200.
+/// Counts are compared before and after the payout (the shared system runs other tests).
+#[tokio::test]
+async fn a_payout_is_counted_in_every_latency_histogram_and_the_workers_export_the_sdks_metrics() {
+    let ctx = Ctx::new(shared().await).await;
+    let before = scrape(ctx.system).await;
+    let input = ctx
+        .payout("telemetry", 10_000, 1_000, fast_ambiguity())
+        .await;
+    let id = ctx.start(&input).await;
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    let after = scrape(ctx.system).await;
+
+    let bucket = |le: &'static str| ("le", le);
+    // The guards: every fenced step of a paid payout, ok, in the +Inf bucket and under 30 s.
+    for (text_before, text_after, guard, operation) in [
+        (
+            &before.payment,
+            &after.payment,
+            "payment_resource",
+            "create_payout",
+        ),
+        (&before.payment, &after.payment, "payment_resource", "claim"),
+        (
+            &before.payment,
+            &after.payment,
+            "payment_resource",
+            "mark_submitted",
+        ),
+        (
+            &before.payment,
+            &after.payment,
+            "payment_resource",
+            "record_outcome",
+        ),
+        (&before.payment, &after.payment, "payment_resource", "post"),
+        (&before.proxy, &after.proxy, "rail_proxy", "submit"),
+    ] {
+        for le in ["+Inf", "30"] {
+            let labels = [
+                ("guard", guard),
+                ("operation", operation),
+                ("outcome", "ok"),
+                bucket(le),
+            ];
+            let grew = sample_sum(text_after, "guard_call_duration_seconds_bucket", &labels)
+                - sample_sum(text_before, "guard_call_duration_seconds_bucket", &labels);
+            assert!(
+                grew >= 1.0,
+                "{guard} {operation} le={le}: +{grew}\n{text_after}"
+            );
+        }
+    }
+    // The payout end to end, by its final state: once, creation to POSTED.
+    for le in ["+Inf", "86400"] {
+        let labels = [("final_state", "POSTED"), bucket(le)];
+        let grew = sample_sum(&after.payment, "payout_duration_seconds_bucket", &labels)
+            - sample_sum(&before.payment, "payout_duration_seconds_bucket", &labels);
+        assert!(
+            grew >= 1.0,
+            "payout POSTED le={le}: +{grew}\n{}",
+            after.payment
+        );
+    }
+    // The rail call: one payment, acknowledged.
+    for le in ["+Inf", "60"] {
+        let labels = [("operation", "pay"), ("outcome", "acked"), bucket(le)];
+        let grew = sample_sum(&after.proxy, "rail_call_duration_seconds_bucket", &labels)
+            - sample_sum(&before.proxy, "rail_call_duration_seconds_bucket", &labels);
+        assert!(grew >= 1.0, "rail pay le={le}: +{grew}\n{}", after.proxy);
+    }
+    // The workflow's steps, on whichever worker ran them.
+    for activity in [
+        "Claim",
+        "MarkSubmitted",
+        "SubmitToRail",
+        "RecordOutcome",
+        "PostLedger",
+    ] {
+        for le in ["+Inf", "300"] {
+            let labels = [("activity", activity), ("outcome", "ok"), bucket(le)];
+            let grew = after.workers_sum("payout_activity_duration_seconds_bucket", &labels)
+                - before.workers_sum("payout_activity_duration_seconds_bucket", &labels);
+            assert!(
+                grew >= 1.0,
+                "activity {activity} le={le}: +{grew}\n{}",
+                after.workers.join("\n")
+            );
+        }
+    }
+    // The Temporal SDK's own families: pollers, slots and starts on every worker; the task
+    // latencies and the sticky cache on the worker(s) that ran the payout.
+    for (i, text) in after.workers.iter().enumerate() {
+        for family in [
+            "temporal_num_pollers",
+            "temporal_worker_task_slots_available",
+            "temporal_worker_start_total",
+        ] {
+            assert!(
+                text.lines().any(|l| l.starts_with(family)),
+                "worker {i} /metrics lacks {family}:\n{text}"
+            );
+        }
+    }
+    for family in [
+        "temporal_workflow_task_schedule_to_start_latency",
+        "temporal_workflow_task_execution_latency",
+        // The payout's steps run as local activities (ARCHITECTURE: local steps).
+        "temporal_local_activity_execution_latency",
+        "temporal_sticky_cache_size",
+    ] {
+        assert!(
+            after
+                .workers
+                .iter()
+                .any(|text| text.lines().any(|l| l.starts_with(family))),
+            "no worker's /metrics has {family}:\n{}",
+            after.workers.join("\n")
+        );
+    }
+    for port in &ctx.system.worker_metrics {
+        let (code, body) =
+            testkit::util::http_get(*port, "/healthz", Duration::from_secs(2)).unwrap();
+        assert_eq!(code, 200, "worker on {port}: {body}");
+    }
+}

@@ -261,6 +261,8 @@ struct Counters {
     account_busy: IntCounterVec,
     transitions: IntCounterVec,
     operator_not_verified: IntCounterVec,
+    /// `payout_duration_seconds{final_state}`: creation to the terminal transition's commit.
+    payout_duration: service_kit::prometheus::HistogramVec,
 }
 
 #[derive(Clone)]
@@ -528,6 +530,12 @@ impl Store {
                 "payment_operator_not_verified_total",
                 "Operator decisions whose signature was missing, unknown, wrong or stale (refused and audited). Alert on any.",
                 &["decision", "reason"],
+            ),
+            payout_duration: metrics.histogram_vec(
+                "payout_duration_seconds",
+                "A payout's end-to-end latency: from its creation in paydb to the commit of its terminal transition, by final state (POSTED, FAILED, ABANDONED).",
+                &["final_state"],
+                service_kit::latency::PAYOUT_BUCKETS_SECONDS,
             ),
         };
         Self {
@@ -1006,6 +1014,16 @@ impl Store {
             .transitions
             .with_label_values(&[from.as_str(), to.as_str()])
             .inc();
+        // Once per payout: the row left a non-terminal state under its lock in this transaction.
+        if to.is_terminal() {
+            let end_to_end = (updated.updated_at - updated.created_at)
+                .to_std()
+                .unwrap_or_default();
+            self.counters
+                .payout_duration
+                .with_label_values(&[to.as_str()])
+                .observe(end_to_end.as_secs_f64());
+        }
         tracing::info!(
             payout_id = %updated.payout_id, account_id = %updated.account_id, token = fence.token().get(),
             owner = fence.owner(), from = from.as_str(), to = to.as_str(), transition_event = event.as_str(),
