@@ -143,6 +143,7 @@ pub fn local(options: ActivityOptions) -> LocalActivityOptions {
     local.start_to_close_timeout = options.close_timeouts.start_to_close();
     local.retry_policy = options.retry_policy.unwrap_or_else(safe_to_repeat);
     local.timer_backoff_threshold = Some(LOCAL_RETRY_TIMER_THRESHOLD);
+    local.summary = options.summary.clone();
     if repeatable {
         local.schedule_to_close_timeout = Some(LOCAL_STEP_BUDGET);
     }

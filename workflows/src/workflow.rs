@@ -22,10 +22,11 @@ use temporalio_common::search_attributes::SearchAttributeKey;
 use temporalio_common::ActivityDefinition;
 use temporalio_macros::{workflow, workflow_methods};
 use temporalio_sdk::{
-    ActivityExecutionError, ActivityOptions, ApplicationFailure, SyncWorkflowContext,
+    ActivityExecutionError, ActivityOptions, ApplicationFailure, SyncWorkflowContext, TimerOptions,
     WorkflowContext, WorkflowContextView, WorkflowResult,
 };
 
+use crate::details::{self, step_summary, utc};
 use crate::options;
 
 /// Keyword search attributes registered at server start (temporal/search-attributes).
@@ -208,6 +209,12 @@ pub struct PayoutWorkflow {
     abandon_answers: BTreeMap<u64, Option<AbandonAnswer>>,
     /// The run waits in its account's line for the key (nothing else can happen meanwhile).
     waiting_for_lock: bool,
+    /// What the run waits for, when it is more than its state says (the UI's current details).
+    waiting_for: Option<String>,
+    /// Who held the account's key when the run last found it taken.
+    lock_holder: Option<String>,
+    /// The recorded instruction in a line (amount, account, beneficiary, client reference).
+    pays: String,
 }
 
 /// An operator's abandon as queued for the run loop: from the signal, or from the Update with
@@ -447,13 +454,26 @@ impl PayoutWorkflow {
                     // nothing. Releasing lets the in-flight payout's own workflow take the key
                     // back; this one asks again after a durable pause, deciding signals meanwhile.
                     ctx.state_mut(|s| s.last_event = format!("WAITING_FOR_ACCOUNT: {refusal}"));
+                    let at = ctx.workflow_time().unwrap_or(SystemTime::UNIX_EPOCH)
+                        + ACCOUNT_BUSY_RETRY_INTERVAL;
+                    waiting_for(
+                        ctx,
+                        format!(
+                            "another payout of the account to finish (it is in flight); asks \
+                             again at {}",
+                            utc(at)
+                        ),
+                    );
                     if let Some(grant) = facts.grant.take() {
                         // A release that cannot run (its worker is gone) is harmless: the
                         // session's lease frees the key.
                         release_best_effort(ctx, &input, &grant).await;
                     }
                     temporalio_sdk::workflows::select! {
-                        _ = ctx.timer(ACCOUNT_BUSY_RETRY_INTERVAL) => {},
+                        _ = ctx.timer(timer_for(
+                            ACCOUNT_BUSY_RETRY_INTERVAL,
+                            "another payout of the account is in flight: ask again",
+                        )) => {},
                         _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {},
                     };
                     snapshot = read(ctx, &input).await?;
@@ -472,12 +492,16 @@ impl PayoutWorkflow {
                         payout_id: input.payout_id.clone(),
                         grant: grant.clone(),
                     },
-                    options::fenced(options::guard_call(), &grant),
+                    summarised(
+                        options::fenced(options::guard_call(), &grant),
+                        "ReleaseGrant",
+                    ),
                 )
                 .await?;
             }
         }
         ctx.state_mut(|s| s.last_event = format!("RELEASED in {}", snapshot.state));
+        show(ctx);
         Ok(PayoutResult {
             payout_id: input.payout_id.clone(),
             state: snapshot.state,
@@ -664,6 +688,17 @@ fn observe(
         s.state = Some(snapshot.state);
         s.claimer = snapshot.claimed_by.clone();
         s.last_event = format!("{event} -> {}", snapshot.state);
+        s.waiting_for = None;
+        if s.pays.is_empty() {
+            let i = &input.instruction;
+            s.pays = format!(
+                "{} from `{}` to `{}` (client reference `{}`)",
+                crate::display_amount(&i.currency, i.amount_minor.get()),
+                i.account_id,
+                i.beneficiary_ref,
+                ClientReference::for_payout(&input.payout_id)
+            );
+        }
         changed
     });
     if changed {
@@ -672,6 +707,58 @@ fn observe(
             ACCOUNT_ID.value_set(input.instruction.account_id.to_string()),
         ]);
     }
+    show(ctx);
+}
+
+/// Shows the run's current details in the Temporal UI (the workflow metadata query's
+/// `currentDetails`): what it waits for, the operator's decision in progress, the last event,
+/// what it pays.
+fn show(ctx: &WorkflowContext<PayoutWorkflow>) {
+    let shown = ctx.state(|s| {
+        let operator = s.abandon_accepted.as_ref().map(|a| {
+            format!(
+                "abandon by `{}` accepted and on record ({}); carried out {}",
+                recordable(&a.request.signal.operator, OPERATOR_LENGTH_MAX),
+                a.note,
+                if s.waiting_for_lock {
+                    "once the run holds the account's lock"
+                } else {
+                    "next"
+                }
+            )
+        });
+        details::render(&details::Facts {
+            state: s.state.unwrap_or(PayoutState::Pending),
+            token: s.token.map(|t| t.get()),
+            claimer: &s.claimer,
+            waiting_for: s.waiting_for.as_deref(),
+            operator: operator.as_deref(),
+            last_event: &s.last_event,
+            pays: &s.pays,
+        })
+    });
+    ctx.set_current_details(shown);
+}
+
+/// Notes what the run waits for now, and shows it.
+fn waiting_for(ctx: &WorkflowContext<PayoutWorkflow>, what: String) {
+    ctx.state_mut(|s| s.waiting_for = Some(what));
+    show(ctx);
+}
+
+/// `options` with the summary the UI shows for `activity`'s call, unless it has one.
+fn summarised(mut options: ActivityOptions, activity: &str) -> ActivityOptions {
+    if options.summary.is_none() {
+        options.summary = Some(step_summary(activity).to_string());
+    }
+    options
+}
+
+/// A durable timer whose purpose the UI shows.
+fn timer_for(duration: Duration, summary: &str) -> TimerOptions {
+    TimerOptions::builder(duration)
+        .summary(summary.to_string())
+        .build()
 }
 
 async fn read(
@@ -717,6 +804,7 @@ where
     AD::Input: Clone,
     AD::Output: TemporalDeserializable,
 {
+    let options = summarised(options, activity().name());
     if !local.get() {
         return ctx.execute_activity(activity(), arguments, options).await;
     }
@@ -800,7 +888,7 @@ async fn release_best_effort(
             .execute_local_activity(
                 PayoutActivities::release_grant_here,
                 fenced.clone(),
-                options::local(options::guard_call()),
+                options::local(summarised(options::guard_call(), "ReleaseGrantHere")),
             )
             .await;
         if matches!(here, Ok(Released::Released)) {
@@ -811,7 +899,10 @@ async fn release_best_effort(
         .execute_activity(
             PayoutActivities::release_grant,
             fenced,
-            options::fenced(options::release_best_effort(), grant),
+            summarised(
+                options::fenced(options::release_best_effort(), grant),
+                "ReleaseGrant",
+            ),
         )
         .await;
 }
@@ -864,12 +955,23 @@ async fn wait_in_line(
     let mut acquiring = std::pin::pin!(ctx.execute_activity(
         PayoutActivities::acquire_grant,
         request(input),
-        options,
+        summarised(options, "AcquireGrant"),
     ));
-    ctx.state_mut(|s| {
+    let holder = ctx.state_mut(|s| {
         s.last_event = "WAITING_FOR_LOCK in the account's queue".into();
         s.waiting_for_lock = true;
+        s.lock_holder.clone()
     });
+    waiting_for(
+        ctx,
+        format!(
+            "the account's lock `payout:{}`{}, in the account's line",
+            input.instruction.account_id,
+            holder
+                .map(|h| format!(" (held by {h})"))
+                .unwrap_or_default()
+        ),
+    );
     loop {
         temporalio_sdk::workflows::select! {
             outcome = &mut acquiring => {
@@ -878,6 +980,7 @@ async fn wait_in_line(
             },
             _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {
                 process_signals(ctx, input, facts).await;
+                show(ctx);
             }
         };
     }
@@ -937,15 +1040,20 @@ fn granted_or_note(
     outcome: AcquireOutcome,
 ) -> Option<Grant> {
     match outcome {
-        AcquireOutcome::Granted(grant) => Some(grant),
+        AcquireOutcome::Granted(grant) => {
+            ctx.state_mut(|s| s.lock_holder = None);
+            Some(grant)
+        }
         AcquireOutcome::NotAcquired {
             holder_owner,
             holder_token,
         } => {
             ctx.state_mut(|s| {
                 s.last_event =
-                    format!("WAITING_FOR_LOCK held by {holder_owner} (token {holder_token})")
+                    format!("WAITING_FOR_LOCK held by {holder_owner} (token {holder_token})");
+                s.lock_holder = Some(format!("`{holder_owner}`, token {holder_token}"));
             });
+            show(ctx);
             None
         }
     }
@@ -970,14 +1078,14 @@ async fn acquire_between_timers(
             .execute_activity(
                 PayoutActivities::acquire_grant,
                 request(input),
-                options::acquire(),
+                summarised(options::acquire(), "AcquireGrant"),
             )
             .await?;
         if let Some(grant) = granted_or_note(ctx, outcome) {
             return Ok(grant);
         }
         temporalio_sdk::workflows::select! {
-            _ = ctx.timer(LOCK_RETRY_INTERVAL) => {},
+            _ = ctx.timer(timer_for(LOCK_RETRY_INTERVAL, "the account's lock is held: try again")) => {},
             _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => {},
         };
         process_signals(ctx, input, facts).await;
@@ -1048,6 +1156,7 @@ async fn process_signals(
                 );
             }
         });
+        show(ctx);
     }
 }
 
@@ -1137,6 +1246,7 @@ async fn withdraw_abandon(
             format!("accepted ({}), then {note}", accepted.note),
         );
     });
+    show(ctx);
 }
 
 /// One step from the reported state, under `grant`.
@@ -1263,6 +1373,10 @@ async fn submit(
         .instruction
         .clone()
         .unwrap_or_else(|| input.instruction.clone());
+    waiting_for(
+        ctx,
+        "the rail's answer to the submission (sent once, never retried)".into(),
+    );
     let answer = call(
         ctx,
         &input.local,
@@ -1330,8 +1444,30 @@ async fn ambiguity_step(
     let interval = *facts
         .inquiry_interval
         .get_or_insert(Duration::from_millis(input.ambiguity.settlement_window_ms));
+    let sla_passed = ctx.state(|s| s.resolution_sla_passed);
+    let ask_at = utc(now + interval);
+    waiting_for(
+        ctx,
+        if sla_passed {
+            format!(
+                "an operator decision (the resolution SLA has passed: abandon is allowed); \
+                 the rail is asked again at {ask_at}"
+            )
+        } else {
+            format!(
+                "the settlement window, until {ask_at}; then the rail is asked for evidence \
+                 (resolution SLA ends {})",
+                utc(since + sla)
+            )
+        },
+    );
+    let timer_summary = if sla_passed {
+        "past the resolution SLA: ask the rail again"
+    } else {
+        "settlement window: then ask the rail for evidence"
+    };
     let signalled = temporalio_sdk::workflows::select! {
-        _ = ctx.timer(interval) => false,
+        _ = ctx.timer(timer_for(interval, timer_summary)) => false,
         _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => true,
     };
     if signalled {
@@ -1438,4 +1574,105 @@ async fn abandon_payout(
         }
     });
     Ok((abandoned, "OPERATOR_ABANDON"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(operator: &str, reason: &str) -> AbandonSignal {
+        AbandonSignal {
+            operator: operator.into(),
+            reason: reason.into(),
+            signature: String::new(),
+            signed_at_unix_ms: 0,
+        }
+    }
+
+    fn in_state(state: PayoutState, sla_passed: bool) -> PayoutWorkflow {
+        PayoutWorkflow {
+            payout_id: "p-1".into(),
+            state: Some(state),
+            resolution_sla_passed: sla_passed,
+            ..Default::default()
+        }
+    }
+
+    /// The validator accepts exactly what the run loop would accept, and says why it does not.
+    #[test]
+    fn the_abandon_validator_turns_down_what_needs_no_one_else() {
+        let ok = request("alice", "customer withdrew");
+        assert_eq!(PayoutWorkflow::default().abandon_rejection(&ok), None);
+        assert_eq!(
+            in_state(PayoutState::Pending, false).abandon_rejection(&ok),
+            None
+        );
+        assert_eq!(
+            in_state(PayoutState::RailAmbiguous, true).abandon_rejection(&ok),
+            None
+        );
+        let why = |w: PayoutWorkflow, r: &AbandonSignal| w.abandon_rejection(r).unwrap();
+        for terminal in [
+            PayoutState::Posted,
+            PayoutState::Failed,
+            PayoutState::Abandoned,
+        ] {
+            let said = why(in_state(terminal, true), &ok);
+            assert!(said.contains(&format!("already {terminal}")), "{said}");
+        }
+        for never in [
+            PayoutState::Claimed,
+            PayoutState::RailSubmitted,
+            PayoutState::RailAcked,
+        ] {
+            let said = why(in_state(never, true), &ok);
+            assert!(said.contains("does not allow abandon"), "{said}");
+        }
+        let said = why(in_state(PayoutState::RailAmbiguous, false), &ok);
+        assert!(said.contains("resolution SLA has not passed"), "{said}");
+        let said = why(in_state(PayoutState::Pending, false), &request("", "x"));
+        assert!(said.contains("operator is missing"), "{said}");
+        let said = why(in_state(PayoutState::Pending, false), &request("a", " "));
+        assert!(said.contains("reason is missing"), "{said}");
+        let mut busy = in_state(PayoutState::Pending, false);
+        busy.abandon_accepted = Some(AcceptedAbandon {
+            request: AbandonRequest {
+                signal: ok.clone(),
+                ticket: None,
+            },
+            state: PayoutState::Pending,
+            note: "PENDING: operator cancel".into(),
+        });
+        assert!(why(busy, &ok).contains("already being carried out"));
+    }
+
+    /// An answer goes only to an Update still waiting for it: one already answered (accepted,
+    /// waiting for the key) or a signal (no ticket) leaves nothing behind.
+    #[test]
+    fn answers_go_only_to_waiting_updates() {
+        let mut w = in_state(PayoutState::Pending, false);
+        w.abandon_answers.insert(1, None);
+        w.answer_abandon(
+            Some(1),
+            AbandonOutcome::Refused,
+            AbandonDecider::Workflow,
+            "x".into(),
+        );
+        w.answer_abandon(
+            Some(2),
+            AbandonOutcome::Abandoned,
+            AbandonDecider::PaymentResource,
+            "y".into(),
+        );
+        w.answer_abandon(
+            None,
+            AbandonOutcome::Refused,
+            AbandonDecider::Workflow,
+            "z".into(),
+        );
+        assert_eq!(w.abandon_answers.len(), 1);
+        let answer = w.abandon_answers[&1].clone().unwrap();
+        assert!(!answer.accepted);
+        assert_eq!(answer.payout_id, "p-1");
+    }
 }

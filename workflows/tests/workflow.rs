@@ -13,7 +13,10 @@ use payout_activities::in_memory::{InMemoryBackend, RailScript};
 use payout_activities::types::{AmbiguityPolicy, Inquiry, PayoutInput, PayoutStartInput};
 use payout_activities::PayoutActivities;
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
-use payout_workflows::{PayoutResult, PayoutStatus, PayoutWorkflow};
+use payout_workflows::{
+    AbandonAnswer, AbandonDecider, AbandonOutcome, AbandonSignal, PayoutResult, PayoutStatus,
+    PayoutWorkflow,
+};
 use temporalio_client::{
     Client, ClientOptions, ConnectionOptions, Url, WorkflowFetchHistoryOptions,
     WorkflowGetResultOptions, WorkflowQueryOptions, WorkflowStartOptions,
@@ -787,6 +790,272 @@ async fn the_resources_sla_refusal_is_an_answer_not_a_failure() {
     assert_eq!(world.postings(&done.payout_id), 0);
 }
 
+/// The operator path for the Update: exactly what an operator types. The answer's JSON, or the
+/// CLI's error (a rejected Update) as text. The CLI waits for the answer, so it runs off the
+/// test's runtime, where the worker runs.
+async fn update_abandon(id: &str, input: &str) -> Result<AbandonAnswer, String> {
+    let (id, input) = (id.to_string(), input.to_string());
+    let out = tokio::task::spawn_blocking(move || {
+        Stack::shared().temporal().cli(&[
+            "workflow",
+            "update",
+            "execute",
+            "--namespace",
+            "default",
+            "--workflow-id",
+            &id,
+            "--name",
+            "abandon",
+            "--input",
+            &input,
+            "--output",
+            "json",
+        ])
+    })
+    .await
+    .unwrap()
+    .map_err(|e| e.to_string())?;
+    let printed: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    Ok(serde_json::from_value(printed["result"].clone()).unwrap_or_else(|e| panic!("{e}: {out}")))
+}
+
+/// A CLI command that needs the worker to answer (a query), run off the test's runtime.
+async fn cli_off_runtime(args: &[&str]) -> String {
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend(["--namespace".to_string(), "default".to_string()]);
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Stack::shared().temporal().cli(&args)
+    })
+    .await
+    .unwrap()
+    .unwrap()
+}
+
+fn abandon_input(operator: &str, reason: &str) -> String {
+    serde_json::json!({ "operator": operator, "reason": reason }).to_string()
+}
+
+/// The Update on a PENDING payout waiting for its account's key: it answers at once that the
+/// abandon is accepted and on record (the decision is in the audit trail before the answer),
+/// and carries it out once the key comes. A second abandon meanwhile, as a signal, is refused on
+/// record; as an Update, rejected at once; neither acts again.
+#[tokio::test]
+async fn the_abandon_update_answers_at_once_and_is_carried_out_once() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("update-pending", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Ack);
+    let other = world.hold_lock_elsewhere(&input.account_id);
+    let q = queue("update-pending");
+    let w = world.clone();
+    let (id, done) = with_worker(&world, &q, |client, q| async move {
+        // Started as every starter starts it: the UI's summary and details come with the start.
+        let id = payout_domain::workflow_id(&input.payout_id);
+        client
+            .start_workflow(
+                PayoutWorkflow::run,
+                PayoutStartInput::from(&input),
+                payout_workflows::start_options(&q, &input),
+            )
+            .await
+            .unwrap();
+        waiting_for_the_lock(&client, &id).await;
+        let described = cli_off_runtime(&["workflow", "describe", "--workflow-id", &id]).await;
+        assert!(
+            described.contains(&format!("Payout {}: EUR 10.00 from", input.payout_id)),
+            "the summary: {described}"
+        );
+        assert!(
+            described.contains("**Client reference** `cref-"),
+            "the details: {described}"
+        );
+        let metadata = cli_off_runtime(&["workflow", "metadata", "--workflow-id", &id]).await;
+        assert!(
+            metadata.contains("**Waiting for** the account's lock `payout:a-"),
+            "the current details: {metadata}"
+        );
+        assert!(metadata.contains("**Pays** EUR 10.00"), "{metadata}");
+        let answer = update_abandon(&id, &abandon_input("alice", "customer withdrew"))
+            .await
+            .unwrap();
+        assert_eq!(
+            answer.outcome,
+            AbandonOutcome::AcceptedWaitingForLock,
+            "{answer:?}"
+        );
+        assert!(answer.accepted);
+        assert_eq!(answer.state, PayoutState::Pending);
+        assert_eq!(answer.reason, "PENDING: operator cancel");
+        // On record before the answer, and before anything acted on it.
+        let decisions = w.decisions();
+        assert_eq!(decisions.len(), 1, "{decisions:?}");
+        assert!(decisions[0].accepted);
+        assert_eq!(w.state(&input.payout_id), PayoutState::Pending);
+        let again = update_abandon(&id, &abandon_input("bob", "again"))
+            .await
+            .unwrap_err();
+        assert!(
+            again.contains("an abandon is already being carried out"),
+            "{again}"
+        );
+        signal_abandon(&id, "bob", "again, as a signal");
+        testkit::eventually(SETTLE_TIMEOUT, "the second refused on record", || async {
+            (w.decisions().len() == 2).then_some(())
+        })
+        .await
+        .unwrap();
+        w.release_elsewhere(&other);
+        (id.clone(), result(&client, &id).await)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Abandoned);
+    let decisions = world.decisions();
+    let seen: Vec<(&str, bool)> = decisions
+        .iter()
+        .map(|d| (d.operator.as_str(), d.accepted))
+        .collect();
+    assert_eq!(seen, [("alice", true), ("bob", false)], "{decisions:?}");
+    assert!(decisions[1].note.contains("already being carried out"));
+    assert_eq!(world.submit_calls(&done.payout_id), 0);
+    record_history(&client().await, "update_abandon_pending", &id).await;
+}
+
+/// Past the resolution SLA (the workflow's and the resource's), the Update answers once the
+/// payment resource has carried the abandon out; before the resource's own SLA, it answers with
+/// the resource's refusal, and the payout goes on.
+#[tokio::test]
+async fn the_abandon_update_answers_with_what_the_payment_resource_did() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input(
+        "update-amb",
+        1_000,
+        AmbiguityPolicy {
+            settlement_window_ms: 300,
+            resolution_sla_ms: 1_000,
+        },
+    );
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
+    let unknown = Inquiry::Unknown {
+        detail: "rail cannot say".into(),
+    };
+    world.script_inquiries(&input.payout_id, vec![unknown; 1_000]);
+    let q = queue("update-amb");
+    let w = world.clone();
+    let (id, done) = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        testkit::eventually(SETTLE_TIMEOUT, "RAIL_AMBIGUOUS", || async {
+            (status(&client, &id).await.state == PayoutState::RailAmbiguous).then_some(())
+        })
+        .await
+        .unwrap();
+        // Before the workflow's SLA: rejected at once, nothing recorded.
+        let early = update_abandon(&id, &abandon_input("bob", "too early"))
+            .await
+            .unwrap_err();
+        assert!(early.contains("resolution SLA has not passed"), "{early}");
+        assert!(w.decisions().is_empty());
+        testkit::eventually(SETTLE_TIMEOUT, "the workflow's SLA passed", || async {
+            status(&client, &id)
+                .await
+                .resolution_sla_passed
+                .then_some(())
+        })
+        .await
+        .unwrap();
+        // The resource's own record says the SLA has not passed: its refusal is the answer.
+        let request = AbandonSignal {
+            operator: "erin".into(),
+            reason: "finance ticket 7".into(),
+            signature: String::new(),
+            signed_at_unix_ms: 0,
+        };
+        let refused = payout_workflows::abandon::execute(&client, &id, request.clone(), None)
+            .await
+            .unwrap();
+        assert_eq!(refused.outcome, AbandonOutcome::Refused, "{refused:?}");
+        assert!(!refused.accepted);
+        assert_eq!(refused.decided_by, AbandonDecider::PaymentResource);
+        assert!(refused.reason.contains("resolution SLA"), "{refused:?}");
+        assert_eq!(refused.state, PayoutState::RailAmbiguous);
+        let recorded: Vec<bool> = w.decisions().iter().map(|d| d.accepted).collect();
+        assert_eq!(
+            recorded,
+            [true, false],
+            "accepted, then withdrawn on record"
+        );
+        w.set_resolution_sla(Duration::ZERO);
+        let abandoned = payout_workflows::abandon::execute(&client, &id, request, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            abandoned.outcome,
+            AbandonOutcome::Abandoned,
+            "{abandoned:?}"
+        );
+        assert!(abandoned.accepted);
+        assert_eq!(abandoned.decided_by, AbandonDecider::PaymentResource);
+        assert_eq!(abandoned.state, PayoutState::Abandoned);
+        (id.clone(), result(&client, &id).await)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Abandoned, "{done:?}");
+    let recorded: Vec<bool> = world.decisions().iter().map(|d| d.accepted).collect();
+    assert_eq!(recorded, [true, false, true]);
+    assert_eq!(world.postings(&done.payout_id), 0);
+    record_history(&client().await, "update_abandon_ambiguous", &id).await;
+}
+
+/// What the validator turns down is rejected at once with the reason, recorded nowhere, and the
+/// payout goes on: input that does not parse, no operator, a state where abandon is never
+/// allowed. A closed workflow's Update fails as the server reports it.
+#[tokio::test]
+async fn the_abandon_update_rejects_what_it_can_decide_alone() {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input("update-rejected", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::TimeoutBeforeRail);
+    world.script_inquiries(
+        &input.payout_id,
+        vec![
+            Inquiry::Unknown {
+                detail: "not yet".into(),
+            };
+            1_000
+        ],
+    );
+    let q = queue("update-rejected");
+    let w = world.clone();
+    with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        testkit::eventually(SETTLE_TIMEOUT, "RAIL_AMBIGUOUS", || async {
+            (status(&client, &id).await.state == PayoutState::RailAmbiguous).then_some(())
+        })
+        .await
+        .unwrap();
+        let unparsable = update_abandon(&id, r#""abandon it please""#)
+            .await
+            .unwrap_err();
+        assert!(unparsable.contains("invalid type"), "{unparsable}");
+        let no_operator = update_abandon(&id, &abandon_input(" ", "why"))
+            .await
+            .unwrap_err();
+        assert!(
+            no_operator.contains("the operator is missing"),
+            "{no_operator}"
+        );
+        let early = update_abandon(&id, &abandon_input("bob", "too early"))
+            .await
+            .unwrap_err();
+        assert!(early.contains("resolution SLA has not passed"), "{early}");
+        assert!(w.decisions().is_empty(), "nothing recorded");
+        assert_eq!(status(&client, &id).await.state, PayoutState::RailAmbiguous);
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn replay_committed_histories() {
     let mut files: Vec<_> = std::fs::read_dir(HISTORIES_DIR)
@@ -809,6 +1078,8 @@ async fn replay_committed_histories() {
         "v1_decline",
         "v2_normal_path",
         "v2_decline",
+        "update_abandon_pending",
+        "update_abandon_ambiguous",
     ] {
         assert!(
             files.iter().any(|p| p.file_stem().unwrap() == required),
