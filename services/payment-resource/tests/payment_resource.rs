@@ -689,6 +689,10 @@ async fn stale_holder_is_fenced_out_and_changes_nothing() {
         .metrics
         .render()
         .contains("fenced_out_total{guard=\"payment_resource\",operation=\"claim\"} 2"));
+    // The same refusals in the latency histogram, under their own outcome.
+    assert!(h.service.metrics.render().contains(
+        "guard_call_duration_seconds_count{guard=\"payment_resource\",operation=\"claim\",outcome=\"fenced_out\"} 2"
+    ));
 
     // Interleave further: T' moves on, T keeps trying at every step and never lands.
     h.c().mark_submitted(&p, &new).await.unwrap();

@@ -300,6 +300,14 @@ async fn two_holders_race_at_most_one_movement_and_the_stale_holder_is_fenced() 
         ) as i64,
         fenced_events
     );
+    // The same refusals in the latency histogram, under their own outcome.
+    assert_eq!(
+        counted(
+            &rig,
+            "guard_call_duration_seconds_count{guard=\"rail_proxy\",operation=\"submit\",outcome=\"fenced_out\"}"
+        ) as i64,
+        fenced_events
+    );
 }
 
 /// The value of `rail_proxy_duplicate_submissions_total{kind}` (0 before the first).
