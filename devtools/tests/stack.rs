@@ -15,13 +15,19 @@ fn payoutdev(state: &Path, args: &[&str], ports: &[(&str, u16)]) -> std::process
     cmd.output().expect("payoutdev runs")
 }
 
-/// The first port of `len` consecutive free ports (our services listen on base+1..base+16).
+/// The first port of `len` consecutive free ports, reserved for the caller: the tests of this
+/// binary run at once, each with a stack of its own, and their blocks must not overlap.
 fn free_port_block(len: u16) -> u16 {
+    static TAKEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut taken = TAKEN.lock().unwrap();
     loop {
         let base = free_port();
         if base.checked_add(len).is_some()
+            && (0..len).all(|i| !taken.contains(&(base + i)))
             && (0..len).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok())
         {
+            taken.extend((0..len).map(|i| base + i));
+            testkit::util::reserve_ports((0..len).map(|i| base + i));
             return base;
         }
     }
@@ -34,30 +40,40 @@ fn status_json(state: &Path) -> (bool, serde_json::Value) {
     (out.status.success(), value)
 }
 
-#[tokio::test]
-async fn stack_up_status_down_up_keeps_data() {
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("stack");
-    // One block of free ports, laid out so that the ports each part derives from its own
-    // (etcd's peer port = client + 1; Temporal's HTTP and metrics = UI + 1, + 2; our services =
-    // base + 1..16) never land on another part's.
-    let b = free_port_block(40);
-    let ports = [
+/// One block of free ports as `stack up`'s variables, laid out so that the ports each part
+/// derives from its own (etcd's peer port = client + 1; Temporal's HTTP and metrics = UI + 1,
+/// + 2; our services = base + 1..31) never land on another part's.
+fn stack_ports() -> [(&'static str, u16); 6] {
+    let b = free_port_block(60);
+    [
         ("PAYOUT_PG_MAIN_PORT", b),
         ("PAYOUT_PG_PROXY_PORT", b + 1),
         ("PAYOUT_ETCD_PORT", b + 2),
         ("PAYOUT_TEMPORAL_PORT", b + 5),
         ("PAYOUT_TEMPORAL_UI_PORT", b + 6),
         ("PAYOUT_SERVICE_PORT_BASE", b + 10),
-    ];
-    let up = payoutdev(&state, &["stack", "up"], &ports);
-    let stop = scopeguard(&state);
+    ]
+}
+
+/// `stack up` on `ports`, which must succeed; what it said on stderr.
+fn up_ok(state: &Path, ports: &[(&str, u16)]) -> String {
+    let up = payoutdev(state, &["stack", "up"], ports);
+    let stderr = String::from_utf8_lossy(&up.stderr).into_owned();
     assert!(
         up.status.success(),
-        "up failed: {}\n{}",
-        String::from_utf8_lossy(&up.stdout),
-        String::from_utf8_lossy(&up.stderr)
+        "up failed: {}\n{stderr}",
+        String::from_utf8_lossy(&up.stdout)
     );
+    stderr
+}
+
+#[tokio::test]
+async fn stack_up_status_down_up_keeps_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("stack");
+    let ports = stack_ports();
+    let stop = scopeguard(&state);
+    up_ok(&state, &ports);
     let (ok, status) = status_json(&state);
     assert!(ok, "status: {status}");
     let parts = status["parts"].as_array().unwrap();
@@ -161,13 +177,7 @@ async fn stack_up_status_down_up_keeps_data() {
     let (ok, _) = status_json(&state);
     assert!(!ok, "status must fail while the stack is down");
 
-    let up = payoutdev(&state, &["stack", "up"], &ports);
-    assert!(
-        up.status.success(),
-        "second up failed: {}\n{}",
-        String::from_utf8_lossy(&up.stdout),
-        String::from_utf8_lossy(&up.stderr)
-    );
+    up_ok(&state, &ports);
     let pool = sqlx::PgPool::connect(&paydb).await.unwrap();
     let x: i32 = sqlx::query_scalar("SELECT x FROM kit_persisted")
         .fetch_one(&pool)
@@ -228,13 +238,7 @@ fn up_restarts_only(state: &Path, victim: &str) {
     kill_part(before[victim]);
     let (ok, status) = status_json(state);
     assert!(!ok, "status must report {victim} down: {status}");
-    let up = payoutdev(state, &["stack", "up"], &[]);
-    let stderr = String::from_utf8_lossy(&up.stderr);
-    assert!(
-        up.status.success(),
-        "up after {victim} died: {}\n{stderr}",
-        String::from_utf8_lossy(&up.stdout)
-    );
+    let stderr = up_ok(state, &[]);
     assert!(
         stderr.contains(&format!("started again: {victim}")),
         "up names what it restarted: {stderr}"
@@ -258,25 +262,9 @@ fn up_restarts_only(state: &Path, victim: &str) {
 async fn up_after_one_part_died_restarts_that_part_only() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("stack");
-    let b = free_port_block(60);
-    let ports = [
-        ("PAYOUT_PG_MAIN_PORT", b),
-        ("PAYOUT_PG_PROXY_PORT", b + 1),
-        ("PAYOUT_ETCD_PORT", b + 2),
-        ("PAYOUT_TEMPORAL_PORT", b + 5),
-        ("PAYOUT_TEMPORAL_UI_PORT", b + 6),
-        ("PAYOUT_SERVICE_PORT_BASE", b + 10),
-    ];
-    let up = payoutdev(&state, &["stack", "up"], &ports);
     let stop = scopeguard(&state);
-    assert!(
-        up.status.success(),
-        "up failed: {}\n{}",
-        String::from_utf8_lossy(&up.stdout),
-        String::from_utf8_lossy(&up.stderr)
-    );
     // Long operations say what they do.
-    let stderr = String::from_utf8_lossy(&up.stderr);
+    let stderr = up_ok(&state, &stack_ports());
     assert!(stderr.contains("provisioning the databases"), "{stderr}");
 
     // One of our services; then a database (its services reconnect by themselves).
@@ -323,13 +311,8 @@ async fn up_after_one_part_died_restarts_that_part_only() {
     )
     .await
     .unwrap();
-    let up = payoutdev(&state, &["stack", "up"], &[]);
-    assert!(up.status.success());
-    assert!(
-        String::from_utf8_lossy(&up.stderr).contains("stack already up"),
-        "{}",
-        String::from_utf8_lossy(&up.stderr)
-    );
+    let stderr = up_ok(&state, &[]);
+    assert!(stderr.contains("stack already up"), "{stderr}");
     assert_eq!(pids(&state), recorded, "up restarted nothing");
     assert!(testkit::util::pid_alive(by_hand_pid as u32));
     drop(stop);

@@ -114,44 +114,41 @@ pub struct StartMetrics {
 
 impl StartMetrics {
     pub fn new(metrics: &service_kit::Metrics) -> Self {
-        let oldest_pending_age = service_kit::prometheus::Gauge::new(
-            "workflow_start_pending_oldest_age_seconds",
-            "Age of the oldest staged payout workflow start not yet delivered to Temporal (0: none).",
-        )
-        .expect("a valid gauge");
-        metrics
-            .registry
-            .register(Box::new(oldest_pending_age.clone()))
-            .expect("registered once");
-        let failing = service_kit::prometheus::IntCounter::new(
-            "workflow_start_failing_total",
-            "Failed attempts to start a payout workflow staged longer than the overdue bound. Alert on any.",
-        )
-        .expect("a valid counter");
-        metrics
-            .registry
-            .register(Box::new(failing.clone()))
-            .expect("registered once");
-        let retried = service_kit::prometheus::IntCounter::new(
-            "workflow_start_retries_total",
-            "Failed attempts to start a payout workflow (retried with backoff).",
-        )
-        .expect("a valid counter");
-        metrics
-            .registry
-            .register(Box::new(retried.clone()))
-            .expect("registered once");
+        use service_kit::prometheus::{Gauge, IntCounter};
         Self {
             delivered: metrics.counter_vec(
                 "workflow_starts_total",
                 "Staged payout workflow starts delivered to Temporal, by outcome (started, already_started).",
                 &["outcome"],
             ),
-            retried,
-            failing,
-            oldest_pending_age,
+            retried: registered(metrics, IntCounter::new(
+                "workflow_start_retries_total",
+                "Failed attempts to start a payout workflow (retried with backoff).",
+            )),
+            failing: registered(metrics, IntCounter::new(
+                "workflow_start_failing_total",
+                "Failed attempts to start a payout workflow staged longer than the overdue bound. Alert on any.",
+            )),
+            oldest_pending_age: registered(metrics, Gauge::new(
+                "workflow_start_pending_oldest_age_seconds",
+                "Age of the oldest staged payout workflow start not yet delivered to Temporal (0: none).",
+            )),
         }
     }
+}
+
+/// A metric of this file's definitions, registered on the process's registry (exported at 0 from
+/// the start, so an alert sees its first increase).
+fn registered<C>(metrics: &service_kit::Metrics, made: service_kit::prometheus::Result<C>) -> C
+where
+    C: service_kit::prometheus::core::Collector + Clone + 'static,
+{
+    let metric = made.expect("a valid metric definition");
+    metrics
+        .registry
+        .register(Box::new(metric.clone()))
+        .expect("metric registered once");
+    metric
 }
 
 #[derive(Debug, thiserror::Error)]
