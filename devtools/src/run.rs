@@ -182,9 +182,18 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     // Submit every payout (CreatePayout: its workflow starts by itself), then await each
     // result; the latency is submission to final state.
     let client = Arc::new(
-        payout_workflows::client::connect(&system.temporal_address, "default", "payoutdev")
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}"))?,
+        // The address is the target's; the namespace, TLS and API key come from the Temporal
+        // environment or profile as for every process (a deployment elsewhere, Temporal Cloud),
+        // the namespace `default` when nothing names one (the local stack's).
+        payout_workflows::client::connect_configured(
+            &payout_workflows::client::TemporalArgs {
+                address: Some(system.temporal_address.clone()),
+                ..Default::default()
+            },
+            "payoutdev",
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?,
     );
     let timeout = Duration::from_secs(args.timeout_s);
     let progress = tokio::spawn(progress_lines(
