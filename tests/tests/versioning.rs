@@ -8,7 +8,9 @@
 //! What makes the checks discriminate: v2's worker polls the same task queue from before the v1
 //! payouts start, so which build runs a task is decided by Temporal's routing (the current
 //! version, then the pin), not by which worker happens to poll first; and the v1 payouts are
-//! shown still running and unpaid when v2 becomes current.
+//! shown still running and unpaid when v2 becomes current. The negative control
+//! (`without_routing_an_in_flight_payout_is_finished_by_the_new_build`) runs the same rollout
+//! with routing off: the same history check then sees an in-flight v1 payout finished by v2.
 //!
 //! Run: `cargo build --bins -p lock-server -p payment-resource -p rail-stub -p rail-proxy
 //! -p general-ledger -p outbox-dispatcher -p payout-worker -p reconciler-service && cargo test
@@ -51,6 +53,15 @@ fn temporal_cli(args: &[&str]) -> anyhow::Result<String> {
 
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// A worker of `build_id` that reports its version but is not routed by it (versioning off).
+fn start_unrouted_worker(system: &System, build_id: &str) -> anyhow::Result<ManagedProcess> {
+    ManagedProcess::start(
+        system
+            .worker_spec(&format!("worker-{build_id}"))
+            .env("PAYOUT_WORKER_BUILD_ID", build_id),
+    )
 }
 
 /// A worker of `build_id`, routed by version (what a deployment runs).
@@ -426,5 +437,70 @@ async fn in_flight_payouts_finish_on_their_version_and_new_ones_start_on_the_nex
         "reconciler: {}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The negative control: the same rollout with routing off (the workers only report their
+/// build). v2 joins while payouts are held mid-flight on v1 and v1 goes away (killed: an
+/// unrouted old worker is the only one that could finish them); the same history check then sees
+/// those payouts finished by build v2, i.e. by code that did not start them, which is what pinning
+/// prevents. Paying once still holds: the guards, not the versioning, make that safe.
+#[tokio::test]
+async fn without_routing_an_in_flight_payout_is_finished_by_the_new_build() {
+    let system = System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 0,
+            rail_timeout_ms: RAIL_TIMEOUT_MS,
+            settlement_window_ms: 1_000,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let ctx = Ctx {
+        system: &system,
+        temporal: wf::connect(
+            &system.temporal_address,
+            testkit::temporal::NAMESPACE,
+            "versioning-control",
+        )
+        .await
+        .unwrap(),
+        payment: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+            .await
+            .unwrap(),
+        stub: StubClient::new(system.rail_url()),
+    };
+    let v1 = start_unrouted_worker(&system, "v1").unwrap();
+    ctx.stub
+        .set_faults(&FaultConfig {
+            latency_ms_min: RAIL_HOLD_MS,
+            latency_ms_max: RAIL_HOLD_MS,
+            ..FaultConfig::default()
+        })
+        .await
+        .unwrap();
+    let (input, id) = ctx.start_payout("unrouted").await;
+    testkit::eventually(
+        SETTLE_TIMEOUT,
+        "the rail holds the v1 submission",
+        || async { (ctx.rail(&input).await.1 == 1).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", v1.log_tail(40)));
+    let v2 = start_unrouted_worker(&system, "v2").unwrap();
+    ctx.stub.set_faults(&FaultConfig::default()).await.unwrap();
+    v1.kill().unwrap();
+
+    let done = wf::wait_result(&ctx.temporal, &id, SETTLE_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{id}: {e}\n{}", v2.log_tail(40)));
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert_eq!(ctx.rail(&input).await.0, 1, "paid once all the same");
+    let builds = workflow_task_builds(&id);
+    assert!(
+        builds.iter().any(|b| b == "v2"),
+        "without routing the in-flight payout still ran only on v1: {builds:?}"
     );
 }
