@@ -231,7 +231,52 @@ struct Ctx<'a> {
     stub: StubClient,
 }
 
-impl Ctx<'_> {
+/// A system of its own with no worker (each test starts the builds it needs), a rail timeout
+/// above the hold.
+async fn start_system() -> System {
+    System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 0,
+            rail_timeout_ms: RAIL_TIMEOUT_MS,
+            settlement_window_ms: 1_000,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
+impl<'a> Ctx<'a> {
+    async fn new(system: &'a System, identity: &str) -> Self {
+        Self {
+            system,
+            temporal: wf::connect(
+                &system.temporal_address,
+                testkit::temporal::NAMESPACE,
+                identity,
+            )
+            .await
+            .unwrap(),
+            payment: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+                .await
+                .unwrap(),
+            stub: StubClient::new(system.rail_url()),
+        }
+    }
+
+    /// From now on the rail sits on every payment request for [`RAIL_HOLD_MS`].
+    async fn hold_rail(&self) {
+        self.stub
+            .set_faults(&FaultConfig {
+                latency_ms_min: RAIL_HOLD_MS,
+                latency_ms_max: RAIL_HOLD_MS,
+                ..FaultConfig::default()
+            })
+            .await
+            .unwrap();
+    }
+
     async fn start_payout(&self, name: &str) -> (PayoutInput, String) {
         let unique = Stack::shared()
             .unique_prefix(name)
@@ -280,34 +325,10 @@ impl Ctx<'_> {
 
 #[tokio::test]
 async fn in_flight_payouts_finish_on_their_version_and_new_ones_start_on_the_next() {
-    let stack = Stack::shared();
-    let system = System::start(
-        stack,
-        SystemOptions {
-            workers: 0,
-            rail_timeout_ms: RAIL_TIMEOUT_MS,
-            settlement_window_ms: 1_000,
-            ..SystemOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let system = start_system().await;
     // Its own deployment name (no dots: Temporal joins name and build id with one).
     let deployment = system.task_queue.replace(['.', '/', ':'], "-");
-    let ctx = Ctx {
-        system: &system,
-        temporal: wf::connect(
-            &system.temporal_address,
-            testkit::temporal::NAMESPACE,
-            "versioning-test",
-        )
-        .await
-        .unwrap(),
-        payment: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
-            .await
-            .unwrap(),
-        stub: StubClient::new(system.rail_url()),
-    };
+    let ctx = Ctx::new(&system, "versioning-test").await;
 
     // Version 1 deployed and current; version 2 deployed too but not current yet.
     let v1 = start_versioned_worker(&system, &deployment, "v1").unwrap();
@@ -319,14 +340,7 @@ async fn in_flight_payouts_finish_on_their_version_and_new_ones_start_on_the_nex
     // Payouts started now run on v1 although v2 polls the same queue: routing follows the
     // current version, not whichever worker asks first. They are held mid-flight: the rail sits
     // on their submissions.
-    ctx.stub
-        .set_faults(&FaultConfig {
-            latency_ms_min: RAIL_HOLD_MS,
-            latency_ms_max: RAIL_HOLD_MS,
-            ..FaultConfig::default()
-        })
-        .await
-        .unwrap();
+    ctx.hold_rail().await;
     let mut on_v1 = Vec::new();
     for i in 0..PAYOUTS_PER_VERSION {
         on_v1.push(ctx.start_payout(&format!("v1-{i}")).await);
@@ -447,40 +461,10 @@ async fn in_flight_payouts_finish_on_their_version_and_new_ones_start_on_the_nex
 /// prevents. Paying once still holds: the guards, not the versioning, make that safe.
 #[tokio::test]
 async fn without_routing_an_in_flight_payout_is_finished_by_the_new_build() {
-    let system = System::start(
-        Stack::shared(),
-        SystemOptions {
-            workers: 0,
-            rail_timeout_ms: RAIL_TIMEOUT_MS,
-            settlement_window_ms: 1_000,
-            ..SystemOptions::default()
-        },
-    )
-    .await
-    .unwrap();
-    let ctx = Ctx {
-        system: &system,
-        temporal: wf::connect(
-            &system.temporal_address,
-            testkit::temporal::NAMESPACE,
-            "versioning-control",
-        )
-        .await
-        .unwrap(),
-        payment: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
-            .await
-            .unwrap(),
-        stub: StubClient::new(system.rail_url()),
-    };
+    let system = start_system().await;
+    let ctx = Ctx::new(&system, "versioning-control").await;
     let v1 = start_unrouted_worker(&system, "v1").unwrap();
-    ctx.stub
-        .set_faults(&FaultConfig {
-            latency_ms_min: RAIL_HOLD_MS,
-            latency_ms_max: RAIL_HOLD_MS,
-            ..FaultConfig::default()
-        })
-        .await
-        .unwrap();
+    ctx.hold_rail().await;
     let (input, id) = ctx.start_payout("unrouted").await;
     testkit::eventually(
         SETTLE_TIMEOUT,
