@@ -1,0 +1,1126 @@
+//! The compose deployment, end to end: `docker-compose.yml` brought up through testcontainers
+//! (tests/support) under a unique project name, payouts driven through the payment resource's
+//! gRPC API and Temporal, and hosts cut off while payouts are in flight. The scenarios, in order
+//! ([`SCENARIOS`]; a new one is one more entry):
+//!
+//! 1. happy path (and a payout refused for insufficient funds), one started with the operators'
+//!    `temporal workflow start` CLI inside the Temporal container;
+//! 2. stop of the worker that claimed a payout;
+//! 3. disconnect of a worker from the `lock` network (etcd, lock-server) while it keeps reaching
+//!    the guards on `core`;
+//! 4. pause of the worker that claimed a payout until another worker took it over, then unpause
+//!    (the stale holder resumes with its old token);
+//! 5. kill of the etcd leader;
+//! 6. restart of the paydb container.
+//!
+//! Then the checker: at most one rail movement per payout (the rail stub's ground truth), exactly
+//! one for each POSTED payout and none for a FAILED one, the ledger balanced (CheckLedger), every
+//! payout terminal or RAIL_AMBIGUOUS with evidence; the reconciler with zero violations; the
+//! compose `reconciler` service's Temporal schedule with a completed run; and the negative control
+//! (a duplicate rail payment caught by both). `down --volumes` always runs.
+//!
+//! With no Docker engine the suite prints why it was skipped and passes: the one allowed skip.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context};
+use payment_client::model::NewPayout;
+use payment_client::PaymentClient;
+use payout_activities::types::{AmbiguityPolicy, PayoutInput};
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
+use support::{Deployment, Engine};
+
+/// A payout settles in a few seconds; after a cut, a lock session's TTL (10 s), an activity's
+/// start-to-close timeout (up to 30 s) and a retry must pass first.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(240);
+/// Every payment request waits 0.8-2 s at the rail, so that cuts land while payouts are in flight.
+const RAIL_LATENCY_MS: (u64, u64) = (800, 2_000);
+/// The rail stub's settlement window, and the workflow's view of it.
+const SETTLEMENT_WINDOW_MS: u64 = 2_000;
+const OPENING_BALANCE: i64 = 1_000_000;
+const AMOUNT: i64 = 1_250;
+const POLL: Duration = Duration::from_millis(300);
+/// Payouts per account in the cut scenarios. One: with more, a cut that strands a CLAIMED payout
+/// lets the account's next payout take the grant, the payment resource answers AccountBusy, and
+/// today's workflow fails on that refusal, leaving its payout PENDING forever (reported to the
+/// workflow's owner; raise this to 3 once AccountBusy waits and retries).
+const CUT_PAYOUTS_PER_ACCOUNT: usize = 1;
+/// Accounts in each cut scenario: enough payouts in flight on two workers.
+const CUT_ACCOUNTS: usize = 6;
+/// Worker replicas: a cut worker's payouts are taken over by the other.
+const WORKERS: usize = 2;
+/// The compose reconciler's schedule interval in the suite (its default is five minutes).
+const RECONCILE_INTERVAL_S: u64 = 10;
+/// A scheduled reconciler run completes within a few intervals of the deployment coming up.
+const RECONCILE_RUN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The images docker-compose.yml names, all built locally (deploy/base-image.sh,
+/// deploy/build-images.sh): nothing is pulled.
+const IMAGES: &[&str] = &[
+    "payout/postgres:15",
+    "payout/etcd:3.4",
+    "payout/temporal:1.9.1",
+    "payout/services:dev",
+    "payout/monitoring:dev",
+];
+
+/// The container ports the suite reaches from the host (docker-compose.yml's `ports:`).
+const TEMPORAL_PORT: u16 = 7233;
+const TEMPORAL_UI_PORT: u16 = 8233;
+const PAYMENT_PORT: u16 = 50052;
+const RAIL_STUB_PORT: u16 = 8090;
+const PROXY_PORT: u16 = 50053;
+const POSTGRES_PORT: u16 = 5432;
+const ETCD_PORT: u16 = 2379;
+const ETCD_MEMBERS: [&str; 3] = ["etcd1", "etcd2", "etcd3"];
+const PROMETHEUS_PORT: u16 = 9090;
+const ALERTMANAGER_PORT: u16 = 9093;
+/// The suite's scrape and rule interval (compose's default is 15 s).
+const PROMETHEUS_INTERVAL_S: u64 = 2;
+/// Every target scraped up and two rule evaluations after it, at that interval, with margin.
+const MONITORING_TIMEOUT: Duration = Duration::from_secs(120);
+/// The jobs Prometheus must scrape in compose (deploy/monitoring/compose-targets, workers by DNS).
+const MONITORED_JOBS: [&str; 10] = [
+    "lock-server",
+    "payment-resource",
+    "rail-stub",
+    "rail-proxy",
+    "general-ledger",
+    "outbox-dispatcher",
+    "reconciler",
+    "etcd",
+    "temporal",
+    "worker",
+];
+
+type ScenarioRun =
+    for<'a, 'd> fn(&'a mut Harness<'d>) -> Pin<Box<dyn Future<Output = anyhow::Result<()>> + 'a>>;
+
+/// One scenario: payouts submitted, a cut, every payout settled.
+struct Scenario {
+    /// Its TIMING line's name.
+    name: &'static str,
+    /// What the error says when it fails.
+    what: &'static str,
+    run: ScenarioRun,
+}
+
+/// The scenarios, run in this order on one deployment; the checkers run after the last.
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "happy path",
+        what: "scenario happy path",
+        run: |h| Box::pin(happy_path(h)),
+    },
+    Scenario {
+        name: "stop worker",
+        what: "scenario: stop the worker mid-payout",
+        run: |h| Box::pin(stop_claiming_worker(h)),
+    },
+    Scenario {
+        name: "lock-network cut",
+        what: "scenario: worker cut off from etcd/lock-server",
+        run: |h| Box::pin(disconnect_worker_from_lock_network(h)),
+    },
+    Scenario {
+        name: "paused worker",
+        what: "scenario: worker paused past its lease",
+        run: |h| Box::pin(pause_claiming_worker(h)),
+    },
+    Scenario {
+        name: "etcd leader kill",
+        what: "scenario: kill the etcd leader",
+        run: |h| Box::pin(kill_etcd_leader(h)),
+    },
+    Scenario {
+        name: "paydb restart",
+        what: "scenario: restart paydb",
+        run: |h| Box::pin(restart_paydb(h)),
+    },
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compose_deployment_end_to_end_with_cuts() {
+    let docker = match Engine::detect().await.expect("engine") {
+        Engine::Ready(docker) => docker,
+        Engine::Absent { reason } => {
+            println!("SKIPPED: compose suite not run: {reason}");
+            eprintln!("SKIPPED: compose suite not run: {reason}");
+            return;
+        }
+    };
+    ensure_images(&docker).await.expect("images");
+
+    // Every published host port chosen by Docker (support::published_port_vars).
+    let mut env = support::published_port_vars().expect("docker-compose.yml");
+    env.extend(
+        [
+            ("PAYOUT_RAIL_LATENCY_MS_MIN", RAIL_LATENCY_MS.0.to_string()),
+            ("PAYOUT_RAIL_LATENCY_MS_MAX", RAIL_LATENCY_MS.1.to_string()),
+            (
+                "PAYOUT_RAIL_SETTLEMENT_WINDOW_MS",
+                SETTLEMENT_WINDOW_MS.to_string(),
+            ),
+            (
+                "PAYOUT_RECONCILE_INTERVAL_S",
+                RECONCILE_INTERVAL_S.to_string(),
+            ),
+            (
+                "PAYOUT_PROMETHEUS_INTERVAL",
+                format!("{PROMETHEUS_INTERVAL_S}s"),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let name = format!(
+        "payoutct{}x{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis()
+            % 1_000_000
+    );
+    println!("compose: project {name}");
+
+    let up = Instant::now();
+    let mut deployment = match Deployment::up(docker, &name, WORKERS, env).await {
+        Ok(deployment) => deployment,
+        Err(e) => panic!("compose up: {e:#}"),
+    };
+    println!(
+        "TIMING compose up ({WORKERS} workers, all healthy): {:.1}s",
+        up.elapsed().as_secs_f64()
+    );
+
+    let started = Instant::now();
+    let result = scenarios(&deployment).await;
+    println!("TIMING scenarios: {:.1}s", started.elapsed().as_secs_f64());
+    if let Err(e) = &result {
+        eprintln!(
+            "---- last log lines of every container ----\n{}",
+            deployment.logs_tail(60).await
+        );
+        eprintln!("compose suite failed: {e:#}");
+    }
+    let down = Instant::now();
+    deployment.down().await;
+    println!(
+        "TIMING compose down -v: {:.1}s",
+        down.elapsed().as_secs_f64()
+    );
+    result.unwrap();
+}
+
+/// Builds the images when one is missing (base image, then the four images from the binaries
+/// already built on the host). deploy/compose-test.sh does this before running the suite.
+async fn ensure_images(docker: &testcontainers::bollard::Docker) -> anyhow::Result<()> {
+    let mut missing = false;
+    for image in IMAGES {
+        missing |= docker.inspect_image(image).await.is_err();
+    }
+    if !missing {
+        return Ok(());
+    }
+    let root = support::repo_root();
+    for script in ["deploy/base-image.sh", "deploy/build-images.sh"] {
+        let status = tokio::process::Command::new("bash")
+            .arg(root.join(script))
+            .stdin(std::process::Stdio::null())
+            .status()
+            .await
+            .with_context(|| format!("run {script}"))?;
+        ensure!(
+            status.success(),
+            "{script} exited {status} (build the binaries first: cargo build --bins)"
+        );
+    }
+    Ok(())
+}
+
+struct Harness<'a> {
+    project: &'a Deployment,
+    /// The suite as the fixture: it opens its accounts and submits its payouts.
+    payment: PaymentClient,
+    /// The suite as the reconciler: the ledger check is its call (and an operator's), not the
+    /// fixture's.
+    checker: PaymentClient,
+    temporal: temporalio_client::Client,
+    temporal_container: String,
+    http: reqwest::Client,
+    rail_url: String,
+    /// Every payout created, for the final checker.
+    payouts: Vec<PayoutId>,
+    next: u32,
+    run: String,
+}
+
+async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
+    let payment_url = format!(
+        "https://127.0.0.1:{}",
+        project.host_port("payment-resource", PAYMENT_PORT).await?
+    );
+    let payment = PaymentClient::connect(&payment_url, &suite_tls(mtls::Role::Fixture)?)
+        .await
+        .context("payment-resource from the host")?;
+    let checker = PaymentClient::connect(&payment_url, &suite_tls(mtls::Role::Reconciler)?)
+        .await
+        .context("payment-resource from the host, as the reconciler")?;
+    let temporal = payout_workflows::client::connect(
+        &format!(
+            "127.0.0.1:{}",
+            project.host_port("temporal", TEMPORAL_PORT).await?
+        ),
+        "default",
+        "compose-tests",
+    )
+    .await
+    .context("Temporal from the host")?;
+    let ui = reqwest::get(format!(
+        "http://127.0.0.1:{}/",
+        project.host_port("temporal", TEMPORAL_UI_PORT).await?
+    ))
+    .await
+    .context("Temporal UI from the host")?;
+    ensure!(
+        ui.status().is_success(),
+        "Temporal UI answers {}",
+        ui.status()
+    );
+    let mut h = Harness {
+        project,
+        payment,
+        checker,
+        temporal,
+        temporal_container: project.container("temporal")?,
+        http: reqwest::Client::new(),
+        rail_url: format!(
+            "http://127.0.0.1:{}",
+            project.host_port("rail-stub", RAIL_STUB_PORT).await?
+        ),
+        payouts: Vec::new(),
+        next: 0,
+        run: uuid::Uuid::new_v4().simple().to_string()[..8].to_string(),
+    };
+
+    monitoring_healthy(project)
+        .await
+        .context("alerting: every target up, nothing firing")?;
+    for scenario in SCENARIOS {
+        let t = Instant::now();
+        (scenario.run)(&mut h).await.context(scenario.what)?;
+        println!(
+            "TIMING scenario {}: {:.1}s",
+            scenario.name,
+            t.elapsed().as_secs_f64()
+        );
+    }
+
+    check_everything(&h).await.context("final checker")?;
+    reconcile(project).await.context("reconciler")?;
+    scheduled_reconciler(&h)
+        .await
+        .context("the reconciler service on its schedule")?;
+    negative_control(&h).await.context("negative control")
+}
+
+/// The deployment's alerting (deploy/monitoring) before any fault: Prometheus scrapes every part
+/// (each of its targets up, every job of MONITORED_JOBS among them, both workers), has evaluated
+/// every rule group twice since, and neither Prometheus nor Alertmanager holds a firing alert.
+async fn monitoring_healthy(project: &Deployment) -> anyhow::Result<()> {
+    let prometheus = format!(
+        "http://127.0.0.1:{}",
+        project.host_port("prometheus", PROMETHEUS_PORT).await?
+    );
+    let alertmanager = format!(
+        "http://127.0.0.1:{}",
+        project.host_port("alertmanager", ALERTMANAGER_PORT).await?
+    );
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    let get = |url: String| {
+        let http = http.clone();
+        async move {
+            let v: serde_json::Value = http.get(&url).send().await?.json().await?;
+            anyhow::Ok(v)
+        }
+    };
+    let deadline = Instant::now() + MONITORING_TIMEOUT;
+    loop {
+        let v = get(format!("{prometheus}/api/v1/targets?state=active")).await;
+        let targets = v
+            .as_ref()
+            .ok()
+            .and_then(|v| v["data"]["activeTargets"].as_array().cloned())
+            .unwrap_or_default();
+        let job_count = |job: &str| targets.iter().filter(|t| t["labels"]["job"] == job).count();
+        let all_up = targets.iter().all(|t| t["health"] == "up")
+            && MONITORED_JOBS.iter().all(|j| job_count(j) > 0)
+            && job_count("worker") == WORKERS
+            && job_count("etcd") == ETCD_MEMBERS.len();
+        if all_up {
+            println!("alerting: {} targets up", targets.len());
+            break;
+        }
+        if Instant::now() >= deadline {
+            let seen: Vec<String> = targets
+                .iter()
+                .map(|t| {
+                    format!(
+                        "{} {} {} {}",
+                        t["labels"]["job"], t["labels"]["instance"], t["health"], t["lastError"]
+                    )
+                })
+                .collect();
+            bail!(
+                "not every target scraped and up: {seen:?} ({v:?})",
+                v = v.err()
+            );
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let evaluations = || async {
+        let v = get(format!("{prometheus}/api/v1/rules")).await?;
+        let groups: BTreeMap<String, String> = v["data"]["groups"]
+            .as_array()
+            .context("no rule groups")?
+            .iter()
+            .map(|g| (g["name"].to_string(), g["lastEvaluation"].to_string()))
+            .collect();
+        ensure!(!groups.is_empty(), "no rule groups loaded");
+        anyhow::Ok(groups)
+    };
+    let mut last = evaluations().await?;
+    for _ in 0..2 {
+        loop {
+            let now = evaluations().await?;
+            if now.iter().all(|(g, at)| last.get(g) != Some(at)) {
+                last = now;
+                break;
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "the rules were not evaluated again: {now:?}"
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    let alerts = get(format!("{prometheus}/api/v1/alerts")).await?;
+    let firing: Vec<&serde_json::Value> = alerts["data"]["alerts"]
+        .as_array()
+        .context("no alerts list")?
+        .iter()
+        .filter(|a| a["state"] == "firing")
+        .collect();
+    ensure!(
+        firing.is_empty(),
+        "firing in a healthy deployment: {firing:?}"
+    );
+    let notified = get(format!(
+        "{alertmanager}/api/v2/alerts?active=true&silenced=false&inhibited=false"
+    ))
+    .await?;
+    ensure!(
+        notified.as_array().is_some_and(|a| a.is_empty()),
+        "Alertmanager holds alerts in a healthy deployment: {notified}"
+    );
+    Ok(())
+}
+
+/// The compose `reconciler` service runs on its Temporal schedule: the schedule `reconciler`
+/// exists (created by the service through Temporal's client, starting `ReconcileWorkflow` on
+/// the `reconciliation` queue) and one of its runs has completed.
+async fn scheduled_reconciler(h: &Harness<'_>) -> anyhow::Result<()> {
+    use temporalio_client::schedules::ScheduleDescriptionAction;
+    use temporalio_client::{UntypedWorkflow, WorkflowDescribeOptions, WorkflowExecutionStatus};
+    let schedule = h.temporal.get_schedule_handle("reconciler");
+    let deadline = Instant::now() + RECONCILE_RUN_TIMEOUT;
+    loop {
+        match schedule.describe(Default::default()).await {
+            Ok(described) => {
+                let ScheduleDescriptionAction::StartWorkflow(action) = described.action() else {
+                    bail!("the reconciler schedule starts no workflow");
+                };
+                ensure!(
+                    action.workflow_type() == "ReconcileWorkflow"
+                        && action.task_queue() == "reconciliation",
+                    "the schedule starts {} on {}",
+                    action.workflow_type(),
+                    action.task_queue()
+                );
+                for run in described.recent_actions() {
+                    let status = h
+                        .temporal
+                        .get_workflow_handle::<UntypedWorkflow>(&run.workflow_id)
+                        .describe(WorkflowDescribeOptions::default())
+                        .await?
+                        .status();
+                    if status == WorkflowExecutionStatus::Completed {
+                        println!(
+                            "compose: scheduled reconciler run {} completed",
+                            run.workflow_id
+                        );
+                        return Ok(());
+                    }
+                }
+            }
+            Err(e) if Instant::now() < deadline => {
+                println!("compose: no reconciler schedule yet ({e})");
+            }
+            Err(e) => return Err(e).context("describing the reconciler schedule"),
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no scheduled reconciler run completed within {RECONCILE_RUN_TIMEOUT:?}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The checkers are not vacuous: one duplicate payment sent straight to the rail (bypassing the
+/// proxy, as a deployment without the second guard would) for a POSTED payout is a violation for
+/// both the suite's checker and the reconciler.
+async fn negative_control(h: &Harness<'_>) -> anyhow::Result<()> {
+    let mut posted = None;
+    for id in &h.payouts {
+        let p = h.state(id).await?;
+        if p.state == PayoutState::Posted {
+            posted = Some(p);
+            break;
+        }
+    }
+    let p = posted.context("no POSTED payout to duplicate")?;
+    let answer = h
+        .http
+        .post(format!("{}/v1/payments", h.rail_url))
+        .json(&serde_json::json!({
+            "client_reference": p.client_reference,
+            "amount_minor": p.amount_minor,
+            "currency": p.currency.to_string(),
+            "beneficiary_ref": p.beneficiary_ref,
+        }))
+        .send()
+        .await?;
+    ensure!(
+        answer.status().is_success(),
+        "the stub refused the duplicate: {}",
+        answer.status()
+    );
+    let caught = check_everything(h).await;
+    let message = format!(
+        "{:#}",
+        caught
+            .as_ref()
+            .err()
+            .context("the checker missed a duplicate payment")?
+    );
+    ensure!(
+        message.contains(&format!("{}: 2 rail movements", p.client_reference)),
+        "the checker failed for another reason: {message}"
+    );
+    let caught = reconcile(h.project).await;
+    ensure!(caught.is_err(), "the reconciler missed a duplicate payment");
+    println!(
+        "negative control: a duplicate rail payment for {} is caught by both checkers",
+        p.payout_id
+    );
+    Ok(())
+}
+
+/// The outbox dispatcher delivers within a poll interval (250 ms) once the GL answers; after a
+/// paydb restart its backoff may be up to 30 s.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The fault suite's checker (`crates/reconciler`, what `payoutctl reconcile` runs) over the
+/// deployment's stores, rail and lock grants, with the outbox required drained: zero violations.
+async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
+    // As the reconciler's own role (it reads every store and may write none), over TLS with the
+    // servers' certificates checked: the password deploy/compose-test.sh generated for it.
+    let password = std::env::var("PAYOUT_DB_PASSWORD_RECONCILER")
+        .context("PAYOUT_DB_PASSWORD_RECONCILER is not set (run deploy/compose-test.sh)")?;
+    let tls_dir = std::env::var_os("PAYOUT_TLS_DIR")
+        .context("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)")?;
+    let pg = |port: u16, db: &str| {
+        let url = db_access::Server {
+            host: "127.0.0.1".into(),
+            port,
+            ca_file: std::path::Path::new(&tls_dir).join("ca.pem"),
+        }
+        .url("reconciler", &password, db);
+        async move {
+            sqlx::PgPool::connect(&url)
+                .await
+                .with_context(|| db_access::redact(&url))
+        }
+    };
+    // Read now: paydb and an etcd member were restarted by the cuts, and Docker may have
+    // published them on other ports since.
+    let paydb = project.host_port("paydb", POSTGRES_PORT).await?;
+    let proxydb = project.host_port("proxydb", POSTGRES_PORT).await?;
+    let proxy = project.host_port("rail-proxy", PROXY_PORT).await?;
+    let mut etcd = Vec::new();
+    for member in ETCD_MEMBERS {
+        etcd.push(format!(
+            "https://127.0.0.1:{}",
+            project.host_port(member, ETCD_PORT).await?
+        ));
+    }
+    let sources = reconciler::Sources {
+        paydb: pg(paydb, "paydb").await?,
+        proxydb: pg(proxydb, "proxydb").await?,
+        gldb: pg(paydb, "gldb").await?,
+        rail_proxy: Some(reconciler::ProxySource {
+            url: format!("https://127.0.0.1:{proxy}"),
+            tls: suite_tls(mtls::Role::Reconciler)?,
+        }),
+        lock_grants: Some(reconciler::LockGrants::new(
+            etcd,
+            suite_tls(mtls::Role::Reconciler)?,
+            "/payout/lock/".to_string(),
+        )),
+    };
+    let options = reconciler::Options {
+        require_outbox_drained: true,
+        ..Default::default()
+    };
+    let deadline = Instant::now() + DRAIN_TIMEOUT;
+    loop {
+        let report = reconciler::reconcile(&sources, &options).await?;
+        let only_outbox_pending = report
+            .checks
+            .iter()
+            .all(|c| c.violations.is_empty() || c.name == "gl_matches_paydb");
+        if report.is_clean() || !only_outbox_pending || Instant::now() > deadline {
+            print!("reconciler:\n{}", report.render());
+            for c in &report.checks {
+                if let Some(why) = &c.skipped {
+                    println!("reconciler: check {} skipped: {why}", c.name);
+                }
+            }
+            ensure!(
+                report.is_clean(),
+                "reconciler: {} violations: {:#?}",
+                report.violations,
+                report
+                    .checks
+                    .iter()
+                    .filter(|c| !c.violations.is_empty())
+                    .map(|c| (c.name, &c.violations))
+                    .collect::<Vec<_>>()
+            );
+            ensure!(
+                report.checks.iter().all(|c| c.skipped.is_none()),
+                "reconciler: a check could not run"
+            );
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+impl Harness<'_> {
+    fn id(&mut self, kind: &str) -> String {
+        self.next += 1;
+        format!("{kind}-{}-{}", self.run, self.next)
+    }
+
+    async fn open_account(&mut self, balance: i64) -> anyhow::Result<AccountId> {
+        let account = AccountId::parse(self.id("acct"))?;
+        self.payment
+            .open_account(&account, &Currency::parse("EUR")?, balance)
+            .await?;
+        Ok(account)
+    }
+
+    async fn create(&mut self, account: &AccountId, amount: i64) -> anyhow::Result<PayoutInput> {
+        let payout_id = PayoutId::parse(self.id("po"))?;
+        let input = PayoutInput {
+            payout_id: payout_id.clone(),
+            account_id: account.clone(),
+            amount_minor: AmountMinor::new(amount)?,
+            currency: Currency::parse("EUR")?,
+            beneficiary_ref: BeneficiaryRef::parse(format!("ben-{}", self.next))?,
+            ambiguity: AmbiguityPolicy {
+                settlement_window_ms: SETTLEMENT_WINDOW_MS,
+                resolution_sla_ms: 120_000,
+            },
+        };
+        self.payment
+            .create_payout(&NewPayout {
+                payout_id: input.payout_id.clone(),
+                account_id: input.account_id.clone(),
+                amount_minor: input.amount_minor,
+                currency: input.currency.clone(),
+                beneficiary_ref: input.beneficiary_ref.clone(),
+            })
+            .await?;
+        self.payouts.push(payout_id);
+        Ok(input)
+    }
+
+    /// CreatePayout, then the workflow through the Rust client (what payoutctl uses). The
+    /// dispatcher's starter starts it from CreatePayout's staged start too: "already started"
+    /// is success.
+    async fn submit(&mut self, account: &AccountId, amount: i64) -> anyhow::Result<PayoutId> {
+        let input = self.create(account, amount).await?;
+        match payout_workflows::client::start_payout(&self.temporal, "payouts", &input).await {
+            Ok(_) | Err(payout_workflows::client::PayoutClientError::AlreadyStarted { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(input.payout_id)
+    }
+
+    /// After an operator's start failed: the start stands if the workflow exists (the
+    /// dispatcher's starter started it from CreatePayout's staged start first).
+    async fn started_anyway(&self, workflow_id: &str, failed: anyhow::Error) -> anyhow::Result<()> {
+        use temporalio_client::{UntypedWorkflow, WorkflowDescribeOptions};
+        self.temporal
+            .get_workflow_handle::<UntypedWorkflow>(workflow_id)
+            .describe(WorkflowDescribeOptions::default())
+            .await
+            .map(|_| ())
+            .map_err(|_| failed)
+    }
+
+    /// CreatePayout, then the workflow through the operators' CLI inside the Temporal container.
+    async fn submit_with_cli(
+        &mut self,
+        account: &AccountId,
+        amount: i64,
+    ) -> anyhow::Result<PayoutId> {
+        let input = self.create(account, amount).await?;
+        let json = serde_json::to_string(&input)?;
+        let workflow_id = payout_domain::workflow_id(&input.payout_id);
+        let account_attr = format!("AccountId={}", serde_json::to_string(account.as_str())?);
+        let started = self
+            .project
+            .exec(
+                &self.temporal_container,
+                &[
+                    "temporal",
+                    "workflow",
+                    "start",
+                    "--address",
+                    "127.0.0.1:7233",
+                    "--namespace",
+                    "default",
+                    "--type",
+                    "PayoutWorkflow",
+                    "--task-queue",
+                    "payouts",
+                    "--workflow-id",
+                    &workflow_id,
+                    "--id-reuse-policy",
+                    "RejectDuplicate",
+                    "--search-attribute",
+                    "PayoutState=\"PENDING\"",
+                    "--search-attribute",
+                    &account_attr,
+                    "--input",
+                    &json,
+                ],
+            )
+            .await;
+        if let Err(failed) = started {
+            self.started_anyway(&workflow_id, failed).await?;
+        }
+        Ok(input.payout_id)
+    }
+
+    async fn state(&self, id: &PayoutId) -> anyhow::Result<payment_client::model::Payout> {
+        Ok(self.payment.get_payout(id).await?.payout)
+    }
+
+    /// Polls until `pred` holds for some payout of `ids`, returning it.
+    async fn wait_any(
+        &self,
+        ids: &[PayoutId],
+        what: &str,
+        pred: impl Fn(&payment_client::model::Payout) -> bool,
+    ) -> anyhow::Result<payment_client::model::Payout> {
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            for id in ids {
+                if let Ok(p) = self.state(id).await {
+                    if pred(&p) {
+                        return Ok(p);
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("no payout of {ids:?} became {what} within {SETTLE_TIMEOUT:?}");
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Polls until every payout of `ids` is terminal (POSTED, FAILED, ABANDONED); transient
+    /// errors (a guard restarting) are retried.
+    async fn wait_settled(
+        &self,
+        ids: &[PayoutId],
+    ) -> anyhow::Result<Vec<payment_client::model::Payout>> {
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            let mut done = Vec::new();
+            let mut pending = Vec::new();
+            for id in ids {
+                match self.state(id).await {
+                    Ok(p) if p.state.is_terminal() => done.push(p),
+                    Ok(p) => pending.push(format!("{id}={}", p.state.as_str())),
+                    Err(e) => pending.push(format!("{id}: {e}")),
+                }
+            }
+            if pending.is_empty() {
+                return Ok(done);
+            }
+            if Instant::now() > deadline {
+                bail!("not settled within {SETTLE_TIMEOUT:?}: {pending:?}");
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// The worker container whose identity (`worker-<hostname>`, the hostname being the short
+    /// container id) claimed the payout. The claimer is the grant's owner,
+    /// `worker-<hostname>/<payout_id>`: one grant per payout.
+    async fn worker_of(&self, claimer: &str) -> anyhow::Result<String> {
+        let identity = claimer.split('/').next().unwrap_or(claimer);
+        let host = identity.strip_prefix("worker-").unwrap_or(identity);
+        self.project
+            .service_containers("worker")
+            .await?
+            .into_iter()
+            .find(|id| id.starts_with(host) || host.starts_with(id.as_str()))
+            .with_context(|| format!("no worker container for claimer {claimer}"))
+    }
+
+    async fn submit_batch(
+        &mut self,
+        accounts: usize,
+        per_account: usize,
+    ) -> anyhow::Result<Vec<PayoutId>> {
+        let mut ids = Vec::new();
+        for _ in 0..accounts {
+            let account = self.open_account(OPENING_BALANCE).await?;
+            for _ in 0..per_account {
+                ids.push(self.submit(&account, AMOUNT).await?);
+            }
+        }
+        Ok(ids)
+    }
+}
+
+fn in_flight(p: &payment_client::model::Payout) -> bool {
+    matches!(p.state, PayoutState::Claimed | PayoutState::RailSubmitted) && p.claimed_by.is_some()
+}
+
+async fn happy_path(h: &mut Harness<'_>) -> anyhow::Result<()> {
+    let mut ids = h.submit_batch(2, 2).await?;
+    let account = h.open_account(OPENING_BALANCE).await?;
+    ids.push(h.submit_with_cli(&account, AMOUNT).await?);
+    let poor = h.open_account(100).await?;
+    let refused = h.submit(&poor, AMOUNT).await?;
+    ids.push(refused.clone());
+    let settled = h.wait_settled(&ids).await?;
+    for p in &settled {
+        let expected = if p.payout_id == refused {
+            PayoutState::Failed
+        } else {
+            PayoutState::Posted
+        };
+        ensure!(
+            p.state == expected,
+            "{} ended {} (want {}): {:?}",
+            p.payout_id,
+            p.state.as_str(),
+            expected.as_str(),
+            p.failure_reason
+        );
+    }
+    // The account of the CLI-started payout was debited once.
+    let balance = h.payment.get_account(&account).await?.balance_minor;
+    ensure!(
+        balance == OPENING_BALANCE - AMOUNT,
+        "balance {balance} after one payout of {AMOUNT}"
+    );
+    Ok(())
+}
+
+async fn stop_claiming_worker(h: &mut Harness<'_>) -> anyhow::Result<()> {
+    let ids = h
+        .submit_batch(CUT_ACCOUNTS, CUT_PAYOUTS_PER_ACCOUNT)
+        .await?;
+    let victim = h.wait_any(&ids, "claimed", in_flight).await?;
+    let claimer = victim.claimed_by.clone().unwrap_or_default();
+    let container = h.worker_of(&claimer).await?;
+    println!(
+        "cut: docker stop worker {container} ({claimer}) while {} is {}",
+        victim.payout_id,
+        victim.state.as_str()
+    );
+    h.project.stop(&container).await?;
+    let result = h.wait_settled(&ids).await;
+    h.project.start(&container).await?;
+    h.project
+        .wait_container_healthy(&container, support::UP_TIMEOUT)
+        .await?;
+    result.map(|_| ())
+}
+
+async fn disconnect_worker_from_lock_network(h: &mut Harness<'_>) -> anyhow::Result<()> {
+    let ids = h
+        .submit_batch(CUT_ACCOUNTS, CUT_PAYOUTS_PER_ACCOUNT)
+        .await?;
+    let victim = h.wait_any(&ids, "claimed", in_flight).await?;
+    let claimer = victim.claimed_by.clone().unwrap_or_default();
+    let container = h.worker_of(&claimer).await?;
+    let lock_net = h.project.network("lock").await?;
+    println!(
+        "cut: disconnect worker {container} ({claimer}) from the lock network while {} is {}",
+        victim.payout_id,
+        victim.state.as_str()
+    );
+    h.project.disconnect(&lock_net, &container).await?;
+    // The cut worker still reaches the guards on `core`: its stale writes meet the fences.
+    let reachable = h
+        .project
+        .exec(
+            &container,
+            &[
+                "payout-probe",
+                "grpc",
+                "payment-resource:50052",
+                "payment-resource",
+            ],
+        )
+        .await;
+    let unreachable = h
+        .project
+        .exec(
+            &container,
+            &["payout-probe", "grpc", "lock-server:7100", "lock-server"],
+        )
+        .await;
+    let result = h.wait_settled(&ids).await;
+    h.project.connect(&lock_net, &container).await?;
+    reachable.context("the cut worker must still reach payment-resource")?;
+    ensure!(
+        unreachable.is_err(),
+        "the cut worker still reaches lock-server: the cut did not cut"
+    );
+    result.map(|_| ())
+}
+
+/// The stale holder: `docker pause` (SIGSTOP of every process) of the worker holding a claimed
+/// payout until another worker has taken the payout over with a newer grant, then `docker
+/// unpause`: whatever the paused worker was doing resumes with its old token, and the guards
+/// must refuse it.
+async fn pause_claiming_worker(h: &mut Harness<'_>) -> anyhow::Result<()> {
+    let ids = h
+        .submit_batch(CUT_ACCOUNTS, CUT_PAYOUTS_PER_ACCOUNT)
+        .await?;
+    let victim = h.wait_any(&ids, "claimed", in_flight).await?;
+    let claimer = victim.claimed_by.clone().unwrap_or_default();
+    let container = h.worker_of(&claimer).await?;
+    println!(
+        "cut: docker pause worker {container} ({claimer}) while {} is {}",
+        victim.payout_id,
+        victim.state.as_str()
+    );
+    h.project.pause(&container).await?;
+    let taken_over = h
+        .wait_any(
+            std::slice::from_ref(&victim.payout_id),
+            "taken over or settled",
+            |p| p.state.is_terminal() || p.claimed_by.as_deref() != Some(claimer.as_str()),
+        )
+        .await;
+    h.project.unpause(&container).await?;
+    let taken_over = taken_over?;
+    println!(
+        "cut: {} is {} (claimer {:?}) before the paused worker resumes",
+        taken_over.payout_id,
+        taken_over.state.as_str(),
+        taken_over.claimed_by
+    );
+    h.wait_settled(&ids).await.map(|_| ())
+}
+
+#[derive(serde::Deserialize)]
+struct EtcdEndpointStatus {
+    #[serde(rename = "Endpoint")]
+    endpoint: String,
+    #[serde(rename = "Status")]
+    status: EtcdStatus,
+}
+#[derive(serde::Deserialize)]
+struct EtcdStatus {
+    header: EtcdHeader,
+    leader: u64,
+}
+#[derive(serde::Deserialize)]
+struct EtcdHeader {
+    member_id: u64,
+}
+
+async fn kill_etcd_leader(h: &mut Harness<'_>) -> anyhow::Result<()> {
+    let etcd1 = h.project.container("etcd1")?;
+    let status = h
+        .project
+        .exec(
+            &etcd1,
+            &[
+                "etcdctl",
+                "--endpoints=https://etcd1:2379,https://etcd2:2379,https://etcd3:2379",
+                "--cacert=/run/payout-tls/ca.pem",
+                "--cert=/run/payout-tls/etcd1.pem",
+                "--key=/run/payout-tls/etcd1.key",
+                "endpoint",
+                "status",
+                "-w",
+                "json",
+            ],
+        )
+        .await?;
+    let statuses: Vec<EtcdEndpointStatus> =
+        serde_json::from_str(&status).with_context(|| format!("etcdctl status: {status}"))?;
+    let leader = statuses
+        .iter()
+        .find(|s| s.status.header.member_id == s.status.leader)
+        .context("no etcd member reports itself leader")?;
+    let service = leader
+        .endpoint
+        .trim_start_matches("https://")
+        .split(':')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let container = h.project.container(&service)?;
+
+    let ids = h
+        .submit_batch(CUT_ACCOUNTS, CUT_PAYOUTS_PER_ACCOUNT)
+        .await?;
+    h.wait_any(&ids, "claimed", in_flight).await?;
+    println!("cut: docker kill etcd leader {service} ({container})");
+    h.project.kill(&container).await?;
+    let result = h.wait_settled(&ids).await;
+    h.project.start(&container).await?;
+    h.project
+        .wait_container_healthy(&container, support::UP_TIMEOUT)
+        .await?;
+    result.map(|_| ())
+}
+
+async fn restart_paydb(h: &mut Harness<'_>) -> anyhow::Result<()> {
+    let ids = h
+        .submit_batch(CUT_ACCOUNTS, CUT_PAYOUTS_PER_ACCOUNT)
+        .await?;
+    h.wait_any(&ids, "claimed", in_flight).await?;
+    let paydb = h.project.container("paydb")?;
+    println!("cut: docker restart paydb ({paydb})");
+    h.project.restart(&paydb).await?;
+    h.project
+        .wait_container_healthy(&paydb, support::UP_TIMEOUT)
+        .await?;
+    h.wait_settled(&ids).await.map(|_| ())
+}
+
+#[derive(serde::Deserialize)]
+struct GroundTruth {
+    movement_counts: BTreeMap<String, u64>,
+    submit_requests_total: u64,
+}
+
+/// Zero violations: at most one rail movement per payout, exactly one per POSTED payout, none per
+/// FAILED payout, the ledger balanced, every payout terminal or RAIL_AMBIGUOUS with evidence.
+async fn check_everything(h: &Harness<'_>) -> anyhow::Result<()> {
+    let truth: GroundTruth = h
+        .http
+        .get(format!("{}/admin/movements", h.rail_url))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let mut violations = Vec::new();
+    for (reference, count) in &truth.movement_counts {
+        if *count > 1 {
+            violations.push(format!("{reference}: {count} rail movements"));
+        }
+    }
+    let mut states: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut references = BTreeSet::new();
+    let mut audit_kinds: BTreeMap<String, usize> = BTreeMap::new();
+    for id in &h.payouts {
+        let with_history = h.payment.get_payout(id).await?;
+        for event in &with_history.history {
+            *audit_kinds.entry(event.kind.clone()).or_default() += 1;
+        }
+        let p = with_history.payout;
+        references.insert(p.client_reference.clone());
+        *states.entry(p.state.as_str()).or_default() += 1;
+        let moved = truth
+            .movement_counts
+            .get(&p.client_reference)
+            .copied()
+            .unwrap_or(0);
+        match p.state {
+            PayoutState::Posted if moved != 1 => {
+                violations.push(format!("{id} POSTED with {moved} rail movements"))
+            }
+            PayoutState::Failed if moved != 0 => {
+                violations.push(format!("{id} FAILED with {moved} rail movements"))
+            }
+            PayoutState::RailAmbiguous if p.rail_outcome.is_none() => {
+                violations.push(format!("{id} RAIL_AMBIGUOUS without evidence"))
+            }
+            s if !s.is_terminal() && s != PayoutState::RailAmbiguous => {
+                violations.push(format!("{id} left in {}", s.as_str()))
+            }
+            _ => {}
+        }
+    }
+    for reference in truth.movement_counts.keys() {
+        if !references.contains(reference) {
+            violations.push(format!(
+                "rail movement {reference} of no payout of this run"
+            ));
+        }
+    }
+    let ledger = h.checker.check_ledger().await?;
+    for v in &ledger.violations {
+        violations.push(format!("ledger: {v:?}"));
+    }
+    println!(
+        "checker: {} payouts {states:?}, {} rail movements, {} rail requests, {} ledger groups checked, {} violations",
+        h.payouts.len(),
+        truth.movement_counts.values().sum::<u64>(),
+        truth.submit_requests_total,
+        ledger.groups_checked,
+        violations.len()
+    );
+    // Information, not a pass condition: how often a guard refused a stale or busy holder.
+    println!("checker: audit events by kind {audit_kinds:?}");
+    ensure!(violations.is_empty(), "violations: {violations:#?}");
+    Ok(())
+}
+
+/// A certificate of `role` for the suite's own calls, from this run's authority
+/// (`PAYOUT_TLS_DIR`, made by deploy/compose-test.sh with `payoutctl pki issue`).
+fn suite_tls(role: mtls::Role) -> anyhow::Result<mtls::Tls> {
+    let dir = std::env::var_os("PAYOUT_TLS_DIR")
+        .ok_or_else(|| anyhow::anyhow!("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)"))?;
+    Ok(
+        mtls::issue::Authority::open_or_create(std::path::Path::new(&dir))?
+            .issue(role, &format!("compose-suite-{role}"))?
+            .tls(),
+    )
+}
