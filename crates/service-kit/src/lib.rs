@@ -409,6 +409,8 @@ mod tests {
         let m = Metrics::default();
         let c = m.counter_vec("example_refusals_total", "rejections", &["guard"]);
         c.with_label_values(&["paydb"]).inc();
-        assert!(m.render().contains("example_refusals_total{guard=\"paydb\"} 1"));
+        assert!(m
+            .render()
+            .contains("example_refusals_total{guard=\"paydb\"} 1"));
     }
 }
