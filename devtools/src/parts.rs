@@ -127,8 +127,16 @@ pub async fn repair(dir: &Path) -> anyhow::Result<Repair> {
         .collect();
     eprintln!("checking {} parts", order.len());
     let mut restarted = Vec::new();
+    let mut migrated = false;
     for i in order {
         let part = record.parts[i].clone();
+        if !migrated && !is_infrastructure(&part.name) {
+            // The infrastructure answers: bring every database to this build's schema (as `up`
+            // does on a fresh stack) before a service is checked, or a service started again
+            // from a newer build than the stack's refuses its database.
+            migrate(dir, &record).await?;
+            migrated = true;
+        }
         if crate::stack::healthy(&part, &record, dir).await {
             eprintln!("  {:<18} healthy, kept", part.name);
             continue;
@@ -214,6 +222,17 @@ fn remove_stale_postgres_locks(spec: &ProcessSpec) -> anyhow::Result<()> {
                 .with_context(|| format!("removing the stale {}", lock.display()))?;
         }
     }
+    Ok(())
+}
+
+/// Applies this build's migrations to every database of the stack, as the owner role (what
+/// `payoutctl migrate` does; nothing when they are applied).
+async fn migrate(dir: &Path, record: &StackRecord) -> anyhow::Result<()> {
+    for (database, port) in record.databases() {
+        let url = StackRecord::login_url(dir, testkit::db_access::OWNER, port, database.name())?;
+        payoutctl::migrate::apply(database, &url).await?;
+    }
+    eprintln!("  databases at this build's schema");
     Ok(())
 }
 
