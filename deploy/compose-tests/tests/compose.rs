@@ -1059,6 +1059,7 @@ async fn check_everything(h: &Harness<'_>) -> anyhow::Result<()> {
     let mut states: BTreeMap<&'static str, usize> = BTreeMap::new();
     let mut references = BTreeSet::new();
     let mut audit_kinds: BTreeMap<String, usize> = BTreeMap::new();
+    let mut failed = Vec::new();
     for id in &h.payouts {
         let with_history = h.payment.get_payout(id).await?;
         for event in &with_history.history {
@@ -1067,6 +1068,12 @@ async fn check_everything(h: &Harness<'_>) -> anyhow::Result<()> {
         let p = with_history.payout;
         references.insert(p.client_reference.clone());
         *states.entry(p.state.as_str()).or_default() += 1;
+        if p.state == PayoutState::Failed {
+            failed.push(format!(
+                "{id}: {}",
+                p.failure_reason.as_deref().unwrap_or("-")
+            ));
+        }
         let moved = truth
             .movement_counts
             .get(&p.client_reference)
@@ -1109,6 +1116,9 @@ async fn check_everything(h: &Harness<'_>) -> anyhow::Result<()> {
     );
     // Information, not a pass condition: how often a guard refused a stale or busy holder.
     println!("checker: audit events by kind {audit_kinds:?}");
+    // Information too: a FAILED payout moved no money (checked above), but why it failed tells a
+    // refusal the scenario meant (insufficient funds) from one a cut caused.
+    println!("checker: FAILED payouts {failed:?}");
     ensure!(violations.is_empty(), "violations: {violations:#?}");
     Ok(())
 }

@@ -102,20 +102,21 @@ impl Engine {
     }
 }
 
-/// Every `PAYOUT_*_PORT` variable docker-compose.yml publishes a host port with, each set to 0:
-/// Docker picks a free port at every start and [`Deployment::host_port`] reads it back, so a run
-/// takes no fixed port and races nobody for one. Read from the file, so a service added there
-/// is covered without a change here.
+/// Every variable docker-compose.yml publishes a host port with (`127.0.0.1:${PAYOUT_*_PORT...}`),
+/// each set to 0: Docker picks a free port at every start and [`Deployment::host_port`] reads it
+/// back, so a run takes no fixed port and races nobody for one. Read from the file, so a service
+/// added there is covered without a change here.
 pub fn published_port_vars() -> anyhow::Result<BTreeMap<String, String>> {
+    const HOST_PORT: &str = "127.0.0.1:${";
     let file = repo_root().join("docker-compose.yml");
     let text = std::fs::read_to_string(&file).with_context(|| format!("{}", file.display()))?;
     let mut vars = BTreeMap::new();
-    for (start, _) in text.match_indices("${PAYOUT_") {
-        let name: String = text[start + 2..]
+    for (start, _) in text.match_indices(HOST_PORT) {
+        let name: String = text[start + HOST_PORT.len()..]
             .chars()
             .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
             .collect();
-        if name.ends_with("_PORT") {
+        if name.starts_with("PAYOUT_") && name.ends_with("_PORT") {
             vars.insert(name, "0".to_string());
         }
     }
