@@ -2,17 +2,21 @@
 //! one stack, so that the ratios are taken on one machine under one load.
 //!
 //! - (a) `system`: payouts through every service (lock, payment resource, proxy, a zero-latency
-//!   rail without faults), on the stack's own workers.
+//!   rail without faults), on the stack's own workers, each submitted with one CreatePayout (the
+//!   dispatcher's starter starts its workflow) and timed from that call. `system-caller-start`
+//!   (on request): the same with the bench also starting each workflow itself at once, as
+//!   integrators did before the starter.
 //! - (b) `workflow-floor`: the same `PayoutWorkflow`, the same activity calls, against the
 //!   in-memory backend in a worker inside this process: what our workflow's shape costs on this
 //!   Temporal server with services that answer at once.
 //! - (c) `temporal-floor`: one workflow of one activity that does nothing: the dev server's
 //!   ceiling on this machine.
-//! - `idle`: single payouts one after another through the whole system: start-to-POSTED latency
-//!   when nothing else runs.
+//! - `idle`: single payouts one after another through the whole system: submission-to-POSTED
+//!   latency when nothing else runs.
 //!
-//! For each: payouts/s, latency p50/p99 from start to final state, and state transitions and
-//! history events per workflow (Temporal's own describe, over a sample), then a/b and b/c.
+//! For each: payouts/s, latency p50/p99 from submission (the floors: from the start) to final
+//! state, and state transitions and history events per workflow (Temporal's own describe, over a
+//! sample), then a/b and b/c.
 
 use std::sync::Arc;
 use std::time::Duration;
