@@ -794,9 +794,19 @@ async fn the_resources_sla_refusal_is_an_answer_not_a_failure() {
 /// CLI's error (a rejected Update) as text. The CLI waits for the answer, so it runs off the
 /// test's runtime, where the worker runs.
 async fn update_abandon(id: &str, input: &str) -> Result<AbandonAnswer, String> {
+    update_abandon_as(id, input, None).await
+}
+
+/// The same, with the Update's id (`--update-id`): a repeat of an id is the same Update.
+async fn update_abandon_as(
+    id: &str,
+    input: &str,
+    update_id: Option<&str>,
+) -> Result<AbandonAnswer, String> {
     let (id, input) = (id.to_string(), input.to_string());
+    let update_id = update_id.map(str::to_string);
     let out = tokio::task::spawn_blocking(move || {
-        Stack::shared().temporal().cli(&[
+        let mut args = vec![
             "workflow",
             "update",
             "execute",
@@ -810,7 +820,11 @@ async fn update_abandon(id: &str, input: &str) -> Result<AbandonAnswer, String> 
             &input,
             "--output",
             "json",
-        ])
+        ];
+        if let Some(update_id) = &update_id {
+            args.extend(["--update-id", update_id.as_str()]);
+        }
+        Stack::shared().temporal().cli(&args)
     })
     .await
     .unwrap()
@@ -877,9 +891,15 @@ async fn the_abandon_update_answers_at_once_and_is_carried_out_once() {
             "the current details: {metadata}"
         );
         assert!(metadata.contains("**Pays** EUR 10.00"), "{metadata}");
-        let answer = update_abandon(&id, &abandon_input("alice", "customer withdrew"))
+        let input_alice = abandon_input("alice", "customer withdrew");
+        let answer = update_abandon_as(&id, &input_alice, Some("alice-1"))
             .await
             .unwrap();
+        // The same Update sent again (a retried command): the same answer, nothing new done.
+        let repeated = update_abandon_as(&id, &input_alice, Some("alice-1"))
+            .await
+            .unwrap();
+        assert_eq!(repeated, answer);
         assert_eq!(
             answer.outcome,
             AbandonOutcome::AcceptedWaitingForLock,
@@ -1056,6 +1076,27 @@ async fn the_abandon_update_rejects_what_it_can_decide_alone() {
     .await;
 }
 
+/// Every event id (`event_id`, `*_event_id`) above `removed` one lower, as if that event had
+/// never been written.
+fn renumber_after(value: &mut serde_json::Value, removed: u64) {
+    match value {
+        serde_json::Value::Object(fields) => {
+            for (key, field) in fields.iter_mut() {
+                match field.as_u64() {
+                    Some(id) if key.ends_with("event_id") && id > removed => {
+                        *field = serde_json::Value::from(id - 1)
+                    }
+                    _ => renumber_after(field, removed),
+                }
+            }
+        }
+        serde_json::Value::Array(items) => {
+            items.iter_mut().for_each(|i| renumber_after(i, removed))
+        }
+        _ => {}
+    }
+}
+
 #[tokio::test]
 async fn replay_committed_histories() {
     let mut files: Vec<_> = std::fs::read_dir(HISTORIES_DIR)
@@ -1114,5 +1155,37 @@ async fn replay_committed_histories() {
     assert!(
         replayer.replay_workflow(history).await.is_err(),
         "a changed activity sequence must fail replay"
+    );
+    // The abandon Update answers only after its decision is on record: a history in which it
+    // answered with no RecordOperatorDecision before it (the marker removed, the later events
+    // renumbered) is not what this code does, and must fail replay.
+    let bytes =
+        std::fs::read_to_string(format!("{HISTORIES_DIR}/update_abandon_pending.json")).unwrap();
+    let mut tampered: serde_json::Value = serde_json::from_str(&bytes).unwrap();
+    let events = tampered["events"].as_array_mut().unwrap();
+    // Event types: 25 MarkerRecorded, 41 UpdateAccepted, 43 UpdateCompleted.
+    let accepted = events.iter().position(|e| e["event_type"] == 41).unwrap();
+    let record = accepted + 1;
+    assert_eq!(
+        events[record]["event_type"], 25,
+        "the record follows the acceptance"
+    );
+    assert_eq!(
+        events[record + 1]["event_type"],
+        43,
+        "the answer follows the record"
+    );
+    let removed = events.remove(record)["event_id"].as_u64().unwrap();
+    for event in events.iter_mut() {
+        renumber_after(event, removed);
+    }
+    let tampered = serde_json::to_vec(&tampered).unwrap();
+    let history = temporalio_client::WorkflowHistory::from_json(&tampered).unwrap();
+    // The code answers only once the record is there: it has no answer for that UpdateCompleted.
+    let replayed = format!("{:?}", replayer.replay_workflow(history).await);
+    assert!(
+        replayed.contains("Nondeterminism")
+            && replayed.contains("WorkflowExecutionUpdateCompleted"),
+        "an abandon Update answered before its audit record must fail replay: {replayed}"
     );
 }
