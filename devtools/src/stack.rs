@@ -21,6 +21,8 @@ const WORKER_METRICS_PORT_OFFSET: u16 = 21;
 /// below them).
 const PROMETHEUS_PORT_OFFSET: u16 = 30;
 const ALERTMANAGER_PORT_OFFSET: u16 = 31;
+/// The most workers whose ports (base + 21 + i) fit below Prometheus's.
+const WORKERS_MAX: u16 = PROMETHEUS_PORT_OFFSET - WORKER_METRICS_PORT_OFFSET;
 /// The local stack's scrape and rule evaluation interval: alerts within seconds, a light load.
 const MONITORING_INTERVAL_MS: u64 = 5_000;
 
@@ -85,8 +87,10 @@ pub struct UpArgs {
     /// /healthz on base+21+i; Prometheus listens on base+30 and Alertmanager on base+31.
     #[arg(long, env = "PAYOUT_SERVICE_PORT_BASE", default_value_t = 20050)]
     pub service_port_base: u16,
-    /// Payout workers to run.
-    #[arg(long, env = "PAYOUT_WORKERS", default_value_t = 2)]
+    /// Payout workers to run (1 to 9: worker i's port base+21+i stays below Prometheus's).
+    #[arg(long, env = "PAYOUT_WORKERS", default_value_t = 2,
+          value_parser = clap::builder::TypedValueParser::map(
+              clap::value_parser!(u16).range(1..=i64::from(WORKERS_MAX)), usize::from))]
     pub workers: usize,
     /// The rail stub's settlement window: lookups are authoritative after it.
     #[arg(long, default_value_t = 2000)]

@@ -186,6 +186,17 @@ impl Temporal {
                     SearchAttributeKey::<String>::keyword("AccountId")
                         .value_set(account_id.to_string()),
                 ]))
+                // The Temporal UI's line for the run: a resumed run carries only the payout id, so
+                // it says so; what it pays is the payment resource's record, which the run's
+                // current details show once it has read it.
+                .static_summary(format!(
+                    "Payout {payout_id}: resumed by the reconciler (account {account_id})"
+                ))
+                .static_details(format!(
+                    "**Payout** `{payout_id}`  \n**Account** `{account_id}`  \n\
+                     **Resumed** by the reconciler's stranded-payout pass: the previous run \
+                     closed (or never started) while the payout was open"
+                ))
                 .build();
         let started = tokio::time::timeout(
             TEMPORAL_CALL_TIMEOUT,

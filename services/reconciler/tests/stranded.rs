@@ -288,6 +288,24 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
     );
     assert_eq!(resumed[submitted]["workflow"], "TERMINATED");
     assert_eq!(resumed[never_started]["workflow"], "NOT_FOUND");
+    // The resumed run explains itself in the Temporal UI (its static summary says it was resumed).
+    let described = Stack::shared()
+        .temporal()
+        .cli(&[
+            "workflow",
+            "describe",
+            "--namespace",
+            testkit::temporal::NAMESPACE,
+            "--workflow-id",
+            &format!("payout-{never_started}"),
+        ])
+        .unwrap();
+    assert!(
+        described.contains(&format!(
+            "Payout {never_started}: resumed by the reconciler (account s-acct-"
+        )),
+        "the resumed run's summary: {described}"
+    );
 
     // Each ends terminal, paid at most once, its books right; A's second payout runs too.
     for (payout, state) in [
