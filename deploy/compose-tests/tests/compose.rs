@@ -15,7 +15,8 @@
 //!
 //! Then the checker: at most one rail movement per payout (the rail stub's ground truth), exactly
 //! one for each POSTED payout and none for a FAILED one, the ledger balanced (CheckLedger), every
-//! payout terminal or RAIL_AMBIGUOUS with evidence; the reconciler with zero violations; the
+//! payout terminal or RAIL_AMBIGUOUS with evidence; the reconciler with zero violations;
+//! `payoutctl payout list|show` from the host against the deployment; the
 //! compose `reconciler` service's Temporal schedule with a completed run; and the negative control
 //! (a duplicate rail payment caught by both). `down --volumes` always runs.
 //!
@@ -323,7 +324,11 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
     }
 
     check_everything(&h).await.context("final checker")?;
+    // After the reconciler, which waits for the outbox to drain: the GL rows are there.
     reconcile(project).await.context("reconciler")?;
+    operator_commands(&h)
+        .await
+        .context("payoutctl against the deployment")?;
     scheduled_reconciler(&h)
         .await
         .context("the reconciler service on its schedule")?;
@@ -538,23 +543,116 @@ async fn negative_control(h: &Harness<'_>) -> anyhow::Result<()> {
 /// paydb restart its backoff may be up to 30 s.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(90);
 
+/// The operator CLI against this deployment, from the host as deploy/README.md teaches it (the
+/// reconciler's read-only login, an operator's certificate, the published ports): `payout list`
+/// finds the POSTED payouts, `payout show` of one tells its whole story (created, claimed,
+/// submitted, ..., posted; one rail movement, its ledger and GL rows), and an unknown payout is
+/// a problem found (exit 1).
+async fn operator_commands(h: &Harness<'_>) -> anyhow::Result<()> {
+    let project = h.project;
+    let paydb = project.host_port("paydb", POSTGRES_PORT).await?;
+    let proxydb = project.host_port("proxydb", POSTGRES_PORT).await?;
+    let proxy = project.host_port("rail-proxy", PROXY_PORT).await?;
+    let tls_dir = std::env::var_os("PAYOUT_TLS_DIR")
+        .context("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)")?;
+    // The operator's own certificate, outside the folder the containers mount.
+    let operator_dir = std::env::temp_dir().join(format!("compose-operator-{}", h.run));
+    let tls = mtls::issue::Authority::open_or_create(std::path::Path::new(&tls_dir))?.issue_to(
+        mtls::Role::Operator,
+        "compose-operator",
+        &operator_dir,
+    )?;
+    let env = [
+        ("PAYOUT_PAYDB_URL", reader_url(paydb, "paydb")?),
+        ("PAYOUT_PROXYDB_URL", reader_url(proxydb, "proxydb")?),
+        ("PAYOUT_GLDB_URL", reader_url(paydb, "gldb")?),
+        ("PAYOUT_PROXY_URL", format!("https://127.0.0.1:{proxy}")),
+        ("PAYOUT_TLS_CA", tls.ca.display().to_string()),
+        ("PAYOUT_TLS_CERT", tls.cert.display().to_string()),
+        ("PAYOUT_TLS_KEY", tls.key.display().to_string()),
+    ];
+    let payoutctl = |args: &[&str]| -> anyhow::Result<(i32, String)> {
+        let out = std::process::Command::new(support::repo_root().join("target/debug/payoutctl"))
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .output()
+            .context("run target/debug/payoutctl (deploy/compose-test.sh builds it)")?;
+        Ok((
+            out.status.code().unwrap_or(-1),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ))
+    };
+    let (code, listed) = payoutctl(&["payout", "list", "--state", "POSTED", "--json"])?;
+    ensure!(code == 0, "payout list exited {code}: {listed}");
+    let listed: serde_json::Value = serde_json::from_str(&listed).context("payout list --json")?;
+    let id = listed["payouts"][0]["payout_id"]
+        .as_str()
+        .with_context(|| format!("a POSTED payout in the listing: {listed}"))?
+        .to_string();
+    let (code, shown) = payoutctl(&["payout", "show", &id, "--json"])?;
+    ensure!(code == 0, "payout show {id} exited {code}: {shown}");
+    let shown: serde_json::Value = serde_json::from_str(&shown).context("payout show --json")?;
+    ensure!(shown["payout"]["state"] == "POSTED", "{shown}");
+    let transitions: Vec<&str> = shown["history"]
+        .as_array()
+        .context("history")?
+        .iter()
+        .filter_map(|t| t["to_state"].as_str())
+        .collect();
+    ensure!(
+        transitions.starts_with(&["PENDING", "CLAIMED", "RAIL_SUBMITTED"])
+            && transitions.last() == Some(&"POSTED"),
+        "{id}'s history: {transitions:?}"
+    );
+    ensure!(
+        shown["rail"]["answer"] == "found"
+            && shown["rail"]["movements"].as_array().map(Vec::len) == Some(1),
+        "{id}: one rail movement through the proxy's lookup: {}",
+        shown["rail"]
+    );
+    ensure!(
+        !shown["ledger"].as_array().context("ledger")?.is_empty()
+            && !shown["gl_journal_lines"]
+                .as_array()
+                .context("gl_journal_lines")?
+                .is_empty(),
+        "{id}: its paydb ledger rows and GL journal: {shown}"
+    );
+    let (code, missing) = payoutctl(&["payout", "show", "no-such-payout"])?;
+    ensure!(
+        code == 1,
+        "an unknown payout is a problem found (1), got {code}: {missing}"
+    );
+    println!("payoutctl: payout list and show of {id} against the deployment");
+    Ok(())
+}
+
 /// The fault suite's checker (`crates/reconciler`, what `payoutctl reconcile` runs) over the
 /// deployment's stores, rail and lock grants, with the outbox required drained: zero violations.
-async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
-    // As the reconciler's own role (it reads every store and may write none), over TLS with the
-    // servers' certificates checked: the password deploy/compose-test.sh generated for it.
+/// A database URL as the reconciler's own role (it reads every store and may write none), over
+/// TLS with the servers' certificates checked: the password deploy/compose-test.sh generated.
+fn reader_url(port: u16, db: &str) -> anyhow::Result<String> {
     let password = std::env::var("PAYOUT_DB_PASSWORD_RECONCILER")
         .context("PAYOUT_DB_PASSWORD_RECONCILER is not set (run deploy/compose-test.sh)")?;
     let tls_dir = std::env::var_os("PAYOUT_TLS_DIR")
         .context("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)")?;
+    Ok(db_access::Server {
+        host: "127.0.0.1".into(),
+        port,
+        ca_file: std::path::Path::new(&tls_dir).join("ca.pem"),
+    }
+    .url("reconciler", &password, db))
+}
+
+async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
     let pg = |port: u16, db: &str| {
-        let url = db_access::Server {
-            host: "127.0.0.1".into(),
-            port,
-            ca_file: std::path::Path::new(&tls_dir).join("ca.pem"),
-        }
-        .url("reconciler", &password, db);
+        let url = reader_url(port, db);
         async move {
+            let url = url?;
             sqlx::PgPool::connect(&url)
                 .await
                 .with_context(|| db_access::redact(&url))
