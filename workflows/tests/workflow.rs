@@ -171,6 +171,27 @@ fn queue(name: &str) -> String {
     Stack::shared().unique_prefix(&format!("q-{name}"))
 }
 
+/// A 1,000 payout of 5,000 whose rail accepts and never answers, and whose every inquiry is
+/// "rail cannot say": it goes RAIL_AMBIGUOUS and stays there until someone abandons it.
+fn ambiguous_forever(name: &str, resolution_sla_ms: u64) -> (InMemoryBackend, PayoutInput) {
+    let world = InMemoryBackend::new("worker-a");
+    let input = input(
+        name,
+        1_000,
+        AmbiguityPolicy {
+            settlement_window_ms: 300,
+            resolution_sla_ms,
+        },
+    );
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
+    let unknown = Inquiry::Unknown {
+        detail: "rail cannot say".into(),
+    };
+    world.script_inquiries(&input.payout_id, vec![unknown; 1_000]);
+    (world, input)
+}
+
 #[tokio::test]
 async fn normal_path_posts_once_and_keeps_search_attributes_current() {
     let world = InMemoryBackend::new("worker-a");
@@ -460,23 +481,9 @@ async fn a_payout_that_waits_for_its_account_adds_nothing_to_its_history_while_i
 
 #[tokio::test]
 async fn abandon_is_refused_before_the_sla_and_honoured_after_it() {
-    let world = InMemoryBackend::new("worker-a");
-    let input = input(
-        "abandon-amb",
-        1_000,
-        AmbiguityPolicy {
-            settlement_window_ms: 300,
-            resolution_sla_ms: 3_000,
-        },
-    );
-    world.open_account(&input.account_id, 5_000);
-    world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
+    let (world, input) = ambiguous_forever("abandon-amb", 3_000);
     // The payment resource's own SLA, the same as the workflow's here.
     world.set_resolution_sla(Duration::from_millis(3_000));
-    let unknown = Inquiry::Unknown {
-        detail: "rail cannot say".into(),
-    };
-    world.script_inquiries(&input.payout_id, vec![unknown; 1_000]);
     let q = queue("abandon-amb");
     let w = world.clone();
     let (id, done) = with_worker(&world, &q, |client, q| async move {
@@ -739,21 +746,7 @@ async fn an_abandon_overtaken_by_a_concurrent_claim_is_withdrawn_not_left_armed(
 /// workflow while it held the account's grant.)
 #[tokio::test]
 async fn the_resources_sla_refusal_is_an_answer_not_a_failure() {
-    let world = InMemoryBackend::new("worker-a");
-    let input = input(
-        "sla-refused",
-        1_000,
-        AmbiguityPolicy {
-            settlement_window_ms: 300,
-            resolution_sla_ms: 1_000,
-        },
-    );
-    world.open_account(&input.account_id, 5_000);
-    world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
-    let unknown = Inquiry::Unknown {
-        detail: "rail cannot say".into(),
-    };
-    world.script_inquiries(&input.payout_id, vec![unknown; 1_000]);
+    let (world, input) = ambiguous_forever("sla-refused", 1_000);
     let q = queue("sla-refused");
     let w = world.clone();
     let done = with_worker(&world, &q, |client, q| async move {
@@ -947,21 +940,7 @@ async fn the_abandon_update_answers_at_once_and_is_carried_out_once() {
 /// the resource's refusal, and the payout goes on.
 #[tokio::test]
 async fn the_abandon_update_answers_with_what_the_payment_resource_did() {
-    let world = InMemoryBackend::new("worker-a");
-    let input = input(
-        "update-amb",
-        1_000,
-        AmbiguityPolicy {
-            settlement_window_ms: 300,
-            resolution_sla_ms: 1_000,
-        },
-    );
-    world.open_account(&input.account_id, 5_000);
-    world.create_payout(&input, RailScript::TimeoutAfterAcceptance);
-    let unknown = Inquiry::Unknown {
-        detail: "rail cannot say".into(),
-    };
-    world.script_inquiries(&input.payout_id, vec![unknown; 1_000]);
+    let (world, input) = ambiguous_forever("update-amb", 1_000);
     let q = queue("update-amb");
     let w = world.clone();
     let (id, done) = with_worker(&world, &q, |client, q| async move {
