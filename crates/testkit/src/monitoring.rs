@@ -292,7 +292,10 @@ impl Monitoring {
             .collect())
     }
 
-    /// Waits until every one of `expected` is a target Prometheus has scraped successfully.
+    /// Waits until every one of `expected` is a target Prometheus has scraped successfully and
+    /// its `up` sample is queryable. Both are needed: the targets API reports a scrape's health
+    /// before the scrape's samples are committed to the database, so a query made the moment the
+    /// last target turns `up` can still miss that target's `up` series.
     pub async fn wait_targets_up(
         &self,
         expected: &[Target],
@@ -300,12 +303,17 @@ impl Monitoring {
     ) -> anyhow::Result<Vec<TargetHealth>> {
         let waited = eventually(timeout, "every target scraped and up", || async {
             let targets = self.targets().await.ok()?;
+            let up = self.query("up == 1").await.ok()?;
             expected
                 .iter()
                 .all(|e| {
                     targets
                         .iter()
                         .any(|t| t.job == e.job && t.address == e.address && t.health == "up")
+                        && up.iter().any(|s| {
+                            s["metric"]["job"] == e.job.as_str()
+                                && s["metric"]["instance"] == e.address.as_str()
+                        })
                 })
                 .then_some(targets)
         })
