@@ -13,6 +13,12 @@
 //!   ceiling on this machine.
 //! - `idle`: single payouts one after another through the whole system: submission-to-POSTED
 //!   latency when nothing else runs.
+//! - `in-process` and `in-process-security-off`: the same payouts through the lock service, the
+//!   payment resource and the rail proxy hosted in this process (`service_benches::hosted`) on a
+//!   private durable PostgreSQL and etcd, with a worker of our workflow in this process; the first
+//!   as deployed (mutual TLS, the authorisation tables, every grant's signature and key verified
+//!   by both guards), the second with that security switched off by the test-only switches. The
+//!   two differ in nothing else, so their ratio is what the security costs a payout end to end.
 //!
 //! For each: payouts/s, latency p50/p99 from submission (the floors: from the start) to final
 //! state, and state transitions and history events per workflow (Temporal's own describe, over a
@@ -25,8 +31,10 @@ use clap::Args as ClapArgs;
 use payment_client::PaymentClient;
 use payout_activities::in_memory::{InMemoryBackend, RailScript};
 use payout_activities::types::AmbiguityPolicy;
+use payout_worker::services::{ServiceBackend, ServiceConfig};
 use payout_workflows::floor::{FloorActivities, FloorWorkflow};
 use serde::Serialize;
+use service_benches::hosted::{Backing, Hosted, Security};
 use temporalio_client::{
     Client, UntypedWorkflow, WorkflowDescribeOptions, WorkflowGetResultOptions,
     WorkflowStartOptions,
@@ -69,8 +77,13 @@ pub struct Args {
     /// Which configurations to run (comma-separated: system, system-caller-start,
     /// workflow-floor, temporal-floor, idle). `system-caller-start` is `system` with the bench
     /// starting each workflow itself right after CreatePayout, as integrators did before the
-    /// dispatcher's starter: the before figure of the intake.
-    #[arg(long, default_value = "system,workflow-floor,temporal-floor,idle")]
+    /// dispatcher's starter: the before figure of the intake. `in-process` and
+    /// `in-process-security-off`: the payout path's services hosted in this process, as deployed
+    /// and with their security off (the pair's ratio is what the security costs).
+    #[arg(
+        long,
+        default_value = "system,workflow-floor,temporal-floor,idle,in-process,in-process-security-off"
+    )]
     pub only: String,
     /// One JSON object with every figure.
     #[arg(long)]
@@ -101,6 +114,9 @@ struct Report {
     system_over_workflow_floor: Option<f64>,
     /// (b) over (c): what our workflow's shape costs against the dev server's ceiling.
     workflow_floor_over_temporal_floor: Option<f64>,
+    /// `in-process` over `in-process-security-off`: the payout path with its security (mutual
+    /// TLS, the authorisation tables, grant verification at both guards) against without.
+    secured_over_security_off: Option<f64>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
@@ -116,7 +132,9 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                 "system-caller-start",
                 "workflow-floor",
                 "temporal-floor",
-                "idle"
+                "idle",
+                "in-process",
+                "in-process-security-off"
             ]
             .contains(w),
             "--only: unknown configuration {w:?}"
@@ -275,6 +293,28 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         configurations.push(figures("idle", &client, &ids, total, args.sample).await);
     }
 
+    // The security pair: a private durable PostgreSQL and etcd, started once for both.
+    let pair: Vec<(&'static str, Security)> = [
+        ("in-process", Security::AsDeployed),
+        ("in-process-security-off", Security::Off),
+    ]
+    .into_iter()
+    .filter(|(name, _)| wanted.contains(name))
+    .collect();
+    if !pair.is_empty() {
+        let stack = tokio::task::spawn_blocking(|| testkit::Stack::builder().durable(true).start())
+            .await??;
+        for (name, security) in pair {
+            say(format!(
+                "{name}: {} payouts over {} accounts, the services in this process",
+                args.payouts, args.accounts
+            ));
+            let workload = even_workload(args.payouts, args.accounts, 3, ambiguity)?;
+            let (ids, measured) = in_process(&client, &stack, security, workload, timeout).await?;
+            configurations.push(figures(name, &client, &ids, measured, args.sample).await);
+        }
+    }
+
     let per_s = |name: &str| {
         configurations
             .iter()
@@ -293,6 +333,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         accounts: args.accounts,
         system_over_workflow_floor: ratio(per_s("system"), per_s("workflow-floor")),
         workflow_floor_over_temporal_floor: ratio(per_s("workflow-floor"), per_s("temporal-floor")),
+        secured_over_security_off: ratio(per_s("in-process"), per_s("in-process-security-off")),
         configurations,
     };
     if args.json {
@@ -305,6 +346,87 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     } else {
         std::process::ExitCode::FAILURE
     })
+}
+
+/// One batch through the services hosted in this process with `security`, submitted as the
+/// system's is (CreatePayout, then the bench starts the workflow at once: no starter runs here)
+/// on a worker of our workflow in this process, on the service backend the payout worker uses.
+async fn in_process(
+    client: &Arc<Client>,
+    stack: &testkit::Stack,
+    security: Security,
+    workload: Workload,
+    timeout: Duration,
+) -> anyhow::Result<(Vec<String>, Measured)> {
+    use mtls::Role;
+    let backing = Backing {
+        etcd_endpoints: stack.etcd_endpoints(),
+        etcd_tls: stack.etcd_client_tls("bench-lock-server"),
+        etcd_prefix: stack.unique_prefix("e2e-locks"),
+        paydb_url: stack.fresh_db(testkit::PgServer::Main).await,
+        proxydb_url: stack.fresh_db(testkit::PgServer::Proxy).await,
+    };
+    let hosted = Hosted::start(&backing, security).await?;
+    let worker_channel = |addr, server| hosted.channel(addr, server, Role::Worker);
+    let lock = lock_client::LockClient::from_channel(
+        worker_channel(hosted.lock_addr, Role::LockServer).await?,
+    );
+    let payment = PaymentClient::from_channel(
+        worker_channel(hosted.payment_addr, Role::PaymentResource).await?,
+    );
+    let proxy = rail_proxy_client::RailProxyClient::from_channel(
+        worker_channel(hosted.proxy_addr, Role::RailProxy).await?,
+    );
+    let fixture = PaymentClient::from_channel(
+        hosted
+            .channel(hosted.payment_addr, Role::PaymentResource, Role::Fixture)
+            .await?,
+    );
+    let queue = format!("bench-in-process-{}", workload.run_id);
+    let backend = Arc::new(
+        ServiceBackend::from_clients(
+            ServiceConfig {
+                owner: format!("bench-worker-{}", workload.run_id),
+                // One worker polls here: its grants' fenced activities come back to it.
+                private_task_queue: queue.clone(),
+                lock_server_url: format!("{}", hosted.lock_addr),
+                payment_resource_url: format!("{}", hosted.payment_addr),
+                rail_proxy_url: format!("{}", hosted.proxy_addr),
+                tls: service_benches::hosted::certificate(Role::Worker),
+                lock_ttl: Duration::from_millis(payout_worker::services::LOCK_TTL_MS_DEFAULT),
+                lock_history_path: None,
+                unclaimed_grant_max: Duration::from_millis(
+                    payout_worker::services::UNCLAIMED_GRANT_MAX_MS_DEFAULT,
+                ),
+            },
+            lock,
+            payment,
+            proxy,
+        )
+        .await?,
+    );
+    let inputs = open_accounts(&workload, &fixture).await?;
+    let ids = workflow_ids(&inputs);
+    let worker = WorkerOptions::new(queue.clone())
+        .register_workflow::<payout_workflows::PayoutWorkflow>()?
+        .register_activities(payout_activities::PayoutActivities::new(
+            backend.clone() as Arc<dyn payout_activities::Backend>
+        ))
+        .build();
+    let measured = with_worker(client, worker, async {
+        submit_payouts(
+            client.clone(),
+            &fixture,
+            inputs,
+            (Starts::Caller, &queue),
+            timeout,
+        )
+        .await
+    })
+    .await;
+    backend.close().await;
+    hosted.stop().await;
+    Ok((ids, measured?))
 }
 
 /// A benchmark workload: no payout the account cannot fund, payouts spread evenly.
@@ -406,7 +528,7 @@ fn print_report(r: &Report) {
         r.payouts, r.accounts, r.profile
     );
     println!(
-        "{:<16} {:>9} {:>7} {:>9} {:>10} {:>10} {:>12} {:>8}",
+        "{:<24} {:>9} {:>7} {:>9} {:>10} {:>10} {:>12} {:>8}",
         "configuration",
         "workflows",
         "failed",
@@ -418,7 +540,7 @@ fn print_report(r: &Report) {
     );
     for f in &r.configurations {
         println!(
-            "{:<16} {:>9} {:>7} {:>9.1} {:>10.0} {:>10.0} {:>12.1} {:>8.1}",
+            "{:<24} {:>9} {:>7} {:>9.1} {:>10.0} {:>10.0} {:>12.1} {:>8.1}",
             f.name,
             f.workflows,
             f.failed,
@@ -434,5 +556,10 @@ fn print_report(r: &Report) {
     }
     if let Some(x) = r.workflow_floor_over_temporal_floor {
         println!("b/c workflow floor over Temporal floor: {x:.2}");
+    }
+    if let Some(x) = r.secured_over_security_off {
+        println!(
+            "in-process secured over security off: {x:.2} (mutual TLS, the authorisation tables and grant verification; target at least 0.95)"
+        );
     }
 }

@@ -296,8 +296,9 @@ fn the_dependency_rules_hold() {
     );
 }
 
-/// The switches that turn a guard off (and the rail proxy's failpoints) sit behind the
-/// `negative-controls` feature: the build of the shipped packages alone (what the image build
+/// The switches that turn a guard off (the rail proxy's failpoints, and the plaintext serving of
+/// the lock server, the payment resource and the proxy) sit behind the `negative-controls`
+/// features: the build of the shipped packages alone (what the image build
 /// runs) must not enable it, whatever the test crates enable for themselves.
 #[test]
 fn the_shipped_build_enables_no_negative_control() {

@@ -228,6 +228,21 @@ impl ServiceBackend {
         // behind it.
         let payment = PaymentClient::connect(&config.payment_resource_url, &config.tls).await?;
         let proxy = RailProxyClient::connect(&config.rail_proxy_url, &config.tls).await?;
+        Self::from_clients(config, lock, payment, proxy).await
+    }
+
+    /// [`ServiceBackend::connect`] on clients the caller connected (its own channels: the
+    /// end-to-end bench's in-process services); `config`'s URLs and certificate are not used.
+    /// Opens this process's lock session and starts the unclaimed-grant sweep.
+    pub async fn from_clients(
+        config: ServiceConfig,
+        lock: LockClient,
+        payment: PaymentClient,
+        proxy: RailProxyClient,
+    ) -> Result<Self, ConnectError> {
+        if config.lock_ttl.as_millis() < u128::from(LOCK_TTL_MS_MIN) {
+            return Err(ConnectError::TtlTooShort(config.lock_ttl.as_millis()));
+        }
         let session = lock.open_session(&config.owner, config.lock_ttl).await?;
         tracing::info!(owner = %config.owner, session_id = session.id(), ttl_ms = config.lock_ttl.as_millis() as u64, "lock session opened");
         let grants = Arc::new(Mutex::new(HashMap::new()));

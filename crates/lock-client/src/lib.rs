@@ -132,6 +132,15 @@ impl LockClient {
         })
     }
 
+    /// A client on a channel the caller built (its own TLS or channel options). Sessions belong
+    /// to whatever identity that channel presents.
+    pub fn from_channel(channel: Channel) -> Self {
+        Self {
+            rpc: LockServiceClient::new(channel),
+            history: None,
+        }
+    }
+
     /// Records every grant, session deadline, loss and release of this client (and of the
     /// sessions and grants it makes) with `recorder`: the lock history INV-06 is checked against.
     pub fn with_history(mut self, recorder: Arc<HistoryRecorder>) -> Self {

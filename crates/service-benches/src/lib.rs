@@ -13,9 +13,12 @@
 //!   same stub call) and the zero-latency rail stub called directly.
 //! - [`ledger`]: `AppendJournal` through the general ledger's gRPC server beside the same rows
 //!   inserted by plain SQL transactions.
+//! - [`hosted`]: the lock service, the payment resource and the rail proxy in this process, as
+//!   deployed or with their security switched off, for `payoutdev bench e2e`'s security pair.
 //!
 //! The services use only their public APIs here; nothing in a service crate depends on this one.
 
+pub mod hosted;
 pub mod ledger;
 pub mod lock;
 mod pki;

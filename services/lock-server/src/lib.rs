@@ -106,7 +106,85 @@ pub async fn serve(
     };
     let mut server =
         service_kit::grpc::server(tls, policy, service::BOUNDS, metrics).map_err(grpc_error)?;
-    let (reporter, health) = tonic_health::server::health_reporter();
+    let (health, tasks) = background_tasks(&service);
+    let result = server
+        .add_service(health)
+        .add_service(
+            LockServiceServer::new(service)
+                .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
+        )
+        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
+        .await
+        .map_err(grpc_error);
+    drop(tasks);
+    result
+}
+
+/// TEST ONLY (feature `negative-controls`): [`serve`] without TLS and without the authorisation
+/// table (every caller is taken as one worker), so `payoutdev bench e2e` can print what the security costs a payout beside the same
+/// payout with it. The shipped binary is never built with the feature.
+#[cfg(feature = "negative-controls")]
+#[doc(hidden)]
+pub async fn serve_plaintext_for_benches(
+    service: LockServiceImpl,
+    listener: tokio::net::TcpListener,
+    shutdown: service_kit::Shutdown,
+) -> Result<(), LockError> {
+    tracing::error!("lock server serving WITHOUT TLS or authorisation (test-only bench control)");
+    // With no certificate there is no verified caller: every call is taken as one worker's
+    // (sessions belong to their creator's certificate; here all share this one).
+    let caller = mtls::Caller {
+        role: mtls::Role::Worker,
+        fingerprint: [0; 32],
+        certificate: Vec::<u8>::new().into(),
+    };
+    let (health, tasks) = background_tasks(&service);
+    let result = tonic::transport::Server::builder()
+        .layer(tonic::service::InterceptorLayer::new(
+            move |mut request: tonic::Request<()>| {
+                request.extensions_mut().insert(caller.clone());
+                Ok(request)
+            },
+        ))
+        .add_service(health)
+        .add_service(
+            LockServiceServer::new(service)
+                .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
+        )
+        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
+        .await
+        .map_err(|e| LockError::Backend {
+            backend: "grpc-server",
+            detail: e.to_string(),
+        });
+    drop(tasks);
+    result
+}
+
+/// What runs beside the gRPC service while it serves: the health reporter's probe and the
+/// session sweep. Both stop when this is dropped.
+struct BackgroundTasks {
+    health_task: tokio::task::JoinHandle<()>,
+    sweep_task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for BackgroundTasks {
+    fn drop(&mut self) {
+        self.health_task.abort();
+        self.sweep_task.abort();
+    }
+}
+
+fn background_tasks(
+    service: &LockServiceImpl,
+) -> (
+    tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
+    BackgroundTasks,
+) {
+    let reporter = tonic_health::server::HealthReporter::new();
+    let health = tonic_health::pb::health_server::HealthServer::new(
+        tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
+    );
     let probe = service.clone();
     let health_task = tokio::spawn(async move {
         use tonic_health::ServingStatus;
@@ -133,18 +211,13 @@ pub async fn serve(
             }
         }
     });
-    let result = server
-        .add_service(health)
-        .add_service(
-            LockServiceServer::new(service)
-                .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
-        )
-        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
-        .await
-        .map_err(grpc_error);
-    health_task.abort();
-    sweep_task.abort();
-    result
+    (
+        health,
+        BackgroundTasks {
+            health_task,
+            sweep_task,
+        },
+    )
 }
 
 /// A lock-server running in this process on a loopback port: for tests and the benchmark.

@@ -69,6 +69,9 @@ pub struct Front {
     policy: &'static service_kit::grpc::Policy,
     /// OpenAccount (funded accounts from nothing): off in a deployment.
     fixture_accounts: bool,
+    /// TEST ONLY: serve without TLS and without the authorisation table.
+    #[cfg(feature = "negative-controls")]
+    plaintext: bool,
 }
 
 impl Front {
@@ -79,6 +82,8 @@ impl Front {
             metrics,
             policy: &authz::POLICY,
             fixture_accounts: false,
+            #[cfg(feature = "negative-controls")]
+            plaintext: false,
         }
     }
     pub fn with_fixture_accounts(mut self, on: bool) -> Self {
@@ -90,6 +95,15 @@ impl Front {
     #[doc(hidden)]
     pub fn with_policy_for_tests(mut self, policy: &'static service_kit::grpc::Policy) -> Self {
         self.policy = policy;
+        self
+    }
+    /// TEST ONLY (feature `negative-controls`): serve without TLS and without the authorisation
+    /// table, so `payoutdev bench e2e` can print what the security costs a payout. The shipped
+    /// binary is never built with the feature.
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn plaintext_for_benches(mut self) -> Self {
+        self.plaintext = true;
         self
     }
 }
@@ -122,21 +136,52 @@ pub async fn serve(
         store.resolution_sla(),
         Duration::from_millis(payout_ages::PAYOUT_AGES_PERIOD_MS),
     ));
-    let mut server = service_kit::grpc::server(
-        &front.tls,
-        front.policy,
-        service_kit::grpc::BOUNDS,
-        &front.metrics,
-    )?;
-    let server = server
-        .add_service(health)
-        .add_service(
-            payout_proto::payment::payment_resource_server::PaymentResourceServer::new(
-                api::PaymentApi::new(store, front.fixture_accounts, &front.metrics),
-            )
-            .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
+    let service = payout_proto::payment::payment_resource_server::PaymentResourceServer::new(
+        api::PaymentApi::new(store, front.fixture_accounts, &front.metrics),
+    )
+    .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX);
+    let incoming = service_kit::incoming(listener);
+    let stopped = shutdown.clone().wait();
+    #[cfg(feature = "negative-controls")]
+    let server: std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>,
+    > = if front.plaintext {
+        tracing::error!(
+            "payment resource serving WITHOUT TLS or authorisation (test-only bench control)"
+        );
+        Box::pin(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, stopped),
         )
-        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.clone().wait());
+    } else {
+        let mut server = service_kit::grpc::server(
+            &front.tls,
+            front.policy,
+            service_kit::grpc::BOUNDS,
+            &front.metrics,
+        )?;
+        Box::pin(
+            server
+                .add_service(health)
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, stopped),
+        )
+    };
+    #[cfg(not(feature = "negative-controls"))]
+    let server = {
+        let mut server = service_kit::grpc::server(
+            &front.tls,
+            front.policy,
+            service_kit::grpc::BOUNDS,
+            &front.metrics,
+        )?;
+        server
+            .add_service(health)
+            .add_service(service)
+            .serve_with_incoming_shutdown(incoming, stopped)
+    };
     let drain_deadline = async {
         shutdown.wait().await;
         tokio::time::sleep(Duration::from_millis(SHUTDOWN_DRAIN_MS)).await;
