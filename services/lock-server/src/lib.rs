@@ -109,10 +109,7 @@ pub async fn serve(
     let (health, tasks) = background_tasks(&service);
     let result = server
         .add_service(health)
-        .add_service(
-            LockServiceServer::new(service)
-                .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
-        )
+        .add_service(bounded(service))
         .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
         .await
         .map_err(grpc_error);
@@ -120,9 +117,15 @@ pub async fn serve(
     result
 }
 
+/// The lock service with its request size bound.
+fn bounded(service: LockServiceImpl) -> LockServiceServer<LockServiceImpl> {
+    LockServiceServer::new(service).max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX)
+}
+
 /// TEST ONLY (feature `negative-controls`): [`serve`] without TLS and without the authorisation
-/// table (every caller is taken as one worker), so `payoutdev bench e2e` can print what the security costs a payout beside the same
-/// payout with it. The shipped binary is never built with the feature.
+/// table (every caller is taken as one worker), so `payoutdev bench e2e` can print what the
+/// security costs a payout beside the same payout with it. The shipped binary is never built
+/// with the feature.
 #[cfg(feature = "negative-controls")]
 #[doc(hidden)]
 pub async fn serve_plaintext_for_benches(
@@ -147,10 +150,7 @@ pub async fn serve_plaintext_for_benches(
             },
         ))
         .add_service(health)
-        .add_service(
-            LockServiceServer::new(service)
-                .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
-        )
+        .add_service(bounded(service))
         .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
         .await
         .map_err(|e| LockError::Backend {

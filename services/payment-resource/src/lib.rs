@@ -108,6 +108,18 @@ impl Front {
     }
 }
 
+/// The server as deployed: mutual TLS, `front`'s authorisation table, the bounds.
+fn secure_server(
+    front: &Front,
+) -> Result<service_kit::grpc::SecureServer, tonic::transport::Error> {
+    service_kit::grpc::server(
+        &front.tls,
+        front.policy,
+        service_kit::grpc::BOUNDS,
+        &front.metrics,
+    )
+}
+
 /// Serves `payment.v1.PaymentResource` and `grpc.health.v1` on `listener` until `shutdown`,
 /// over mutual TLS, behind `authz::POLICY`. Tests run it in-process on a port-0 listener; the
 /// binary on its configured address.
@@ -156,12 +168,7 @@ pub async fn serve(
                 .serve_with_incoming_shutdown(incoming, stopped),
         )
     } else {
-        let mut server = service_kit::grpc::server(
-            &front.tls,
-            front.policy,
-            service_kit::grpc::BOUNDS,
-            &front.metrics,
-        )?;
+        let mut server = secure_server(&front)?;
         Box::pin(
             server
                 .add_service(health)
@@ -171,12 +178,7 @@ pub async fn serve(
     };
     #[cfg(not(feature = "negative-controls"))]
     let server = {
-        let mut server = service_kit::grpc::server(
-            &front.tls,
-            front.policy,
-            service_kit::grpc::BOUNDS,
-            &front.metrics,
-        )?;
+        let mut server = secure_server(&front)?;
         server
             .add_service(health)
             .add_service(service)
