@@ -59,7 +59,7 @@ pub enum HostError {
     Start(String),
 }
 
-fn start_error(what: &str) -> impl Fn(String) -> HostError + '_ {
+fn start_error<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> HostError + '_ {
     move |e| HostError::Start(format!("{what}: {e}"))
 }
 
@@ -83,14 +83,12 @@ impl Hosted {
         let secured = security == Security::AsDeployed;
         let stub = rail_stub::RunningStub::start(rail_stub::StubConfig::default())
             .await
-            .map_err(|e| start_error("rail stub")(e.to_string()))?;
-        let (signer, _) =
-            Signer::generate("bench").map_err(|e| start_error("signer")(e.to_string()))?;
+            .map_err(start_error("rail stub"))?;
+        let (signer, _) = Signer::generate("bench").map_err(start_error("signer"))?;
         let public_key = signer.public_key();
 
         // The lock service on etcd.
-        let issued_dir =
-            tempfile::tempdir().map_err(|e| start_error("issued tokens")(e.to_string()))?;
+        let issued_dir = tempfile::tempdir().map_err(start_error("issued tokens"))?;
         let config = lock_server::Config {
             backend: lock_server::BackendConfig::Etcd {
                 endpoints: backing.etcd_endpoints.clone(),
@@ -104,7 +102,7 @@ impl Hosted {
         let metrics = Metrics::default();
         let lock = lock_server::build(&config, &metrics)
             .await
-            .map_err(|e| start_error("lock server")(e.to_string()))?;
+            .map_err(start_error("lock server"))?;
         let (lock_listener, lock_addr) = listener().await?;
         let (lock_shutdown, lock_stop) = Shutdown::new();
         let lock_task = if secured {
@@ -137,12 +135,12 @@ impl Hosted {
         // The payment resource on its own paydb.
         let paydb = service_kit::connect_pg(&backing.paydb_url)
             .await
-            .map_err(|e| start_error("paydb")(e.to_string()))?;
+            .map_err(start_error("paydb"))?;
         payment_resource::migrate(&paydb)
             .await
-            .map_err(|e| start_error("paydb migrations")(e.to_string()))?;
+            .map_err(start_error("paydb migrations"))?;
         let verifier = payment_resource::Verifier::new([public_key.clone()])
-            .map_err(|e| start_error("verifier")(e.to_string()))?;
+            .map_err(start_error("verifier"))?;
         let mut options = payment_resource::StoreOptions::new(verifier);
         if !secured {
             options = options
@@ -169,9 +167,8 @@ impl Hosted {
         // The rail proxy on its own proxydb, in front of the stub.
         let proxydb = service_kit::connect_pg(&backing.proxydb_url)
             .await
-            .map_err(|e| start_error("proxydb")(e.to_string()))?;
-        let verifier = rail_proxy::Verifier::new([public_key])
-            .map_err(|e| start_error("verifier")(e.to_string()))?;
+            .map_err(start_error("proxydb"))?;
+        let verifier = rail_proxy::Verifier::new([public_key]).map_err(start_error("verifier"))?;
         let mut config =
             rail_proxy::ProxyConfig::new(stub.base_url(), verifier, tls(Role::RailProxy));
         if !secured {
@@ -181,7 +178,7 @@ impl Hosted {
         }
         let proxy = rail_proxy::RunningProxy::start(proxydb, config)
             .await
-            .map_err(|e| start_error("rail proxy")(e.to_string()))?;
+            .map_err(start_error("rail proxy"))?;
 
         Ok(Self {
             security,
@@ -207,21 +204,16 @@ impl Hosted {
         let endpoint = match self.security {
             Security::AsDeployed => tls(role)
                 .endpoint(&format!("https://{addr}"), server)
-                .map_err(|e| start_error("client TLS")(e.to_string()))?,
+                .map_err(start_error("client TLS"))?,
             Security::Off => tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-                .map_err(|e| start_error("endpoint")(e.to_string()))?,
+                .map_err(start_error("endpoint"))?,
         };
-        let endpoint = endpoint.connect_timeout(Duration::from_secs(5));
-        // The servers were spawned a moment ago: give them a few tries to be listening.
-        let mut last = String::new();
-        for _ in 0..50 {
-            match endpoint.connect().await {
-                Ok(channel) => return Ok(channel),
-                Err(e) => last = e.to_string(),
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Err(HostError::Start(format!("connecting {addr}: {last}")))
+        // Every listener was bound before `start` returned: the connection is accepted at once.
+        endpoint
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .map_err(|e| HostError::Start(format!("connecting {addr}: {e}")))
     }
 
     /// Stops every service and the stub.
