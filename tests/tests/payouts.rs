@@ -1985,22 +1985,39 @@ async fn a_payout_is_counted_in_every_latency_histogram_and_the_workers_export_t
             );
         }
     }
-    for family in [
+    // The SDK records a workflow task's latency once the server has answered its completion,
+    // which can be after the client saw the workflow's result: the families may appear a
+    // moment after the payout ended, so the workers are scraped again until they do (bounded).
+    let families = [
         "temporal_workflow_task_schedule_to_start_latency",
         "temporal_workflow_task_execution_latency",
         // The payout's steps run as local activities (ARCHITECTURE: local steps).
         "temporal_local_activity_execution_latency",
         "temporal_sticky_cache_size",
-    ] {
-        assert!(
-            after
-                .workers
-                .iter()
-                .any(|text| text.lines().any(|l| l.starts_with(family))),
-            "no worker's /metrics has {family}:\n{}",
-            after.workers.join("\n")
-        );
+    ];
+    let missing = |workers: &[String]| -> Vec<&'static str> {
+        families
+            .iter()
+            .copied()
+            .filter(|family| {
+                !workers
+                    .iter()
+                    .any(|text| text.lines().any(|l| l.starts_with(family)))
+            })
+            .collect()
+    };
+    let mut workers = after.workers.clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !missing(&workers).is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        workers = scrape(ctx.system).await.workers;
     }
+    let absent = missing(&workers);
+    assert!(
+        absent.is_empty(),
+        "no worker's /metrics has {absent:?} 15 s after the payout ended:\n{}",
+        workers.join("\n")
+    );
     for port in &ctx.system.worker_metrics {
         let (code, body) =
             testkit::util::http_get(*port, "/healthz", Duration::from_secs(2)).unwrap();
