@@ -32,8 +32,10 @@ pub enum LockError {
     SessionNotOwned { session_id: String },
     #[error("operator_not_certified: the caller's certificate does not carry the operator {operator:?} (an operator's certificate carries <name>.operator; the resolver acts only as `reconciler`)")]
     OperatorNotCertified { operator: String },
-    #[error("{waiting} callers already wait for locks in this server; retry later")]
-    Overloaded { waiting: usize },
+    #[error(
+        "{waiting} callers already wait for locks in this server, its bound is {max}; retry later"
+    )]
+    Overloaded { waiting: usize, max: usize },
     #[error("{backend} backend unavailable: {detail}")]
     Backend {
         backend: &'static str,

@@ -244,8 +244,20 @@ impl InProcess {
         tls: &service_kit::grpc::Tls,
         policy: &'static service_kit::grpc::Policy,
     ) -> Result<Self, LockError> {
+        Self::start_with_waiters_max(config, tls, policy, service::WAITERS_MAX).await
+    }
+
+    /// TEST ONLY: [`Self::start_with_policy`] with another waiter bound than
+    /// [`service::WAITERS_MAX`] ([`LockServiceImpl::with_waiters_max`]).
+    #[doc(hidden)]
+    pub async fn start_with_waiters_max(
+        config: &Config,
+        tls: &service_kit::grpc::Tls,
+        policy: &'static service_kit::grpc::Policy,
+        waiters_max: usize,
+    ) -> Result<Self, LockError> {
         let metrics = service_kit::Metrics::default();
-        let service = build(config, &metrics).await?;
+        let service = build(config, &metrics).await?.with_waiters_max(waiters_max);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(|e| LockError::Backend {

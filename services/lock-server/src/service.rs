@@ -48,13 +48,15 @@ pub mod event {
     pub const SESSION_CLOSED: &str = "session_closed";
     /// A call on a session by a certificate other than the one that created it: refused.
     pub const SESSION_NOT_OWNED: &str = "session_not_owned";
-    /// An Acquire refused because `WAITERS_MAX` callers already wait in this process.
+    /// An Acquire refused because the waiter bound (`WAITERS_MAX`) is reached in this process.
     pub const WAITERS_FULL: &str = "waiters_full";
 }
 
 /// Acquire calls that may wait in one lock-server process at once, over every key. Each holds a
 /// request slot and a little memory; past it a waiting Acquire is refused RESOURCE_EXHAUSTED
-/// (the caller retries with backoff) instead of parking without bound.
+/// (the caller retries with backoff) instead of parking without bound. The shipped bound: a
+/// service is built with it ([`LockServiceImpl::new`]); tests set a smaller one
+/// ([`LockServiceImpl::with_waiters_max`]).
 pub const WAITERS_MAX: usize = 4_096;
 
 /// The lock service's server bounds: every parked waiter holds a request slot for up to
@@ -109,6 +111,9 @@ struct Inner {
     kept: std::sync::Mutex<std::collections::HashMap<(String, String, String), Ticket>>,
     /// The last state seen of each session: transitions and the `lock_sessions` gauge.
     sessions: Tracker,
+    /// At most this many Acquire calls wait in this process at once ([`WAITERS_MAX`] unless a
+    /// test set another).
+    waiters_max: usize,
 }
 
 #[derive(Clone)]
@@ -195,8 +200,26 @@ impl LockServiceImpl {
                 queues: Arc::new(Queues::default()),
                 kept: Default::default(),
                 sessions,
+                waiters_max: WAITERS_MAX,
             }),
         }
+    }
+
+    /// The same service with another waiter bound than [`WAITERS_MAX`]: a test parks a few
+    /// callers against a bound of a few. A bound above `WAITERS_MAX` is none in effect: the
+    /// server's [`BOUNDS`] leave room for `WAITERS_MAX` waiters, and past them the server sheds
+    /// calls (UNAVAILABLE) before this bound would refuse them (a test's negative control turns
+    /// the bound off so). Set before the service is cloned or served.
+    pub fn with_waiters_max(mut self, waiters_max: usize) -> Self {
+        Arc::get_mut(&mut self.inner)
+            .expect("the waiter bound is set before the service is cloned or served")
+            .waiters_max = waiters_max;
+        self
+    }
+
+    /// The most Acquire calls this service lets wait at once.
+    pub fn waiters_max(&self) -> usize {
+        self.inner.waiters_max
     }
 
     /// One reading of the session view (spec 2.4): transitions counted and logged, the
@@ -223,17 +246,19 @@ impl LockServiceImpl {
         &self.inner.issued
     }
 
-    /// Refuses to park one more waiter past [`WAITERS_MAX`].
+    /// Refuses to park one more waiter past the service's waiter bound ([`WAITERS_MAX`]).
     fn room_to_wait(&self) -> Result<(), LockError> {
         let waiting = self.inner.queues.waiting_total();
-        if waiting >= WAITERS_MAX {
+        let max = self.inner.waiters_max;
+        if waiting >= max {
             self.count(event::WAITERS_FULL);
             tracing::warn!(
                 event = event::WAITERS_FULL,
                 waiting,
+                waiters_max = max,
                 "acquire refused: too many callers waiting"
             );
-            return Err(LockError::Overloaded { waiting });
+            return Err(LockError::Overloaded { waiting, max });
         }
         Ok(())
     }
@@ -410,7 +435,15 @@ impl LockServiceImpl {
                 .describe(key)
                 .await
                 .inspect_err(|e| self.observe_error(e))?;
-            if !holder.is_some_and(|h| h.owner == owner && h.session_id == session_id) {
+            if !holder
+                .as_ref()
+                .is_some_and(|h| h.owner == owner && h.session_id == session_id)
+            {
+                // A caller that will not wait is answered at once: it takes no place in the
+                // line, so the waiter bound is not its answer.
+                if wait_ms == 0 {
+                    return Ok(self.not_acquired(key, owner, session_id, holder, started));
+                }
                 self.room_to_wait()?;
                 ticket = Some(self.inner.queues.join(key));
             }

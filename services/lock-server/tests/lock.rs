@@ -18,8 +18,8 @@ use testkit::{PgServer, Stack};
 
 mod support;
 use support::{
-    backend, every_role, grant, lockdb, on_three_etcd_members, signer, start_with, unix_now_ms,
-    Kind, Server, SIGNING_KEY_ID,
+    backend, every_role, grant, lockdb, on_three_etcd_members, signer, start_bounded, start_with,
+    unix_now_ms, Kind, Server, SIGNING_KEY_ID,
 };
 
 /// The etcd backend's shortest lease (whole seconds; etcd's minimum is about 1.5 s and is rounded
@@ -585,6 +585,239 @@ async fn etcd_a_waiter_that_goes_away_leaves_the_line() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_waiter_that_goes_away_leaves_the_line() {
     a_waiter_that_goes_away_leaves_the_line(Kind::Postgres).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The waiter bound (`service::WAITERS_MAX`, per service)
+
+/// A bound small enough to fill with a few callers.
+const WAITERS_MAX_IN_TEST: usize = 2;
+/// Long enough that a parked caller is still waiting when the test looks, and that an answer
+/// within [`AT_ONCE`] cannot be its wait running out.
+const LONG_WAIT: Duration = Duration::from_secs(30);
+/// An answer this quick was not a wait.
+const AT_ONCE: Duration = Duration::from_secs(5);
+
+/// `lock_events_total{event="waiters_full"}` as the server's /metrics renders it (0 if absent).
+fn waiters_full_rendered(s: &Server) -> u64 {
+    s.server
+        .metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("lock_events_total{") && l.contains(r#"event="waiters_full""#))
+        .map(|l| {
+            l.rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("unreadable metric line {l:?}"))
+        })
+        .sum()
+}
+
+/// An Acquire of `key` under `owner` with [`LONG_WAIT`], running on its own.
+fn park(
+    session: &Session,
+    key: &'static str,
+    owner: &'static str,
+) -> tokio::task::JoinHandle<Result<Acquired, ClientError>> {
+    let session = session.clone();
+    tokio::spawn(async move { session.acquire_as(key, owner, LONG_WAIT).await })
+}
+
+/// The grant a parked call ended with, under `owner`.
+async fn granted_to(
+    call: tokio::task::JoinHandle<Result<Acquired, ClientError>>,
+    owner: &str,
+) -> GrantHandle {
+    let granted = tokio::time::timeout(AT_ONCE, call)
+        .await
+        .unwrap_or_else(|_| panic!("{owner} not granted within {AT_ONCE:?} of its turn"))
+        .unwrap()
+        .unwrap()
+        .granted()
+        .unwrap_or_else(|| panic!("{owner} not granted"));
+    assert_eq!(granted.owner(), owner, "granted out of turn");
+    granted
+}
+
+/// The scenario both the bound's test and its negative control run: `holder` holds `key` and
+/// `other`, two callers ("w1", "w2") park on `key` with a long wait and are seen queued. Then a
+/// third caller asks for `key` ("w3", it would queue behind the two) and a fourth for `other`
+/// ("w4", nobody waits there, it would start the line): each call is returned running.
+struct Parked {
+    holder: Session,
+    held: GrantHandle,
+    held_other: GrantHandle,
+    waiters: Session,
+    w1: tokio::task::JoinHandle<Result<Acquired, ClientError>>,
+    w2: tokio::task::JoinHandle<Result<Acquired, ClientError>>,
+    w3: tokio::task::JoinHandle<Result<Acquired, ClientError>>,
+    w4: tokio::task::JoinHandle<Result<Acquired, ClientError>>,
+}
+
+const BOUNDED_KEY: &str = "payout:bounded";
+const BOUNDED_OTHER: &str = "payout:bounded-other";
+
+async fn two_parked_then_two_more_ask(s: &Server) -> Parked {
+    let holder = s.client.open_session("holder", TTL * 5).await.unwrap();
+    let held = grant(&holder, BOUNDED_KEY).await;
+    let held_other = grant(&holder, BOUNDED_OTHER).await;
+    let waiters = s.client.open_session("waiters", TTL * 5).await.unwrap();
+    let w1 = park(&waiters, BOUNDED_KEY, "w1");
+    queued(&s.client, BOUNDED_KEY, 1).await;
+    let w2 = park(&waiters, BOUNDED_KEY, "w2");
+    queued(&s.client, BOUNDED_KEY, 2).await;
+    let w3 = park(&waiters, BOUNDED_KEY, "w3");
+    let w4 = park(&waiters, BOUNDED_OTHER, "w4");
+    Parked {
+        holder,
+        held,
+        held_other,
+        waiters,
+        w1,
+        w2,
+        w3,
+        w4,
+    }
+}
+
+/// The refusal of a call past the bound: RESOURCE_EXHAUSTED at once, saying why.
+async fn refused_at_once(call: tokio::task::JoinHandle<Result<Acquired, ClientError>>, who: &str) {
+    let answer = tokio::time::timeout(AT_ONCE, call)
+        .await
+        .unwrap_or_else(|_| panic!("{who} parked past the bound instead of being refused"))
+        .unwrap();
+    match answer {
+        Err(ClientError::Status(status)) => {
+            assert_eq!(
+                status.code(),
+                tonic::Code::ResourceExhausted,
+                "{who}: {status:?}"
+            );
+            assert!(
+                status.message().contains(&format!(
+                    "{WAITERS_MAX_IN_TEST} callers already wait for locks in this server, its bound is {WAITERS_MAX_IN_TEST}; retry later"
+                )),
+                "{who}: unclear message {:?}",
+                status.message()
+            );
+        }
+        other => panic!("{who} answered {other:?}, not refused RESOURCE_EXHAUSTED"),
+    }
+}
+
+/// The waiter bound holds: with a bound of two and two callers parked on a held key, a third
+/// Acquire that would park behind them, and a fourth that would start the line of another held
+/// key (the two places an Acquire starts waiting), are refused at once with RESOURCE_EXHAUSTED
+/// and a message naming the bound, each counted as `lock_events_total{event="waiters_full"}`;
+/// neither was granted, queued or left a place behind. An Acquire that does not have to wait is
+/// answered as ever while the line is full: a free key is granted (though the call would have
+/// waited), the holder asking again for what it holds gets its own token back, and a caller that
+/// will not wait, for a held key nobody waits for or for the full line's key, is answered
+/// NotAcquired. When the holder
+/// releases, the first waiter is granted, then the second (first come, first served), and the
+/// room the first left lets a new caller park again. Negative control:
+/// `negative_control_without_the_waiter_bound_the_third_caller_parks`.
+async fn waiters_past_the_bound_are_refused_at_once(kind: Kind) {
+    let s = start_bounded(backend(kind, "lock").await, WAITERS_MAX_IN_TEST).await;
+    assert_eq!(s.server.service.waiters_max(), WAITERS_MAX_IN_TEST);
+    let p = two_parked_then_two_more_ask(&s).await;
+    refused_at_once(p.w3, "w3 (behind two waiters)").await;
+    refused_at_once(p.w4, "w4 (first for another key)").await;
+    assert_eq!(s.server.service.event_count("waiters_full"), 2, "{kind:?}");
+    assert_eq!(waiters_full_rendered(&s), 2, "{kind:?}: /metrics");
+    // Nothing granted or queued for them: the same holders and tokens, the same lines.
+    for (key, held, waiting) in [(BOUNDED_KEY, &p.held, 2), (BOUNDED_OTHER, &p.held_other, 0)] {
+        let d = s.client.describe(key).await.unwrap();
+        assert!(d.held && d.holder_owner == "holder", "{key}: {d:?}");
+        assert_eq!(d.token, held.token().get(), "{key}: {d:?}");
+        assert_eq!(d.waiter_count, waiting, "{key}: {d:?}");
+    }
+    // What need not wait is not refused while the line is full.
+    let free = p
+        .waiters
+        .acquire_as("payout:bounded-free", "w5", LONG_WAIT)
+        .await
+        .expect("a free key is not refused")
+        .granted()
+        .expect("a free key is granted");
+    let again = grant(&p.holder, BOUNDED_KEY).await;
+    assert_eq!(again.token(), p.held.token(), "the holder's own grant back");
+    let tried = p
+        .waiters
+        .acquire_as(BOUNDED_OTHER, "w6", Duration::ZERO)
+        .await
+        .expect("a caller that will not wait is not refused");
+    assert!(tried.granted().is_none(), "{BOUNDED_OTHER} is held");
+    // Nor is a caller that will not wait for a key whose line is full: it takes no place, so
+    // its answer is NotAcquired, not the bound.
+    let behind = p
+        .waiters
+        .acquire_as(BOUNDED_KEY, "w8", Duration::ZERO)
+        .await
+        .expect("a caller that will not wait is not refused by the full line");
+    assert!(behind.granted().is_none(), "{BOUNDED_KEY} is held");
+    assert_eq!(s.server.service.event_count("waiters_full"), 2, "{kind:?}");
+    // The holder releases: the first waiter is granted, and its room lets a new caller park.
+    p.held.release().await.unwrap();
+    let g1 = granted_to(p.w1, "w1").await;
+    queued(&s.client, BOUNDED_KEY, 1).await;
+    let w7 = park(&p.waiters, BOUNDED_KEY, "w7");
+    queued(&s.client, BOUNDED_KEY, 2).await;
+    assert_eq!(
+        s.server.service.event_count("waiters_full"),
+        2,
+        "{kind:?}: a caller was refused though room was freed"
+    );
+    g1.release().await.unwrap();
+    let g2 = granted_to(p.w2, "w2").await;
+    g2.release().await.unwrap();
+    granted_to(w7, "w7").await.release().await.unwrap();
+    free.release().await.unwrap();
+    assert_eq!(
+        s.client.describe(BOUNDED_KEY).await.unwrap().waiter_count,
+        0
+    );
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_waiters_past_the_bound_are_refused_at_once() {
+    waiters_past_the_bound_are_refused_at_once(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_waiters_past_the_bound_are_refused_at_once() {
+    waiters_past_the_bound_are_refused_at_once(Kind::Postgres).await;
+}
+
+/// Negative control of `waiters_past_the_bound_are_refused_at_once`: the same scenario on a
+/// server whose waiter bound is off (`usize::MAX`) parks the third and the fourth caller instead
+/// of refusing them (Describe counts three and one waiting, nothing is counted as
+/// `waiters_full`), and they are served in turn. So that test fails if the bound is missing.
+async fn negative_control_without_the_waiter_bound_the_third_caller_parks(kind: Kind) {
+    let s = start_bounded(backend(kind, "lock").await, usize::MAX).await;
+    let p = two_parked_then_two_more_ask(&s).await;
+    queued(&s.client, BOUNDED_KEY, 3).await;
+    queued(&s.client, BOUNDED_OTHER, 1).await;
+    assert!(!p.w3.is_finished() && !p.w4.is_finished(), "{kind:?}");
+    assert_eq!(s.server.service.event_count("waiters_full"), 0, "{kind:?}");
+    assert_eq!(waiters_full_rendered(&s), 0, "{kind:?}: /metrics");
+    p.held.release().await.unwrap();
+    p.held_other.release().await.unwrap();
+    granted_to(p.w4, "w4").await.release().await.unwrap();
+    for (call, owner) in [(p.w1, "w1"), (p.w2, "w2"), (p.w3, "w3")] {
+        granted_to(call, owner).await.release().await.unwrap();
+    }
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_negative_control_without_the_waiter_bound_the_third_caller_parks() {
+    negative_control_without_the_waiter_bound_the_third_caller_parks(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_negative_control_without_the_waiter_bound_the_third_caller_parks() {
+    negative_control_without_the_waiter_bound_the_third_caller_parks(Kind::Postgres).await;
 }
 
 async fn expiry(kind: Kind) {

@@ -78,6 +78,11 @@ pub async fn lockdb(stack: &Stack) -> (String, String) {
 }
 
 pub async fn start_with(backend: BackendConfig) -> Server {
+    start_bounded(backend, lock_server::service::WAITERS_MAX).await
+}
+
+/// [`start_with`], the server letting at most `waiters_max` Acquire calls wait at once.
+pub async fn start_bounded(backend: BackendConfig, waiters_max: usize) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let signer = signer();
     let verifier = Verifier::new([signer.public_key()]).unwrap();
@@ -86,9 +91,14 @@ pub async fn start_with(backend: BackendConfig) -> Server {
         issued_tokens_path: dir.path().join("issued-tokens.json"),
         signer,
     };
-    let server = InProcess::start_with_policy(&config, &tls(Role::LockServer), every_role())
-        .await
-        .expect("lock-server starts");
+    let server = InProcess::start_with_waiters_max(
+        &config,
+        &tls(Role::LockServer),
+        every_role(),
+        waiters_max,
+    )
+    .await
+    .expect("lock-server starts");
     let client = LockClient::connect(&server.endpoint, &tls(Role::Worker))
         .await
         .expect("client connects");
