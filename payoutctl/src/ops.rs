@@ -208,32 +208,6 @@ impl Parts {
         connect_db(&url, db.name()).await
     }
 
-    /// A connection to the local stack's `db` as `login` (a role that may make the one write a
-    /// command makes there); for a deployment, the URL in the environment variable `env`.
-    pub async fn write_as(
-        &self,
-        db: Db,
-        login: &str,
-        env: &str,
-    ) -> anyhow::Result<sqlx::PgConnection> {
-        let url = match &self.record {
-            None => std::env::var(env).with_context(|| {
-                format!(
-                    "a deployment's {}: set {env} to the {login} role's URL",
-                    db.name()
-                )
-            })?,
-            Some((record, _)) => {
-                let port = match db {
-                    Db::Proxydb => record.ports.pg_proxy,
-                    Db::Paydb | Db::Gldb => record.ports.pg_main,
-                };
-                StackRecord::login_url(&self.deployment.state_dir, login, port, db.name())?
-            }
-        };
-        connect_db(&url, db.name()).await
-    }
-
     fn service_url(
         &self,
         given: &Option<String>,

@@ -5,8 +5,10 @@
 //! A replay is paydb's `replay_quarantined(id, operator, reason)` (migration 0010): the release
 //! and its durable `outbox_replay` record (who, why, and the error and attempts the row was
 //! quarantined with) in one statement, refused for a row that is not quarantined. Only the
-//! dispatcher's role may call it: the local stack's login of that role, or a deployment's URL in
-//! [`REPLAY_URL_ENV`].
+//! payment resource may call it, from its ReplayQuarantined method, which answers only an
+//! operator's certificate and records the operator that certificate carries: `--operator`
+//! chooses which of the operator's certificates is presented, and a name the certificate does
+//! not carry is refused with nothing changed.
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -16,9 +18,6 @@ use sqlx::Row;
 
 use crate::ops::{cell, exit, table, Db, Deployment};
 
-/// The environment variable holding a deployment's paydb URL as the outbox dispatcher's role
-/// (the only role that may release a quarantined row).
-pub const REPLAY_URL_ENV: &str = "PAYOUT_OUTBOX_REPLAY_URL";
 /// `quarantine list` answers at most this many rows, oldest first: a quarantine is an incident
 /// (each row holds back its account), so more than a few means the GL refuses a whole class of
 /// rows, which the first rows already show.
@@ -36,9 +35,10 @@ pub enum Command {
 pub enum QuarantineCommand {
     /// List the quarantined rows (at most 500, oldest first).
     List(ListArgs),
-    /// Release one quarantined row for delivery again (after the fix), recorded with who and
-    /// why in paydb's outbox_replay. Exit status 1 when the row is not quarantined (nothing
-    /// changed).
+    /// Release one quarantined row for delivery again (after the fix), through the payment
+    /// resource under the operator's certified name, recorded with who and why in paydb's
+    /// outbox_replay. Exit status 1 when the row is not quarantined or the certificate does not
+    /// carry the operator's name (nothing changed).
     Replay(ReplayArgs),
 }
 
@@ -59,7 +59,8 @@ pub struct ReplayArgs {
     /// Why it is released (the fix made, the ticket): recorded with the replay.
     #[arg(long)]
     pub reason: String,
-    /// Who releases it: the operator's name, recorded with the replay.
+    /// Who releases it: the operator's name, as the certificate carries it (`<name>.operator`;
+    /// the local stack issues one for this name), recorded with the replay.
     #[arg(long)]
     pub operator: String,
     /// One JSON object instead of a line.
@@ -194,9 +195,6 @@ async fn list(args: ListArgs) -> anyhow::Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-/// What `replay_quarantined` says when the row is not quarantined (SQLSTATE no_data_found).
-const NOT_QUARANTINED_STATE: &str = "P0002";
-
 async fn replay(args: ReplayArgs) -> anyhow::Result<std::process::ExitCode> {
     let reason = args.reason.trim();
     anyhow::ensure!(!reason.is_empty(), "--reason must say why");
@@ -206,33 +204,38 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<std::process::ExitCode> {
         "--operator {operator:?}: an operator's name is one DNS label (letters, digits and '-', at most 63)"
     );
     let parts = args.deployment.parts()?;
-    let mut paydb = parts
-        .write_as(Db::Paydb, "outbox_dispatcher", REPLAY_URL_ENV)
-        .await?;
-    let answer = sqlx::query_scalar::<_, i64>("SELECT replay_quarantined($1, $2, $3)")
-        .bind(args.id)
-        .bind(operator)
-        .bind(reason)
-        .fetch_one(&mut paydb)
-        .await;
-    let replay_id = match answer {
-        Ok(id) => id,
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(NOT_QUARANTINED_STATE) => {
-            let message = e.message().to_string();
-            let _ = sqlx::Connection::close(paydb).await;
+    let url = parts.payment_url()?;
+    let tls = parts.operator_tls(operator)?;
+    let client = payment_client::PaymentClient::connect(&url, &tls)
+        .await
+        .map_err(|e| exit::unreachable(format!("the payment resource at {url}"), e))?;
+    let replay_id = match client.replay_quarantined(args.id, operator, reason).await {
+        Ok(answer) => answer.replay_id,
+        Err(e @ payment_client::PaymentError::Transport { .. }) => {
+            return Err(exit::unreachable(
+                format!("the payment resource at {url}"),
+                e,
+            ))
+        }
+        Err(e) => {
+            let refusal = match e {
+                payment_client::PaymentError::OperatorNotCertified { .. } => format!(
+                    "the payment resource refused: this certificate does not carry the operator \
+                     {operator:?} ({operator}.operator): nothing was replayed"
+                ),
+                other => format!("the payment resource refused: {other}"),
+            };
             if args.json {
                 println!(
                     "{}",
-                    serde_json::json!({"outbox_id": args.id, "replayed": false, "refused": message})
+                    serde_json::json!({"outbox_id": args.id, "replayed": false, "refused": refusal})
                 );
             }
-            eprintln!("payoutctl: {message}");
+            eprintln!("payoutctl: {refusal}");
             return Ok(std::process::ExitCode::from(exit::PROBLEM));
         }
-        Err(e) => {
-            return Err(anyhow::Error::new(e).context(format!("replaying outbox row {}", args.id)))
-        }
     };
+    let mut paydb = parts.read(Db::Paydb).await?;
     let r = sqlx::query(
         "SELECT outbox_id, id, operator_id, reason, quarantined_at, last_error, attempts, at \
          FROM outbox_replay WHERE id = $1",

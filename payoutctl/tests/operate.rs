@@ -697,6 +697,42 @@ async fn operator_commands_against_a_real_system() {
         0,
         "a refused replay records nothing"
     );
+    // Issue 17: the replay is recorded under the operator the certificate carries; another
+    // name is refused by the payment resource and nothing is released or recorded.
+    let impostor = ctl.expect(
+        &[
+            "outbox",
+            "quarantine",
+            "replay",
+            &poison_id.to_string(),
+            "--reason",
+            "INC-2",
+            "--operator",
+            "mallory",
+        ],
+        1,
+    );
+    assert!(
+        impostor.stderr.contains("does not carry the operator"),
+        "{impostor:?}"
+    );
+    assert_eq!(
+        count(
+            &paydb,
+            "SELECT count(*) FROM outbox_replay WHERE outbox_id = $1::text::bigint",
+            &poison_id.to_string()
+        )
+        .await,
+        0,
+        "an impostor's replay records nothing"
+    );
+    let still: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT quarantined_at FROM ledger_outbox WHERE id = $1")
+            .bind(poison_id)
+            .fetch_one(&paydb)
+            .await
+            .unwrap();
+    assert!(still.is_some(), "an impostor's replay releases nothing");
     let replayed = ctl
         .expect(
             &[

@@ -380,6 +380,77 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
         let _ = session.close().await;
     }
 
+    {
+        // A quarantine replay: a worker's certificate is refused by the table; an operator's
+        // certificate naming another operator is refused before any row is looked at.
+        let mut pay = payment::payment_resource_client::PaymentResourceClient::new(
+            channel(
+                &system,
+                Role::Worker,
+                &system.payment_url(),
+                Role::PaymentResource,
+            )
+            .await,
+        );
+        let code = code_of(
+            pay.replay_quarantined(payment::ReplayQuarantinedRequest {
+                outbox_id: 1,
+                operator: "a worker pretending".into(),
+                reason: "attack".into(),
+            })
+            .await,
+        );
+        let seen = sample(
+            &metrics(&system, METRICS_PAYMENT).await,
+            "unauthorised_calls_total",
+            &[r#"ReplayQuarantined""#, r#"role="worker""#],
+        );
+        rows.push(Row {
+            case: "a worker's certificate replays a quarantined outbox row",
+            expected: "PERMISSION_DENIED, counted",
+            held: code == Some(tonic::Code::PermissionDenied) && seen >= 1.0,
+            observed: format!("{code:?}, counted {seen}"),
+        });
+        let mut pay = payment::payment_resource_client::PaymentResourceClient::new(
+            channel(
+                &system,
+                Role::Operator,
+                &system.payment_url(),
+                Role::PaymentResource,
+            )
+            .await,
+        );
+        let answer = pay
+            .replay_quarantined(payment::ReplayQuarantinedRequest {
+                outbox_id: 1,
+                operator: "alice".into(),
+                reason: "attack: blame alice".into(),
+            })
+            .await;
+        let refused = answer
+            .as_ref()
+            .err()
+            .map(|s| (s.code(), s.message().to_string()));
+        let seen = sample(
+            &metrics(&system, METRICS_PAYMENT).await,
+            "unauthorised_calls_total",
+            &[
+                r#"ReplayQuarantined""#,
+                r#"reason="operator_not_certified""#,
+                r#"role="operator""#,
+            ],
+        );
+        rows.push(Row {
+            case: "an operator's certificate replays a quarantined row naming another operator",
+            expected: "PERMISSION_DENIED OperatorNotCertified, counted",
+            held: refused.as_ref().is_some_and(|(c, m)| {
+                *c == tonic::Code::PermissionDenied
+                    && m.contains("is not the operator the caller's certificate carries")
+            }) && seen >= 1.0,
+            observed: format!("{:?}, counted {seen}", refused.map(|r| r.0)),
+        });
+    }
+
     // 3. Session hijack: Describe reveals no session id; a session id learnt elsewhere is
     //    worthless to another certificate; the holder keeps its grant.
     {
@@ -909,10 +980,30 @@ const TAMPERING: &[Tamper] = &[
         "audit_event",
     ),
     t(
+        "payment_resource",
+        Database::Paydb,
+        "UPDATE outbox_replay SET operator_id = 'mallory'",
+        "outbox_replay",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "UPDATE row_chain_head SET seq = 0",
+        "row_chain_head",
+    ),
+    t(
         "outbox_dispatcher",
         Database::Paydb,
         "UPDATE ledger_outbox SET payload = '{}'::jsonb",
         "ledger_outbox",
+    ),
+    // Releasing a quarantined row is the payment resource's, for a certified operator: the
+    // dispatcher's login (a service password) cannot call the function at all.
+    t(
+        "outbox_dispatcher",
+        Database::Paydb,
+        "SELECT replay_quarantined(id, 'mallory', 'attack') FROM ledger_outbox WHERE id < 0",
+        "outbox_replay",
     ),
     t(
         "outbox_dispatcher",
@@ -1009,6 +1100,18 @@ const TAMPERING: &[Tamper] = &[
         Database::Gldb,
         "SET session_replication_role = replica",
         "entries",
+    ),
+    t(
+        "general_ledger",
+        Database::Gldb,
+        "UPDATE operating_mode_changes SET operator_id = 'mallory'",
+        "operating_mode_changes",
+    ),
+    t(
+        "general_ledger",
+        Database::Gldb,
+        "DELETE FROM operating_mode_refusals",
+        "operating_mode_refusals",
     ),
     t(
         "lock_server",

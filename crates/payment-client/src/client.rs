@@ -321,6 +321,27 @@ impl PaymentClient {
         wire::audit_from_proto(e)
     }
 
+    /// Releases quarantined outbox row `outbox_id` for delivery again, recorded under
+    /// `operator`, which must be the operator this client's certificate carries. Answers the
+    /// replay record's id and the operator recorded.
+    pub async fn replay_quarantined(
+        &self,
+        outbox_id: i64,
+        operator: &str,
+        reason: &str,
+    ) -> Result<pb::ReplayQuarantinedResponse, PaymentError> {
+        Ok(self
+            .raw()
+            .replay_quarantined(pb::ReplayQuarantinedRequest {
+                outbox_id,
+                operator: operator.to_string(),
+                reason: reason.to_string(),
+            })
+            .await
+            .map_err(status_to_error)?
+            .into_inner())
+    }
+
     /// The raw reply, violations included (the reconciler reads them as they are).
     pub async fn check_ledger(&self) -> Result<pb::CheckLedgerResponse, PaymentError> {
         Ok(self

@@ -87,6 +87,15 @@ pub enum PaymentError {
         /// `unsigned` | `unknown_operator` | `bad_signature` | `stale`
         reason: String,
     },
+    /// A break-glass call naming an operator the caller's certificate does not carry
+    /// (`service_kit::grpc::certified_operator`). Nothing changed; counted and logged at alert
+    /// level. PERMISSION_DENIED.
+    #[error("operator {operator:?} is not the operator the caller's certificate carries: nothing was changed")]
+    OperatorNotCertified { operator: String },
+    /// A quarantine replay of an outbox row that is not quarantined (no such row, already
+    /// delivered, or waiting for delivery). Nothing changed. FAILED_PRECONDITION.
+    #[error("outbox row {outbox_id} is not quarantined (no such row, already delivered, or waiting for delivery): nothing was replayed")]
+    NotQuarantined { outbox_id: i64 },
     #[error("invalid argument {field}: {}", reason.as_str_name())]
     InvalidArgument {
         field: String,

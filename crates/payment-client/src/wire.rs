@@ -340,6 +340,14 @@ pub fn error_to_status(err: PaymentError) -> Status {
                 reason,
             }),
         ),
+        PaymentError::OperatorNotCertified { operator } => (
+            Code::PermissionDenied,
+            Kind::OperatorNotCertified(pb::OperatorNotCertified { operator }),
+        ),
+        PaymentError::NotQuarantined { outbox_id } => (
+            Code::FailedPrecondition,
+            Kind::NotQuarantined(pb::NotQuarantined { outbox_id }),
+        ),
         PaymentError::InvalidArgument { field, reason } => (
             Code::InvalidArgument,
             Kind::InvalidArgument(pb::InvalidArgument {
@@ -456,6 +464,12 @@ pub fn status_to_error(status: Status) -> PaymentError {
             payout_id: r.payout_id,
             operator: r.operator,
             reason: r.reason,
+        },
+        Kind::OperatorNotCertified(r) => PaymentError::OperatorNotCertified {
+            operator: r.operator,
+        },
+        Kind::NotQuarantined(r) => PaymentError::NotQuarantined {
+            outbox_id: r.outbox_id,
         },
     }
 }
@@ -654,6 +668,10 @@ mod tests {
             PaymentError::AccountExistsWithDifferentContent {
                 account_id: "acct-1".into(),
             },
+            PaymentError::OperatorNotCertified {
+                operator: "mallory".into(),
+            },
+            PaymentError::NotQuarantined { outbox_id: 42 },
         ]
     }
 
@@ -710,13 +728,16 @@ mod tests {
         assert_eq!(payout_from_proto(payout_to_proto(&payout)).unwrap(), payout);
     }
 
-    /// Both grant refusals travel as PERMISSION_DENIED, the others keep their codes.
+    /// Both grant refusals and the uncertified operator travel as PERMISSION_DENIED, the others
+    /// keep their codes.
     #[test]
     fn grant_refusals_are_permission_denied() {
         for refusal in refusals() {
             let grant = matches!(
                 refusal,
-                PaymentError::ForgedGrant { .. } | PaymentError::GrantForAnotherKey { .. }
+                PaymentError::ForgedGrant { .. }
+                    | PaymentError::GrantForAnotherKey { .. }
+                    | PaymentError::OperatorNotCertified { .. }
             );
             let code = error_to_status(refusal).code();
             assert_eq!(code == Code::PermissionDenied, grant, "{code:?}");

@@ -61,10 +61,6 @@ pub enum DispatchError {
     Database(#[from] sqlx::Error),
     #[error("invalid GL endpoint {endpoint}: {detail}")]
     Endpoint { endpoint: String, detail: String },
-    #[error("outbox row {id} is not quarantined")]
-    NotQuarantined { id: i64 },
-    #[error("an operator action needs {field}")]
-    MissingOperatorField { field: &'static str },
 }
 
 #[derive(Debug, Clone)]
@@ -736,48 +732,6 @@ pub async fn list_quarantined(pool: &PgPool) -> Result<Vec<QuarantinedRow>, Disp
         })
         .collect())
 }
-
-/// Clears a row's quarantine so the next round delivers it again. Audited durably: one
-/// `outbox_replay` row (who, when, why, and what the row was quarantined with), written in the
-/// same statement as the release by paydb's `replay_quarantined` (migrations 0007, 0010: the one
-/// definition of a replay, which `payoutctl outbox quarantine replay` calls too), so there is no
-/// release without its record; and in the log.
-pub async fn replay(
-    pool: &PgPool,
-    id: i64,
-    operator_id: &str,
-    reason: &str,
-) -> Result<(), DispatchError> {
-    if operator_id.trim().is_empty() {
-        return Err(DispatchError::MissingOperatorField { field: "operator" });
-    }
-    if reason.trim().is_empty() {
-        return Err(DispatchError::MissingOperatorField { field: "reason" });
-    }
-    match sqlx::query_scalar::<_, i64>("SELECT replay_quarantined($1, $2, $3)")
-        .bind(id)
-        .bind(operator_id)
-        .bind(reason)
-        .fetch_one(pool)
-        .await
-    {
-        Ok(_) => {}
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(NOT_QUARANTINED_STATE) => {
-            return Err(DispatchError::NotQuarantined { id })
-        }
-        Err(e) => return Err(e.into()),
-    }
-    tracing::warn!(
-        outbox_id = id,
-        operator_id,
-        reason,
-        "quarantined outbox row replayed by operator"
-    );
-    Ok(())
-}
-
-/// `replay_quarantined`'s refusal of a row that is not quarantined (SQLSTATE no_data_found).
-const NOT_QUARANTINED_STATE: &str = "P0002";
 
 #[cfg(test)]
 mod tests {

@@ -44,7 +44,8 @@ enum Command {
         #[command(flatten)]
         starts: Box<StartArgs>,
     },
-    /// Operator commands for rows the GL refused.
+    /// Rows the GL refused. Releasing one is the operator's `payoutctl outbox quarantine
+    /// replay` (through the payment resource, under the operator's certified name).
     Quarantine {
         #[command(subcommand)]
         action: QuarantineAction,
@@ -79,15 +80,6 @@ struct StartArgs {
 enum QuarantineAction {
     /// Lists quarantined rows (JSON), with the rows each one holds back.
     List,
-    /// Clears one row's quarantine so it is delivered again (after a fix).
-    Replay {
-        #[arg(long)]
-        id: i64,
-        #[arg(long)]
-        operator: String,
-        #[arg(long)]
-        reason: String,
-    },
 }
 
 #[tokio::main]
@@ -174,16 +166,6 @@ async fn main() -> anyhow::Result<()> {
                         .await
                         .context("listing")?;
                     println!("{}", serde_json::to_string_pretty(&rows)?);
-                }
-                QuarantineAction::Replay {
-                    id,
-                    operator,
-                    reason,
-                } => {
-                    outbox_dispatcher::replay(&pool, id, &operator, &reason)
-                        .await
-                        .context("replay")?;
-                    println!("outbox row {id} released for delivery");
                 }
             }
         }

@@ -81,12 +81,14 @@ pub const OPERATIONS: &[&str] = &[
     "abandon",
     "record_operator_decision",
     "check_ledger",
+    "replay_quarantined",
 ];
 
 pub struct PaymentApi {
     store: Store,
     fixture_accounts: bool,
     calls: GuardCalls,
+    unauthorised_calls: service_kit::prometheus::IntCounterVec,
 }
 
 impl PaymentApi {
@@ -98,6 +100,7 @@ impl PaymentApi {
             store,
             fixture_accounts,
             calls: GuardCalls::new(metrics, service_kit::Guard::PaymentResource, OPERATIONS),
+            unauthorised_calls: metrics.unauthorised_calls(),
         }
     }
 }
@@ -307,6 +310,58 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
         }
         .await;
         reply(timer, result, |e| audit_to_proto(&e))
+    }
+
+    async fn replay_quarantined(
+        &self,
+        request: Request<pb::ReplayQuarantinedRequest>,
+    ) -> Reply<pb::ReplayQuarantinedResponse> {
+        let timer = self.calls.start("replay_quarantined");
+        let caller = service_kit::grpc::caller(&request)?;
+        let r = request.into_inner();
+        let result = async {
+            if r.outbox_id <= 0 {
+                return Err(payment_client::PaymentError::invalid(
+                    "outbox_id",
+                    InvalidReason::IdInvalid,
+                )
+                .into());
+            }
+            let operator =
+                model::required_text("operator", &r.operator, InvalidReason::OperatorMissing)?;
+            let reason = model::required_text("reason", &r.reason, InvalidReason::ReasonMissing)?;
+            // Recorded under the operator the certificate carries, never a typed name.
+            let operator = service_kit::grpc::certified_operator(
+                &caller,
+                "/payment.v1.PaymentResource/ReplayQuarantined",
+                operator.trim(),
+                &self.unauthorised_calls,
+            )
+            .map_err(|_| payment_client::PaymentError::OperatorNotCertified {
+                operator: operator.clone(),
+            })?;
+            let replay_id = self
+                .store
+                .replay_quarantined(r.outbox_id, &operator, reason.trim())
+                .await?;
+            // Alert level: a row refused by the GL goes back to it on an operator's word.
+            tracing::warn!(
+                alert = true,
+                outbox_id = r.outbox_id,
+                replay_id,
+                operator = %operator,
+                reason = %reason.trim(),
+                "quarantined outbox row released for delivery by an operator"
+            );
+            Ok((replay_id, operator))
+        }
+        .await;
+        reply(timer, result, |(replay_id, operator)| {
+            pb::ReplayQuarantinedResponse {
+                replay_id,
+                operator,
+            }
+        })
     }
 
     async fn check_ledger(

@@ -73,6 +73,11 @@ pub static POLICY: Policy = Policy {
             method: "CheckLedger",
             roles: &[Role::Reconciler, Role::Operator],
         },
+        // Break-glass: releasing a row the GL refused, under the operator's certified name.
+        Rule {
+            method: "ReplayQuarantined",
+            roles: &[Role::Operator],
+        },
     ],
 };
 

@@ -1872,6 +1872,32 @@ impl Store {
         Ok(event)
     }
 
+    /// Releases quarantined outbox row `outbox_id` for delivery again, recorded under `operator`
+    /// (already certified by the caller) with `reason`: paydb's `replay_quarantined` (migrations
+    /// 0010, 0012), the release and its chained `outbox_replay` row in one statement. A row that
+    /// is not quarantined is [`PaymentError::NotQuarantined`] and changes nothing.
+    pub async fn replay_quarantined(
+        &self,
+        outbox_id: i64,
+        operator: &str,
+        reason: &str,
+    ) -> Result<i64, ServerError> {
+        match sqlx::query_scalar::<_, i64>("SELECT replay_quarantined($1, $2, $3)")
+            .bind(outbox_id)
+            .bind(operator)
+            .bind(reason)
+            .fetch_one(&self.pool)
+            .await
+        {
+            Ok(replay_id) => Ok(replay_id),
+            // The function's refusal of a row that is not quarantined (SQLSTATE no_data_found).
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("P0002") => {
+                Err(PaymentError::NotQuarantined { outbox_id }.into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// INV-03 over everything: each group sums to zero per currency, each customer balance equals
     /// the sum of its entries. What the reconciler calls.
     pub async fn check_ledger(&self) -> Result<LedgerCheck, ServerError> {
