@@ -490,3 +490,47 @@ mod tests {
         assert!(!format!("{c:?}").contains(&c.superuser));
     }
 }
+
+#[cfg(test)]
+mod row_chain_copies {
+    /// The row-chain definitions (`row_chain_head`, `chain_row()`, ...) are written into each
+    /// database's migrations (a database's migrations are self-contained and immutable once
+    /// applied); the copies are the same word for word, so the reconciler's one check
+    /// (`row_chains_intact`) means the same in every database.
+    #[test]
+    fn the_row_chain_definitions_are_the_same_in_every_database() {
+        let section = |sql: &'static str| -> &'static str {
+            let start = sql
+                .find("CREATE TABLE row_chain_head")
+                .expect("the row-chain head table");
+            let end_marker = "REVOKE ALL ON FUNCTION row_chain_attach(text, text) FROM PUBLIC;";
+            let end = sql.find(end_marker).expect("the end of the definitions") + end_marker.len();
+            &sql[start..end]
+        };
+        let strip_comments = |sql: &str| -> String {
+            sql.lines()
+                .filter(|l| !l.trim_start().starts_with("--"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        let paydb = strip_comments(section(include_str!(
+            "../../../migrations/paydb/0012_verified_replay_and_row_chains.sql"
+        )));
+        for (name, other) in [
+            (
+                "gldb",
+                include_str!("../../../migrations/gldb/0004_row_chains.sql"),
+            ),
+            (
+                "lockdb",
+                include_str!("../../../migrations/lockdb/0004_row_chains.sql"),
+            ),
+        ] {
+            assert_eq!(
+                strip_comments(section(other)),
+                paydb,
+                "{name}'s row-chain definitions differ from paydb 0012's"
+            );
+        }
+    }
+}

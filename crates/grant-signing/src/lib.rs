@@ -17,6 +17,8 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+pub mod audit_chain;
+
 use ring::rand::SystemRandom;
 use ring::signature::{Ed25519KeyPair, KeyPair, UnparsedPublicKey, ED25519};
 

@@ -13,6 +13,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+pub mod lock_audit;
+pub mod row_chains;
+
 use payout_domain::{Actor, PayoutEvent, PayoutState};
 use serde::Serialize;
 use sqlx::{PgPool, Row};
@@ -313,8 +316,16 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
     let (gl, outbox_pending) = gl_matches_paydb(&sources.paydb, &sources.gldb, options).await?;
     checks.push(gl);
     checks.push(tokens_were_granted(sources).await?);
-    let (chain, audit_heads) = audit_chain_intact(&sources.paydb, options).await?;
+    let (lock_audit, lock_audit_head) =
+        lock_audit::lock_audit_chain_intact(sources, options).await?;
+    checks.push(lock_audit);
+    let (chain, mut audit_heads) = audit_chain_intact(&sources.paydb, options).await?;
     checks.push(chain);
+    let (rows, row_heads) =
+        row_chains::row_chains_intact(&sources.paydb, &sources.gldb, options).await?;
+    checks.push(rows);
+    audit_heads.extend(row_heads);
+    audit_heads.extend(lock_audit_head);
 
     let violations = checks.iter().map(|c| c.violations.len()).sum();
     for c in &checks {
@@ -543,19 +554,9 @@ pub async fn audit_chain_intact(
         let id: i64 = r.get("id");
         let chain: String = r.get("chain");
         let seq: i64 = r.get("chain_seq");
-        let mut what = Vec::new();
-        if r.get::<bool, _>("edited") {
-            what.push("its content no longer hashes to its row_hash (edited)");
-        }
-        if r.get::<bool, _>("gap") {
-            what.push("the sequence skips before it (rows deleted)");
-        }
-        if r.get::<bool, _>("unlinked") {
-            what.push("its prev_hash is not the previous row's hash (the chain is broken)");
-        }
         c.violations.push(format!(
             "audit row {id} (chain {chain:?}, seq {seq}): {}",
-            what.join("; ")
+            chain_faults(&r)
         ));
     }
     c.examined = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit_event")
@@ -604,6 +605,11 @@ pub async fn audit_chain_intact(
     }
     current.sort_by(|a, b| a.chain.cmp(&b.chain));
     if let Some(anchor) = &options.audit_anchor {
+        // The tables' row chains in the same anchor are `row_chains`' to check.
+        let anchor: Vec<&AuditHead> = anchor
+            .iter()
+            .filter(|h| !row_chains::is_row_chain(&h.chain))
+            .collect();
         let chains: Vec<String> = anchor.iter().map(|h| h.chain.clone()).collect();
         let seqs: Vec<i64> = anchor.iter().map(|h| h.seq).collect();
         let found = sqlx::query(
@@ -632,6 +638,22 @@ pub async fn audit_chain_intact(
         }
     }
     Ok((c, current))
+}
+
+/// What a chained row found by a chain check's query is wrong with, from its `edited`, `gap`
+/// and `unlinked` columns (the audit chains' query and the row chains' share them).
+fn chain_faults(r: &sqlx::postgres::PgRow) -> String {
+    let mut what = Vec::new();
+    if r.get::<bool, _>("edited") {
+        what.push("its content no longer hashes to its row_hash (edited)");
+    }
+    if r.get::<bool, _>("gap") {
+        what.push("the sequence skips before it (rows deleted)");
+    }
+    if r.get::<bool, _>("unlinked") {
+        what.push("its prev_hash is not the previous row's hash (the chain is broken)");
+    }
+    what.join("; ")
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -630,9 +630,7 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
     assert_eq!(held_state, (None, 0), "never sent ahead of its predecessor");
 
     // Replay without a fix: quarantined again, with another alert.
-    replay(&paydb, unbalanced, "op-1", "retry")
-        .await
-        .unwrap();
+    replay(&paydb, unbalanced, "op-1", "retry").await.unwrap();
     dispatcher.run_once().await.unwrap();
     assert_eq!(alerts.try_recv().unwrap().outbox_id, unbalanced);
     // The fix: the operator opens the missing account in the GL; then replay delivers both rows in order.

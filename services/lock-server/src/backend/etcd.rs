@@ -18,6 +18,7 @@ use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseTimeToLiveOptions,
     PutOptions, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
 };
+use grant_signing::audit_chain;
 use serde::{Deserialize, Serialize};
 
 use super::{unix_now_ms, Attempt, GrantInfo, HandleRef, Holder, SessionGrant, WaitFrom};
@@ -37,6 +38,10 @@ pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
 /// Force-revoke reads the holder and deletes it conditioned on that read; a holder change in
 /// between is retried this many times before the operator is told to try again.
 pub const REVOKE_ATTEMPTS_MAX: usize = 3;
+/// Every force-revoke appends to the one audit chain, so revokes of different keys at once
+/// conflict on its head: the one that lost reads the head again (another revoke landed, so each
+/// round makes progress), at most this many times before the operator is told to try again.
+pub const AUDIT_APPEND_ATTEMPTS_MAX: usize = 16;
 
 /// How long a grant record is kept by default: the reconciler's INV-07 horizon (tokens first
 /// accepted at a guard within it must have a record) is one day inside this week, and a week of
@@ -80,18 +85,6 @@ struct RetentionMarker {
 struct RetentionLease {
     id: i64,
     made: Instant,
-}
-
-#[derive(Debug, Serialize)]
-struct AuditRecord<'a> {
-    action: &'static str,
-    key: &'a str,
-    revoked_owner: &'a str,
-    revoked_session_id: &'a str,
-    revoked_token: u64,
-    operator: &'a str,
-    reason: &'a str,
-    at_unix_ms: i64,
 }
 
 pub struct EtcdBackend {
@@ -158,8 +151,9 @@ pub(crate) fn parse_lease(session_id: &str) -> Result<i64, LockError> {
 }
 
 impl EtcdBackend {
-    /// `prefix` namespaces every key this server writes (`{prefix}locks/...`, `{prefix}audit/...`,
-    /// `{prefix}grants/...`, `{prefix}retention/...`); grant records are kept `grant_retention_ms`.
+    /// `prefix` namespaces every key this server writes (`{prefix}locks/...`, `{prefix}audit/...`
+    /// and `{prefix}audit-head`, `{prefix}grants/...`, `{prefix}retention/...`); grant records are
+    /// kept `grant_retention_ms`.
     /// Every connection is mutual TLS (`tls`: etcd's authority, this server's certificate from
     /// it); an endpoint that is not `https://` is refused.
     pub async fn connect(
@@ -837,6 +831,17 @@ impl EtcdBackend {
         Ok(())
     }
 
+    /// Deletes `key`'s holder and appends the force-revoke's audit record to the chain
+    /// (`grant_signing::audit_chain`): the record at `{prefix}audit/{seq:020}`, linked to the
+    /// head's hash, and the head moved to it, in one transaction with the delete. The transaction
+    /// compares the key's mod revision (the holder read is the one revoked), the head's (or its
+    /// absence for the first record: two revokes at once cannot both take a seq) and the record
+    /// key's absence (nothing is ever written over). A holder that moved in between is read
+    /// again at most [`REVOKE_ATTEMPTS_MAX`] times, a head another revoke moved at most
+    /// [`AUDIT_APPEND_ATTEMPTS_MAX`] times. A chain that is not consistent where it
+    /// is appended to (a head missing or unreadable while records exist, a record already at the
+    /// next seq) is refused, not repaired: that is tampering, and the reconciler's
+    /// `lock_audit_chain_intact` names it.
     pub async fn force_revoke(
         &self,
         key: &str,
@@ -844,45 +849,89 @@ impl EtcdBackend {
         reason: &str,
     ) -> Result<Holder, LockError> {
         let k = self.lock_key(key);
-        for _ in 0..REVOKE_ATTEMPTS_MAX {
+        let head_key = audit_chain::head_key(&self.prefix);
+        let (mut holder_changes, mut head_changes) = (0, 0);
+        while holder_changes < REVOKE_ATTEMPTS_MAX && head_changes < AUDIT_APPEND_ATTEMPTS_MAX {
+            // The holder and the chain's head, read in one snapshot.
+            let read = Txn::new().and_then([
+                TxnOp::get(k.clone(), None),
+                TxnOp::get(head_key.clone(), None),
+            ]);
             let got = self
                 .call(None, |mut c| {
-                    let k = k.clone();
-                    async move { c.get(k, None).await }
+                    let read = read.clone();
+                    async move { c.txn(read).await }
                 })
                 .await?;
-            let Some(kv) = got.kvs().first().cloned() else {
+            let [holder_kv, head_kv] = Self::first_kvs(&got);
+            let Some(kv) = holder_kv else {
                 return Err(LockError::NotHeld {
                     key: key.to_string(),
                 });
             };
+            let (seq, prev, head_compare) = match &head_kv {
+                Some(h) => {
+                    let head = serde_json::from_slice::<audit_chain::Head>(h.value())
+                        .ok()
+                        .and_then(|head| Some((head.seq, audit_chain::from_hex(&head.hash)?)))
+                        .ok_or_else(|| {
+                            Self::chain_broken(format!("its head {head_key} is unreadable"))
+                        })?;
+                    (
+                        head.0 + 1,
+                        head.1,
+                        Compare::mod_revision(head_key.clone(), CompareOp::Equal, h.mod_revision()),
+                    )
+                }
+                None => (
+                    1,
+                    audit_chain::genesis(),
+                    Compare::version(head_key.clone(), CompareOp::Equal, 0),
+                ),
+            };
             let entry = Self::decode(kv.value());
             let token = kv.create_revision() as u64;
-            let audit = AuditRecord {
-                action: "force_revoke",
+            let record = audit_chain::Record::chained(
+                seq,
+                &prev,
+                "force_revoke",
                 key,
-                revoked_owner: &entry.owner,
-                revoked_session_id: &entry.session_id,
-                revoked_token: token,
+                &entry.owner,
+                &entry.session_id,
+                token,
                 operator,
                 reason,
-                at_unix_ms: unix_now_ms(),
+                unix_now_ms(),
+            );
+            let head = audit_chain::Head {
+                seq,
+                hash: record.hash.clone(),
             };
-            let audit_key = format!("{}audit/{}", self.prefix, uuid::Uuid::new_v4());
+            let record_key = audit_chain::record_key(&self.prefix, seq);
             // Delete and audit in one transaction: there is no revocation without its record.
             let txn = Txn::new()
-                .when([Compare::mod_revision(
-                    k.clone(),
-                    CompareOp::Equal,
-                    kv.mod_revision(),
-                )])
+                .when([
+                    Compare::mod_revision(k.clone(), CompareOp::Equal, kv.mod_revision()),
+                    head_compare,
+                    Compare::version(record_key.clone(), CompareOp::Equal, 0),
+                ])
                 .and_then([
                     TxnOp::delete(k.clone(), None),
                     TxnOp::put(
-                        audit_key,
-                        serde_json::to_string(&audit).expect("audit serializes"),
+                        record_key.clone(),
+                        serde_json::to_string(&record).expect("audit record serializes"),
                         None,
                     ),
+                    TxnOp::put(
+                        head_key.clone(),
+                        serde_json::to_string(&head).expect("audit head serializes"),
+                        None,
+                    ),
+                ])
+                .or_else([
+                    TxnOp::get(k.clone(), None),
+                    TxnOp::get(head_key.clone(), None),
+                    TxnOp::get(record_key.clone(), None),
                 ]);
             let resp = self
                 .call(None, |mut c| {
@@ -899,9 +948,63 @@ impl EtcdBackend {
                     session_state: None,
                 });
             }
+            // Which compare failed: a holder or a head that moved is read again; a record already
+            // at the next seq is not ours to write over.
+            let [holder_now, head_now, record_now] = Self::first_kvs(&resp);
+            let holder_moved = holder_now.is_none_or(|now| now.mod_revision() != kv.mod_revision());
+            let head_moved = match (&head_kv, &head_now) {
+                (Some(before), Some(now)) => now.mod_revision() != before.mod_revision(),
+                (None, None) => false,
+                _ => true,
+            };
+            if holder_moved {
+                holder_changes += 1;
+            } else if head_moved {
+                head_changes += 1;
+            } else if record_now.is_some() {
+                return Err(Self::chain_broken(format!(
+                    "a record already sits at {record_key} while the head {}",
+                    match head_kv {
+                        Some(_) => format!("is at seq {}", seq - 1),
+                        None => "is missing".to_string(),
+                    }
+                )));
+            } else {
+                // No compare's key moved by its answer: counted like a holder change, so the loop
+                // still ends.
+                holder_changes += 1;
+            }
         }
-        Err(backend_err(
-            "the holder kept changing during force-revoke; try again",
+        Err(backend_err(if holder_changes == REVOKE_ATTEMPTS_MAX {
+            "the holder kept changing during force-revoke; try again"
+        } else {
+            "other force-revokes kept advancing the audit chain during force-revoke; try again"
+        }))
+    }
+
+    /// The first key-value of each of the first `N` range reads of a transaction's answer.
+    fn first_kvs<const N: usize>(
+        resp: &etcd_client::TxnResponse,
+    ) -> [Option<etcd_client::KeyValue>; N] {
+        let mut gets = resp.op_responses().into_iter().filter_map(|r| match r {
+            TxnOpResponse::Get(g) => Some(g.kvs().first().cloned()),
+            _ => None,
+        });
+        std::array::from_fn(|_| gets.next().flatten())
+    }
+
+    /// Force-revoke refuses to append to an audit chain that is not consistent where it would
+    /// append: logged at alert level, the operator told why.
+    fn chain_broken(what: String) -> LockError {
+        tracing::error!(
+            event = "audit_chain_broken",
+            backend = BACKEND,
+            what,
+            "the force-revoke audit chain was tampered with: force-revoke refused (see the reconciler's lock_audit_chain_intact)"
+        );
+        backend_err(format!(
+            "the force-revoke audit chain is not consistent ({what}); nothing was revoked: \
+             the reconciler's lock_audit_chain_intact names the break"
         ))
     }
 
@@ -993,9 +1096,11 @@ impl EtcdBackend {
         }
     }
 
-    /// The audit records written by force-revoke, oldest first (tests and operators).
+    /// The audit records written by force-revoke, oldest first (tests and operators): each an
+    /// `audit_chain::Record` (seq, the revoke's fields, prev_hash, hash). The head
+    /// (`{prefix}audit-head`) is outside this prefix.
     pub async fn audit_records(&self) -> Result<Vec<serde_json::Value>, LockError> {
-        let k = format!("{}audit/", self.prefix);
+        let k = audit_chain::records_prefix(&self.prefix);
         let got = self
             .call(None, |mut c| {
                 let k = k.clone();

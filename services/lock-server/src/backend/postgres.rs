@@ -676,6 +676,9 @@ impl PgBackend {
         reason: &str,
     ) -> Result<Holder, LockError> {
         // Delete, audit and notify in one statement: there is no revocation without its record.
+        // The record's place in the audit chain (chain_seq, prev_hash, row_hash; lockdb 0004) is
+        // filled by lock_audit's BEFORE INSERT trigger, which runs as the owner and moves the
+        // chain's head: this role inserts the record's content only.
         let row = sqlx::query(
             "WITH d AS (DELETE FROM lock_entry WHERE key = $1 RETURNING key, owner, session_id, token), \
              a AS (INSERT INTO lock_audit (action, key, revoked_owner, revoked_session_id, revoked_token, operator, reason) \
