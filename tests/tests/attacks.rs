@@ -1078,6 +1078,12 @@ const TAMPERING: &[Tamper] = &[
         "rail_submission",
     ),
     t(
+        "rail_proxy",
+        Database::Proxydb,
+        "UPDATE row_chain_head SET seq = 0",
+        "row_chain_head",
+    ),
+    t(
         "general_ledger",
         Database::Gldb,
         "UPDATE entries SET amount = amount * 2",

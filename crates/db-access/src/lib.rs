@@ -525,6 +525,10 @@ mod row_chain_copies {
                 "lockdb",
                 include_str!("../../../migrations/lockdb/0004_row_chains.sql"),
             ),
+            (
+                "proxydb",
+                include_str!("../../../migrations/proxydb/0007_row_chains.sql"),
+            ),
         ] {
             assert_eq!(
                 strip_comments(section(other)),

@@ -322,7 +322,8 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
     let (chain, mut audit_heads) = audit_chain_intact(&sources.paydb, options).await?;
     checks.push(chain);
     let (rows, row_heads) =
-        row_chains::row_chains_intact(&sources.paydb, &sources.gldb, options).await?;
+        row_chains::row_chains_intact(&sources.paydb, &sources.proxydb, &sources.gldb, options)
+            .await?;
     checks.push(rows);
     audit_heads.extend(row_heads);
     audit_heads.extend(lock_audit_head);

@@ -1,6 +1,7 @@
-//! The row chains of the evidence tables beside paydb's audit trail (paydb 0012, gldb 0004): a
-//! quarantine replay (`outbox_replay`) and the General Ledger's operating-mode changes and
-//! refusals. Each table is one chain: every row carries its `chain_seq` (1, 2, ...), the hash of
+//! The row chains of the evidence tables beside paydb's audit trail (paydb 0012, proxydb 0007,
+//! gldb 0004): a quarantine replay (`outbox_replay`), the rail proxy's refusals, resolutions and
+//! re-armings (`guard_event`, `resolution`, `rearm_event`) and the General Ledger's
+//! operating-mode changes and refusals. Each table is one chain: every row carries its `chain_seq` (1, 2, ...), the hash of
 //! the row before it and its own, `sha256(prev_hash || its content as canonical JSON, timestamps
 //! in UTC)`, written by the database's own trigger as the owner; the chain's head is a row of
 //! `row_chain_head` named after the table.
@@ -19,6 +20,8 @@ use crate::{chain_faults, check, hex, store, AuditHead, Check, Options, Reconcil
 pub const PAYDB_CHAINS: &[&str] = &["outbox_replay"];
 /// The chained tables of gldb.
 pub const GLDB_CHAINS: &[&str] = &["operating_mode_changes", "operating_mode_refusals"];
+/// The chained tables of proxydb.
+pub const PROXYDB_CHAINS: &[&str] = &["guard_event", "resolution", "rearm_event"];
 
 /// The name a table's chain has in a report and in the anchor: `<database>:<table>`. An
 /// account id cannot contain ':', so these never meet paydb's per-account chains.
@@ -34,12 +37,17 @@ pub fn is_row_chain(chain: &str) -> bool {
 /// Every chained table of paydb and gldb, intact; and their heads, for the next run's anchor.
 pub async fn row_chains_intact(
     paydb: &PgPool,
+    proxydb: &PgPool,
     gldb: &PgPool,
     options: &Options,
 ) -> Result<(Check, Vec<AuditHead>), ReconcileError> {
     let mut c = check("row_chains_intact", "audit");
     let mut heads = Vec::new();
-    for (database, pool, tables) in [("paydb", paydb, PAYDB_CHAINS), ("gldb", gldb, GLDB_CHAINS)] {
+    for (database, pool, tables) in [
+        ("paydb", paydb, PAYDB_CHAINS),
+        ("proxydb", proxydb, PROXYDB_CHAINS),
+        ("gldb", gldb, GLDB_CHAINS),
+    ] {
         for table in tables {
             let name = chain_name(database, table);
             let (examined, head) = one_chain(pool, database, table, &name, &mut c).await?;
@@ -57,6 +65,7 @@ pub async fn row_chains_intact(
             };
             let pool = match database {
                 "paydb" if PAYDB_CHAINS.contains(&table) => paydb,
+                "proxydb" if PROXYDB_CHAINS.contains(&table) => proxydb,
                 "gldb" if GLDB_CHAINS.contains(&table) => gldb,
                 _ => {
                     c.violations.push(format!(
@@ -86,10 +95,10 @@ pub async fn row_chains_intact(
 }
 
 fn database_name(database: &str) -> &'static str {
-    if database == "paydb" {
-        "paydb"
-    } else {
-        "gldb"
+    match database {
+        "paydb" => "paydb",
+        "proxydb" => "proxydb",
+        _ => "gldb",
     }
 }
 

@@ -1,6 +1,7 @@
 //! The evidence tables beside paydb's audit trail are tamper-evident too (issue 17, section 3):
-//! the General Ledger's operating-mode changes and refusals (gldb 0004) and paydb's quarantine
-//! replays (paydb 0012) are each one hash chain, and `row_chains_intact` finds an edited row, a
+//! the General Ledger's operating-mode changes and refusals (gldb 0004), the rail proxy's
+//! refusals, resolutions and re-armings (proxydb 0007) and paydb's quarantine replays (paydb
+//! 0012) are each one hash chain, and `row_chains_intact` finds an edited row, a
 //! deleted row, a removed tail, a removed head and (with the anchor an earlier run reported) a
 //! rewrite of a whole chain. The tampering is done the only way it can be: as the superuser, with
 //! the triggers switched off; no service role may (the attack suite).
@@ -16,8 +17,11 @@ use testkit::{PgServer, Stack};
 struct Dbs {
     pay_admin: sqlx::PgPool,
     gl_admin: sqlx::PgPool,
+    proxy_admin: sqlx::PgPool,
     pay_reader: sqlx::PgPool,
+    proxy_reader: sqlx::PgPool,
     gl_reader: sqlx::PgPool,
+    proxy_url: String,
     pay_url: (String, String),
 }
 
@@ -26,6 +30,11 @@ async fn dbs(changes: usize) -> Dbs {
     let pg = stack.pg(PgServer::Main);
     let pay_admin_url = stack.provisioned_db(PgServer::Main, Database::Paydb).await;
     let gl_admin_url = stack.provisioned_db(PgServer::Main, Database::Gldb).await;
+    let proxy_admin_url = stack
+        .provisioned_db(PgServer::Proxy, Database::Proxydb)
+        .await;
+    let proxy_pg = stack.pg(PgServer::Proxy);
+    let proxy = testkit::system::database_name(&proxy_admin_url).to_string();
     let pay = testkit::system::database_name(&pay_admin_url).to_string();
     let gl = testkit::system::database_name(&gl_admin_url).to_string();
     let ledger = sqlx::PgPool::connect(&pg.login_url("general_ledger", &gl))
@@ -46,6 +55,11 @@ async fn dbs(changes: usize) -> Dbs {
     Dbs {
         pay_admin: sqlx::PgPool::connect(&pay_admin_url).await.unwrap(),
         gl_admin: sqlx::PgPool::connect(&gl_admin_url).await.unwrap(),
+        proxy_admin: sqlx::PgPool::connect(&proxy_admin_url).await.unwrap(),
+        proxy_reader: sqlx::PgPool::connect(&proxy_pg.login_url("reconciler", &proxy))
+            .await
+            .unwrap(),
+        proxy_url: proxy_pg.login_url("rail_proxy", &proxy),
         pay_reader: sqlx::PgPool::connect(&pg.login_url("reconciler", &pay))
             .await
             .unwrap(),
@@ -75,7 +89,7 @@ async fn findings(d: &Dbs, anchor: Option<Vec<AuditHead>>) -> (Vec<String>, Vec<
         audit_anchor: anchor,
         ..Options::default()
     };
-    let (check, heads) = row_chains_intact(&d.pay_reader, &d.gl_reader, &options)
+    let (check, heads) = row_chains_intact(&d.pay_reader, &d.proxy_reader, &d.gl_reader, &options)
         .await
         .unwrap();
     (check.violations, heads)
@@ -244,6 +258,40 @@ async fn a_quarantine_replay_is_chained_and_only_the_payment_resource_may_make_o
     assert_eq!(violations.len(), 1, "{violations:?}");
     assert!(
         violations[0].contains("paydb:outbox_replay row seq 1") && violations[0].contains("edited"),
+        "{violations:?}"
+    );
+}
+
+/// The rail proxy's refusal records, written by its own role, are chained; a deleted one (the
+/// refusal a stale worker would want forgotten) is found.
+#[tokio::test]
+async fn a_deleted_guard_event_of_the_proxy_is_found() {
+    let d = dbs(0).await;
+    let proxy = sqlx::PgPool::connect(&d.proxy_url).await.unwrap();
+    for i in 0..3 {
+        sqlx::query(
+            "INSERT INTO guard_event (kind, payout_id, account_id, lock_key, presented, stored, \
+             owner, stored_owner) VALUES ('FENCED', $1, 'acct-1', 'payout:acct-1', 3, 7, \
+             'worker-old', 'worker-new')",
+        )
+        .bind(format!("p-{i}"))
+        .execute(&proxy)
+        .await
+        .unwrap();
+    }
+    let (violations, heads) = findings(&d, None).await;
+    assert!(violations.is_empty(), "{violations:?}");
+    assert_eq!(head(&heads, "proxydb:guard_event").seq, 3);
+    tamper(
+        &d.proxy_admin,
+        "DELETE FROM guard_event WHERE chain_seq = 2",
+    )
+    .await;
+    let (violations, _) = findings(&d, None).await;
+    assert!(
+        violations
+            .iter()
+            .any(|v| v.contains("proxydb:guard_event row seq 3") && v.contains("rows deleted")),
         "{violations:?}"
     );
 }
