@@ -352,6 +352,87 @@ pub mod grpc {
             .layer(GlobalConcurrencyLimitLayer::new(bounds.concurrency_max)))
     }
 
+    /// How a server serves its routes: as deployed ([`Serving::secure`]: [`server`]'s mutual TLS,
+    /// authorisation table and bounds), or, only in a build with the test-only feature
+    /// `negative-controls` (the benchmarks' "security off" control; no shipped binary has it),
+    /// without TLS or the table. One place for both, so a service has one serving path.
+    pub enum Serving {
+        Secure(Box<SecureServer>),
+        /// TEST ONLY: plaintext, every caller taken as `every_caller` (there is no certificate
+        /// to verify; a handler that needs a caller finds this one).
+        #[cfg(feature = "negative-controls")]
+        #[doc(hidden)]
+        PlaintextForBenches {
+            service: &'static str,
+            every_caller: Caller,
+        },
+    }
+
+    impl Serving {
+        /// As deployed: see [`server`].
+        pub fn secure(
+            tls: &Tls,
+            policy: &'static Policy,
+            bounds: Bounds,
+            metrics: &crate::Metrics,
+        ) -> Result<Self, tonic::transport::Error> {
+            Ok(Self::Secure(Box::new(server(tls, policy, bounds, metrics)?)))
+        }
+
+        /// TEST ONLY (feature `negative-controls`): `service` served without TLS or its
+        /// authorisation table, every caller taken as one worker.
+        #[cfg(feature = "negative-controls")]
+        #[doc(hidden)]
+        pub fn plaintext_for_benches(service: &'static str) -> Self {
+            Self::PlaintextForBenches {
+                service,
+                every_caller: Caller {
+                    role: Role::Worker,
+                    fingerprint: [0; 32],
+                    certificate: Vec::<u8>::new().into(),
+                },
+            }
+        }
+
+        /// Serves `routes` on `listener` until `signal`.
+        pub async fn serve(
+            self,
+            routes: tonic::service::Routes,
+            listener: tokio::net::TcpListener,
+            signal: impl std::future::Future<Output = ()>,
+        ) -> Result<(), tonic::transport::Error> {
+            let incoming = crate::incoming(listener);
+            match self {
+                Self::Secure(mut server) => {
+                    server
+                        .add_routes(routes)
+                        .serve_with_incoming_shutdown(incoming, signal)
+                        .await
+                }
+                #[cfg(feature = "negative-controls")]
+                Self::PlaintextForBenches {
+                    service,
+                    every_caller,
+                } => {
+                    tracing::error!(
+                        service,
+                        "serving WITHOUT TLS or authorisation (test-only bench control)"
+                    );
+                    Server::builder()
+                        .layer(tonic::service::InterceptorLayer::new(
+                            move |mut request: tonic::Request<()>| {
+                                request.extensions_mut().insert(every_caller.clone());
+                                Ok(request)
+                            },
+                        ))
+                        .add_routes(routes)
+                        .serve_with_incoming_shutdown(incoming, signal)
+                        .await
+                }
+            }
+        }
+    }
+
     /// The operator a break-glass call is recorded under: the name the request claims, proven
     /// by the caller's certificate ([`mtls::authz::certified_actor`]); otherwise the refusal
     /// (each service answers it in its own typed way, PERMISSION_DENIED), counted in

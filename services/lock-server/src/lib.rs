@@ -100,32 +100,15 @@ pub async fn serve(
     metrics: &service_kit::Metrics,
     shutdown: service_kit::Shutdown,
 ) -> Result<(), LockError> {
-    let grpc_error = |e: tonic::transport::Error| LockError::Backend {
-        backend: "grpc-server",
-        detail: e.to_string(),
-    };
-    let mut server =
-        service_kit::grpc::server(tls, policy, service::BOUNDS, metrics).map_err(grpc_error)?;
-    let (health, tasks) = background_tasks(&service);
-    let result = server
-        .add_service(health)
-        .add_service(bounded(service))
-        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
-        .await
-        .map_err(grpc_error);
-    drop(tasks);
-    result
-}
-
-/// The lock service with its request size bound.
-fn bounded(service: LockServiceImpl) -> LockServiceServer<LockServiceImpl> {
-    LockServiceServer::new(service).max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX)
+    let serving = service_kit::grpc::Serving::secure(tls, policy, service::BOUNDS, metrics)
+        .map_err(grpc_error)?;
+    serve_as(service, listener, serving, shutdown).await
 }
 
 /// TEST ONLY (feature `negative-controls`): [`serve`] without TLS and without the authorisation
-/// table (every caller is taken as one worker), so `payoutdev bench e2e` can print what the
-/// security costs a payout beside the same payout with it. The shipped binary is never built
-/// with the feature.
+/// table (every caller is taken as one worker: sessions belong to their creator's certificate,
+/// and here all share that one), so `payoutdev bench e2e` can print what the security costs a
+/// payout beside the same payout with it. The shipped binary is never built with the feature.
 #[cfg(feature = "negative-controls")]
 #[doc(hidden)]
 pub async fn serve_plaintext_for_benches(
@@ -133,32 +116,36 @@ pub async fn serve_plaintext_for_benches(
     listener: tokio::net::TcpListener,
     shutdown: service_kit::Shutdown,
 ) -> Result<(), LockError> {
-    tracing::error!("lock server serving WITHOUT TLS or authorisation (test-only bench control)");
-    // With no certificate there is no verified caller: every call is taken as one worker's
-    // (sessions belong to their creator's certificate; here all share this one).
-    let caller = mtls::Caller {
-        role: mtls::Role::Worker,
-        fingerprint: [0; 32],
-        certificate: Vec::<u8>::new().into(),
-    };
+    let serving = service_kit::grpc::Serving::plaintext_for_benches("lock server");
+    serve_as(service, listener, serving, shutdown).await
+}
+
+/// The one serving path: the lock service (with its request size bound) and its health, the
+/// background tasks beside them.
+async fn serve_as(
+    service: LockServiceImpl,
+    listener: tokio::net::TcpListener,
+    serving: service_kit::grpc::Serving,
+    shutdown: service_kit::Shutdown,
+) -> Result<(), LockError> {
     let (health, tasks) = background_tasks(&service);
-    let result = tonic::transport::Server::builder()
-        .layer(tonic::service::InterceptorLayer::new(
-            move |mut request: tonic::Request<()>| {
-                request.extensions_mut().insert(caller.clone());
-                Ok(request)
-            },
-        ))
-        .add_service(health)
-        .add_service(bounded(service))
-        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
+    let routes = tonic::service::Routes::new(health).add_service(
+        LockServiceServer::new(service)
+            .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX),
+    );
+    let result = serving
+        .serve(routes, listener, shutdown.wait())
         .await
-        .map_err(|e| LockError::Backend {
-            backend: "grpc-server",
-            detail: e.to_string(),
-        });
+        .map_err(grpc_error);
     drop(tasks);
     result
+}
+
+fn grpc_error(e: tonic::transport::Error) -> LockError {
+    LockError::Backend {
+        backend: "grpc-server",
+        detail: e.to_string(),
+    }
 }
 
 /// What runs beside the gRPC service while it serves: the health reporter's probe and the

@@ -108,16 +108,23 @@ impl Front {
     }
 }
 
-/// The server as deployed: mutual TLS, `front`'s authorisation table, the bounds.
-fn secure_server(
-    front: &Front,
-) -> Result<service_kit::grpc::SecureServer, tonic::transport::Error> {
-    service_kit::grpc::server(
-        &front.tls,
-        front.policy,
-        service_kit::grpc::BOUNDS,
-        &front.metrics,
-    )
+impl Front {
+    /// How this front serves: as deployed (mutual TLS, its authorisation table, the bounds), or
+    /// the benches' plaintext control in a `negative-controls` build.
+    fn serving(&self) -> Result<service_kit::grpc::Serving, tonic::transport::Error> {
+        #[cfg(feature = "negative-controls")]
+        if self.plaintext {
+            return Ok(service_kit::grpc::Serving::plaintext_for_benches(
+                "payment resource",
+            ));
+        }
+        service_kit::grpc::Serving::secure(
+            &self.tls,
+            self.policy,
+            service_kit::grpc::BOUNDS,
+            &self.metrics,
+        )
+    }
 }
 
 /// Serves `payment.v1.PaymentResource` and `grpc.health.v1` on `listener` until `shutdown`,
@@ -152,38 +159,9 @@ pub async fn serve(
         api::PaymentApi::new(store, front.fixture_accounts, &front.metrics),
     )
     .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX);
-    let incoming = service_kit::incoming(listener);
-    let stopped = shutdown.clone().wait();
-    #[cfg(feature = "negative-controls")]
-    let server: std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>,
-    > = if front.plaintext {
-        tracing::error!(
-            "payment resource serving WITHOUT TLS or authorisation (test-only bench control)"
-        );
-        Box::pin(
-            tonic::transport::Server::builder()
-                .add_service(health)
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, stopped),
-        )
-    } else {
-        let mut server = secure_server(&front)?;
-        Box::pin(
-            server
-                .add_service(health)
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, stopped),
-        )
-    };
-    #[cfg(not(feature = "negative-controls"))]
-    let server = {
-        let mut server = secure_server(&front)?;
-        server
-            .add_service(health)
-            .add_service(service)
-            .serve_with_incoming_shutdown(incoming, stopped)
-    };
+    let serving = front.serving()?;
+    let routes = tonic::service::Routes::new(health).add_service(service);
+    let server = serving.serve(routes, listener, shutdown.clone().wait());
     let drain_deadline = async {
         shutdown.wait().await;
         tokio::time::sleep(Duration::from_millis(SHUTDOWN_DRAIN_MS)).await;

@@ -115,6 +115,26 @@ pub enum ProxyServerError {
 }
 
 impl ProxyConfig {
+    /// How the proxy serves: as deployed (mutual TLS, the authorisation table, the bounds), or
+    /// the benches' plaintext control in a `negative-controls` build.
+    fn serving(
+        &self,
+        metrics: &service_kit::Metrics,
+    ) -> Result<service_kit::grpc::Serving, tonic::transport::Error> {
+        #[cfg(feature = "negative-controls")]
+        if self.plaintext {
+            return Ok(service_kit::grpc::Serving::plaintext_for_benches(
+                "rail proxy",
+            ));
+        }
+        service_kit::grpc::Serving::secure(
+            &self.tls,
+            self.policy,
+            service_kit::grpc::BOUNDS,
+            metrics,
+        )
+    }
+
     /// The proxy in front of the rail at `rail_base_url`, verifying every fenced call's grant
     /// with `verifier` (the lock service's public keys), serving over mutual TLS with `tls`.
     /// There is no configuration without either.
@@ -300,14 +320,7 @@ pub async fn run(
     let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout, &metrics);
     let counters = service::Counters::new(&metrics);
     tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, "rail proxy listening");
-    let mut server = service_kit::grpc::server(
-        &config.tls,
-        config.policy,
-        service_kit::grpc::BOUNDS,
-        &metrics,
-    )?;
-    #[cfg(feature = "negative-controls")]
-    let plaintext = config.plaintext;
+    let serving = config.serving(&metrics)?;
     let service = service::ProxyService(Arc::new(service::Inner {
         pool,
         rail,
@@ -316,25 +329,8 @@ pub async fn run(
     }));
     let service = RailProxyServer::new(timed::TimedProxy::new(service, &metrics))
         .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX);
-    #[cfg(feature = "negative-controls")]
-    if plaintext {
-        tracing::error!(
-            "rail proxy serving WITHOUT TLS or authorisation (test-only bench control)"
-        );
-        let result = tonic::transport::Server::builder()
-            .add_service(health)
-            .add_service(service)
-            .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
-            .await;
-        health_task.abort();
-        incarnation_task.abort();
-        return Ok(result?);
-    }
-    let result = server
-        .add_service(health)
-        .add_service(service)
-        .serve_with_incoming_shutdown(service_kit::incoming(listener), shutdown.wait())
-        .await;
+    let routes = tonic::service::Routes::new(health).add_service(service);
+    let result = serving.serve(routes, listener, shutdown.wait()).await;
     health_task.abort();
     incarnation_task.abort();
     Ok(result?)
