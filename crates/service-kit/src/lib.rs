@@ -299,10 +299,12 @@ pub mod grpc {
     pub use mtls::authz::{Policy, Refusal, Rule};
     pub use mtls::{Caller, Role, Tls, TlsArgs};
 
-    /// A server's bounds: requests handled at once (past it a call is answered UNAVAILABLE at
-    /// once, load shed, instead of queueing without bound; callers retry UNAVAILABLE with
-    /// backoff), and how long one request may take (then DEADLINE_EXCEEDED; its transaction
-    /// rolls back).
+    /// A server's bounds: requests handled at once (past it a call is shed at once, tonic's
+    /// RESOURCE_EXHAUSTED "Too many active requests for the connection", nothing run, instead of
+    /// queueing without bound; callers treat it as transient and retry with backoff), and how
+    /// long one request may take (then the request is cut, CANCELLED "Timeout expired"; its
+    /// transaction rolls back). Both shown by the lock service's
+    /// `a_server_sheds_calls_past_its_concurrency_bound_and_cuts_them_at_its_deadline`.
     #[derive(Debug, Clone, Copy)]
     pub struct Bounds {
         pub concurrency_max: usize,
@@ -376,7 +378,9 @@ pub mod grpc {
             bounds: Bounds,
             metrics: &crate::Metrics,
         ) -> Result<Self, tonic::transport::Error> {
-            Ok(Self::Secure(Box::new(server(tls, policy, bounds, metrics)?)))
+            Ok(Self::Secure(Box::new(server(
+                tls, policy, bounds, metrics,
+            )?)))
         }
 
         /// TEST ONLY (feature `negative-controls`): `service` served without TLS or its

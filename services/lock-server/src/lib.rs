@@ -100,8 +100,30 @@ pub async fn serve(
     metrics: &service_kit::Metrics,
     shutdown: service_kit::Shutdown,
 ) -> Result<(), LockError> {
-    let serving = service_kit::grpc::Serving::secure(tls, policy, service::BOUNDS, metrics)
-        .map_err(grpc_error)?;
+    serve_bounded(
+        service,
+        listener,
+        tls,
+        policy,
+        service::BOUNDS,
+        metrics,
+        shutdown,
+    )
+    .await
+}
+
+/// [`serve`] with `bounds` instead of [`service::BOUNDS`] (the tests' small bounds).
+async fn serve_bounded(
+    service: LockServiceImpl,
+    listener: tokio::net::TcpListener,
+    tls: &service_kit::grpc::Tls,
+    policy: &'static service_kit::grpc::Policy,
+    bounds: service_kit::grpc::Bounds,
+    metrics: &service_kit::Metrics,
+    shutdown: service_kit::Shutdown,
+) -> Result<(), LockError> {
+    let serving =
+        service_kit::grpc::Serving::secure(tls, policy, bounds, metrics).map_err(grpc_error)?;
     serve_as(service, listener, serving, shutdown).await
 }
 
@@ -243,6 +265,19 @@ impl InProcess {
         policy: &'static service_kit::grpc::Policy,
         waiters_max: usize,
     ) -> Result<Self, LockError> {
+        Self::start_with_bounds(config, tls, policy, waiters_max, service::BOUNDS).await
+    }
+
+    /// TEST ONLY: [`Self::start_with_waiters_max`] with other server bounds than
+    /// [`service::BOUNDS`] (requests at once, a request's deadline).
+    #[doc(hidden)]
+    pub async fn start_with_bounds(
+        config: &Config,
+        tls: &service_kit::grpc::Tls,
+        policy: &'static service_kit::grpc::Policy,
+        waiters_max: usize,
+        bounds: service_kit::grpc::Bounds,
+    ) -> Result<Self, LockError> {
         let metrics = service_kit::Metrics::default();
         let service = build(config, &metrics).await?.with_waiters_max(waiters_max);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -260,7 +295,9 @@ impl InProcess {
         let (shutdown, stop) = service_kit::Shutdown::new();
         let task = tokio::spawn({
             let (service, tls, metrics) = (service.clone(), tls.clone(), metrics.clone());
-            async move { serve(service, listener, &tls, policy, &metrics, shutdown).await }
+            async move {
+                serve_bounded(service, listener, &tls, policy, bounds, &metrics, shutdown).await
+            }
         });
         Ok(Self {
             endpoint,

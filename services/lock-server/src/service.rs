@@ -217,6 +217,11 @@ impl LockServiceImpl {
         self
     }
 
+    /// How many Acquire calls wait in this service now, over every key.
+    pub fn waiting(&self) -> usize {
+        self.inner.queues.waiting_total()
+    }
+
     /// The most Acquire calls this service lets wait at once.
     pub fn waiters_max(&self) -> usize {
         self.inner.waiters_max

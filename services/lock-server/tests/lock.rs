@@ -19,7 +19,7 @@ use testkit::{PgServer, Stack};
 mod support;
 use support::{
     backend, every_role, grant, lockdb, on_three_etcd_members, signer, start_bounded, start_with,
-    unix_now_ms, Kind, Server, SIGNING_KEY_ID,
+    start_with_bounds, unix_now_ms, Kind, Server, SIGNING_KEY_ID,
 };
 
 /// The etcd backend's shortest lease (whole seconds; etcd's minimum is about 1.5 s and is rounded
@@ -818,6 +818,139 @@ async fn etcd_negative_control_without_the_waiter_bound_the_third_caller_parks()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_negative_control_without_the_waiter_bound_the_third_caller_parks() {
     negative_control_without_the_waiter_bound_the_third_caller_parks(Kind::Postgres).await;
+}
+
+/// Two callers park for 1.5 s on a held key, on a server whose bounds are two requests at once
+/// and a 3 s deadline (`grpc::Bounds`; the shipped ones are `WAITERS_MAX` + 512 and
+/// `WAIT_MS_MAX` + 30 s). Answers what a third call (Describe) got while they were parked, how
+/// long it took, and what an Acquire that asks to wait 6 s got once they were gone, after how long.
+async fn calls_beside_two_parked(
+    concurrency_max: usize,
+    request_timeout_ms: u64,
+) -> (
+    Result<payout_proto::lock::DescribeResponse, ClientError>,
+    Duration,
+    Result<Acquired, ClientError>,
+    Duration,
+) {
+    let s = start_with_bounds(
+        backend(Kind::Etcd, "lock").await,
+        lock_server::service::WAITERS_MAX,
+        service_kit::grpc::Bounds {
+            concurrency_max,
+            request_timeout_ms,
+        },
+    )
+    .await;
+    // Sessions long enough for the whole test without keep-alives, which would take a request
+    // slot of their own at any moment: only the calls below are in flight.
+    let holder = s.client.open_session("holder", TTL * 15).await.unwrap();
+    let held = grant(&holder, "payout:server-bounds").await;
+    let waiters = s.client.open_session("waiters", TTL * 15).await.unwrap();
+    holder.stop_keep_alive();
+    waiters.stop_keep_alive();
+    // A keep-alive already on its way when they stopped ends well within this.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut parked = Vec::new();
+    for owner in ["w1", "w2"] {
+        let waiters = waiters.clone();
+        parked.push(tokio::spawn(async move {
+            waiters
+                .acquire_as("payout:server-bounds", owner, Duration::from_millis(1_500))
+                .await
+        }));
+        let n = parked.len();
+        if testkit::eventually(Duration::from_secs(5), "a caller parked", || {
+            let service = s.server.service.clone();
+            async move { (service.waiting() == n).then_some(()) }
+        })
+        .await
+        .is_err()
+        {
+            let waiting = s.server.service.waiting();
+            let mut answers = Vec::new();
+            for call in parked {
+                answers.push(call.await);
+            }
+            panic!("{waiting} parked; the calls answered {answers:?}");
+        }
+    }
+    let asked = Instant::now();
+    let described = s.client.describe("payout:server-bounds").await;
+    let described_after = asked.elapsed();
+    for call in parked {
+        let answer = call.await.unwrap().unwrap();
+        assert!(
+            matches!(answer, Acquired::NotAcquired { .. }),
+            "the key is held: {answer:?}"
+        );
+    }
+    let asked = Instant::now();
+    let long = waiters
+        .acquire_as("payout:server-bounds", "w3", Duration::from_secs(6))
+        .await;
+    let long_after = asked.elapsed();
+    // Whatever ended the long call, it left the line.
+    testkit::eventually(Duration::from_secs(5), "the line empty", || {
+        let service = s.server.service.clone();
+        async move { (service.waiting() == 0).then_some(()) }
+    })
+    .await
+    .unwrap();
+    held.release().await.unwrap();
+    s.server.stop().await;
+    (described, described_after, long, long_after)
+}
+
+/// The server-wide bounds every server is built with (`service_kit::grpc::server`), shown on the
+/// lock service, whose parked Acquires hold a request open: with two requests at once allowed
+/// and two callers parked, a third call is shed at once with RESOURCE_EXHAUSTED (nothing ran;
+/// retryable) instead of queueing behind them; and a request that would outlive the server's deadline is cut there (a
+/// cancelled status at about 3 s, though it asked to wait 6 s), and the cut caller leaves the
+/// line. Negative control: `negative_control_with_room_and_time_the_same_calls_are_served`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_sheds_calls_past_its_concurrency_bound_and_cuts_them_at_its_deadline() {
+    let (described, described_after, long, long_after) = calls_beside_two_parked(2, 3_000).await;
+    match described {
+        // tonic's load shedding: RESOURCE_EXHAUSTED, "Too many active requests for the
+        // connection"; nothing ran, so a caller may retry it.
+        Err(ClientError::Status(status)) => {
+            assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+            assert!(
+                status.message().contains("Too many active requests"),
+                "{status:?}"
+            );
+        }
+        other => panic!("Describe past the bound answered {other:?}, not shed"),
+    }
+    assert!(
+        described_after < Duration::from_millis(1_000),
+        "shed at once, not queued behind the parked calls: {described_after:?}"
+    );
+    match long {
+        Err(ClientError::Status(status)) => {
+            assert_eq!(status.code(), tonic::Code::Cancelled, "{status:?}");
+        }
+        other => panic!("an Acquire past the deadline answered {other:?}"),
+    }
+    assert!(
+        long_after >= Duration::from_millis(2_500) && long_after < Duration::from_millis(5_500),
+        "cut at the server's 3 s deadline, not at its own 6 s: {long_after:?}"
+    );
+}
+
+/// Negative control of `a_server_sheds_calls_past_its_concurrency_bound_and_cuts_them_at_its_deadline`:
+/// the same calls on a server with room (100 requests at once) and time (a 30 s deadline): the
+/// third call is served while the two are parked, and the long Acquire waits out its own 6 s and
+/// is answered NotAcquired. So that test fails if either bound is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_with_room_and_time_the_same_calls_are_served() {
+    let (described, _, long, long_after) = calls_beside_two_parked(100, 30_000).await;
+    let described = described.expect("served beside the parked calls");
+    assert_eq!(described.waiter_count, 2, "{described:?}");
+    let long = long.expect("answered");
+    assert!(matches!(long, Acquired::NotAcquired { .. }), "{long:?}");
+    assert!(long_after >= Duration::from_millis(5_500), "{long_after:?}");
 }
 
 async fn expiry(kind: Kind) {

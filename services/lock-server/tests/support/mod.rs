@@ -83,6 +83,15 @@ pub async fn start_with(backend: BackendConfig) -> Server {
 
 /// [`start_with`], the server letting at most `waiters_max` Acquire calls wait at once.
 pub async fn start_bounded(backend: BackendConfig, waiters_max: usize) -> Server {
+    start_with_bounds(backend, waiters_max, lock_server::service::BOUNDS).await
+}
+
+/// [`start_bounded`] with other server bounds (requests at once, a request's deadline).
+pub async fn start_with_bounds(
+    backend: BackendConfig,
+    waiters_max: usize,
+    bounds: service_kit::grpc::Bounds,
+) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let signer = signer();
     let verifier = Verifier::new([signer.public_key()]).unwrap();
@@ -91,11 +100,12 @@ pub async fn start_bounded(backend: BackendConfig, waiters_max: usize) -> Server
         issued_tokens_path: dir.path().join("issued-tokens.json"),
         signer,
     };
-    let server = InProcess::start_with_waiters_max(
+    let server = InProcess::start_with_bounds(
         &config,
         &tls(Role::LockServer),
         every_role(),
         waiters_max,
+        bounds,
     )
     .await
     .expect("lock-server starts");
