@@ -352,6 +352,16 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
     let account = intake.account(&format!("acct-{p}")).await;
     intake.create(&id(1), &account, 100).await.unwrap();
     started_or_logs(&temporal, &id(1), &[&first]).await;
+    // The first start also marked delivered before the kill: a kill between Temporal's answer
+    // and the mark would leave it claimed by the dead instance for the whole claim lease (60 s,
+    // as long as this test waits), which is the scenario of the third payout below, not this one.
+    eventually(WAIT, "the first start marked delivered", || async {
+        staged(&paydb, &id(1))
+            .await
+            .and_then(|(started, _, _)| started.then_some(()))
+    })
+    .await
+    .unwrap();
 
     // Killed: what commits now has nobody to start it.
     first.kill().unwrap();
@@ -386,8 +396,41 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
         },
     )
     .await
-    .unwrap();
+    .unwrap_or_else(|e| {
+        // What is left and what the restarted starter said: the failure names its cause.
+        let rows = start_rows(&paydb);
+        let log = std::fs::read_to_string(dir.path().join("starter-b.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(30).collect();
+        panic!(
+            "{e}: workflow_start rows {rows:?}; starter-b's last log lines (newest first):\n{}",
+            tail.join("\n")
+        )
+    });
     stranded(&paydb, &temporal).await
+}
+
+/// (payout, attempts, claimed by, last error, started) of every staged start, read on a thread
+/// of its own (called from a failing assertion's closure, outside any async context).
+type StartRow = (String, i32, Option<String>, Option<String>, bool);
+
+fn start_rows(paydb: &PgPool) -> Vec<StartRow> {
+    let url = (*paydb.connect_options()).clone();
+    std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(async move {
+                let pool = sqlx::PgPool::connect_with(url).await.unwrap();
+                sqlx::query_as(
+                    "SELECT payout_id, attempts, claimed_by, last_error, started_at IS NOT NULL \
+                 FROM workflow_start ORDER BY payout_id",
+                )
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+            })
+    })
+    .join()
+    .unwrap()
 }
 
 /// A second payment resource on the same paydb whose CreatePayout stages nothing (the
