@@ -164,7 +164,9 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 );
                 for (name, s) in [
                     ("AppendJournal (gRPC)", &r.append_journal_grpc),
+                    ("GL store, no gRPC hop", &r.store_direct),
                     ("plain SQL transactions", &r.plain_sql),
+                    ("plain SQL + balance rows", &r.plain_sql_with_projection),
                 ] {
                     println!(
                         "{:<28} {:>10.2} {:>10.2} {:>12.0}",
@@ -174,6 +176,14 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 println!(
                     "ratio AppendJournal/plain SQL: {:.2} (target at least {:.2})",
                     r.ratio, r.target_ratio
+                );
+                println!(
+                    "of which: AppendJournal/GL store {:.2} (the gRPC hop), GL store/plain SQL {:.2} (the ledger's statements)",
+                    r.grpc_over_store, r.store_over_plain_sql
+                );
+                println!(
+                    "GL store/plain SQL with the same balance rows: {:.2} (what is left is the ledger's logic: mode lock, ordered row locks, idempotency probe)",
+                    r.store_over_plain_sql_with_projection
                 );
             }
         }

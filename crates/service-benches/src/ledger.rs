@@ -36,9 +36,25 @@ pub struct BenchReport {
     /// one hot account (which serializes by design).
     pub accounts_layout: &'static str,
     pub append_journal_grpc: SideReport,
+    /// The GL's own validation and store (`validate::validate`, `Store::append_journal`) called in
+    /// the bench's process on the GL's pool: AppendJournal without its gRPC hop, TLS, metrics and
+    /// log line. It splits the gap: grpc / store is what the hop costs, store / plain SQL what the
+    /// ledger's own statements cost.
+    pub store_direct: SideReport,
     pub plain_sql: SideReport,
+    /// The same plain transactions plus the rows the GL's projection writes for them: the two
+    /// accounts' `account_balances` rows updated in the same transaction (one UPDATE). Beside
+    /// `store_direct` it says how much of the ledger's cost is those writes and how much its
+    /// logic (the mode lock, the ordered row locks, the idempotency probe).
+    pub plain_sql_with_projection: SideReport,
     /// append_journal_grpc.journals_per_second / plain_sql.journals_per_second
     pub ratio: f64,
+    /// append_journal_grpc.journals_per_second / store_direct.journals_per_second
+    pub grpc_over_store: f64,
+    /// store_direct.journals_per_second / plain_sql.journals_per_second
+    pub store_over_plain_sql: f64,
+    /// store_direct.journals_per_second / plain_sql_with_projection.journals_per_second
+    pub store_over_plain_sql_with_projection: f64,
     pub target_ratio: f64,
     pub meets_target: bool,
 }
@@ -59,6 +75,49 @@ fn side(mut latencies: Vec<Duration>, elapsed: Duration) -> SideReport {
         p50_ms: at(50),
         p99_ms: at(99),
     }
+}
+
+/// Runs one side: each of `concurrency` workers makes its warm-up calls, then, after one barrier
+/// for all, `per_worker` timed calls of `op(worker, i, tag)` one after another.
+async fn measure<F, Fut>(
+    concurrency: usize,
+    per_worker: usize,
+    op: F,
+) -> Result<SideReport, LedgerError>
+where
+    F: Fn(usize, usize, &'static str) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), String>> + Send,
+{
+    let barrier = Arc::new(tokio::sync::Barrier::new(concurrency + 1));
+    let mut tasks = Vec::new();
+    for worker in 0..concurrency {
+        let op = op.clone();
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..WARMUP_PER_WORKER {
+                op(worker, i, "warm").await?;
+            }
+            barrier.wait().await;
+            let mut latencies = Vec::with_capacity(per_worker);
+            for i in 0..per_worker {
+                let started = Instant::now();
+                op(worker, i, "timed").await?;
+                latencies.push(started.elapsed());
+            }
+            Ok::<_, String>(latencies)
+        }));
+    }
+    barrier.wait().await;
+    let started = Instant::now();
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(
+            t.await
+                .map_err(|e| LedgerError::Storage(e.to_string()))?
+                .map_err(LedgerError::Storage)?,
+        );
+    }
+    Ok(side(latencies, started.elapsed()))
 }
 
 fn account(owner: &str) -> pb::AccountRef {
@@ -133,43 +192,41 @@ pub async fn run(
         }
     }
 
-    // gRPC side.
-    let grpc = {
-        let mut tasks = Vec::new();
-        let barrier = Arc::new(tokio::sync::Barrier::new(concurrency + 1));
-        for worker in 0..concurrency {
-            let mut client = client.clone();
-            let barrier = barrier.clone();
-            tasks.push(tokio::spawn(async move {
-                for i in 0..WARMUP_PER_WORKER {
-                    client
-                        .append_journal(request(run, worker, i, "warm"))
-                        .await?;
-                }
-                barrier.wait().await;
-                let mut latencies = Vec::with_capacity(per_worker);
-                for i in 0..per_worker {
-                    let started = Instant::now();
-                    client
-                        .append_journal(request(run, worker, i, "grpc"))
-                        .await?;
-                    latencies.push(started.elapsed());
-                }
-                Ok::<_, tonic::Status>(latencies)
-            }));
+    // gRPC side: AppendJournal as the dispatcher calls it.
+    let grpc = measure(concurrency, per_worker, move |worker, i, tag| {
+        let mut client = client.clone();
+        async move {
+            client
+                .append_journal(request(run, worker, i, &format!("grpc-{tag}")))
+                .await
+                .map(|_| ())
+                .map_err(|s| s.to_string())
         }
-        barrier.wait().await;
-        let started = Instant::now();
-        let mut latencies = Vec::new();
-        for t in tasks {
-            latencies.extend(
-                t.await
-                    .map_err(|e| LedgerError::Storage(e.to_string()))?
-                    .map_err(|s| LedgerError::Storage(s.to_string()))?,
-            );
+    })
+    .await?;
+
+    // Store side: the same journals through the GL's validation and store, no gRPC hop.
+    let store = Arc::new(general_ledger::store::Store::new(
+        general_ledger::app_pool(gl_db_url).await?,
+    ));
+    let direct = measure(concurrency, per_worker, move |worker, i, tag| {
+        let store = store.clone();
+        async move {
+            let journal = general_ledger::validate::validate(&request(
+                run,
+                worker,
+                i,
+                &format!("store-{tag}"),
+            ))
+            .map_err(|e| e.to_string())?;
+            store
+                .append_journal(&journal)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
         }
-        side(latencies, started.elapsed())
-    };
+    })
+    .await?;
 
     // Plain SQL side: the same journal and entry rows, one transaction each, no GL logic.
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -190,77 +247,120 @@ pub async fn run(
             )
         })
         .collect();
-    let plain = {
-        let mut tasks = Vec::new();
-        let barrier = Arc::new(tokio::sync::Barrier::new(concurrency + 1));
-        for (worker, (debit, credit)) in ids.into_iter().enumerate() {
+    let ids = Arc::new(ids);
+    let plain_side = |projection: Projection| {
+        let pool = pool.clone();
+        let ids = ids.clone();
+        measure(concurrency, per_worker, move |worker, i, tag| {
             let pool = pool.clone();
-            let barrier = barrier.clone();
-            tasks.push(tokio::spawn(async move {
-                let insert = |i: usize, tag: &'static str| {
-                    let pool = pool.clone();
-                    async move {
-                        let id = Uuid::new_v4();
-                        let mut tx = pool.begin().await?;
-                        sqlx::query(
-                            "INSERT INTO journals (id, source_service, idempotency_key, payload_hash, source_transaction_id,
-                                tracking_code, effect_kind, effect_version, occurred_at, correlation_id, actor_id, metadata)
-                             VALUES ($1, 'bench-sql', $2, $3, $4, '', 'BENCH_TRANSFER', 1, '2026-01-01T00:00:00Z', $5, 'bench', '{}')",
-                        )
-                        .bind(id)
-                        .bind(format!("bench-sql:{run}:{tag}:{worker}:{i}"))
-                        .bind("0".repeat(64))
-                        .bind(format!("{run}:{worker}:{i}"))
-                        .bind(run.to_string())
-                        .execute(&mut *tx)
-                        .await?;
-                        sqlx::query(
-                            "INSERT INTO entries (journal_id, line_number, account_id, asset_id, amount, description)
-                             VALUES ($1, 1, $2, 'EUR', $4, ''), ($1, 2, $3, 'EUR', -$4, '')",
-                        )
-                        .bind(id)
-                        .bind(debit)
-                        .bind(credit)
-                        .bind(Decimal::new(-125, 2))
-                        .execute(&mut *tx)
-                        .await?;
-                        tx.commit().await
-                    }
-                };
-                for i in 0..WARMUP_PER_WORKER {
-                    insert(i, "warm").await?;
-                }
-                barrier.wait().await;
-                let mut latencies = Vec::with_capacity(per_worker);
-                for i in 0..per_worker {
-                    let started = Instant::now();
-                    insert(i, "sql").await?;
-                    latencies.push(started.elapsed());
-                }
-                Ok::<_, sqlx::Error>(latencies)
-            }));
-        }
-        barrier.wait().await;
-        let started = Instant::now();
-        let mut latencies = Vec::new();
-        for t in tasks {
-            latencies.extend(t.await.map_err(|e| LedgerError::Storage(e.to_string()))??);
-        }
-        side(latencies, started.elapsed())
+            let (debit, credit) = ids[worker];
+            let key = format!("bench-sql:{run}:{}-{tag}:{worker}:{i}", projection.tag());
+            async move {
+                plain_journal(
+                    &pool,
+                    run,
+                    key,
+                    format!("{run}:{worker}:{i}"),
+                    debit,
+                    credit,
+                    projection,
+                )
+                .await
+                .map_err(|e| e.to_string())
+            }
+        })
     };
+    let plain = plain_side(Projection::Without).await?;
+    let plain_with_projection = plain_side(Projection::With).await?;
     pool.close().await;
     server.stop().await?;
 
     let ratio = grpc.journals_per_second / plain.journals_per_second;
+    let grpc_over_store = grpc.journals_per_second / direct.journals_per_second;
+    let store_over_plain_sql = direct.journals_per_second / plain.journals_per_second;
+    let store_over_plain_sql_with_projection =
+        direct.journals_per_second / plain_with_projection.journals_per_second;
     Ok(BenchReport {
         iterations: per_worker * concurrency,
         concurrency,
         entries_per_journal: 2,
         accounts_layout: "two accounts per worker, disjoint between workers",
         append_journal_grpc: grpc,
+        store_direct: direct,
         plain_sql: plain,
+        plain_sql_with_projection: plain_with_projection,
         ratio,
+        grpc_over_store,
+        store_over_plain_sql,
+        store_over_plain_sql_with_projection,
         target_ratio: TARGET_RATIO,
         meets_target: ratio >= TARGET_RATIO,
     })
+}
+
+/// Whether a plain-SQL journal also updates the two accounts' projection rows.
+#[derive(Clone, Copy)]
+enum Projection {
+    Without,
+    With,
+}
+
+impl Projection {
+    fn tag(self) -> &'static str {
+        match self {
+            Projection::Without => "rows",
+            Projection::With => "projection",
+        }
+    }
+}
+
+/// One journal of two entries by plain SQL in one transaction (BEGIN, the journal, its entries,
+/// with `Projection::With` the two balance rows, COMMIT): no GL logic.
+async fn plain_journal(
+    pool: &sqlx::PgPool,
+    run: Uuid,
+    idempotency_key: String,
+    source_transaction_id: String,
+    debit: Uuid,
+    credit: Uuid,
+    projection: Projection,
+) -> Result<(), sqlx::Error> {
+    let id = Uuid::new_v4();
+    let amount = Decimal::new(-125, 2);
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO journals (id, source_service, idempotency_key, payload_hash, source_transaction_id,
+            tracking_code, effect_kind, effect_version, occurred_at, correlation_id, actor_id, metadata)
+         VALUES ($1, 'bench-sql', $2, $3, $4, '', 'BENCH_TRANSFER', 1, '2026-01-01T00:00:00Z', $5, 'bench', '{}')",
+    )
+    .bind(id)
+    .bind(idempotency_key)
+    .bind("0".repeat(64))
+    .bind(source_transaction_id)
+    .bind(run.to_string())
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO entries (journal_id, line_number, account_id, asset_id, amount, description)
+         VALUES ($1, 1, $2, 'EUR', $4, ''), ($1, 2, $3, 'EUR', -$4, '')",
+    )
+    .bind(id)
+    .bind(debit)
+    .bind(credit)
+    .bind(amount)
+    .execute(&mut *tx)
+    .await?;
+    if let Projection::With = projection {
+        sqlx::query(
+            "UPDATE account_balances SET entry_count = entry_count + 1,
+                 balance = balance + CASE WHEN account_id = $1 THEN $3 ELSE -$3 END
+             WHERE account_id IN ($1, $2)",
+        )
+        .bind(debit)
+        .bind(credit)
+        .bind(amount)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await
 }

@@ -177,13 +177,27 @@ async fn the_benchmark_measures_the_four_paths_in_one_run() {
 // The general ledger: `service_benches::ledger`
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn benchmark_reports_both_sides() {
+async fn benchmark_reports_every_side() {
     let url = Stack::shared().fresh_db(PgServer::Main).await;
     let report = service_benches::ledger::run(&url, 200, 4)
         .await
         .expect("bench runs");
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
-    assert_eq!(report.append_journal_grpc.journals, 200);
-    assert_eq!(report.plain_sql.journals, 200);
-    assert!(report.ratio > 0.0);
+    for side in [
+        &report.append_journal_grpc,
+        &report.store_direct,
+        &report.plain_sql,
+        &report.plain_sql_with_projection,
+    ] {
+        assert_eq!(side.journals, 200, "{report:?}");
+    }
+    // Every side wrote its journals: 4 sides of 200 timed and 4 x 5 warm-up journals each.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let journals: i64 = sqlx::query_scalar("SELECT count(*) FROM journals")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(journals, 4 * (200 + 4 * 5));
+    assert!(report.ratio > 0.0 && report.grpc_over_store > 0.0);
+    assert!(report.store_over_plain_sql > 0.0 && report.store_over_plain_sql_with_projection > 0.0);
 }
