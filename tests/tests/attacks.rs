@@ -66,6 +66,16 @@ async fn channel(system: &System, role: Role, url: &str, server: Role) -> Channe
     system.tls(role).connect(url, server).await.unwrap()
 }
 
+/// The payment resource, called with `role`'s certificate.
+async fn payment_as(
+    system: &System,
+    role: Role,
+) -> payment::payment_resource_client::PaymentResourceClient<Channel> {
+    payment::payment_resource_client::PaymentResourceClient::new(
+        channel(system, role, &system.payment_url(), Role::PaymentResource).await,
+    )
+}
+
 async fn count(url: &str, sql: &str) -> i64 {
     let pool = sqlx::PgPool::connect(url).await.unwrap();
     let n = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
@@ -263,15 +273,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
     }
     {
         let before = count(&paydb, "SELECT count(*) FROM account").await;
-        let mut pay = payment::payment_resource_client::PaymentResourceClient::new(
-            channel(
-                &system,
-                Role::Worker,
-                &system.payment_url(),
-                Role::PaymentResource,
-            )
-            .await,
-        );
+        let mut pay = payment_as(&system, Role::Worker).await;
         let code = code_of(
             pay.open_account(payment::OpenAccountRequest {
                 account_id: "attack-funded".into(),
@@ -292,15 +294,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             held: code == Some(tonic::Code::PermissionDenied) && before == after && seen >= 1.0,
             observed: format!("{code:?}, accounts {before}->{after}, counted {seen}"),
         });
-        let mut pay = payment::payment_resource_client::PaymentResourceClient::new(
-            channel(
-                &system,
-                Role::LockServer,
-                &system.payment_url(),
-                Role::PaymentResource,
-            )
-            .await,
-        );
+        let mut pay = payment_as(&system, Role::LockServer).await;
         let code = code_of(pay.post(payment::PostRequest::default()).await);
         rows.push(Row {
             case: "the lock service's certificate posts a payout",
@@ -383,15 +377,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
     {
         // A quarantine replay: a worker's certificate is refused by the table; an operator's
         // certificate naming another operator is refused before any row is looked at.
-        let mut pay = payment::payment_resource_client::PaymentResourceClient::new(
-            channel(
-                &system,
-                Role::Worker,
-                &system.payment_url(),
-                Role::PaymentResource,
-            )
-            .await,
-        );
+        let mut pay = payment_as(&system, Role::Worker).await;
         let code = code_of(
             pay.replay_quarantined(payment::ReplayQuarantinedRequest {
                 outbox_id: 1,
@@ -411,15 +397,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             held: code == Some(tonic::Code::PermissionDenied) && seen >= 1.0,
             observed: format!("{code:?}, counted {seen}"),
         });
-        let mut pay = payment::payment_resource_client::PaymentResourceClient::new(
-            channel(
-                &system,
-                Role::Operator,
-                &system.payment_url(),
-                Role::PaymentResource,
-            )
-            .await,
-        );
+        let mut pay = payment_as(&system, Role::Operator).await;
         let answer = pay
             .replay_quarantined(payment::ReplayQuarantinedRequest {
                 outbox_id: 1,
@@ -642,15 +620,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
     //    server still serving and nothing written.
     {
         let before = count(&paydb, "SELECT count(*) FROM payout").await;
-        let mut pay = payment::payment_resource_client::PaymentResourceClient::new(
-            channel(
-                &system,
-                Role::Fixture,
-                &system.payment_url(),
-                Role::PaymentResource,
-            )
-            .await,
-        );
+        let mut pay = payment_as(&system, Role::Fixture).await;
         let code = code_of(
             pay.create_payout(payment::CreatePayoutRequest {
                 payout_id: "attack-big".into(),
