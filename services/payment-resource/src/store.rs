@@ -135,6 +135,9 @@ pub struct StoreOptions {
     /// is refused as `unknown_operator` or `unsigned`, and recorded as refused.
     operators: Verifier,
     operator_verification: bool,
+    /// A break-glass gRPC call (ReplayQuarantined) is recorded only under the operator the
+    /// caller's certificate carries.
+    operator_certification: bool,
     restore_check: bool,
     /// CreatePayout stages the workflow's start in its own transaction (paydb 0009).
     start_staging: bool,
@@ -165,6 +168,7 @@ impl StoreOptions {
             resolution_sla: RESOLUTION_SLA_DEFAULT,
             operators: Verifier::refusing_all(),
             operator_verification: true,
+            operator_certification: true,
             restore_check: true,
             start_staging: true,
         }
@@ -205,6 +209,15 @@ impl StoreOptions {
         self.operator_verification = false;
         self
     }
+    /// NEGATIVE CONTROL ONLY: ReplayQuarantined records the operator the request names without
+    /// asking whether the caller's certificate carries that name, so an operator's certificate
+    /// can release a row under another operator's name. Tests use it to show that the
+    /// certified-operator tests detect what they claim to.
+    #[doc(hidden)]
+    pub fn without_operator_certification_for_tests(mut self) -> Self {
+        self.operator_certification = false;
+        self
+    }
     /// NEGATIVE CONTROL ONLY: the fence statement does not ask whether this database is a copy
     /// restored from a backup (`incarnation_admits`), so a stale token passes a rewound fence.
     /// Tests use it to show that the restore tests detect what they claim to.
@@ -238,6 +251,9 @@ impl StoreOptions {
     }
     pub fn restore_check_enabled(&self) -> bool {
         self.restore_check
+    }
+    pub fn operator_certification_enabled(&self) -> bool {
+        self.operator_certification
     }
 }
 
@@ -548,6 +564,13 @@ impl Store {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// Whether break-glass calls are recorded only under the operator the caller's certificate
+    /// carries: always, except in a negative control
+    /// (`StoreOptions::without_operator_certification_for_tests`).
+    pub fn certifies_operators(&self) -> bool {
+        self.options.operator_certification
     }
 
     /// The resolution SLA this resource enforces (`StoreOptions::with_resolution_sla`).

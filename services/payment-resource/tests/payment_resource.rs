@@ -3396,6 +3396,123 @@ async fn negative_control_without_operator_verification_an_unsigned_abandon_land
     assert_eq!(snapshot(&h.pool, "p-1").await.state, "ABANDONED");
 }
 
+// ----- a quarantine replay is recorded under the certified operator (issue 17, section 3) -----
+
+/// A quarantined outbox row, made directly as the test's superuser (as the dispatcher leaves one
+/// the GL refused): returns its id.
+async fn quarantined_row(h: &Harness) -> i64 {
+    sqlx::query_scalar(
+        "INSERT INTO ledger_outbox (account_id, idempotency_key, payload, attempts, last_error, quarantined_at)
+         VALUES ('acct-q', 'poison-1', '{}'::jsonb, 3, 'refused by the GL', now()) RETURNING id",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap()
+}
+
+/// `service` called with this test binary's operator certificate, which carries
+/// `testkit::pki::TEST_OPERATOR`.
+async fn as_operator(
+    service: &Service,
+) -> pb::payment_resource_client::PaymentResourceClient<tonic::transport::Channel> {
+    pb::payment_resource_client::PaymentResourceClient::new(
+        tls(Role::Operator)
+            .endpoint(&service.endpoint, Role::PaymentResource)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    )
+}
+
+fn replay(outbox_id: i64, operator: &str) -> pb::ReplayQuarantinedRequest {
+    pb::ReplayQuarantinedRequest {
+        outbox_id,
+        operator: operator.into(),
+        reason: "GL fixed".into(),
+    }
+}
+
+/// The operators `outbox_replay` recorded for `outbox_id`, and whether the row is still
+/// quarantined.
+async fn replays_of(h: &Harness, outbox_id: i64) -> (Vec<String>, bool) {
+    let operators = sqlx::query_scalar(
+        "SELECT operator_id FROM outbox_replay WHERE outbox_id = $1 ORDER BY id",
+    )
+    .bind(outbox_id)
+    .fetch_all(&h.pool)
+    .await
+    .unwrap();
+    let quarantined =
+        sqlx::query_scalar("SELECT quarantined_at IS NOT NULL FROM ledger_outbox WHERE id = $1")
+            .bind(outbox_id)
+            .fetch_one(&h.pool)
+            .await
+            .unwrap();
+    (operators, quarantined)
+}
+
+/// An operator's certificate that names another operator (here `alice`, a registered operator)
+/// is refused PERMISSION_DENIED `OperatorNotCertified` before the row is looked at: the row stays
+/// quarantined, no replay is recorded, the refusal is counted. Under the name its certificate
+/// carries, the same replay is carried out and recorded under that name.
+#[tokio::test]
+async fn a_quarantine_replay_naming_another_operator_is_refused_and_changes_nothing() {
+    let h = harness().await;
+    let row = quarantined_row(&h).await;
+    let mut operator = as_operator(&h.service).await;
+    let refused = operator
+        .replay_quarantined(replay(row, "alice"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(
+        refused
+            .message()
+            .contains("is not the operator the caller's certificate carries"),
+        "{refused:?}"
+    );
+    assert_eq!(replays_of(&h, row).await, (vec![], true), "nothing changed");
+    assert!(
+        h.service.metrics.render().contains(
+            r#"unauthorised_calls_total{method="/payment.v1.PaymentResource/ReplayQuarantined",reason="operator_not_certified",role="operator"} 1"#
+        ),
+        "the refusal is counted"
+    );
+    let answer = operator
+        .replay_quarantined(replay(row, testkit::pki::TEST_OPERATOR))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.operator, testkit::pki::TEST_OPERATOR);
+    assert_eq!(
+        replays_of(&h, row).await,
+        (vec![testkit::pki::TEST_OPERATOR.to_string()], false)
+    );
+}
+
+/// Negative control: with the certificate check switched off in-process, the same replay under
+/// another operator's name is carried out and recorded under that name: the test above sees what
+/// it claims to.
+#[tokio::test]
+async fn negative_control_without_operator_certification_a_replay_is_recorded_under_another_name() {
+    let h = harness().await;
+    let row = quarantined_row(&h).await;
+    let uncertified =
+        start_service(&h.url, options().without_operator_certification_for_tests()).await;
+    let answer = as_operator(&uncertified)
+        .await
+        .replay_quarantined(replay(row, "alice"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.operator, "alice");
+    assert_eq!(
+        replays_of(&h, row).await,
+        (vec!["alice".to_string()], false)
+    );
+}
+
 // ----- the fence survives a restore of paydb (issue 19, section 3; migration 0006) -----
 
 /// The gauge `guard_database_restored{guard="payment_resource"}` as the service renders it.
