@@ -300,91 +300,30 @@ impl Store {
 
     /// Appends one journal atomically, or returns the original for an identical retry.
     ///
-    /// Four round trips in the common case (BEGIN with the mode lock; mode, account locks and
-    /// idempotency probe; journal, entries and projection in one statement; COMMIT): the same
-    /// count as inserting the rows by hand, which is what the benchmark compares against.
+    /// One round trip and one commit: gldb's `append_journal` (migration 0005) called in autocommit
+    /// takes the shared mode lock, reads the mode, locks the touched accounts' projection rows in
+    /// id order, probes the idempotency key, checks a reversal against its target, and inserts the
+    /// journal, its entries and the projection's updates, in that order and with that precedence.
     pub async fn append_journal(
         &self,
         j: &ValidatedJournal,
     ) -> Result<(StoredJournal, bool), LedgerError> {
         let account_ids = self.resolve_accounts(j).await?;
-        // The mode lock is taken in the BEGIN round trip; the mode itself is read by the next
-        // statement, hence under a snapshot taken after the lock was granted.
-        let mut tx = self
-            .pool
-            .begin_with(format!(
-                "BEGIN; SELECT pg_advisory_xact_lock_shared({MODE_LOCK_KEY})"
-            ))
-            .await?;
-        // Serialize posts touching the same accounts: row locks taken in one global order (by id),
-        // so two journals over overlapping accounts wait for each other instead of deadlocking.
         let mut lock_ids = account_ids.clone();
         lock_ids.sort();
         lock_ids.dedup();
-        let row = sqlx::query(
-            "SELECT (SELECT mode FROM operating_mode_changes ORDER BY change_sequence DESC LIMIT 1) AS mode,
-                    array(SELECT account_id FROM account_balances WHERE account_id = ANY($1)
-                          ORDER BY account_id FOR UPDATE) AS locked,
-                    (SELECT id FROM journals WHERE idempotency_key = $2) AS existing",
-        )
-        .bind(&lock_ids)
-        .bind(&j.idempotency_key)
-        .fetch_one(&mut *tx)
-        .await?;
-        if let Some(existing) = row.get::<Option<Uuid>, _>("existing") {
-            tx.rollback().await?;
-            return self.replay_of(existing, j).await;
-        }
-        let mode =
-            Mode::parse(row.get("mode")).expect("the mode column is constrained to known modes");
-        let locked: Vec<Uuid> = row.get("locked");
-        assert_eq!(
-            locked, lock_ids,
-            "every resolved account has its projection row"
-        );
-        match mode {
-            Mode::Mirror => {}
-            Mode::Reconcile if j.correction.is_some() => {}
-            Mode::Reconcile | Mode::DegradedLedger => {
-                return Err(LedgerError::ModeRefused {
-                    mode: mode.as_str().into(),
-                })
-            }
-        }
-        if let Some(target) = j.reversal_of {
-            self.check_reversal(&mut tx, target, j, &account_ids)
-                .await?;
-        }
-
         let id = Uuid::new_v4();
         let lines: Vec<i32> = j.entries.iter().map(|e| e.line_number as i32).collect();
         let assets: Vec<&str> = j.entries.iter().map(|e| e.account.asset.as_str()).collect();
         let amounts: Vec<Decimal> = j.entries.iter().map(|e| e.amount).collect();
         let descriptions: Vec<&str> = j.entries.iter().map(|e| e.description.as_str()).collect();
-        let inserted = sqlx::query(
-            "WITH j AS (
-                INSERT INTO journals (id, source_service, idempotency_key, payload_hash, source_transaction_id,
-                    tracking_code, effect_kind, effect_version, reversal_of, occurred_at, correlation_id, actor_id,
-                    metadata, correction_approved_by, correction_reference, source_sequence,
-                    settlement_reference, client_reference)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $21, $22, $23)
-                ON CONFLICT (idempotency_key) DO NOTHING
-                RETURNING id, receipt_sequence, recorded_at),
-             u AS (
-                SELECT * FROM unnest($16::int[], $17::uuid[], $18::text[], $19::numeric[], $20::text[])
-                    AS u(line, account, asset, amount, description)),
-             e AS (
-                INSERT INTO entries (journal_id, line_number, account_id, asset_id, amount, description)
-                SELECT j.id, u.line, u.account, u.asset, u.amount, u.description FROM j CROSS JOIN u
-                RETURNING 1),
-             b AS (
-                UPDATE account_balances bb SET balance = bb.balance + d.delta, entry_count = bb.entry_count + d.n
-                FROM (SELECT u.account, sum(u.amount) AS delta, count(*) AS n FROM j CROSS JOIN u GROUP BY u.account) d
-                WHERE bb.account_id = d.account
-                RETURNING 1)
-             SELECT j.receipt_sequence, j.recorded_at, (SELECT count(*) FROM e) AS entries, (SELECT count(*) FROM b) AS balances
-             FROM j",
+        let appended = sqlx::query(
+            "SELECT o_outcome, o_journal_id, o_receipt_sequence, o_recorded_at, o_detail
+               FROM append_journal($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                                   $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)",
         )
+        .bind(MODE_LOCK_KEY)
+        .bind(&lock_ids)
         .bind(id)
         .bind(&j.source_service)
         .bind(&j.idempotency_key)
@@ -400,33 +339,20 @@ impl Store {
         .bind(&j.metadata)
         .bind(j.correction.as_ref().map(|c| c.0.as_str()))
         .bind(j.correction.as_ref().map(|c| c.1.as_str()))
+        .bind(j.source_sequence)
+        .bind(&j.settlement_reference)
+        .bind(&j.client_reference)
         .bind(&lines)
         .bind(&account_ids)
         .bind(&assets)
         .bind(&amounts)
         .bind(&descriptions)
-        .bind(j.source_sequence)
-        .bind(&j.settlement_reference)
-        .bind(&j.client_reference)
-        .fetch_optional(&mut *tx)
+        .fetch_one(&self.pool)
         .await;
-        let row = match inserted {
-            Ok(Some(row)) => row,
-            Ok(None) => {
-                // A concurrent request with the same key committed first: we are its retry.
-                tx.rollback().await?;
-                let existing = self
-                    .journal_id_by_key(&j.idempotency_key)
-                    .await?
-                    .ok_or_else(|| {
-                        LedgerError::Storage(
-                            "idempotency key conflicted but no journal found".into(),
-                        )
-                    })?;
-                return self.replay_of(existing, j).await;
-            }
+        let row = match appended {
+            Ok(row) => row,
             Err(e) if is_unique_violation(&e, "journals_reversal_once") => {
-                drop(tx);
+                // A concurrent reversal of the same target committed first.
                 let target = j.reversal_of.expect("only reversals hit this index");
                 let existing: Uuid =
                     sqlx::query_scalar("SELECT id FROM journals WHERE reversal_of = $1")
@@ -447,21 +373,54 @@ impl Store {
             }
             Err(e) => return Err(e.into()),
         };
-        let entries: i64 = row.get("entries");
-        assert_eq!(
-            entries as usize,
-            j.entries.len(),
-            "every validated line is inserted"
-        );
-        let balances: i64 = row.get("balances");
-        assert_eq!(
-            balances as usize,
-            lock_ids.len(),
-            "every touched account's projection is updated"
-        );
-        let receipt_sequence: i64 = row.get("receipt_sequence");
-        let recorded_at: DateTime<Utc> = row.get("recorded_at");
-        tx.commit().await?;
+        let outcome: String = row.get("o_outcome");
+        let journal_id: Option<Uuid> = row.get("o_journal_id");
+        let detail: Option<String> = row.get("o_detail");
+        let target = || j.reversal_of.map(|t| t.to_string()).unwrap_or_default();
+        let missing = |what: &str| {
+            LedgerError::Storage(format!("append_journal answered {outcome} without {what}"))
+        };
+        match outcome.as_str() {
+            "created" => {}
+            "existing" => {
+                return self
+                    .replay_of(journal_id.ok_or_else(|| missing("the journal"))?, j)
+                    .await
+            }
+            "mode_refused" => {
+                return Err(LedgerError::ModeRefused {
+                    mode: detail.ok_or_else(|| missing("the mode"))?,
+                })
+            }
+            "reversal_target_unknown" => {
+                return Err(LedgerError::ReversalTargetUnknown { target: target() })
+            }
+            "already_reversed" => {
+                return Err(LedgerError::AlreadyReversed {
+                    target: target(),
+                    existing_reversal: journal_id
+                        .ok_or_else(|| missing("the reversal"))?
+                        .to_string(),
+                })
+            }
+            "reversal_not_mirror" => {
+                return Err(LedgerError::ReversalNotMirror {
+                    target: target(),
+                    detail: detail.unwrap_or_default(),
+                })
+            }
+            other => {
+                return Err(LedgerError::Storage(format!(
+                    "append_journal answered an unknown outcome {other:?}"
+                )))
+            }
+        }
+        let receipt_sequence: i64 = row
+            .get::<Option<i64>, _>("o_receipt_sequence")
+            .ok_or_else(|| missing("the receipt sequence"))?;
+        let recorded_at: DateTime<Utc> = row
+            .get::<Option<DateTime<Utc>>, _>("o_recorded_at")
+            .ok_or_else(|| missing("the recording time"))?;
         let stored = StoredJournal {
             id,
             receipt_sequence,
@@ -513,69 +472,6 @@ impl Store {
             ))
         })?;
         Self::replay(journal, j)
-    }
-
-    async fn check_reversal(
-        &self,
-        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-        target: Uuid,
-        j: &ValidatedJournal,
-        account_ids: &[Uuid],
-    ) -> Result<(), LedgerError> {
-        let exists: Option<Uuid> = sqlx::query_scalar("SELECT id FROM journals WHERE id = $1")
-            .bind(target)
-            .fetch_optional(&mut **tx)
-            .await?;
-        if exists.is_none() {
-            return Err(LedgerError::ReversalTargetUnknown {
-                target: target.to_string(),
-            });
-        }
-        let existing: Option<Uuid> =
-            sqlx::query_scalar("SELECT id FROM journals WHERE reversal_of = $1")
-                .bind(target)
-                .fetch_optional(&mut **tx)
-                .await?;
-        if let Some(existing) = existing {
-            return Err(LedgerError::AlreadyReversed {
-                target: target.to_string(),
-                existing_reversal: existing.to_string(),
-            });
-        }
-        let rows =
-            sqlx::query("SELECT account_id, asset_id, amount FROM entries WHERE journal_id = $1")
-                .bind(target)
-                .fetch_all(&mut **tx)
-                .await?;
-        let mut original: Vec<(Uuid, String, Decimal)> = rows
-            .iter()
-            .map(|r| {
-                (
-                    r.get("account_id"),
-                    r.get("asset_id"),
-                    -r.get::<Decimal, _>("amount"),
-                )
-            })
-            .collect();
-        let mut mirror: Vec<(Uuid, String, Decimal)> = j
-            .entries
-            .iter()
-            .zip(account_ids)
-            .map(|(e, id)| (*id, e.account.asset.clone(), e.amount))
-            .collect();
-        original.sort();
-        mirror.sort();
-        if original != mirror {
-            return Err(LedgerError::ReversalNotMirror {
-                target: target.to_string(),
-                detail: format!(
-                    "{} lines expected with negated amounts, got {} lines that differ",
-                    original.len(),
-                    mirror.len()
-                ),
-            });
-        }
-        Ok(())
     }
 
     pub async fn journal(&self, id: Uuid) -> Result<Option<StoredJournal>, LedgerError> {
