@@ -123,6 +123,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                     ("rail proxy Submit", &r.proxy),
                     ("  security off", &r.proxy_insecure),
                     ("floor: 2 commits + stub", &r.floor),
+                    ("  stub on pooled conns", &r.floor_pooled),
                     ("stub called directly", &r.direct),
                 ] {
                     println!(
@@ -131,9 +132,10 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                     );
                 }
                 println!(
-                    "ratio proxy/floor: {:.2} (target at least {:.2}); direct/proxy {:.2}; stub movements {}",
+                    "ratio proxy/floor: {:.2} (target at least {:.2}; against the floor on pooled stub connections, which the proxy may not use: {:.2}); direct/proxy {:.2}; stub movements {}",
                     r.proxy_over_floor,
                     service_benches::proxy::PROXY_OVER_FLOOR_TARGET,
+                    r.proxy_over_floor_pooled,
                     r.throughput_ratio,
                     r.stub_movements
                 );

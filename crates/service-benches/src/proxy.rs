@@ -1,8 +1,13 @@
-//! The guard's cost per payout, three paths in one run against one zero-latency stub: proxy Submit
-//! (gRPC, the guard transaction, the rail call, the outcome); its floor, the same two durable
-//! commits done by plain SQL on the same PostgreSQL server around the same direct stub call (what
-//! any guard that records intent before the call and outcome after must pay); and the stub called
-//! directly, with no commit at all.
+//! The guard's cost per payout, in one run against one zero-latency stub: proxy Submit (gRPC, the
+//! guard transaction, the rail call, the outcome); its floor, the same two durable commits done by
+//! plain SQL on the same PostgreSQL server around the same direct stub call (what any guard that
+//! records intent before the call and outcome after must pay); and the stub called directly, with
+//! no commit at all.
+//!
+//! The floor calls the stub as the proxy must call a rail, on a connection of its own per payment
+//! (the proxy's HTTP stack keeps no idle connection, so it can never resend a payment that failed
+//! on a stale one: `rail_proxy::rail::Rail`); a second floor, `floor_pooled`, reuses pooled
+//! connections, which the proxy may not, and is printed beside it so that the difference is seen.
 //!
 //! Every proxy Submit presents a signed grant, as a worker's does: the bench signs with a key
 //! generated in-process for the run (the proxy is given its public half), and signs before the
@@ -113,6 +118,11 @@ pub struct BenchReport {
     pub floor: Figures,
     /// proxy throughput / floor throughput (the goal: at least [`PROXY_OVER_FLOOR_TARGET`]).
     pub proxy_over_floor: f64,
+    /// The floor with its stub calls on pooled, reused connections: less rail work than the proxy
+    /// is allowed to do (one TCP connection per payment).
+    pub floor_pooled: Figures,
+    /// proxy throughput / pooled floor throughput.
+    pub proxy_over_floor_pooled: f64,
     /// The same Submits through a second proxy with its security switched off (the test-only
     /// switches, which this bench, never shipped, may use): no TLS, no authorisation table, no
     /// grant signature check. What the security the system cannot run without costs the guard.
@@ -125,7 +135,8 @@ pub struct BenchReport {
     pub throughput_ratio: f64,
     /// proxy p50 - direct p50: the guard's added latency per payout.
     pub p50_overhead_ms: f64,
-    /// Movements at the stub after the run; must be exactly 4 × iterations (one per call).
+    /// Movements at the stub after the run; must be exactly 5 × (iterations + the warm-up calls):
+    /// one per call.
     pub stub_movements: usize,
 }
 
@@ -174,29 +185,44 @@ where
     Fut: std::future::Future<Output = Result<(), BenchError>> + Send,
 {
     let call = Arc::new(call);
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let started = Instant::now();
-    let mut lanes = Vec::new();
-    for _ in 0..concurrency {
-        let (call, next) = (call.clone(), next.clone());
-        lanes.push(tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= iterations {
-                    return Ok::<_, BenchError>(latencies);
-                }
-                let t = Instant::now();
-                call(i).await?;
-                latencies.push(t.elapsed());
-            }
-        }));
+    // Untimed first: calls [0, warm-up) open the path's connections (the pools' TLS and SCRAM
+    // logins, the gRPC channel) and prepare its statements, so that no path pays for another's
+    // warm-up by running first.
+    let warm_up = warm_up_calls(concurrency);
+    let lanes = |from: usize, to: usize| {
+        let next = Arc::new(std::sync::atomic::AtomicUsize::new(from));
+        (0..concurrency)
+            .map(|_| {
+                let (call, next) = (call.clone(), next.clone());
+                tokio::spawn(async move {
+                    let mut latencies = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= to {
+                            return Ok::<_, BenchError>(latencies);
+                        }
+                        let t = Instant::now();
+                        call(i).await?;
+                        latencies.push(t.elapsed());
+                    }
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    for lane in lanes(0, warm_up) {
+        lane.await.map_err(|e| BenchError::Call(e.to_string()))??;
     }
+    let started = Instant::now();
     let mut all = Vec::with_capacity(iterations);
-    for lane in lanes {
+    for lane in lanes(warm_up, warm_up + iterations) {
         all.extend(lane.await.map_err(|e| BenchError::Call(e.to_string()))??);
     }
     Ok((all, started.elapsed()))
+}
+
+/// Untimed calls each path makes before it is timed: two per lane.
+pub fn warm_up_calls(concurrency: usize) -> usize {
+    2 * concurrency
 }
 
 /// Starts a zero-latency, memory-only stub and a proxy on `proxy_db_url` in this process, and
@@ -248,7 +274,7 @@ pub async fn run(
     // (the insecure path gets the same signed requests, for other payouts).
     let requests = |path: &str| -> Arc<Vec<SubmitPayout>> {
         Arc::new(
-            (0..iterations)
+            (0..iterations + warm_up_calls(concurrency))
                 .map(|i| {
                     let request = SubmitPayout::new(
                         PayoutId::parse(format!("bench-{path}{run_id}-{i}")).expect("valid id"),
@@ -272,24 +298,30 @@ pub async fn run(
     let (insecure_latencies, insecure_elapsed) =
         submit_all(iterations, concurrency, insecure_client, requests("u")).await?;
 
-    let floor_stub = stub.client();
-    let floor_run_id = run_id.clone();
-    let (floor_latencies, floor_elapsed) = drive(iterations, concurrency, move |i| {
-        let (pool, stub) = (floor_pool.clone(), floor_stub.clone());
-        let payout = format!("floor-{floor_run_id}-{i}");
-        let account = format!("floor-acct-{floor_run_id}-{i}");
-        let order = rail_stub::PaymentOrder {
-            client_reference: ClientReference::for_payout(
-                &PayoutId::parse(payout.clone()).expect("valid id"),
-            )
-            .to_string(),
-            amount_minor: 100,
-            currency: "EUR".into(),
-            beneficiary_ref: "bench-beneficiary".into(),
-        };
-        async move { floor_payment(&pool, &stub, &payout, &account, &order).await }
-    })
+    let floor = |stub: rail_stub::client::StubClient, tag: &'static str| {
+        let (pool, run_id) = (floor_pool.clone(), run_id.clone());
+        drive(iterations, concurrency, move |i| {
+            let (pool, stub) = (pool.clone(), stub.clone());
+            let payout = format!("floor{tag}-{run_id}-{i}");
+            let account = format!("floor{tag}-acct-{run_id}-{i}");
+            let order = rail_stub::PaymentOrder {
+                client_reference: ClientReference::for_payout(
+                    &PayoutId::parse(payout.clone()).expect("valid id"),
+                )
+                .to_string(),
+                amount_minor: 100,
+                currency: "EUR".into(),
+                beneficiary_ref: "bench-beneficiary".into(),
+            };
+            async move { floor_payment(&pool, &stub, &payout, &account, &order).await }
+        })
+    };
+    let (floor_latencies, floor_elapsed) = floor(
+        rail_stub::client::StubClient::connection_per_call(stub.base_url()),
+        "",
+    )
     .await?;
+    let (pooled_latencies, pooled_elapsed) = floor(stub.client(), "p").await?;
 
     let stub_client = stub.client();
     let (direct_latencies, direct_elapsed) = drive(iterations, concurrency, move |i| {
@@ -325,6 +357,7 @@ pub async fn run(
     let proxy = figures(proxy_latencies, proxy_elapsed);
     let proxy_insecure = figures(insecure_latencies, insecure_elapsed);
     let floor = figures(floor_latencies, floor_elapsed);
+    let floor_pooled = figures(pooled_latencies, pooled_elapsed);
     let direct = figures(direct_latencies, direct_elapsed);
     Ok(BenchReport {
         iterations,
@@ -332,9 +365,11 @@ pub async fn run(
         throughput_ratio: direct.throughput_per_s / proxy.throughput_per_s,
         p50_overhead_ms: proxy.p50_ms - direct.p50_ms,
         proxy_over_floor: proxy.throughput_per_s / floor.throughput_per_s,
+        proxy_over_floor_pooled: proxy.throughput_per_s / floor_pooled.throughput_per_s,
         secured_over_insecure: proxy.throughput_per_s / proxy_insecure.throughput_per_s,
         proxy_insecure,
         floor,
+        floor_pooled,
         proxy,
         direct,
         stub_movements,

@@ -146,12 +146,13 @@ async fn etcd_soak_database_stays_bounded_and_grows_without_compaction() {
 // The rail proxy: `service_benches::proxy`
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_benchmark_measures_the_four_paths_in_one_run() {
+async fn the_benchmark_measures_the_five_paths_in_one_run() {
     let db_url = Stack::shared().fresh_db(PgServer::Proxy).await;
     let report = service_benches::proxy::run(&db_url, 200, 8).await.unwrap();
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
     assert_eq!(
-        report.stub_movements, 800,
+        report.stub_movements,
+        5 * (200 + service_benches::proxy::warm_up_calls(8)),
         "one movement per call, none repeated"
     );
     assert_eq!(
@@ -159,16 +160,19 @@ async fn the_benchmark_measures_the_four_paths_in_one_run() {
             report.proxy.calls,
             report.proxy_insecure.calls,
             report.floor.calls,
+            report.floor_pooled.calls,
             report.direct.calls
         ),
-        (200, 200, 200, 200)
+        (200, 200, 200, 200, 200)
     );
     assert!(report.secured_over_insecure > 0.0);
     assert!(
         report.proxy.p50_ms > 0.0
             && report.floor.p50_ms > 0.0
+            && report.floor_pooled.p50_ms > 0.0
             && report.direct.p50_ms > 0.0
             && report.throughput_ratio > 0.0
+            && report.proxy_over_floor_pooled > 0.0
             && report.proxy_over_floor > 0.0
     );
 }

@@ -67,6 +67,24 @@ impl StubClient {
         }
     }
 
+    /// A client that opens a connection for every call and keeps none idle: how the rail proxy
+    /// must call a rail (`rail_proxy::rail::Rail`: the HTTP stack never reuses a connection, so it
+    /// can never resend a payment that failed on a stale one). The proxy benchmark's floor calls
+    /// the stub this way, so that the floor does the rail work the proxy has to do.
+    pub fn connection_per_call(base_url: impl Into<String>) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_millis(ADMIN_TIMEOUT_MS))
+            .retry(reqwest::retry::never())
+            .pool_max_idle_per_host(0)
+            .http1_only()
+            .build()
+            .expect("a plain HTTP client builds");
+        Self {
+            base_url: base_url.into(),
+            http,
+        }
+    }
+
     pub fn base_url(&self) -> &str {
         &self.base_url
     }
