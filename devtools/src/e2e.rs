@@ -169,7 +169,12 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     // (a) Each payout submitted with one CreatePayout (its workflow started by the dispatcher's
     // starter), timed from that call; then the same with the caller also starting it at once.
     for (name, starts) in [
-        ("system", Starts::Staged),
+        (
+            "system",
+            Starts::Staged {
+                paydb: &system.paydb,
+            },
+        ),
         ("system-caller-start", Starts::Caller),
     ] {
         if !wanted.contains(&name) {
@@ -282,7 +287,12 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                 client.clone(),
                 &payments,
                 vec![input],
-                (Starts::Staged, &system.task_queue),
+                (
+                    Starts::Staged {
+                        paydb: &system.paydb,
+                    },
+                    &system.task_queue,
+                ),
                 timeout,
             )
             .await?;
