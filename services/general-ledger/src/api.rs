@@ -49,6 +49,9 @@ use service_kit::prometheus;
 pub struct LedgerApi {
     pub store: Arc<Store>,
     pub metrics: LedgerMetrics,
+    /// Break-glass calls record only the operator the caller's certificate carries (always,
+    /// except in a negative control: `Config::without_operator_certification_for_tests`).
+    pub certifies_operators: bool,
 }
 
 fn entry_to_wire(e: &StoredEntry) -> pb::Entry {
@@ -354,7 +357,7 @@ impl GeneralLedgerService for LedgerApi {
         }
         // The operator recorded is the one the caller's certificate carries, never a free string.
         // (No name at all is the store's InvalidField, like a missing reason.)
-        if !request.get_ref().operator_id.trim().is_empty() {
+        if self.certifies_operators && !request.get_ref().operator_id.trim().is_empty() {
             service_kit::grpc::certified_operator(
                 &service_kit::grpc::caller(&request)?,
                 "/ledger.v1.GeneralLedgerService/SetOperatingMode",

@@ -37,6 +37,8 @@ pub struct Config {
     pub tls: service_kit::grpc::Tls,
     policy: &'static service_kit::grpc::Policy,
     receipt_watermark: bool,
+    /// SetOperatingMode records only the operator the caller's certificate carries.
+    operator_certification: bool,
 }
 
 impl Config {
@@ -47,7 +49,17 @@ impl Config {
             tls,
             policy: &authz::POLICY,
             receipt_watermark: true,
+            operator_certification: true,
         }
+    }
+
+    /// NEGATIVE CONTROL ONLY: SetOperatingMode records the operator the request names without
+    /// asking whether the caller's certificate carries that name. Tests use it to show that the
+    /// certified-operator tests detect what they claim to. The binary has no way to call it.
+    #[doc(hidden)]
+    pub fn without_operator_certification_for_tests(mut self) -> Self {
+        self.operator_certification = false;
+        self
     }
 
     /// NEGATIVE CONTROL ONLY: listings read past the receipt watermark
@@ -165,6 +177,7 @@ pub async fn serve(
     let api = api::LedgerApi {
         store,
         metrics: api::LedgerMetrics::new(&metrics),
+        certifies_operators: config.operator_certification,
     };
     let service = GeneralLedgerServiceServer::new(api)
         .max_decoding_message_size(service_kit::grpc::REQUEST_BYTES_MAX);

@@ -937,6 +937,37 @@ async fn reversals_must_mirror_exactly_once_and_modes_are_audited() {
     server.stop().await.unwrap();
 }
 
+/// Negative control of the certified-operator check in `reversals_must_mirror_exactly_once_and_modes_are_audited`:
+/// with the check switched off in-process, the same operator certificate naming another operator
+/// changes the mode, and the audit records the name it could not prove: the test above sees what
+/// it claims to.
+#[tokio::test]
+async fn negative_control_without_operator_certification_another_name_changes_the_mode() {
+    let (_server, mut client, url) =
+        start_with(general_ledger::Config::without_operator_certification_for_tests).await;
+    let state = client
+        .set_operating_mode(pb::SetOperatingModeRequest {
+            mode: pb::OperatingMode::Reconcile as i32,
+            operator_id: "another-operator".into(),
+            reason: "drill".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (state.mode, state.changed_by.as_str()),
+        (pb::OperatingMode::Reconcile as i32, "another-operator")
+    );
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let recorded: String = sqlx::query_scalar(
+        "SELECT operator_id FROM operating_mode_changes ORDER BY change_sequence DESC LIMIT 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(recorded, "another-operator");
+}
+
 /// Writers posting concurrently between overlapping accounts, in both directions and with the
 /// lines in different orders: no deadlock (every request succeeds), exact balances.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

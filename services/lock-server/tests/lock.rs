@@ -1138,10 +1138,15 @@ async fn postgres_contention_history_is_linearizable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_three_members_leader_killed_mid_run() {
     let (stack, leader, s) = on_three_etcd_members("/leader-kill/").await;
-    // A long-lived holder whose session must survive the election.
+    // A long-lived holder whose session must survive the election, with the deployment's session
+    // TTL (the worker's `LOCK_TTL_MS_DEFAULT`, 10 s). A keep-alive in flight to the killed leader
+    // can wait out the lock server's etcd request timeout (5 s, `REQUEST_TIMEOUT_MS`) before it is
+    // retried on another member, so a session must outlive that: with a 5 s TTL, as this test had,
+    // a clean-clone CI run under load lost the survivor ("the survivor's session must not be lost
+    // to the election"), the keep-alive's retry landing after the client's own deadline.
     let survivor = s
         .client
-        .open_session("survivor", Duration::from_secs(5))
+        .open_session("survivor", Duration::from_secs(10))
         .await
         .unwrap();
     let kept = grant(&survivor, "kept").await;
