@@ -280,6 +280,20 @@ impl InProcess {
     ) -> Result<Self, LockError> {
         let metrics = service_kit::Metrics::default();
         let service = build(config, &metrics).await?.with_waiters_max(waiters_max);
+        Self::serve_for_tests(service, metrics, tls, policy, bounds).await
+    }
+
+    /// TEST ONLY: serves `service` (built by [`build`] on `metrics`, then shaped by a test, e.g.
+    /// [`LockServiceImpl::without_operator_certification_for_tests`]) as [`Self::start_with_bounds`]
+    /// does. The binary has no way to call it.
+    #[doc(hidden)]
+    pub async fn serve_for_tests(
+        service: LockServiceImpl,
+        metrics: service_kit::Metrics,
+        tls: &service_kit::grpc::Tls,
+        policy: &'static service_kit::grpc::Policy,
+        bounds: service_kit::grpc::Bounds,
+    ) -> Result<Self, LockError> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(|e| LockError::Backend {

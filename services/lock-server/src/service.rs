@@ -114,6 +114,9 @@ struct Inner {
     /// At most this many Acquire calls wait in this process at once ([`WAITERS_MAX`] unless a
     /// test set another).
     waiters_max: usize,
+    /// ForceRevoke records only the operator the caller's certificate carries (always, except in
+    /// a negative control).
+    operator_certification: bool,
 }
 
 #[derive(Clone)]
@@ -201,6 +204,7 @@ impl LockServiceImpl {
                 kept: Default::default(),
                 sessions,
                 waiters_max: WAITERS_MAX,
+                operator_certification: true,
             }),
         }
     }
@@ -214,6 +218,18 @@ impl LockServiceImpl {
         Arc::get_mut(&mut self.inner)
             .expect("the waiter bound is set before the service is cloned or served")
             .waiters_max = waiters_max;
+        self
+    }
+
+    /// NEGATIVE CONTROL ONLY: ForceRevoke records the operator the request names without asking
+    /// whether the caller's certificate carries that name. Tests use it to show that the
+    /// certified-operator tests detect what they claim to. Set before the service is cloned or
+    /// served; the binary has no way to call it.
+    #[doc(hidden)]
+    pub fn without_operator_certification_for_tests(mut self) -> Self {
+        Arc::get_mut(&mut self.inner)
+            .expect("the check is switched before the service is cloned or served")
+            .operator_certification = false;
         self
     }
 
@@ -644,15 +660,19 @@ impl LockServiceImpl {
         check_text("key", key, KEY_LENGTH_MAX)?;
         check_text("operator", operator, OWNER_LENGTH_MAX)?;
         check_text("reason", reason, KEY_LENGTH_MAX)?;
-        let operator = &service_kit::grpc::certified_operator(
-            caller,
-            "/lock.v1.LockService/ForceRevoke",
-            operator,
-            &self.inner.metrics.unauthorised_calls,
-        )
-        .map_err(|_| LockError::OperatorNotCertified {
-            operator: operator.to_string(),
-        })?;
+        let operator = &if self.inner.operator_certification {
+            service_kit::grpc::certified_operator(
+                caller,
+                "/lock.v1.LockService/ForceRevoke",
+                operator,
+                &self.inner.metrics.unauthorised_calls,
+            )
+            .map_err(|_| LockError::OperatorNotCertified {
+                operator: operator.to_string(),
+            })?
+        } else {
+            operator.to_string()
+        };
         let holder = self
             .inner
             .backend

@@ -17,9 +17,10 @@ use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
 
 mod support;
+use lock_server::service::LockServiceImpl;
 use support::{
-    backend, every_role, grant, lockdb, on_three_etcd_members, signer, start_bounded, start_with,
-    start_with_bounds, unix_now_ms, Kind, Server, SIGNING_KEY_ID,
+    backend, every_role, grant, lockdb, on_three_etcd_members, signer, start_bounded, start_shaped,
+    start_with, start_with_bounds, unix_now_ms, Kind, Server, SIGNING_KEY_ID,
 };
 
 /// The etcd backend's shortest lease (whole seconds; etcd's minimum is about 1.5 s and is rounded
@@ -444,6 +445,38 @@ async fn etcd_session_death_and_force_revoke() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_session_death_and_force_revoke() {
     session_death_and_force_revoke(Kind::Postgres).await;
+}
+
+/// Negative control of the certified-operator check in `*_session_death_and_force_revoke`: with
+/// the check switched off in-process, an operator's certificate naming another operator takes the
+/// key, and the audit record names the operator the call could not prove it was: the test above
+/// sees what it claims to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_without_operator_certification_another_name_revokes() {
+    let s = start_shaped(
+        backend(Kind::Postgres, "uncertified").await,
+        lock_server::service::WAITERS_MAX,
+        lock_server::service::BOUNDS,
+        LockServiceImpl::without_operator_certification_for_tests,
+    )
+    .await;
+    let b = s.client.open_session("worker-b", TTL).await.unwrap();
+    let held = grant(&b, "revoked").await;
+    let r = s
+        .operator
+        .force_revoke("revoked", "another-operator", "not mine to give")
+        .await
+        .unwrap();
+    assert_eq!(r.revoked_token, held.token().get());
+    let lock_server::backend::Backend::Postgres(p) = s.server.service.backend() else {
+        panic!("a PostgreSQL backend was asked for");
+    };
+    let operator: String = sqlx::query_scalar("SELECT operator FROM lock_audit")
+        .fetch_one(p.pool())
+        .await
+        .unwrap();
+    assert_eq!(operator, "another-operator");
+    s.server.stop().await;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ use std::time::Duration;
 use grant_signing::{Signer, Verifier};
 use lock_client::{Acquired, GrantHandle, LockClient, Session};
 use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
+use lock_server::service::LockServiceImpl;
 use lock_server::{BackendConfig, Config, InProcess};
 use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
@@ -92,6 +93,17 @@ pub async fn start_with_bounds(
     waiters_max: usize,
     bounds: service_kit::grpc::Bounds,
 ) -> Server {
+    start_shaped(backend, waiters_max, bounds, |service| service).await
+}
+
+/// [`start_with_bounds`], the service shaped by `shape` before it serves (a negative control's
+/// switch, e.g. `LockServiceImpl::without_operator_certification_for_tests`).
+pub async fn start_shaped(
+    backend: BackendConfig,
+    waiters_max: usize,
+    bounds: service_kit::grpc::Bounds,
+    shape: impl FnOnce(LockServiceImpl) -> LockServiceImpl,
+) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let signer = signer();
     let verifier = Verifier::new([signer.public_key()]).unwrap();
@@ -100,11 +112,16 @@ pub async fn start_with_bounds(
         issued_tokens_path: dir.path().join("issued-tokens.json"),
         signer,
     };
-    let server = InProcess::start_with_bounds(
-        &config,
+    let metrics = service_kit::Metrics::default();
+    let service = lock_server::build(&config, &metrics)
+        .await
+        .expect("lock-server builds")
+        .with_waiters_max(waiters_max);
+    let server = InProcess::serve_for_tests(
+        shape(service),
+        metrics,
         &tls(Role::LockServer),
         every_role(),
-        waiters_max,
         bounds,
     )
     .await
