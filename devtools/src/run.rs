@@ -601,7 +601,7 @@ pub(crate) async fn submit_payouts(
     let queue = task_queue.to_string();
     let watch = StartWatch::new();
     let watching = match starts {
-        Starts::Staged { paydb } => Some(AbortOnDrop(tokio::spawn(
+        Starts::Staged { paydb } => Some(payout_worker::AbortOnDrop(tokio::spawn(
             watch.clone().watch(paydb.to_string()),
         ))),
         Starts::Caller => None,
@@ -655,13 +655,4 @@ pub(crate) async fn submit_payouts(
     .await;
     drop(watching);
     measured
-}
-
-/// Aborts the task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }

@@ -19,8 +19,9 @@ use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
 pub use telemetry::Telemetry;
 
-/// A task that stops when its handle is dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// A task that stops when its handle is dropped (the worker's Temporal probe; `payoutdev`'s start
+/// watch).
+pub struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

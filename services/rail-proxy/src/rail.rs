@@ -117,6 +117,20 @@ fn truncate(text: &str) -> &str {
     &text[..end]
 }
 
+/// The HTTP client the proxy calls a rail with: no retry of any kind (reqwest's default policy
+/// resends on protocol NACKs), and no idle connection reused, so the HTTP stack can never resend
+/// a request that failed on a stale pooled connection: every payment has its own connection. The
+/// proxy benchmark's floor calls the stub with it too, so that the floor does the same rail work.
+pub fn http_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_millis(RAIL_CONNECT_TIMEOUT_MS))
+        .retry(reqwest::retry::never())
+        .pool_max_idle_per_host(0)
+        .http1_only()
+        .build()
+        .expect("a plain HTTP client builds")
+}
+
 impl Rail {
     /// A client of the rail at `base_url`; every call is timed in `metrics`'
     /// `rail_call_duration_seconds`.
@@ -125,19 +139,9 @@ impl Rail {
         timeout: Duration,
         metrics: &service_kit::Metrics,
     ) -> Self {
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_millis(RAIL_CONNECT_TIMEOUT_MS))
-            // No retry of any kind: reqwest's default policy resends on protocol NACKs.
-            .retry(reqwest::retry::never())
-            // No idle connection is reused, so the HTTP stack can never resend a request that
-            // failed on a stale pooled connection: every payment has its own connection.
-            .pool_max_idle_per_host(0)
-            .http1_only()
-            .build()
-            .expect("a plain HTTP client builds");
         Self {
             base_url: base_url.into().trim_end_matches('/').to_string(),
-            http,
+            http: http_client(),
             timeout,
             latency: LabelGrid::new(
                 metrics,

@@ -67,18 +67,9 @@ impl StubClient {
         }
     }
 
-    /// A client that opens a connection for every call and keeps none idle: how the rail proxy
-    /// must call a rail (`rail_proxy::rail::Rail`: the HTTP stack never reuses a connection, so it
-    /// can never resend a payment that failed on a stale one). The proxy benchmark's floor calls
-    /// the stub this way, so that the floor does the rail work the proxy has to do.
-    pub fn connection_per_call(base_url: impl Into<String>) -> Self {
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_millis(ADMIN_TIMEOUT_MS))
-            .retry(reqwest::retry::never())
-            .pool_max_idle_per_host(0)
-            .http1_only()
-            .build()
-            .expect("a plain HTTP client builds");
+    /// A client of the stub over `http`, a client made elsewhere (the proxy benchmark's floor
+    /// passes the rail proxy's own, `rail_proxy::rail::http_client`: a connection per payment).
+    pub fn with_http(base_url: impl Into<String>, http: reqwest::Client) -> Self {
         Self {
             base_url: base_url.into(),
             http,
