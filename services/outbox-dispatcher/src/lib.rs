@@ -288,7 +288,24 @@ impl Dispatcher {
             .buffer_unordered(DELIVERY_CONCURRENCY_MAX)
             .collect()
             .await;
+        // The batch's deliveries are recorded in one statement (one commit, where each row had its
+        // own): if it fails, none is marked and each is delivered again after its claim expires,
+        // which the GL's idempotency answers with the same journal. A retry or a quarantine (rare)
+        // is recorded row by row, after them.
+        let mut delivered = Vec::with_capacity(results.len());
+        let mut others = Vec::new();
         for (row, delivery) in results {
+            match delivery {
+                Delivery::Delivered {
+                    journal_id,
+                    created,
+                } => delivered.push((row, journal_id, created)),
+                other => others.push((row, other)),
+            }
+        }
+        outcome.delivered = delivered.len();
+        self.record_delivered(&delivered).await?;
+        for (row, delivery) in others {
             match &delivery {
                 Delivery::Delivered { .. } => outcome.delivered += 1,
                 Delivery::Retry { .. } => outcome.retried += 1,
@@ -297,6 +314,38 @@ impl Dispatcher {
             self.record(&row, delivery).await?;
         }
         Ok(outcome)
+    }
+
+    /// Marks a batch's delivered rows delivered, each with the id the GL answered it with, in one
+    /// statement. Unconditional on the claim: the journal exists whoever delivered it.
+    async fn record_delivered(
+        &self,
+        delivered: &[(Claimed, String, bool)],
+    ) -> Result<(), DispatchError> {
+        if delivered.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<i64> = delivered.iter().map(|(row, _, _)| row.id).collect();
+        let journal_ids: Vec<&str> = delivered.iter().map(|(_, id, _)| id.as_str()).collect();
+        sqlx::query(
+            "UPDATE ledger_outbox o SET delivered_at = now(), journal_id = d.journal_id, last_error = NULL,
+                    claimed_by = NULL, claim_expires_at = NULL
+               FROM unnest($1::bigint[], $2::text[]) AS d(id, journal_id)
+              WHERE o.id = d.id AND o.delivered_at IS NULL",
+        )
+        .bind(&ids)
+        .bind(&journal_ids)
+        .execute(&self.pool)
+        .await?;
+        for (row, journal_id, created) in delivered {
+            self.metrics
+                .delivered
+                .with_label_values(&[if *created { "true" } else { "false" }])
+                .inc();
+            tracing::info!(outbox_id = row.id, account_id = %row.account_id, idempotency_key = %row.idempotency_key,
+                kind = %row.kind, journal_id = %journal_id, created, "outbox row delivered");
+        }
+        Ok(())
     }
 
     async fn claim(&self) -> Result<Vec<Claimed>, DispatchError> {
@@ -425,28 +474,16 @@ impl Dispatcher {
         }
     }
 
+    /// Records one row's delivery: a retry's delay or a quarantine (a delivered row, which
+    /// `run_once` records with its batch, is recorded alone here).
     async fn record(&self, row: &Claimed, delivery: Delivery) -> Result<(), DispatchError> {
         match delivery {
             Delivery::Delivered {
                 journal_id,
                 created,
             } => {
-                // Unconditional on the claim: the journal exists whoever delivered it.
-                sqlx::query(
-                    "UPDATE ledger_outbox SET delivered_at = now(), journal_id = $2, last_error = NULL,
-                            claimed_by = NULL, claim_expires_at = NULL
-                     WHERE id = $1 AND delivered_at IS NULL",
-                )
-                .bind(row.id)
-                .bind(&journal_id)
-                .execute(&self.pool)
-                .await?;
-                self.metrics
-                    .delivered
-                    .with_label_values(&[if created { "true" } else { "false" }])
-                    .inc();
-                tracing::info!(outbox_id = row.id, account_id = %row.account_id, idempotency_key = %row.idempotency_key,
-                    kind = %row.kind, journal_id = %journal_id, created, "outbox row delivered");
+                self.record_delivered(&[(row.clone(), journal_id, created)])
+                    .await?;
             }
             Delivery::Retry { error } => {
                 let delay_ms = backoff_ms(
