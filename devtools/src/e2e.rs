@@ -62,6 +62,12 @@ pub struct Args {
     /// The workflow floor always uses one account per payout: its in-memory lock has one session.
     #[arg(long, default_value_t = 600)]
     pub accounts: usize,
+    /// Ledger entries each of the system's accounts already has when its payouts arrive (pairs
+    /// that sum to zero, so its balance stays; written straight into paydb as the superuser: the
+    /// local stack only). A payout's cost must not grow with its account's age: run it with 0 and
+    /// with a large history, and compare.
+    #[arg(long, default_value_t = 0)]
+    pub history: usize,
     /// Single payouts, one after another, for the idle latency.
     #[arg(long, default_value_t = 20)]
     pub idle: usize,
@@ -119,10 +125,70 @@ struct Report {
     secured_over_security_off: Option<f64>,
 }
 
+/// The most past entries `--history` gives one account.
+const HISTORY_MAX: usize = 2_000_000;
+
+/// Gives each account of `inputs` `entries` past ledger entries (rounded down to pairs): a +1 and
+/// a -1 on the account, one balanced group each, so its balance and the sum of its entries stay as
+/// they were. Written as the local stack's superuser with the triggers off
+/// (`session_replication_role = replica`), so seeding costs one pass, not a commit check per entry.
+async fn seed_history(
+    target: &payoutctl::target::Target,
+    inputs: &[payout_activities::types::PayoutInput],
+    entries: usize,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use payoutctl::record::StackRecord;
+    anyhow::ensure!(
+        !target.is_external(),
+        "--history writes behind paydb's triggers as the superuser: the local stack only"
+    );
+    let record = StackRecord::load(&target.state_dir)?;
+    let credentials =
+        db_access::Credentials::load(&target.state_dir.join(db_access::CREDENTIALS_FILE))
+            .context("--history: the stack's database credentials")?;
+    let paydb = StackRecord::pg_server(&target.state_dir, record.ports.pg_main).url(
+        "postgres",
+        &credentials.superuser,
+        "paydb",
+    );
+    let mut accounts: Vec<&str> = inputs.iter().map(|p| p.account_id.as_str()).collect();
+    accounts.sort_unstable();
+    accounts.dedup();
+    let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&paydb)
+        .await
+        .context("--history: connecting to paydb")?;
+    sqlx::query("SET session_replication_role = replica")
+        .execute(&mut conn)
+        .await
+        .context(
+            "--history writes behind the triggers, as paydb's owner (the local stack's URL)",
+        )?;
+    sqlx::query(
+        "INSERT INTO ledger_entry (transaction_group, line_number, account_id, currency, amount_minor, counterparty) \
+         SELECT g.id, l.line, a.id, a.currency, CASE l.line WHEN 1 THEN 1 ELSE -1 END, a.id \
+           FROM account a \
+           CROSS JOIN LATERAL (SELECT gen_random_uuid() AS id FROM generate_series(1, $2) \
+                                WHERE a.id IS NOT NULL) g \
+           CROSS JOIN (VALUES (1), (2)) AS l(line) \
+          WHERE a.id = ANY($1)",
+    )
+    .bind(&accounts)
+    .bind(i64::try_from(entries / 2).context("--history")?)
+    .execute(&mut conn)
+    .await
+    .context("--history: writing the past entries")?;
+    Ok(())
+}
+
 pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     anyhow::ensure!(
         args.payouts > 0 && args.accounts > 0,
         "--payouts and --accounts must be positive"
+    );
+    anyhow::ensure!(
+        args.history <= HISTORY_MAX,
+        "--history: at most {HISTORY_MAX} past entries per account"
     );
     let wanted: Vec<&str> = args.only.split(',').map(str::trim).collect();
     for w in &wanted {
@@ -186,6 +252,15 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         ));
         let workload = even_workload(args.payouts, args.accounts, 1, ambiguity)?;
         let inputs = open_accounts(&workload, &payments).await?;
+        if args.history > 0 {
+            let started = std::time::Instant::now();
+            seed_history(&args.target, &inputs, args.history).await?;
+            say(format!(
+                "    {} past entries given to each account in {:.1} s",
+                args.history,
+                started.elapsed().as_secs_f64()
+            ));
+        }
         let ids = workflow_ids(&inputs);
         let measured = submit_payouts(
             client.clone(),

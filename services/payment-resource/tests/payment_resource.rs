@@ -2311,6 +2311,25 @@ async fn database_enforces_the_invariants_on_its_own() {
         ("DELETE FROM audit_event", "append-only"),
         ("UPDATE account SET fence = 1", "may not decrease"),
         ("UPDATE account SET balance_minor = balance_minor + 1", "differs from the sum of its entries"),
+        // An entry that moves the account without its balance (a balanced group).
+        (
+            "INSERT INTO ledger_entry (transaction_group, line_number, account_id, currency, amount_minor, counterparty) \
+             VALUES ('00000000-0000-0000-0000-0000000000a1', 1, 'acct-1', 'EUR', 5, 'sys:funding:EUR'), \
+                    ('00000000-0000-0000-0000-0000000000a1', 2, 'sys:funding:EUR', 'EUR', -5, 'acct-1')",
+            "differs from the sum of its entries",
+        ),
+        // The kept sum of the account's entries (paydb 0013) moves only with an entry: forging it
+        // beside the balance would pass the commit check.
+        ("UPDATE account SET entries_sum_minor = entries_sum_minor + 1", "entries_sum_minor is kept by the ledger"),
+        (
+            "UPDATE account SET balance_minor = balance_minor + 1, entries_sum_minor = entries_sum_minor + 1",
+            "entries_sum_minor is kept by the ledger",
+        ),
+        (
+            "INSERT INTO account (id, currency, balance_minor, opening_balance_minor, entries_sum_minor) \
+             VALUES ('acct-9', 'EUR', 5, 5, 5)",
+            "entries_sum_minor is kept by the ledger",
+        ),
         ("UPDATE ledger_outbox SET payload = '{}'::jsonb", "payload is immutable"),
         // A row's kind decides the GL call that delivers it (paydb 0008): immutable too.
         ("UPDATE ledger_outbox SET kind = 'JOURNAL' WHERE kind = 'TRANSACTION_EVENT'", "payload is immutable"),
@@ -2351,6 +2370,64 @@ async fn database_enforces_the_invariants_on_its_own() {
         .await
         .unwrap();
     assert_ledger_clean(&h).await;
+}
+
+/// The commit check of INV-03 reads the account's kept sum of its entries (paydb 0013), not its
+/// history: the sum follows every entry (an opening, a posting), equals the whole-history sum, and
+/// no statement may write it.
+#[tokio::test]
+async fn the_kept_sum_of_an_accounts_entries_follows_every_entry() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    create(&h, "p-2", "acct-1", 2_500).await;
+    drive(h.c(), &pid("p-1"), PayoutState::Posted).await;
+    drive(h.c(), &pid("p-2"), PayoutState::Posted).await;
+    let (balance, kept, summed): (i64, i64, i64) = sqlx::query_as(
+        "SELECT a.balance_minor, a.entries_sum_minor, \
+                (SELECT coalesce(sum(amount_minor), 0)::bigint FROM ledger_entry e WHERE e.account_id = a.id) \
+           FROM account a WHERE a.id = 'acct-1'",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert_eq!((balance, kept, summed), (6_500, 6_500, 6_500));
+    assert_ledger_clean(&h).await;
+}
+
+/// NEGATIVE CONTROL of the kept sum's guard (`account_entries_sum_kept`, paydb 0013): with the
+/// guard trigger off (the owner, in this test's own database), a statement that moves the balance
+/// and the kept sum together commits, a balance changed without any entry, which the commit check
+/// cannot see; only the after-the-fact check that sums the history (CheckLedger, the reconciler's
+/// INV-03) reports it. With the guard on, the same statement is refused
+/// (`database_enforces_the_invariants_on_its_own`).
+#[tokio::test]
+async fn negative_control_without_the_kept_sum_guard_a_balance_moves_without_entries() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    sqlx::query("ALTER TABLE account DISABLE TRIGGER account_entries_sum_kept")
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE account SET balance_minor = balance_minor + 1, entries_sum_minor = entries_sum_minor + 1 \
+         WHERE id = 'acct-1'",
+    )
+    .execute(&h.pool)
+    .await
+    .expect("without its guard the forged pair commits");
+    let balance: i64 = sqlx::query_scalar("SELECT balance_minor FROM account WHERE id = 'acct-1'")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(balance, 10_001, "the balance moved without an entry");
+    let report = h.c().check_ledger().await.unwrap();
+    let kinds: Vec<_> = report
+        .violations
+        .iter()
+        .map(|v| (v.kind.as_str(), v.account_id.as_str(), v.actual_minor))
+        .collect();
+    assert_eq!(kinds, [("BALANCE_MISMATCH", "acct-1", 10_001)]);
 }
 
 /// NEGATIVE CONTROL of CheckLedger: with the database's triggers bypassed (replication role,
