@@ -700,7 +700,11 @@ async fn poison_rows_are_quarantined_with_an_alert_the_rest_flow_and_replay_work
 async fn dispatcher_killed_mid_batch_loses_nothing_and_duplicates_nothing() {
     let (paydb_url, paydb) = paydb().await;
     let (gl_url, gl) = gl().await;
-    let rows = fill(&paydb, "k", 12, 2).await;
+    // The accounts' openings first, delivered before the GL is held; their payouts are written
+    // once it is held, so a batch of payout journals is surely in flight (before, all 36 rows were
+    // written at once and the test relied on the dispatcher being too slow to deliver them all
+    // before the hold: recording a batch in one statement made it fast enough to lose that race).
+    let first_rows = fill(&paydb, "k", 12, 0).await;
     let dir = tempfile::tempdir().unwrap();
     let spawn = |instance: &str, metrics_port: u16| {
         let spec = testkit::ProcessSpec::new(
@@ -745,7 +749,7 @@ async fn dispatcher_killed_mid_batch_loses_nothing_and_duplicates_nothing() {
                 "SELECT count(*) FROM ledger_outbox WHERE delivered_at IS NOT NULL",
             )
             .await
-                >= 6)
+                == first_rows as i64)
                 .then_some(())
         }
     })
@@ -760,6 +764,14 @@ async fn dispatcher_killed_mid_batch_loses_nothing_and_duplicates_nothing() {
         .execute(&mut *blocker)
         .await
         .unwrap();
+    for a in 0..12 {
+        let account = format!("k{a}");
+        for p in 0..2 {
+            let id = format!("{account}-p{p}");
+            insert(&paydb, &account, payout(&account, &id, "1.25", "1.25")).await;
+        }
+    }
+    let rows = first_rows + 24;
     eventually(WAIT, "a batch in flight inside the GL", || {
         let gl_owner = gl_owner.clone();
         let paydb = paydb.clone();
