@@ -961,6 +961,27 @@ const TAMPERING: &[Tamper] = &[
         "UPDATE row_chain_head SET seq = 0",
         "row_chain_head",
     ),
+    // The kept sum of an account's entries (paydb 0013) may move only from inside a trigger
+    // (`pg_trigger_depth() >= 2`): no service role may make one, on a table of the schema, on a
+    // temporary table of its own, or with a function of its own.
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "CREATE TRIGGER forge AFTER INSERT ON ledger_entry FOR EACH ROW EXECUTE FUNCTION add_entry_to_account_sum()",
+        "account",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "CREATE TEMP TABLE forge (x int)",
+        "account",
+    ),
+    t(
+        "payment_resource",
+        Database::Paydb,
+        "CREATE FUNCTION forge() RETURNS trigger LANGUAGE plpgsql AS $f$ BEGIN RETURN NULL; END $f$",
+        "account",
+    ),
     t(
         "outbox_dispatcher",
         Database::Paydb,
