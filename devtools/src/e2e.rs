@@ -161,9 +161,7 @@ async fn seed_history(
     sqlx::query("SET session_replication_role = replica")
         .execute(&mut conn)
         .await
-        .context(
-            "--history writes behind the triggers, as paydb's owner (the local stack's URL)",
-        )?;
+        .context("--history: switching paydb's triggers off (the superuser's right)")?;
     sqlx::query(
         "INSERT INTO ledger_entry (transaction_group, line_number, account_id, currency, amount_minor, counterparty) \
          SELECT g.id, l.line, a.id, a.currency, CASE l.line WHEN 1 THEN 1 ELSE -1 END, a.id \
