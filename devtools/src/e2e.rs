@@ -162,6 +162,8 @@ async fn seed_history(
         .execute(&mut conn)
         .await
         .context("--history: switching paydb's triggers off (the superuser's right)")?;
+    // The `WHERE a.id IS NOT NULL` ties the series to each account, so PostgreSQL draws fresh group
+    // ids per account instead of evaluating the series once and sharing its ids.
     sqlx::query(
         "INSERT INTO ledger_entry (transaction_group, line_number, account_id, currency, amount_minor, counterparty) \
          SELECT g.id, l.line, a.id, a.currency, CASE l.line WHEN 1 THEN 1 ELSE -1 END, a.id \

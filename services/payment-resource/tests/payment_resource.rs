@@ -2373,8 +2373,8 @@ async fn database_enforces_the_invariants_on_its_own() {
 }
 
 /// The commit check of INV-03 reads the account's kept sum of its entries (paydb 0013), not its
-/// history: the sum follows every entry (an opening, a posting), equals the whole-history sum, and
-/// no statement may write it.
+/// history: the sum follows every entry (an opening, a posting) and equals the whole-history sum
+/// (that no statement may write it is `database_enforces_the_invariants_on_its_own`'s).
 #[tokio::test]
 async fn the_kept_sum_of_an_accounts_entries_follows_every_entry() {
     let h = harness().await;
