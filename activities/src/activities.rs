@@ -344,10 +344,11 @@ impl PayoutActivities {
         self: Arc<Self>,
         _ctx: ActivityContext,
         input: OperatorDecisionInput,
-    ) -> Result<(), ActivityError> {
+    ) -> Result<Option<RecordedDecision>, ActivityError> {
         let payout_id = input.payout_id.clone();
         let token = input.token.map(|t| t.get());
-        let result = self.backend.record_operator_decision(input).await;
+        // Always `Some`: `None` is only what histories recorded before this answer hold.
+        let result = self.backend.record_operator_decision(input).await.map(Some);
         logged("record_operator_decision", &payout_id, token, result)
     }
 }

@@ -34,7 +34,11 @@ pub trait Backend: Send + Sync + 'static {
     fn post(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot>;
     fn resolve(&self, input: ResolveInput) -> Answer<'_, PayoutSnapshot>;
     fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot>;
-    fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()>;
+    /// The decision as the resource recorded it (an accepted one may be recorded as refused).
+    fn record_operator_decision(
+        &self,
+        input: OperatorDecisionInput,
+    ) -> Answer<'_, RecordedDecision>;
 
     /// Rail proxy (second guard): the one submission, and the lookup by client reference.
     fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer>;

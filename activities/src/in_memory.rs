@@ -62,6 +62,8 @@ struct World {
     resolution_sla: Option<std::time::Duration>,
     /// What each submission asked the rail to pay.
     submitted_amounts: BTreeMap<PayoutId, i64>,
+    /// Whether the world's payment resource verifies operators (`refuse_unsigned_operators`).
+    operators_verified: bool,
 }
 
 /// Shared handle: the test keeps one clone to script and inspect, the worker gets another.
@@ -125,6 +127,15 @@ impl InMemoryBackend {
     /// payout became RAIL_AMBIGUOUS (as the real one does).
     pub fn set_resolution_sla(&self, sla: std::time::Duration) {
         self.with(|w| w.resolution_sla = Some(sla));
+    }
+
+    /// This world's payment resource verifies operators, as a deployed one does: an accepted
+    /// decision that carries no operator signature is recorded as refused, with why, in the words
+    /// the real one uses (`store::record_operator_decision`). Checking a signature itself is the
+    /// real resource's, tested there; here an unsigned decision stands for every one that does not
+    /// verify. Off by default: the other workflow tests send unsigned abandons to be honoured.
+    pub fn refuse_unsigned_operators(&self) {
+        self.with(|w| w.operators_verified = true);
     }
 
     /// The amount the submission of `payout` asked the rail to pay, if it was submitted.
@@ -217,6 +228,8 @@ impl InMemoryBackend {
     pub fn balance(&self, account: &AccountId) -> i64 {
         self.with(|w| w.balances[account])
     }
+    /// The decisions as recorded (an accepted one refused by `refuse_unsigned_operators` is here
+    /// refused, with the resource's note).
     pub fn decisions(&self) -> Vec<OperatorDecisionInput> {
         self.with(|w| w.decisions.clone())
     }
@@ -474,7 +487,10 @@ impl Backend for InMemoryBackend {
         }))
     }
 
-    fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()> {
+    fn record_operator_decision(
+        &self,
+        input: OperatorDecisionInput,
+    ) -> Answer<'_, RecordedDecision> {
         // As the payment resource: a decision without an operator or a reason, or with more
         // text than it stores, is refused (and nothing is recorded).
         const TEXT_LENGTH_MAX: usize = 1024;
@@ -486,8 +502,21 @@ impl Backend for InMemoryBackend {
                 .into()));
             }
         }
-        self.with(|w| w.decisions.push(input));
-        ready(Ok(()))
+        ready(Ok(self.with(|w| {
+            let mut input = input;
+            if input.accepted && w.operators_verified && input.operator_signature.is_none() {
+                input.accepted = false;
+                input.note = "refused: operator not verified (unsigned): the decision carries no \
+                              operator signature"
+                    .to_string();
+            }
+            let recorded = RecordedDecision {
+                accepted: input.accepted,
+                note: input.note.clone(),
+            };
+            w.decisions.push(input);
+            recorded
+        })))
     }
 
     fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {

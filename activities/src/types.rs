@@ -431,6 +431,21 @@ pub struct OperatorDecisionInput {
     pub operator_signature: Option<OperatorSignatureInput>,
 }
 
+/// An operator decision as the payment resource recorded it (the `accepted` and `note` of the
+/// audit event `RecordOperatorDecision` answers), which is not always as it was asked: the resource
+/// records an accepted decision whose operator signature does not verify as refused, with why.
+/// Never the other way: a decision asked as refused is recorded as refused.
+///
+/// The `RecordOperatorDecision` activity answers `Option<RecordedDecision>`: histories recorded
+/// before it answered anything hold a null result, read as `None` (the workflow's own decision
+/// stands, as it did when they were recorded); the worker always answers `Some`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedDecision {
+    pub accepted: bool,
+    /// Why, as recorded: the workflow's note, or the resource's reason for refusing.
+    pub note: String,
+}
+
 /// The payment resource's view of a payout: the state the workflow continues from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PayoutSnapshot {

@@ -107,7 +107,10 @@ impl Backend for StallingBackend {
     fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot> {
         self.inner.abandon(input)
     }
-    fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()> {
+    fn record_operator_decision(
+        &self,
+        input: OperatorDecisionInput,
+    ) -> Answer<'_, RecordedDecision> {
         self.inner.record_operator_decision(input)
     }
     fn submit(&self, input: SubmitInput) -> Answer<'_, SubmitAnswer> {

@@ -366,6 +366,32 @@ fn operator_signature(
     })
 }
 
+/// The decision as the payment resource recorded it: its audit event's `accepted` and `note`.
+/// An event that does not say both breaks the resource's contract: it is read as refused (the
+/// workflow acts on nothing it cannot read as accepted), and said loudly.
+fn recorded_decision(event: &model::AuditEvent) -> RecordedDecision {
+    let accepted = event.detail.get("accepted").and_then(|v| v.as_bool());
+    let note = event.detail.get("note").and_then(|v| v.as_str());
+    match (accepted, note) {
+        (Some(accepted), Some(note)) => RecordedDecision {
+            accepted,
+            note: note.to_string(),
+        },
+        _ => {
+            tracing::error!(audit_event = event.id, detail = %event.detail, payout_id = ?event.payout_id,
+                "the payment resource's record of an operator decision says no accepted and note: read as refused");
+            RecordedDecision {
+                accepted: false,
+                note: format!(
+                    "refused: the payment resource's record of the decision (audit event {}) does \
+                     not say whether it was accepted: {}",
+                    event.id, event.detail
+                ),
+            }
+        }
+    }
+}
+
 fn payment_failure(e: PaymentError) -> ActivityFailure {
     match e {
         PaymentError::FencedOut {
@@ -738,7 +764,10 @@ impl Backend for ServiceBackend {
         })
     }
 
-    fn record_operator_decision(&self, input: OperatorDecisionInput) -> Answer<'_, ()> {
+    fn record_operator_decision(
+        &self,
+        input: OperatorDecisionInput,
+    ) -> Answer<'_, RecordedDecision> {
         boxed(async move {
             let decision = model::OperatorDecision {
                 payout_id: input.payout_id,
@@ -750,11 +779,12 @@ impl Backend for ServiceBackend {
                 token: input.token,
                 signature: operator_signature(input.operator_signature),
             };
-            self.payment
+            let event = self
+                .payment
                 .record_operator_decision(&decision)
                 .await
                 .map_err(payment_failure)?;
-            Ok(())
+            Ok(recorded_decision(&event))
         })
     }
 

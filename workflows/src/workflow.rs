@@ -1095,7 +1095,9 @@ async fn acquire_between_timers(
 /// Decides every queued `abandon`: honoured for PENDING, and for RAIL_AMBIGUOUS past the SLA;
 /// refused otherwise, and refused whatever the state when the request itself is unusable (no
 /// operator, no reason, oversize). Each decision is written to the payment resource's audit trail
-/// first; a decision the audit trail does not take is not acted on. Never fails the workflow.
+/// first; a decision the audit trail does not take is not acted on, and what stands is what the
+/// trail recorded (an abandon the resource recorded as refused, its operator not verified, is
+/// refused, decided by the payment resource). Never fails the workflow.
 async fn process_signals(
     ctx: &WorkflowContext<PayoutWorkflow>,
     input: &PayoutRun,
@@ -1128,19 +1130,35 @@ async fn process_signals(
             }
         };
         let recorded = record_decision(ctx, input, facts, request, accepted, &note).await;
-        let (accepted, note) = match recorded {
-            Ok(()) => (accepted, note),
+        // What stands is what the payment resource recorded: it refuses, on record, an accepted
+        // abandon whose operator signature does not verify, and then it is refused here too.
+        let (accepted, note, decided_by) = match recorded {
+            Ok(Some(recorded)) if accepted && !recorded.accepted => {
+                (false, recorded.note, AbandonDecider::PaymentResource)
+            }
+            // Recorded as decided. (A record that says accepted what the workflow refused would
+            // break the resource's contract: the workflow's refusal stands.)
+            Ok(Some(_)) => (accepted, note, AbandonDecider::Workflow),
+            // A history recorded before the activity answered the record: the workflow's own
+            // decision stands, as it did when that history was written.
+            Ok(None) => (accepted, note, AbandonDecider::Workflow),
             Err(e) => (
                 false,
                 format!("{note}; NOT RECORDED ({e}), so not acted on"),
+                AbandonDecider::Workflow,
             ),
         };
         ctx.state_mut(|s| {
-            s.last_event = format!(
-                "ABANDON {} by {}: {note}",
-                if accepted { "ACCEPTED" } else { "REFUSED" },
-                recordable(&request.operator, OPERATOR_LENGTH_MAX)
-            );
+            let operator = recordable(&request.operator, OPERATOR_LENGTH_MAX);
+            s.last_event = match (accepted, decided_by) {
+                (true, _) => format!("ABANDON ACCEPTED by {operator}: {note}"),
+                (false, AbandonDecider::Workflow) => {
+                    format!("ABANDON REFUSED by {operator}: {note}")
+                }
+                (false, AbandonDecider::PaymentResource) => {
+                    format!("ABANDON REFUSED by the payment resource (asked by {operator}): {note}")
+                }
+            };
             if accepted {
                 s.abandon_accepted = Some(AcceptedAbandon {
                     request: queued.clone(),
@@ -1148,19 +1166,16 @@ async fn process_signals(
                     note,
                 });
             } else {
-                s.answer_abandon(
-                    queued.ticket,
-                    AbandonOutcome::Refused,
-                    AbandonDecider::Workflow,
-                    note,
-                );
+                s.answer_abandon(queued.ticket, AbandonOutcome::Refused, decided_by, note);
             }
         });
         show(ctx);
     }
 }
 
-/// One operator decision into the payment resource's audit trail.
+/// One operator decision into the payment resource's audit trail: the decision as the resource
+/// recorded it (`None` in histories recorded before the activity answered it, see
+/// [`RecordedDecision`]).
 async fn record_decision(
     ctx: &WorkflowContext<PayoutWorkflow>,
     input: &PayoutRun,
@@ -1168,7 +1183,7 @@ async fn record_decision(
     request: &AbandonSignal,
     accepted: bool,
     note: &str,
-) -> Result<(), ActivityExecutionError> {
+) -> Result<Option<RecordedDecision>, ActivityExecutionError> {
     call(
         ctx,
         &input.local,

@@ -1007,6 +1007,90 @@ async fn the_abandon_update_answers_with_what_the_payment_resource_did() {
     record_history(&client().await, "update_abandon_ambiguous", &id).await;
 }
 
+/// The status query says what the payment resource decided: an unsigned abandon of a PENDING
+/// payout, which the workflow would accept, is recorded by a resource that verifies operators as
+/// refused ("operator not verified"). The signal's decision is then REFUSED in `last_event`, the
+/// Update's answer is refused by the payment resource with its reason, nothing is armed, and the
+/// payout is paid once its account's key comes. (Before, the query said `ABANDON ACCEPTED` and
+/// the Update answered accepted and waiting for the lock, against the record.)
+#[tokio::test]
+async fn an_abandon_the_payment_resource_records_as_refused_is_refused_not_armed() {
+    let world = InMemoryBackend::new("worker-a");
+    world.refuse_unsigned_operators();
+    let input = input("abandon-unverified", 1_000, fast_ambiguity());
+    world.open_account(&input.account_id, 5_000);
+    world.create_payout(&input, RailScript::Ack);
+    let other = world.hold_lock_elsewhere(&input.account_id);
+    let q = queue("abandon-unverified");
+    let w = world.clone();
+    let (id, done) = with_worker(&world, &q, |client, q| async move {
+        let id = start(&client, &q, &input).await;
+        waiting_for_the_lock(&client, &id).await;
+        signal_abandon(&id, "operator-1", "no signature");
+        // The decision is on record, then the workflow's account of it.
+        testkit::eventually(SETTLE_TIMEOUT, "the decision recorded", || async {
+            (w.decisions().len() == 1).then_some(())
+        })
+        .await
+        .unwrap();
+        let decided = testkit::eventually(SETTLE_TIMEOUT, "the decision in the status", || async {
+            let s = status(&client, &id).await;
+            s.last_event.starts_with("ABANDON").then_some(s)
+        })
+        .await
+        .unwrap();
+        assert!(
+            decided
+                .last_event
+                .starts_with("ABANDON REFUSED by the payment resource (asked by operator-1)"),
+            "{decided:?}"
+        );
+        assert!(
+            decided
+                .last_event
+                .contains("operator not verified (unsigned)"),
+            "{decided:?}"
+        );
+        assert_eq!(decided.state, PayoutState::Pending);
+        // The same through the Update: answered with the resource's refusal.
+        let request = AbandonSignal {
+            operator: "operator-1".into(),
+            reason: "no signature, as an Update".into(),
+            signature: String::new(),
+            signed_at_unix_ms: 0,
+        };
+        let answer = payout_workflows::abandon::execute(&client, &id, request, None)
+            .await
+            .unwrap();
+        assert_eq!(answer.outcome, AbandonOutcome::Refused, "{answer:?}");
+        assert!(!answer.accepted);
+        assert_eq!(answer.decided_by, AbandonDecider::PaymentResource);
+        assert!(
+            answer.reason.contains("operator not verified (unsigned)"),
+            "{answer:?}"
+        );
+        assert_eq!(answer.state, PayoutState::Pending);
+        let metadata = cli_off_runtime(&["workflow", "metadata", "--workflow-id", &id]).await;
+        assert!(
+            metadata.contains("ABANDON REFUSED by the payment resource"),
+            "the UI's current details: {metadata}"
+        );
+        assert!(
+            !metadata.contains("accepted and on record"),
+            "the UI's current details: {metadata}"
+        );
+        w.release_elsewhere(&other);
+        (id.clone(), result(&client, &id).await)
+    })
+    .await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    let decisions = world.decisions();
+    assert_eq!(decisions.len(), 2, "{decisions:?}");
+    assert!(decisions.iter().all(|d| !d.accepted), "{decisions:?}");
+    assert_eq!(world.submit_calls(&done.payout_id), 1);
+    record_history(&client().await, "abandon_refused_by_resource", &id).await;
+}
+
 /// What the validator turns down is rejected at once with the reason, recorded nowhere, and the
 /// payout goes on: input that does not parse, no operator, a state where abandon is never
 /// allowed. A closed workflow's Update fails as the server reports it.
