@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use clap::{Args as ClapArgs, Subcommand};
 use payoutctl::record::{
     Databases, Part, StackPorts, StackRecord, SystemPorts, SystemRecord, DEFAULT_STATE_DIR,
@@ -48,7 +49,8 @@ pub enum Action {
 
 #[derive(ClapArgs)]
 pub struct StateArgs {
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = DEFAULT_STATE_DIR,
+          value_parser = payoutctl::record::state_dir_arg)]
     pub state_dir: PathBuf,
 }
 
@@ -169,6 +171,132 @@ fn print_log_tail(dir: &Path, name: &str) {
     }
 }
 
+/// What the local stack's alerting says at a moment: whether its path works end to end (every rule
+/// loaded, every target up) and which alerts fire, in Prometheus and in Alertmanager.
+#[derive(Debug, Serialize)]
+pub(crate) struct AlertingReport {
+    /// Each thing that keeps an alert from firing; empty when the path works.
+    pub dark: Vec<String>,
+    pub rules_loaded: usize,
+    pub targets_up: usize,
+    pub targets: usize,
+    /// `name{label=value,..}` of each alert Prometheus holds as firing.
+    pub firing_in_prometheus: Vec<String>,
+    /// The same for each alert Alertmanager holds active (what would page).
+    pub active_in_alertmanager: Vec<String>,
+}
+
+impl AlertingReport {
+    /// One line for a summary.
+    pub fn render(&self) -> String {
+        let list = |alerts: &[String]| {
+            if alerts.is_empty() {
+                "none".to_string()
+            } else {
+                alerts.join(", ")
+            }
+        };
+        let path = if self.dark.is_empty() {
+            format!(
+                "{} rules loaded, {} of {} targets up",
+                self.rules_loaded, self.targets_up, self.targets
+            )
+        } else {
+            format!("DARK: {}", self.dark.join("; "))
+        };
+        format!(
+            "alerting: {path}; firing in Prometheus: {}; active in Alertmanager: {}",
+            list(&self.firing_in_prometheus),
+            list(&self.active_in_alertmanager)
+        )
+    }
+}
+
+/// The local stack's [`AlertingReport`], from its record's Prometheus and Alertmanager.
+pub(crate) async fn alerting_report(dir: &Path) -> anyhow::Result<AlertingReport> {
+    let record = StackRecord::load(dir)?;
+    let port_of = |name: &str| {
+        record
+            .parts
+            .iter()
+            .find(|p| p.name == name)
+            .and_then(|p| part_port(p, &record))
+            .with_context(|| format!("the stack's record has no {name}"))
+    };
+    let api = testkit::monitoring::Api::new(port_of("prometheus")?, port_of("alertmanager")?)?;
+    let health = api.alerting_health(&dir.join("monitoring")).await?;
+    let named = |labels: &std::collections::BTreeMap<String, String>| {
+        let name = labels.get("alertname").cloned().unwrap_or_default();
+        let rest: Vec<String> = labels
+            .iter()
+            .filter(|(k, _)| !matches!(k.as_str(), "alertname" | "severity" | "instance"))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        format!("{name}{{{}}}", rest.join(","))
+    };
+    let mut firing_in_prometheus: Vec<String> = api
+        .prometheus_firing_alerts()
+        .await?
+        .iter()
+        .map(named)
+        .collect();
+    firing_in_prometheus.sort();
+    let mut active_in_alertmanager: Vec<String> = api
+        .alertmanager_alerts()
+        .await?
+        .iter()
+        .map(|a| named(&a.labels))
+        .collect();
+    active_in_alertmanager.sort();
+    Ok(AlertingReport {
+        dark: health.problems(),
+        rules_loaded: health.rules_loaded,
+        targets_up: health.targets_expected.len() - health.targets_not_up.len(),
+        targets: health.targets_expected.len(),
+        firing_in_prometheus,
+        active_in_alertmanager,
+    })
+}
+
+/// The first saved launch (`<state dir>/parts/*.json`) that names a relative path (its program,
+/// log, working directory, or an argument that is a path), and which: such a launch, or the
+/// configuration it was rendered with, depends on the folder it is read from.
+fn relative_saved_launch(dir: &Path) -> Option<String> {
+    let relative_path = |value: &str| {
+        let value = value.split_once('=').map_or(value, |(_, v)| v);
+        value.contains('/') && !value.starts_with('/') && !value.contains("://")
+    };
+    let entries = std::fs::read_dir(dir.join("parts")).ok()?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let Ok(launch) =
+            serde_json::from_slice::<serde_json::Value>(&std::fs::read(&path).unwrap_or_default())
+        else {
+            continue;
+        };
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+        let mut values = vec![
+            text(&launch["program"]),
+            text(&launch["log_path"]),
+            text(&launch["cwd"]),
+        ];
+        values.extend(launch["args"].as_array().into_iter().flatten().map(text));
+        if let Some(v) = values
+            .iter()
+            .find(|v| !v.is_empty() && relative_path(v.as_str()))
+        {
+            return Some(format!(
+                "the saved launch of {} names the relative path {v}",
+                text(&launch["name"])
+            ));
+        }
+    }
+    None
+}
+
 /// How long `up` waits for every part to answer its health probe before it reports.
 const UP_HEALTH_WAIT: Duration = Duration::from_secs(30);
 
@@ -182,6 +310,12 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             crate::parts::Repair::NeedsFullStart {
                 why: "the recorded stack runs no services".into(),
             }
+        } else if let Some(why) = relative_saved_launch(dir) {
+            // A stack started before every path was made absolute: its Prometheus loads no rule
+            // (its configuration names them relative to its own folder), and its parts cannot be
+            // restarted from another working directory. A full start renders it all again, from
+            // the same data.
+            crate::parts::Repair::NeedsFullStart { why }
         } else {
             crate::parts::repair(dir).await?
         };
@@ -483,7 +617,16 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
 fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
     let record = StackRecord::load(dir)?;
     // Reverse order: Temporal first, PostgreSQL last.
-    for part in record.parts.iter().rev() {
+    for recorded in record.parts.iter().rev() {
+        // A part restarted by hand serves with another pid than the recorded one: that is the
+        // process to stop.
+        let part = &match serving_pid(recorded, &record) {
+            Some(pid) if !alive(recorded.pid) => Part {
+                pid,
+                ..recorded.clone()
+            },
+            _ => recorded.clone(),
+        };
         if !alive(part.pid) {
             continue;
         }
@@ -534,9 +677,17 @@ fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
 struct PartStatus {
     name: String,
     address: String,
+    /// The process that serves the part's port (a part restarted by hand serves with another pid
+    /// than the recorded one); the recorded pid when nothing serves it.
     pid: u32,
+    /// The pid `up` recorded, when it is not the one that serves.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recorded_pid: Option<u32>,
     running: bool,
     healthy: bool,
+    /// Why the part is not healthy, when its check can say more than that it did not answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    problem: Option<String>,
 }
 
 /// Each part's liveness and health, the UI's last.
@@ -544,15 +695,18 @@ async fn part_rows(record: &StackRecord, dir: &Path) -> Vec<PartStatus> {
     let mut rows = Vec::new();
     for part in &record.parts {
         // A part restarted by hand has another pid than the recorded one: its own health check
-        // says what it does.
-        let healthy = healthy(part, record, dir).await;
-        let running = healthy || alive(part.pid);
+        // says what it does, and the process on its port is the one that serves.
+        let (healthy, problem) = health(part, record, dir).await;
+        let pid = serving_pid(part, record);
+        let running = healthy || alive(part.pid) || pid.is_some();
         rows.push(PartStatus {
             name: part.name.clone(),
             address: part.address.clone(),
-            pid: part.pid,
+            pid: pid.unwrap_or(part.pid),
+            recorded_pid: pid.filter(|p| *p != part.pid).map(|_| part.pid),
             running,
             healthy,
+            problem,
         });
     }
     let ui_ok = testkit::util::http_get(record.ports.temporal_ui, "/", Duration::from_secs(2))
@@ -560,14 +714,19 @@ async fn part_rows(record: &StackRecord, dir: &Path) -> Vec<PartStatus> {
     rows.push(PartStatus {
         name: "temporal-ui".into(),
         address: record.ui_url(),
-        pid: record
-            .parts
-            .iter()
-            .find(|p| p.name == "temporal")
-            .map(|p| p.pid)
+        pid: testkit::util::listening_pid(record.ports.temporal_ui)
+            .or_else(|| {
+                record
+                    .parts
+                    .iter()
+                    .find(|p| p.name == "temporal")
+                    .map(|p| p.pid)
+            })
             .unwrap_or(0),
+        recorded_pid: None,
         running: ui_ok,
         healthy: ui_ok,
+        problem: None,
     });
     rows
 }
@@ -598,6 +757,15 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
                 "DOWN"
             };
             println!("{:<16} {:<28} {:>8}  {}", r.name, r.address, r.pid, health);
+            if let Some(problem) = &r.problem {
+                println!("{:<16} {problem}", "");
+            }
+            if let Some(recorded) = r.recorded_pid {
+                println!(
+                    "{:<16} served by pid {} (recorded {recorded}: restarted by hand?)",
+                    "", r.pid
+                );
+            }
         }
         println!();
         println!("Temporal UI: {}", record.ui_url());
@@ -613,8 +781,59 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
     })
 }
 
+/// The port a part serves (its address's, or for the dispatcher its `/metrics`).
+fn part_port(part: &Part, record: &StackRecord) -> Option<u16> {
+    if part.name == "outbox-dispatcher" {
+        return record.system.as_ref()?.ports.metrics.last().copied();
+    }
+    part.address
+        .trim_end_matches("/healthz")
+        .trim_end_matches("/metrics")
+        .rsplit(':')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The process listening on the part's port, if any.
+fn serving_pid(part: &Part, record: &StackRecord) -> Option<u32> {
+    testkit::util::listening_pid(part_port(part, record)?)
+}
+
+/// A part's health with, when it is not healthy and its check can say why, the reason: for
+/// Prometheus, which answers its readiness endpoint with no rule and no target loaded, each
+/// thing that keeps an alert from firing.
+async fn health(part: &Part, record: &StackRecord, dir: &Path) -> (bool, Option<String>) {
+    if !healthy(part, record, dir).await {
+        return (false, None);
+    }
+    if part.name != "prometheus" {
+        return (true, None);
+    }
+    let alertmanager = record
+        .parts
+        .iter()
+        .find(|p| p.name == "alertmanager")
+        .and_then(|p| part_port(p, record))
+        .unwrap_or(0);
+    let Some(prometheus) = part_port(part, record) else {
+        return (false, Some("no port in its address".into()));
+    };
+    let checked = async {
+        testkit::monitoring::Api::new(prometheus, alertmanager)?
+            .alerting_health(&dir.join("monitoring"))
+            .await
+    };
+    match checked.await {
+        Ok(h) if h.problems().is_empty() => (true, None),
+        Ok(h) => (false, Some(h.problems().join("; "))),
+        Err(e) => (false, Some(format!("{e:#}"))),
+    }
+}
+
 /// A part's own health check (its port, its health endpoint); a worker without an endpoint and
-/// a part of unknown kind are judged by their recorded pid.
+/// a part of unknown kind are judged by their recorded pid. Prometheus's full check (rules and
+/// targets) is [`health`]'s.
 pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
     let port = |url: &str| {
         url.rsplit(':')

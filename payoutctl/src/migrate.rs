@@ -10,7 +10,8 @@ use clap::Args as ClapArgs;
 #[derive(ClapArgs)]
 pub struct Args {
     /// State directory of the local stack whose databases to migrate.
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR)]
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR,
+          value_parser = crate::record::state_dir_arg)]
     pub state_dir: std::path::PathBuf,
     /// A deployment's database instead (paydb, proxydb, gldb or lockdb), migrated at the URL in
     /// PAYOUT_MIGRATE_URL: the owner role's, with its password (the environment only; a password

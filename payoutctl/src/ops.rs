@@ -75,7 +75,8 @@ pub mod exit {
 #[derive(ClapArgs, Clone, Debug)]
 pub struct Deployment {
     /// State directory of the local stack (used when no endpoint or certificate flag is given).
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR)]
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR,
+          value_parser = crate::record::state_dir_arg)]
     pub state_dir: std::path::PathBuf,
     /// A deployment's paydb, as a read-only role (the reconciler's; the password in the
     /// environment, never on a command line).

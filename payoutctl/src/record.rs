@@ -10,6 +10,19 @@ use serde::{Deserialize, Serialize};
 
 /// The local stack's state directory, relative to the working directory.
 pub const DEFAULT_STATE_DIR: &str = ".state/stack";
+
+/// The value parser of every `--state-dir` / `PAYOUT_STATE_DIR`: the directory made absolute
+/// against the working directory at the command's start. Every path the stack writes into a
+/// configuration or a saved command line is built from it, and a relative one is resolved later
+/// against whatever folder reads it: Prometheus resolved the default `.state/stack`'s rule file
+/// against its configuration's own folder and loaded no rule; a part restarted from another
+/// working directory would look for its files there.
+pub fn state_dir_arg(value: &str) -> Result<std::path::PathBuf, String> {
+    if value.is_empty() {
+        return Err("the state directory must not be empty".into());
+    }
+    std::path::absolute(value).map_err(|e| format!("{value}: {e}"))
+}
 /// The task queue of the local stack's workers.
 pub const TASK_QUEUE: &str = "payouts";
 const RECORD_FILE: &str = "stack.json";

@@ -91,7 +91,8 @@ pub struct RearmArgs {
     #[command(flatten)]
     pub etcd_tls: mtls::EtcdTlsArgs,
     /// State directory of the local stack (used when no deployment is given).
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR)]
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR,
+          value_parser = crate::record::state_dir_arg)]
     pub state_dir: std::path::PathBuf,
 }
 
@@ -108,7 +109,8 @@ pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
     /// State directory of the local stack (used when no URL is given).
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR)]
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR,
+          value_parser = crate::record::state_dir_arg)]
     pub state_dir: std::path::PathBuf,
 }
 

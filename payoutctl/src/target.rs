@@ -8,7 +8,8 @@ use crate::record::{StackRecord, LOCK_ETCD_PREFIX, TASK_QUEUE};
 
 #[derive(ClapArgs, Clone)]
 pub struct Target {
-    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR)]
+    #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR,
+          value_parser = crate::record::state_dir_arg)]
     pub state_dir: std::path::PathBuf,
     /// An existing deployment instead of the local stack (e.g. docker compose: see
     /// deploy/README.md). With it, every endpoint below is required.

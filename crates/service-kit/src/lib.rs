@@ -317,12 +317,87 @@ pub mod grpc {
         request_timeout_ms: 30_000,
     };
     /// The largest request any service decodes. Every request of this system is a few hundred
-    /// bytes; a bigger one is refused (RESOURCE_EXHAUSTED) before it is parsed.
+    /// bytes; a bigger one is refused (RESOURCE_EXHAUSTED, by [`OversizeIsResourceExhausted`])
+    /// before it is parsed.
     pub const REQUEST_BYTES_MAX: usize = 64 * 1024;
 
     /// The server builder every service uses, with its layers' types.
-    pub type SecureServer =
-        Server<Stack<GlobalConcurrencyLimitLayer, Stack<mtls::authz::Authorize, Identity>>>;
+    pub type SecureServer = Server<
+        Stack<
+            GlobalConcurrencyLimitLayer,
+            Stack<mtls::authz::Authorize, Stack<OversizeIsResourceExhausted, Identity>>,
+        >,
+    >;
+
+    /// tonic refuses a request above `max_decoding_message_size` with OUT_OF_RANGE ("decoded
+    /// message length too large"); gRPC's convention for a message larger than the server
+    /// accepts is RESOURCE_EXHAUSTED, which is what a client's retry and alerting logic expect.
+    /// This layer rewrites that one answer (its status travels in the response's headers, as
+    /// tonic answers a request it could not decode) and nothing else.
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct OversizeIsResourceExhausted;
+
+    impl<S> tower::Layer<S> for OversizeIsResourceExhausted {
+        type Service = OversizeIsResourceExhaustedService<S>;
+        fn layer(&self, inner: S) -> Self::Service {
+            OversizeIsResourceExhaustedService { inner }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    pub struct OversizeIsResourceExhaustedService<S> {
+        inner: S,
+    }
+
+    /// tonic's words for a request over the decoding bound (tonic::codec::decode).
+    const TONIC_OVERSIZE_MESSAGE: &str = "message length too large";
+
+    /// `response` with an oversize request's OUT_OF_RANGE made RESOURCE_EXHAUSTED.
+    pub fn oversize_as_resource_exhausted<B>(
+        mut response: tonic::codegen::http::Response<B>,
+    ) -> tonic::codegen::http::Response<B> {
+        let headers = response.headers_mut();
+        let out_of_range = (tonic::Code::OutOfRange as i32).to_string();
+        let is_oversize = headers
+            .get("grpc-status")
+            .is_some_and(|v| v.as_bytes() == out_of_range.as_bytes())
+            && headers.get("grpc-message").is_some_and(|m| {
+                String::from_utf8_lossy(m.as_bytes())
+                    .replace("%20", " ")
+                    .contains(TONIC_OVERSIZE_MESSAGE)
+            });
+        if is_oversize {
+            headers.insert(
+                "grpc-status",
+                tonic::codegen::http::HeaderValue::from(tonic::Code::ResourceExhausted as i32),
+            );
+        }
+        response
+    }
+
+    impl<S, Req, B> tower::Service<Req> for OversizeIsResourceExhaustedService<S>
+    where
+        S: tower::Service<Req, Response = tonic::codegen::http::Response<B>>,
+        S::Future: Send + 'static,
+    {
+        type Response = S::Response;
+        type Error = S::Error;
+        type Future = std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>,
+        >;
+
+        fn poll_ready(
+            &mut self,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), Self::Error>> {
+            self.inner.poll_ready(cx)
+        }
+
+        fn call(&mut self, request: Req) -> Self::Future {
+            let answer = self.inner.call(request);
+            Box::pin(async move { answer.await.map(oversize_as_resource_exhausted) })
+        }
+    }
 
     /// A server that requires a client certificate from the authority, refuses every call whose
     /// verified role is not in `policy`'s row for the method (counted in
@@ -350,6 +425,7 @@ pub mod grpc {
             .tls_config(tls.server_config())?
             .timeout(Duration::from_millis(bounds.request_timeout_ms))
             .load_shed(true)
+            .layer(OversizeIsResourceExhausted)
             .layer(mtls::authz::Authorize::new(policy, record))
             .layer(GlobalConcurrencyLimitLayer::new(bounds.concurrency_max)))
     }
@@ -487,6 +563,24 @@ mod tests {
         );
         assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
         assert_eq!(redact("postgres://h/db"), "postgres://h/db");
+    }
+
+    #[test]
+    fn only_an_oversize_requests_out_of_range_becomes_resource_exhausted() {
+        let answer =
+            |status: tonic::Status| grpc::oversize_as_resource_exhausted(status.into_http::<()>());
+        let code = |r: &tonic::codegen::http::Response<()>| {
+            tonic::Status::from_header_map(r.headers()).map(|s| s.code())
+        };
+        // tonic's own words for a request over max_decoding_message_size.
+        let oversize = answer(tonic::Status::out_of_range(
+            "Error, decoded message length too large: found 1048600 bytes, the limit is: 65536 bytes",
+        ));
+        assert_eq!(code(&oversize), Some(tonic::Code::ResourceExhausted));
+        let other = answer(tonic::Status::out_of_range("a page past the end"));
+        assert_eq!(code(&other), Some(tonic::Code::OutOfRange));
+        let invalid = answer(tonic::Status::invalid_argument("message length too large"));
+        assert_eq!(code(&invalid), Some(tonic::Code::InvalidArgument));
     }
 
     #[test]

@@ -97,10 +97,25 @@ pub struct TargetHealth {
 
 pub struct Monitoring {
     pub dir: PathBuf,
-    pub prometheus_port: u16,
-    pub alertmanager_port: u16,
     pub prometheus: ManagedProcess,
     pub alertmanager: ManagedProcess,
+    /// Their HTTP APIs (`monitoring.query(..)` and the rest reach it through `Deref`).
+    pub api: Api,
+}
+
+impl std::ops::Deref for Monitoring {
+    type Target = Api;
+    fn deref(&self) -> &Api {
+        &self.api
+    }
+}
+
+/// The HTTP APIs of a Prometheus and its Alertmanager on loopback: what the tests, `payoutdev
+/// stack status` and the main job's summary ask of a running monitoring pair, whoever started it.
+#[derive(Clone)]
+pub struct Api {
+    pub prometheus_port: u16,
+    pub alertmanager_port: u16,
     http: reqwest::Client,
 }
 
@@ -158,6 +173,11 @@ pub fn prometheus_config(
 ) -> anyhow::Result<String> {
     let template = std::fs::read_to_string(config_dir().join("prometheus.yml.in"))?;
     let interval = format!("{}ms", interval.as_millis());
+    // Prometheus resolves a relative rule file or target glob against its configuration file's
+    // own folder, not the working directory it was started from: a relative state directory
+    // rendered as given made the local stack's Prometheus load no rule and scrape nothing.
+    let rules_file = std::path::absolute(rules_file)?;
+    let targets_dir = std::path::absolute(targets_dir)?;
     Ok(template
         .replace("@INTERVAL@", &interval)
         .replace("@RULES_FILE@", &rules_file.display().to_string())
@@ -174,6 +194,9 @@ impl Monitoring {
         options: MonitoringOptions,
     ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
+        // Every path below goes into a configuration file or a command line that outlives this
+        // call (a part restarted from another working directory): absolute, whatever was given.
+        let dir = &std::path::absolute(dir)?;
         let rules = std::fs::read_to_string(config_dir().join("alerts.yml"))?;
         let rules_file = dir.join("alerts.yml");
         std::fs::write(&rules_file, rules_without(&rules, &options.without_alerts)?)?;
@@ -220,13 +243,9 @@ impl Monitoring {
         )?;
         let monitoring = Self {
             dir: dir.to_path_buf(),
-            prometheus_port: prom_port,
-            alertmanager_port: am_port,
             prometheus,
             alertmanager,
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_millis(API_CALL_TIMEOUT_MS))
-                .build()?,
+            api: Api::new(prom_port, am_port)?,
         };
         for (port, path, process) in [
             (am_port, "/-/ready", &monitoring.alertmanager),
@@ -255,6 +274,18 @@ impl Monitoring {
             .await?;
         }
         Ok(monitoring)
+    }
+}
+
+impl Api {
+    pub fn new(prometheus_port: u16, alertmanager_port: u16) -> anyhow::Result<Self> {
+        Ok(Self {
+            prometheus_port,
+            alertmanager_port,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_millis(API_CALL_TIMEOUT_MS))
+                .build()?,
+        })
     }
 
     async fn get_json(&self, url: String) -> anyhow::Result<serde_json::Value> {
@@ -381,6 +412,18 @@ impl Monitoring {
 
     /// The alerts Prometheus itself holds as firing (`/api/v1/alerts`), by name.
     pub async fn prometheus_firing(&self) -> anyhow::Result<Vec<String>> {
+        Ok(self
+            .prometheus_firing_alerts()
+            .await?
+            .iter()
+            .map(|labels| labels.get("alertname").cloned().unwrap_or_default())
+            .collect())
+    }
+
+    /// The labels of each alert Prometheus holds as firing (`/api/v1/alerts`).
+    pub async fn prometheus_firing_alerts(
+        &self,
+    ) -> anyhow::Result<Vec<std::collections::BTreeMap<String, String>>> {
         let v = self
             .get_json(format!(
                 "http://127.0.0.1:{}/api/v1/alerts",
@@ -392,12 +435,7 @@ impl Monitoring {
             .into_iter()
             .flatten()
             .filter(|a| a["state"] == "firing")
-            .map(|a| {
-                a["labels"]["alertname"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string()
-            })
+            .map(|a| serde_json::from_value(a["labels"].clone()).unwrap_or_default())
             .collect())
     }
 
@@ -414,6 +452,145 @@ impl Monitoring {
             response.status()
         );
         Ok(response.json().await?)
+    }
+}
+
+/// Whether a running Prometheus is doing its job, against what it was configured with: every alert
+/// rule of its rules file loaded, every target of its target files discovered and scraped up.
+/// Prometheus answers `/-/ready` with no rule and no target at all (a rules path it could not
+/// resolve is only a log line), so readiness alone says nothing about alerting.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AlertingHealth {
+    /// Alert rules in the rules file Prometheus was given.
+    pub rules_expected: usize,
+    /// Alert rules Prometheus reports loaded.
+    pub rules_loaded: usize,
+    /// `job@host:port` of every target in the target files.
+    pub targets_expected: Vec<String>,
+    /// Of those, the ones Prometheus does not report scraped and `up` (missing, `down` or not
+    /// scraped yet), with its health and last error.
+    pub targets_not_up: Vec<String>,
+}
+
+impl AlertingHealth {
+    /// Each thing that keeps an alert from firing, in words; empty when alerting works.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.rules_expected == 0 {
+            problems.push("the rules file holds no alert rule".to_string());
+        } else if self.rules_loaded != self.rules_expected {
+            problems.push(format!(
+                "{} of {} alert rules loaded",
+                self.rules_loaded, self.rules_expected
+            ));
+        }
+        if self.targets_expected.is_empty() {
+            problems.push("no scrape target configured".to_string());
+        }
+        if !self.targets_not_up.is_empty() {
+            problems.push(format!(
+                "{} of {} targets not up: {}",
+                self.targets_not_up.len(),
+                self.targets_expected.len(),
+                self.targets_not_up.join(", ")
+            ));
+        }
+        problems
+    }
+}
+
+/// The alert rule names of a rules file (`- alert: NAME` lines).
+pub fn rule_names(rules: &str) -> Vec<String> {
+    rules
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("- alert: "))
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+/// `job@host:port` of every target in `dir/targets/*.json` (as [`write_targets`] writes them).
+pub fn configured_targets(dir: &Path) -> anyhow::Result<Vec<String>> {
+    let mut out = Vec::new();
+    let targets_dir = dir.join("targets");
+    let entries = std::fs::read_dir(&targets_dir)
+        .with_context(|| format!("reading {}", targets_dir.display()))?;
+    for entry in entries {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let groups: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)
+            .with_context(|| format!("parsing {}", path.display()))?;
+        for group in groups.as_array().into_iter().flatten() {
+            let job = group["labels"]["job"].as_str().unwrap_or_default();
+            for target in group["targets"].as_array().into_iter().flatten() {
+                out.push(format!("{job}@{}", target.as_str().unwrap_or_default()));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+impl Api {
+    /// How the Prometheus of the monitoring state in `dir` (its `alerts.yml` and `targets/`, as
+    /// [`Monitoring::start`] writes them) stands against that configuration.
+    pub async fn alerting_health(&self, dir: &Path) -> anyhow::Result<AlertingHealth> {
+        let rules_file = dir.join("alerts.yml");
+        let expected_rules = rule_names(
+            &std::fs::read_to_string(&rules_file)
+                .with_context(|| format!("reading {}", rules_file.display()))?,
+        );
+        let loaded = self.alert_rules().await?;
+        let targets_expected = configured_targets(dir)?;
+        let active = self.targets_detailed().await?;
+        let targets_not_up = targets_expected
+            .iter()
+            .filter_map(
+                |expected| match active.iter().find(|(name, _, _)| name == expected) {
+                    Some((_, health, _)) if health == "up" => None,
+                    Some((_, health, error)) if error.is_empty() => {
+                        Some(format!("{expected} ({health})"))
+                    }
+                    Some((_, health, error)) => Some(format!("{expected} ({health}: {error})")),
+                    None => Some(format!("{expected} (not discovered)")),
+                },
+            )
+            .collect();
+        Ok(AlertingHealth {
+            rules_loaded: expected_rules.iter().filter(|r| loaded.contains(r)).count(),
+            rules_expected: expected_rules.len(),
+            targets_expected,
+            targets_not_up,
+        })
+    }
+
+    /// Every active target as (`job@instance`, health, last error).
+    async fn targets_detailed(&self) -> anyhow::Result<Vec<(String, String, String)>> {
+        let v = self
+            .get_json(format!(
+                "http://127.0.0.1:{}/api/v1/targets?state=active",
+                self.prometheus_port
+            ))
+            .await?;
+        let active = v["data"]["activeTargets"]
+            .as_array()
+            .context("no activeTargets in /api/v1/targets")?;
+        Ok(active
+            .iter()
+            .map(|t| {
+                let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+                (
+                    format!(
+                        "{}@{}",
+                        text(&t["labels"]["job"]),
+                        text(&t["labels"]["instance"])
+                    ),
+                    text(&t["health"]),
+                    text(&t["lastError"]),
+                )
+            })
+            .collect())
     }
 }
 
@@ -457,6 +634,69 @@ pub fn stack_targets(stack: &crate::stack::Stack) -> Vec<Target> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_relative_state_directory_is_rendered_absolute() {
+        // A relative path in prometheus.yml is resolved against the file's own folder: the local
+        // stack's default state directory (.state/stack) once left Prometheus with no rule.
+        let rendered = prometheus_config(
+            Duration::from_secs(5),
+            Path::new(".state/stack/monitoring/alerts.yml"),
+            Path::new(".state/stack/monitoring/targets"),
+            "127.0.0.1:1",
+        )
+        .unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        let rules = cwd.join(".state/stack/monitoring/alerts.yml");
+        let targets = cwd.join(".state/stack/monitoring/targets");
+        assert!(
+            rendered.contains(&format!("  - {}\n", rules.display())),
+            "{rendered}"
+        );
+        assert!(
+            rendered.contains(&format!("[\"{}/*.json\"]", targets.display())),
+            "{rendered}"
+        );
+        assert!(
+            !rendered.contains("@"),
+            "every placeholder replaced: {rendered}"
+        );
+    }
+
+    #[test]
+    fn the_rule_names_of_the_projects_rules_file() {
+        let rules = std::fs::read_to_string(config_dir().join("alerts.yml")).unwrap();
+        let names = rule_names(&rules);
+        for name in ["FencedOut", "ServiceDown", "ReconcilerRunsFailing"] {
+            assert!(names.contains(&name.to_string()), "{names:?}");
+        }
+        assert_eq!(names.len(), rules.matches("- alert: ").count());
+    }
+
+    #[test]
+    fn alerting_health_names_each_thing_that_keeps_an_alert_dark() {
+        let healthy = AlertingHealth {
+            rules_expected: 2,
+            rules_loaded: 2,
+            targets_expected: vec!["etcd@127.0.0.1:1".into()],
+            targets_not_up: vec![],
+        };
+        assert!(healthy.problems().is_empty());
+        let dark = AlertingHealth {
+            rules_loaded: 0,
+            targets_not_up: vec!["etcd@127.0.0.1:1 (not discovered)".into()],
+            ..healthy.clone()
+        };
+        assert_eq!(
+            dark.problems(),
+            [
+                "0 of 2 alert rules loaded",
+                "1 of 1 targets not up: etcd@127.0.0.1:1 (not discovered)"
+            ]
+        );
+        let empty = AlertingHealth::default();
+        assert_eq!(empty.problems().len(), 2, "{:?}", empty.problems());
+    }
 
     #[test]
     fn a_rule_left_out_is_gone_and_the_others_stay() {

@@ -166,6 +166,9 @@ impl System {
             .clone()
             .unwrap_or_else(|| stack.state_dir().join(format!("system-{n}")));
         std::fs::create_dir_all(&dir)?;
+        // Logs, keys and the stub's movement file go on the services' command lines, which a
+        // restart may run from another working directory: absolute, whatever was given.
+        let dir = std::path::absolute(&dir)?;
         let temporal = stack.try_temporal()?;
         let databases = match &options.databases {
             Some(d) => d.clone(),

@@ -202,3 +202,80 @@ pub fn pid_alive(pid: u32) -> bool {
         Err(_) => false,
     }
 }
+
+/// The process listening on TCP `port` (any local address, IPv4 or IPv6), from `/proc/net/tcp*`
+/// and each process's open sockets: what serves a port, whichever pid a record holds. Where a
+/// listening socket is shared by a process and its children (inherited), the one whose parent
+/// does not hold it. `None` when nothing listens there or the sockets cannot be read.
+pub fn listening_pid(port: u16) -> Option<u32> {
+    // The listening sockets' inodes: local address `ADDR:PORT` (hex), state 0A (LISTEN).
+    let mut inodes = std::collections::HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(state), Some(inode)) =
+                (fields.get(1), fields.get(3), fields.get(9))
+            else {
+                continue;
+            };
+            let local_port = local
+                .rsplit_once(':')
+                .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+            if local_port == Some(port) && *state == "0A" && *inode != "0" {
+                inodes.insert(format!("socket:[{inode}]"));
+            }
+        }
+    }
+    if inodes.is_empty() {
+        return None;
+    }
+    let mut holders = Vec::new();
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path())
+                .is_ok_and(|target| inodes.contains(target.to_string_lossy().as_ref()))
+        });
+        if holds && pid_alive(pid) {
+            holders.push(pid);
+        }
+    }
+    let parent = |pid: u32| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    holders
+        .iter()
+        .copied()
+        .find(|&pid| parent(pid).is_none_or(|p| !holders.contains(&p)))
+        .or_else(|| holders.first().copied())
+}
+
+#[cfg(test)]
+mod listening_tests {
+    #[test]
+    fn the_listening_pid_of_a_port_this_process_holds_is_this_process() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert_eq!(super::listening_pid(port), Some(std::process::id()));
+        drop(listener);
+        assert_eq!(super::listening_pid(port), None);
+    }
+}
