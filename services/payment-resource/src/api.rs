@@ -282,9 +282,10 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
         request: Request<pb::RecordOperatorDecisionRequest>,
     ) -> Reply<pb::AuditEvent> {
         let timer = self.calls.start("record_operator_decision");
+        let caller = service_kit::grpc::caller(&request)?;
         let r = request.into_inner();
         let result = async {
-            let decision = model::OperatorDecision {
+            let mut decision = model::OperatorDecision {
                 payout_id: parse_payout_id(&r.payout_id)?,
                 operator: model::required_text(
                     "operator",
@@ -306,7 +307,34 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
                 },
                 signature: signature_from_proto(r.operator_signature),
             };
-            self.store.record_operator_decision(&decision).await
+            if caller.role == service_kit::grpc::Role::Operator {
+                // An operator records only a refusal it met outside the workflow (its workflow
+                // has closed): an accepted decision is the workflow's alone, which carries it out.
+                if decision.accepted {
+                    return Err(payment_client::PaymentError::invalid(
+                        "accepted",
+                        InvalidReason::AcceptedNotAllowed,
+                    )
+                    .into());
+                }
+                // Recorded under the operator the certificate carries, never a typed name.
+                if self.store.certifies_operators() {
+                    decision.operator = service_kit::grpc::certified_operator(
+                        &caller,
+                        "/payment.v1.PaymentResource/RecordOperatorDecision",
+                        decision.operator.trim(),
+                        &self.unauthorised_calls,
+                    )
+                    .map_err(|_| {
+                        payment_client::PaymentError::OperatorNotCertified {
+                            operator: decision.operator.clone(),
+                        }
+                    })?;
+                }
+            }
+            self.store
+                .record_operator_decision(&decision, caller.role.name())
+                .await
         }
         .await;
         reply(timer, result, |e| audit_to_proto(&e))

@@ -65,9 +65,12 @@ pub static POLICY: Policy = Policy {
             method: "Abandon",
             roles: &[Role::Worker],
         },
+        // The workflow's worker records every decision it makes; an operator (`payoutctl payout
+        // abandon`) records only a refusal it met outside the workflow (the workflow has closed),
+        // under the name its certificate carries (`api::record_operator_decision`).
         Rule {
             method: "RecordOperatorDecision",
-            roles: &[Role::Worker],
+            roles: &[Role::Worker, Role::Operator],
         },
         Rule {
             method: "CheckLedger",

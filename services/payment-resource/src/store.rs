@@ -1833,10 +1833,13 @@ impl Store {
     }
 
     /// Appends an operator's signal (accepted or refused) to the payout's audit trail, so that a
-    /// decision is on record before it is acted on.
+    /// decision is on record before it is acted on; `recorded_by` is the caller's certified role
+    /// (the workflow's `worker`, or an `operator` recording a refusal met outside the workflow).
+    /// Answers the event as recorded: its detail's `accepted` and `note` are what stands.
     pub async fn record_operator_decision(
         &self,
         decision: &OperatorDecision,
+        recorded_by: &str,
     ) -> Result<AuditEvent, ServerError> {
         let account_id = self.account_of(&decision.payout_id).await?;
         let Some(account_id) = account_id else {
@@ -1883,12 +1886,13 @@ impl Store {
                 event: None,
                 detail: json!({"decision": decision.decision, "reason": decision.reason, "accepted": accepted,
                                "note": note, "operator_verified": matches!(verified, Some(Ok(_))),
-                               "signed_at_unix_ms": decision.signature.as_ref().map(|s| s.signed_at_unix_ms)}),
+                               "signed_at_unix_ms": decision.signature.as_ref().map(|s| s.signed_at_unix_ms),
+                               "recorded_by": recorded_by}),
             },
         )
         .await?;
         tracing::info!(payout_id = %decision.payout_id, operator = decision.operator, decision = decision.decision,
-            accepted = decision.accepted, "operator decision recorded");
+            accepted, recorded_by, "operator decision recorded");
         Ok(event)
     }
 

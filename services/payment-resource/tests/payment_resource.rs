@@ -3252,6 +3252,22 @@ async fn binary_refuses_calls_outside_the_authorisation_table() {
     let (c, m) = code(intake.claim(&pid("p-1"), &fence("acct-1", "w", 1)).await);
     assert_eq!(c, tonic::Code::PermissionDenied, "{m}");
     assert!(m.contains("PaymentResource/Claim"), "{m}");
+    // The table admits an operator to RecordOperatorDecision (a refusal met outside the
+    // workflow): the service answers (no such payout), the door does not refuse.
+    let operator = binary.client(&tls(Role::Operator)).await;
+    let answered = operator
+        .record_operator_decision(&refused_abandon(testkit::pki::TEST_OPERATOR, false))
+        .await;
+    assert!(
+        matches!(answered, Err(PaymentError::PayoutNotFound { .. })),
+        "{answered:?}"
+    );
+    let (c, m) = code(
+        intake
+            .record_operator_decision(&refused_abandon(testkit::pki::TEST_OPERATOR, false))
+            .await,
+    );
+    assert_eq!(c, tonic::Code::PermissionDenied, "{m}");
 
     // Another authority's certificate: the handshake fails, no call is made.
     let foreign = mtls::issue::Authority::create()
@@ -3588,6 +3604,161 @@ async fn negative_control_without_operator_certification_a_replay_is_recorded_un
         replays_of(&h, row).await,
         (vec!["alice".to_string()], false)
     );
+}
+
+// ----- an operator records a refusal met outside the workflow (issue 32) -----
+
+/// `service`'s typed client with this test binary's operator certificate (it carries
+/// `testkit::pki::TEST_OPERATOR`).
+async fn operator_client(service: &Service) -> PaymentClient {
+    PaymentClient::connect(&service.endpoint, &tls(Role::Operator))
+        .await
+        .unwrap()
+}
+
+/// What `payoutctl payout abandon` records when the payout's workflow has closed: a refused
+/// abandon, by the operator its certificate carries, signed as `payoutctl sign abandon` signs.
+fn refused_abandon(operator: &str, accepted: bool) -> OperatorDecision {
+    OperatorDecision {
+        payout_id: pid("p-1"),
+        operator: operator.into(),
+        decision: "abandon".into(),
+        reason: "customer cancelled".into(),
+        accepted,
+        note: "refused: workflow payout-p-1 is not running; the payout is POSTED".into(),
+        token: None,
+        signature: signed("p-1", operator, "customer cancelled"),
+    }
+}
+
+/// The operator decisions in p-1's audit trail: (owner, detail).
+async fn decisions_of_p1(h: &Harness) -> Vec<(Option<String>, serde_json::Value)> {
+    h.c()
+        .get_payout(&pid("p-1"))
+        .await
+        .unwrap()
+        .history
+        .into_iter()
+        .filter(|e| e.kind == "operator_decision")
+        .map(|e| (e.owner, e.detail))
+        .collect()
+}
+
+/// An operator's certificate records a refused decision under the name it carries: it is in the
+/// payout's audit trail as refused, with the note, and says it was recorded by an operator.
+#[tokio::test]
+async fn an_operator_records_a_refused_decision_under_its_certified_name() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let operator = operator_client(&h.service).await;
+    let e = operator
+        .record_operator_decision(&refused_abandon(testkit::pki::TEST_OPERATOR, false))
+        .await
+        .unwrap();
+    assert_eq!(
+        (e.kind.as_str(), e.actor.as_str(), e.owner.as_deref()),
+        (
+            "operator_decision",
+            "OPERATOR",
+            Some(testkit::pki::TEST_OPERATOR)
+        )
+    );
+    let recorded = decisions_of_p1(&h).await;
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    let (owner, detail) = &recorded[0];
+    assert_eq!(owner.as_deref(), Some(testkit::pki::TEST_OPERATOR));
+    assert_eq!(detail["accepted"], false, "{detail}");
+    assert_eq!(detail["recorded_by"], "operator", "{detail}");
+    assert!(
+        detail["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("is not running; the payout is POSTED")),
+        "{detail}"
+    );
+    // The workflow's own records say so too.
+    let by_worker = h
+        .c()
+        .record_operator_decision(&refused_abandon("alice", false))
+        .await
+        .unwrap();
+    assert_eq!(by_worker.detail["recorded_by"], "worker");
+}
+
+/// An accepted decision is the workflow's alone (it carries the abandon out): from an operator's
+/// certificate it is INVALID_ARGUMENT `accepted` ACCEPTED_NOT_ALLOWED, even signed by that very
+/// operator, and nothing is recorded. The worker's certificate records the same decision.
+#[tokio::test]
+async fn an_operator_may_not_record_an_accepted_decision() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let operator = operator_client(&h.service).await;
+    let refused = operator
+        .record_operator_decision(&refused_abandon(testkit::pki::TEST_OPERATOR, true))
+        .await
+        .unwrap_err();
+    assert!(
+        same(
+            &refused,
+            &invalid("accepted", InvalidReason::AcceptedNotAllowed)
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(decisions_of_p1(&h).await, vec![], "nothing recorded");
+    // The control: the workflow's worker records an accepted decision (as refused here, since
+    // the test operator has no registered key, but recorded).
+    h.c()
+        .record_operator_decision(&refused_abandon(testkit::pki::TEST_OPERATOR, true))
+        .await
+        .unwrap();
+    assert_eq!(decisions_of_p1(&h).await.len(), 1);
+}
+
+/// An operator's certificate that names another operator (`alice`, a registered one) is refused
+/// PERMISSION_DENIED `OperatorNotCertified`, counted, and nothing is recorded: an audit row never
+/// names someone the call could not prove it was.
+#[tokio::test]
+async fn an_operator_recording_a_decision_under_another_name_is_refused() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let operator = operator_client(&h.service).await;
+    let refused = operator
+        .record_operator_decision(&refused_abandon("alice", false))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, PaymentError::OperatorNotCertified { operator } if operator == "alice"),
+        "{refused:?}"
+    );
+    assert_eq!(decisions_of_p1(&h).await, vec![], "nothing recorded");
+    assert!(
+        h.service.metrics.render().contains(
+            r#"unauthorised_calls_total{method="/payment.v1.PaymentResource/RecordOperatorDecision",reason="operator_not_certified",role="operator"} 1"#
+        ),
+        "the refusal is counted"
+    );
+}
+
+/// Negative control: with the certificate check switched off in-process, the same record under
+/// another operator's name lands under that name: the test above sees what it claims to.
+#[tokio::test]
+async fn negative_control_without_operator_certification_a_decision_is_recorded_under_another_name(
+) {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let uncertified =
+        start_service(&h.url, options().without_operator_certification_for_tests()).await;
+    operator_client(&uncertified)
+        .await
+        .record_operator_decision(&refused_abandon("alice", false))
+        .await
+        .unwrap();
+    let recorded = decisions_of_p1(&h).await;
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert_eq!(recorded[0].0.as_deref(), Some("alice"));
 }
 
 // ----- the fence survives a restore of paydb (issue 19, section 3; migration 0006) -----
