@@ -4,7 +4,10 @@
 //! The revoke is the lock service's ForceRevoke: the service records it under the operator name
 //! the caller's certificate proves (an operator's certificate carries `<name>.operator`; another
 //! name is refused, nothing revoked), logs it at alert level and counts it. The next grant of the
-//! key has a higher token, so the deposed holder is fenced out at both guards.
+//! key has a higher token, so the deposed holder is fenced out at both guards. It takes only the
+//! grant the operator looked at: `--expected-token` (by default the token `lock describe` shows
+//! at the moment of the revoke, printed) is compared by the lock service in the backend's
+//! transaction, and a key another grant holds by then is refused, nothing revoked.
 
 use clap::{Args as ClapArgs, Subcommand};
 use serde::Serialize;
@@ -17,7 +20,8 @@ pub enum Command {
     /// expiry and the waiters. Introspection only: by the time it prints, it may have changed.
     Describe(DescribeArgs),
     /// Take KEY from its holder (the lock service's ForceRevoke), audited under the operator's
-    /// certified name. Exit status 1 when nobody holds it or the certificate does not carry the
+    /// certified name, only if the grant of the expected token still holds it. Exit status 1
+    /// when nobody holds it, another grant holds it, or the certificate does not carry the
     /// operator's name (nothing revoked).
     Revoke(RevokeArgs),
 }
@@ -44,11 +48,23 @@ pub struct RevokeArgs {
     /// local stack issues one for this name).
     #[arg(long)]
     pub operator: String,
+    /// The token of the grant to revoke, as `lock describe` showed it: a later holder is refused
+    /// (nothing revoked). Default: the token the key's holder has when this command reads it
+    /// (printed on stderr), for a revoke without a look first.
+    #[arg(long, value_parser = parse_token)]
+    pub expected_token: Option<lock_client::FencingToken>,
     /// One JSON object instead of a line.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
     pub deployment: Deployment,
+}
+
+fn parse_token(value: &str) -> Result<lock_client::FencingToken, String> {
+    let token: u64 = value
+        .parse()
+        .map_err(|e| format!("{value:?} is not a token: {e}"))?;
+    lock_client::FencingToken::new(token).map_err(|e| e.to_string())
 }
 
 /// `lock describe`'s answer.
@@ -72,6 +88,8 @@ pub struct Revoked {
     pub key: String,
     pub revoked_owner: String,
     pub revoked_token: u64,
+    /// The token the revoke expected (`--expected-token`, or the one read just before).
+    pub expected_token: u64,
     pub operator: String,
     pub reason: String,
 }
@@ -179,12 +197,46 @@ async fn revoke(args: RevokeArgs) -> anyhow::Result<std::process::ExitCode> {
         "--operator {operator:?}: an operator's name is one DNS label (letters, digits and '-', at most 63)"
     );
     let lock = client(&args.deployment, operator).await?;
-    let answer = lock.force_revoke(&args.key, operator, reason).await;
+    let expected = match args.expected_token {
+        Some(token) => token,
+        None => {
+            let d = lock
+                .describe(&args.key)
+                .await
+                .map_err(|e| lock_error("the lock service", e))?;
+            if !d.held {
+                return refused(
+                    &args,
+                    format!("nobody holds {}: nothing was revoked", args.key),
+                );
+            }
+            let token = lock_client::FencingToken::new(d.token).map_err(|e| {
+                anyhow::anyhow!(
+                    "the lock service described {} with token {}: {e}",
+                    args.key,
+                    d.token
+                )
+            })?;
+            eprintln!(
+                "payoutctl: {} is held by {} (token {}): revoking that grant only \
+                 (--expected-token {} to name it yourself)",
+                args.key,
+                d.holder_owner,
+                token.get(),
+                token.get()
+            );
+            token
+        }
+    };
+    let answer = lock
+        .force_revoke(&args.key, expected, operator, reason)
+        .await;
     let revoked = match answer {
         Ok(r) => Revoked {
             key: r.key,
             revoked_owner: r.revoked_owner,
             revoked_token: r.revoked_token,
+            expected_token: expected.get(),
             operator: operator.to_string(),
             reason: reason.to_string(),
         },
@@ -193,6 +245,11 @@ async fn revoke(args: RevokeArgs) -> anyhow::Result<std::process::ExitCode> {
                 Some(lock_client::Rejection::NotHeld(_)) => {
                     Some(format!("nobody holds {}: nothing was revoked", args.key))
                 }
+                Some(lock_client::Rejection::HolderChanged(h)) => Some(format!(
+                    "{} is no longer held by the grant of token {} but by token {}: nothing \
+                     was revoked (`payoutctl lock describe {}` shows the holder now)",
+                    args.key, h.expected_token, h.current_token, args.key
+                )),
                 Some(lock_client::Rejection::OperatorNotCertified(_)) => Some(format!(
                     "the lock service refused: this certificate does not carry the operator \
                      {operator:?} ({operator}.operator): nothing was revoked"
@@ -208,22 +265,15 @@ async fn revoke(args: RevokeArgs) -> anyhow::Result<std::process::ExitCode> {
                     lock_error("the lock service", e).context(format!("revoking {}", args.key))
                 );
             };
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::json!({"key": args.key, "revoked": false, "refused": refusal})
-                );
-            }
-            eprintln!("payoutctl: {refusal}");
-            return Ok(std::process::ExitCode::from(exit::PROBLEM));
+            return refused(&args, refusal);
         }
     };
     if args.json {
         println!("{}", serde_json::to_string(&revoked)?);
     } else {
         println!(
-            "revoked {} from {} (token {}) as {}: {:?}. The next grant's token is higher: the \
-             deposed holder is fenced out at both guards.",
+            "revoked {} from {} (token {}, as expected) as {}: {:?}. The next grant's token is \
+             higher: the deposed holder is fenced out at both guards.",
             revoked.key,
             revoked.revoked_owner,
             revoked.revoked_token,
@@ -232,6 +282,18 @@ async fn revoke(args: RevokeArgs) -> anyhow::Result<std::process::ExitCode> {
         );
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// A revoke refused, nothing revoked: said on stderr (and as JSON when asked), exit status 1.
+fn refused(args: &RevokeArgs, refusal: String) -> anyhow::Result<std::process::ExitCode> {
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"key": args.key, "revoked": false, "refused": refusal})
+        );
+    }
+    eprintln!("payoutctl: {refusal}");
+    Ok(std::process::ExitCode::from(exit::PROBLEM))
 }
 
 #[cfg(test)]

@@ -312,6 +312,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
                 key: "payout:attack".into(),
                 operator: "a worker pretending".into(),
                 reason: "attack".into(),
+                expected_token: None,
             })
             .await,
         );
@@ -345,6 +346,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
                 key: held.key().to_string(),
                 operator: "alice".into(),
                 reason: "attack: blame alice".into(),
+                expected_token: Some(held.token().get()),
             })
             .await;
         let refused = answer

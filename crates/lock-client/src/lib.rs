@@ -219,10 +219,15 @@ impl LockClient {
         .await
     }
 
-    /// Operator break-glass. Both `operator` and `reason` are required by the server.
+    /// Operator break-glass: revokes `key` only while the grant of `expected_token` (what the
+    /// caller saw in [`Self::describe`]) holds it; the server compares in the same backend
+    /// transaction as the revoke, so a grant taken since is never deposed by mistake: it is
+    /// refused as [`Rejection::HolderChanged`] (a key nobody holds: [`Rejection::NotHeld`]).
+    /// Both `operator` and `reason` are required by the server.
     pub async fn force_revoke(
         &self,
         key: &str,
+        expected_token: FencingToken,
         operator: &str,
         reason: &str,
     ) -> Result<pb::ForceRevokeResponse, ClientError> {
@@ -231,6 +236,7 @@ impl LockClient {
             key: key.to_string(),
             operator: operator.to_string(),
             reason: reason.to_string(),
+            expected_token: Some(expected_token.get()),
         };
         bounded(Self::timeout(), rpc.force_revoke(request)).await
     }

@@ -91,13 +91,13 @@ impl Chain {
             .open_session("worker-a", Duration::from_secs(10))
             .await
             .unwrap();
-        match session.acquire(key, Duration::ZERO).await.unwrap() {
-            Acquired::Granted(_) => {}
+        let token = match session.acquire(key, Duration::ZERO).await.unwrap() {
+            Acquired::Granted(g) => g.token(),
             Acquired::NotAcquired { holder_owner, .. } => panic!("{key} held by {holder_owner}"),
-        }
+        };
         let answer = self
             .operator
-            .force_revoke(key, TEST_OPERATOR, reason)
+            .force_revoke(key, token, TEST_OPERATOR, reason)
             .await
             .map(drop);
         (answer, session)

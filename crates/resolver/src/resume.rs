@@ -372,6 +372,25 @@ async fn take_over_orphaned_grant(
     temporal: &Temporal,
     account: &str,
 ) -> Result<Option<String>, String> {
+    take_over_if_not_running(lock, account, |workflow_id| async move {
+        temporal.status(&workflow_id).await
+    })
+    .await
+}
+
+/// [`take_over_orphaned_grant`] with the holder's workflow asked of `workflow_status` (given
+/// the workflow id): Temporal in production; a test's stand-in that lets another payout take
+/// the key between the describe and the revoke. Only the grant described is revoked (its token
+/// is the revoke's expectation); a key that changed holder meanwhile is left alone.
+pub async fn take_over_if_not_running<F, Fut>(
+    lock: &LockClient,
+    account: &str,
+    workflow_status: F,
+) -> Result<Option<String>, String>
+where
+    F: FnOnce(String) -> Fut,
+    Fut: std::future::Future<Output = Result<WorkflowStatus, ResumeError>>,
+{
     let key = format!("payout:{account}");
     let held = lock
         .describe(&key)
@@ -390,8 +409,7 @@ async fn take_over_orphaned_grant(
     else {
         return Ok(None);
     };
-    let status = temporal
-        .status(&payout_domain::workflow_id(&holder_payout))
+    let status = workflow_status(payout_domain::workflow_id(&holder_payout))
         .await
         .map_err(|e| e.to_string())?;
     if status == WorkflowStatus::Running {
@@ -401,13 +419,33 @@ async fn take_over_orphaned_grant(
         "the grant's workflow payout-{holder_payout} is {}: nobody will release it; taken over to resume the account's payouts",
         status.name()
     );
-    match lock.force_revoke(&key, RECOVERER, &reason).await {
+    // Only the grant described and checked above is taken: the lock service compares its token
+    // in the backend's transaction with the revoke, so a payout that took the key since is
+    // never deposed.
+    let described = lock_client::FencingToken::new(held.token)
+        .map_err(|e| format!("describing {key}: the holder's token: {e}"))?;
+    match lock.force_revoke(&key, described, RECOVERER, &reason).await {
         Ok(r) => {
             tracing::warn!(key, revoked_owner = %r.revoked_owner, revoked_token = r.revoked_token, reason, "orphaned grant taken over");
             Ok(Some(r.revoked_owner))
         }
-        // Released or expired meanwhile: nothing to take over.
-        Err(e) if matches!(e.rejection(), Some(lock_client::Rejection::NotHeld(_))) => Ok(None),
-        Err(e) => Err(format!("taking over {key}: {e}")),
+        Err(e) => match e.rejection() {
+            // Released or expired meanwhile: nothing to take over.
+            Some(lock_client::Rejection::NotHeld(_)) => Ok(None),
+            // Another grant took the key after it was described: it is not the one whose
+            // workflow was checked, so nothing is taken this pass (the next pass describes it
+            // afresh). Expected, so not an error and nothing pages.
+            Some(lock_client::Rejection::HolderChanged(changed)) => {
+                tracing::info!(
+                    key,
+                    holder_owner = %held.holder_owner,
+                    expected_token = changed.expected_token,
+                    current_token = changed.current_token,
+                    "the key changed holder after it was described: nothing taken over this pass"
+                );
+                Ok(None)
+            }
+            _ => Err(format!("taking over {key}: {e}")),
+        },
     }
 }

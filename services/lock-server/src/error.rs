@@ -17,6 +17,12 @@ pub enum LockError {
     },
     #[error("{key} is not held")]
     NotHeld { key: String },
+    #[error("holder_changed: {key} is no longer held by the grant of token {expected_token} (held now by token {current_token}); nothing was revoked")]
+    HolderChanged {
+        key: String,
+        expected_token: u64,
+        current_token: u64,
+    },
     #[error("invalid {field}: {problem}")]
     InvalidArgument {
         field: &'static str,
@@ -93,6 +99,18 @@ impl LockError {
             Self::NotHeld { key } => (
                 tonic::Code::FailedPrecondition,
                 Kind::NotHeld(pb::NotHeld { key: key.clone() }),
+            ),
+            Self::HolderChanged {
+                key,
+                expected_token,
+                current_token,
+            } => (
+                tonic::Code::FailedPrecondition,
+                Kind::HolderChanged(pb::HolderChanged {
+                    key: key.clone(),
+                    expected_token: *expected_token,
+                    current_token: *current_token,
+                }),
             ),
             Self::InvalidArgument { field, problem } => (
                 tonic::Code::InvalidArgument,

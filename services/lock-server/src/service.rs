@@ -50,6 +50,9 @@ pub mod event {
     pub const SESSION_NOT_OWNED: &str = "session_not_owned";
     /// An Acquire refused because the waiter bound (`WAITERS_MAX`) is reached in this process.
     pub const WAITERS_FULL: &str = "waiters_full";
+    /// A force-revoke refused because a later grant than the expected one holds the key (logged;
+    /// counted in `lock_force_revokes_refused_total`, not here, so no revoke alert fires).
+    pub const REVOKE_REFUSED: &str = "revoke_refused";
 }
 
 /// Acquire calls that may wait in one lock-server process at once, over every key. Each holds a
@@ -77,6 +80,9 @@ pub struct LockMetrics {
     /// The server's `unauthorised_calls_total`: a force-revoke naming an operator its
     /// certificate does not carry is counted there.
     unauthorised_calls: IntCounterVec,
+    /// Force-revokes refused by the backend's compare (a later grant holds the key): apart from
+    /// `lock_events_total{event="revoked"}`, whose LockForceRevoked alert pages.
+    force_revokes_refused: IntCounterVec,
     /// The session lifecycle's (spec 2.4).
     pub sessions: SessionMetrics,
 }
@@ -93,6 +99,11 @@ impl LockMetrics {
                 &["backend"],
             ),
             unauthorised_calls: metrics.unauthorised_calls(),
+            force_revokes_refused: metrics.counter_vec(
+                "lock_force_revokes_refused_total",
+                "Force-revokes refused, nothing revoked: holder_changed = the key is held by a later grant than the one the caller expected",
+                &["reason", "backend"],
+            ),
             sessions: SessionMetrics::register(metrics),
         }
     }
@@ -146,22 +157,27 @@ fn check_text(field: &'static str, value: &str, max: usize) -> Result<(), LockEr
 /// thousand is far beyond one process's share, and bounds the read a keep-alive costs.
 pub const VOUCH_PER_KEEP_ALIVE_MAX: usize = 1_000;
 
+fn check_token(field: &'static str, token: u64) -> Result<(), LockError> {
+    if token == 0 {
+        return Err(LockError::invalid(field, "zero is never a token"));
+    }
+    // Tokens are etcd revisions or a bigint sequence: a larger value was never issued, and the
+    // backends' `as i64` would read it as a negative revision.
+    if i64::try_from(token).is_err() {
+        return Err(LockError::invalid(
+            field,
+            "above i64::MAX: no backend ever issues it",
+        ));
+    }
+    Ok(())
+}
+
 fn handle_from(h: Option<pb::Handle>) -> Result<HandleRef, LockError> {
     let h = h.ok_or_else(|| LockError::invalid("handle", "required"))?;
     check_text("key", &h.key, KEY_LENGTH_MAX)?;
     check_text("owner", &h.owner, OWNER_LENGTH_MAX)?;
     check_text("session_id", &h.session_id, OWNER_LENGTH_MAX)?;
-    if h.token == 0 {
-        return Err(LockError::invalid("token", "zero is never a token"));
-    }
-    // Tokens are etcd revisions or a bigint sequence: a larger value was never issued, and the
-    // backends' `as i64` would read it as a negative revision.
-    if i64::try_from(h.token).is_err() {
-        return Err(LockError::invalid(
-            "token",
-            "above i64::MAX: no backend ever issues it",
-        ));
-    }
+    check_token("token", h.token)?;
     Ok(HandleRef {
         key: h.key,
         owner: h.owner,
@@ -646,20 +662,26 @@ impl LockServiceImpl {
         Ok(())
     }
 
-    /// Break-glass: takes `key` from its holder. The operator recorded (the backend's audit
-    /// record, the alert) is `operator` only if `caller`'s certificate carries it
-    /// ([`service_kit::grpc::certified_operator`]); otherwise PERMISSION_DENIED and nothing is
-    /// revoked.
+    /// Break-glass: takes `key` from its holder, and with `expected_token` only from the grant
+    /// of that token (compared in the backend's transaction with the revoke; a later holder is
+    /// refused as [`LockError::HolderChanged`], nothing revoked, audited or counted as a revoke).
+    /// The operator recorded (the backend's audit record, the alert) is `operator` only if
+    /// `caller`'s certificate carries it ([`service_kit::grpc::certified_operator`]); otherwise
+    /// PERMISSION_DENIED and nothing is revoked.
     pub async fn force_revoke(
         &self,
         caller: &Caller,
         key: &str,
+        expected_token: Option<u64>,
         operator: &str,
         reason: &str,
     ) -> Result<pb::ForceRevokeResponse, LockError> {
         check_text("key", key, KEY_LENGTH_MAX)?;
         check_text("operator", operator, OWNER_LENGTH_MAX)?;
         check_text("reason", reason, KEY_LENGTH_MAX)?;
+        if let Some(token) = expected_token {
+            check_token("expected_token", token)?;
+        }
         let operator = &if self.inner.operator_certification {
             service_kit::grpc::certified_operator(
                 caller,
@@ -676,8 +698,46 @@ impl LockServiceImpl {
         let holder = self
             .inner
             .backend
-            .force_revoke(key, operator, reason)
-            .await?;
+            .force_revoke(key, expected_token, operator, reason)
+            .await
+            .inspect_err(|e| {
+                if let LockError::HolderChanged {
+                    expected_token,
+                    current_token,
+                    ..
+                } = e
+                {
+                    // Not an alert: the caller looked at a grant that is gone, and the grant
+                    // that holds the key now is left alone (the caller may look again).
+                    tracing::warn!(
+                        event = event::REVOKE_REFUSED,
+                        reason_refused = "holder_changed",
+                        key,
+                        expected_token,
+                        current_token,
+                        operator,
+                        reason,
+                        "force-revoke refused: the key is held by a later grant than the one expected; nothing revoked"
+                    );
+                    self.inner
+                        .metrics
+                        .force_revokes_refused
+                        .with_label_values(&["holder_changed", self.inner.backend.name()])
+                        .inc();
+                }
+            })?;
+        if expected_token.is_some_and(|expected| expected != holder.token) {
+            // The backend compares the token in its transaction: another grant revoked here is
+            // a bug in that compare. The revoke happened, so it is still logged and counted
+            // below (the page fires); this line says the compare broke.
+            tracing::error!(
+                alert = true,
+                key,
+                expected_token,
+                revoked_token = holder.token,
+                "BUG: force-revoke took another grant than the expected one (the backend's compare broke)"
+            );
+        }
         // Alert level: break-glass happened; the deposed holder is fenced by the next, higher token.
         tracing::error!(
             event = event::REVOKED,
@@ -686,6 +746,7 @@ impl LockServiceImpl {
             owner = %holder.owner,
             session_id = %holder.session_id,
             token = holder.token,
+            expected_token,
             operator,
             reason,
             "lock force-revoked by an operator"
@@ -904,7 +965,15 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
         let caller = service_kit::grpc::caller(&r)?;
         let r = r.into_inner();
         Ok(Response::new(
-            LockServiceImpl::force_revoke(self, &caller, &r.key, &r.operator, &r.reason).await?,
+            LockServiceImpl::force_revoke(
+                self,
+                &caller,
+                &r.key,
+                r.expected_token,
+                &r.operator,
+                &r.reason,
+            )
+            .await?,
         ))
     }
 

@@ -29,17 +29,15 @@ async fn etcd_force_revokes_at_once_each_take_their_own_seq_in_the_chain() {
     let session = s.client.open_session("worker-a", TTL).await.unwrap();
     let keys = ["a1", "a2", "a3", "a4"];
     // Held (the handles kept) until the revokes take them.
-    let mut _held = Vec::new();
+    let mut held = Vec::new();
     for k in keys {
-        _held.push(grant(&session, k).await);
+        held.push(grant(&session, k).await);
     }
-    let revoke = |k: &'static str| s.operator.force_revoke(k, TEST_OPERATOR, "at once");
-    let answers = tokio::join!(
-        revoke(keys[0]),
-        revoke(keys[1]),
-        revoke(keys[2]),
-        revoke(keys[3])
-    );
+    let revoke = |i: usize| {
+        s.operator
+            .force_revoke(keys[i], held[i].token(), TEST_OPERATOR, "at once")
+    };
+    let answers = tokio::join!(revoke(0), revoke(1), revoke(2), revoke(3));
     for answer in [answers.0, answers.1, answers.2, answers.3] {
         answer.expect("every revoke lands (a lost head compare is read again)");
     }
@@ -105,9 +103,9 @@ async fn postgres_force_revokes_are_chained_and_the_lock_server_cannot_change_a_
     .await;
     let session = s.client.open_session("worker-a", TTL).await.unwrap();
     for k in ["p1", "p2", "p3"] {
-        let _held = grant(&session, k).await;
+        let held = grant(&session, k).await;
         s.operator
-            .force_revoke(k, TEST_OPERATOR, "stuck")
+            .force_revoke(k, held.token(), TEST_OPERATOR, "stuck")
             .await
             .expect("the lock_server role inserts the record; the trigger chains it");
     }

@@ -199,13 +199,18 @@ async fn grants_and_refusals(kind: Kind) {
     // Typed argument refusals.
     let e = s
         .operator
-        .force_revoke("payout:acc-1", "", "reason")
+        .force_revoke("payout:acc-1", FencingToken::new(1).unwrap(), "", "reason")
         .await
         .unwrap_err();
     assert!(matches!(rejection(&e), Rejection::InvalidArgument(_)));
     let e = s
         .operator
-        .force_revoke("payout:acc-1", testkit::pki::TEST_OPERATOR, " ")
+        .force_revoke(
+            "payout:acc-1",
+            FencingToken::new(1).unwrap(),
+            testkit::pki::TEST_OPERATOR,
+            " ",
+        )
         .await
         .unwrap_err();
     assert!(matches!(rejection(&e), Rejection::InvalidArgument(_)));
@@ -357,7 +362,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
         (&s.client, testkit::pki::TEST_OPERATOR),
     ] {
         let e = client
-            .force_revoke("revoked", name, "not mine to give")
+            .force_revoke("revoked", held.token(), name, "not mine to give")
             .await
             .unwrap_err();
         assert!(
@@ -372,6 +377,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
         .operator
         .force_revoke(
             "revoked",
+            held.token(),
             testkit::pki::TEST_OPERATOR,
             "stuck worker, ticket 42",
         )
@@ -411,7 +417,12 @@ async fn session_death_and_force_revoke(kind: Kind) {
     next.release().await.unwrap();
     let e = s
         .operator
-        .force_revoke("revoked", testkit::pki::TEST_OPERATOR, "again")
+        .force_revoke(
+            "revoked",
+            next.token(),
+            testkit::pki::TEST_OPERATOR,
+            "again",
+        )
         .await
         .unwrap_err();
     assert!(matches!(rejection(&e), Rejection::NotHeld(_)));
@@ -464,7 +475,12 @@ async fn negative_control_without_operator_certification_another_name_revokes() 
     let held = grant(&b, "revoked").await;
     let r = s
         .operator
-        .force_revoke("revoked", "another-operator", "not mine to give")
+        .force_revoke(
+            "revoked",
+            held.token(),
+            "another-operator",
+            "not mine to give",
+        )
         .await
         .unwrap();
     assert_eq!(r.revoked_token, held.token().get());
@@ -477,6 +493,151 @@ async fn negative_control_without_operator_certification_another_name_revokes() 
         .unwrap();
     assert_eq!(operator, "another-operator");
     s.server.stop().await;
+}
+
+/// The force-revoke audit records the backend holds (etcd's chain, lockdb's `lock_audit`).
+async fn audit_record_count(s: &Server) -> usize {
+    match s.server.service.backend() {
+        lock_server::backend::Backend::Etcd(e) => e.audit_records().await.unwrap().len(),
+        lock_server::backend::Backend::Postgres(p) => {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM lock_audit")
+                .fetch_one(p.pool())
+                .await
+                .unwrap();
+            n as usize
+        }
+    }
+}
+
+/// `lock_force_revokes_refused_total{reason}` as the server's /metrics renders it (0 if absent).
+fn revokes_refused(s: &Server, reason: &str) -> f64 {
+    s.server
+        .metrics
+        .render()
+        .lines()
+        .filter(|l| {
+            l.starts_with("lock_force_revokes_refused_total{")
+                && l.contains(&format!(r#"reason="{reason}""#))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A force-revoke takes only the grant the caller looked at (issue 35, item 5): the expected
+/// token is compared in the backend's transaction with the revoke. A holds the key (t1): a
+/// revoke expecting t1 is carried out. B then takes the key (t2): a revoke still expecting t1 is
+/// refused as HolderChanged naming both tokens; B keeps its grant (its own renew goes through),
+/// nothing is audited, the revoke counter (the LockForceRevoked alert's series) stays, and the
+/// refusal is counted on its own. A revoke expecting t2 is carried out. Before the expectation
+/// was compared (the server ignored the field), the revoke expecting t1 deposed B.
+async fn force_revoke_takes_only_the_grant_it_expects(kind: Kind) {
+    let s = start(kind).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let b = s.client.open_session("worker-b", TTL).await.unwrap();
+    let key = "payout:acct-expected";
+    let t1 = grant(&a, key).await;
+    let r = s
+        .operator
+        .force_revoke(key, t1.token(), testkit::pki::TEST_OPERATOR, "A is wedged")
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.revoked_token, r.revoked_owner.as_str()),
+        (t1.token().get(), "worker-a")
+    );
+    assert_eq!(s.server.service.event_count("revoked"), 1);
+    assert_eq!(audit_record_count(&s).await, 1);
+
+    let t2 = grant(&b, key).await;
+    assert!(t2.token() > t1.token());
+    let e = s
+        .operator
+        .force_revoke(
+            key,
+            t1.token(),
+            testkit::pki::TEST_OPERATOR,
+            "A is wedged (looked at before B took the key)",
+        )
+        .await
+        .unwrap_err();
+    match rejection(&e) {
+        Rejection::HolderChanged(h) => assert_eq!(
+            (h.key.as_str(), h.expected_token, h.current_token),
+            (key, t1.token().get(), t2.token().get())
+        ),
+        other => panic!("expected HolderChanged, got {other:?} ({e})"),
+    }
+    assert!(
+        e.to_string().contains("holder_changed"),
+        "the message names the refusal: {e}"
+    );
+    assert!(t2.is_held(), "the refused revoke took nothing from B");
+    t2.renew()
+        .await
+        .expect("B is still the holder in the backend");
+    let d = s.client.describe(key).await.unwrap();
+    assert_eq!((d.held, d.token), (true, t2.token().get()));
+    assert_eq!(
+        s.server.service.event_count("revoked"),
+        1,
+        "a refused revoke is not counted as one (LockForceRevoked stays quiet)"
+    );
+    assert_eq!(
+        audit_record_count(&s).await,
+        1,
+        "a refused revoke is not audited"
+    );
+    assert_eq!(revokes_refused(&s, "holder_changed"), 1.0);
+
+    let r = s
+        .operator
+        .force_revoke(key, t2.token(), testkit::pki::TEST_OPERATOR, "B is wedged")
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.revoked_token, r.revoked_owner.as_str()),
+        (t2.token().get(), "worker-b")
+    );
+    assert_eq!(s.server.service.event_count("revoked"), 2);
+    assert_eq!(audit_record_count(&s).await, 2);
+
+    // On the wire, 0 is never a token; a request without the field (a caller from before it)
+    // still revokes whatever holds the key.
+    let mut raw = s.operator.rpc();
+    let t3 = grant(&a, key).await;
+    let status = raw
+        .force_revoke(pb::ForceRevokeRequest {
+            key: key.into(),
+            operator: testkit::pki::TEST_OPERATOR.into(),
+            reason: "zero".into(),
+            expected_token: Some(0),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(t3.is_held());
+    let r = raw
+        .force_revoke(pb::ForceRevokeRequest {
+            key: key.into(),
+            operator: testkit::pki::TEST_OPERATOR.into(),
+            reason: "an old client".into(),
+            expected_token: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.revoked_token, t3.token().get());
+    assert_eq!(revokes_refused(&s, "holder_changed"), 1.0);
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_force_revoke_takes_only_the_grant_it_expects() {
+    force_revoke_takes_only_the_grant_it_expects(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_force_revoke_takes_only_the_grant_it_expects() {
+    force_revoke_takes_only_the_grant_it_expects(Kind::Postgres).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1926,13 +2087,15 @@ fn lock_call(seeded: &Seeded) -> impl proptest::strategy::Strategy<Value = LockC
         (
             known(SEEDED_KEY, KEY_LENGTH_MAX),
             known("op-1", OWNER_LENGTH_MAX),
-            text()
+            text(),
+            prop::option::of(hostile_u64(Just(seeded.token).boxed())),
         )
-            .prop_map(|(key, operator, reason)| {
+            .prop_map(|(key, operator, reason, expected_token)| {
                 LockCall::ForceRevoke(pb::ForceRevokeRequest {
                     key,
                     operator,
                     reason,
+                    expected_token,
                 })
             }),
         known(SEEDED_KEY, KEY_LENGTH_MAX)
@@ -2061,7 +2224,8 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
                         Some(
                             Rejected::SessionNotFound(_)
                             | Rejected::NotHolder(_)
-                            | Rejected::NotHeld(_),
+                            | Rejected::NotHeld(_)
+                            | Rejected::HolderChanged(_),
                         ),
                     ) => {
                         // lockdb may mark a session it found expired; nothing else may change.

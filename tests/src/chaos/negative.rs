@@ -139,7 +139,12 @@ pub async fn stale_holder_on(
         let t1 = grant_a.token().get();
         // 2. The operator revokes A's grant; B acquires (t2) and claims.
         operator
-            .force_revoke(&key, testkit::pki::TEST_OPERATOR, "A is paused")
+            .force_revoke(
+                &key,
+                grant_a.token(),
+                testkit::pki::TEST_OPERATOR,
+                "A is paused",
+            )
             .await?;
         let session_b = lock.open_session("fresh-holder-b", SCENARIO_TTL).await?;
         let Acquired::Granted(grant_b) = session_b.acquire(&key, ACQUIRE_WAIT).await? else {
@@ -238,7 +243,12 @@ pub async fn lock_history_overlap_control(stack: &Stack) -> anyhow::Result<(usiz
     let sent_ns = lock_client::history::monotonic_ns(std::time::Instant::now());
     let operator = LockClient::connect(&system.lock_url(), &system.tls(Role::Operator)).await?;
     let answer = operator
-        .force_revoke(key, testkit::pki::TEST_OPERATOR, "A is stuck")
+        .force_revoke(
+            key,
+            grant_a.token(),
+            testkit::pki::TEST_OPERATOR,
+            "A is stuck",
+        )
         .await?;
     let answered_ns = lock_client::history::monotonic_ns(std::time::Instant::now());
     anyhow::ensure!(

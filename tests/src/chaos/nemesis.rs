@@ -553,10 +553,29 @@ async fn force_revoke(
     let mut last = None;
     for account in candidates.iter().take(REVOKE_CANDIDATES_MAX) {
         let key = format!("payout:{account}");
+        // As an operator does: look, then revoke the grant looked at (a later one is refused).
+        let expected = match lock.describe(&key).await {
+            Ok(d) if d.held => match lock_client::FencingToken::new(d.token) {
+                Ok(token) => token,
+                Err(e) => {
+                    last = Some(format!("{key}: {e}"));
+                    continue;
+                }
+            },
+            Ok(_) => {
+                last = Some(format!("{key} is not held"));
+                continue;
+            }
+            Err(e) => {
+                last = Some(e.to_string());
+                continue;
+            }
+        };
         let sent_ns = lock_client::history::monotonic_ns(Instant::now());
         match lock
             .force_revoke(
                 &key,
+                expected,
                 testkit::pki::TEST_OPERATOR,
                 "nemesis: operator revokes a lock during a payout",
             )
@@ -575,7 +594,7 @@ async fn force_revoke(
                     answer.revoked_owner, answer.revoked_token
                 ));
             }
-            Err(e) => last = Some(e),
+            Err(e) => last = Some(e.to_string()),
         }
     }
     Err(last.map_or_else(

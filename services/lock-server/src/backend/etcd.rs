@@ -845,6 +845,7 @@ impl EtcdBackend {
     pub async fn force_revoke(
         &self,
         key: &str,
+        expected_token: Option<u64>,
         operator: &str,
         reason: &str,
     ) -> Result<Holder, LockError> {
@@ -891,6 +892,13 @@ impl EtcdBackend {
             };
             let entry = Self::decode(kv.value());
             let token = kv.create_revision() as u64;
+            if let Some(expected) = expected_token.filter(|expected| *expected != token) {
+                return Err(LockError::HolderChanged {
+                    key: key.to_string(),
+                    expected_token: expected,
+                    current_token: token,
+                });
+            }
             let record = audit_chain::Record::chained(
                 seq,
                 &prev,
@@ -908,10 +916,14 @@ impl EtcdBackend {
                 hash: record.hash.clone(),
             };
             let record_key = audit_chain::record_key(&self.prefix, seq);
-            // Delete and audit in one transaction: there is no revocation without its record.
+            // Delete and audit in one transaction: there is no revocation without its record. The
+            // holder's mod revision as read (so its create revision, the token checked above:
+            // the expected grant, when one is expected) is compared in the same transaction; a
+            // holder that changed since is read again, and a later grant is refused above.
             let txn = Txn::new()
                 .when([
                     Compare::mod_revision(k.clone(), CompareOp::Equal, kv.mod_revision()),
+                    Compare::create_revision(k.clone(), CompareOp::Equal, kv.create_revision()),
                     head_compare,
                     Compare::version(record_key.clone(), CompareOp::Equal, 0),
                 ])

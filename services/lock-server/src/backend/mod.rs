@@ -155,15 +155,19 @@ impl Backend {
             Self::Postgres(b) => b.release(handle).await,
         }
     }
+    /// Deletes `key`'s entry and writes its audit record in one transaction; with
+    /// `expected_token`, only if the grant of that token holds the key, compared in the same
+    /// transaction ([`LockError::HolderChanged`] otherwise, nothing written).
     pub async fn force_revoke(
         &self,
         key: &str,
+        expected_token: Option<u64>,
         operator: &str,
         reason: &str,
     ) -> Result<Holder, LockError> {
         match self {
-            Self::Etcd(b) => b.force_revoke(key, operator, reason).await,
-            Self::Postgres(b) => b.force_revoke(key, operator, reason).await,
+            Self::Etcd(b) => b.force_revoke(key, expected_token, operator, reason).await,
+            Self::Postgres(b) => b.force_revoke(key, expected_token, operator, reason).await,
         }
     }
     pub async fn describe(&self, key: &str) -> Result<Option<Holder>, LockError> {

@@ -672,15 +672,19 @@ impl PgBackend {
     pub async fn force_revoke(
         &self,
         key: &str,
+        expected_token: Option<u64>,
         operator: &str,
         reason: &str,
     ) -> Result<Holder, LockError> {
-        // Delete, audit and notify in one statement: there is no revocation without its record.
-        // The record's place in the audit chain (chain_seq, prev_hash, row_hash; lockdb 0004) is
-        // filled by lock_audit's BEFORE INSERT trigger, which runs as the owner and moves the
-        // chain's head: this role inserts the record's content only.
+        // Delete, audit and notify in one statement: there is no revocation without its record,
+        // and the expected token (if any) is part of the DELETE's own condition, so a grant that
+        // took the key since the caller looked is never the one deleted. The record's place in
+        // the audit chain (chain_seq, prev_hash, row_hash; lockdb 0004) is filled by
+        // lock_audit's BEFORE INSERT trigger, which runs as the owner and moves the chain's
+        // head: this role inserts the record's content only.
         let row = sqlx::query(
-            "WITH d AS (DELETE FROM lock_entry WHERE key = $1 RETURNING key, owner, session_id, token), \
+            "WITH d AS (DELETE FROM lock_entry WHERE key = $1 AND ($4::bigint IS NULL OR token = $4) \
+                        RETURNING key, owner, session_id, token), \
              a AS (INSERT INTO lock_audit (action, key, revoked_owner, revoked_session_id, revoked_token, operator, reason) \
                    SELECT 'force_revoke', key, owner, session_id, token, $2, $3 FROM d) \
              SELECT owner, session_id, token FROM d, LATERAL pg_notify('lock_released', d.key) AS n",
@@ -688,12 +692,22 @@ impl PgBackend {
         .bind(key)
         .bind(operator)
         .bind(reason)
+        .bind(expected_token.map(|t| t as i64))
         .fetch_optional(&mut *self.conn().await?)
         .await
         .map_err(|e| self.failed(e))?;
         let Some(r) = row else {
-            return Err(LockError::NotHeld {
-                key: key.to_string(),
+            // Nothing deleted: say why from a read after the fact (tokens are never reused, so
+            // an entry there now is a later grant than the expected one).
+            return Err(match (expected_token, self.entry(key).await?) {
+                (Some(expected), Some(now)) => LockError::HolderChanged {
+                    key: key.to_string(),
+                    expected_token: expected,
+                    current_token: now.token as u64,
+                },
+                _ => LockError::NotHeld {
+                    key: key.to_string(),
+                },
             });
         };
         Ok(Holder {
