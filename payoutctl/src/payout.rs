@@ -1,7 +1,7 @@
 //! `payoutctl payout show|list|create|abandon`: one payout as every store sees it, the payouts of
 //! an account or a state, a payout submitted through the payment resource's intake, and an
 //! operator's abandon through the workflow's `abandon` Update (answered at once: accepted or
-//! refused, and why).
+//! refused, and why; refused and recorded by this command when the workflow is not running).
 //!
 //! `show` and `list` only read: paydb, proxydb and gldb as a read-only role, the rail through the
 //! proxy's read-only lookup. `create` is the payment resource's CreatePayout (idempotent: the same
@@ -54,7 +54,10 @@ pub enum Command {
     Create(CreateArgs),
     /// Abandon a payout through its workflow's `abandon` Update, signed with the operator's key:
     /// prints whether it was accepted (carried out, or on record and waiting for the account's
-    /// lock) or refused, and why. Exit status 0 when accepted, 1 when refused.
+    /// lock) or refused, and why. When the payout's workflow is not running (a terminal payout's
+    /// has completed), Temporal refuses before any worker sees it: this command then records the
+    /// refusal in the payment resource's audit trail itself. Exit status 0 when accepted, 1 when
+    /// refused.
     Abandon(AbandonArgs),
 }
 
@@ -964,6 +967,22 @@ pub struct AbandonReport {
     pub answer: Option<payout_workflows::AbandonAnswer>,
     /// The validator's reason, when the Update was rejected.
     pub rejected: Option<String>,
+    /// The refusal recorded by this command, when the payout's workflow is not running.
+    pub not_running: Option<NotRunning>,
+}
+
+/// An abandon of a payout whose workflow is not running (it has completed, or never started):
+/// Temporal refused the Update before any worker saw it, so this command records the refusal in
+/// the payment resource's audit trail itself (`RecordOperatorDecision`, refused, under the name
+/// the operator's certificate carries, with the operator's signature).
+#[derive(Debug, Clone, Serialize)]
+pub struct NotRunning {
+    /// Why, as recorded.
+    pub reason: String,
+    /// The payout's state as the payment resource reported it.
+    pub state: String,
+    /// The audit event that records the refusal.
+    pub audit_event_id: i64,
 }
 
 async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
@@ -984,7 +1003,7 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
         .await?;
     let workflow_id = payout_domain::workflow_id(&args.payout_id);
     eprintln!("payoutctl: asking {workflow_id} to abandon (the workflow answers once the decision is on record)");
-    let update = payout_workflows::abandon::execute(&client, &workflow_id, signal, None);
+    let update = payout_workflows::abandon::execute(&client, &workflow_id, signal.clone(), None);
     tokio::pin!(update);
     let started = std::time::Instant::now();
     let answer = loop {
@@ -1011,6 +1030,7 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
             accepted: answer.accepted,
             answer: Some(answer),
             rejected: None,
+            not_running: None,
         },
         Err(AbandonError::Rejected { reason, .. }) => AbandonReport {
             payout_id: args.payout_id.to_string(),
@@ -1018,10 +1038,20 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
             accepted: false,
             answer: None,
             rejected: Some(reason),
+            not_running: None,
         },
-        Err(e @ AbandonError::NotFound { .. }) => {
-            eprintln!("payoutctl: {e}: nothing was changed");
-            return Ok(std::process::ExitCode::from(exit::PROBLEM));
+        Err(AbandonError::NotFound { .. }) => {
+            match record_not_running(&args, &parts, &workflow_id, &signal).await? {
+                Some(not_running) => AbandonReport {
+                    payout_id: args.payout_id.to_string(),
+                    workflow_id: workflow_id.clone(),
+                    accepted: false,
+                    answer: None,
+                    rejected: None,
+                    not_running: Some(not_running),
+                },
+                None => return Ok(std::process::ExitCode::from(exit::PROBLEM)),
+            }
         }
         Err(e @ AbandonError::Update { .. }) => return Err(anyhow::Error::new(e)),
     };
@@ -1037,7 +1067,91 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
     }))
 }
 
+/// Records the refusal of an abandon whose workflow is not running (see [`NotRunning`]): what
+/// was recorded, or `None` once it has said on stderr why nothing could be (no such payout, or
+/// the payment resource refused the record).
+async fn record_not_running(
+    args: &AbandonArgs,
+    parts: &Parts,
+    workflow_id: &str,
+    signal: &payout_workflows::AbandonSignal,
+) -> anyhow::Result<Option<NotRunning>> {
+    use payment_client::PaymentError;
+    let url = parts.payment_url()?;
+    let tls = parts.operator_tls(&args.operator)?;
+    let client = payment_client::PaymentClient::connect(&url, &tls)
+        .await
+        .map_err(|e| exit::unreachable(format!("the payment resource at {url}"), e))?;
+    let unreachable =
+        |e: PaymentError| exit::unreachable(format!("the payment resource at {url}"), e);
+    let state = match client.get_payout(&args.payout_id).await {
+        Ok(found) => found.payout.state,
+        Err(PaymentError::PayoutNotFound { .. }) => {
+            eprintln!(
+                "payoutctl: no workflow {workflow_id} and no payout {}: nothing was changed or recorded",
+                args.payout_id
+            );
+            return Ok(None);
+        }
+        Err(e @ PaymentError::Transport { .. }) => return Err(unreachable(e)),
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!("reading payout {}", args.payout_id)))
+        }
+    };
+    let reason = format!(
+        "refused: workflow {workflow_id} is not running (it has completed, or was never started); \
+         the payout is {}{}",
+        state.as_str(),
+        if state.is_terminal() {
+            ": there is nothing to abandon"
+        } else {
+            ""
+        }
+    );
+    let decision = payment_client::model::OperatorDecision {
+        payout_id: args.payout_id.clone(),
+        operator: args.operator.clone(),
+        decision: "abandon".into(),
+        reason: signal.reason.clone(),
+        accepted: false,
+        note: reason.clone(),
+        token: None,
+        signature: grant_signing::operator::from_hex(&signal.signature).map(|signature| {
+            payment_client::model::OperatorSignature {
+                signature,
+                signed_at_unix_ms: signal.signed_at_unix_ms,
+            }
+        }),
+    };
+    match client.record_operator_decision(&decision).await {
+        Ok(event) => Ok(Some(NotRunning {
+            reason,
+            state: state.as_str().to_string(),
+            audit_event_id: event.id,
+        })),
+        // Answered, and refused at the door (a payment resource whose table does not admit an
+        // operator's certificate to it): a refusal, not a connection that failed.
+        Err(e @ PaymentError::Transport { code, .. }) if code != tonic::Code::PermissionDenied => {
+            Err(unreachable(e))
+        }
+        Err(e) => {
+            eprintln!(
+                "payoutctl: {workflow_id} REFUSED ({reason}); the payment resource did not record \
+                 the refusal: {e}"
+            );
+            Ok(None)
+        }
+    }
+}
+
 pub fn render_abandon(r: &AbandonReport) -> String {
+    if let Some(n) = &r.not_running {
+        return format!(
+            "{} REFUSED (the payout's workflow is not running; recorded in the payment resource's \
+             audit trail, event {}): {}",
+            r.workflow_id, n.audit_event_id, n.reason
+        );
+    }
     match (&r.answer, &r.rejected) {
         (Some(a), _) => {
             let what = match a.outcome {

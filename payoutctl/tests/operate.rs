@@ -38,7 +38,7 @@ struct Out {
 impl Out {
     fn json(&self) -> Value {
         serde_json::from_str(&self.stdout)
-            .unwrap_or_else(|e| panic!("not one JSON object ({e}): {}", self.stdout))
+            .unwrap_or_else(|e| panic!("not one JSON object ({e}): {self:?}"))
     }
 }
 
@@ -433,20 +433,38 @@ async fn operator_commands_against_a_real_system() {
     let abandoned = unique("p-abandoned");
     ctl.expect(&create_args(&abandoned, &busy_account, "700"), 0);
     start(&temporal, &system, &input(&abandoned, &busy_account, 700)).await;
-    let abandon = |reason: &str| {
+    // The signing operator's own certificate (the deployment's, in the environment, is `alice`'s:
+    // the break-glass calls below are hers).
+    let signer_tls = system
+        .pki
+        .issue(Role::Operator, testkit::grants::OPERATOR)
+        .expect("the signing operator's certificate");
+    let (tls_ca, tls_cert, tls_key) = (
+        signer_tls.ca.display().to_string(),
+        signer_tls.cert.display().to_string(),
+        signer_tls.key.display().to_string(),
+    );
+    let abandon_as_signer = |payout: &str, reason: &str| {
         ctl.run(&[
             "payout",
             "abandon",
-            &abandoned,
+            payout,
             "--reason",
             reason,
             "--operator",
             testkit::grants::OPERATOR,
             "--key-file",
             system.operator.key_file.to_str().unwrap(),
+            "--tls-ca",
+            &tls_ca,
+            "--tls-cert",
+            &tls_cert,
+            "--tls-key",
+            &tls_key,
             "--json",
         ])
     };
+    let abandon = |reason: &str| abandon_as_signer(&abandoned, reason);
     let accepted = abandon("customer cancelled, ticket 7");
     assert_eq!(accepted.code, 0, "{accepted:?}");
     let answer = accepted.json();
@@ -563,8 +581,107 @@ async fn operator_commands_against_a_real_system() {
         kinds.contains(&"operator_decision") && kinds.contains(&"fenced_out"),
         "show carries the decision and the fenced-out attempt: {kinds:?}"
     );
-    // A terminal payout's workflow has closed: nothing to abandon.
-    assert_eq!(abandon("too late").code, 1);
+    // A terminal payout's workflow has closed: Temporal refuses the Update before any worker
+    // sees it, so payoutctl records the refusal in the payment resource's audit trail itself,
+    // under the operator's certified name, and says so.
+    let too_late = abandon("too late");
+    assert_eq!(too_late.code, 1, "{too_late:?}");
+    let too_late = too_late.json();
+    assert_eq!(too_late["accepted"], false, "{too_late}");
+    assert_eq!(too_late["not_running"]["state"], "ABANDONED", "{too_late}");
+    // The paid payout: with a certificate that is not the signing operator's, the refusal is
+    // not recorded (an audit row never names someone the call could not prove it was), and
+    // payoutctl says so; with the operator's own, it is.
+    let posted_abandon = |tls: bool| {
+        let mut args = vec![
+            "payout",
+            "abandon",
+            paid.as_str(),
+            "--reason",
+            "customer cancelled after payment",
+            "--operator",
+            testkit::grants::OPERATOR,
+            "--key-file",
+            system.operator.key_file.to_str().unwrap(),
+        ];
+        if tls {
+            args.extend([
+                "--tls-ca",
+                tls_ca.as_str(),
+                "--tls-cert",
+                tls_cert.as_str(),
+                "--tls-key",
+                tls_key.as_str(),
+            ]);
+        }
+        ctl.run(&args)
+    };
+    let impostor = posted_abandon(false);
+    assert_eq!(impostor.code, 1, "{impostor:?}");
+    assert!(
+        impostor
+            .stderr
+            .contains("the payment resource did not record the refusal")
+            && impostor
+                .stderr
+                .contains("is not the operator the caller's certificate carries"),
+        "{impostor:?}"
+    );
+    let decisions_of_paid = || async {
+        let shown = ctl.expect(&["payout", "show", &paid, "--json"], 0).json();
+        shown["audit"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| a["kind"] == "operator_decision")
+            .cloned()
+            .collect::<Vec<Value>>()
+    };
+    assert_eq!(decisions_of_paid().await, Vec::<Value>::new());
+    let posted = posted_abandon(true);
+    assert_eq!(posted.code, 1, "{posted:?}");
+    assert!(
+        posted.stdout.contains(&format!(
+            "payout-{paid} REFUSED (the payout's workflow is not running; recorded in the payment \
+             resource's audit trail"
+        )) && posted.stdout.contains(&format!(
+            "workflow payout-{paid} is not running (it has completed, or was never started); the \
+             payout is POSTED: there is nothing to abandon"
+        )),
+        "{posted:?}"
+    );
+    let recorded = decisions_of_paid().await;
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    let (owner, detail) = (&recorded[0]["owner"], &recorded[0]["detail"]);
+    assert_eq!(
+        owner.as_str(),
+        Some(testkit::grants::OPERATOR),
+        "{recorded:?}"
+    );
+    assert_eq!(
+        (
+            detail["accepted"].as_bool(),
+            detail["recorded_by"].as_str(),
+            detail["reason"].as_str()
+        ),
+        (
+            Some(false),
+            Some("operator"),
+            Some("customer cancelled after payment")
+        ),
+        "{detail}"
+    );
+    assert!(
+        detail["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("the payout is POSTED")),
+        "{detail}"
+    );
+    assert_eq!(
+        state_of(&paydb, &paid).await.as_deref(),
+        Some("POSTED"),
+        "nothing changed but the record"
+    );
 
     // --- payout list over the three states.
     let listed = ctl
