@@ -2,11 +2,15 @@
 //! it wraps in the same run, on a private stack of its own (real PostgreSQL and etcd), and prints
 //! both with their ratio. `bench etcd-soak` mints many grants on a private etcd and prints its
 //! database size as the run goes. Build with `--release` for figures worth comparing across machines.
+//! The services measured here are hosted in this `payoutdev`, so their build is its own (each
+//! prints it); `bench e2e` measures the local stack's, and checks them (crate::profile).
 
 use clap::{Args as ClapArgs, Subcommand};
 use service_benches::soak::{EtcdStatus, SoakReport};
 use testkit::etcd::{EtcdCluster, EtcdLimits};
 use testkit::{Lifetime, PgServer, Stack};
+
+use crate::profile::Services;
 
 #[derive(Subcommand)]
 pub enum Which {
@@ -60,6 +64,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
     let profile = profile();
     match which {
         Which::Lock(args) => {
+            let services = Services::in_process(&["lock-server"]);
             let r = service_benches::lock::run(
                 &stack.etcd_endpoints(),
                 &stack.etcd_client_tls("bench"),
@@ -71,13 +76,14 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
             if args.json {
                 println!(
                     "{}",
-                    serde_json::json!({"bench": "lock", "profile": profile, "report": r})
+                    serde_json::json!({"bench": "lock", "profile": profile, "services": services, "report": r})
                 );
             } else {
                 println!(
                     "lock: {} acquire+release, concurrency {}, {profile} build",
                     r.iterations, r.concurrency
                 );
+                println!("{services}");
                 println!(
                     "{:<28} {:>10} {:>10} {:>12}",
                     "path", "p50 (ms)", "p99 (ms)", "ops/s"
@@ -101,6 +107,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
             }
         }
         Which::Proxy(args) => {
+            let services = Services::in_process(&["rail-proxy", "rail-stub"]);
             let url = stack.fresh_db(PgServer::Proxy).await;
             let r = service_benches::proxy::run(&url, args.iterations, args.concurrency)
                 .await
@@ -108,13 +115,14 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
             if args.json {
                 println!(
                     "{}",
-                    serde_json::json!({"bench": "proxy", "profile": profile, "report": r})
+                    serde_json::json!({"bench": "proxy", "profile": profile, "services": services, "report": r})
                 );
             } else {
                 println!(
                     "proxy: {} payouts, concurrency {}, {profile} build",
                     r.iterations, r.concurrency
                 );
+                println!("{services}");
                 println!(
                     "{:<28} {:>10} {:>10} {:>12}",
                     "path", "p50 (ms)", "p99 (ms)", "per s"
@@ -146,6 +154,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
             }
         }
         Which::Ledger(args) => {
+            let services = Services::in_process(&["general-ledger"]);
             let url = stack.fresh_db(PgServer::Main).await;
             let r = service_benches::ledger::run(&url, args.iterations, args.concurrency)
                 .await
@@ -153,13 +162,14 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
             if args.json {
                 println!(
                     "{}",
-                    serde_json::json!({"bench": "ledger", "profile": profile, "report": r})
+                    serde_json::json!({"bench": "ledger", "profile": profile, "services": services, "report": r})
                 );
             } else {
                 println!(
                     "ledger: {} two-entry journals, concurrency {}, {profile} build",
                     r.iterations, r.concurrency
                 );
+                println!("{services}");
                 println!(
                     "{:<28} {:>10} {:>10} {:>12}",
                     "path", "p50 (ms)", "p99 (ms)", "journals/s"

@@ -113,6 +113,8 @@ struct Figures {
 struct Report {
     bench: &'static str,
     profile: &'static str,
+    /// The build of the stack's services that (a) and `idle` measured.
+    services: crate::profile::Services,
     payouts: usize,
     accounts: usize,
     configurations: Vec<Figures>,
@@ -207,6 +209,13 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         );
     }
     let system = ensure_up(&args.target, args.workers).await?;
+    // Once `up` has started this build's services in place of any other's: the figures say which
+    // build they measured, and a mixture, or another build than this payoutdev's (whose worker
+    // runs the floors), is refused before anything is measured.
+    let services = crate::profile::check(&args.target)?;
+    if !args.json {
+        eprintln!("{services}");
+    }
     let client = Arc::new(
         payout_workflows::client::connect(&system.temporal_address, "default", "payoutdev-bench")
             .await
@@ -414,6 +423,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let report = Report {
         bench: "e2e",
         profile: crate::bench::profile(),
+        services,
         payouts: args.payouts,
         accounts: args.accounts,
         system_over_workflow_floor: ratio(per_s("system"), per_s("workflow-floor")),
@@ -612,6 +622,7 @@ fn print_report(r: &Report) {
         "e2e: {} payouts over {} accounts (the floors: one account each), {} build",
         r.payouts, r.accounts, r.profile
     );
+    println!("{}", r.services);
     println!(
         "{:<24} {:>9} {:>7} {:>9} {:>10} {:>10} {:>12} {:>8}",
         "configuration",

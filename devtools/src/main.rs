@@ -6,6 +6,7 @@ mod bench;
 mod chaos;
 mod e2e;
 mod parts;
+mod profile;
 mod run;
 mod stack;
 

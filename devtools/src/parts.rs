@@ -5,6 +5,13 @@
 //! password, like the stack's credentials file beside it). The infrastructure comes first
 //! (PostgreSQL, etcd, Temporal), each waited for before the next, so a service started again
 //! finds what it depends on. Every other part keeps running, with its pid.
+//!
+//! A part that runs one of our own binaries runs this `payoutdev`'s build of it (the binary beside
+//! it, or `PAYOUT_BIN_DIR`'s), never the saved path: a stack first started by the debug
+//! `payoutdev` ran debug services for ever, so a release `bench e2e` measured debug services. A
+//! part that answers but runs another build of ours (its `/proc/<pid>/exe`) is stopped and
+//! started again with this build. Third-party programs (PostgreSQL, etcd, Temporal, Prometheus,
+//! Alertmanager) keep their saved program.
 
 use std::ffi::OsString;
 use std::os::unix::fs::OpenOptionsExt;
@@ -26,6 +33,11 @@ const ALIVE_BUT_SILENT_WAIT: Duration = Duration::from_secs(10);
 const RESTARTED_READY_WAIT: Duration = Duration::from_secs(90);
 /// How often a waiting `up` asks a part again.
 const HEALTH_POLL: Duration = Duration::from_millis(250);
+/// A part of another build gets this long to stop on SIGTERM (a worker finishes its tasks, a
+/// service drains) before SIGKILL: `stack down`'s grace.
+const OTHER_BUILD_STOP_GRACE: Duration = Duration::from_secs(15);
+/// A SIGKILLed process is gone within this, or something is wrong with the machine.
+const KILLED_EXIT_WAIT: Duration = Duration::from_secs(10);
 
 /// A part's launch as saved: what [`ProcessSpec`] holds, in JSON.
 #[derive(Serialize, Deserialize)]
@@ -45,7 +57,10 @@ fn launch_path(dir: &Path, part: &str) -> PathBuf {
 
 /// Saves `part`'s launch (its process as started), for a later `up` that finds it down.
 pub fn save(dir: &Path, part: &str, process: &ManagedProcess) -> anyhow::Result<()> {
-    let spec = process.spec();
+    save_spec(dir, part, process.spec())
+}
+
+fn save_spec(dir: &Path, part: &str, spec: &ProcessSpec) -> anyhow::Result<()> {
     let saved = SavedLaunch {
         name: spec.name.clone(),
         program: spec.program.clone(),
@@ -79,6 +94,11 @@ pub fn save(dir: &Path, part: &str, process: &ManagedProcess) -> anyhow::Result<
     }
     std::fs::rename(&tmp, &path)?;
     Ok(())
+}
+
+/// The program `part` was last started with (`None` without a readable saved launch).
+pub(crate) fn saved_program(dir: &Path, part: &str) -> Option<PathBuf> {
+    load(dir, part).map(|spec| spec.program)
 }
 
 fn load(dir: &Path, part: &str) -> Option<ProcessSpec> {
@@ -137,21 +157,57 @@ pub async fn repair(dir: &Path) -> anyhow::Result<Repair> {
             migrate(dir, &record).await?;
             migrated = true;
         }
-        if crate::stack::healthy(&part, &record, dir).await {
-            eprintln!("  {:<18} healthy, kept", part.name);
-            continue;
-        }
-        if testkit::util::pid_alive(part.pid) {
+        let saved = load(dir, &part.name);
+        // Our own binaries run as this payoutdev's build; a third-party program keeps its path.
+        let this_build = saved
+            .as_ref()
+            .and_then(|spec| crate::profile::this_build(&spec.program));
+        let mut answers = crate::stack::healthy(&part, &record, dir).await;
+        if !answers && testkit::util::pid_alive(part.pid) {
             eprintln!(
                 "  {:<18} running (pid {}) but not answering; waiting up to {:?}",
                 part.name, part.pid, ALIVE_BUT_SILENT_WAIT
             );
-            if wait_healthy(&part, &record, dir, ALIVE_BUT_SILENT_WAIT).await {
-                eprintln!("  {:<18} healthy, kept", part.name);
-                continue;
+            answers = wait_healthy(&part, &record, dir, ALIVE_BUT_SILENT_WAIT).await;
+            if !answers {
+                eprintln!("  {:<18} still silent: stopping it", part.name);
             }
-            eprintln!("  {:<18} still silent: stopping it", part.name);
         }
+        let why = if answers {
+            match this_build
+                .as_deref()
+                .and_then(|want| other_build(part.pid, want))
+            {
+                None => {
+                    eprintln!("  {:<18} healthy, kept", part.name);
+                    continue;
+                }
+                Some(running) => {
+                    // Never stop a part that answers for want of a binary to start instead.
+                    anyhow::ensure!(
+                        this_build.as_deref().is_some_and(Path::exists),
+                        "{} runs {}, and this payoutdev's {} is not built: `cargo build --bins` \
+                         (--release for a release payoutdev) builds it",
+                        part.name,
+                        crate::profile::shown(&running),
+                        this_build
+                            .as_deref()
+                            .map(crate::profile::shown)
+                            .unwrap_or_default()
+                    );
+                    eprintln!(
+                        "  {} runs {}; this payoutdev runs {}: restarting it",
+                        part.name,
+                        crate::profile::shown(&running),
+                        crate::profile::shown(&crate::profile::bin_dir())
+                    );
+                    stop(&part).await?;
+                    "starting this build's"
+                }
+            }
+        } else {
+            "down: starting it again"
+        };
         // Whatever is left of the part's process group (a killed PostgreSQL's backends) goes
         // first: they hold its shared memory and its port. The group id is the recorded leader's
         // pid, which the kernel does not reuse while the group has a member.
@@ -159,10 +215,21 @@ pub async fn repair(dir: &Path) -> anyhow::Result<Repair> {
         unsafe {
             libc::kill(-(part.pid as i32), libc::SIGKILL);
         }
-        let spec = load(dir, &part.name)
-            .with_context(|| format!("reading the saved launch of {}", part.name))?;
+        let mut spec =
+            saved.with_context(|| format!("reading the saved launch of {}", part.name))?;
+        if let Some(want) = this_build {
+            if spec.program != want {
+                // Saved as it runs from now on, so the launch on disk says what runs.
+                spec.program = want;
+                save_spec(dir, &part.name, &spec)?;
+            }
+        }
         remove_stale_postgres_locks(&spec)?;
-        eprintln!("  {:<18} down: starting it again", part.name);
+        eprintln!(
+            "  {:<18} {why} ({})",
+            part.name,
+            crate::profile::shown(&spec.program)
+        );
         let process = ManagedProcess::start(spec)?;
         let pid = process.pid().context("a started process has a pid")?;
         // Detached: dropping the handle leaves it running.
@@ -182,6 +249,50 @@ pub async fn repair(dir: &Path) -> anyhow::Result<Repair> {
         restarted.push(fresh.name);
     }
     Ok(Repair::Repaired { restarted })
+}
+
+/// The program `pid` runs when it is another build of `want` (one of our binaries): `None` when
+/// it runs `want` itself (an older binary of that path, rebuilt since, is still this build's
+/// profile), and when the recorded pid runs no program of that name (gone, or reused by another
+/// process: a part restarted by hand answers under another pid, and is not ours to stop).
+fn other_build(pid: u32, want: &Path) -> Option<PathBuf> {
+    let running = crate::profile::running_program(pid)?;
+    (running.file_name() == want.file_name() && running != want).then_some(running)
+}
+
+/// Stops a part that answers (one of another build): SIGTERM to its leader, as `stack down`
+/// does, SIGKILL to its group after [`OTHER_BUILD_STOP_GRACE`]; returns once it is gone, so its
+/// port is free for this build's.
+async fn stop(part: &payoutctl::record::Part) -> anyhow::Result<()> {
+    let wait_gone = |within: Duration| async move {
+        let deadline = Instant::now() + within;
+        while testkit::util::pid_alive(part.pid) && Instant::now() < deadline {
+            tokio::time::sleep(HEALTH_POLL).await;
+        }
+        !testkit::util::pid_alive(part.pid)
+    };
+    // SAFETY: a signal to the part's recorded leader, checked above to run one of our binaries.
+    unsafe {
+        libc::kill(part.pid as i32, libc::SIGTERM);
+    }
+    if wait_gone(OTHER_BUILD_STOP_GRACE).await {
+        return Ok(());
+    }
+    eprintln!(
+        "  {:<18} did not stop within {OTHER_BUILD_STOP_GRACE:?}; killing it",
+        part.name
+    );
+    // SAFETY: the part's own process group (its leader's pid).
+    unsafe {
+        libc::kill(-(part.pid as i32), libc::SIGKILL);
+    }
+    anyhow::ensure!(
+        wait_gone(KILLED_EXIT_WAIT).await,
+        "{} (pid {}) survived SIGKILL",
+        part.name,
+        part.pid
+    );
+    Ok(())
 }
 
 /// A killed PostgreSQL leaves `postmaster.pid` (and its socket's lock file) naming a process that

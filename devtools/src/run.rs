@@ -66,6 +66,8 @@ pub(crate) const BENEFICIARIES: u32 = 1_000;
 #[derive(Serialize)]
 struct Summary {
     run_id: String,
+    /// The build of the services this run measured (crate::profile).
+    services: crate::profile::Services,
     payouts: usize,
     accounts: usize,
     final_states: BTreeMap<String, u64>,
@@ -133,6 +135,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         }
     };
     let system = ensure_up(&args.target, args.workers).await?;
+    let services = crate::profile::check(&args.target)?;
     say(format!("system up; Temporal UI {}", system.ui_url));
 
     // The rail misbehaves as asked, reproducibly.
@@ -279,6 +282,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     };
     let summary = Summary {
         run_id: run_id.clone(),
+        services,
         payouts: args.payouts,
         accounts: args.accounts,
         final_states,
@@ -312,6 +316,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             .map(|(s, n)| format!("{s} {n}"))
             .collect();
         println!("final states: {}", states.join(", "));
+        println!("{}", summary.services);
         println!(
             "throughput {:.1} payouts/s; latency submission to final state p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
             summary.throughput_payouts_per_s, summary.latency_ms_p50, summary.latency_ms_p99, summary.latency_ms_max

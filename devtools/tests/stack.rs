@@ -329,3 +329,126 @@ impl Drop for KillOnDrop {
         }
     }
 }
+
+/// The binary of our own `name` that the `payoutdev` under test starts: `PAYOUT_BIN_DIR`'s, else
+/// the one beside it (as `testkit::util::bin_dir` resolves them), with its links resolved as the
+/// kernel shows a process's program.
+fn this_build(name: &str) -> std::path::PathBuf {
+    let dir = std::env::var_os("PAYOUT_BIN_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_BIN_EXE_payoutdev"))
+                .parent()
+                .unwrap()
+                .to_path_buf()
+        });
+    std::fs::canonicalize(dir.join(name)).unwrap()
+}
+
+/// The program a live process runs, as the kernel names it.
+fn exe(pid: i64) -> std::path::PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/exe"))
+        .unwrap_or_else(|e| panic!("pid {pid} runs no program we can read: {e}"))
+}
+
+/// Issue 32: a stack first started by one build of `payoutdev` (the debug one of `scripts/run.sh`)
+/// kept running that build's services under every later `payoutdev`, because `up` restarted each
+/// part's saved program. Another build here is a copy of the rail stub in another folder (its
+/// `/proc/<pid>/exe` tells it apart as a release binary's would): `up` must start this
+/// `payoutdev`'s own rail stub whether the part is down with the copy in its saved launch, or
+/// healthy and running the copy.
+#[tokio::test]
+async fn up_runs_this_payoutdevs_build_of_our_services() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("stack");
+    let stop = scopeguard(&state);
+    up_ok(&state, &stack_ports());
+    let ours = this_build("rail-stub");
+    let other_dir = dir.path().join("other-build");
+    std::fs::create_dir(&other_dir).unwrap();
+    let other = other_dir.join("rail-stub");
+    std::fs::copy(&ours, &other).unwrap();
+    let launch_file = state.join("parts").join("rail-stub.json");
+    let mut launch: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&launch_file).unwrap()).unwrap();
+    launch["program"] = other.to_str().unwrap().into();
+    std::fs::write(&launch_file, serde_json::to_vec_pretty(&launch).unwrap()).unwrap();
+
+    // 1. The part is down, and its saved launch names the other build.
+    let before = pids(&state);
+    kill_part(before["rail-stub"]);
+    let stderr = up_ok(&state, &[]);
+    assert!(stderr.contains("started again: rail-stub"), "{stderr}");
+    let after = pids(&state);
+    assert_eq!(
+        exe(after["rail-stub"]),
+        ours,
+        "up started the saved program, not this payoutdev's: {stderr}"
+    );
+
+    // 2. The part answers, but it runs the other build (started by hand, its pid recorded).
+    kill_part(after["rail-stub"]);
+    let by_hand = {
+        use std::os::unix::process::CommandExt;
+        Command::new(&other)
+            .args(
+                launch["args"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a.as_str().unwrap()),
+            )
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap()
+    };
+    let by_hand_pid = by_hand.id() as i64;
+    let _kill_by_hand = KillOnDrop(by_hand_pid);
+    let record_file = state.join("stack.json");
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&record_file).unwrap()).unwrap();
+    for part in record["parts"].as_array_mut().unwrap() {
+        if part["name"] == "rail-stub" {
+            part["pid"] = by_hand_pid.into();
+        }
+    }
+    std::fs::write(&record_file, serde_json::to_vec_pretty(&record).unwrap()).unwrap();
+    testkit::eventually(
+        std::time::Duration::from_secs(30),
+        "the rail stub of the other build reported healthy",
+        || async {
+            let (ok, status) = status_json(&state);
+            let stub = status["parts"]
+                .as_array()?
+                .iter()
+                .find(|p| p["name"] == "rail-stub")?
+                .clone();
+            (ok && stub["healthy"] == true).then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(exe(by_hand_pid), other);
+    let stderr = up_ok(&state, &[]);
+    assert!(
+        stderr.contains(&format!("rail-stub runs {}", other.display()))
+            && stderr.contains("restarting it"),
+        "up says which build it replaces: {stderr}"
+    );
+    assert!(
+        !testkit::util::pid_alive(by_hand_pid as u32),
+        "the other build's rail stub was stopped: {stderr}"
+    );
+    let last = pids(&state);
+    for (name, pid) in &after {
+        if name != "rail-stub" {
+            assert_eq!(last[name], *pid, "{name} kept running: {stderr}");
+        }
+    }
+    assert_eq!(exe(last["rail-stub"]), ours, "{stderr}");
+    let (ok, status) = status_json(&state);
+    assert!(ok, "every part healthy after up: {status}");
+    drop(stop);
+}
