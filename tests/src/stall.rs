@@ -34,6 +34,12 @@ use payout_domain::{FencingToken, PayoutId};
 /// The variable naming stall points; a deployment never sets it (and the shipped worker does
 /// not read it).
 pub const STALL_ENV: &str = "PAYOUT_TEST_STALL_AFTER_CHECK";
+/// `PAYOUT_TEST_LOSE_ANSWER=<step>:<payout_id>[,...]`: the first call of `step` (`claim`,
+/// `mark_submitted`, `record_outcome`, `post`, `abandon`) for that payout is made, the guard
+/// commits it, and its answer is replaced by a transient error, as a connection reset after the
+/// COMMIT or a local-activity timeout would lose it. Once per step and payout; the retry gets
+/// the guard's answer. A deployment never sets it.
+pub const LOSE_ANSWER_ENV: &str = "PAYOUT_TEST_LOSE_ANSWER";
 /// The variable naming the directory of armed stall points.
 pub const STALL_DIR_ENV: &str = "PAYOUT_TEST_STALL_DIR";
 /// An armed stall looks for its release this often.
@@ -43,6 +49,7 @@ const STALL_RELEASE_POLL: Duration = Duration::from_millis(50);
 pub struct StallingBackend {
     inner: Arc<dyn Backend>,
     stalls: StallPoints,
+    lost: LostAnswers,
 }
 
 impl StallingBackend {
@@ -51,6 +58,7 @@ impl StallingBackend {
         Self {
             inner,
             stalls: StallPoints::from_env(identity),
+            lost: LostAnswers::from_env(),
         }
     }
 }
@@ -76,7 +84,11 @@ impl Backend for StallingBackend {
         self.inner.get_payout(payout_id)
     }
     fn claim(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
-        self.inner.claim(input)
+        Box::pin(async move {
+            let payout_id = input.payout_id.clone();
+            let answer = self.inner.claim(input).await;
+            self.lost.maybe_lose("claim", &payout_id, answer)
+        })
     }
     fn mark_submitted(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
         Box::pin(async move {
@@ -84,13 +96,18 @@ impl Backend for StallingBackend {
                 .stalls
                 .stall("mark_submitted", &input.payout_id, input.grant.token)
                 .await;
+            let payout_id = input.payout_id.clone();
             let answer = self.inner.mark_submitted(input).await;
             plant.report(&answer, |_| "accepted".to_string());
-            answer
+            self.lost.maybe_lose("mark_submitted", &payout_id, answer)
         })
     }
     fn record_outcome(&self, input: RecordOutcomeInput) -> Answer<'_, PayoutSnapshot> {
-        self.inner.record_outcome(input)
+        Box::pin(async move {
+            let payout_id = input.payout_id.clone();
+            let answer = self.inner.record_outcome(input).await;
+            self.lost.maybe_lose("record_outcome", &payout_id, answer)
+        })
     }
     fn post(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {
         Box::pin(async move {
@@ -98,14 +115,20 @@ impl Backend for StallingBackend {
                 .stalls
                 .stall("post", &input.payout_id, input.grant.token)
                 .await;
-            self.inner.post(input).await
+            let payout_id = input.payout_id.clone();
+            let answer = self.inner.post(input).await;
+            self.lost.maybe_lose("post", &payout_id, answer)
         })
     }
     fn resolve(&self, input: ResolveInput) -> Answer<'_, PayoutSnapshot> {
         self.inner.resolve(input)
     }
     fn abandon(&self, input: AbandonInput) -> Answer<'_, PayoutSnapshot> {
-        self.inner.abandon(input)
+        Box::pin(async move {
+            let payout_id = input.payout_id.clone();
+            let answer = self.inner.abandon(input).await;
+            self.lost.maybe_lose("abandon", &payout_id, answer)
+        })
     }
     fn record_operator_decision(
         &self,
@@ -133,6 +156,56 @@ impl Backend for StallingBackend {
     }
     fn inquire(&self, input: InquireInput) -> Answer<'_, Inquiry> {
         self.inner.inquire(input)
+    }
+}
+
+/// The answers [`LOSE_ANSWER_ENV`] names, each lost once.
+#[derive(Default)]
+struct LostAnswers {
+    points: Vec<(String, String)>,
+    lost: Mutex<std::collections::HashSet<(String, String)>>,
+}
+
+impl LostAnswers {
+    fn from_env() -> Self {
+        let points = std::env::var(LOSE_ANSWER_ENV)
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|p| {
+                let (step, payout) = p.trim().split_once(':')?;
+                Some((step.to_string(), payout.to_string()))
+            })
+            .collect();
+        Self {
+            points,
+            lost: Mutex::default(),
+        }
+    }
+
+    /// `answer`, or, the first time `step` answers for `payout_id` with success, a transient
+    /// error in its place: the guard committed, the caller never hears it.
+    fn maybe_lose<T>(
+        &self,
+        step: &str,
+        payout_id: &PayoutId,
+        answer: Result<T, ActivityFailure>,
+    ) -> Result<T, ActivityFailure> {
+        let point = (step.to_string(), payout_id.to_string());
+        if answer.is_err() || !self.points.contains(&point) {
+            return answer;
+        }
+        let first = self
+            .lost
+            .lock()
+            .map(|mut lost| lost.insert(point))
+            .unwrap_or(false);
+        if !first {
+            return answer;
+        }
+        tracing::warn!(step, payout_id = %payout_id, "test: the guard committed; its answer is lost");
+        Err(ActivityFailure::Transient(format!(
+            "test: the answer of {step} for {payout_id} was lost after the guard committed"
+        )))
     }
 }
 

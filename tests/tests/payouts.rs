@@ -1179,6 +1179,71 @@ async fn stalled_system() -> &'static System {
         .await
 }
 
+static LOST_ANSWERS: OnceCell<System> = OnceCell::const_new();
+/// The payout whose guard steps each lose their first answer after the guard committed.
+const LOST_ANSWERS_PAYOUT: &str = "lost-answers-p";
+
+/// One test worker that loses the first answer of the claim, MarkSubmitted, RecordOutcome and
+/// Post of [`LOST_ANSWERS_PAYOUT`] (`system_tests::stall::LOSE_ANSWER_ENV`): each guard call
+/// commits, and the worker reports a transient error in place of its answer.
+async fn lost_answers_system() -> &'static System {
+    LOST_ANSWERS
+        .get_or_init(|| async {
+            let lost = ["claim", "mark_submitted", "record_outcome", "post"]
+                .map(|step| format!("{step}:{LOST_ANSWERS_PAYOUT}"))
+                .join(",");
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 1,
+                    settlement_window_ms: 1_000,
+                    rail_timeout_ms: RAIL_TIMEOUT_MS,
+                    worker_env: vec![(system_tests::stall::LOSE_ANSWER_ENV.into(), lost)],
+                    test_worker: true,
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the lost-answers system starts")
+        })
+        .await
+}
+
+/// Issue 35: a committed step whose answer is lost (a restart after COMMIT, a reset connection,
+/// a local-activity timeout) is retried under the same grant, and the guard answers the retry
+/// with the record, not a refusal. Before, the retried MarkSubmitted was refused as a transition
+/// from RAIL_SUBMITTED; the run, not having seen its own mark, recorded OUTCOME_MISSING without
+/// calling the proxy, and after the settlement window the payout ended FAILED: never sent,
+/// failed for a network blip, with RefusedTransition paging. Now every step's lost answer is
+/// recovered: POSTED, one movement, one rail request, two ledger rows, and no refusal recorded.
+#[tokio::test]
+async fn a_step_whose_answer_is_lost_after_its_commit_is_answered_with_the_record_and_paid_once() {
+    let system = lost_answers_system().await;
+    let ctx = Ctx::new(system).await;
+    let input = explicit_payout(&ctx, LOST_ANSWERS_PAYOUT, "lost-answers-acct").await;
+    let id = ctx.start(&input).await;
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    let log = std::fs::read_to_string(system.workers[0].log_path()).unwrap_or_default();
+    for step in ["claim", "mark_submitted", "record_outcome", "post"] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("its answer is lost") && l.contains(step)),
+            "the answer of {step} was lost once (the fault happened)"
+        );
+    }
+    assert_eq!(ctx.rail(&input).await, (1, 1), "one movement, one request");
+    assert_eq!(ctx.ledger_rows(&input).await, 2);
+    let refused: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM audit_event WHERE payout_id = $1 AND kind = 'refused_transition'",
+    )
+    .bind(input.payout_id.as_str())
+    .fetch_one(&ctx.paydb)
+    .await
+    .unwrap();
+    assert_eq!(refused, 0, "a repeat under its own grant is no refusal");
+}
+
 /// An explicit payout on an account of its own, both named after `name` and unique in the stack.
 async fn unique_explicit_payout(ctx: &Ctx, name: &str) -> PayoutInput {
     let unique = Stack::shared().unique_prefix(name).replace(['/', ':'], "-");

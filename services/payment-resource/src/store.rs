@@ -489,6 +489,46 @@ struct Fenced {
     now: DateTime<Utc>,
 }
 
+/// The events that answer a repeat of `event` under the grant that made it: a claim is recorded
+/// as CLAIM or, short of funds, FUNDS_INSUFFICIENT; every other step as itself.
+fn recorded_as(event: PayoutEvent) -> &'static [PayoutEvent] {
+    match event {
+        PayoutEvent::Claim | PayoutEvent::FundsInsufficient => {
+            &[PayoutEvent::Claim, PayoutEvent::FundsInsufficient]
+        }
+        PayoutEvent::SubmissionAccepted => &[PayoutEvent::SubmissionAccepted],
+        PayoutEvent::RailAcked => &[PayoutEvent::RailAcked],
+        PayoutEvent::RailDeclined => &[PayoutEvent::RailDeclined],
+        PayoutEvent::RailTimeout => &[PayoutEvent::RailTimeout],
+        PayoutEvent::OutcomeMissing => &[PayoutEvent::OutcomeMissing],
+        PayoutEvent::Posted => &[PayoutEvent::Posted],
+        PayoutEvent::EvidenceFound => &[PayoutEvent::EvidenceFound],
+        PayoutEvent::EvidenceAbsent => &[PayoutEvent::EvidenceAbsent],
+        PayoutEvent::OperatorAbandon => &[PayoutEvent::OperatorAbandon],
+    }
+}
+
+/// Whether the payout's audit trail holds `event`'s transition made under `fence`'s grant (its
+/// token and owner), read in the fenced transaction (which holds the payout's row lock).
+async fn made_under_this_grant(
+    fenced: &mut Fenced,
+    event: PayoutEvent,
+    fence: &Fence,
+) -> Result<bool, ServerError> {
+    let events: Vec<&str> = recorded_as(event).iter().map(|e| e.as_str()).collect();
+    let made: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM audit_event WHERE payout_id = $1 AND kind = 'transition' \
+         AND event = ANY($2) AND token = $3 AND owner = $4)",
+    )
+    .bind(fenced.payout.payout_id.as_str())
+    .bind(&events)
+    .bind(fence.token().as_i64())
+    .bind(fence.owner())
+    .fetch_one(&mut *fenced.tx)
+    .await?;
+    Ok(made)
+}
+
 /// The columns a transition sets besides its state and token stamp.
 #[derive(Default)]
 struct Changes {
@@ -1111,8 +1151,35 @@ impl Store {
                 self.commit_transition(fenced, event, actor, None, fence, to, changes, detail)
                     .await
             }
-            Err(refusal) => Err(self.refuse(fenced, refusal, actor, Some(fence)).await),
+            Err(refusal) => {
+                self.repeat_or_refuse(fenced, event, refusal, actor, fence)
+                    .await
+            }
         }
+    }
+
+    /// A transition the table refuses from the payout's state: answered with the record as it
+    /// stands when it is a repeat of a step this same grant already made (its answer was lost:
+    /// a restart after COMMIT, a reset connection, a local-activity timeout), refused and
+    /// signalled otherwise. A repeat changes nothing and is neither a refusal nor a defect
+    /// signal; the same step under another grant still is both.
+    async fn repeat_or_refuse(
+        &self,
+        mut fenced: Fenced,
+        event: PayoutEvent,
+        refusal: payout_domain::RefusedTransition,
+        actor: Actor,
+        fence: &Fence,
+    ) -> Result<Payout, ServerError> {
+        if made_under_this_grant(&mut fenced, event, fence).await? {
+            let payout = fenced.payout.clone();
+            fenced.tx.rollback().await?;
+            tracing::info!(payout_id = %payout.payout_id, account_id = %payout.account_id,
+                transition_event = event.as_str(), state = payout.state.as_str(), token = fence.token().get(),
+                owner = fence.owner(), "a step repeated under the grant that made it: answered with the record");
+            return Ok(payout);
+        }
+        Err(self.refuse(fenced, refusal, actor, Some(fence)).await)
     }
 
     // ----- accounts -----
@@ -1364,6 +1431,18 @@ impl Store {
     pub async fn claim(&self, payout_id: &PayoutId, fence: &Fence) -> Result<Payout, ServerError> {
         let fenced = self.begin_fenced(payout_id, fence, "claim").await?;
         let payout = &fenced.payout;
+        // This grant's own claim, repeated (its answer was lost): the record as it stands, not a
+        // second CLAIMED -> CLAIMED transition (which is a later holder's recovery re-claim).
+        if payout.state == PayoutState::Claimed
+            && payout.token_stamp == Some(fence.token().get())
+            && payout.claimed_by.as_deref() == Some(fence.owner())
+        {
+            let payout = payout.clone();
+            fenced.tx.rollback().await?;
+            tracing::info!(payout_id = %payout.payout_id, token = fence.token().get(),
+                "a claim repeated under the grant that made it: answered with the record");
+            return Ok(payout);
+        }
         let insufficient =
             payout.state == PayoutState::Pending && fenced.balance_minor < payout.amount_minor;
         let detail = json!({"balance_minor": fenced.balance_minor, "amount_minor": payout.amount_minor,
@@ -1599,9 +1678,15 @@ impl Store {
         let to = match from.apply(PayoutEvent::OperatorAbandon, Actor::Operator) {
             Ok(to) => to,
             Err(refusal) => {
-                return Err(self
-                    .refuse(fenced, refusal, Actor::Operator, Some(fence))
-                    .await)
+                return self
+                    .repeat_or_refuse(
+                        fenced,
+                        PayoutEvent::OperatorAbandon,
+                        refusal,
+                        Actor::Operator,
+                        fence,
+                    )
+                    .await
             }
         };
         let mut detail = json!({"operator": request.operator, "reason": request.reason,
@@ -1670,16 +1755,28 @@ impl Store {
 
     /// RAIL_ACKED -> POSTED in one transaction: two ledger rows summing to zero (customer debit,
     /// payout-clearing credit, one group, the token stamped), the balance, the payout, one outbox
-    /// row. On a POSTED payout it answers as the first posting did and changes nothing, but the
-    /// table still refuses the pair (POSTED is terminal): it is counted and audited like every
-    /// refused transition, because a terminal payout asked to post again is a defect signal
-    /// (spec 2.3), even when the answer can be the idempotent one.
+    /// row. On a POSTED payout it answers as the first posting did and changes nothing. Asked
+    /// again by the grant that posted it (its answer was lost) that is all; asked by another
+    /// grant the table still refuses the pair (POSTED is terminal): it is counted and audited
+    /// like every refused transition, because a terminal payout asked to post again by someone
+    /// else is a defect signal (spec 2.3), even when the answer can be the idempotent one.
     pub async fn post(
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
     ) -> Result<PostOutcome, ServerError> {
         let mut fenced = self.begin_fenced(payout_id, fence, "post").await?;
+        // This grant's own posting, repeated (its answer was lost): the first posting's answer,
+        // with no refusal recorded.
+        if fenced.payout.state == PayoutState::Posted
+            && made_under_this_grant(&mut fenced, PayoutEvent::Posted, fence).await?
+        {
+            let payout = fenced.payout.clone();
+            fenced.tx.rollback().await?;
+            tracing::info!(payout_id = %payout.payout_id, token = fence.token().get(),
+                "a posting repeated under the grant that made it: answered with the first");
+            return self.posted_answer(payout).await;
+        }
         let to = match fenced
             .payout
             .state

@@ -575,9 +575,10 @@ async fn every_unlisted_pair_is_refused_and_changes_nothing() {
 }
 
 /// Post on a POSTED payout (spec 2.3: a terminal state rejects everything, and the rejection is
-/// a defect signal): the answer stays the first posting's, idempotently, and changes nothing, but
-/// it is counted and audited exactly like every other refused transition. Control: the posting
-/// itself (RAIL_ACKED -> POSTED) counts and audits no refusal.
+/// a defect signal): the answer stays the first posting's, idempotently, and changes nothing. The
+/// posting grant's own retry (its answer was lost) is no refusal; a later holder's is counted and
+/// audited exactly like every other refused transition. Control: the posting itself
+/// (RAIL_ACKED -> POSTED) counts and audits no refusal.
 #[tokio::test]
 async fn post_of_a_posted_payout_answers_idempotently_and_is_a_refused_transition() {
     let h = harness().await;
@@ -603,21 +604,22 @@ async fn post_of_a_posted_payout_answers_idempotently_and_is_a_refused_transitio
     assert_eq!(audit_count(&h.pool, "refused_transition").await, 0);
 
     let before = snapshot(&h.pool, "p-1").await;
-    // The same holder's retry, then a later holder's.
-    for (n, retry) in [f.clone(), fence("acct-1", "worker-b", 11)]
-        .iter()
-        .enumerate()
-    {
+    // The same holder's retry (no refusal), then a later holder's (one).
+    for (refusals, retry) in [(0, f.clone()), (1, fence("acct-1", "worker-b", 11))] {
+        let retry = &retry;
         let again = h.c().post(&pid("p-1"), retry).await.unwrap();
         assert!(again.already_posted);
         assert_eq!(again.entries, first.entries);
         assert_eq!(again.transaction_group, first.transaction_group);
         assert_eq!(again.payout.state, PayoutState::Posted);
-        assert_eq!(refused_counter(&h), n as u64 + 1);
+        assert_eq!(refused_counter(&h), refusals);
         assert_eq!(
             audit_count(&h.pool, "refused_transition").await,
-            n as i64 + 1
+            refusals as i64
         );
+        if refusals == 0 {
+            continue;
+        }
         let (from, event, owner, token): (String, String, String, i64) = sqlx::query_as(
             "SELECT from_state, event, owner, token FROM audit_event \
              WHERE kind = 'refused_transition' ORDER BY id DESC LIMIT 1",
@@ -631,6 +633,86 @@ async fn post_of_a_posted_payout_answers_idempotently_and_is_a_refused_transitio
         );
     }
     assert_eq!(snapshot(&h.pool, "p-1").await, before, "nothing changed");
+    assert_ledger_clean(&h).await;
+}
+
+/// A step repeated under the grant that made it (its answer lost after the COMMIT: a restart, a
+/// reset connection, a local-activity timeout) answers with the record as it stands: no second
+/// transition, no refusal, no defect signal. Another step under the same grant from a state it
+/// cannot leave, and the same step under another grant, stay refusals and signals. Before, every
+/// repeat was refused, and a payout whose MarkSubmitted answer was lost ended FAILED, never sent.
+#[tokio::test]
+async fn a_step_repeated_under_the_grant_that_made_it_answers_with_the_record() {
+    use PayoutEvent as E;
+    let h = harness().await;
+    let refused_counted = |h: &Harness| -> u64 {
+        h.service
+            .metrics
+            .render()
+            .lines()
+            .filter(|l| l.starts_with("payment_refused_transitions_total{"))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .sum()
+    };
+    // Each step, then the same step again under the same grant.
+    let paths: [(&str, &[PayoutEvent]); 3] = [
+        (
+            "r1",
+            &[E::Claim, E::SubmissionAccepted, E::RailAcked, E::Posted],
+        ),
+        (
+            "r2",
+            &[
+                E::Claim,
+                E::SubmissionAccepted,
+                E::RailTimeout,
+                E::EvidenceFound,
+            ],
+        ),
+        ("r3", &[E::OperatorAbandon]),
+    ];
+    for (name, path) in paths {
+        let (account, payout) = (format!("acct-{name}"), format!("p-{name}"));
+        open(&h, &account, 10_000).await;
+        create(&h, &payout, &account, 1_000).await;
+        let f = fence(&account, "worker-a", 10);
+        for event in path {
+            let first = perform(h.c(), &pid(&payout), *event, &f).await.unwrap();
+            let before = snapshot(&h.pool, &payout).await;
+            let transitions = audit_count(&h.pool, "transition").await;
+            let again = perform(h.c(), &pid(&payout), *event, &f)
+                .await
+                .unwrap_or_else(|e| panic!("{event:?} repeated under its grant: {e}"));
+            assert_eq!(again.state, first.state, "{event:?}");
+            assert_eq!(snapshot(&h.pool, &payout).await, before, "{event:?}");
+            assert_eq!(
+                audit_count(&h.pool, "transition").await,
+                transitions,
+                "{event:?}: no second transition"
+            );
+            assert_eq!(audit_count(&h.pool, "refused_transition").await, 0);
+            assert_eq!(refused_counted(&h), 0, "{event:?}: no defect signal");
+        }
+    }
+    // Another step under the same grant: p-r2 is RAIL_ACKED on evidence; a decline under the
+    // grant that recorded the evidence is no repeat of anything that grant did.
+    let r2 = fence("acct-r2", "worker-a", 10);
+    let declined = perform(h.c(), &pid("p-r2"), E::RailDeclined, &r2).await;
+    assert!(
+        matches!(declined, Err(PaymentError::RefusedTransition { .. })),
+        "{declined:?}"
+    );
+    // The same step under another grant (a later holder): refused, recorded, counted.
+    let later = fence("acct-r1", "worker-b", 11);
+    let before = snapshot(&h.pool, "p-r1").await;
+    let marked = perform(h.c(), &pid("p-r1"), E::SubmissionAccepted, &later).await;
+    assert!(
+        matches!(marked, Err(PaymentError::RefusedTransition { .. })),
+        "{marked:?}"
+    );
+    assert_eq!(snapshot(&h.pool, "p-r1").await, before);
+    assert_eq!(audit_count(&h.pool, "refused_transition").await, 2);
+    assert_eq!(refused_counted(&h), 2);
     assert_ledger_clean(&h).await;
 }
 
@@ -3744,8 +3826,8 @@ async fn an_operator_recording_a_decision_under_another_name_is_refused() {
 /// Negative control: with the certificate check switched off in-process, the same record under
 /// another operator's name lands under that name: the test above sees what it claims to.
 #[tokio::test]
-async fn negative_control_without_operator_certification_a_decision_is_recorded_under_another_name(
-) {
+async fn negative_control_without_operator_certification_a_decision_is_recorded_under_another_name()
+{
     let h = harness().await;
     open(&h, "acct-1", 10_000).await;
     create(&h, "p-1", "acct-1", 1_000).await;
