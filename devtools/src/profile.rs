@@ -156,12 +156,14 @@ pub fn check(target: &payoutctl::target::Target) -> anyhow::Result<Services> {
         if !is_ours(&saved) {
             continue;
         }
-        let program = running_program(part.pid).with_context(|| {
+        // The process that serves the part's port (a part restarted by hand serves under
+        // another pid than the recorded one), else the recorded one.
+        let pid = crate::stack::serving_pid(part, &record).unwrap_or(part.pid);
+        let program = running_program(pid).with_context(|| {
             format!(
-                "{} (recorded pid {}) is not running, or was restarted by hand: which build it \
-                 runs is not known; `payoutdev stack down && payoutdev stack up` restarts the \
-                 stack with this payoutdev's",
-                part.name, part.pid
+                "{} (pid {pid}) is not running: which build it runs is not known; `payoutdev \
+                 stack down && payoutdev stack up` restarts the stack with this payoutdev's",
+                part.name
             )
         })?;
         parts.push(part.name.clone());

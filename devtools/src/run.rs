@@ -84,6 +84,9 @@ struct Summary {
     reconciliation_violations: usize,
     temporal_ui: String,
     workflow_ids_look_like: String,
+    /// The local stack's alerting at the end of the run (none for an external deployment):
+    /// whether its path works, and what fires. A dark path fails the run.
+    alerting: Option<crate::stack::AlertingReport>,
 }
 
 #[derive(Parser)]
@@ -280,6 +283,13 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             .find(|c| c.name == name)
             .is_some_and(|c| c.violations.is_empty())
     };
+    // The stack's alerting as it stands at the end: a dark path (no rule loaded, a target not
+    // scraped) is what once left every alert of the local stack silent while runs passed.
+    let alerting = if args.target.is_external() {
+        None
+    } else {
+        Some(crate::stack::alerting_report(&args.target.state_dir).await?)
+    };
     let summary = Summary {
         run_id: run_id.clone(),
         services,
@@ -299,6 +309,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         reconciliation_violations: report.violations,
         temporal_ui: system.ui_url.clone(),
         workflow_ids_look_like: format!("payout-{run_id}-p-00000"),
+        alerting,
     };
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);
@@ -331,12 +342,20 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             "ledger balanced: {}; GL matches paydb: {}; reconciliation violations: {}",
             summary.ledger_balanced, summary.gl_matches_paydb, summary.reconciliation_violations
         );
+        match &summary.alerting {
+            Some(alerting) => println!("{}", alerting.render()),
+            None => println!("alerting: not read (an external deployment's monitoring is its own)"),
+        }
         println!(
             "inspect every payout in the Temporal UI: {} (workflow ids like {})",
             summary.temporal_ui, summary.workflow_ids_look_like
         );
     }
-    let ok = failures.is_empty() && report.is_clean() && summary.rail_movements_per_payout_max <= 1;
+    let alerting_works = summary.alerting.as_ref().is_none_or(|a| a.dark.is_empty());
+    let ok = failures.is_empty()
+        && report.is_clean()
+        && summary.rail_movements_per_payout_max <= 1
+        && alerting_works;
     Ok(if ok {
         std::process::ExitCode::SUCCESS
     } else {

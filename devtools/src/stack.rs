@@ -796,7 +796,7 @@ fn part_port(part: &Part, record: &StackRecord) -> Option<u16> {
 }
 
 /// The process listening on the part's port, if any.
-fn serving_pid(part: &Part, record: &StackRecord) -> Option<u32> {
+pub(crate) fn serving_pid(part: &Part, record: &StackRecord) -> Option<u32> {
     testkit::util::listening_pid(part_port(part, record)?)
 }
 

@@ -313,9 +313,30 @@ async fn up_after_one_part_died_restarts_that_part_only() {
     .unwrap();
     let stderr = up_ok(&state, &[]);
     assert!(stderr.contains("stack already up"), "{stderr}");
-    assert_eq!(pids(&state), recorded, "up restarted nothing");
+    // `status` shows the pid that serves the stub's port (the hand-started one), and the pid
+    // `up` recorded beside it; every other part keeps its pid.
+    let mut expected = recorded.clone();
+    expected.insert("rail-stub".into(), by_hand_pid);
+    assert_eq!(pids(&state), expected, "up restarted nothing");
+    let (_, status) = status_json(&state);
+    let stub = status["parts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "rail-stub")
+        .unwrap();
+    assert_eq!(stub["recorded_pid"], recorded["rail-stub"], "{status}");
     assert!(testkit::util::pid_alive(by_hand_pid as u32));
+    // `down` stops the process that serves, not only the recorded one.
     drop(stop);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while testkit::util::pid_alive(by_hand_pid as u32) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(
+        !testkit::util::pid_alive(by_hand_pid as u32),
+        "down stopped the hand-started stub"
+    );
 }
 
 /// Kills a process group this test started by hand, whatever happens.
