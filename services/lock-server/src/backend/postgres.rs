@@ -145,6 +145,17 @@ impl Drop for PgBackend {
     }
 }
 
+/// The acquire: a free key is inserted; a taken key is taken over only on proof that its holder's
+/// session is dead. Under READ COMMITTED the unique index and the ON CONFLICT row lock arbitrate
+/// on the key's newest committed row, even one the statement's snapshot cannot see, but every
+/// subquery reads that snapshot. So the takeover asks for a session that is EXPIRED or CLOSED
+/// (both final: a snapshot that shows one is never stale in the direction that matters), never
+/// for the absence of an ACTIVE one: a holder whose session was created after the snapshot is
+/// absent from it, and reading absence as death took live keys (issue 35, item 6; two live
+/// holders, the later one with the lower token: `tests/pg_acquire_race.rs`). Such a holder is
+/// taken as alive: no row comes back and `try_acquire`'s re-read (a new snapshot) names it. A
+/// holder whose lease ran out is taken over here too: `expired`'s UPDATE locks its session row and
+/// re-checks it in its newest version (EvalPlanQual) before the takeover relies on it.
 const ACQUIRE_SQL: &str = r#"
 WITH expired AS (
     UPDATE lock_session s SET state = 'EXPIRED', ended_at = clock_timestamp()
@@ -164,7 +175,7 @@ ON CONFLICT (key) DO UPDATE
     SET owner = EXCLUDED.owner, session_id = EXCLUDED.session_id, token = EXCLUDED.token,
         acquired_at = EXCLUDED.acquired_at
     WHERE cur.session_id IN (SELECT session_id FROM expired)
-       OR NOT EXISTS (SELECT 1 FROM lock_session s WHERE s.session_id = cur.session_id AND s.state = 'ACTIVE')
+       OR EXISTS (SELECT 1 FROM lock_session s WHERE s.session_id = cur.session_id AND s.state <> 'ACTIVE')
 RETURNING token,
     (SELECT (extract(epoch FROM s.expires_at) * 1000)::bigint FROM lock_session s WHERE s.session_id = $3) AS expires_unix_ms,
     (SELECT s.ttl_ms FROM lock_session s WHERE s.session_id = $3) AS ttl_ms
