@@ -6,7 +6,9 @@
 //!   ABSENT / NEVER_SENT → FAILED, UNKNOWN → left alone).
 //! - [`resume`]: a payout in PENDING, CLAIMED, RAIL_SUBMITTED or RAIL_ACKED whose workflow is
 //!   closed or was never started is handed back to a new workflow run, after its account's key is
-//!   taken over (an audited force-revoke) from a grant whose workflow is not running.
+//!   taken over (an audited force-revoke) from a grant whose workflow is not running; and a short
+//!   pass (`resume_blocked_accounts`) does the same for the accounts where someone waits, every
+//!   few seconds.
 //!
 //! It takes real grants: a lock session of its own and a grant on the account's key for every
 //! resolution, whose token it presents at both guards (the payment resource's fence, the rail
@@ -20,11 +22,12 @@
 //! force-revoked), the next holder's token is higher, and each guard refuses the resolver's token
 //! once it has seen that one; a takeover works the same way against the holder it revokes.
 //!
-//! Run it from one process at a time per account (`reconciler serve`, whose schedule never
-//! overlaps two runs, or an operator's `reconciler once --resolve-orphans / --resume-stranded`,
-//! not both at once). Two at once are not unsafe, since every write is fenced,
-//! but their takeovers race: one may force-revoke the fresh grant of a workflow the other has
-//! just resumed, and the payout is interrupted and retried for nothing.
+//! Two passes may run at once (`reconciler serve`'s scheduled pass and its keeper's short holder
+//! pass, several replicas, an operator's `reconciler once --resume-stranded`): every write is
+//! fenced, a takeover revokes only the grant it described and whose workflow it found not running
+//! (a key that changed holder since is refused `HolderChanged`, so a workflow another pass just
+//! resumed is never deposed), and a second start of a resumed workflow is Temporal's "already
+//! started". The schedule never overlaps two scheduled runs.
 
 pub mod resolve;
 pub mod resume;

@@ -17,6 +17,16 @@
 //! the key is taken over (an audited force-revoke by the resolver; the next grant's token is
 //! higher, so the guards fence out anything the old holder still sends) before the resume.
 //!
+//! Two passes: the full one ([`resume_stranded`], every scheduled reconciliation) looks at every
+//! open payout; the short one ([`resume_blocked_accounts`], `reconciler serve`'s keeper, every
+//! few seconds) only at the accounts where someone waits or a payout is in flight, so a holder
+//! whose workflow was terminated blocks its account for seconds, not until the next full pass.
+//!
+//! Whether a payout "has not started yet" is paydb's record, never when a pass first saw it: a
+//! PENDING payout whose workflow start paydb records as delivered had a workflow, so after
+//! Temporal lost its state the first pass resumes it; one whose start is still staged is the
+//! starter's for the not-started grace, from the staging (the payout's creation).
+//!
 //! Temporal is asked through its own client (describe, start), never by parsing CLI output.
 
 use std::time::Duration;
@@ -239,10 +249,53 @@ pub struct ResumeConfig {
     /// workflow is gone).
     pub tls: mtls::Tls,
     pub temporal: TemporalConfig,
-    /// A payout with no workflow at all is left alone this long after its creation: its creator
-    /// is about to start one.
+    /// A PENDING payout whose workflow start paydb has not yet recorded as delivered is left
+    /// alone this long after the start was staged (with the payout, in one commit): the starter
+    /// is about to deliver it. A start paydb records as delivered gets no grace: the workflow
+    /// existed, so Temporal not knowing it means Temporal lost it.
     pub not_started_grace: Duration,
 }
+
+/// The full pass's candidates: every open payout (RAIL_AMBIGUOUS ones only for their account's
+/// takeover), oldest first per account. `past_grace` is decided by paydb's own record, never by
+/// when a pass first saw the payout, so one pass after Temporal lost its state resumes them all:
+/// true once the payout's workflow start is delivered (`workflow_start.started_at`), otherwise
+/// once the start was staged (or, for a payout without a staged start, created) longer than the
+/// grace ago, by paydb's clock.
+const STRANDED_SQL: &str = "\
+    SELECT p.id, p.account_id, p.state, \
+           CASE WHEN s.started_at IS NOT NULL THEN true \
+                ELSE COALESCE(s.staged_at, p.created_at) < now() - $2 * interval '1 millisecond' \
+           END \
+    FROM payout p LEFT JOIN workflow_start s ON s.payout_id = p.id \
+    WHERE p.state IN ('PENDING', 'CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS') \
+    ORDER BY p.account_id, p.created_at, p.id LIMIT $1";
+
+/// Accounts a payout of which waits behind another (two or more open payouts) or which have a
+/// payout in flight (it holds the account by the one-in-flight rule), oldest first: where a
+/// holder whose workflow is gone blocks someone. Read through the non-terminal payouts' partial
+/// index, bounded by the payouts open, never every payout ever made.
+const BLOCKING_ACCOUNTS_SQL: &str = "\
+    SELECT account_id FROM payout \
+    WHERE state IN ('PENDING', 'CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS') \
+    GROUP BY account_id HAVING count(*) > 1 OR bool_or(state <> 'PENDING') \
+    ORDER BY min(created_at), account_id LIMIT $1";
+
+/// The payouts in flight of those accounts (at most one each, by paydb's unique index): each
+/// was claimed under a grant, so it had a workflow and needs no grace.
+const IN_FLIGHT_OF_SQL: &str = "\
+    SELECT id, account_id, state, true FROM payout \
+    WHERE account_id = ANY($1) \
+      AND state IN ('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS') \
+    ORDER BY account_id, created_at, id";
+
+/// Accounts the short holder pass looks at, per pass: a lock describe each (and a Temporal
+/// describe per held key and per payout in flight), every keeper interval; accounts beyond it
+/// wait for the full pass, which sees every stranded payout anyway.
+pub const BLOCKING_ACCOUNTS_PER_PASS_MAX: i64 = 200;
+
+/// A candidate payout: id, account, state, and whether its not-started grace has passed.
+type Candidate = (String, String, String, bool);
 
 /// First, every account with a payout in flight has its key taken over from any grant whose
 /// payout's workflow is not running (nobody would ever release it; the account's running
@@ -254,16 +307,52 @@ pub async fn resume_stranded(
     config: &ResumeConfig,
 ) -> Result<Vec<Resumption>, ResumeError> {
     let grace_ms = i64::try_from(config.not_started_grace.as_millis()).unwrap_or(i64::MAX);
-    let rows: Vec<(String, String, String, bool)> = sqlx::query_as(
-        "SELECT id, account_id, state, created_at < now() - $2 * interval '1 millisecond' \
-         FROM payout WHERE state IN ('PENDING', 'CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS') \
-         ORDER BY account_id, created_at, id LIMIT $1",
-    )
-    .bind(STRANDED_PER_RUN_MAX)
-    .bind(grace_ms)
-    .fetch_all(paydb)
-    .await?;
-    if rows.is_empty() {
+    let rows: Vec<Candidate> = sqlx::query_as(STRANDED_SQL)
+        .bind(STRANDED_PER_RUN_MAX)
+        .bind(grace_ms)
+        .fetch_all(paydb)
+        .await?;
+    let accounts = rows
+        .iter()
+        .map(|(_, account, _, _)| account.clone())
+        .collect();
+    resume_candidates(rows, accounts, config).await
+}
+
+/// The short pass against a holder whose workflow is gone (an operator's `temporal workflow
+/// terminate` of a payout holding its account's key): on every account where someone waits or
+/// a payout is in flight, the key is taken over from a grant whose workflow is not running, and
+/// the account's payout in flight is handed back to a new workflow run if its workflow is not
+/// running; so the payouts behind it go on within one keeper interval, not at the next full
+/// pass. It reads only open payouts and describes only those accounts' keys, so it is cheap
+/// enough to run every few seconds; PENDING payouts are left to the full pass (a PENDING holder
+/// whose grant is taken over blocks nobody).
+pub async fn resume_blocked_accounts(
+    paydb: &PgPool,
+    config: &ResumeConfig,
+) -> Result<Vec<Resumption>, ResumeError> {
+    let accounts: Vec<String> = sqlx::query_scalar(BLOCKING_ACCOUNTS_SQL)
+        .bind(BLOCKING_ACCOUNTS_PER_PASS_MAX)
+        .fetch_all(paydb)
+        .await?;
+    if accounts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows: Vec<Candidate> = sqlx::query_as(IN_FLIGHT_OF_SQL)
+        .bind(&accounts)
+        .fetch_all(paydb)
+        .await?;
+    resume_candidates(rows, accounts, config).await
+}
+
+/// Takes over each of `accounts`' keys from a grant whose workflow is not running, then hands
+/// each of `rows` whose workflow is not running (or, past its grace, never existed) to a new run.
+async fn resume_candidates(
+    rows: Vec<Candidate>,
+    accounts: Vec<String>,
+    config: &ResumeConfig,
+) -> Result<Vec<Resumption>, ResumeError> {
+    if accounts.is_empty() {
         return Ok(Vec::new());
     }
     let temporal = Temporal::connect(&config.temporal).await?;
@@ -275,10 +364,10 @@ pub async fn resume_stranded(
         })?;
     let mut took_over: std::collections::BTreeMap<String, Result<Option<String>, String>> =
         std::collections::BTreeMap::new();
-    for (_, account, _, _) in &rows {
-        if !took_over.contains_key(account) {
-            let outcome = take_over_orphaned_grant(&lock, &temporal, account).await;
-            took_over.insert(account.clone(), outcome);
+    for account in accounts {
+        if let std::collections::btree_map::Entry::Vacant(slot) = took_over.entry(account) {
+            let outcome = take_over_orphaned_grant(&lock, &temporal, slot.key()).await;
+            slot.insert(outcome);
         }
     }
     let mut out = Vec::new();

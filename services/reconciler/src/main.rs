@@ -1,7 +1,8 @@
 //! `reconciler once [--json] [--resolve-orphans] [--resume-stranded]`: one run, exit status 1 on
 //! any violation.
 //! `reconciler serve`: a Temporal worker on the `reconciliation` task queue, the schedule that
-//! starts `ReconcileWorkflow` every `--interval-s`, and `/metrics`.
+//! starts `ReconcileWorkflow` every `--interval-s` (kept: re-created if missing, unpaused if
+//! paused, every `--keeper-interval-s`), and `/metrics`.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -41,6 +42,11 @@ enum Command {
         metrics_listen: std::net::SocketAddr,
         #[arg(long, env = "RECONCILER_IDENTITY")]
         identity: Option<String>,
+        /// Seconds between the keeper's looks at the schedule (a missing one re-created, a
+        /// paused one unpaused) and its short pass over blocked accounts; the default is
+        /// `KEEPER_INTERVAL` (tests ask for less).
+        #[arg(long, env = "RECONCILE_KEEPER_INTERVAL_S", default_value_t = service::KEEPER_INTERVAL.as_secs())]
+        keeper_interval_s: u64,
     },
 }
 
@@ -70,6 +76,7 @@ async fn main() -> anyhow::Result<ExitCode> {
             interval_s,
             metrics_listen,
             identity,
+            keeper_interval_s,
         } => {
             service_kit::init_tracing("reconciler");
             let metrics = ReconcileMetrics::new();
@@ -85,6 +92,7 @@ async fn main() -> anyhow::Result<ExitCode> {
                 schedule_id,
                 interval: Duration::from_secs(interval_s),
                 identity: identity.unwrap_or_else(|| format!("reconciler-{}", std::process::id())),
+                keeper_interval: Duration::from_secs(keeper_interval_s),
             };
             service::serve(config, serve, metrics, shutdown.wait()).await?;
             metrics_task.await??;

@@ -14,7 +14,7 @@ use service_kit::prometheus;
 use service_kit::Metrics;
 use temporalio_client::schedules::{
     CreateScheduleOptions, ScheduleAction, ScheduleDescription, ScheduleDescriptionAction,
-    ScheduleError, ScheduleOverlapPolicy, ScheduleSpec,
+    ScheduleError, ScheduleHandle, ScheduleOverlapPolicy, ScheduleSpec,
 };
 use temporalio_client::{tonic, Client};
 use temporalio_common::RetryPolicy;
@@ -48,8 +48,21 @@ pub const SCHEDULE_INTERVAL_MIN: Duration = Duration::from_secs(1);
 /// The reconciler's workflow type, as the schedule names it (`#[run(name = ...)]` below).
 pub const RECONCILE_WORKFLOW_TYPE: &str = "ReconcileWorkflow";
 /// Shown on the schedule in the Temporal UI and `temporal schedule describe`.
-const SCHEDULE_NOTE: &str =
-    "created by the reconciler (reconciler serve); every replica ensures it at start";
+const SCHEDULE_NOTE: &str = "created by the reconciler (reconciler serve); every replica keeps \
+     it: a missing schedule is re-created and a paused one unpaused within seconds (to turn \
+     reconciliation off, stop the reconciler)";
+/// How often `reconciler serve` looks at its schedule (re-created if missing, unpaused if
+/// paused) and frees accounts blocked by a holder whose workflow is gone
+/// ([`resolver::resume::resume_blocked_accounts`]). 15 s: a lost schedule (Temporal lost its
+/// state, or someone deleted or paused it) is back well inside one 300 s scheduled interval, so
+/// no scheduled run is lost to it, and a terminated holder delays the payouts behind it by at
+/// most this plus one resumed run; one schedule describe, and a read of the open payouts with a
+/// lock describe per busy account, every 15 s costs Temporal, paydb and the lock service nothing
+/// they notice.
+pub const KEEPER_INTERVAL: Duration = Duration::from_secs(15);
+/// Upper bound of one short holder pass: it must not outlive many keeper intervals when a
+/// store hangs (the next tick tries again).
+pub const HOLDER_PASS_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
@@ -242,6 +255,10 @@ pub struct ReconcileMetrics {
     failed_runs: IntCounter,
     last_run: IntGauge,
     orphans_resolved: IntCounterVec,
+    schedule_repairs: IntCounterVec,
+    schedule_healthy: IntGauge,
+    holder_pass_actions: IntCounterVec,
+    holder_pass_failures: IntCounter,
 }
 
 impl ReconcileMetrics {
@@ -283,6 +300,38 @@ impl ReconcileMetrics {
             "Orphaned RAIL_AMBIGUOUS payouts handled, by evidence",
             &["evidence"],
         );
+        let schedule_repairs = metrics.counter_vec(
+            "reconciler_schedule_repairs_total",
+            "Repairs of the reconciler's schedule by its keeper, by what was wrong",
+            &["reason"],
+        );
+        for reason in [RepairReason::Missing, RepairReason::Paused] {
+            schedule_repairs.with_label_values(&[reason.as_str()]);
+        }
+        let schedule_healthy = IntGauge::new(
+            "reconciler_schedule_healthy",
+            "1 when the keeper's last look found the schedule present and unpaused (or repaired \
+             it), 0 when it could not see or repair it",
+        )
+        .expect("valid metric");
+        metrics
+            .registry
+            .register(Box::new(schedule_healthy.clone()))
+            .expect("metric registered once");
+        let holder_pass_actions = metrics.counter_vec(
+            "reconciler_holder_pass_actions_total",
+            "What the keeper's short holder pass did (RESUMED, TOOK_OVER, ALREADY_RUNNING, ERROR)",
+            &["action"],
+        );
+        let holder_pass_failures = IntCounter::new(
+            "reconciler_holder_pass_failures_total",
+            "Short holder passes that could not read their sources",
+        )
+        .expect("valid metric");
+        metrics
+            .registry
+            .register(Box::new(holder_pass_failures.clone()))
+            .expect("metric registered once");
         Self {
             metrics,
             violations,
@@ -290,6 +339,10 @@ impl ReconcileMetrics {
             failed_runs,
             last_run,
             orphans_resolved,
+            schedule_repairs,
+            schedule_healthy,
+            holder_pass_actions,
+            holder_pass_failures,
         }
     }
 
@@ -364,7 +417,7 @@ impl ReconcileSummary {
 /// The reconciler's one activity: a whole run, with the worker's configuration.
 pub struct ReconcileActivities {
     config: Config,
-    sources: Sources,
+    sources: Arc<Sources>,
     metrics: ReconcileMetrics,
 }
 
@@ -434,6 +487,9 @@ pub struct ServeOptions {
     pub schedule_id: String,
     pub interval: Duration,
     pub identity: String,
+    /// How often the keeper looks at the schedule (and runs the short holder pass):
+    /// [`KEEPER_INTERVAL`] unless a test asks for less.
+    pub keeper_interval: Duration,
 }
 
 /// What [`ensure_schedule`] found and did.
@@ -557,6 +613,173 @@ pub fn schedule_intervals(described: &ScheduleDescription) -> Vec<Duration> {
         .unwrap_or_default()
 }
 
+/// What the keeper found wrong with the schedule and put right.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RepairReason {
+    /// Temporal had no schedule of that id (its state lost, or the schedule deleted): created
+    /// again exactly as at start.
+    Missing,
+    /// The schedule was paused: unpaused (the reconciliation is turned off by stopping the
+    /// reconciler, never by pausing its schedule).
+    Paused,
+}
+
+impl RepairReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Missing => "missing",
+            Self::Paused => "paused",
+        }
+    }
+}
+
+/// One look of the keeper: `None` when the schedule was there and running, or the repair made.
+pub async fn keep_schedule(
+    client: &Client,
+    serve: &ServeOptions,
+) -> anyhow::Result<Option<RepairReason>> {
+    let handle = client.get_schedule_handle(serve.schedule_id.clone());
+    let described =
+        tokio::time::timeout(SCHEDULE_CALL_TIMEOUT, handle.describe(Default::default()))
+            .await
+            .with_context(|| format!("describing schedule {}: no answer", serve.schedule_id))?;
+    let described = match described {
+        Ok(d) => d,
+        Err(ScheduleError::Rpc(status)) if status.code() == tonic::Code::NotFound => {
+            // Created as at start; ALREADY_EXISTS (another replica was quicker) is no repair of ours.
+            return Ok(match ensure_schedule(client, serve).await? {
+                ScheduleOutcome::Created => {
+                    trigger_missed_run(&handle, serve).await;
+                    Some(RepairReason::Missing)
+                }
+                ScheduleOutcome::Unchanged | ScheduleOutcome::Updated => None,
+            });
+        }
+        Err(e) => {
+            return Err(e).with_context(|| format!("describing schedule {}", serve.schedule_id))
+        }
+    };
+    if !described.paused() {
+        return Ok(None);
+    }
+    tokio::time::timeout(
+        SCHEDULE_CALL_TIMEOUT,
+        handle.unpause(
+            Some("unpaused by the reconciler's keeper: to turn reconciliation off, stop the reconciler"),
+            Default::default(),
+        ),
+    )
+    .await
+    .with_context(|| format!("unpausing schedule {}: no answer", serve.schedule_id))?
+    .with_context(|| format!("unpausing schedule {}", serve.schedule_id))?;
+    trigger_missed_run(&handle, serve).await;
+    Ok(Some(RepairReason::Paused))
+}
+
+/// A repaired schedule has missed runs (and after Temporal lost its state, payouts wait for a
+/// pass to hand them back): one run now, not at the next interval. Skipped if one is going.
+async fn trigger_missed_run(handle: &ScheduleHandle<Client>, serve: &ServeOptions) {
+    let triggered = tokio::time::timeout(
+        SCHEDULE_CALL_TIMEOUT,
+        handle.trigger(ScheduleOverlapPolicy::Skip, Default::default()),
+    )
+    .await;
+    match triggered {
+        Ok(Ok(())) => {
+            tracing::info!(schedule_id = %serve.schedule_id, "a run triggered now after the repair")
+        }
+        // The schedule runs at its next interval anyway; the next look does not trigger again.
+        Ok(Err(e)) => {
+            tracing::warn!(schedule_id = %serve.schedule_id, error = %e, "could not trigger a run after the repair")
+        }
+        Err(_) => {
+            tracing::warn!(schedule_id = %serve.schedule_id, "triggering a run after the repair: no answer")
+        }
+    }
+}
+
+/// The keeper: every `serve.keeper_interval` until `stop`, one look at the schedule
+/// ([`keep_schedule`]), each repair counted and logged at warn, the health gauge set; and, when
+/// the reconciler resumes stranded payouts, the short holder pass
+/// ([`resolver::resume::resume_blocked_accounts`]).
+async fn keep(
+    client: Client,
+    serve: ServeOptions,
+    config: Config,
+    sources: Arc<Sources>,
+    metrics: ReconcileMetrics,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut ticks = tokio::time::interval(serve.keeper_interval.max(SCHEDULE_INTERVAL_MIN));
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let resume = match config.resume_stranded {
+        true => match config.resume_config() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::error!(error = %e, "the holder pass cannot run");
+                None
+            }
+        },
+        false => None,
+    };
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stop.wait_for(|stop| *stop) => return,
+        }
+        match keep_schedule(&client, &serve).await {
+            Ok(None) => metrics.schedule_healthy.set(1),
+            Ok(Some(reason)) => {
+                metrics
+                    .schedule_repairs
+                    .with_label_values(&[reason.as_str()])
+                    .inc();
+                metrics.schedule_healthy.set(1);
+                match reason {
+                    RepairReason::Missing => {
+                        tracing::warn!(schedule_id = %serve.schedule_id, reason = reason.as_str(), "the reconciler's schedule was missing (Temporal lost its state, or it was deleted): re-created as at start")
+                    }
+                    RepairReason::Paused => {
+                        tracing::warn!(schedule_id = %serve.schedule_id, reason = reason.as_str(), "the reconciler's schedule was paused: unpaused (stop the reconciler to turn reconciliation off)")
+                    }
+                }
+            }
+            Err(e) => {
+                metrics.schedule_healthy.set(0);
+                tracing::warn!(schedule_id = %serve.schedule_id, error = format!("{e:#}"), "could not look at or repair the reconciler's schedule");
+            }
+        }
+        if let Some(resume) = &resume {
+            let pass = tokio::time::timeout(
+                HOLDER_PASS_TIMEOUT,
+                resolver::resume::resume_blocked_accounts(&sources.paydb, resume),
+            )
+            .await;
+            match pass {
+                Ok(Ok(done)) => {
+                    for r in &done {
+                        metrics
+                            .holder_pass_actions
+                            .with_label_values(&[r.action.as_str()])
+                            .inc();
+                    }
+                }
+                Ok(Err(e)) => {
+                    metrics.holder_pass_failures.inc();
+                    tracing::warn!(error = %e, "the holder pass failed (the next look tries again)");
+                }
+                Err(_) => {
+                    metrics.holder_pass_failures.inc();
+                    tracing::warn!(
+                        timeout_s = HOLDER_PASS_TIMEOUT.as_secs(),
+                        "the holder pass gave no answer (the next look tries again)"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Runs the worker (and ensures the schedule) until `stop` resolves.
 pub async fn serve(
     config: Config,
@@ -569,11 +792,21 @@ pub async fn serve(
     if config.resolve_orphans {
         config.resolve_config()?;
     }
-    let sources = config.sources().await?;
+    let sources = Arc::new(config.sources().await?);
     let runtime = Runtime::from_current_tokio(Default::default())?;
     let client = payout_workflows::client::connect_to(&target, &serve.identity).await?;
     tracing::info!(temporal = %target.describe(), "connected to Temporal");
     ensure_schedule(&client, &serve).await?;
+    metrics.schedule_healthy.set(1);
+    let (stop_keeper, keeper_stop) = tokio::sync::watch::channel(false);
+    let keeper = tokio::spawn(keep(
+        client.clone(),
+        serve.clone(),
+        config.clone(),
+        sources.clone(),
+        metrics.clone(),
+        keeper_stop,
+    ));
     let activities = ReconcileActivities {
         config,
         sources,
@@ -591,8 +824,14 @@ pub async fn serve(
     let (result, ()) = tokio::join!(worker.run(), async {
         stop.await;
         tracing::info!("shutdown requested");
+        let _ = stop_keeper.send(true);
         shutdown();
     });
+    // The keeper ends at the stop (or with the worker, whose error is the one reported).
+    let _ = stop_keeper.send(true);
+    if let Err(e) = keeper.await {
+        tracing::error!(error = %e, "the schedule keeper ended abnormally");
+    }
     result.context("reconciler worker stopped with an error")?;
     Ok(())
 }

@@ -26,6 +26,7 @@ fn serve(schedule_id: &str, interval: Duration) -> ServeOptions {
         schedule_id: schedule_id.to_string(),
         interval,
         identity: "schedule-test".into(),
+        keeper_interval: reconciler_service::service::KEEPER_INTERVAL,
     }
 }
 

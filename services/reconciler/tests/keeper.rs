@@ -1,0 +1,518 @@
+//! The reconciler keeps its own schedule and nothing is left behind when Temporal loses its state
+//! (issue 35, items 7 and 8; issue 33: a paused or missing schedule is an alert). Against a real
+//! system (every service a process, the testkit's Temporal):
+//!
+//! - `reconciler serve` re-creates its schedule when it is deleted and unpauses it when it is
+//!   paused, while it runs, within its keeper interval, and counts each repair;
+//! - a PENDING payout whose workflow start paydb records as delivered but whose workflow Temporal
+//!   no longer knows (Temporal's amnesia, here one workflow deleted) is resumed by one pass, with
+//!   the default not-started grace, and paid once;
+//! - a payout in flight whose workflow was terminated while it held its account's key is resumed,
+//!   and the payout behind it paid, by `reconciler serve` within its keeper interval, long before
+//!   the next scheduled pass.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use payment_client::model::NewPayout;
+use payment_client::PaymentClient;
+use payout_domain::{
+    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, PayoutId, PayoutState,
+};
+use resolver::resume::{Temporal, TemporalConfig, WorkflowStatus};
+use testkit::pki::Role;
+use testkit::system::{System, SystemOptions, WorkflowStarts};
+use testkit::{ManagedProcess, ProcessSpec, Stack};
+
+/// A payout through every service settles in seconds; this bounds a test that went wrong.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// The keeper's interval in these tests (`RECONCILE_KEEPER_INTERVAL_S`).
+const KEEPER_INTERVAL_S: u64 = 1;
+/// How long a repair may take here: a few keeper intervals, and far below the schedule's own
+/// interval (300 s), so only the keeper can have made it.
+const REPAIR_TIMEOUT: Duration = Duration::from_secs(30);
+/// The schedule's interval where a test must see no scheduled run: a day (its actions fall on
+/// the epoch's day boundaries), so whatever the test sees is the keeper's doing.
+const SCHEDULED_NEVER_S: u64 = 86_400;
+
+fn new_payout(account: &str, payout: &str) -> NewPayout {
+    NewPayout {
+        payout_id: PayoutId::parse(payout).unwrap(),
+        account_id: AccountId::parse(account).unwrap(),
+        amount_minor: AmountMinor::new(800).unwrap(),
+        currency: Currency::parse("EUR").unwrap(),
+        beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
+    }
+}
+
+/// The reconciler's own certificate (role reconciler) and every source, as `payoutdev stack up`
+/// passes them.
+fn config_args(system: &System) -> Vec<String> {
+    let s = |v: &str| v.to_string();
+    system
+        .pki
+        .issue(Role::Reconciler, "reconciler")
+        .unwrap()
+        .to_args()
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .chain(vec![
+            s("--paydb-url"),
+            system.databases.paydb.clone(),
+            s("--proxydb-url"),
+            system.databases.proxydb.clone(),
+            s("--gldb-url"),
+            system.databases.gldb.clone(),
+            s("--lock-server-url"),
+            system.lock_url(),
+            s("--rail-proxy-url"),
+            system.proxy_url(),
+            s("--payment-resource-url"),
+            system.payment_url(),
+            s("--temporal-address"),
+            system.temporal_address.clone(),
+            s("--payout-task-queue"),
+            system.task_queue.clone(),
+            s("--settlement-window-ms"),
+            s("500"),
+            s("--resume-stranded"),
+        ])
+        .collect()
+}
+
+/// `reconciler serve` with its schedule every `interval_s` and its keeper every second (by the
+/// environment, so the same test runs against a build without the keeper and fails on what it
+/// checks, not on a flag).
+fn start_serve(system: &System, interval_s: u64) -> (ManagedProcess, String, u16) {
+    let metrics_port = testkit::free_port();
+    let schedule_id = format!("reconciler-{}", system.task_queue);
+    let queue = format!("{}-reconciliation", system.task_queue);
+    let serve = ManagedProcess::start(
+        ProcessSpec::new(
+            "reconciler",
+            testkit::workspace_bin("reconciler"),
+            system.dir.join("reconciler.log"),
+        )
+        .env("RECONCILE_KEEPER_INTERVAL_S", KEEPER_INTERVAL_S.to_string())
+        .arg("serve")
+        .args(config_args(system))
+        .args(["--task-queue", &queue, "--schedule-id", &schedule_id])
+        .args(["--interval-s".to_string(), interval_s.to_string()])
+        .args([
+            "--metrics-listen".to_string(),
+            format!("127.0.0.1:{metrics_port}"),
+        ]),
+    )
+    .unwrap();
+    (serve, schedule_id, metrics_port)
+}
+
+async fn metrics_text(port: u16) -> Option<String> {
+    reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()
+}
+
+/// The value of the series `series` (name and labels, as exported) in a `/metrics` text.
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// One value read from paydb with `psql` (the test reads what paydb recorded, as an operator
+/// would; this package links no database driver).
+fn paydb_scalar(system: &System, sql: &str) -> Option<String> {
+    let out = std::process::Command::new("psql")
+        .args([system.databases.paydb.as_str(), "-tAXc", sql])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn temporal_cli(args: &[&str]) -> anyhow::Result<String> {
+    Stack::shared().temporal().cli(args)
+}
+
+/// The schedule as `temporal schedule describe` shows it, or `None` if Temporal has none.
+fn describe_schedule(schedule_id: &str) -> Option<serde_json::Value> {
+    let out = temporal_cli(&[
+        "schedule",
+        "describe",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--schedule-id",
+        schedule_id,
+        "--output",
+        "json",
+    ])
+    .ok()?;
+    serde_json::from_str(&out).ok()
+}
+
+fn paused(described: &serde_json::Value) -> bool {
+    described["schedule"]["state"]["paused"].as_bool() == Some(true)
+}
+
+#[tokio::test]
+async fn serve_recreates_a_deleted_schedule_and_unpauses_a_paused_one() {
+    let stack = Stack::shared();
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 0,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (serve, schedule_id, port) = start_serve(&system, SCHEDULED_NEVER_S);
+    testkit::eventually(REPAIR_TIMEOUT, "the schedule created at start", || async {
+        describe_schedule(&schedule_id).map(|_| ())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+
+    // Deleted while serve runs (as when Temporal loses its database): re-created, counted.
+    temporal_cli(&[
+        "schedule",
+        "delete",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--schedule-id",
+        &schedule_id,
+    ])
+    .unwrap();
+    let missing = "reconciler_schedule_repairs_total{reason=\"missing\"}";
+    testkit::eventually(
+        REPAIR_TIMEOUT,
+        "the deleted schedule re-created",
+        || async {
+            let described = describe_schedule(&schedule_id)?;
+            let text = metrics_text(port).await?;
+            (metric(&text, missing)? == 1.0 && !paused(&described)).then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+    let described = describe_schedule(&schedule_id).unwrap();
+    assert!(
+        described.to_string().contains("ReconcileWorkflow"),
+        "re-created as at start: {described}"
+    );
+
+    // Paused while serve runs (someone with access to Temporal): unpaused, counted.
+    temporal_cli(&[
+        "schedule",
+        "toggle",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--schedule-id",
+        &schedule_id,
+        "--pause",
+        "--reason",
+        "test: reconciliation paused by hand",
+    ])
+    .unwrap();
+    let by_hand = "reconciler_schedule_repairs_total{reason=\"paused\"}";
+    testkit::eventually(REPAIR_TIMEOUT, "the paused schedule unpaused", || async {
+        let described = describe_schedule(&schedule_id)?;
+        let text = metrics_text(port).await?;
+        (metric(&text, by_hand)? == 1.0 && !paused(&described)).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+    let text = metrics_text(port).await.unwrap();
+    assert_eq!(metric(&text, missing), Some(1.0), "{text}");
+    assert_eq!(
+        metric(&text, "reconciler_schedule_healthy"),
+        Some(1.0),
+        "{text}"
+    );
+    let log = std::fs::read_to_string(system.dir.join("reconciler.log")).unwrap_or_default();
+    assert!(
+        log.contains("WARN") && log.contains("schedule was missing"),
+        "each repair is logged at warn: {}",
+        serve.log_tail(40)
+    );
+    serve.terminate().unwrap();
+    let _ = temporal_cli(&[
+        "schedule",
+        "delete",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--schedule-id",
+        &schedule_id,
+    ]);
+}
+
+fn temporal_config(system: &System) -> TemporalConfig {
+    TemporalConfig {
+        connection: payout_workflows::client::TemporalArgs::at(
+            system.temporal_address.clone(),
+            testkit::temporal::NAMESPACE,
+        ),
+        payout_task_queue: system.task_queue.clone(),
+        settlement_window_ms: 500,
+        resolution_sla_ms: 600_000,
+    }
+}
+
+async fn state_of(payments: &PaymentClient, payout: &str) -> PayoutState {
+    payments
+        .get_payout(&PayoutId::parse(payout).unwrap())
+        .await
+        .unwrap()
+        .payout
+        .state
+}
+
+async fn movements(system: &System, payout: &str) -> u64 {
+    let truth = rail_stub::client::StubClient::new(system.rail_url())
+        .ground_truth()
+        .await
+        .unwrap();
+    let reference = ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string();
+    truth.movement_counts.get(&reference).copied().unwrap_or(0) as u64
+}
+
+/// `reconciler once --json --resume-stranded` with the default not-started grace (60 s): the
+/// report's resumptions by payout.
+fn resume_once(system: &System) -> HashMap<String, serde_json::Value> {
+    let out = std::process::Command::new(testkit::workspace_bin("reconciler"))
+        .arg("once")
+        .arg("--json")
+        .args(config_args(system))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
+        panic!(
+            "no JSON report ({e}): {stdout}\nstderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    report["resumptions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["payout_id"].as_str().unwrap().to_string(), r.clone()))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_payout_whose_delivered_workflow_temporal_lost_is_resumed_by_one_pass() {
+    let stack = Stack::shared();
+    // No worker yet: the starter's workflow stays RUNNING, unpicked, until the test deletes it.
+    let mut system = System::start(
+        stack,
+        SystemOptions {
+            workers: 0,
+            settlement_window_ms: 500,
+            workflow_starts: Some(WorkflowStarts {
+                settlement_window_ms: 500,
+                resolution_sla_ms: 600_000,
+            }),
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+        .await
+        .unwrap();
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let lost = "k-lost";
+    let new = new_payout("k-acct-lost", lost);
+    fixture
+        .open_account(&new.account_id, &new.currency, 100_000)
+        .await
+        .unwrap();
+    fixture.create_payout(&new).await.unwrap();
+
+    // The starter delivers the start, and paydb records it so.
+    let delivered =
+        format!("SELECT started_at IS NOT NULL FROM workflow_start WHERE payout_id = '{lost}'");
+    testkit::eventually(SETTLE_TIMEOUT, "the start delivered", || {
+        let answer = paydb_scalar(&system, &delivered);
+        async move { (answer.as_deref() == Some("t")).then_some(()) }
+    })
+    .await
+    .unwrap();
+
+    // Temporal loses it (as when its database is deleted): the workflow is gone.
+    let workflow_id = format!("payout-{lost}");
+    temporal_cli(&[
+        "workflow",
+        "delete",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--workflow-id",
+        &workflow_id,
+        "--yes",
+    ])
+    .unwrap();
+    let temporal = Temporal::connect(&temporal_config(&system)).await.unwrap();
+    testkit::eventually(SETTLE_TIMEOUT, "the workflow gone", || async {
+        (temporal.status(&workflow_id).await.ok()? == WorkflowStatus::NotFound).then_some(())
+    })
+    .await
+    .unwrap();
+    let young = paydb_scalar(
+        &system,
+        &format!(
+            "SELECT created_at > now() - interval '60 seconds' FROM payout WHERE id = '{lost}'"
+        ),
+    )
+    .as_deref()
+        == Some("t");
+    assert!(
+        young,
+        "the payout is younger than the grace: only its delivered start tells the pass it had a workflow"
+    );
+    assert_eq!(state_of(&payments, lost).await, PayoutState::Pending);
+    system.add_worker().unwrap();
+
+    // One pass, with the default grace: resumed.
+    let resumed = resume_once(&system);
+    let r = resumed
+        .get(lost)
+        .unwrap_or_else(|| panic!("{lost} resumed by one pass: {resumed:?}"));
+    assert_eq!(
+        (r["workflow"].as_str(), r["action"].as_str()),
+        (Some("NOT_FOUND"), Some("RESUMED")),
+        "{r}"
+    );
+    testkit::eventually(SETTLE_TIMEOUT, "the lost payout posted", || async {
+        (state_of(&payments, lost).await == PayoutState::Posted).then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(movements(&system, lost).await, 1, "paid once");
+}
+
+#[tokio::test]
+async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interval() {
+    let stack = Stack::shared();
+    let holder = "k-holder";
+    let behind = "k-behind";
+    let account = "k-acct-held";
+    // The holder's workflow freezes right after its claim (before MarkSubmitted), holding the
+    // account's key: then it is terminated, as an operator would.
+    let stall_ms = 600_000;
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 1,
+            settlement_window_ms: 500,
+            worker_env: vec![(
+                "PAYOUT_TEST_STALL_AFTER_CHECK".into(),
+                format!("worker-0:mark_submitted:{holder}:{stall_ms}"),
+            )],
+            test_worker: true,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+        .await
+        .unwrap();
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let first = new_payout(account, holder);
+    fixture
+        .open_account(&first.account_id, &first.currency, 100_000)
+        .await
+        .unwrap();
+    fixture.create_payout(&first).await.unwrap();
+    fixture
+        .create_payout(&new_payout(account, behind))
+        .await
+        .unwrap();
+    let client = payout_workflows::client::connect(
+        &system.temporal_address,
+        testkit::temporal::NAMESPACE,
+        "keeper-test",
+    )
+    .await
+    .unwrap();
+    let input = |payout: &str| {
+        let new = new_payout(account, payout);
+        payout_activities::types::PayoutInput {
+            payout_id: new.payout_id,
+            account_id: new.account_id,
+            amount_minor: new.amount_minor,
+            currency: new.currency,
+            beneficiary_ref: new.beneficiary_ref,
+            ambiguity: payout_activities::types::AmbiguityPolicy {
+                settlement_window_ms: 500,
+                resolution_sla_ms: 600_000,
+            },
+        }
+    };
+    let holder_id =
+        payout_workflows::client::start_payout(&client, &system.task_queue, &input(holder))
+            .await
+            .unwrap();
+    testkit::eventually(SETTLE_TIMEOUT, "the holder claimed", || async {
+        (state_of(&payments, holder).await == PayoutState::Claimed).then_some(())
+    })
+    .await
+    .unwrap();
+    payout_workflows::client::start_payout(&client, &system.task_queue, &input(behind))
+        .await
+        .unwrap();
+    temporal_cli(&[
+        "workflow",
+        "terminate",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--workflow-id",
+        &holder_id,
+        "--reason",
+        "operator terminates the holder mid-payout (test)",
+    ])
+    .unwrap();
+    // No scheduled pass while the test looks: only the keeper's short pass can free the account
+    // within the bound below (the deployed schedule's 300 s would be the wait otherwise).
+    let (serve, schedule_id, port) = start_serve(&system, SCHEDULED_NEVER_S);
+    let bound = Duration::from_secs(60);
+    testkit::eventually(bound, "both payouts posted", || async {
+        (state_of(&payments, holder).await == PayoutState::Posted
+            && state_of(&payments, behind).await == PayoutState::Posted)
+            .then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(60)));
+    let text = metrics_text(port).await.unwrap_or_default();
+    assert_eq!(
+        metric(&text, "reconciliation_runs_total"),
+        Some(0.0),
+        "no scheduled run did it: {text}"
+    );
+    assert_eq!(movements(&system, holder).await, 1, "the holder paid once");
+    assert_eq!(
+        movements(&system, behind).await,
+        1,
+        "the payout behind paid once"
+    );
+    serve.terminate().unwrap();
+    let _ = temporal_cli(&[
+        "schedule",
+        "delete",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--schedule-id",
+        &schedule_id,
+    ]);
+}
