@@ -110,6 +110,7 @@ impl InMemoryBackend {
                         rail_ref: String::new(),
                         rail_outcome: String::new(),
                         failure_reason: String::new(),
+                        ambiguous_since_unix_ms: None,
                         instruction: Some(Instruction {
                             account_id: input.account_id.clone(),
                             amount_minor: input.amount_minor,
@@ -362,7 +363,18 @@ impl Backend for InMemoryBackend {
     }
 
     fn get_payout(&self, payout_id: PayoutId) -> Answer<'_, PayoutSnapshot> {
-        ready(Ok(self.with(|w| w.snapshot(&payout_id))))
+        ready(Ok(self.with(|w| {
+            // As the real resource's GetPayout: the record's start of the ambiguity.
+            let since = w.ambiguous_since.get(&payout_id).and_then(|since| {
+                let at = std::time::SystemTime::now().checked_sub(since.elapsed())?;
+                let ms = at.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis();
+                u64::try_from(ms).ok()
+            });
+            PayoutSnapshot {
+                ambiguous_since_unix_ms: since,
+                ..w.snapshot(&payout_id)
+            }
+        })))
     }
 
     fn claim(&self, input: FencedInput) -> Answer<'_, PayoutSnapshot> {

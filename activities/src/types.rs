@@ -460,4 +460,11 @@ pub struct PayoutSnapshot {
     /// The payout's recorded instruction (absent in histories recorded before it was carried).
     #[serde(default)]
     pub instruction: Option<Instruction>,
+    /// When the payment resource's record first shows the payout RAIL_AMBIGUOUS (its audit
+    /// trail's first transition into it, on the resource's clock), in Unix milliseconds: the
+    /// start of the resolution SLA in every run, whichever run saw the ambiguity begin. Only
+    /// GetPayout's answer carries it (the others answer a write, not the history); absent in
+    /// histories recorded before it was carried.
+    #[serde(default)]
+    pub ambiguous_since_unix_ms: Option<u64>,
 }

@@ -1255,6 +1255,94 @@ async fn a_step_whose_answer_is_lost_after_its_commit_is_answered_with_the_recor
     assert_eq!(refused, 0, "a repeat under its own grant is no refusal");
 }
 
+static LONG_WINDOW: OnceCell<System> = OnceCell::const_new();
+/// The worker hands back a grant no fenced call has used within this (production: a minute).
+const LONG_WINDOW_UNCLAIMED_GRANT_MS: u64 = 1_000;
+/// The rail's settlement window, and the workflow's: several times the worker's hand-back, as a
+/// real rail's minutes are against its minute.
+const LONG_WINDOW_SETTLEMENT_MS: u64 = 6_000;
+
+/// One worker that hands back an unused grant after [`LONG_WINDOW_UNCLAIMED_GRANT_MS`], a short
+/// lease (3 s, so a restarted worker's old key comes free soon), and a rail whose settlement
+/// window is [`LONG_WINDOW_SETTLEMENT_MS`].
+async fn long_window_system() -> &'static System {
+    LONG_WINDOW
+        .get_or_init(|| async {
+            System::start(
+                Stack::shared(),
+                SystemOptions {
+                    workers: 1,
+                    settlement_window_ms: LONG_WINDOW_SETTLEMENT_MS,
+                    rail_timeout_ms: RAIL_TIMEOUT_MS,
+                    worker_env: vec![
+                        ("PAYOUT_LOCK_TTL_MS".into(), "3000".into()),
+                        (
+                            "PAYOUT_UNCLAIMED_GRANT_MS".into(),
+                            LONG_WINDOW_UNCLAIMED_GRANT_MS.to_string(),
+                        ),
+                    ],
+                    ..SystemOptions::default()
+                },
+            )
+            .await
+            .expect("the long-window system starts")
+        })
+        .await
+}
+
+/// Issue 35: waiting for the rail never depends on holding an unused grant. The rail accepts and
+/// goes silent (RAIL_AMBIGUOUS); the worker is restarted in the middle of the settlement window,
+/// which is longer than the time after which a worker hands back a grant no fenced call used.
+/// The run re-acquires and asks the rail at once under the new grant (the inquiry uses it), then
+/// waits the window out holding it, and resolves from the rail's evidence: POSTED, one movement,
+/// never resubmitted. Before, the run waited the window before its first fenced call, the worker
+/// handed the unused grant back mid-wait, the inquiry failed GrantLost, and so again each time
+/// until the workflow failed (GrantLostTooOften) with the payout still RAIL_AMBIGUOUS.
+#[tokio::test]
+async fn an_ambiguous_payout_whose_window_outlasts_an_unused_grant_is_resolved_after_a_worker_restart(
+) {
+    let system = long_window_system().await;
+    let ctx = Ctx::new(system).await;
+    let ambiguity = AmbiguityPolicy {
+        settlement_window_ms: LONG_WINDOW_SETTLEMENT_MS + 500,
+        resolution_sla_ms: 600_000,
+    };
+    let input = ctx.payout("long-window", 10_000, 1_000, ambiguity).await;
+    ctx.force(&input, FaultMode::AcceptThenHang).await;
+    let id = ctx.start(&input).await;
+    testkit::eventually(SETTLE_TIMEOUT, "the payout RAIL_AMBIGUOUS", || async {
+        let state: String = sqlx::query_scalar("SELECT state FROM payout WHERE id = $1")
+            .bind(input.payout_id.as_str())
+            .fetch_one(&ctx.paydb)
+            .await
+            .ok()?;
+        (state == "RAIL_AMBIGUOUS").then_some(())
+    })
+    .await
+    .unwrap();
+    // In the middle of the window: the worker and its session (and grant) are gone.
+    system.workers[0].kill().unwrap();
+    system.workers[0].restart().unwrap();
+    let done = wf::wait_result(&ctx.temporal, &id, KILLED_WORKER_SETTLE_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert_eq!(ctx.rail(&input).await, (1, 1), "never resubmitted");
+    assert_eq!(ctx.ledger_rows(&input).await, 2);
+    let resolved: String = sqlx::query_scalar(
+        "SELECT event FROM audit_event WHERE payout_id = $1 AND kind = 'transition' \
+         AND from_state = 'RAIL_AMBIGUOUS'",
+    )
+    .bind(input.payout_id.as_str())
+    .fetch_one(&ctx.paydb)
+    .await
+    .unwrap();
+    assert_eq!(
+        resolved, "EVIDENCE_FOUND",
+        "resolved by the rail's evidence"
+    );
+}
+
 /// An explicit payout on an account of its own, both named after `name` and unique in the stack.
 async fn unique_explicit_payout(ctx: &Ctx, name: &str) -> PayoutInput {
     let unique = Stack::shared().unique_prefix(name).replace(['/', ':'], "-");

@@ -443,6 +443,16 @@ fn payment_failure(e: PaymentError) -> ActivityFailure {
     }
 }
 
+/// The first transition into RAIL_AMBIGUOUS in a payout's audit trail, in Unix milliseconds.
+fn ambiguous_since_unix_ms(history: &[model::AuditEvent]) -> Option<u64> {
+    history
+        .iter()
+        .filter(|e| e.kind == "transition" && e.to_state.as_deref() == Some("RAIL_AMBIGUOUS"))
+        .map(|e| e.at.timestamp_millis())
+        .min()
+        .and_then(|ms| u64::try_from(ms).ok())
+}
+
 fn snapshot(p: model::Payout) -> PayoutSnapshot {
     let instruction = match (
         payout_domain::AmountMinor::new(p.amount_minor),
@@ -470,6 +480,7 @@ fn snapshot(p: model::Payout) -> PayoutSnapshot {
         rail_ref: p.rail_ref.unwrap_or_default(),
         rail_outcome: p.rail_outcome.unwrap_or_default(),
         failure_reason: p.failure_reason.unwrap_or_default(),
+        ambiguous_since_unix_ms: None,
     }
 }
 
@@ -661,7 +672,11 @@ impl Backend for ServiceBackend {
                 .get_payout(&payout_id)
                 .await
                 .map_err(payment_failure)?;
-            Ok(snapshot(found.payout))
+            let ambiguous_since = ambiguous_since_unix_ms(&found.history);
+            Ok(PayoutSnapshot {
+                ambiguous_since_unix_ms: ambiguous_since,
+                ..snapshot(found.payout)
+            })
         })
     }
 

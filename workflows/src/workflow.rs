@@ -311,6 +311,9 @@ struct RunFacts {
     known_outcome: Option<RailOutcome>,
     ambiguous_since: Option<SystemTime>,
     inquiry_interval: Option<Duration>,
+    /// The token of the last grant a fenced step of this run used: the worker that made a grant
+    /// hands it back if no fenced call uses it within a minute ([`INQUIRE_FIRST_PATCH`]).
+    used_under: Option<FencingToken>,
 }
 
 #[workflow_methods]
@@ -409,6 +412,10 @@ impl PayoutWorkflow {
             let step = step(ctx, &input, &grant, &snapshot, &mut facts).await;
             match step {
                 Ok((next, event)) => {
+                    if !matches!(event, "SIGNAL_RECEIVED" | "TERMINAL") {
+                        // A guard answered a fenced call under the grant: the worker keeps it.
+                        facts.used_under = Some(grant.token);
+                    }
                     refusals_in_a_row = 0;
                     snapshot = next;
                     observe(ctx, &input, &snapshot, event);
@@ -774,6 +781,15 @@ async fn read(
     )
     .await
 }
+
+/// The workflow change that asks the rail at once under a grant it has not yet used, before it
+/// waits out the settlement window: a worker hands back a grant no fenced call has used within a
+/// minute (its acquire's answer may have reached nobody), so a run that re-acquired (or started
+/// in RAIL_AMBIGUOUS) and then waited a window of a minute or more lost its grant mid-wait, lost
+/// the next one the same way, and failed with the payout still ambiguous. The inquiry uses the
+/// grant (an answer inside the window is UNKNOWN and changes nothing; one after it is evidence).
+/// Histories recorded before it replay with the wait first.
+pub const INQUIRE_FIRST_PATCH: &str = "inquire-first";
 
 /// The workflow change that runs every step as a local activity on the worker that runs the
 /// payout's workflow task (the grant is made there too), instead of one activity task (and one
@@ -1444,9 +1460,25 @@ async fn ambiguity_step(
     facts: &mut RunFacts,
 ) -> Result<(PayoutSnapshot, &'static str), StepError> {
     let now = ctx.workflow_time().unwrap_or(SystemTime::UNIX_EPOCH);
-    let since = *facts.ambiguous_since.get_or_insert(now);
+    // The SLA runs from the payment resource's record of the ambiguity's start (GetPayout's
+    // answer), whichever run saw it begin; else from when this run first saw it.
+    let recorded = snapshot
+        .ambiguous_since_unix_ms
+        .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
+    let since = match (recorded, facts.ambiguous_since) {
+        (Some(r), Some(seen)) => r.min(seen),
+        (Some(r), None) => r,
+        (None, Some(seen)) => seen,
+        (None, None) => now,
+    };
+    facts.ambiguous_since = Some(since);
     let sla = Duration::from_millis(input.ambiguity.resolution_sla_ms);
     let elapsed = now.duration_since(since).unwrap_or_default();
+    if recorded.is_some() && elapsed >= sla {
+        // Past the SLA by the record: an operator may abandon now, in this run too (before,
+        // only an UNKNOWN answer in the same run set it).
+        ctx.state_mut(|s| s.resolution_sla_passed = true);
+    }
     let accepted = ctx.state(|s| s.abandon_accepted.clone());
     if let Some(accepted) = accepted.filter(|a| a.state == PayoutState::RailAmbiguous) {
         let sla_check = format!(
@@ -1460,7 +1492,10 @@ async fn ambiguity_step(
         .inquiry_interval
         .get_or_insert(Duration::from_millis(input.ambiguity.settlement_window_ms));
     let sla_passed = ctx.state(|s| s.resolution_sla_passed);
-    let ask_at = utc(now + interval);
+    // Under a grant no fenced step of this run has used yet (re-acquired, or a run started in
+    // RAIL_AMBIGUOUS), ask first, then wait (INQUIRE_FIRST_PATCH).
+    let ask_first = facts.used_under != Some(grant.token) && ctx.patched(INQUIRE_FIRST_PATCH);
+    let ask_at = utc(if ask_first { now } else { now + interval });
     waiting_for(
         ctx,
         if sla_passed {
@@ -1481,9 +1516,13 @@ async fn ambiguity_step(
     } else {
         "settlement window: then ask the rail for evidence"
     };
-    let signalled = temporalio_sdk::workflows::select! {
-        _ = ctx.timer(timer_for(interval, timer_summary)) => false,
-        _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => true,
+    let signalled = if ask_first {
+        false
+    } else {
+        temporalio_sdk::workflows::select! {
+            _ = ctx.timer(timer_for(interval, timer_summary)) => false,
+            _ = ctx.wait_condition(|s| !s.abandon_requests.is_empty()) => true,
+        }
     };
     if signalled {
         // The run loop decides the signal first; nothing else changed.
@@ -1504,6 +1543,7 @@ async fn ambiguity_step(
         options::inquire(),
     )
     .await?;
+    facts.used_under = Some(grant.token);
     let evidence = match inquiry {
         Inquiry::Found { rail_ref } => Evidence::Found { rail_ref },
         // Sealed at the proxy: never sent and never will be, definitive absence.
