@@ -22,6 +22,9 @@ use payment_client::{PaymentClient, PaymentError};
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
 use testkit::pki::{Pki, Role};
 
+mod common;
+use common::stack_ports;
+
 /// `stack up` waits for every part itself; this bounds a payout's way through the stack's
 /// workers on a loaded machine.
 const PAYOUT_LEAVES_PENDING_WITHIN: Duration = Duration::from_secs(120);
@@ -53,28 +56,6 @@ fn ok(out: &std::process::Output, what: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     stdout
-}
-
-/// One block of free ports laid out as `stack up`'s variables (etcd's peer port is the client's
-/// + 1; Temporal's HTTP and metrics ports the UI's + 1, + 2; our services base + 1 ..= 31).
-fn stack_ports() -> [(&'static str, u16); 6] {
-    let b = loop {
-        let base = testkit::free_port();
-        if base.checked_add(60).is_some()
-            && (0..60).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok())
-        {
-            testkit::util::reserve_ports((0..60).map(|i| base + i));
-            break base;
-        }
-    };
-    [
-        ("PAYOUT_PG_MAIN_PORT", b),
-        ("PAYOUT_PG_PROXY_PORT", b + 1),
-        ("PAYOUT_ETCD_PORT", b + 2),
-        ("PAYOUT_TEMPORAL_PORT", b + 5),
-        ("PAYOUT_TEMPORAL_UI_PORT", b + 6),
-        ("PAYOUT_SERVICE_PORT_BASE", b + 10),
-    ]
 }
 
 /// Brings the stack down even when an assertion fails.

@@ -93,6 +93,8 @@ pub struct TargetHealth {
     pub address: String,
     pub health: String,
     pub last_scrape: String,
+    /// Why the last scrape failed (empty when it did not).
+    pub last_error: String,
 }
 
 pub struct Monitoring {
@@ -319,6 +321,7 @@ impl Api {
                     .to_string(),
                 health: t["health"].as_str().unwrap_or_default().to_string(),
                 last_scrape: t["lastScrape"].as_str().unwrap_or_default().to_string(),
+                last_error: t["lastError"].as_str().unwrap_or_default().to_string(),
             })
             .collect())
     }
@@ -543,19 +546,22 @@ impl Api {
         );
         let loaded = self.alert_rules().await?;
         let targets_expected = configured_targets(dir)?;
-        let active = self.targets_detailed().await?;
+        let active = self.targets().await?;
         let targets_not_up = targets_expected
             .iter()
-            .filter_map(
-                |expected| match active.iter().find(|(name, _, _)| name == expected) {
-                    Some((_, health, _)) if health == "up" => None,
-                    Some((_, health, error)) if error.is_empty() => {
-                        Some(format!("{expected} ({health})"))
+            .filter_map(|expected| {
+                let found = active
+                    .iter()
+                    .find(|t| format!("{}@{}", t.job, t.address) == *expected);
+                match found {
+                    Some(t) if t.health == "up" => None,
+                    Some(t) if t.last_error.is_empty() => {
+                        Some(format!("{expected} ({})", t.health))
                     }
-                    Some((_, health, error)) => Some(format!("{expected} ({health}: {error})")),
+                    Some(t) => Some(format!("{expected} ({}: {})", t.health, t.last_error)),
                     None => Some(format!("{expected} (not discovered)")),
-                },
-            )
+                }
+            })
             .collect();
         Ok(AlertingHealth {
             rules_loaded: expected_rules.iter().filter(|r| loaded.contains(r)).count(),
@@ -563,34 +569,6 @@ impl Api {
             targets_expected,
             targets_not_up,
         })
-    }
-
-    /// Every active target as (`job@instance`, health, last error).
-    async fn targets_detailed(&self) -> anyhow::Result<Vec<(String, String, String)>> {
-        let v = self
-            .get_json(format!(
-                "http://127.0.0.1:{}/api/v1/targets?state=active",
-                self.prometheus_port
-            ))
-            .await?;
-        let active = v["data"]["activeTargets"]
-            .as_array()
-            .context("no activeTargets in /api/v1/targets")?;
-        Ok(active
-            .iter()
-            .map(|t| {
-                let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
-                (
-                    format!(
-                        "{}@{}",
-                        text(&t["labels"]["job"]),
-                        text(&t["labels"]["instance"])
-                    ),
-                    text(&t["health"]),
-                    text(&t["lastError"]),
-                )
-            })
-            .collect())
     }
 }
 
