@@ -81,8 +81,13 @@ pub struct LockMetrics {
     /// certificate does not carry is counted there.
     unauthorised_calls: IntCounterVec,
     /// Force-revokes refused by the backend's compare (a later grant holds the key): apart from
-    /// `lock_events_total{event="revoked"}`, whose LockForceRevoked alert pages.
+    /// the revokes carried out (`lock_force_revokes_total`, whose alerts fire on them).
     force_revokes_refused: IntCounterVec,
+    /// Force-revokes carried out, by who did it ([`revoked_by`], from the caller's verified
+    /// certificate role): an operator's break-glass pages (LockForceRevoked) on any occurrence,
+    /// the resolver's takeover only when takeovers repeat (LockTakeoversRepeating). Every revoke
+    /// is also counted in `lock_events_total{event="revoked"}`, kept for dashboards.
+    force_revokes: IntCounterVec,
     /// The session lifecycle's (spec 2.4).
     pub sessions: SessionMetrics,
 }
@@ -104,8 +109,32 @@ impl LockMetrics {
                 "Force-revokes refused, nothing revoked: holder_changed = the key is held by a later grant than the one the caller expected",
                 &["reason", "backend"],
             ),
+            force_revokes: metrics.counter_vec(
+                "lock_force_revokes_total",
+                "Force-revokes carried out, by who did it (the caller's certificate role): operator = break-glass, resolver = the reconciler's takeover of a key whose workflow is not running",
+                &["by", "backend"],
+            ),
             sessions: SessionMetrics::register(metrics),
         }
+    }
+}
+
+/// Who did a force-revoke, as `lock_force_revokes_total{by}` and the log line say.
+pub mod revoked_by {
+    /// A person at `payoutctl` (break-glass), or any role but the resolver's.
+    pub const OPERATOR: &str = "operator";
+    /// The reconciler's resolver: an audited takeover of a key whose payout's workflow is not running.
+    pub const RESOLVER: &str = "resolver";
+}
+
+/// Who did a force-revoke, from the caller's verified certificate role, never from the request's
+/// operator field (which a caller writes). Only a Reconciler certificate is the resolver; every
+/// other role (the authorisation table lets only Operator and Reconciler call ForceRevoke) counts
+/// as an operator, so a revoke nobody expected pages rather than passes as healing.
+pub fn revoked_by(caller: &Caller) -> &'static str {
+    match caller.role {
+        service_kit::grpc::Role::Reconciler => revoked_by::RESOLVER,
+        _ => revoked_by::OPERATOR,
     }
 }
 
@@ -738,20 +767,44 @@ impl LockServiceImpl {
                 "BUG: force-revoke took another grant than the expected one (the backend's compare broke)"
             );
         }
-        // Alert level: break-glass happened; the deposed holder is fenced by the next, higher token.
-        tracing::error!(
-            event = event::REVOKED,
-            alert = true,
-            key,
-            owner = %holder.owner,
-            session_id = %holder.session_id,
-            token = holder.token,
-            expected_token,
-            operator,
-            reason,
-            "lock force-revoked by an operator"
-        );
+        // The deposed holder is fenced by the next, higher token either way. An operator's
+        // break-glass is alert level; the resolver's takeover is the system healing itself (a
+        // warning; its alert is on takeovers repeating).
+        let by = revoked_by(caller);
+        if by == revoked_by::RESOLVER {
+            tracing::warn!(
+                event = event::REVOKED,
+                by,
+                key,
+                owner = %holder.owner,
+                session_id = %holder.session_id,
+                token = holder.token,
+                expected_token,
+                operator,
+                reason,
+                "lock taken over by the resolver (its payout's workflow is not running)"
+            );
+        } else {
+            tracing::error!(
+                event = event::REVOKED,
+                alert = true,
+                by,
+                key,
+                owner = %holder.owner,
+                session_id = %holder.session_id,
+                token = holder.token,
+                expected_token,
+                operator,
+                reason,
+                "lock force-revoked by an operator"
+            );
+        }
         self.count(event::REVOKED);
+        self.inner
+            .metrics
+            .force_revokes
+            .with_label_values(&[by, self.inner.backend.name()])
+            .inc();
         Ok(pb::ForceRevokeResponse {
             key: key.to_string(),
             revoked_owner: holder.owner,

@@ -640,6 +640,112 @@ async fn postgres_force_revoke_takes_only_the_grant_it_expects() {
     force_revoke_takes_only_the_grant_it_expects(Kind::Postgres).await;
 }
 
+/// `lock_force_revokes_total{by}` as the server's /metrics renders it (0 if absent).
+fn force_revokes_by(s: &Server, by: &str) -> f64 {
+    rendered_sum(s, "lock_force_revokes_total{", &format!(r#"by="{by}""#))
+}
+
+/// The sum of the server's /metrics lines of `series` (a name and its opening brace) that carry
+/// `label` (0 if none).
+fn rendered_sum(s: &Server, series: &str, label: &str) -> f64 {
+    s.server
+        .metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with(series) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Who force-revoked is in the revoke's series, taken from the caller's verified certificate role
+/// (issue 35, on-call): the resolver's takeover (a Reconciler certificate, acting under its
+/// role's name) counts under `by="resolver"` (LockTakeoversRepeating, only when takeovers
+/// repeat), an operator's break-glass under `by="operator"` (LockForceRevoked pages). An
+/// operator's certificate naming the resolver is refused and counts under neither: the request's
+/// operator field cannot make a break-glass look like a takeover. Every revoke still counts in
+/// `lock_events_total{event="revoked"}` (dashboards). Before, the revoke counter had no `by`:
+/// both revokes counted only in `lock_events_total`, which paged for each takeover.
+async fn a_takeover_is_counted_apart_from_an_operators_break_glass(kind: Kind) {
+    let s = start(kind).await;
+    let resolver = LockClient::connect(&s.server.endpoint, &tls(Role::Reconciler))
+        .await
+        .expect("the resolver connects");
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let b = s.client.open_session("worker-b", TTL).await.unwrap();
+    let key = "payout:acct-takeover";
+
+    let orphaned = grant(&a, key).await;
+    let e = s
+        .operator
+        .force_revoke(
+            key,
+            orphaned.token(),
+            Role::Reconciler.name(),
+            "an operator posing as the resolver",
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(rejection(&e), Rejection::OperatorNotCertified(_)),
+        "{e:?}"
+    );
+    assert!(orphaned.is_held(), "a refused revoke takes nothing");
+    let r = resolver
+        .force_revoke(
+            key,
+            orphaned.token(),
+            Role::Reconciler.name(),
+            "takeover: the payout's workflow is not running",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.revoked_token, orphaned.token().get());
+    assert_eq!(
+        (
+            force_revokes_by(&s, "resolver"),
+            force_revokes_by(&s, "operator")
+        ),
+        (1.0, 0.0),
+        "the takeover counts under the resolver only"
+    );
+
+    let wedged = grant(&b, key).await;
+    let r = s
+        .operator
+        .force_revoke(
+            key,
+            wedged.token(),
+            testkit::pki::TEST_OPERATOR,
+            "break-glass: a wedged worker",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.revoked_token, wedged.token().get());
+    assert_eq!(
+        (
+            force_revokes_by(&s, "resolver"),
+            force_revokes_by(&s, "operator")
+        ),
+        (1.0, 1.0),
+        "the break-glass counts under the operator only"
+    );
+    assert_eq!(
+        rendered_sum(&s, "lock_events_total{", r#"event="revoked""#),
+        2.0,
+        "every revoke still counts in the series dashboards read"
+    );
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_takeover_is_counted_apart_from_an_operators_break_glass() {
+    a_takeover_is_counted_apart_from_an_operators_break_glass(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_takeover_is_counted_apart_from_an_operators_break_glass() {
+    a_takeover_is_counted_apart_from_an_operators_break_glass(Kind::Postgres).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Expiry: the client gives up before the server; renew after expiry fails
 
