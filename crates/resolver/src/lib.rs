@@ -3,12 +3,20 @@
 //!
 //! - [`resolve`]: a RAIL_AMBIGUOUS payout whose workflow is gone is resolved with evidence: a
 //!   fenced inquiry at the rail proxy, then the payment resource's transition (FOUND → POSTED,
-//!   ABSENT / NEVER_SENT → FAILED, UNKNOWN → left alone).
-//! - [`resume`]: a payout in PENDING, CLAIMED, RAIL_SUBMITTED or RAIL_ACKED whose workflow is
-//!   closed or was never started is handed back to a new workflow run, after its account's key is
-//!   taken over (an audited force-revoke) from a grant whose workflow is not running; and a short
-//!   pass (`resume_blocked_accounts`) does the same for the accounts where someone waits, every
-//!   few seconds.
+//!   ABSENT / NEVER_SENT → FAILED, UNKNOWN → left alone, for the resume pass).
+//! - [`resume`]: a payout in PENDING, CLAIMED, RAIL_SUBMITTED, RAIL_ACKED or RAIL_AMBIGUOUS whose
+//!   workflow is closed or was never started is handed back to a new workflow run, after its
+//!   account's key is taken over (an audited force-revoke) from a grant whose workflow is not
+//!   running; and a short pass (`resume_blocked_accounts`) does the same for the accounts where
+//!   someone waits, every few seconds. A resumed ambiguous payout's run only asks the rail (at
+//!   once, then every window) and never submits; an operator abandons it past the SLA through
+//!   that run's abandon Update.
+//!
+//! In one reconcile pass the orphan resolver goes first and the resume pass second: evidence
+//! settles what it can at once, and only what is still ambiguous (UNKNOWN, or its account's key
+//! busy) is handed to a workflow that keeps asking. The other order would hand every orphan to a
+//! workflow before the resolver looked, and the resolver, which leaves a payout with a running
+//! workflow alone, would never act.
 //!
 //! It takes real grants: a lock session of its own and a grant on the account's key for every
 //! resolution, whose token it presents at both guards (the payment resource's fence, the rail

@@ -1,5 +1,5 @@
-//! Stranded payouts: a payout in PENDING, CLAIMED, RAIL_SUBMITTED or RAIL_ACKED whose workflow
-//! has ended (a fatal refusal, too many lost grants, an operator's `temporal workflow terminate`,
+//! Stranded payouts: a payout in PENDING, CLAIMED, RAIL_SUBMITTED, RAIL_ACKED or RAIL_AMBIGUOUS
+//! whose workflow has ended (a fatal refusal, too many lost grants, an operator's `temporal workflow terminate`,
 //! a bug) or never started has nobody left to finish it: money may have left with no ledger row,
 //! and the one-in-flight rule then blocks every later payout of the account. This is the
 //! resolver's second CORRECTIVE part: it does nothing itself to the payout; it hands the payout back
@@ -12,6 +12,18 @@
 //! | CLAIMED        | re-claims it under a higher token and continues                      |
 //! | RAIL_SUBMITTED | treats it as maybe sent (`resume`): RAIL_AMBIGUOUS, then inquiry     |
 //! | RAIL_ACKED     | posts it (money has left; the books follow)                          |
+//! | RAIL_AMBIGUOUS | asks the rail at once, then every window; never submits (below)      |
+//!
+//! A resumed run never submits a RAIL_AMBIGUOUS payout (read in `workflows/src/workflow.rs`):
+//! its step for RAIL_AMBIGUOUS is the ambiguity step, whose only rail call is the fenced
+//! inquiry, and no transition leads from RAIL_AMBIGUOUS back to RAIL_SUBMITTED, the one state
+//! whose step submits (and `resume` marks even that one maybe sent). Its grant is fresh and no
+//! fenced step of the run has used it, so the ambiguity step asks the rail first and waits the
+//! window only after an UNKNOWN (patch `inquire-first`); the SLA runs from the payment
+//! resource's record of when the payout became ambiguous, so once the run exists an operator's
+//! abandon past the SLA goes through its abandon Update (`payoutctl payout abandon`). Without
+//! this, an orphaned ambiguous payout the rail keeps answering UNKNOWN about would stay
+//! ambiguous for good and hold its account (issue 35, item 3).
 //!
 //! A grant held by a payout whose workflow is not running is never released by that workflow:
 //! the key is taken over (an audited force-revoke by the resolver; the next grant's token is
@@ -256,8 +268,7 @@ pub struct ResumeConfig {
     pub not_started_grace: Duration,
 }
 
-/// The full pass's candidates: every open payout (RAIL_AMBIGUOUS ones only for their account's
-/// takeover), oldest first per account. `past_grace` is decided by paydb's own record, never by
+/// The full pass's candidates: every open payout, oldest first per account. `past_grace` is decided by paydb's own record, never by
 /// when a pass first saw the payout, so one pass after Temporal lost its state resumes them all:
 /// true once the payout's workflow start is delivered (`workflow_start.started_at`), otherwise
 /// once the start was staged (or, for a payout without a staged start, created) longer than the
@@ -300,8 +311,11 @@ type Candidate = (String, String, String, bool);
 /// First, every account with a payout in flight has its key taken over from any grant whose
 /// payout's workflow is not running (nobody would ever release it; the account's running
 /// payouts wait on it for ever otherwise). Then every payout in PENDING, CLAIMED,
-/// RAIL_SUBMITTED or RAIL_ACKED whose workflow is not running is handed back to a new workflow
-/// run. (RAIL_AMBIGUOUS orphans are the orphan resolver's: it asks the rail itself.)
+/// RAIL_SUBMITTED, RAIL_ACKED or RAIL_AMBIGUOUS whose workflow is not running is handed back to
+/// a new workflow run. When the orphan resolver runs in the same pass, it runs first
+/// (`reconciler-service`'s `run_once`): what it resolves with evidence is no longer a candidate
+/// here, and what it could not (UNKNOWN, its account's key busy) is resumed, so the run keeps
+/// asking; a payout resumed earlier has a running workflow, which the resolver leaves alone.
 pub async fn resume_stranded(
     paydb: &PgPool,
     config: &ResumeConfig,
@@ -372,9 +386,11 @@ async fn resume_candidates(
     }
     let mut out = Vec::new();
     for (id, account, state, past_grace) in rows {
-        if state == "RAIL_AMBIGUOUS" {
-            continue;
-        }
+        // RAIL_AMBIGUOUS too: the resumed run only asks the rail (see the module's table). It
+        // and the orphan resolver never act at once: each acts only under the account's key,
+        // so they take turns, and the guards fence whichever of them holds an older token; the
+        // resolver acts only on a payout whose workflow is not running, and re-reads the state
+        // under its grant, so it leaves alone what a resumed run has already resolved.
         let Ok(payout_id) = PayoutId::parse(id.clone()) else {
             tracing::error!(payout_id = %id, "unparseable payout id in paydb; skipped");
             continue;

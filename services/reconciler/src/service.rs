@@ -64,6 +64,14 @@ pub const KEEPER_INTERVAL: Duration = Duration::from_secs(15);
 /// store hangs (the next tick tries again).
 pub const HOLDER_PASS_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The corrective parts of this process (a run's orphan resolver and resume pass, the keeper's
+/// short holder pass) take turns: a holder pass that resumed an orphaned ambiguous payout while
+/// a run's resolver was resolving it would have the two act on it one after the other, which the
+/// guards make safe but which ends in the later one's transition refused (a false
+/// RefusedTransition page). The keeper skips its tick while a run holds this; other processes
+/// (replicas, an operator's run) are fenced by the guards as before.
+static CORRECTIVE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
     #[arg(long, env = "PAYDB_URL")]
@@ -107,15 +115,16 @@ pub struct Config {
     /// The payout workers' task queue, where a resumed payout's workflow runs.
     #[arg(long, env = "PAYOUT_TASK_QUEUE", default_value = "payouts")]
     pub payout_task_queue: String,
-    /// The rail's settlement window a resumed workflow waits before asking the rail.
+    /// The rail's settlement window a resumed workflow waits between its inquiries about an
+    /// ambiguous payout (it asks at once first).
     #[arg(long, env = "PAYOUT_SETTLEMENT_WINDOW_MS", default_value_t = 30_000)]
     pub settlement_window_ms: u64,
     /// The resolution SLA a resumed workflow reports against (the payment resource enforces its own).
     #[arg(long, env = "PAYOUT_RESOLUTION_SLA_MS", default_value_t = 3_600_000)]
     pub resolution_sla_ms: u64,
-    /// Hand stranded payouts (PENDING, CLAIMED, RAIL_SUBMITTED, RAIL_ACKED with no running
-    /// workflow) back to a new workflow run, taking their account's key over from any grant
-    /// whose workflow is not running; before the checks.
+    /// Hand stranded payouts (PENDING, CLAIMED, RAIL_SUBMITTED, RAIL_ACKED, RAIL_AMBIGUOUS with
+    /// no running workflow) back to a new workflow run, taking their account's key over from any
+    /// grant whose workflow is not running; after the orphan resolver, before the checks.
     #[arg(long, env = "RECONCILE_RESUME_STRANDED")]
     pub resume_stranded: bool,
     /// A payout that never had a workflow is left alone this long after its creation.
@@ -211,19 +220,31 @@ impl Config {
     }
 }
 
-/// Stranded payouts handed back to workflows and orphans resolved first, by the resolver and
+/// Orphans resolved and stranded payouts handed back to workflows first, by the resolver and
 /// only when asked (so the checks see the resolved state), then every check.
 pub async fn run_once(config: &Config, sources: &Sources) -> anyhow::Result<RunReport> {
-    let resumptions = if config.resume_stranded {
-        resolver::resume::resume_stranded(&sources.paydb, &config.resume_config()?).await?
-    } else {
-        Vec::new()
+    let corrective = match config.resolve_orphans || config.resume_stranded {
+        true => Some(CORRECTIVE.lock().await),
+        false => None,
     };
+    // Evidence first, then the workflows: the resolver settles with the rail's evidence what it
+    // can now, and the resume pass then reads paydb afresh and hands a workflow only what is
+    // still open, among it an orphaned ambiguous payout the rail said UNKNOWN about (or whose
+    // account's key the resolver found busy), whose resumed run keeps asking. The other order
+    // would give every ambiguous orphan a running workflow before the resolver looked, and the
+    // resolver leaves a payout with a running workflow alone: it would never act. Either way the
+    // two never act on one payout in one pass.
     let resolutions = if config.resolve_orphans {
         resolver::resolve::resolve_orphans(&sources.paydb, &config.resolve_config()?).await?
     } else {
         Vec::new()
     };
+    let resumptions = if config.resume_stranded {
+        resolver::resume::resume_stranded(&sources.paydb, &config.resume_config()?).await?
+    } else {
+        Vec::new()
+    };
+    drop(corrective);
     let audit_anchor = match &config.audit_anchor_file {
         Some(path) => reconciler::AuditHead::load(path)?,
         None => None,
@@ -750,6 +771,12 @@ async fn keep(
             }
         }
         if let Some(resume) = &resume {
+            // A run's corrective part is going: it covers these accounts too; the next tick
+            // looks again.
+            let Ok(_corrective) = CORRECTIVE.try_lock() else {
+                tracing::debug!("a reconcile run is resolving and resuming: the holder pass waits for the next tick");
+                continue;
+            };
             let pass = tokio::time::timeout(
                 HOLDER_PASS_TIMEOUT,
                 resolver::resume::resume_blocked_accounts(&sources.paydb, resume),

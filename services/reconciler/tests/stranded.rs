@@ -375,3 +375,210 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
         report.render()
     );
 }
+
+/// The rail's settlement window in the ambiguous-orphan test: its lookup says UNKNOWN this long
+/// after the failed attempt, so the resumed run's first inquiry (made at once, right after the
+/// pass) finds the rail unable to say, and ABSENT (the evidence) comes only after the pass. The
+/// steps from the attempt to the pass take seconds; the test checks it had the margin.
+const AMBIGUOUS_RAIL_WINDOW_MS: u64 = 30_000;
+
+/// Issue 35, item 3: a RAIL_AMBIGUOUS payout whose workflow was terminated has nobody left to ask
+/// the rail, and the payouts behind it on its account wait for ever. One pass hands it to a new
+/// run, which asks the rail at once (never submits), is told UNKNOWN, asks again until the rail
+/// has evidence, resolves it (ABSENT: FAILED); the next payout of the account then goes through.
+#[tokio::test]
+async fn an_orphaned_ambiguous_payout_is_resumed_by_one_pass_inquires_and_frees_its_account() {
+    let stack = Stack::shared();
+    let ambiguous = "s-amb";
+    let behind = "s-amb-next";
+    let account = "s-acct-amb";
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 1,
+            settlement_window_ms: AMBIGUOUS_RAIL_WINDOW_MS,
+            rail_timeout_ms: 2_000,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+        .await
+        .unwrap();
+    let temporal = wf::connect(
+        &system.temporal_address,
+        testkit::temporal::NAMESPACE,
+        "stranded-test",
+    )
+    .await
+    .unwrap();
+    let rail = rail_stub::client::StubClient::new(system.rail_url());
+    let reference =
+        |payout: &str| ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string();
+    let first = new_payout(account, ambiguous);
+    fixture
+        .open_account(&first.account_id, &first.currency, 100_000)
+        .await
+        .unwrap();
+    for payout in [ambiguous, behind] {
+        fixture
+            .create_payout(&new_payout(account, payout))
+            .await
+            .unwrap();
+    }
+    // The rail answers 503 without acting: the proxy records TIMEOUT, the payout is ambiguous.
+    rail.force(
+        &reference(ambiguous),
+        Some(rail_stub::FaultMode::FailBeforeActing),
+    )
+    .await
+    .unwrap();
+    let start = |payout: &str, settlement_window_ms: u64| {
+        let new = new_payout(account, payout);
+        payout_activities::types::PayoutInput {
+            payout_id: new.payout_id,
+            account_id: new.account_id,
+            amount_minor: new.amount_minor,
+            currency: new.currency,
+            beneficiary_ref: new.beneficiary_ref,
+            ambiguity: payout_activities::types::AmbiguityPolicy {
+                settlement_window_ms,
+                resolution_sla_ms: 600_000,
+            },
+        }
+    };
+    // Its first run waits a window far longer than the test before it would ask the rail: it is
+    // terminated while it waits, holding the account's key.
+    let ambiguous_id = wf::start_payout(&temporal, &system.task_queue, &start(ambiguous, STALL_MS))
+        .await
+        .unwrap();
+    wait_state(&payments, ambiguous, PayoutState::RailAmbiguous).await;
+    let behind_id = wf::start_payout(&temporal, &system.task_queue, &start(behind, 500))
+        .await
+        .unwrap();
+    testkit::eventually(
+        SETTLE_TIMEOUT,
+        "the next payout waits for the key",
+        || async {
+            wf::status(&temporal, &behind_id)
+                .await
+                .ok()?
+                .last_event
+                .starts_with("WAITING_FOR_LOCK")
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    terminate(&ambiguous_id);
+
+    // Before the pass: ambiguous, asked by nobody, sent once; its dead run's grant still held,
+    // the next payout PENDING behind it; and the rail cannot say yet.
+    assert_eq!(
+        state_of(&payments, ambiguous).await,
+        PayoutState::RailAmbiguous
+    );
+    assert_eq!(state_of(&payments, behind).await, PayoutState::Pending);
+    let mut proxy =
+        rail_proxy_client::RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
+            .await
+            .unwrap();
+    let ambiguous_payout = PayoutId::parse(ambiguous).unwrap();
+    let record = proxy.lookup(&ambiguous_payout).await.unwrap().unwrap();
+    assert!(
+        record.resolutions.is_empty(),
+        "nobody asked the rail before the pass: {record:?}"
+    );
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let key = format!("payout:{account}");
+    let held = lock.describe(&key).await.unwrap();
+    assert!(
+        held.held && held.holder_owner.ends_with(ambiguous),
+        "the dead workflow's grant is still held: {held:?}"
+    );
+    let submit_requests = |truth: &rail_stub::GroundTruth, payout: &str| {
+        truth
+            .submit_request_counts
+            .get(&reference(payout))
+            .copied()
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        submit_requests(&rail.ground_truth().await.unwrap(), ambiguous),
+        1
+    );
+    assert_eq!(
+        rail.lookup(&reference(ambiguous)).await.unwrap().state,
+        "unknown",
+        "the rail can say nothing yet"
+    );
+    let pass_started_unix_ms = rail_stub::book::unix_ms_now();
+
+    // One pass.
+    let resumed = reconcile_once(&system);
+    let r = resumed
+        .get(ambiguous)
+        .unwrap_or_else(|| panic!("{ambiguous} resumed: {resumed:?}"));
+    assert_eq!(
+        (&r["action"], &r["state"], &r["workflow"]),
+        (
+            &serde_json::json!("RESUMED"),
+            &serde_json::json!("RAIL_AMBIGUOUS"),
+            &serde_json::json!("TERMINATED")
+        ),
+        "{r}"
+    );
+    assert_eq!(r["took_over_from"], format!("worker-0/{ambiguous}"), "{r}");
+    assert!(
+        !resumed.contains_key(behind),
+        "a payout whose workflow runs is not resumed: {resumed:?}"
+    );
+
+    // The resumed run asks at once, under its new grant, and the rail cannot say yet.
+    let asked = testkit::eventually(SETTLE_TIMEOUT, "the resumed run asks the rail", || {
+        let mut proxy = proxy.clone();
+        let payout = ambiguous_payout.clone();
+        async move {
+            let record = proxy.lookup(&payout).await.ok()??;
+            record.resolutions.first().cloned()
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        asked.asked_at_unix_ms >= pass_started_unix_ms,
+        "asked after the pass: {asked:?}"
+    );
+    assert!(
+        matches!(asked.evidence, rail_proxy_client::Evidence::Unknown { .. }),
+        "the resumed run asked inside the rail's window ({AMBIGUOUS_RAIL_WINDOW_MS} ms): {asked:?}"
+    );
+
+    // The evidence comes later: ABSENT, and the payout FAILED; never sent again. Then the
+    // account is free and the payout behind it is paid.
+    wait_state(&payments, ambiguous, PayoutState::Failed).await;
+    wait_state(&payments, behind, PayoutState::Posted).await;
+    let record = proxy.lookup(&ambiguous_payout).await.unwrap().unwrap();
+    assert!(
+        matches!(
+            record.resolutions.last().map(|r| &r.evidence),
+            Some(rail_proxy_client::Evidence::Absent)
+        ),
+        "resolved by the rail's evidence: {record:?}"
+    );
+    let truth = rail.ground_truth().await.unwrap();
+    assert_eq!(
+        submit_requests(&truth, ambiguous),
+        1,
+        "the resumed run never submits"
+    );
+    assert_eq!(truth.movement_counts.get(&reference(ambiguous)), None);
+    assert_eq!(truth.movement_counts.get(&reference(behind)), Some(&1));
+    assert_eq!(submit_requests(&truth, behind), 1);
+}
