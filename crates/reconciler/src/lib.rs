@@ -18,7 +18,7 @@ pub mod row_chains;
 
 use payout_domain::{Actor, PayoutEvent, PayoutState};
 use serde::Serialize;
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -39,7 +39,8 @@ pub enum ReconcileError {
     EtcdNoHeader,
 }
 
-/// Where the evidence is.
+/// Where the evidence is. A run holds one connection of each database's pool for the run (its
+/// snapshot) and takes one more to confirm a finding, so each pool needs at least two.
 pub struct Sources {
     pub paydb: PgPool,
     pub proxydb: PgPool,
@@ -287,10 +288,149 @@ fn check(name: &'static str, invariant: &'static str) -> Check {
 
 const IN_FLIGHT: &str = "('CLAIMED','RAIL_SUBMITTED','RAIL_ACKED','RAIL_AMBIGUOUS')";
 
-/// Runs every check.
+/// Runs every check, each store read in one snapshot (see [`Snapshots`]).
 pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, ReconcileError> {
+    reconcile_with(sources, options, Reads::OneSnapshotPerStore).await
+}
+
+/// TEST ONLY (feature `negative-controls`, which no shipped binary is built with): [`reconcile`]
+/// as it read before each store had one snapshot per run: every statement on its own snapshot and
+/// no finding confirmed. A run on a busy system reports violations that are none; the crate's
+/// tests show it (`tests/busy.rs`).
+#[cfg(feature = "negative-controls")]
+pub async fn reconcile_without_snapshots(
+    sources: &Sources,
+    options: &Options,
+) -> Result<Report, ReconcileError> {
+    reconcile_with(sources, options, Reads::EachStatementOnItsOwn).await
+}
+
+/// How a run reads the databases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reads {
+    /// One `REPEATABLE READ, READ ONLY` transaction per database for the whole run, taken in the
+    /// order the system writes (see [`Snapshots::take`]), and a finding that order cannot make
+    /// certain confirmed by a fresh read before it is reported.
+    OneSnapshotPerStore,
+    /// Each statement on a snapshot of its own, nothing confirmed (the negative control only).
+    #[cfg_attr(not(feature = "negative-controls"), allow(dead_code))]
+    EachStatementOnItsOwn,
+}
+
+/// One connection of a database for the run: a read-only snapshot, or (negative control only) a
+/// connection whose every statement reads the newest commit.
+enum Reader {
+    Snapshot(sqlx::Transaction<'static, sqlx::Postgres>),
+    Statements(sqlx::pool::PoolConnection<sqlx::Postgres>),
+}
+
+impl Reader {
+    async fn open(pool: &PgPool, name: &'static str, reads: Reads) -> Result<Self, ReconcileError> {
+        if reads == Reads::EachStatementOnItsOwn {
+            return Ok(Reader::Statements(
+                pool.acquire().await.map_err(store(name))?,
+            ));
+        }
+        let mut tx = pool.begin().await.map_err(store(name))?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await
+            .map_err(store(name))?;
+        // PostgreSQL takes a REPEATABLE READ transaction's snapshot at its first statement, not
+        // at BEGIN: this one fixes it now, so the order of [`Snapshots::take`] is the order of
+        // the snapshots.
+        sqlx::query("SELECT 1")
+            .execute(&mut *tx)
+            .await
+            .map_err(store(name))?;
+        Ok(Reader::Snapshot(tx))
+    }
+
+    fn conn(&mut self) -> &mut PgConnection {
+        match self {
+            Reader::Snapshot(tx) => tx,
+            Reader::Statements(conn) => conn,
+        }
+    }
+
+    /// Ends the snapshot (it wrote nothing: a rollback).
+    async fn close(self, name: &'static str) -> Result<(), ReconcileError> {
+        match self {
+            Reader::Snapshot(tx) => tx.rollback().await.map_err(store(name)),
+            Reader::Statements(_) => Ok(()),
+        }
+    }
+}
+
+/// A run's three snapshots. A snapshot of one database makes every check within it consistent
+/// (a payout's state and its history, its postings, an audit chain and its head, as of one
+/// moment). Across databases no snapshot is shared, so they are taken in the order the system
+/// writes, the store written later first: a fact seen in an earlier snapshot was caused by
+/// writes already in every later one.
+/// - gldb before paydb: the payment resource commits a posting and its outbox row in paydb
+///   before the dispatcher writes the GL's journal or event, and marks the row delivered only
+///   after. So a GL journal or event of the payment resource is in paydb's (later) snapshot.
+/// - proxydb before paydb: the payment resource commits MarkSubmitted (the fence at the token)
+///   before the proxy records the submission, and a payout exists before anything submits it.
+///   So a submission proxydb shows has its payout, at RAIL_SUBMITTED or past it and the fence at
+///   least its token, in paydb's snapshot.
+/// - The rail after all three (it is looked up live, during the run): the proxy records a
+///   submission before it asks the rail, so a payout POSTED in paydb's snapshot already has its
+///   movement when the rail is asked.
+/// - etcd's grant records after the databases: a token is granted before a guard accepts it.
+///
+/// Two findings point the other way, and are confirmed by a fresh read before they are reported
+/// (the fresh read is later than the evidence that raised them, so what was merely not yet seen
+/// is seen): a rail movement whose submission is not in proxydb's snapshot, and an outbox row
+/// paydb says was delivered that is not in gldb's snapshot.
+struct Snapshots {
+    gldb: Reader,
+    proxydb: Reader,
+    paydb: Reader,
+    reads: Reads,
+}
+
+impl Snapshots {
+    async fn take(sources: &Sources, reads: Reads) -> Result<Self, ReconcileError> {
+        let gldb = Reader::open(&sources.gldb, "gldb", reads).await?;
+        let proxydb = Reader::open(&sources.proxydb, "proxydb", reads).await?;
+        let paydb = Reader::open(&sources.paydb, "paydb", reads).await?;
+        Ok(Self {
+            gldb,
+            proxydb,
+            paydb,
+            reads,
+        })
+    }
+
+    /// Whether a finding against the order of the snapshots is confirmed by a fresh read.
+    fn confirms(&self) -> bool {
+        self.reads == Reads::OneSnapshotPerStore
+    }
+
+    async fn close(self) -> Result<(), ReconcileError> {
+        self.paydb.close("paydb").await?;
+        self.proxydb.close("proxydb").await?;
+        self.gldb.close("gldb").await
+    }
+}
+
+async fn reconcile_with(
+    sources: &Sources,
+    options: &Options,
+    reads: Reads,
+) -> Result<Report, ReconcileError> {
     let mut checks = Vec::new();
-    let payouts = load_payouts(&sources.paydb).await?;
+    let mut snap = Snapshots::take(sources, reads).await?;
+    let confirm = snap.confirms();
+    let Snapshots {
+        gldb,
+        proxydb,
+        paydb,
+        ..
+    } = &mut snap;
+    let (paydb, proxydb, gldb) = (paydb.conn(), proxydb.conn(), gldb.conn());
+    let payouts = load_payouts(paydb).await?;
     let payouts_by_state = payouts.values().fold(BTreeMap::new(), |mut m, p| {
         *m.entry(p.state.clone()).or_insert(0u64) += 1;
         m
@@ -301,32 +441,32 @@ pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, R
         .map(|p| p.id.clone())
         .collect();
 
-    checks.push(one_in_flight_per_account(&sources.paydb).await?);
-    checks.push(transition_history(&sources.paydb, &payouts).await?);
-    checks.push(guard1_tokens(&sources.paydb).await?);
-    checks.push(ledger_balanced(&sources.paydb).await?);
-    checks.push(postings_match_payouts(&sources.paydb, &payouts).await?);
-    checks.push(one_submission_per_payout(&sources.proxydb, &payouts).await?);
-    checks.push(guard2_tokens(&sources.proxydb).await?);
-    checks.push(guard_database_current(&sources.paydb, &sources.proxydb).await?);
-    checks.push(fence_not_below_proxy_submissions(&sources.paydb, &sources.proxydb).await?);
-    checks.push(submissions_match_payouts(&sources.proxydb, &payouts).await?);
-    let (rail, rail_movements) = rail_movements(sources, &payouts).await?;
+    checks.push(one_in_flight_per_account(paydb).await?);
+    checks.push(transition_history(paydb, &payouts).await?);
+    checks.push(guard1_tokens(paydb).await?);
+    checks.push(ledger_balanced(paydb).await?);
+    checks.push(postings_match_payouts(paydb, &payouts).await?);
+    checks.push(one_submission_per_payout(proxydb, &payouts).await?);
+    checks.push(guard2_tokens(proxydb).await?);
+    checks.push(guard_database_current_in(paydb, proxydb).await?);
+    checks.push(fence_not_below_proxy_submissions_in(paydb, proxydb).await?);
+    checks.push(submissions_match_payouts(proxydb, &payouts).await?);
+    let (rail, rail_movements) = rail_movements(sources, proxydb, &payouts, confirm).await?;
     checks.push(rail);
-    let (gl, outbox_pending) = gl_matches_paydb(&sources.paydb, &sources.gldb, options).await?;
+    let (gl, outbox_pending) =
+        gl_matches_paydb(paydb, gldb, confirm.then_some(&sources.gldb), options).await?;
     checks.push(gl);
-    checks.push(tokens_were_granted(sources).await?);
+    checks.push(tokens_were_granted(sources, paydb, proxydb).await?);
     let (lock_audit, lock_audit_head) =
         lock_audit::lock_audit_chain_intact(sources, options).await?;
     checks.push(lock_audit);
-    let (chain, mut audit_heads) = audit_chain_intact(&sources.paydb, options).await?;
+    let (chain, mut audit_heads) = audit_chain_in(paydb, options).await?;
     checks.push(chain);
-    let (rows, row_heads) =
-        row_chains::row_chains_intact(&sources.paydb, &sources.proxydb, &sources.gldb, options)
-            .await?;
+    let (rows, row_heads) = row_chains::row_chains_in(paydb, proxydb, gldb, options).await?;
     checks.push(rows);
     audit_heads.extend(row_heads);
     audit_heads.extend(lock_audit_head);
+    snap.close().await?;
 
     let violations = checks.iter().map(|c| c.violations.len()).sum();
     for c in &checks {
@@ -356,10 +496,12 @@ struct PayoutRow {
     client_reference: String,
 }
 
-async fn load_payouts(paydb: &PgPool) -> Result<BTreeMap<String, PayoutRow>, ReconcileError> {
+async fn load_payouts(
+    paydb: &mut PgConnection,
+) -> Result<BTreeMap<String, PayoutRow>, ReconcileError> {
     let rows =
         sqlx::query("SELECT id, account_id, state, amount_minor, currency, beneficiary_ref, client_reference FROM payout")
-            .fetch_all(paydb)
+            .fetch_all(&mut *paydb)
             .await
             .map_err(store("paydb"))?;
     Ok(rows
@@ -380,17 +522,17 @@ async fn load_payouts(paydb: &PgPool) -> Result<BTreeMap<String, PayoutRow>, Rec
 }
 
 /// INV-01's detective control: at most one payout per account is in flight.
-async fn one_in_flight_per_account(paydb: &PgPool) -> Result<Check, ReconcileError> {
+async fn one_in_flight_per_account(paydb: &mut PgConnection) -> Result<Check, ReconcileError> {
     let mut c = check("one_in_flight_payout_per_account", "INV-01");
     c.examined = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM account")
-        .fetch_one(paydb)
+        .fetch_one(&mut *paydb)
         .await
         .map_err(store("paydb"))? as u64;
     let rows = sqlx::query(&format!(
         "SELECT account_id, string_agg(id, ',' ORDER BY id) AS ids FROM payout \
          WHERE state IN {IN_FLIGHT} GROUP BY account_id HAVING count(*) > 1"
     ))
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     for r in rows {
@@ -406,7 +548,7 @@ async fn one_in_flight_per_account(paydb: &PgPool) -> Result<Check, ReconcileErr
 /// INV-01 and INV-08: each payout's recorded transitions replay through the 2.3 table from
 /// PENDING to its current state, by the listed actor; nothing ever leaves a terminal state.
 async fn transition_history(
-    paydb: &PgPool,
+    paydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("transition_history_replays", "INV-01/INV-08");
@@ -414,7 +556,7 @@ async fn transition_history(
         "SELECT payout_id, from_state, to_state, event, actor FROM audit_event \
          WHERE kind = 'transition' AND payout_id IS NOT NULL ORDER BY payout_id, id",
     )
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     let mut history: HashMap<String, Vec<(String, String, String, String)>> = HashMap::new();
@@ -480,13 +622,13 @@ fn parse_actor(value: &str) -> Option<Actor> {
 
 /// INV-04/INV-05 at the first guard: per account, the tokens of accepted transitions never go
 /// down in commit order, and the stored fence is at least every accepted token.
-async fn guard1_tokens(paydb: &PgPool) -> Result<Check, ReconcileError> {
+async fn guard1_tokens(paydb: &mut PgConnection) -> Result<Check, ReconcileError> {
     let mut c = check("paydb_tokens_never_decrease", "INV-04/INV-05");
     let rows = sqlx::query(
         "SELECT account_id, token, payout_id FROM audit_event \
          WHERE kind = 'transition' AND token IS NOT NULL ORDER BY account_id, id",
     )
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     let mut last: HashMap<String, i64> = HashMap::new();
@@ -506,7 +648,7 @@ async fn guard1_tokens(paydb: &PgPool) -> Result<Check, ReconcileError> {
         last.insert(account, token);
     }
     let fences = sqlx::query("SELECT id, fence FROM account")
-        .fetch_all(paydb)
+        .fetch_all(&mut *paydb)
         .await
         .map_err(store("paydb"))?;
     for r in fences {
@@ -534,6 +676,16 @@ pub async fn audit_chain_intact(
     paydb: &PgPool,
     options: &Options,
 ) -> Result<(Check, Vec<AuditHead>), ReconcileError> {
+    let mut conn = paydb.acquire().await.map_err(store("paydb"))?;
+    audit_chain_in(&mut conn, options).await
+}
+
+/// [`audit_chain_intact`] on the given connection (a run's snapshot: the chains and their heads
+/// as of one moment, so a row appended meanwhile is no false finding).
+async fn audit_chain_in(
+    paydb: &mut PgConnection,
+    options: &Options,
+) -> Result<(Check, Vec<AuditHead>), ReconcileError> {
     let mut c = check("audit_chain_intact", "audit");
     let rows = sqlx::query(
         "WITH c AS ( \
@@ -548,7 +700,7 @@ pub async fn audit_chain_intact(
          WHERE recomputed <> row_hash OR chain_seq <> coalesce(seq_before, 0) + 1 \
             OR prev_hash <> coalesce(before, audit_chain_genesis())",
     )
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     for r in rows {
@@ -561,7 +713,7 @@ pub async fn audit_chain_intact(
         ));
     }
     c.examined = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit_event")
-        .fetch_one(paydb)
+        .fetch_one(&mut *paydb)
         .await
         .map_err(store("paydb"))? as u64;
     // Each chain's head against its last row.
@@ -572,7 +724,7 @@ pub async fn audit_chain_intact(
          FULL JOIN (SELECT DISTINCT ON (chain) chain, chain_seq AS seq, row_hash AS hash \
                     FROM audit_event ORDER BY chain, chain_seq DESC) t ON t.chain = h.chain",
     )
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     let mut current = Vec::new();
@@ -619,7 +771,7 @@ pub async fn audit_chain_intact(
         )
         .bind(&chains)
         .bind(&seqs)
-        .fetch_all(paydb)
+        .fetch_all(&mut *paydb)
         .await
         .map_err(store("paydb"))?;
         let found: std::collections::HashMap<(String, i64), Option<String>> = found
@@ -661,18 +813,18 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-async fn ledger_balanced(paydb: &PgPool) -> Result<Check, ReconcileError> {
+async fn ledger_balanced(paydb: &mut PgConnection) -> Result<Check, ReconcileError> {
     let mut c = check("ledger_balanced", "INV-03");
     c.examined =
         sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT transaction_group) FROM ledger_entry")
-            .fetch_one(paydb)
+            .fetch_one(&mut *paydb)
             .await
             .map_err(store("paydb"))? as u64;
     let groups = sqlx::query(
         "SELECT transaction_group::text AS g, sum(amount_minor)::bigint AS s FROM ledger_entry \
          GROUP BY transaction_group HAVING sum(amount_minor) <> 0",
     )
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     for r in groups {
@@ -685,7 +837,7 @@ async fn ledger_balanced(paydb: &PgPool) -> Result<Check, ReconcileError> {
          FROM account a LEFT JOIN ledger_entry e ON e.account_id = a.id \
          GROUP BY a.id, a.balance_minor HAVING a.balance_minor <> coalesce(sum(e.amount_minor), 0)",
     )
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     for r in balances {
@@ -702,7 +854,7 @@ async fn ledger_balanced(paydb: &PgPool) -> Result<Check, ReconcileError> {
 /// A POSTED payout has exactly its two rows (the customer debited by the amount); no other payout
 /// has any.
 async fn postings_match_payouts(
-    paydb: &PgPool,
+    paydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("postings_match_payouts", "INV-03");
@@ -711,7 +863,7 @@ async fn postings_match_payouts(
                 coalesce(sum(e.amount_minor) FILTER (WHERE e.account_id = p.account_id), 0)::bigint AS customer \
          FROM ledger_entry e JOIN payout p ON p.id = e.payout_id GROUP BY e.payout_id",
     )
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     let mut posted: HashMap<String, (i64, i64)> = HashMap::new();
@@ -739,13 +891,13 @@ async fn postings_match_payouts(
 
 /// INV-02 at the proxy: one submission record per payout, and only for payouts that exist.
 async fn one_submission_per_payout(
-    proxydb: &PgPool,
+    proxydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("one_submission_per_payout", "INV-02");
     let rows =
         sqlx::query("SELECT payout_id, count(*) AS n FROM rail_submission GROUP BY payout_id")
-            .fetch_all(proxydb)
+            .fetch_all(&mut *proxydb)
             .await
             .map_err(store("proxydb"))?;
     for r in rows {
@@ -766,12 +918,12 @@ async fn one_submission_per_payout(
 
 /// INV-04/INV-05 at the second guard: per account, submission tokens never go down in insertion
 /// order, and the high-water is at least every accepted token.
-async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
+async fn guard2_tokens(proxydb: &mut PgConnection) -> Result<Check, ReconcileError> {
     let mut c = check("proxydb_tokens_never_decrease", "INV-04/INV-05");
     let rows = sqlx::query(
         "SELECT account_id, fence_token, payout_id FROM rail_submission ORDER BY account_id, id",
     )
-    .fetch_all(proxydb)
+    .fetch_all(&mut *proxydb)
     .await
     .map_err(store("proxydb"))?;
     let mut last: HashMap<String, i64> = HashMap::new();
@@ -790,7 +942,7 @@ async fn guard2_tokens(proxydb: &PgPool) -> Result<Check, ReconcileError> {
         last.insert(account, token);
     }
     let hw = sqlx::query("SELECT account_id, high_water FROM account_high_water")
-        .fetch_all(proxydb)
+        .fetch_all(&mut *proxydb)
         .await
         .map_err(store("proxydb"))?;
     for r in hw {
@@ -816,10 +968,19 @@ pub async fn guard_database_current(
     paydb: &PgPool,
     proxydb: &PgPool,
 ) -> Result<Check, ReconcileError> {
+    let mut paydb = paydb.acquire().await.map_err(store("paydb"))?;
+    let mut proxydb = proxydb.acquire().await.map_err(store("proxydb"))?;
+    guard_database_current_in(&mut paydb, &mut proxydb).await
+}
+
+async fn guard_database_current_in(
+    paydb: &mut PgConnection,
+    proxydb: &mut PgConnection,
+) -> Result<Check, ReconcileError> {
     let mut c = check("guard_database_current", "INV-04/INV-05");
-    for (name, guarded, pool) in [
-        ("paydb", "account", paydb),
-        ("proxydb", "account_high_water", proxydb),
+    for (name, guarded, conn) in [
+        ("paydb", "account", &mut *paydb),
+        ("proxydb", "account_high_water", &mut *proxydb),
     ] {
         c.examined += 1;
         let r = sqlx::query(
@@ -830,7 +991,7 @@ pub async fn guard_database_current(
                     to_regclass($1)::oid::bigint AS this_table",
         )
         .bind(guarded)
-        .fetch_one(pool)
+        .fetch_one(&mut *conn)
         .await
         .map_err(store(name))?;
         if !r.get::<bool, _>("current") {
@@ -865,16 +1026,27 @@ pub async fn fence_not_below_proxy_submissions(
     paydb: &PgPool,
     proxydb: &PgPool,
 ) -> Result<Check, ReconcileError> {
+    let mut proxydb = proxydb.acquire().await.map_err(store("proxydb"))?;
+    let mut paydb = paydb.acquire().await.map_err(store("paydb"))?;
+    fence_not_below_proxy_submissions_in(&mut paydb, &mut proxydb).await
+}
+
+/// [`fence_not_below_proxy_submissions`] on the given connections: in a run, proxydb's snapshot
+/// is older than paydb's ([`Snapshots`]), the direction this check needs.
+async fn fence_not_below_proxy_submissions_in(
+    paydb: &mut PgConnection,
+    proxydb: &mut PgConnection,
+) -> Result<Check, ReconcileError> {
     let mut c = check("fence_not_below_proxy_submissions", "INV-04/INV-05");
     let submitted = sqlx::query(
         "SELECT DISTINCT ON (account_id) account_id, fence_token, payout_id FROM rail_submission \
          WHERE outcome IS DISTINCT FROM 'NOT_SENT' ORDER BY account_id, fence_token DESC, id",
     )
-    .fetch_all(proxydb)
+    .fetch_all(&mut *proxydb)
     .await
     .map_err(store("proxydb"))?;
     let fences: HashMap<String, i64> = sqlx::query("SELECT id, fence FROM account")
-        .fetch_all(paydb)
+        .fetch_all(&mut *paydb)
         .await
         .map_err(store("paydb"))?
         .into_iter()
@@ -905,7 +1077,7 @@ pub async fn fence_not_below_proxy_submissions(
 /// beneficiary of every proxy submission equal paydb's (the rail is asked to pay what the books
 /// debit, never what a workflow's input said).
 async fn submissions_match_payouts(
-    proxydb: &PgPool,
+    proxydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("submissions_match_payouts", "INV-02");
@@ -913,7 +1085,7 @@ async fn submissions_match_payouts(
         "SELECT payout_id, account_id, amount_minor, currency, beneficiary_ref FROM rail_submission \
          WHERE outcome IS DISTINCT FROM 'NOT_SENT'",
     )
-    .fetch_all(proxydb)
+    .fetch_all(&mut *proxydb)
     .await
     .map_err(store("proxydb"))?;
     for (payout_id, account_id, amount_minor, currency, beneficiary_ref) in rows {
@@ -950,9 +1122,17 @@ pub const RAIL_LOOKUPS_PER_RUN_MAX: usize = 20_000;
 /// say did not pay (FAILED, ABANDONED, PENDING, CLAIMED), a movement whose amount, currency or
 /// beneficiary differ from the record, or a POSTED payout the rail has nothing for, is a
 /// violation. An UNKNOWN answer (inside the settlement window) is counted, not judged.
+///
+/// The payouts to look up and their states are from the run's snapshots, and the rail is asked
+/// after them ([`Snapshots`]): a submission in proxydb's snapshot has its payout at
+/// RAIL_SUBMITTED or past it in paydb's, and a payout POSTED there has its movement already. A
+/// movement whose submission proxydb's snapshot does not hold may have been submitted after it,
+/// so that finding is confirmed by a fresh read of proxydb (`confirm`) before it is reported.
 async fn rail_movements(
     sources: &Sources,
+    proxydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
+    confirm: bool,
 ) -> Result<(Check, u64), ReconcileError> {
     let mut c = check("rail_movements_match_the_books", "INV-02");
     let Some(source) = &sources.rail_proxy else {
@@ -965,7 +1145,7 @@ async fn rail_movements(
     let submitted: BTreeSet<String> = sqlx::query_scalar(
         "SELECT payout_id FROM rail_submission WHERE outcome IS DISTINCT FROM 'NOT_SENT'",
     )
-    .fetch_all(&sources.proxydb)
+    .fetch_all(&mut *proxydb)
     .await
     .map_err(store("proxydb"))?
     .into_iter()
@@ -1014,7 +1194,9 @@ async fn rail_movements(
                 found.iter().map(|m| &m.rail_ref).collect::<Vec<_>>()
             ));
         }
-        if !submitted.contains(&p.id) {
+        let has_submission =
+            submitted.contains(&p.id) || (confirm && submitted_now(sources, &p.id).await?);
+        if !has_submission {
             c.violations.push(format!(
                 "rail movement for {} without a proxy submission record",
                 p.client_reference
@@ -1056,13 +1238,32 @@ async fn rail_movements(
     Ok((c, movements))
 }
 
+/// Whether proxydb holds a sent submission of `payout` now (a fresh read, after the rail's answer
+/// that raised the question: the proxy records a submission before it asks the rail).
+async fn submitted_now(sources: &Sources, payout: &str) -> Result<bool, ReconcileError> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM rail_submission \
+         WHERE payout_id = $1 AND outcome IS DISTINCT FROM 'NOT_SENT')",
+    )
+    .bind(payout)
+    .fetch_one(&sources.proxydb)
+    .await
+    .map_err(store("proxydb"))
+}
+
 /// The GL holds exactly what paydb's outbox carried, told apart by the row's kind (paydb 0008):
 /// one journal per JOURNAL row, same amounts, and no payment-resource journal without its row;
 /// one transaction event per TRANSACTION_EVENT row, at its (payout, event version), of its event
 /// type, the one the delivery recorded, and no payment-resource event without its row.
+///
+/// gldb's snapshot is older than paydb's ([`Snapshots`]): a journal or event the GL holds has its
+/// outbox row in paydb's snapshot, so "no posting in paydb" is certain. A row paydb says was
+/// delivered may have been delivered after gldb's snapshot, so that finding is confirmed by a
+/// fresh read of the GL (`fresh_gldb`, after paydb's snapshot) before it is reported.
 async fn gl_matches_paydb(
-    paydb: &PgPool,
-    gldb: &PgPool,
+    paydb: &mut PgConnection,
+    gldb: &mut PgConnection,
+    fresh_gldb: Option<&PgPool>,
     options: &Options,
 ) -> Result<(Check, u64), ReconcileError> {
     let mut c = check("gl_matches_paydb", "outbox/GL");
@@ -1070,21 +1271,21 @@ async fn gl_matches_paydb(
         "SELECT idempotency_key, kind, payload, delivered_at IS NOT NULL AS delivered, journal_id \
          FROM ledger_outbox",
     )
-    .fetch_all(paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?;
     let journals = sqlx::query(
         "SELECT j.idempotency_key, e.line_number, e.amount::text AS amount \
          FROM journals j JOIN entries e ON e.journal_id = j.id WHERE j.source_service = 'payment-resource'",
     )
-    .fetch_all(gldb)
+    .fetch_all(&mut *gldb)
     .await
     .map_err(store("gldb"))?;
     let events = sqlx::query(
         "SELECT id::text AS id, source_transaction_id, event_version, event_type FROM transaction_events \
          WHERE source_service = 'payment-resource'",
     )
-    .fetch_all(gldb)
+    .fetch_all(&mut *gldb)
     .await
     .map_err(store("gldb"))?;
     let mut gl: HashMap<String, BTreeMap<i32, String>> = HashMap::new();
@@ -1106,6 +1307,8 @@ async fn gl_matches_paydb(
     let mut pending = 0;
     let mut keys = BTreeSet::new();
     let mut event_keys = BTreeSet::new();
+    // Rows paydb says were delivered that gldb's snapshot lacks: (what is absent, the finding).
+    let mut delivered_absent: Vec<(GlRecord, String)> = Vec::new();
     for r in outbox {
         c.examined += 1;
         let key: String = r.get("idempotency_key");
@@ -1113,10 +1316,11 @@ async fn gl_matches_paydb(
         let payload: serde_json::Value = r.get("payload");
         let delivered: bool = r.get("delivered");
         let recorded: Option<String> = r.get("journal_id");
-        let mut undelivered = |c: &mut Check, what: String| {
+        let mut undelivered = |c: &mut Check, record: GlRecord, what: String| {
             if delivered {
-                c.violations.push(format!(
-                    "outbox {what} marked delivered but absent from the GL"
+                delivered_absent.push((
+                    record,
+                    format!("outbox {what} marked delivered but absent from the GL"),
                 ));
             } else {
                 pending += 1;
@@ -1150,7 +1354,11 @@ async fn gl_matches_paydb(
                         ));
                     }
                 }
-                None => undelivered(&mut c, format!("event {key}")),
+                None => undelivered(
+                    &mut c,
+                    GlRecord::Event(payout.to_string(), version),
+                    format!("event {key}"),
+                ),
             }
             continue;
         }
@@ -1174,7 +1382,16 @@ async fn gl_matches_paydb(
             Some(lines) => c.violations.push(format!(
                 "journal {key}: GL lines {lines:?} differ from paydb's {expected:?}"
             )),
-            None => undelivered(&mut c, format!("row {key}")),
+            None => undelivered(&mut c, GlRecord::Journal(key.clone()), format!("row {key}")),
+        }
+    }
+    for (record, finding) in delivered_absent {
+        let seen_now = match fresh_gldb {
+            Some(gldb) => record.in_gl(gldb).await?,
+            None => false,
+        };
+        if !seen_now {
+            c.violations.push(finding);
         }
     }
     for key in gl.keys().filter(|k| !keys.contains(*k)) {
@@ -1189,6 +1406,35 @@ async fn gl_matches_paydb(
         }
     }
     Ok((c, pending))
+}
+
+/// What an outbox row put in the GL, as the GL names it.
+enum GlRecord {
+    /// A journal, by its idempotency key.
+    Journal(String),
+    /// A transaction event, by (payout, event version).
+    Event(String, i64),
+}
+
+impl GlRecord {
+    /// Whether the GL holds it now (a fresh read, not the run's snapshot).
+    async fn in_gl(&self, gldb: &PgPool) -> Result<bool, ReconcileError> {
+        let query = match self {
+            GlRecord::Journal(key) => sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM journals \
+                 WHERE source_service = 'payment-resource' AND idempotency_key = $1)",
+            )
+            .bind(key.clone()),
+            GlRecord::Event(payout, version) => sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM transaction_events \
+                 WHERE source_service = 'payment-resource' AND source_transaction_id = $1 \
+                   AND event_version = $2)",
+            )
+            .bind(payout.clone())
+            .bind(i32::try_from(*version).unwrap_or(i32::MAX)),
+        };
+        query.fetch_one(gldb).await.map_err(store("gldb"))
+    }
 }
 
 /// "12.340000" and "12.34" are the same amount; "-0.50" and "-0.5" too.
@@ -1206,15 +1452,20 @@ fn normalize_decimal(value: &str) -> String {
 /// that account's key (etcd keeps one record per grant, whose create revision is the token). The
 /// records are kept for a retention window, so a record is demanded only for tokens first accepted
 /// within the horizon; older ones are counted and named in the check's note, never passed as checked.
-async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError> {
+async fn tokens_were_granted(
+    sources: &Sources,
+    paydb: &mut PgConnection,
+    proxydb: &mut PgConnection,
+) -> Result<Check, ReconcileError> {
     let mut c = check("guard_tokens_were_granted", "INV-07");
     let Some(grants) = &sources.lock_grants else {
         c.skipped =
             Some("no etcd grant records given (PostgreSQL lock backend, or not configured)".into());
         return Ok(c);
     };
-    // The acceptances first, then the records: a token accepted while this runs was granted
-    // before it was accepted, so its record is already there when the records are read.
+    // The acceptances first (the run's snapshots), then the records: a token accepted while this
+    // runs was granted before it was accepted, so its record is already there when the records
+    // are read.
     let now_unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
@@ -1234,7 +1485,7 @@ async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError>
         "SELECT account_id, fence_token, payout_id, \
            (extract(epoch FROM created_at) * 1000)::bigint AS at_unix_ms FROM rail_submission",
     )
-    .fetch_all(&sources.proxydb)
+    .fetch_all(&mut *proxydb)
     .await
     .map_err(store("proxydb"))?
     {
@@ -1249,7 +1500,7 @@ async fn tokens_were_granted(sources: &Sources) -> Result<Check, ReconcileError>
         "SELECT account_id, token, (extract(epoch FROM min(at)) * 1000)::bigint AS at_unix_ms \
          FROM audit_event WHERE kind = 'transition' AND token IS NOT NULL GROUP BY account_id, token",
     )
-    .fetch_all(&sources.paydb)
+    .fetch_all(&mut *paydb)
     .await
     .map_err(store("paydb"))?
     {

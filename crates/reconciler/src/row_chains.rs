@@ -12,7 +12,7 @@
 //! against the heads an earlier run reported (the anchor, kept outside the databases), a chain
 //! rewritten by someone able to bypass the privileges.
 
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 
 use crate::{chain_faults, check, hex, store, AuditHead, Check, Options, ReconcileError};
 
@@ -35,22 +35,37 @@ pub fn is_row_chain(chain: &str) -> bool {
 }
 
 /// Every chained table of paydb and gldb, intact; and their heads, for the next run's anchor.
+/// (Each table is read on a connection of its own here; `reconcile` reads them in its snapshots.)
 pub async fn row_chains_intact(
     paydb: &PgPool,
     proxydb: &PgPool,
     gldb: &PgPool,
     options: &Options,
 ) -> Result<(Check, Vec<AuditHead>), ReconcileError> {
+    let mut paydb = paydb.acquire().await.map_err(store("paydb"))?;
+    let mut proxydb = proxydb.acquire().await.map_err(store("proxydb"))?;
+    let mut gldb = gldb.acquire().await.map_err(store("gldb"))?;
+    row_chains_in(&mut paydb, &mut proxydb, &mut gldb, options).await
+}
+
+/// [`row_chains_intact`] on the given connections: within one snapshot of each database, a chain
+/// and its head are read as of one moment, so a row appended meanwhile is no false finding.
+pub(crate) async fn row_chains_in(
+    paydb: &mut PgConnection,
+    proxydb: &mut PgConnection,
+    gldb: &mut PgConnection,
+    options: &Options,
+) -> Result<(Check, Vec<AuditHead>), ReconcileError> {
     let mut c = check("row_chains_intact", "audit");
     let mut heads = Vec::new();
-    for (database, pool, tables) in [
-        ("paydb", paydb, PAYDB_CHAINS),
-        ("proxydb", proxydb, PROXYDB_CHAINS),
-        ("gldb", gldb, GLDB_CHAINS),
+    for (database, conn, tables) in [
+        ("paydb", &mut *paydb, PAYDB_CHAINS),
+        ("proxydb", &mut *proxydb, PROXYDB_CHAINS),
+        ("gldb", &mut *gldb, GLDB_CHAINS),
     ] {
         for table in tables {
             let name = chain_name(database, table);
-            let (examined, head) = one_chain(pool, database, table, &name, &mut c).await?;
+            let (examined, head) = one_chain(conn, database, table, &name, &mut c).await?;
             c.examined += examined;
             heads.extend(head);
         }
@@ -63,10 +78,10 @@ pub async fn row_chains_intact(
             let Some((database, table)) = earlier.chain.split_once(':') else {
                 continue;
             };
-            let pool = match database {
-                "paydb" if PAYDB_CHAINS.contains(&table) => paydb,
-                "proxydb" if PROXYDB_CHAINS.contains(&table) => proxydb,
-                "gldb" if GLDB_CHAINS.contains(&table) => gldb,
+            let conn = match database {
+                "paydb" if PAYDB_CHAINS.contains(&table) => &mut *paydb,
+                "proxydb" if PROXYDB_CHAINS.contains(&table) => &mut *proxydb,
+                "gldb" if GLDB_CHAINS.contains(&table) => &mut *gldb,
                 _ => {
                     c.violations.push(format!(
                         "the anchor names chain {:?}, which no database holds",
@@ -80,7 +95,7 @@ pub async fn row_chains_intact(
                 "SELECT row_hash FROM {table} WHERE chain_seq = $1"
             ))
             .bind(earlier.seq)
-            .fetch_optional(pool)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(store(database_name(database)))?;
             if hash.as_deref().map(hex) != Some(earlier.hash.clone()) {
@@ -105,7 +120,7 @@ fn database_name(database: &str) -> &'static str {
 /// One table's chain: the violations go to `c`; answers how many rows were examined and the
 /// chain's head (none while it is empty).
 async fn one_chain(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     database: &str,
     table: &str,
     name: &str,
@@ -127,7 +142,7 @@ async fn one_chain(
             OR prev_hash <> coalesce(before, row_chain_genesis($1))"
     ))
     .bind(table)
-    .fetch_all(pool)
+    .fetch_all(&mut *conn)
     .await
     .map_err(store(db))?;
     for r in rows {
@@ -136,19 +151,19 @@ async fn one_chain(
             .push(format!("{name} row seq {seq}: {}", chain_faults(&r)));
     }
     let examined: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
-        .fetch_one(pool)
+        .fetch_one(&mut *conn)
         .await
         .map_err(store(db))?;
     let head: Option<(i64, Vec<u8>)> =
         sqlx::query_as("SELECT seq, hash FROM row_chain_head WHERE chain = $1")
             .bind(table)
-            .fetch_optional(pool)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(store(db))?;
     let last: Option<(i64, Vec<u8>)> = sqlx::query_as(&format!(
         "SELECT chain_seq, row_hash FROM {table} ORDER BY chain_seq DESC LIMIT 1"
     ))
-    .fetch_optional(pool)
+    .fetch_optional(&mut *conn)
     .await
     .map_err(store(db))?;
     match (&head, &last) {

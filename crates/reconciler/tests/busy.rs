@@ -1,0 +1,264 @@
+//! The reconciler on a busy system (issue 35, item 10): runs made while a batch of payouts moves
+//! through the payment resource's real transitions, the proxy and the rail, with the outbox
+//! draining into the GL, find nothing, because each store is read in one snapshot, the stores in
+//! the order the system writes them. The negative control reads as the reconciler did before
+//! (every statement on its own snapshot) and reports violations that are none.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use payment_client::model::{Fence, NewPayout, RailOutcome};
+use payment_client::PaymentClient;
+use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
+use rail_proxy_client::{Outcome, RailProxyClient, SubmitPayout};
+use reconciler::{Options, Report, Sources};
+use testkit::pki::Role;
+use testkit::system::{System, SystemOptions};
+use testkit::Stack;
+
+/// Accounts paid at once: one writer each (one payout in flight per account).
+const ACCOUNTS: usize = 6;
+/// Payouts per account, one after the other. Each waits for one more reconciler run to start, so
+/// the loop runs at least this many times while the batch moves.
+const PAYOUTS_PER_ACCOUNT: usize = 6;
+
+/// Payouts here are driven by hand, so no workers.
+async fn system_without_workers() -> System {
+    System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 0,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
+async fn sources(system: &System) -> Sources {
+    Sources {
+        paydb: sqlx::PgPool::connect(&system.databases.paydb)
+            .await
+            .unwrap(),
+        proxydb: sqlx::PgPool::connect(&system.databases.proxydb)
+            .await
+            .unwrap(),
+        gldb: sqlx::PgPool::connect(&system.databases.gldb).await.unwrap(),
+        rail_proxy: Some(reconciler::ProxySource {
+            url: system.proxy_url(),
+            tls: system.tls(Role::Reconciler),
+        }),
+        lock_grants: Some(reconciler::LockGrants::new(
+            Stack::shared().etcd_endpoints(),
+            Stack::shared().etcd_client_tls("reconciler"),
+            system.etcd_prefix.clone(),
+        )),
+    }
+}
+
+/// One account's payouts, created PENDING, then each driven through claim, submit, outcome and
+/// posting under a real grant, the next only once `runs` has counted one more reconciler run.
+async fn pay_account(
+    system: &System,
+    account: String,
+    payouts: Vec<PayoutId>,
+    mut runs: tokio::sync::watch::Receiver<usize>,
+) {
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let session = lock
+        .open_session("reconciler-busy-test", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let mut proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let account_id = AccountId::parse(account).unwrap();
+    let eur = Currency::parse("EUR").unwrap();
+    let beneficiary = BeneficiaryRef::parse("ben-1").unwrap();
+    for (n, payout_id) in payouts.iter().enumerate() {
+        runs.wait_for(|started| *started > n).await.unwrap();
+        let grant = match session
+            .acquire(
+                &payout_domain::lock_key(&account_id),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+        {
+            lock_client::Acquired::Granted(g) => g,
+            other => panic!("lock not granted: {other:?}"),
+        };
+        let fence = Fence::new(grant.owner(), grant.token())
+            .unwrap()
+            .signed(grant.key(), grant.signature().clone());
+        payments.claim(payout_id, &fence).await.unwrap();
+        payments.mark_submitted(payout_id, &fence).await.unwrap();
+        let submission = proxy
+            .submit(
+                &SubmitPayout::new(
+                    payout_id.clone(),
+                    account_id.clone(),
+                    grant.token(),
+                    grant.owner(),
+                    AmountMinor::new(100).unwrap(),
+                    eur.clone(),
+                    beneficiary.clone(),
+                )
+                .signed(grant.key(), grant.signature().clone()),
+            )
+            .await
+            .unwrap();
+        let Outcome::Acked { rail_ref } = submission.outcome else {
+            panic!("rail did not ack: {submission:?}")
+        };
+        payments
+            .record_outcome(payout_id, &fence, &RailOutcome::Acked { rail_ref }, "")
+            .await
+            .unwrap();
+        payments.post(payout_id, &fence).await.unwrap();
+        grant.release().await.unwrap();
+    }
+}
+
+/// How a run reads.
+#[derive(Clone, Copy)]
+enum Reads {
+    Snapshots,
+    /// The negative control: every statement on its own snapshot, nothing confirmed.
+    Unsnapshotted,
+}
+
+async fn run(src: &Sources, reads: Reads) -> Report {
+    let options = Options::default();
+    match reads {
+        Reads::Snapshots => reconciler::reconcile(src, &options).await.unwrap(),
+        Reads::Unsnapshotted => reconciler::reconcile_without_snapshots(src, &options)
+            .await
+            .unwrap(),
+    }
+}
+
+/// Settles a batch of `ACCOUNTS` x `PAYOUTS_PER_ACCOUNT` payouts while the reconciler runs in a
+/// loop; answers how many runs started while the batch moved and every finding of theirs.
+async fn reconcile_while_a_batch_settles(prefix: &str, reads: Reads) -> (usize, Vec<String>) {
+    let system = Arc::new(system_without_workers().await);
+    let src = sources(&system).await;
+    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+        .await
+        .unwrap();
+    let eur = Currency::parse("EUR").unwrap();
+    let mut batch = Vec::new();
+    for a in 0..ACCOUNTS {
+        let account_id = AccountId::parse(format!("acct-{prefix}{a}")).unwrap();
+        fixture
+            .open_account(&account_id, &eur, 100_000)
+            .await
+            .unwrap();
+        let mut payouts = Vec::new();
+        for p in 0..PAYOUTS_PER_ACCOUNT {
+            let payout_id = PayoutId::parse(format!("po-{prefix}{a}-{p}")).unwrap();
+            fixture
+                .create_payout(&NewPayout {
+                    payout_id: payout_id.clone(),
+                    account_id: account_id.clone(),
+                    amount_minor: AmountMinor::new(100).unwrap(),
+                    currency: eur.clone(),
+                    beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
+                })
+                .await
+                .unwrap();
+            payouts.push(payout_id);
+        }
+        batch.push((account_id.as_str().to_string(), payouts));
+    }
+
+    let (runs_started, runs) = tokio::sync::watch::channel(0usize);
+    let settled = Arc::new(AtomicBool::new(false));
+    let writers = {
+        let (system, settled) = (system.clone(), settled.clone());
+        tokio::spawn(async move {
+            let mut writers = tokio::task::JoinSet::new();
+            for (account, payouts) in batch {
+                let (system, runs) = (system.clone(), runs.clone());
+                writers.spawn(async move { pay_account(&system, account, payouts, runs).await });
+            }
+            while let Some(done) = writers.join_next().await {
+                done.unwrap();
+            }
+            settled.store(true, Ordering::SeqCst);
+        })
+    };
+
+    let (mut during, mut findings) = (0usize, Vec::new());
+    while !settled.load(Ordering::SeqCst) {
+        during += 1;
+        runs_started.send_replace(during);
+        let report = run(&src, reads).await;
+        findings.extend(
+            report
+                .checks
+                .iter()
+                .flat_map(|c| c.violations.iter().map(move |v| format!("{}: {v}", c.name))),
+        );
+    }
+    writers.await.unwrap();
+
+    // The batch is terminal: every payout POSTED, and a run now finds nothing either way.
+    let report = run(&src, reads).await;
+    assert_eq!(
+        report.payouts_by_state.get("POSTED").copied(),
+        Some((ACCOUNTS * PAYOUTS_PER_ACCOUNT) as u64),
+        "{}",
+        report.render()
+    );
+    assert!(report.is_clean(), "after the batch: {}", report.render());
+    (during, findings)
+}
+
+#[tokio::test]
+async fn a_reconciler_running_while_a_batch_settles_reports_nothing() {
+    let (runs, findings) = reconcile_while_a_batch_settles("busy", Reads::Snapshots).await;
+    assert!(
+        runs >= PAYOUTS_PER_ACCOUNT,
+        "only {runs} run(s) while the batch moved"
+    );
+    assert!(
+        findings.is_empty(),
+        "{} false finding(s) in {runs} runs on a busy system:\n{}",
+        findings.len(),
+        findings.join("\n")
+    );
+}
+
+/// The negative control: the same loop reading as before one snapshot per store (each
+/// statement on its own) reports violations while the batch moves, that the settled system
+/// does not have.
+#[tokio::test]
+async fn without_one_snapshot_a_busy_system_reports_false_violations() {
+    let (runs, findings) = reconcile_while_a_batch_settles("nosnap", Reads::Unsnapshotted).await;
+    assert!(
+        runs >= PAYOUTS_PER_ACCOUNT,
+        "only {runs} run(s) while the batch moved"
+    );
+    assert!(
+        !findings.is_empty(),
+        "{runs} unsnapshotted runs on a busy system found nothing: the negative control did not \
+         reproduce"
+    );
+    eprintln!(
+        "{} false finding(s) in {runs} unsnapshotted runs, for example:\n{}",
+        findings.len(),
+        findings
+            .iter()
+            .take(5)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
