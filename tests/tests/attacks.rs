@@ -79,7 +79,7 @@ async fn payment_as(
 async fn count(url: &str, sql: &str) -> i64 {
     let pool = sqlx::PgPool::connect(url).await.unwrap();
     let n = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
-    pool.close().await;
+    testkit::util::close_pool(pool).await;
     n
 }
 
@@ -1190,7 +1190,7 @@ async fn fingerprint(admin_url: &str, table: &str) -> String {
     .fetch_one(&pool)
     .await
     .unwrap();
-    pool.close().await;
+    testkit::util::close_pool(pool).await;
     text.unwrap_or_default()
 }
 

@@ -256,7 +256,7 @@ impl Ctx {
         .fetch_all(&gldb)
         .await
         .unwrap();
-        gldb.close().await;
+        testkit::util::close_pool(gldb).await;
         let mut gl =
             payout_proto::ledger::general_ledger_service_client::GeneralLedgerServiceClient::new(
                 self.system

@@ -268,6 +268,23 @@ pub fn listening_pid(port: u16) -> Option<u32> {
         .or_else(|| holders.first().copied())
 }
 
+/// How long [`close_pool`] waits for a pool's connections to close.
+const POOL_CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// Closes `pool`, waiting at most [`POOL_CLOSE_WAIT`]: sqlx's `Pool::close` waits for every
+/// connection's permit, and a permit its return-to-pool task never gives back (a race in sqlx's
+/// close, transact-rs/sqlx#3217 and #4349) leaves the wait pending for ever with no I/O and no
+/// timer: a clean-clone run of the attack suite hung so, idle, for minutes. Past the bound the
+/// pool is dropped, which closes what is left in the background.
+pub async fn close_pool(pool: sqlx::PgPool) {
+    if tokio::time::timeout(POOL_CLOSE_WAIT, pool.close())
+        .await
+        .is_err()
+    {
+        eprintln!("testkit: a pool did not close within {POOL_CLOSE_WAIT:?}; dropped");
+    }
+}
+
 #[cfg(test)]
 mod listening_tests {
     #[test]

@@ -533,7 +533,7 @@ async fn force_revoke(
     )
     .fetch_all(&paydb)
     .await?;
-    paydb.close().await;
+    testkit::util::close_pool(paydb).await;
     let in_flight = candidates.len();
     let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
     for i in (1..candidates.len()).rev() {
@@ -653,7 +653,7 @@ async fn probe(system: &System, key: &str) -> anyhow::Result<Probe> {
 async fn max_token(url: &str, sql: &str) -> anyhow::Result<i64> {
     let pool = super::one_connection(url).await?;
     let v: Option<i64> = sqlx::query_scalar(sql).fetch_one(&pool).await?;
-    pool.close().await;
+    testkit::util::close_pool(pool).await;
     Ok(v.unwrap_or(0))
 }
 
@@ -796,7 +796,7 @@ async fn outbox_redeliver(
     .bind(rows)
     .fetch_all(&paydb)
     .await?;
-    paydb.close().await;
+    testkit::util::close_pool(paydb).await;
     anyhow::ensure!(!ids.is_empty(), "no delivered outbox row yet");
     outcome.outbox_rows_redelivered += ids.len() as u64;
     Ok(format!("{} delivered outbox rows queued again", ids.len()))
@@ -958,7 +958,7 @@ impl PlantWatch {
         .bind(&self.payout)
         .fetch_one(&paydb)
         .await?;
-        paydb.close().await;
+        testkit::util::close_pool(paydb).await;
         let seen = match (self.step.as_str(), &self.proxydb) {
             ("submit", Some(proxydb)) => {
                 let proxydb = super::one_connection(proxydb).await?;
@@ -968,7 +968,7 @@ impl PlantWatch {
                 .bind(&account)
                 .fetch_optional(&proxydb)
                 .await?;
-                proxydb.close().await;
+                testkit::util::close_pool(proxydb).await;
                 high_water
             }
             ("submit", None) => {
