@@ -288,7 +288,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let alerting = if args.target.is_external() {
         None
     } else {
-        Some(crate::stack::alerting_report(&args.target.state_dir).await?)
+        Some(crate::stack::settled_alerting_report(&args.target.state_dir).await?)
     };
     let summary = Summary {
         run_id: run_id.clone(),

@@ -258,6 +258,24 @@ pub(crate) async fn alerting_report(dir: &Path) -> anyhow::Result<AlertingReport
     })
 }
 
+/// How long [`settled_alerting_report`] gives a dark path to come back: a target's health is its
+/// last scrape's, and one scrape (every 5 s here, its timeout as long) of a busy process can fail
+/// without the path being dark; two intervals and a margin tell a blip from a dark path.
+const ALERTING_SETTLE: Duration = Duration::from_secs(15);
+
+/// The stack's [`AlertingReport`] once its path works, or, if it stays dark for
+/// [`ALERTING_SETTLE`], the last report that says why.
+pub(crate) async fn settled_alerting_report(dir: &Path) -> anyhow::Result<AlertingReport> {
+    let deadline = Instant::now() + ALERTING_SETTLE;
+    loop {
+        let report = alerting_report(dir).await?;
+        if report.dark.is_empty() || Instant::now() >= deadline {
+            return Ok(report);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// The first saved launch (`<state dir>/parts/*.json`) that names a relative path (its program,
 /// log, working directory, or an argument that is a path), and which: such a launch, or the
 /// configuration it was rendered with, depends on the folder it is read from.
