@@ -44,7 +44,7 @@
 use std::time::Duration;
 
 use lock_client::LockClient;
-use payout_domain::PayoutId;
+use payout_domain::{PayoutId, PayoutState};
 use serde::Serialize;
 use sqlx::PgPool;
 use temporalio_client::errors::{WorkflowInteractionError, WorkflowStartError};
@@ -330,7 +330,7 @@ pub async fn resume_stranded(
         .iter()
         .map(|(_, account, _, _)| account.clone())
         .collect();
-    resume_candidates(rows, accounts, config).await
+    resume_candidates(paydb, rows, accounts, config).await
 }
 
 /// The short pass against a holder whose workflow is gone (an operator's `temporal workflow
@@ -356,12 +356,13 @@ pub async fn resume_blocked_accounts(
         .bind(&accounts)
         .fetch_all(paydb)
         .await?;
-    resume_candidates(rows, accounts, config).await
+    resume_candidates(paydb, rows, accounts, config).await
 }
 
 /// Takes over each of `accounts`' keys from a grant whose workflow is not running, then hands
 /// each of `rows` whose workflow is not running (or, past its grace, never existed) to a new run.
 async fn resume_candidates(
+    paydb: &PgPool,
     rows: Vec<Candidate>,
     accounts: Vec<String>,
     config: &ResumeConfig,
@@ -404,6 +405,21 @@ async fn resume_candidates(
             WorkflowStatus::Closed(_) => true,
         };
         if !stranded {
+            continue;
+        }
+        // The payout was read in flight before its workflow was described: on a busy system it
+        // may have finished in between (its workflow completes after its last transition). Only
+        // a payout still in flight now, after the workflow was seen ended, is stranded; read
+        // before, a batch's finishing payouts were "resumed" by the dozen (a new run that found
+        // them terminal), each logged as stranded.
+        let now: Option<String> = sqlx::query_scalar("SELECT state FROM payout WHERE id = $1")
+            .bind(payout_id.as_str())
+            .fetch_optional(paydb)
+            .await?;
+        if now
+            .as_deref()
+            .is_none_or(|s| PayoutState::parse(s).is_some_and(|state| state.is_terminal()))
+        {
             continue;
         }
         let mut r = Resumption {
