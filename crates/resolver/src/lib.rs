@@ -12,6 +12,10 @@
 //!   once, then every window) and never submits; an operator abandons it past the SLA through
 //!   that run's abandon Update.
 //!
+//! Both full passes walk paydb's open payouts from where the last pass of the process stopped
+//! ([`walk`]): a payout whose workflow runs takes no place in a pass's bound, and every open
+//! payout is examined within `ceil(N / per_pass)` passes, whatever the number in flight.
+//!
 //! In one reconcile pass the orphan resolver goes first and the resume pass second: evidence
 //! settles what it can at once, and only what is still ambiguous (UNKNOWN, or its account's key
 //! busy) is handed to a workflow that keeps asking. The other order would hand every orphan to a
@@ -39,3 +43,4 @@
 
 pub mod resolve;
 pub mod resume;
+pub mod walk;

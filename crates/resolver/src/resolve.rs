@@ -20,8 +20,8 @@ use payout_domain::{AccountId, PayoutId, PayoutState};
 use rail_proxy_client::{Evidence, InquirePayout, RailProxyClient};
 use serde::Serialize;
 
-use crate::resume::{Temporal, TemporalConfig, WorkflowStatus};
-use sqlx::{PgPool, Row};
+use crate::resume::{Temporal, TemporalConfig, WorkflowStatus, CONSECUTIVE_DESCRIBE_ERRORS_MAX};
+use sqlx::PgPool;
 
 /// The resolver's lock session lease: long enough for one payout's inquiry, resolution and
 /// posting (each a bounded RPC); short enough that a crashed resolver frees the account fast.
@@ -29,8 +29,6 @@ pub const LOCK_TTL: Duration = Duration::from_secs(15);
 /// How long to wait for an account's key. A held key means someone is working on the account;
 /// the orphan is then left for the next run rather than queued behind them.
 pub const LOCK_WAIT: Duration = Duration::from_secs(2);
-/// Orphans handled per run: bounds one run's duration; the rest wait for the next run.
-pub const ORPHANS_PER_RUN_MAX: i64 = 500;
 /// Recorded as the evidence source and the proxy's `asked_by` (the process that runs the
 /// resolver, `reconciler`; its grants' owners are `reconciler/{payout}`).
 pub const RESOLVER: &str = "reconciler";
@@ -58,6 +56,8 @@ pub struct ResolveConfig {
     /// its resolution all go over mutual TLS under it.
     pub tls: mtls::Tls,
     pub temporal: TemporalConfig,
+    /// How much one pass may do (`crate::walk`).
+    pub bounds: crate::walk::PassBounds,
 }
 
 /// One orphan handled (or deliberately left alone): payout, evidence, new state.
@@ -83,56 +83,118 @@ impl Resolution {
     }
 }
 
-/// Every RAIL_AMBIGUOUS payout whose workflow is not running is resolved with evidence, or
-/// left alone and reported. Payouts whose workflow runs are not touched (nor listed).
+/// The orphan resolver's walk (`crate::walk`): RAIL_AMBIGUOUS payouts, oldest first, a page at
+/// a time from the cursor.
+const AMBIGUOUS_SQL: &str = concat!(
+    "SELECT p.created_at, p.id, p.account_id FROM payout p WHERE p.state = 'RAIL_AMBIGUOUS'",
+    crate::walk::keyset!()
+);
+
+/// One row of [`AMBIGUOUS_SQL`]: created_at, id, account.
+#[derive(sqlx::FromRow)]
+struct AmbiguousRow(
+    sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
+    String,
+    String,
+);
+
+impl crate::walk::Positioned for AmbiguousRow {
+    fn position(&self) -> crate::walk::Position {
+        (self.0, self.1.clone())
+    }
+}
+
+/// From where the last pass of this process stopped (`cursor`, moved on here), the
+/// RAIL_AMBIGUOUS payouts are examined oldest first, wrapping once (`crate::walk`), until
+/// `config.bounds.per_pass` orphans were handled or `examine_max` payouts examined: each whose
+/// workflow is not running is resolved with evidence, or left alone and reported. Payouts whose
+/// workflow runs are not touched, nor listed, nor counted in the bound. One whose workflow
+/// cannot be described is reported (evidence ERROR, logged) and skipped; the pass goes on
+/// unless Temporal fails [`CONSECUTIVE_DESCRIBE_ERRORS_MAX`] times in a row.
 pub async fn resolve_orphans(
     paydb: &PgPool,
     config: &ResolveConfig,
-) -> Result<Vec<Resolution>, ResolveError> {
-    let rows = sqlx::query(
-        "SELECT id, account_id FROM payout WHERE state = 'RAIL_AMBIGUOUS' ORDER BY id LIMIT $1",
-    )
-    .bind(ORPHANS_PER_RUN_MAX)
-    .fetch_all(paydb)
-    .await?;
-    if rows.is_empty() {
-        return Ok(Vec::new());
-    }
-    let temporal =
-        Temporal::connect(&config.temporal)
-            .await
-            .map_err(|e| ResolveError::Temporal {
-                workflow_id: "(connect)".into(),
-                detail: e.to_string(),
-            })?;
+    cursor: &mut crate::walk::Cursor,
+) -> Result<crate::resume::Pass<Resolution>, ResolveError> {
+    let mut walk = crate::walk::Walk::<AmbiguousRow>::new(paydb, AMBIGUOUS_SQL, cursor);
+    let mut temporal: Option<Temporal> = None;
     let mut orphans = Vec::new();
-    for r in rows {
-        let id: String = r.get("id");
-        let account: String = r.get("account_id");
-        let (Ok(payout_id), Ok(account_id)) = (
-            PayoutId::parse(id.clone()),
-            AccountId::parse(account.clone()),
-        ) else {
-            tracing::error!(payout_id = %id, account_id = %account, "unparseable ids in paydb; skipped");
-            continue;
-        };
-        let workflow_id = payout_domain::workflow_id(&payout_id);
-        let status = temporal
-            .status(&workflow_id)
-            .await
-            .map_err(|e| ResolveError::Temporal {
-                workflow_id: workflow_id.clone(),
-                detail: e.to_string(),
-            })?;
-        match status {
-            WorkflowStatus::Running => {
-                tracing::info!(payout_id = %payout_id, workflow_id, "ambiguous payout has a running workflow; not touched");
+    let mut out = Vec::new();
+    let mut consecutive_errors = 0;
+    let found = async {
+        while orphans.len() + out.len() < config.bounds.per_pass
+            && walk.examined() < config.bounds.examine_max
+        {
+            let Some(AmbiguousRow(_, id, account)) = walk.next().await? else {
+                break;
+            };
+            let (Ok(payout_id), Ok(account_id)) = (
+                PayoutId::parse(id.clone()),
+                AccountId::parse(account.clone()),
+            ) else {
+                tracing::error!(payout_id = %id, account_id = %account, "unparseable ids in paydb; skipped");
+                continue;
+            };
+            // Connected at the first ambiguous payout: a pass with none asks nobody.
+            if temporal.is_none() {
+                temporal = Some(Temporal::connect(&config.temporal).await.map_err(|e| {
+                    ResolveError::Temporal {
+                        workflow_id: "(connect)".into(),
+                        detail: e.to_string(),
+                    }
+                })?);
             }
-            status => orphans.push((payout_id, account_id, status)),
+            let Some(temporal) = &temporal else {
+                continue;
+            };
+            let workflow_id = payout_domain::workflow_id(&payout_id);
+            match temporal.status(&workflow_id).await {
+                Ok(WorkflowStatus::Running) => {
+                    consecutive_errors = 0;
+                    tracing::info!(payout_id = %payout_id, workflow_id, "ambiguous payout has a running workflow; not touched");
+                }
+                Ok(status) => {
+                    consecutive_errors = 0;
+                    orphans.push((payout_id, account_id, status));
+                }
+                Err(e) => {
+                    consecutive_errors += 1;
+                    if consecutive_errors >= CONSECUTIVE_DESCRIBE_ERRORS_MAX {
+                        return Err(ResolveError::Temporal {
+                            workflow_id,
+                            detail: e.to_string(),
+                        });
+                    }
+                    tracing::warn!(payout_id = %payout_id, error = %e, "could not describe the ambiguous payout's workflow: skipped this pass");
+                    out.push(Resolution {
+                        payout_id: payout_id.to_string(),
+                        account_id: account_id.to_string(),
+                        workflow: crate::resume::UNDESCRIBED.into(),
+                        evidence: "ERROR".into(),
+                        new_state: PayoutState::RailAmbiguous.as_str().to_string(),
+                        token: None,
+                        detail: format!("describing its workflow: {e}"),
+                    });
+                }
+            }
         }
+        Ok::<(), ResolveError>(())
     }
+    .await;
+    let progress = walk.stop(cursor);
+    found?;
+    tracing::info!(
+        examined = progress.examined,
+        orphans = orphans.len(),
+        wrapped = progress.wrapped,
+        complete = progress.complete,
+        "orphan resolver walked the ambiguous payouts"
+    );
     if orphans.is_empty() {
-        return Ok(Vec::new());
+        return Ok(crate::resume::Pass {
+            done: out,
+            progress,
+        });
     }
     fn connect(service: &'static str) -> impl Fn(&dyn std::fmt::Display) -> ResolveError {
         move |e| ResolveError::Connect {
@@ -153,7 +215,6 @@ pub async fn resolve_orphans(
     let payments = PaymentClient::connect(&config.payment_url, &config.tls)
         .await
         .map_err(|e| connect("payment-resource")(&e))?;
-    let mut out = Vec::new();
     for (payout_id, account_id, status) in orphans {
         let workflow = status.name();
         let resolution = resolve_one(
@@ -178,7 +239,10 @@ pub async fn resolve_orphans(
         out.push(resolution);
     }
     let _ = session.close().await;
-    Ok(out)
+    Ok(crate::resume::Pass {
+        done: out,
+        progress,
+    })
 }
 
 async fn resolve_one(

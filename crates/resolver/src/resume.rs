@@ -29,8 +29,9 @@
 //! the key is taken over (an audited force-revoke by the resolver; the next grant's token is
 //! higher, so the guards fence out anything the old holder still sends) before the resume.
 //!
-//! Two passes: the full one ([`resume_stranded`], every scheduled reconciliation) looks at every
-//! open payout; the short one ([`resume_blocked_accounts`], `reconciler serve`'s keeper, every
+//! Two passes: the full one ([`resume_stranded`], every scheduled reconciliation) walks the open
+//! payouts from where the last pass stopped (`crate::walk`: candidates only, a cursor that wraps,
+//! every open payout examined within `ceil(N / per_pass)` passes); the short one ([`resume_blocked_accounts`], `reconciler serve`'s keeper, every
 //! few seconds) only at the accounts where someone waits or a payout is in flight, so a holder
 //! whose workflow was terminated blocks its account for seconds, not until the next full pass.
 //!
@@ -56,12 +57,13 @@ use temporalio_common::data_converters::RawValue;
 use temporalio_common::protos::temporal::api::common::v1::Payload;
 use temporalio_common::search_attributes::{SearchAttributeKey, SearchAttributes};
 
-/// Stranded payouts handled per run: bounds one run; the rest wait for the next.
-pub const STRANDED_PER_RUN_MAX: i64 = 500;
 /// Upper bound of one call to Temporal (describe, start).
 pub const TEMPORAL_CALL_TIMEOUT: Duration = Duration::from_secs(20);
 /// Recorded as the operator of a takeover's force-revoke.
 pub const RECOVERER: &str = "reconciler";
+/// Reported as the workflow of a payout whose workflow could not be described (the payout was
+/// skipped this pass).
+pub const UNDESCRIBED: &str = "UNDESCRIBED";
 /// The payout workflow's type name (workflows/src/workflow.rs).
 pub const PAYOUT_WORKFLOW_TYPE: &str = "PayoutWorkflow";
 
@@ -266,21 +268,24 @@ pub struct ResumeConfig {
     /// is about to deliver it. A start paydb records as delivered gets no grace: the workflow
     /// existed, so Temporal not knowing it means Temporal lost it.
     pub not_started_grace: Duration,
+    /// How much one full pass may do (`crate::walk`): the keeper's short pass has its own bound.
+    pub bounds: crate::walk::PassBounds,
 }
 
-/// The full pass's candidates: every open payout, oldest first per account. `past_grace` is decided by paydb's own record, never by
-/// when a pass first saw the payout, so one pass after Temporal lost its state resumes them all:
-/// true once the payout's workflow start is delivered (`workflow_start.started_at`), otherwise
-/// once the start was staged (or, for a payout without a staged start, created) longer than the
-/// grace ago, by paydb's clock.
-const STRANDED_SQL: &str = "\
-    SELECT p.id, p.account_id, p.state, \
-           CASE WHEN s.started_at IS NOT NULL THEN true \
-                ELSE COALESCE(s.staged_at, p.created_at) < now() - $2 * interval '1 millisecond' \
-           END \
-    FROM payout p LEFT JOIN workflow_start s ON s.payout_id = p.id \
-    WHERE p.state IN ('PENDING', 'CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS') \
-    ORDER BY p.account_id, p.created_at, p.id LIMIT $1";
+/// The full pass's candidates, a page at a time from the walk's cursor (`crate::walk`): every
+/// open payout, oldest first. Whether its not-started grace has passed is decided by paydb's own
+/// record, never by when a pass first saw the payout, so one pass after Temporal lost its state
+/// resumes them all: passed once the payout's workflow start is delivered
+/// (`workflow_start.started_at`), otherwise once the start was staged (or, for a payout without
+/// a staged start, created) longer than the grace ago, by paydb's clock (the row carries that
+/// age; the grace is compared in [`StrandedRow::candidate`]).
+const STRANDED_SQL: &str = concat!(
+    "SELECT p.created_at, p.id, p.account_id, p.state, s.started_at IS NOT NULL, \
+            (EXTRACT(EPOCH FROM (now() - COALESCE(s.staged_at, p.created_at))) * 1000)::bigint \
+     FROM payout p LEFT JOIN workflow_start s ON s.payout_id = p.id \
+     WHERE p.state IN ('PENDING', 'CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED', 'RAIL_AMBIGUOUS')",
+    crate::walk::keyset!()
+);
 
 /// Accounts a payout of which waits behind another (two or more open payouts) or which have a
 /// payout in flight (it holds the account by the one-in-flight rule), oldest first: where a
@@ -305,32 +310,102 @@ const IN_FLIGHT_OF_SQL: &str = "\
 /// wait for the full pass, which sees every stranded payout anyway.
 pub const BLOCKING_ACCOUNTS_PER_PASS_MAX: i64 = 200;
 
+/// Describe errors in a row after which a pass ends with an error: one payout's failed describe
+/// is skipped (reported, counted), but five in a row is Temporal failing, and each further one
+/// could cost [`TEMPORAL_CALL_TIMEOUT`], so the pass stops rather than outlive its run.
+pub const CONSECUTIVE_DESCRIBE_ERRORS_MAX: usize = 5;
+
 /// A candidate payout: id, account, state, and whether its not-started grace has passed.
 type Candidate = (String, String, String, bool);
 
-/// First, every account with a payout in flight has its key taken over from any grant whose
-/// payout's workflow is not running (nobody would ever release it; the account's running
-/// payouts wait on it for ever otherwise). Then every payout in PENDING, CLAIMED,
-/// RAIL_SUBMITTED, RAIL_ACKED or RAIL_AMBIGUOUS whose workflow is not running is handed back to
-/// a new workflow run. When the orphan resolver runs in the same pass, it runs first
-/// (`reconciler-service`'s `run_once`): what it resolves with evidence is no longer a candidate
-/// here, and what it could not (UNKNOWN, its account's key busy) is resumed, so the run keeps
-/// asking; a payout resumed earlier has a running workflow, which the resolver leaves alone.
+/// One row of [`STRANDED_SQL`]: created_at, id, account, state, whether its workflow start was
+/// delivered, and how long ago its start was staged (ms, paydb's clock).
+#[derive(sqlx::FromRow)]
+struct StrandedRow(
+    sqlx::types::chrono::DateTime<sqlx::types::chrono::Utc>,
+    String,
+    String,
+    String,
+    bool,
+    i64,
+);
+
+impl crate::walk::Positioned for StrandedRow {
+    fn position(&self) -> crate::walk::Position {
+        (self.0, self.1.clone())
+    }
+}
+
+impl StrandedRow {
+    fn candidate(self, grace: Duration) -> Candidate {
+        let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
+        let past_grace = self.4 || self.5 > grace_ms;
+        (self.1, self.2, self.3, past_grace)
+    }
+}
+
+/// What one pass did, and how far its walk went.
+#[derive(Debug, Clone, Default)]
+pub struct Pass<T> {
+    pub done: Vec<T>,
+    pub progress: crate::walk::Progress,
+}
+
+/// The full pass: from where the last pass of this process stopped (`cursor`, moved on here),
+/// the open payouts are examined oldest first, wrapping once (`crate::walk`), until
+/// `config.bounds.per_pass` candidates were handled or `examine_max` payouts examined. For each,
+/// its account's key is first taken over from any grant whose payout's workflow is not running
+/// (nobody would ever release it; the account's running payouts wait on it for ever
+/// otherwise); then a payout in PENDING, CLAIMED, RAIL_SUBMITTED, RAIL_ACKED or RAIL_AMBIGUOUS
+/// whose workflow is not running is handed back to a new workflow run. A payout whose workflow
+/// runs is examined and skipped: it takes no place in the bound. A payout whose workflow cannot
+/// be described is skipped (reported as ERROR, logged) and the pass goes on. When the orphan
+/// resolver runs in the same pass, it runs first (`reconciler-service`'s `run_once`): what it
+/// resolves with evidence is no longer a candidate here, and what it could not (UNKNOWN, its
+/// account's key busy) is resumed, so the run keeps asking; a payout resumed earlier has a
+/// running workflow, which the resolver leaves alone.
 pub async fn resume_stranded(
     paydb: &PgPool,
     config: &ResumeConfig,
-) -> Result<Vec<Resumption>, ResumeError> {
-    let grace_ms = i64::try_from(config.not_started_grace.as_millis()).unwrap_or(i64::MAX);
-    let rows: Vec<Candidate> = sqlx::query_as(STRANDED_SQL)
-        .bind(STRANDED_PER_RUN_MAX)
-        .bind(grace_ms)
-        .fetch_all(paydb)
-        .await?;
-    let accounts = rows
-        .iter()
-        .map(|(_, account, _, _)| account.clone())
-        .collect();
-    resume_candidates(paydb, rows, accounts, config).await
+    cursor: &mut crate::walk::Cursor,
+) -> Result<Pass<Resumption>, ResumeError> {
+    let mut walk = crate::walk::Walk::<StrandedRow>::new(paydb, STRANDED_SQL, cursor);
+    let mut resumer: Option<Resumer> = None;
+    let mut handled = 0;
+    let outcome = async {
+        while handled < config.bounds.per_pass && walk.examined() < config.bounds.examine_max {
+            let Some(row) = walk.next().await? else {
+                break;
+            };
+            // Connected at the first open payout: a pass with none asks nobody.
+            if resumer.is_none() {
+                resumer = Some(Resumer::connect(paydb, config).await?);
+            }
+            let Some(resumer) = resumer.as_mut() else {
+                continue;
+            };
+            let (id, account, state, past_grace) = row.candidate(config.not_started_grace);
+            resumer.account(&account).await;
+            if resumer.payout((id, account, state, past_grace)).await? {
+                handled += 1;
+            }
+        }
+        Ok::<_, ResumeError>(())
+    }
+    .await;
+    let progress = walk.stop(cursor);
+    outcome?;
+    tracing::info!(
+        examined = progress.examined,
+        handled,
+        wrapped = progress.wrapped,
+        complete = progress.complete,
+        "resume pass walked the open payouts"
+    );
+    Ok(Pass {
+        done: resumer.map(Resumer::finish).unwrap_or_default(),
+        progress,
+    })
 }
 
 /// The short pass against a holder whose workflow is gone (an operator's `temporal workflow
@@ -356,37 +431,74 @@ pub async fn resume_blocked_accounts(
         .bind(&accounts)
         .fetch_all(paydb)
         .await?;
-    resume_candidates(paydb, rows, accounts, config).await
+    let mut resumer = Resumer::connect(paydb, config).await?;
+    for account in &accounts {
+        resumer.account(account).await;
+    }
+    for row in rows {
+        resumer.payout(row).await?;
+    }
+    Ok(resumer.finish())
 }
 
-/// Takes over each of `accounts`' keys from a grant whose workflow is not running, then hands
-/// each of `rows` whose workflow is not running (or, past its grace, never existed) to a new run.
-async fn resume_candidates(
-    paydb: &PgPool,
-    rows: Vec<Candidate>,
-    accounts: Vec<String>,
-    config: &ResumeConfig,
-) -> Result<Vec<Resumption>, ResumeError> {
-    if accounts.is_empty() {
-        return Ok(Vec::new());
+/// One pass's work on the payouts it examines: each account's key taken over (once per pass)
+/// from a grant whose workflow is not running, each payout whose workflow is not running (or,
+/// past its grace, never existed) handed to a new run.
+struct Resumer<'a> {
+    paydb: &'a PgPool,
+    temporal: Temporal,
+    lock: LockClient,
+    /// Accounts whose key this pass looked at.
+    looked_at: std::collections::BTreeSet<String>,
+    /// Takeovers not yet reported with a stranded payout of their account (reported at the end).
+    unreported: std::collections::BTreeMap<String, Option<String>>,
+    /// Accounts whose takeover failed: their stranded payouts are not resumed this pass (they
+    /// would only queue behind a grant nobody releases).
+    failed: std::collections::BTreeMap<String, String>,
+    consecutive_describe_errors: usize,
+    out: Vec<Resumption>,
+}
+
+impl<'a> Resumer<'a> {
+    async fn connect(paydb: &'a PgPool, config: &ResumeConfig) -> Result<Self, ResumeError> {
+        let temporal = Temporal::connect(&config.temporal).await?;
+        let lock = LockClient::connect(&config.lock_url, &config.tls)
+            .await
+            .map_err(|e| ResumeError::Connect {
+                service: "lock-server",
+                detail: e.to_string(),
+            })?;
+        Ok(Self {
+            paydb,
+            temporal,
+            lock,
+            looked_at: Default::default(),
+            unreported: Default::default(),
+            failed: Default::default(),
+            consecutive_describe_errors: 0,
+            out: Vec::new(),
+        })
     }
-    let temporal = Temporal::connect(&config.temporal).await?;
-    let lock = LockClient::connect(&config.lock_url, &config.tls)
-        .await
-        .map_err(|e| ResumeError::Connect {
-            service: "lock-server",
-            detail: e.to_string(),
-        })?;
-    let mut took_over: std::collections::BTreeMap<String, Result<Option<String>, String>> =
-        std::collections::BTreeMap::new();
-    for account in accounts {
-        if let std::collections::btree_map::Entry::Vacant(slot) = took_over.entry(account) {
-            let outcome = take_over_orphaned_grant(&lock, &temporal, slot.key()).await;
-            slot.insert(outcome);
+
+    /// Takes the account's key over from a grant whose workflow is not running, once per pass.
+    async fn account(&mut self, account: &str) {
+        if !self.looked_at.insert(account.to_string()) {
+            return;
+        }
+        match take_over_orphaned_grant(&self.lock, &self.temporal, account).await {
+            Ok(from) => {
+                self.unreported.insert(account.to_string(), from);
+            }
+            Err(detail) => {
+                self.failed.insert(account.to_string(), detail);
+            }
         }
     }
-    let mut out = Vec::new();
-    for (id, account, state, past_grace) in rows {
+
+    /// Hands the payout to a new run if its workflow is not running. Whether it was a candidate
+    /// (its workflow not running, or not describable): what a pass's bound counts.
+    async fn payout(&mut self, row: Candidate) -> Result<bool, ResumeError> {
+        let (id, account, state, past_grace) = row;
         // RAIL_AMBIGUOUS too: the resumed run only asks the rail (see the module's table). It
         // and the orphan resolver never act at once: each acts only under the account's key,
         // so they take turns, and the guards fence whichever of them holds an older token; the
@@ -394,18 +506,49 @@ async fn resume_candidates(
         // under its grant, so it leaves alone what a resumed run has already resolved.
         let Ok(payout_id) = PayoutId::parse(id.clone()) else {
             tracing::error!(payout_id = %id, "unparseable payout id in paydb; skipped");
-            continue;
+            return Ok(false);
         };
-        let status = temporal
+        let mut r = Resumption {
+            payout_id: payout_id.to_string(),
+            account_id: account.clone(),
+            state,
+            workflow: String::new(),
+            action: String::new(),
+            took_over_from: None,
+            detail: String::new(),
+        };
+        let status = match self
+            .temporal
             .status(&payout_domain::workflow_id(&payout_id))
-            .await?;
+            .await
+        {
+            Ok(status) => {
+                self.consecutive_describe_errors = 0;
+                status
+            }
+            Err(e) => {
+                // This payout is skipped, reported and counted; the pass goes on, unless
+                // Temporal keeps failing.
+                self.consecutive_describe_errors += 1;
+                if self.consecutive_describe_errors >= CONSECUTIVE_DESCRIBE_ERRORS_MAX {
+                    return Err(e);
+                }
+                tracing::warn!(payout_id = %r.payout_id, error = %e, "could not describe the payout's workflow: skipped this pass");
+                r.workflow = UNDESCRIBED.into();
+                r.action = "ERROR".into();
+                r.detail = e.to_string();
+                self.out.push(r);
+                return Ok(true);
+            }
+        };
+        r.workflow = status.name();
         let stranded = match &status {
             WorkflowStatus::Running => false,
             WorkflowStatus::NotFound => past_grace,
             WorkflowStatus::Closed(_) => true,
         };
         if !stranded {
-            continue;
+            return Ok(false);
         }
         // The payout was read in flight before its workflow was described: on a busy system it
         // may have finished in between (its workflow completes after its last transition). Only
@@ -414,37 +557,27 @@ async fn resume_candidates(
         // them terminal), each logged as stranded.
         let now: Option<String> = sqlx::query_scalar("SELECT state FROM payout WHERE id = $1")
             .bind(payout_id.as_str())
-            .fetch_optional(paydb)
+            .fetch_optional(self.paydb)
             .await?;
         if now
             .as_deref()
             .is_none_or(|s| PayoutState::parse(s).is_some_and(|state| state.is_terminal()))
         {
-            continue;
+            return Ok(false);
         }
-        let mut r = Resumption {
-            payout_id: payout_id.to_string(),
-            account_id: account.clone(),
-            state,
-            workflow: status.name(),
-            action: String::new(),
-            took_over_from: None,
-            detail: String::new(),
-        };
         // The account's takeover is reported with its first stranded payout.
-        match took_over.remove(&account) {
-            Some(Err(detail)) => {
-                // The key may still be held by a grant nobody releases: resuming now would
-                // only queue behind it. The next run tries again.
-                r.action = "ERROR".into();
-                r.detail = detail;
-                out.push(r);
-                continue;
-            }
-            Some(Ok(from)) => r.took_over_from = from,
-            None => {}
+        if let Some(detail) = self.failed.get(&account) {
+            // The key may still be held by a grant nobody releases: resuming now would only
+            // queue behind it. The next pass tries again.
+            r.action = "ERROR".into();
+            r.detail = detail.clone();
+            self.out.push(r);
+            return Ok(true);
         }
-        match temporal.resume(&payout_id, &account).await {
+        if let Some(from) = self.unreported.remove(&account) {
+            r.took_over_from = from;
+        }
+        match self.temporal.resume(&payout_id, &account).await {
             Ok(true) => r.action = "RESUMED".into(),
             Ok(false) => r.action = "ALREADY_RUNNING".into(),
             Err(e) => {
@@ -462,27 +595,44 @@ async fn resume_candidates(
             detail = %r.detail,
             "stranded payout handed back to a workflow"
         );
-        out.push(r);
+        self.out.push(r);
+        Ok(true)
     }
-    // Keys taken over on accounts with no stranded payout (their payouts' workflows run and
-    // were waiting on the orphaned grant) are reported too.
-    for (account, outcome) in took_over {
-        let (action, took_over_from, detail) = match outcome {
-            Ok(None) => continue,
-            Ok(Some(from)) => ("TOOK_OVER", Some(from), String::new()),
-            Err(detail) => ("ERROR", None, detail),
-        };
-        out.push(Resumption {
-            payout_id: String::new(),
-            account_id: account,
-            state: String::new(),
-            workflow: String::new(),
-            action: action.into(),
-            took_over_from,
-            detail,
-        });
+
+    /// What the pass did: its payouts, then the keys taken over on accounts with no stranded
+    /// payout (their payouts' workflows run and were waiting on the orphaned grant), and the
+    /// takeovers that failed on accounts with none.
+    fn finish(mut self) -> Vec<Resumption> {
+        let reported: std::collections::BTreeSet<String> = self
+            .out
+            .iter()
+            .filter(|r| r.action == "ERROR")
+            .map(|r| r.account_id.clone())
+            .collect();
+        let took_over = self
+            .unreported
+            .into_iter()
+            .filter_map(|(account, from)| Some((account, "TOOK_OVER", Some(from?), String::new())));
+        let failed = self
+            .failed
+            .into_iter()
+            .filter(|(account, _)| !reported.contains(account))
+            .map(|(account, detail)| (account, "ERROR", None, detail));
+        let mut rest: Vec<_> = took_over.chain(failed).collect();
+        rest.sort_by(|a, b| a.0.cmp(&b.0));
+        for (account, action, took_over_from, detail) in rest {
+            self.out.push(Resumption {
+                payout_id: String::new(),
+                account_id: account,
+                state: String::new(),
+                workflow: String::new(),
+                action: action.into(),
+                took_over_from,
+                detail,
+            });
+        }
+        self.out
     }
-    Ok(out)
 }
 
 /// Frees `payout:{account}` if it is held by a grant whose payout's workflow is not running

@@ -57,7 +57,8 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Once { config, json } => {
             init_tracing_to_stderr();
             let sources = config.sources().await?;
-            let report = service::run_once(&config, &sources).await?;
+            // One run: its corrective passes begin at the oldest open payout.
+            let report = service::run_once(&config, &sources, &service::Cursors::default()).await?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {

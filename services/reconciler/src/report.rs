@@ -1,31 +1,82 @@
-//! What one run of the process did: the checks' report, and the corrective outcomes before it.
+//! What one run of the process did: the checks' report, the corrective outcomes before it, and
+//! the error of each part that failed (the others ran all the same).
 
 use reconciler::Report;
 use resolver::{resolve::Resolution, resume::Resumption};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-/// One run: the detective checks' [`Report`] and what the resolver did before them. Its JSON is
-/// the checks' object with `resolutions` and `resumptions` after their fields.
+/// The three parts of a run, each run whatever the others did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pass {
+    /// The orphan resolver (`--resolve-orphans`).
+    Orphans,
+    /// The resume pass (`--resume-stranded`).
+    Resume,
+    /// The detective checks.
+    Checks,
+}
+
+impl Pass {
+    pub const ALL: [Pass; 3] = [Pass::Orphans, Pass::Resume, Pass::Checks];
+
+    /// The label of `reconciler_pass_errors_total{pass}` and of the report's errors.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Orphans => "orphans",
+            Self::Resume => "resume",
+            Self::Checks => "checks",
+        }
+    }
+}
+
+/// A part of the run that failed as a whole (its source unreachable, its configuration
+/// incomplete); what it did before it failed is not reported.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PassError {
+    pub pass: Pass,
+    pub detail: String,
+}
+
+impl PassError {
+    pub fn new(pass: Pass, error: &anyhow::Error) -> Self {
+        Self {
+            pass,
+            detail: format!("{error:#}"),
+        }
+    }
+}
+
+/// One run: the detective checks' [`Report`] (none if they failed), what the resolver did
+/// before them, and each part's error. Its JSON is the checks' object with `resolutions`,
+/// `resumptions` and `errors` after their fields.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunReport {
     #[serde(flatten)]
-    pub checks: Report,
+    pub checks: Option<Report>,
     /// Orphaned RAIL_AMBIGUOUS payouts handled before the checks ran (`--resolve-orphans`).
     pub resolutions: Vec<Resolution>,
     /// Stranded payouts handed back to a workflow before the checks ran (`--resume-stranded`).
     pub resumptions: Vec<Resumption>,
+    /// The parts of the run that failed; the others ran.
+    pub errors: Vec<PassError>,
 }
 
 impl RunReport {
-    /// Whether the checks found nothing (what the resolver did is not a finding).
+    /// Whether the checks ran and found nothing and no part of the run failed (what the resolver
+    /// did is not a finding).
     pub fn is_clean(&self) -> bool {
-        self.checks.is_clean()
+        self.errors.is_empty() && self.checks.as_ref().is_some_and(Report::is_clean)
     }
 
     /// A readable table: the checks, then the orphans and the stranded payouts handled (when
-    /// there were any), then the total of violations.
+    /// there were any), then the parts that failed, then the total of violations.
     pub fn render(&self) -> String {
-        let mut out = self.checks.render_checks();
+        let mut out = self
+            .checks
+            .as_ref()
+            .map(Report::render_checks)
+            .unwrap_or_default();
         if !self.resolutions.is_empty() {
             out.push_str(&format!(
                 "{:<24} {:<12} {:<11} {:<14} {:>6}  DETAIL\n",
@@ -64,7 +115,13 @@ impl RunReport {
                 ));
             }
         }
-        out.push_str(&self.checks.render_total());
+        for e in &self.errors {
+            out.push_str(&format!("  ERROR {}: {}\n", e.pass.as_str(), e.detail));
+        }
+        match &self.checks {
+            Some(checks) => out.push_str(&checks.render_total()),
+            None => out.push_str("violations: unknown (the checks did not run)\n"),
+        }
         out
     }
 }
@@ -76,11 +133,11 @@ mod tests {
     use reconciler::{Check, Report};
     use resolver::{resolve::Resolution, resume::Resumption};
 
-    use super::RunReport;
+    use super::{Pass, PassError, RunReport};
 
     fn run_report() -> RunReport {
         RunReport {
-            checks: Report {
+            checks: Some(Report {
                 checks: vec![
                     Check {
                         name: "one_in_flight_payout_per_account",
@@ -105,7 +162,7 @@ mod tests {
                 outbox_pending: 0,
                 ambiguous_payouts: vec!["po-1".into()],
                 audit_heads: Vec::new(),
-            },
+            }),
             resolutions: vec![
                 Resolution {
                     payout_id: "po-1".into(),
@@ -146,6 +203,7 @@ mod tests {
                     detail: "x".into(),
                 },
             ],
+            errors: Vec::new(),
         }
     }
 
@@ -173,7 +231,7 @@ mod tests {
         let mut empty = run_report();
         empty.resolutions.clear();
         empty.resumptions.clear();
-        assert_eq!(empty.render(), empty.checks.render());
+        assert_eq!(empty.render(), empty.checks.as_ref().unwrap().render());
         let expected = [
             "CHECK                              INVARIANT       EXAMINED VIOLATIONS",
             "one_in_flight_payout_per_account   INV-01                 3          1",
@@ -193,14 +251,52 @@ mod tests {
     fn the_run_serializes_as_one_object_with_the_corrective_outcomes_last() {
         assert_eq!(
             serde_json::to_string(&run_report()).unwrap(),
-            r#"{"checks":[{"name":"one_in_flight_payout_per_account","invariant":"INV-01","examined":3,"violations":["account a has several payouts in flight: x,y"],"skipped":null,"note":null},{"name":"guard_tokens_were_granted","invariant":"INV-07","examined":0,"violations":[],"skipped":"no etcd","note":"a note"}],"violations":1,"payouts_by_state":{"FAILED":1,"POSTED":2},"rail_movements":2,"outbox_pending":0,"ambiguous_payouts":["po-1"],"audit_heads":[],"resolutions":[{"payout_id":"po-1","account_id":"acc-1","workflow":"NOT_FOUND","evidence":"FOUND","new_state":"POSTED","token":7,"detail":"d"},{"payout_id":"po-2","account_id":"acc-2","workflow":"TERMINATED","evidence":"LOCK_BUSY","new_state":"RAIL_AMBIGUOUS","token":null,"detail":""}],"resumptions":[{"payout_id":"","account_id":"acc-3","state":"","workflow":"","action":"TOOK_OVER","took_over_from":"worker-0/po-9","detail":""},{"payout_id":"po-4","account_id":"acc-4","state":"CLAIMED","workflow":"TERMINATED","action":"RESUMED","took_over_from":null,"detail":"x"}]}"#
+            r#"{"checks":[{"name":"one_in_flight_payout_per_account","invariant":"INV-01","examined":3,"violations":["account a has several payouts in flight: x,y"],"skipped":null,"note":null},{"name":"guard_tokens_were_granted","invariant":"INV-07","examined":0,"violations":[],"skipped":"no etcd","note":"a note"}],"violations":1,"payouts_by_state":{"FAILED":1,"POSTED":2},"rail_movements":2,"outbox_pending":0,"ambiguous_payouts":["po-1"],"audit_heads":[],"resolutions":[{"payout_id":"po-1","account_id":"acc-1","workflow":"NOT_FOUND","evidence":"FOUND","new_state":"POSTED","token":7,"detail":"d"},{"payout_id":"po-2","account_id":"acc-2","workflow":"TERMINATED","evidence":"LOCK_BUSY","new_state":"RAIL_AMBIGUOUS","token":null,"detail":""}],"resumptions":[{"payout_id":"","account_id":"acc-3","state":"","workflow":"","action":"TOOK_OVER","took_over_from":"worker-0/po-9","detail":""},{"payout_id":"po-4","account_id":"acc-4","state":"CLAIMED","workflow":"TERMINATED","action":"RESUMED","took_over_from":null,"detail":"x"}],"errors":[]}"#
         );
         let mut empty = run_report();
         empty.resolutions.clear();
         empty.resumptions.clear();
         assert_eq!(
             serde_json::to_string(&empty).unwrap(),
-            r#"{"checks":[{"name":"one_in_flight_payout_per_account","invariant":"INV-01","examined":3,"violations":["account a has several payouts in flight: x,y"],"skipped":null,"note":null},{"name":"guard_tokens_were_granted","invariant":"INV-07","examined":0,"violations":[],"skipped":"no etcd","note":"a note"}],"violations":1,"payouts_by_state":{"FAILED":1,"POSTED":2},"rail_movements":2,"outbox_pending":0,"ambiguous_payouts":["po-1"],"audit_heads":[],"resolutions":[],"resumptions":[]}"#
+            r#"{"checks":[{"name":"one_in_flight_payout_per_account","invariant":"INV-01","examined":3,"violations":["account a has several payouts in flight: x,y"],"skipped":null,"note":null},{"name":"guard_tokens_were_granted","invariant":"INV-07","examined":0,"violations":[],"skipped":"no etcd","note":"a note"}],"violations":1,"payouts_by_state":{"FAILED":1,"POSTED":2},"rail_movements":2,"outbox_pending":0,"ambiguous_payouts":["po-1"],"audit_heads":[],"resolutions":[],"resumptions":[],"errors":[]}"#
         );
+    }
+
+    /// A run whose resume pass failed (Temporal unreachable) still shows the checks, says which
+    /// part failed, and is not clean; one whose checks failed says their total is unknown.
+    #[test]
+    fn a_failed_part_is_shown_and_the_run_is_not_clean() {
+        let mut report = run_report();
+        report.checks.as_mut().unwrap().violations = 0;
+        report.checks.as_mut().unwrap().checks[0].violations.clear();
+        assert!(report.is_clean());
+        report.errors.push(PassError {
+            pass: Pass::Resume,
+            detail: "connecting to temporal: refused".into(),
+        });
+        assert!(!report.is_clean());
+        let text = report.render();
+        assert!(
+            text.contains("  ERROR resume: connecting to temporal: refused\nviolations: 0\n"),
+            "{text}"
+        );
+        assert!(text.starts_with("CHECK"), "{text}");
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(
+            json["errors"],
+            serde_json::json!([{"pass": "resume", "detail": "connecting to temporal: refused"}])
+        );
+        report.checks = None;
+        report.errors.push(PassError {
+            pass: Pass::Checks,
+            detail: "paydb: refused".into(),
+        });
+        assert!(report.render().ends_with(
+            "  ERROR checks: paydb: refused\nviolations: unknown (the checks did not run)\n"
+        ));
+        assert!(serde_json::to_value(&report)
+            .unwrap()
+            .get("checks")
+            .is_none());
     }
 }

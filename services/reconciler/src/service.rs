@@ -27,7 +27,9 @@ use reconciler::{Options, Sources};
 use resolver::resolve::ResolveConfig;
 use resolver::resume::{ResumeConfig, TemporalConfig};
 
+use crate::report::{Pass, PassError};
 use crate::RunReport;
+use resolver::walk::Cursor;
 
 /// The reconciler's own task queue: its runs never compete with payouts for workers.
 pub const TASK_QUEUE: &str = "reconciliation";
@@ -140,6 +142,12 @@ pub struct Config {
     /// Resolve orphaned RAIL_AMBIGUOUS payouts (evidence only) before the checks.
     #[arg(long, env = "RECONCILE_RESOLVE_ORPHANS")]
     pub resolve_orphans: bool,
+    /// Candidates each corrective pass (the orphan resolver, the resume pass) acts on per run;
+    /// payouts whose workflow runs do not count, and the next run goes on from where this one
+    /// stopped (`resolver::walk`), so every open payout is examined within ceil(open / this)
+    /// runs of one `reconciler serve`.
+    #[arg(long, env = "RECONCILE_CORRECTIVE_PER_PASS", default_value_t = resolver::walk::PER_PASS_DEFAULT)]
+    pub corrective_per_pass: usize,
 }
 
 impl Config {
@@ -171,6 +179,7 @@ impl Config {
                 .clone()
                 .context("--resolve-orphans needs --payment-resource-url")?,
             temporal: self.temporal_config(),
+            bounds: self.bounds(),
         })
     }
 
@@ -192,7 +201,12 @@ impl Config {
                 .context("--resume-stranded needs --lock-server-url")?,
             temporal: self.temporal_config(),
             not_started_grace: Duration::from_millis(self.not_started_grace_ms),
+            bounds: self.bounds(),
         })
+    }
+
+    fn bounds(&self) -> resolver::walk::PassBounds {
+        resolver::walk::PassBounds::per_pass(self.corrective_per_pass)
     }
 
     pub async fn sources(&self) -> anyhow::Result<Sources> {
@@ -220,9 +234,26 @@ impl Config {
     }
 }
 
+/// Where each corrective pass of this process stopped (`resolver::walk`): the next run goes on
+/// from there. `reconciler serve` keeps one for all its runs; `reconciler once` begins at the
+/// start, as does a restarted process (still within the walk's bound).
+#[derive(Debug, Default)]
+pub struct Cursors {
+    pub orphans: tokio::sync::Mutex<Cursor>,
+    pub resume: tokio::sync::Mutex<Cursor>,
+}
+
 /// Orphans resolved and stranded payouts handed back to workflows first, by the resolver and
-/// only when asked (so the checks see the resolved state), then every check.
-pub async fn run_once(config: &Config, sources: &Sources) -> anyhow::Result<RunReport> {
+/// only when asked (so the checks see the resolved state), then every check. Each of the three
+/// runs whatever the others did: an error of one is reported in the run's report
+/// ([`RunReport::errors`]) and the others go on; only a source that cannot even be configured
+/// fails the run.
+pub async fn run_once(
+    config: &Config,
+    sources: &Sources,
+    cursors: &Cursors,
+) -> anyhow::Result<RunReport> {
+    let mut errors = Vec::new();
     let corrective = match config.resolve_orphans || config.resume_stranded {
         true => Some(CORRECTIVE.lock().await),
         false => None,
@@ -234,37 +265,85 @@ pub async fn run_once(config: &Config, sources: &Sources) -> anyhow::Result<RunR
     // would give every ambiguous orphan a running workflow before the resolver looked, and the
     // resolver leaves a payout with a running workflow alone: it would never act. Either way the
     // two never act on one payout in one pass.
-    let resolutions = if config.resolve_orphans {
-        resolver::resolve::resolve_orphans(&sources.paydb, &config.resolve_config()?).await?
-    } else {
-        Vec::new()
+    let resolutions = match config.resolve_orphans {
+        true => done_or_reported(
+            async {
+                let resolve = config.resolve_config()?;
+                let mut cursor = cursors.orphans.lock().await;
+                Ok(
+                    resolver::resolve::resolve_orphans(&sources.paydb, &resolve, &mut cursor)
+                        .await?,
+                )
+            }
+            .await,
+            Pass::Orphans,
+            &mut errors,
+        ),
+        false => Vec::new(),
     };
-    let resumptions = if config.resume_stranded {
-        resolver::resume::resume_stranded(&sources.paydb, &config.resume_config()?).await?
-    } else {
-        Vec::new()
+    let resumptions = match config.resume_stranded {
+        true => done_or_reported(
+            async {
+                let resume = config.resume_config()?;
+                let mut cursor = cursors.resume.lock().await;
+                Ok(resolver::resume::resume_stranded(&sources.paydb, &resume, &mut cursor).await?)
+            }
+            .await,
+            Pass::Resume,
+            &mut errors,
+        ),
+        false => Vec::new(),
     };
     drop(corrective);
-    let audit_anchor = match &config.audit_anchor_file {
-        Some(path) => reconciler::AuditHead::load(path)?,
-        None => None,
+    let checks = async {
+        let audit_anchor = match &config.audit_anchor_file {
+            Some(path) => reconciler::AuditHead::load(path)?,
+            None => None,
+        };
+        let checks = reconciler::reconcile(
+            sources,
+            &Options {
+                require_outbox_drained: config.require_drained,
+                audit_anchor,
+            },
+        )
+        .await?;
+        if let (Some(path), true) = (&config.audit_anchor_file, checks.is_clean()) {
+            reconciler::AuditHead::save(&checks.audit_heads, path)?;
+        }
+        anyhow::Ok(checks)
     };
-    let checks = reconciler::reconcile(
-        sources,
-        &Options {
-            require_outbox_drained: config.require_drained,
-            audit_anchor,
-        },
-    )
-    .await?;
-    if let (Some(path), true) = (&config.audit_anchor_file, checks.is_clean()) {
-        reconciler::AuditHead::save(&checks.audit_heads, path)?;
+    let checks = match checks.await {
+        Ok(checks) => Some(checks),
+        Err(e) => {
+            errors.push(PassError::new(Pass::Checks, &e));
+            None
+        }
+    };
+    for e in &errors {
+        tracing::error!(pass = e.pass.as_str(), error = %e.detail, "a part of the reconciliation run failed; the others ran");
     }
     Ok(RunReport {
         checks,
         resolutions,
         resumptions,
+        errors,
     })
+}
+
+/// What a corrective pass did, or nothing with its error reported: the run goes on.
+fn done_or_reported<T>(
+    outcome: anyhow::Result<resolver::resume::Pass<T>>,
+    pass: Pass,
+    errors: &mut Vec<PassError>,
+) -> Vec<T> {
+    match outcome {
+        Ok(done) => done.done,
+        Err(e) => {
+            errors.push(PassError::new(pass, &e));
+            Vec::new()
+        }
+    }
 }
 
 /// The metrics of the scheduled runs.
@@ -280,6 +359,8 @@ pub struct ReconcileMetrics {
     schedule_healthy: IntGauge,
     holder_pass_actions: IntCounterVec,
     holder_pass_failures: IntCounter,
+    pass_errors: IntCounterVec,
+    payouts_skipped: IntCounterVec,
 }
 
 impl ReconcileMetrics {
@@ -353,6 +434,24 @@ impl ReconcileMetrics {
             .registry
             .register(Box::new(holder_pass_failures.clone()))
             .expect("metric registered once");
+        let pass_errors = metrics.counter_vec(
+            "reconciler_pass_errors_total",
+            "Parts of a reconciliation run (orphans, resume, checks) that failed as a whole; the \
+             other parts ran",
+            &["pass"],
+        );
+        let payouts_skipped = metrics.counter_vec(
+            "reconciler_payouts_skipped_total",
+            "Payouts a corrective pass (orphans, resume) skipped because their workflow could not \
+             be described; the pass went on",
+            &["pass"],
+        );
+        for pass in Pass::ALL {
+            pass_errors.with_label_values(&[pass.as_str()]);
+        }
+        for pass in [Pass::Orphans, Pass::Resume] {
+            payouts_skipped.with_label_values(&[pass.as_str()]);
+        }
         Self {
             metrics,
             violations,
@@ -364,19 +463,41 @@ impl ReconcileMetrics {
             schedule_healthy,
             holder_pass_actions,
             holder_pass_failures,
+            pass_errors,
+            payouts_skipped,
         }
     }
 
+    /// A run's outcome: each part's error counted; a run whose checks failed counts as a failed
+    /// run (its sources unreadable) and sets neither the violations nor the last run's time.
     pub fn record(&self, report: &RunReport) {
-        for c in &report.checks.checks {
-            self.violations
-                .with_label_values(&[c.name])
-                .set(c.violations.len() as i64);
+        for e in &report.errors {
+            self.pass_errors.with_label_values(&[e.pass.as_str()]).inc();
         }
         for r in &report.resolutions {
             self.orphans_resolved
                 .with_label_values(&[r.evidence.as_str()])
                 .inc();
+        }
+        let skipped = |workflows: &mut dyn Iterator<Item = &String>| {
+            workflows
+                .filter(|w| w.as_str() == resolver::resume::UNDESCRIBED)
+                .count() as u64
+        };
+        self.payouts_skipped
+            .with_label_values(&[Pass::Orphans.as_str()])
+            .inc_by(skipped(&mut report.resolutions.iter().map(|r| &r.workflow)));
+        self.payouts_skipped
+            .with_label_values(&[Pass::Resume.as_str()])
+            .inc_by(skipped(&mut report.resumptions.iter().map(|r| &r.workflow)));
+        let Some(checks) = &report.checks else {
+            self.failed_runs.inc();
+            return;
+        };
+        for c in &checks.checks {
+            self.violations
+                .with_label_values(&[c.name])
+                .set(c.violations.len() as i64);
         }
         self.runs.inc();
         self.last_run.set(unix_seconds());
@@ -406,31 +527,36 @@ pub struct ReconcileSummary {
     pub orphans_left: usize,
     pub ambiguous_payouts: usize,
     pub completed_at_unix_s: i64,
+    /// The parts of the run that failed (the others ran); with `checks` among them the counts
+    /// of the checks above are zero because they did not run.
+    #[serde(default)]
+    pub errors: Vec<PassError>,
 }
 
 impl ReconcileSummary {
     pub fn of(report: &RunReport) -> Self {
         let resolved = report.resolutions.iter().filter(|r| r.resolved()).count();
+        let checks = report.checks.as_ref();
+        let names = |keep: fn(&reconciler::Check) -> bool| -> Vec<String> {
+            checks
+                .map(|c| {
+                    c.checks
+                        .iter()
+                        .filter(|c| keep(c))
+                        .map(|c| c.name.to_string())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
         Self {
-            violations: report.checks.violations,
-            failing_checks: report
-                .checks
-                .checks
-                .iter()
-                .filter(|c| !c.violations.is_empty())
-                .map(|c| c.name.to_string())
-                .collect(),
-            skipped_checks: report
-                .checks
-                .checks
-                .iter()
-                .filter(|c| c.skipped.is_some())
-                .map(|c| c.name.to_string())
-                .collect(),
+            violations: checks.map_or(0, |c| c.violations),
+            failing_checks: names(|c| !c.violations.is_empty()),
+            skipped_checks: names(|c| c.skipped.is_some()),
             orphans_resolved: resolved,
             orphans_left: report.resolutions.len() - resolved,
-            ambiguous_payouts: report.checks.ambiguous_payouts.len(),
+            ambiguous_payouts: checks.map_or(0, |c| c.ambiguous_payouts.len()),
             completed_at_unix_s: unix_seconds(),
+            errors: report.errors.clone(),
         }
     }
 }
@@ -440,6 +566,8 @@ pub struct ReconcileActivities {
     config: Config,
     sources: Arc<Sources>,
     metrics: ReconcileMetrics,
+    /// Where each corrective pass stopped, kept across this process's runs.
+    cursors: Arc<Cursors>,
 }
 
 #[activities]
@@ -449,7 +577,9 @@ impl ReconcileActivities {
         self: Arc<Self>,
         _ctx: ActivityContext,
     ) -> Result<ReconcileSummary, ActivityError> {
-        match run_once(&self.config, &self.sources).await {
+        // A part that fails is reported in the summary and counted; the activity is not
+        // retried for it (the other parts ran): the schedule's next run tries again.
+        match run_once(&self.config, &self.sources, &self.cursors).await {
             Ok(report) => {
                 self.metrics.record(&report);
                 let summary = ReconcileSummary::of(&report);
@@ -458,6 +588,7 @@ impl ReconcileActivities {
                     failing_checks = ?summary.failing_checks,
                     orphans_resolved = summary.orphans_resolved,
                     orphans_left = summary.orphans_left,
+                    failed_parts = ?summary.errors.iter().map(|e| e.pass.as_str()).collect::<Vec<_>>(),
                     "reconciliation run"
                 );
                 Ok(summary)
@@ -838,6 +969,7 @@ pub async fn serve(
         config,
         sources,
         metrics,
+        cursors: Arc::new(Cursors::default()),
     };
     let mut options = WorkerOptions::new(serve.task_queue.clone())
         .register_workflow::<ReconcileWorkflow>()?
@@ -861,4 +993,84 @@ pub async fn serve(
     }
     result.context("reconciler worker stopped with an error")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use resolver::resume::{Resumption, UNDESCRIBED};
+
+    use super::ReconcileMetrics;
+    use crate::report::{Pass, PassError};
+    use crate::RunReport;
+
+    fn counter(metrics: &ReconcileMetrics, name: &str, pass: &str) -> f64 {
+        metrics
+            .metrics
+            .registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric().iter())
+            .find(|m| m.get_label().iter().any(|l| l.value() == pass))
+            .map(|m| m.get_counter().get_value())
+            .unwrap_or(-1.0)
+    }
+
+    /// A run whose resume pass failed and whose orphan resolver skipped a payout: the failure is
+    /// counted under its part, the skip under its pass, and a run whose checks did not run is a
+    /// failed run that sets no last run.
+    #[test]
+    fn each_failed_part_and_skipped_payout_is_counted_by_its_pass() {
+        let metrics = ReconcileMetrics::new();
+        for pass in ["orphans", "resume", "checks"] {
+            assert_eq!(counter(&metrics, "reconciler_pass_errors_total", pass), 0.0);
+        }
+        let skipped = Resumption {
+            payout_id: "po-1".into(),
+            account_id: "acc-1".into(),
+            state: "PENDING".into(),
+            workflow: UNDESCRIBED.into(),
+            action: "ERROR".into(),
+            took_over_from: None,
+            detail: "no answer".into(),
+        };
+        metrics.record(&RunReport {
+            checks: None,
+            resolutions: Vec::new(),
+            resumptions: vec![skipped],
+            errors: vec![
+                PassError {
+                    pass: Pass::Orphans,
+                    detail: "connecting to temporal: refused".into(),
+                },
+                PassError {
+                    pass: Pass::Checks,
+                    detail: "paydb: refused".into(),
+                },
+            ],
+        });
+        assert_eq!(
+            counter(&metrics, "reconciler_pass_errors_total", "orphans"),
+            1.0
+        );
+        assert_eq!(
+            counter(&metrics, "reconciler_pass_errors_total", "checks"),
+            1.0
+        );
+        assert_eq!(
+            counter(&metrics, "reconciler_pass_errors_total", "resume"),
+            0.0
+        );
+        assert_eq!(
+            counter(&metrics, "reconciler_payouts_skipped_total", "resume"),
+            1.0
+        );
+        assert_eq!(
+            counter(&metrics, "reconciler_payouts_skipped_total", "orphans"),
+            0.0
+        );
+        assert_eq!(metrics.failed_runs.get(), 1);
+        assert_eq!(metrics.runs.get(), 0);
+        assert_eq!(metrics.last_run.get(), 0);
+    }
 }

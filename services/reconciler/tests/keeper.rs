@@ -14,18 +14,19 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use payment_client::model::NewPayout;
 use payment_client::PaymentClient;
-use payout_domain::{
-    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, PayoutId, PayoutState,
-};
+use payout_domain::PayoutState;
 use resolver::resume::{Temporal, TemporalConfig, WorkflowStatus};
 use testkit::pki::Role;
 use testkit::system::{System, SystemOptions, WorkflowStarts};
 use testkit::{ManagedProcess, ProcessSpec, Stack};
 
-/// A payout through every service settles in seconds; this bounds a test that went wrong.
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(120);
+mod common;
+use common::{
+    metric, metrics_text, movements, new_payout, once_json, resumptions, state_of, temporal_cli,
+    SETTLE_TIMEOUT,
+};
+
 /// The keeper's interval in these tests (`RECONCILE_KEEPER_INTERVAL_S`).
 const KEEPER_INTERVAL_S: u64 = 1;
 /// How long a repair may take here: a few keeper intervals, and far below the schedule's own
@@ -35,49 +36,12 @@ const REPAIR_TIMEOUT: Duration = Duration::from_secs(30);
 /// the epoch's day boundaries), so whatever the test sees is the keeper's doing.
 const SCHEDULED_NEVER_S: u64 = 86_400;
 
-fn new_payout(account: &str, payout: &str) -> NewPayout {
-    NewPayout {
-        payout_id: PayoutId::parse(payout).unwrap(),
-        account_id: AccountId::parse(account).unwrap(),
-        amount_minor: AmountMinor::new(800).unwrap(),
-        currency: Currency::parse("EUR").unwrap(),
-        beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
-    }
-}
-
 /// The reconciler's own certificate (role reconciler) and every source, as `payoutdev stack up`
 /// passes them.
 fn config_args(system: &System) -> Vec<String> {
-    let s = |v: &str| v.to_string();
-    system
-        .pki
-        .issue(Role::Reconciler, "reconciler")
-        .unwrap()
-        .to_args()
-        .into_iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .chain(vec![
-            s("--paydb-url"),
-            system.databases.paydb.clone(),
-            s("--proxydb-url"),
-            system.databases.proxydb.clone(),
-            s("--gldb-url"),
-            system.databases.gldb.clone(),
-            s("--lock-server-url"),
-            system.lock_url(),
-            s("--rail-proxy-url"),
-            system.proxy_url(),
-            s("--payment-resource-url"),
-            system.payment_url(),
-            s("--temporal-address"),
-            system.temporal_address.clone(),
-            s("--payout-task-queue"),
-            system.task_queue.clone(),
-            s("--settlement-window-ms"),
-            s("500"),
-            s("--resume-stranded"),
-        ])
-        .collect()
+    let mut args = common::source_args(system, &system.temporal_address);
+    args.push("--resume-stranded".to_string());
+    args
 }
 
 /// `reconciler serve` with its schedule every `interval_s` and its keeper every second (by the
@@ -107,23 +71,6 @@ fn start_serve(system: &System, interval_s: u64) -> (ManagedProcess, String, u16
     (serve, schedule_id, metrics_port)
 }
 
-async fn metrics_text(port: u16) -> Option<String> {
-    reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()
-}
-
-/// The value of the series `series` (name and labels, as exported) in a `/metrics` text.
-fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
 /// One value read from paydb with `psql` (the test reads what paydb recorded, as an operator
 /// would; this package links no database driver).
 fn paydb_scalar(system: &System, sql: &str) -> Option<String> {
@@ -134,10 +81,6 @@ fn paydb_scalar(system: &System, sql: &str) -> Option<String> {
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
-fn temporal_cli(args: &[&str]) -> anyhow::Result<String> {
-    Stack::shared().temporal().cli(args)
 }
 
 /// The schedule as `temporal schedule describe` shows it, or `None` if Temporal has none.
@@ -264,46 +207,10 @@ fn temporal_config(system: &System) -> TemporalConfig {
     }
 }
 
-async fn state_of(payments: &PaymentClient, payout: &str) -> PayoutState {
-    payments
-        .get_payout(&PayoutId::parse(payout).unwrap())
-        .await
-        .unwrap()
-        .payout
-        .state
-}
-
-async fn movements(system: &System, payout: &str) -> u64 {
-    let truth = rail_stub::client::StubClient::new(system.rail_url())
-        .ground_truth()
-        .await
-        .unwrap();
-    let reference = ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string();
-    truth.movement_counts.get(&reference).copied().unwrap_or(0) as u64
-}
-
 /// `reconciler once --json --resume-stranded` with the default not-started grace (60 s): the
 /// report's resumptions by payout.
 fn resume_once(system: &System) -> HashMap<String, serde_json::Value> {
-    let out = std::process::Command::new(testkit::workspace_bin("reconciler"))
-        .arg("once")
-        .arg("--json")
-        .args(config_args(system))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
-        panic!(
-            "no JSON report ({e}): {stdout}\nstderr: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    report["resumptions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| (r["payout_id"].as_str().unwrap().to_string(), r.clone()))
-        .collect()
+    resumptions(&once_json(&config_args(system), &[]).0)
 }
 
 #[tokio::test]
@@ -472,17 +379,7 @@ async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interva
     payout_workflows::client::start_payout(&client, &system.task_queue, &input(behind))
         .await
         .unwrap();
-    temporal_cli(&[
-        "workflow",
-        "terminate",
-        "--namespace",
-        testkit::temporal::NAMESPACE,
-        "--workflow-id",
-        &holder_id,
-        "--reason",
-        "operator terminates the holder mid-payout (test)",
-    ])
-    .unwrap();
+    common::terminate(&holder_id);
     // No scheduled pass while the test looks: only the keeper's short pass can free the account
     // within the bound below (the deployed schedule's 300 s would be the wait otherwise).
     let (serve, schedule_id, port) = start_serve(&system, SCHEDULED_NEVER_S);

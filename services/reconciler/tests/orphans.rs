@@ -8,149 +8,21 @@ use std::collections::HashMap;
 use std::time::Duration;
 use testkit::pki::Role;
 
-use payment_client::model::{Fence, NewPayout, RailOutcome};
-use payment_client::PaymentClient;
-use payout_domain::{
-    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, PayoutId, PayoutState,
-};
-use rail_proxy_client::{Outcome, ProxyError, RailProxyClient, SubmitPayout};
-use rail_stub::FaultMode;
+use payout_domain::{PayoutId, PayoutState};
+use rail_proxy_client::{ProxyError, RailProxyClient};
 use resolver::resolve::Resolution;
-use testkit::system::{System, SystemOptions};
+use testkit::system::System;
 use testkit::{ManagedProcess, ProcessSpec, Stack};
 
-/// How a payout is driven to RAIL_AMBIGUOUS.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Ambiguity {
-    /// The rail moved the money and never answered: the proxy recorded TIMEOUT.
-    AcceptedThenHung,
-    /// The rail answered 503 without acting: TIMEOUT at the proxy; the rail cannot say yet.
-    FailedBeforeActing,
-    /// The holder never reached the proxy (OUTCOME_MISSING): no proxy record at all.
-    NeverSubmitted,
-}
-
-async fn grant(system: &System, account: &AccountId, owner: &str) -> lock_client::GrantHandle {
-    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
-        .await
-        .unwrap();
-    let session = lock
-        .open_session(owner, Duration::from_secs(10))
-        .await
-        .unwrap();
-    match session
-        .acquire(&payout_domain::lock_key(account), Duration::from_secs(5))
-        .await
-        .unwrap()
-    {
-        lock_client::Acquired::Granted(g) => g,
-        other => panic!("lock not granted: {other:?}"),
-    }
-}
-
-fn new_payout(account: &str, payout: &str) -> NewPayout {
-    NewPayout {
-        payout_id: PayoutId::parse(payout).unwrap(),
-        account_id: AccountId::parse(account).unwrap(),
-        amount_minor: AmountMinor::new(900).unwrap(),
-        currency: Currency::parse("EUR").unwrap(),
-        beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
-    }
-}
-
-fn submit_request(new: &NewPayout, grant: &lock_client::GrantHandle) -> SubmitPayout {
-    SubmitPayout::new(
-        new.payout_id.clone(),
-        new.account_id.clone(),
-        grant.token(),
-        grant.owner(),
-        new.amount_minor,
-        new.currency.clone(),
-        new.beneficiary_ref.clone(),
-    )
-    .signed(grant.key(), grant.signature().clone())
-}
-
-/// Claim, mark submitted and an ambiguous outcome, by hand under a real grant, then the holder
-/// goes away (grant released): nobody is left to resolve the payout.
-async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, how: Ambiguity) {
-    let new = new_payout(account, payout);
-    let grant = grant(system, &new.account_id, "test-holder").await;
-    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
-        .await
-        .unwrap();
-    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
-        .await
-        .unwrap();
-    fixture
-        .open_account(&new.account_id, &new.currency, 100_000)
-        .await
-        .unwrap();
-    fixture.create_payout(&new).await.unwrap();
-    let fence = Fence::new(grant.owner(), grant.token())
-        .unwrap()
-        .signed(grant.key(), grant.signature().clone());
-    payments.claim(&new.payout_id, &fence).await.unwrap();
-    payments
-        .mark_submitted(&new.payout_id, &fence)
-        .await
-        .unwrap();
-    let outcome = match how {
-        Ambiguity::NeverSubmitted => RailOutcome::OutcomeMissing,
-        Ambiguity::AcceptedThenHung | Ambiguity::FailedBeforeActing => {
-            let mode = if how == Ambiguity::AcceptedThenHung {
-                FaultMode::AcceptThenHang
-            } else {
-                FaultMode::FailBeforeActing
-            };
-            let reference = ClientReference::for_payout(&new.payout_id).to_string();
-            rail_stub::client::StubClient::new(system.rail_url())
-                .force(&reference, Some(mode))
-                .await
-                .unwrap();
-            let mut proxy =
-                RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
-                    .await
-                    .unwrap();
-            let submission = proxy.submit(&submit_request(&new, &grant)).await.unwrap();
-            assert!(
-                matches!(submission.outcome, Outcome::Timeout { .. }),
-                "{how:?} must leave the proxy's record ambiguous: {submission:?}"
-            );
-            RailOutcome::Timeout
-        }
-    };
-    let p = payments
-        .record_outcome(&new.payout_id, &fence, &outcome, "test")
-        .await
-        .unwrap();
-    assert_eq!(p.state, PayoutState::RailAmbiguous);
-    grant.release().await.unwrap();
-}
-
-async fn state_of(system: &System, payout: &str) -> PayoutState {
-    PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
-        .await
-        .unwrap()
-        .get_payout(&PayoutId::parse(payout).unwrap())
-        .await
-        .unwrap()
-        .payout
-        .state
-}
-
-async fn movements(system: &System, payout: &str) -> u64 {
-    let truth = rail_stub::client::StubClient::new(system.rail_url())
-        .ground_truth()
-        .await
-        .unwrap();
-    let reference = ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string();
-    truth.movement_counts.get(&reference).copied().unwrap_or(0) as u64
-}
+mod common;
+use common::{
+    drive_to_ambiguous, grant, metric, metrics_text, movements, new_payout, once_json, source_args,
+    state_in, submit_request, system_with_an_undecided_rail, Ambiguity,
+};
 
 fn config_args(system: &System) -> Vec<String> {
     let s = |v: &str| v.to_string();
-    reconciler_tls(system)
+    source_args(system, &system.temporal_address)
         .into_iter()
         .chain(
             Stack::shared()
@@ -160,57 +32,19 @@ fn config_args(system: &System) -> Vec<String> {
                 .into_iter()
                 .map(|a| a.into_string().unwrap()),
         )
-        .chain(vec![
-            s("--paydb-url"),
-            system.databases.paydb.clone(),
-            s("--proxydb-url"),
-            system.databases.proxydb.clone(),
-            s("--gldb-url"),
-            system.databases.gldb.clone(),
+        .chain([
             s("--etcd-endpoints"),
             Stack::shared().etcd_endpoints().join(","),
             s("--lock-prefix"),
             system.etcd_prefix.clone(),
-            s("--lock-server-url"),
-            system.lock_url(),
-            s("--rail-proxy-url"),
-            system.proxy_url(),
-            s("--payment-resource-url"),
-            system.payment_url(),
-            s("--temporal-address"),
-            system.temporal_address.clone(),
             s("--resolve-orphans"),
         ])
         .collect()
 }
 
-/// The reconciler's own certificate (role reconciler) from the system's authority.
-fn reconciler_tls(system: &System) -> Vec<String> {
-    system
-        .pki
-        .issue(testkit::pki::Role::Reconciler, "reconciler")
-        .unwrap()
-        .to_args()
-        .into_iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect()
-}
-
 /// `reconciler once --json --resolve-orphans`, the binary, as an operator runs it.
 fn reconcile_once(system: &System) -> (serde_json::Value, Vec<Resolution>, bool) {
-    let out = std::process::Command::new(testkit::workspace_bin("reconciler"))
-        .arg("once")
-        .arg("--json")
-        .args(config_args(system))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
-        panic!(
-            "no JSON report ({e}): {stdout}\nstderr: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
+    let (report, clean) = once_json(&config_args(system), &[]);
     let resolutions = report["resolutions"]
         .as_array()
         .unwrap()
@@ -225,7 +59,7 @@ fn reconcile_once(system: &System) -> (serde_json::Value, Vec<Resolution>, bool)
             detail: r["detail"].as_str().unwrap().into(),
         })
         .collect();
-    (report, resolutions, out.status.success())
+    (report, resolutions, clean)
 }
 
 fn by_payout(resolutions: &[Resolution]) -> HashMap<String, Resolution> {
@@ -235,38 +69,11 @@ fn by_payout(resolutions: &[Resolution]) -> HashMap<String, Resolution> {
         .collect()
 }
 
-async fn metrics_text(port: u16) -> Option<String> {
-    reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()
-}
-
-fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
 #[tokio::test]
 async fn orphans_are_resolved_with_evidence_only_and_the_schedule_runs() {
-    let stack = Stack::shared();
-    let temporal = stack.temporal();
-    let system = System::start(
-        stack,
-        SystemOptions {
-            workers: 0,
-            // The rail cannot say "absent" for a long time: UNKNOWN stays UNKNOWN in this test.
-            settlement_window_ms: 600_000,
-            rail_timeout_ms: 1_000,
-            ..SystemOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let temporal = Stack::shared().temporal();
+    // The rail cannot say "absent" for a long time: UNKNOWN stays UNKNOWN in this test.
+    let system = system_with_an_undecided_rail().await;
 
     drive_to_ambiguous(&system, "acct-o1", "po-found", Ambiguity::AcceptedThenHung).await;
     drive_to_ambiguous(&system, "acct-o2", "po-unsent", Ambiguity::NeverSubmitted).await;
@@ -310,7 +117,7 @@ async fn orphans_are_resolved_with_evidence_only_and_the_schedule_runs() {
         ("FOUND", "POSTED"),
         "{found:?}"
     );
-    assert_eq!(state_of(&system, "po-found").await, PayoutState::Posted);
+    assert_eq!(state_in(&system, "po-found").await, PayoutState::Posted);
     assert_eq!(movements(&system, "po-found").await, 1);
 
     // NEVER_SENT: the inquiry sealed it at the proxy, and it failed.
@@ -320,7 +127,7 @@ async fn orphans_are_resolved_with_evidence_only_and_the_schedule_runs() {
         ("NEVER_SENT", "FAILED"),
         "{unsent:?}"
     );
-    assert_eq!(state_of(&system, "po-unsent").await, PayoutState::Failed);
+    assert_eq!(state_in(&system, "po-unsent").await, PayoutState::Failed);
     // Sealed: a later Submit, even under a newer grant, is a DUPLICATE and sends nothing.
     let late = new_payout("acct-o2", "po-unsent");
     let late_grant = grant(&system, &late.account_id, "late-holder").await;
@@ -345,13 +152,13 @@ async fn orphans_are_resolved_with_evidence_only_and_the_schedule_runs() {
     );
     assert!(!unknown.resolved());
     assert_eq!(
-        state_of(&system, "po-unknown").await,
+        state_in(&system, "po-unknown").await,
         PayoutState::RailAmbiguous
     );
 
     // The running workflow's payout: untouched, and no inquiry sealed it at the proxy.
     assert_eq!(
-        state_of(&system, "po-running").await,
+        state_in(&system, "po-running").await,
         PayoutState::RailAmbiguous
     );
     assert!(proxy

@@ -9,122 +9,27 @@ use std::collections::HashMap;
 use std::time::Duration;
 use testkit::pki::Role;
 
-use payment_client::model::NewPayout;
 use payment_client::PaymentClient;
-use payout_domain::{
-    AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, PayoutId, PayoutState,
-};
+use payout_domain::{ClientReference, PayoutId, PayoutState};
 use payout_workflows::client as wf;
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;
 
-/// A payout through every service settles in seconds; this bounds a test that went wrong.
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(120);
+mod common;
+use common::{
+    create_payouts, new_payout, once_json, resumptions, source_args, state_of, terminate,
+    wait_state, SETTLE_TIMEOUT,
+};
+
 /// The stall points hold a step far longer than the test: the terminated workflow's activity
 /// never reaches its guard while the test looks.
 const STALL_MS: u64 = 600_000;
 
-fn new_payout(account: &str, payout: &str) -> NewPayout {
-    NewPayout {
-        payout_id: PayoutId::parse(payout).unwrap(),
-        account_id: AccountId::parse(account).unwrap(),
-        amount_minor: AmountMinor::new(700).unwrap(),
-        currency: Currency::parse("EUR").unwrap(),
-        beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
-    }
-}
-
-async fn state_of(payments: &PaymentClient, payout: &str) -> PayoutState {
-    payments
-        .get_payout(&PayoutId::parse(payout).unwrap())
-        .await
-        .unwrap()
-        .payout
-        .state
-}
-
-async fn wait_state(payments: &PaymentClient, payout: &str, state: PayoutState) {
-    testkit::eventually(SETTLE_TIMEOUT, &format!("{payout} {state}"), || async {
-        (state_of(payments, payout).await == state).then_some(())
-    })
-    .await
-    .unwrap();
-}
-
-fn temporal_cli(args: &[&str]) {
-    Stack::shared().temporal().cli(args).unwrap();
-}
-
-fn terminate(workflow_id: &str) {
-    temporal_cli(&[
-        "workflow",
-        "terminate",
-        "--namespace",
-        testkit::temporal::NAMESPACE,
-        "--workflow-id",
-        workflow_id,
-        "--reason",
-        "operator terminates the workflow mid-payout (test)",
-    ]);
-}
-
 /// `reconciler once --json --resume-stranded`: the report's resumptions, by payout (or account).
 fn reconcile_once(system: &System) -> HashMap<String, serde_json::Value> {
-    let s = |v: &str| v.to_string();
-    let args = vec![
-        s("once"),
-        s("--json"),
-        s("--paydb-url"),
-        system.databases.paydb.clone(),
-        s("--proxydb-url"),
-        system.databases.proxydb.clone(),
-        s("--gldb-url"),
-        system.databases.gldb.clone(),
-        s("--lock-server-url"),
-        system.lock_url(),
-        s("--temporal-address"),
-        system.temporal_address.clone(),
-        s("--payout-task-queue"),
-        system.task_queue.clone(),
-        s("--settlement-window-ms"),
-        s("500"),
-        s("--not-started-grace-ms"),
-        s("0"),
-        s("--resume-stranded"),
-    ];
-    let out = std::process::Command::new(testkit::workspace_bin("reconciler"))
-        .args(&args)
-        // Its own certificate (role reconciler) from the system's authority.
-        .args(
-            system
-                .pki
-                .issue(testkit::pki::Role::Reconciler, "reconciler")
-                .unwrap()
-                .to_args(),
-        )
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
-        panic!(
-            "no JSON report ({e}): {stdout}\nstderr: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    report["resumptions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            let id = r["payout_id"].as_str().unwrap();
-            let id = if id.is_empty() {
-                r["account_id"].as_str().unwrap()
-            } else {
-                id
-            };
-            (id.to_string(), r.clone())
-        })
-        .collect()
+    let mut args = source_args(system, &system.temporal_address);
+    args.extend(["--not-started-grace-ms", "0", "--resume-stranded"].map(String::from));
+    resumptions(&once_json(&args, &[]).0)
 }
 
 #[tokio::test]
@@ -166,9 +71,6 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
     let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
-    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
-        .await
-        .unwrap();
     let temporal = wf::connect(
         &system.temporal_address,
         testkit::temporal::NAMESPACE,
@@ -184,17 +86,7 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
         ("s-acct-d", vec![never_started]),
     ];
     for (account, payouts) in &accounts {
-        let first = new_payout(account, payouts[0]);
-        fixture
-            .open_account(&first.account_id, &first.currency, 100_000)
-            .await
-            .unwrap();
-        for payout in payouts {
-            fixture
-                .create_payout(&new_payout(account, payout))
-                .await
-                .unwrap();
-        }
+        create_payouts(&system, account, payouts).await;
     }
     let start = |account: &str, payout: &str| {
         let new = new_payout(account, payout);
@@ -376,11 +268,12 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
     );
 }
 
-/// The rail's settlement window in the ambiguous-orphan test: its lookup says UNKNOWN this long
-/// after the failed attempt, so the resumed run's first inquiry (made at once, right after the
-/// pass) finds the rail unable to say, and ABSENT (the evidence) comes only after the pass. The
-/// steps from the attempt to the pass take seconds; the test checks it had the margin.
-const AMBIGUOUS_RAIL_WINDOW_MS: u64 = 30_000;
+/// The rail's settlement window in the ambiguous-orphan test until the test changes it: its
+/// lookup says UNKNOWN this long after the failed attempt. It is longer than every bounded wait
+/// of the test up to the resumed run's first inquiry put together (three of [`SETTLE_TIMEOUT`]),
+/// so that inquiry finds the rail unable to say however slow the machine; the evidence (ABSENT)
+/// comes only when the test restarts the rail with no window, after it has seen that inquiry.
+const AMBIGUOUS_RAIL_WINDOW_MS: u64 = 600_000;
 
 /// Issue 35, item 3: a RAIL_AMBIGUOUS payout whose workflow was terminated has nobody left to ask
 /// the rail, and the payouts behind it on its account wait for ever. One pass hands it to a new
@@ -560,6 +453,23 @@ async fn an_orphaned_ambiguous_payout_is_resumed_by_one_pass_inquires_and_frees_
         "the resumed run asked inside the rail's window ({AMBIGUOUS_RAIL_WINDOW_MS} ms): {asked:?}"
     );
 
+    // Now the rail has its evidence: restarted with no settlement window, its lookup of the
+    // payout (never moved) is ABSENT. The resumed run's next inquiry finds it.
+    let mut spec = system.rail_stub.spec().clone();
+    let window = spec
+        .args
+        .iter()
+        .position(|a| a == "--settlement-window-ms")
+        .expect("the stub is started with its window");
+    spec.args[window + 1] = "0".into();
+    system.rail_stub.terminate().unwrap();
+    let _rail = testkit::ManagedProcess::start(spec).unwrap();
+    testkit::eventually(SETTLE_TIMEOUT, "the rail back with no window", || async {
+        (rail.lookup(&reference(ambiguous)).await.ok()?.state == "absent").then_some(())
+    })
+    .await
+    .unwrap();
+
     // The evidence comes later: ABSENT, and the payout FAILED; never sent again. Then the
     // account is free and the payout behind it is paid.
     wait_state(&payments, ambiguous, PayoutState::Failed).await;
@@ -572,10 +482,12 @@ async fn an_orphaned_ambiguous_payout_is_resumed_by_one_pass_inquires_and_frees_
         ),
         "resolved by the rail's evidence: {record:?}"
     );
+    // The restarted rail counts requests from its restart: none for the ambiguous payout, whose
+    // resumed run only asked; its one request (the first run's) was counted before.
     let truth = rail.ground_truth().await.unwrap();
     assert_eq!(
         submit_requests(&truth, ambiguous),
-        1,
+        0,
         "the resumed run never submits"
     );
     assert_eq!(truth.movement_counts.get(&reference(ambiguous)), None);
