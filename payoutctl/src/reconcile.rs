@@ -69,6 +69,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         &reconciler::Options {
             require_outbox_drained: args.require_drained,
             audit_anchor,
+            ..Default::default()
         },
     )
     .await?;

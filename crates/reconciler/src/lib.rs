@@ -14,7 +14,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 pub mod lock_audit;
+pub mod rail_check;
 pub mod row_chains;
+
+pub use rail_check::RailOptions;
 
 use payout_domain::{Actor, PayoutEvent, PayoutState};
 use serde::Serialize;
@@ -138,6 +141,9 @@ pub struct Options {
     /// can bypass the database's privileges) is consistent in itself; only an anchor kept outside
     /// paydb shows it.
     pub audit_anchor: Option<Vec<AuditHead>>,
+    /// The rail cross-check's bound, periods and cursor ([`rail_check`]): pass the last run's
+    /// [`Report::rail_cursor`] as `rail.cursor`.
+    pub rail: RailOptions,
 }
 
 /// A point of one of paydb's audit chains (one per account; "" for rows that name none): its
@@ -182,6 +188,24 @@ pub struct Check {
     pub skipped: Option<String>,
     /// What the check deliberately left out, if anything (INV-07: tokens older than its horizon).
     pub note: Option<String>,
+    /// Set when the run did not cover everything the check covers (a cursor mid-round, a
+    /// lookup that failed): a fact, counted by the reconciler service, never a pass or a skip.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partial: Option<Partial>,
+}
+
+/// How much of its ground a partial check covered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Partial {
+    /// Items examined this run.
+    pub covered: u64,
+    /// Items the check covers in all (over its cursor's round).
+    pub total: u64,
+    /// Runs the check's cursor needs to go round once: a check partial for more runs than this
+    /// in a row is not getting round (the alert ReconcilerCheckStaysPartial).
+    pub runs_per_round: u64,
+    /// Why not everything.
+    pub why: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -190,6 +214,10 @@ pub struct Report {
     pub violations: usize,
     pub payouts_by_state: BTreeMap<String, u64>,
     pub rail_movements: u64,
+    /// Where the rail cross-check's cursor stopped: pass it as the next run's
+    /// [`Options::rail`]`.cursor`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rail_cursor: Option<String>,
     pub outbox_pending: u64,
     pub ambiguous_payouts: Vec<String>,
     /// paydb's audit chains' heads at this run: pass them as the next run's
@@ -222,8 +250,12 @@ impl Report {
                 Some(_) => "skipped".to_string(),
                 None => c.violations.len().to_string(),
             };
+            let partial = match &c.partial {
+                Some(p) => format!("  PARTIAL {}/{}", p.covered, p.total),
+                None => String::new(),
+            };
             out.push_str(&format!(
-                "{:<34} {:<14} {:>9} {:>10}\n",
+                "{:<34} {:<14} {:>9} {:>10}{partial}\n",
                 c.name, c.invariant, c.examined, v
             ));
         }
@@ -233,6 +265,12 @@ impl Report {
             }
             if let Some(note) = &c.note {
                 out.push_str(&format!("  {}: {note}\n", c.name));
+            }
+            if let Some(p) = &c.partial {
+                out.push_str(&format!(
+                    "  {} PARTIAL: {} of {} this run (its round needs {} run(s)): {}\n",
+                    c.name, p.covered, p.total, p.runs_per_round, p.why
+                ));
             }
             for v in c.violations.iter().take(VIOLATIONS_SHOWN_MAX) {
                 out.push_str(&format!("  VIOLATION {}: {v}\n", c.name));
@@ -283,6 +321,7 @@ fn check(name: &'static str, invariant: &'static str) -> Check {
         violations: Vec::new(),
         skipped: None,
         note: None,
+        partial: None,
     }
 }
 
@@ -441,6 +480,10 @@ async fn reconcile_with(
         .map(|p| p.id.clone())
         .collect();
 
+    // The payouts the rail will be asked about, read with the run's payouts (the rail is asked
+    // after the other checks, [`Snapshots`]).
+    let rail_plan = rail_check::plan(sources, paydb, &options.rail).await?;
+
     checks.push(one_in_flight_per_account(paydb).await?);
     checks.push(transition_history(paydb, &payouts).await?);
     checks.push(guard1_tokens(paydb).await?);
@@ -451,8 +494,9 @@ async fn reconcile_with(
     checks.push(guard_database_current_in(paydb, proxydb).await?);
     checks.push(fence_not_below_proxy_submissions_in(paydb, proxydb).await?);
     checks.push(submissions_match_payouts(proxydb, &payouts).await?);
-    let (rail, rail_movements) = rail_movements(sources, proxydb, &payouts, confirm).await?;
-    checks.push(rail);
+    let rail = rail_plan.look_up(sources, proxydb, confirm).await?;
+    let (rail_movements, rail_cursor) = (rail.movements, rail.cursor);
+    checks.push(rail.check);
     let (gl, outbox_pending) =
         gl_matches_paydb(paydb, gldb, confirm.then_some(&sources.gldb), options).await?;
     checks.push(gl);
@@ -479,6 +523,7 @@ async fn reconcile_with(
         violations,
         payouts_by_state,
         rail_movements,
+        rail_cursor,
         outbox_pending,
         audit_heads,
         ambiguous_payouts,
@@ -493,7 +538,6 @@ struct PayoutRow {
     amount_minor: i64,
     currency: String,
     beneficiary_ref: String,
-    client_reference: String,
 }
 
 async fn load_payouts(
@@ -514,7 +558,6 @@ async fn load_payouts(
                 amount_minor: r.get("amount_minor"),
                 currency: r.get("currency"),
                 beneficiary_ref: r.get("beneficiary_ref"),
-                client_reference: r.get("client_reference"),
             };
             (p.id.clone(), p)
         })
@@ -1110,145 +1153,6 @@ async fn submissions_match_payouts(
         }
     }
     Ok(c)
-}
-
-/// Rail lookups made in one run at most: bounds a run on a large book; beyond it the check says
-/// it was partial.
-pub const RAIL_LOOKUPS_PER_RUN_MAX: usize = 20_000;
-
-/// INV-02 against what the rail itself reports, through the rail proxy's read-only lookup by
-/// client reference (all a real rail offers): every payout that went through the proxy, and
-/// every POSTED payout, is looked up. More than one movement, a movement for a payout the books
-/// say did not pay (FAILED, ABANDONED, PENDING, CLAIMED), a movement whose amount, currency or
-/// beneficiary differ from the record, or a POSTED payout the rail has nothing for, is a
-/// violation. An UNKNOWN answer (inside the settlement window) is counted, not judged.
-///
-/// The payouts to look up and their states are from the run's snapshots, and the rail is asked
-/// after them ([`Snapshots`]): a submission in proxydb's snapshot has its payout at
-/// RAIL_SUBMITTED or past it in paydb's, and a payout POSTED there has its movement already. A
-/// movement whose submission proxydb's snapshot does not hold may have been submitted after it,
-/// so that finding is confirmed by a fresh read of proxydb (`confirm`) before it is reported.
-async fn rail_movements(
-    sources: &Sources,
-    proxydb: &mut PgConnection,
-    payouts: &BTreeMap<String, PayoutRow>,
-    confirm: bool,
-) -> Result<(Check, u64), ReconcileError> {
-    let mut c = check("rail_movements_match_the_books", "INV-02");
-    let Some(source) = &sources.rail_proxy else {
-        c.skipped = Some("no rail proxy URL given".into());
-        return Ok((c, 0));
-    };
-    let mut proxy = rail_proxy_client::RailProxyClient::connect(&source.url, &source.tls)
-        .await
-        .map_err(|e| ReconcileError::Rail(format!("connecting to the rail proxy: {e}")))?;
-    let submitted: BTreeSet<String> = sqlx::query_scalar(
-        "SELECT payout_id FROM rail_submission WHERE outcome IS DISTINCT FROM 'NOT_SENT'",
-    )
-    .fetch_all(&mut *proxydb)
-    .await
-    .map_err(store("proxydb"))?
-    .into_iter()
-    .collect();
-    let mut to_look_up: Vec<&PayoutRow> = payouts
-        .values()
-        .filter(|p| submitted.contains(&p.id) || p.state == "POSTED")
-        .collect();
-    if to_look_up.len() > RAIL_LOOKUPS_PER_RUN_MAX {
-        c.skipped = Some(format!(
-            "partial: {} of {} payouts looked up (RAIL_LOOKUPS_PER_RUN_MAX)",
-            RAIL_LOOKUPS_PER_RUN_MAX,
-            to_look_up.len()
-        ));
-        to_look_up.truncate(RAIL_LOOKUPS_PER_RUN_MAX);
-    }
-    let (mut movements, mut unknown) = (0u64, 0u64);
-    for p in to_look_up {
-        let Ok(payout_id) = payout_domain::PayoutId::parse(p.id.clone()) else {
-            continue;
-        };
-        c.examined += 1;
-        let found = match proxy.rail_movements(&payout_id).await {
-            Ok(rail_proxy_client::RailLookup::Found(found)) => found,
-            Ok(rail_proxy_client::RailLookup::Absent) => {
-                if p.state == "POSTED" {
-                    c.violations.push(format!(
-                        "{} is POSTED but the rail reports no movement for {}",
-                        p.id, p.client_reference
-                    ));
-                }
-                continue;
-            }
-            Ok(rail_proxy_client::RailLookup::Unknown { .. }) => {
-                unknown += 1;
-                continue;
-            }
-            Err(e) => return Err(ReconcileError::Rail(format!("lookup of {}: {e}", p.id))),
-        };
-        movements += found.len() as u64;
-        if found.len() > 1 {
-            c.violations.push(format!(
-                "DUPLICATE PAYMENT: {} rail movements for {} ({:?})",
-                found.len(),
-                p.client_reference,
-                found.iter().map(|m| &m.rail_ref).collect::<Vec<_>>()
-            ));
-        }
-        let has_submission =
-            submitted.contains(&p.id) || (confirm && submitted_now(sources, &p.id).await?);
-        if !has_submission {
-            c.violations.push(format!(
-                "rail movement for {} without a proxy submission record",
-                p.client_reference
-            ));
-        }
-        if !matches!(
-            p.state.as_str(),
-            "POSTED" | "RAIL_ACKED" | "RAIL_AMBIGUOUS" | "RAIL_SUBMITTED"
-        ) {
-            c.violations.push(format!(
-                "money moved for {} but the payout is {} (books say it did not)",
-                p.id, p.state
-            ));
-        }
-        for m in &found {
-            if (
-                m.amount_minor,
-                m.currency.as_str(),
-                m.beneficiary_ref.as_str(),
-            ) != (
-                p.amount_minor,
-                p.currency.as_str(),
-                p.beneficiary_ref.as_str(),
-            ) {
-                c.violations.push(format!(
-                    "WRONG AMOUNT: the rail paid {} {} to {} for {} ({}) but the payout record is {} {} to {}",
-                    m.amount_minor, m.currency, m.beneficiary_ref, p.id, m.rail_ref,
-                    p.amount_minor, p.currency, p.beneficiary_ref
-                ));
-            }
-        }
-    }
-    if unknown > 0 {
-        tracing::info!(
-            unknown,
-            "rail lookups inside the settlement window: not judged this run"
-        );
-    }
-    Ok((c, movements))
-}
-
-/// Whether proxydb holds a sent submission of `payout` now (a fresh read, after the rail's answer
-/// that raised the question: the proxy records a submission before it asks the rail).
-async fn submitted_now(sources: &Sources, payout: &str) -> Result<bool, ReconcileError> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM rail_submission \
-         WHERE payout_id = $1 AND outcome IS DISTINCT FROM 'NOT_SENT')",
-    )
-    .bind(payout)
-    .fetch_one(&sources.proxydb)
-    .await
-    .map_err(store("proxydb"))
 }
 
 /// The GL holds exactly what paydb's outbox carried, told apart by the row's kind (paydb 0008):

@@ -65,6 +65,55 @@ async fn pay(system: &System, account: &str, payout: &str, amount: i64) {
 /// The same, but the rail is asked for `submitted` (what a workflow built from a wrong input
 /// would have sent, before submissions came from the payout record).
 async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i64, submitted: i64) {
+    let Claimed {
+        _session,
+        grant,
+        payments,
+        fence,
+        new,
+    } = submitted_by_hand(system, account, payout, amount).await;
+    let (payout_id, account_id, eur) = (new.payout_id, new.account_id, new.currency);
+    let mut proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let submission = proxy
+        .submit(
+            &SubmitPayout::new(
+                payout_id.clone(),
+                account_id.clone(),
+                grant.token(),
+                grant.owner(),
+                AmountMinor::new(submitted).unwrap(),
+                eur,
+                new.beneficiary_ref.clone(),
+            )
+            .signed(grant.key(), grant.signature().clone()),
+        )
+        .await
+        .unwrap();
+    let Outcome::Acked { rail_ref } = submission.outcome else {
+        panic!("rail did not ack: {submission:?}")
+    };
+    payments
+        .record_outcome(&payout_id, &fence, &RailOutcome::Acked { rail_ref }, "")
+        .await
+        .unwrap();
+    payments.post(&payout_id, &fence).await.unwrap();
+    grant.release().await.unwrap();
+}
+
+/// A payout created, claimed and marked submitted by hand under a real grant (still held), the
+/// rail not yet asked.
+struct Claimed {
+    /// The lock session the grant lives in, kept open while the grant is used.
+    _session: lock_client::Session,
+    grant: lock_client::GrantHandle,
+    payments: PaymentClient,
+    fence: Fence,
+    new: NewPayout,
+}
+
+async fn submitted_by_hand(system: &System, account: &str, payout: &str, amount: i64) -> Claimed {
     let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
@@ -110,33 +159,13 @@ async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i6
         .signed(grant.key(), grant.signature().clone());
     payments.claim(&payout_id, &fence).await.unwrap();
     payments.mark_submitted(&payout_id, &fence).await.unwrap();
-    let mut proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
-        .await
-        .unwrap();
-    let submission = proxy
-        .submit(
-            &SubmitPayout::new(
-                payout_id.clone(),
-                account_id.clone(),
-                grant.token(),
-                grant.owner(),
-                AmountMinor::new(submitted).unwrap(),
-                eur,
-                new.beneficiary_ref.clone(),
-            )
-            .signed(grant.key(), grant.signature().clone()),
-        )
-        .await
-        .unwrap();
-    let Outcome::Acked { rail_ref } = submission.outcome else {
-        panic!("rail did not ack: {submission:?}")
-    };
-    payments
-        .record_outcome(&payout_id, &fence, &RailOutcome::Acked { rail_ref }, "")
-        .await
-        .unwrap();
-    payments.post(&payout_id, &fence).await.unwrap();
-    grant.release().await.unwrap();
+    Claimed {
+        _session: session,
+        grant,
+        payments,
+        fence,
+        new,
+    }
 }
 
 async fn drained(system: &System) {
@@ -348,6 +377,207 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
     assert!(
         !violations(&report, "one_submission_per_payout").is_empty(),
         "unknown payout: {text}"
+    );
+}
+
+/// Waits until the rail proxy's lookup (the one the reconciler uses) answers `movements`
+/// movements for `payout`: the rail's lookup is authoritative only after its settlement window.
+async fn rail_reports(system: &System, payout: &str, movements: usize) {
+    let proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Reconciler))
+        .await
+        .unwrap();
+    let id = PayoutId::parse(payout).unwrap();
+    testkit::eventually(
+        RAIL_SETTLED_WAIT,
+        &format!("{movements} movement(s) for {payout}"),
+        || {
+            let (mut proxy, id) = (proxy.clone(), id.clone());
+            async move {
+                match proxy.rail_movements(&id).await.ok()? {
+                    rail_proxy_client::RailLookup::Found(found) if found.len() == movements => {
+                        Some(())
+                    }
+                    _ => None,
+                }
+            }
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// How long the rail's lookup may take to answer for a movement: ten settlement windows (the stub
+/// answers UNKNOWN within one) on a loaded machine.
+const RAIL_SETTLED_WAIT: Duration = Duration::from_secs(60);
+
+/// The planted movement for `payout`: the rail is paid behind the proxy's back.
+async fn paid_behind_the_proxy(system: &System, payout: &str, amount_minor: i64) {
+    rail_stub::client::StubClient::new(system.rail_url())
+        .pay(&rail_stub::PaymentOrder {
+            client_reference: format!("cref-{payout}"),
+            amount_minor,
+            currency: "EUR".into(),
+            beneficiary_ref: "ben-1".into(),
+        })
+        .await
+        .unwrap();
+}
+
+/// INV-02's rail cross-check at a bound smaller than the book (issue 35, item 4): each run looks
+/// up the next slice after where the last stopped, so a duplicate planted for the payout that
+/// sorts last is found within ceil(N / bound) runs, every run before the round's last says it was
+/// partial (covered and total), and the run that completes the round is not partial. Negative
+/// control, the behaviour before the cursor (every run starting at the first payout id, as the
+/// old RAIL_LOOKUPS_PER_RUN_MAX cut did): the duplicate is never found and every run is partial.
+#[tokio::test]
+async fn the_rail_cursor_finds_a_duplicate_for_the_last_payout_within_its_round() {
+    const PAYOUTS: usize = 5;
+    const BOUND: usize = 2;
+    let system = system_without_workers().await;
+    for i in 1..=PAYOUTS {
+        pay(&system, &format!("acct-c{i}"), &format!("po-c{i}"), 100).await;
+    }
+    let last = format!("po-c{PAYOUTS}");
+    paid_behind_the_proxy(&system, &last, 100).await;
+    rail_reports(&system, &last, 2).await;
+    let src = sources(&system).await;
+    // recent_ms 0: no payout counts as recently ended, so only the cursor's slice is looked up.
+    let options = |cursor: Option<String>| Options {
+        rail: reconciler::RailOptions {
+            lookups_max: BOUND,
+            recent_ms: 0,
+            cursor,
+            ..Default::default()
+        },
+        ..Options::default()
+    };
+    let runs = PAYOUTS.div_ceil(BOUND);
+    let found = |report: &Report| {
+        violations(report, "rail_movements_match_the_books")
+            .iter()
+            .any(|v| v.contains("DUPLICATE PAYMENT") && v.contains(&format!("cref-{last}")))
+    };
+
+    // Negative control: the cursor not carried from run to run.
+    for _ in 0..=runs {
+        let report = reconciler::reconcile(&src, &options(None)).await.unwrap();
+        assert!(!found(&report), "{}", report.render());
+        let partial = check(&report, "rail_movements_match_the_books")
+            .partial
+            .clone()
+            .unwrap_or_else(|| panic!("mid-round is partial:\n{}", report.render()));
+        assert_eq!(
+            (partial.covered, partial.total),
+            (BOUND as u64, PAYOUTS as u64)
+        );
+    }
+
+    // The cursor carried: found in the round's last run, partial before it, not partial then.
+    let mut cursor = None;
+    for run in 1..=runs {
+        let report = reconciler::reconcile(&src, &options(cursor.take()))
+            .await
+            .unwrap();
+        let text = report.render();
+        let c = check(&report, "rail_movements_match_the_books");
+        if run < runs {
+            assert!(!found(&report), "run {run}: {text}");
+            let partial = c
+                .partial
+                .clone()
+                .unwrap_or_else(|| panic!("run {run}: {text}"));
+            assert_eq!(
+                (partial.covered, partial.total, partial.runs_per_round),
+                (BOUND as u64, PAYOUTS as u64, runs as u64),
+                "{text}"
+            );
+            assert!(text.contains("PARTIAL 2/5"), "the table says so: {text}");
+        } else {
+            assert!(found(&report), "run {run} completes the round: {text}");
+            assert!(
+                c.partial.is_none(),
+                "a completed round is not partial: {text}"
+            );
+        }
+        cursor = report.rail_cursor.clone();
+    }
+}
+
+/// A payout the proxy sealed NOT_SENT (it refused to send: the inquiry found no submission) and
+/// that then ended FAILED is looked up for RailOptions::sealed_recheck_ms after it ended: a
+/// movement found for it is a violation (money moved, the books say it never left). Negative
+/// control, the behaviour before (sealed payouts never looked up, here with both periods 0): no
+/// finding.
+#[tokio::test]
+async fn a_movement_for_a_payout_the_proxy_sealed_is_a_violation() {
+    let system = system_without_workers().await;
+    let Claimed {
+        _session,
+        grant,
+        payments,
+        fence,
+        new,
+    } = submitted_by_hand(&system, "acct-s1", "po-s1", 300).await;
+    payments
+        .record_outcome(&new.payout_id, &fence, &RailOutcome::OutcomeMissing, "")
+        .await
+        .unwrap();
+    let mut proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let inquiry = proxy
+        .inquire(
+            &rail_proxy_client::InquirePayout::new(
+                new.payout_id.clone(),
+                new.account_id.clone(),
+                grant.token(),
+                grant.owner(),
+                "reconciler-test",
+            )
+            .signed(grant.key(), grant.signature().clone()),
+        )
+        .await
+        .unwrap();
+    assert!(inquiry.submission.is_sealed(), "{inquiry:?}");
+    let failed = payments
+        .resolve_ambiguity(
+            &new.payout_id,
+            &fence,
+            &payment_client::model::Evidence::Absent,
+            "proxy: NEVER_SENT",
+        )
+        .await
+        .unwrap();
+    assert_eq!(failed.state.as_str(), "FAILED");
+    grant.release().await.unwrap();
+    paid_behind_the_proxy(&system, "po-s1", 300).await;
+    rail_reports(&system, "po-s1", 1).await;
+    let src = sources(&system).await;
+
+    let report = reconciler::reconcile(&src, &Options::default())
+        .await
+        .unwrap();
+    assert!(
+        violations(&report, "rail_movements_match_the_books")
+            .iter()
+            .any(|v| v.contains("po-s1") && v.contains("sealed it NOT_SENT")),
+        "{}",
+        report.render()
+    );
+
+    let blind = Options {
+        rail: reconciler::RailOptions {
+            recent_ms: 0,
+            sealed_recheck_ms: 0,
+            ..Default::default()
+        },
+        ..Options::default()
+    };
+    let report = reconciler::reconcile(&src, &blind).await.unwrap();
+    assert!(
+        violations(&report, "rail_movements_match_the_books").is_empty(),
+        "{}",
+        report.render()
     );
 }
 

@@ -6,6 +6,7 @@
 //!
 //! A run's outcome is a [`RunReport`]: the checks' report and what the resolver did.
 
+mod partial;
 mod report;
 pub mod service;
 

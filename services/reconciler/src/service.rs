@@ -305,6 +305,7 @@ pub async fn run_once(
             &Options {
                 require_outbox_drained: config.require_drained,
                 audit_anchor,
+                ..Default::default()
             },
         )
         .await?;
@@ -351,6 +352,7 @@ fn done_or_reported<T>(
 pub struct ReconcileMetrics {
     pub metrics: Metrics,
     violations: IntGaugeVec,
+    partial_checks: crate::partial::PartialChecks,
     runs: IntCounter,
     failed_runs: IntCounter,
     last_run: IntGauge,
@@ -366,6 +368,7 @@ pub struct ReconcileMetrics {
 impl ReconcileMetrics {
     pub fn new() -> Self {
         let metrics = Metrics::default();
+        let partial_checks = crate::partial::PartialChecks::new(&metrics);
         let violations = IntGaugeVec::new(
             Opts::new(
                 "reconciliation_violations",
@@ -455,6 +458,7 @@ impl ReconcileMetrics {
         Self {
             metrics,
             violations,
+            partial_checks,
             runs,
             failed_runs,
             last_run,
@@ -499,6 +503,7 @@ impl ReconcileMetrics {
                 .with_label_values(&[c.name])
                 .set(c.violations.len() as i64);
         }
+        self.partial_checks.record(&checks.checks);
         self.runs.inc();
         self.last_run.set(unix_seconds());
     }
