@@ -69,10 +69,14 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         &reconciler::Options {
             require_outbox_drained: args.require_drained,
             audit_anchor,
-            ..Default::default()
+            rail: reconciler::RailOptions::kept_beside(anchor_file.as_deref())
+                .context("reading the rail cross-check's cursor beside the audit anchor")?,
         },
     )
     .await?;
+    // The rail cross-check's cursor advances every run (RailOptions::keep_beside says why).
+    reconciler::RailOptions::keep_beside(anchor_file.as_deref(), report.rail_cursor.as_deref())
+        .context("writing the rail cross-check's cursor beside the audit anchor")?;
     // A run that found the chain broken keeps the old anchor: the evidence stays.
     if let (Some(path), true) = (&anchor_file, report.is_clean()) {
         reconciler::AuditHead::save(&report.audit_heads, path)

@@ -35,6 +35,7 @@
 //! [`Report::rail_cursor`]: super::Report::rail_cursor
 
 use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, Row};
@@ -88,6 +89,46 @@ impl Default for RailOptions {
             sealed_recheck_ms: RAIL_SEALED_RECHECK_MS_DEFAULT,
             cursor: None,
         }
+    }
+}
+
+impl RailOptions {
+    /// Where the cursor is kept beside an audit anchor file (`payoutctl reconcile
+    /// --audit-anchor-file`, the reconciler service's `RECONCILE_AUDIT_ANCHOR_FILE`).
+    pub fn cursor_file(anchor: &Path) -> PathBuf {
+        anchor.with_extension("rail-cursor.json")
+    }
+
+    /// The defaults, with the cursor an earlier run kept beside `anchor`, if any (none kept, or
+    /// no anchor file: the round starts at the first payout).
+    pub fn kept_beside(anchor: Option<&Path>) -> std::io::Result<Self> {
+        let cursor = match anchor.map(Self::cursor_file) {
+            Some(path) => match std::fs::read_to_string(&path) {
+                Ok(text) => Some(text),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(e),
+            },
+            None => None,
+        };
+        Ok(Self {
+            cursor,
+            ..Self::default()
+        })
+    }
+
+    /// Keeps a run's [`super::Report::rail_cursor`] beside `anchor` for the next run (written
+    /// whole, then renamed). Every run's, violations or not: a rail finding (a duplicate stays
+    /// on the rail's record for good) must not hold the cursor, or the rest of the book would
+    /// never be looked up again; the finding was reported by the run that saw it, and is seen
+    /// again each round.
+    pub fn keep_beside(anchor: Option<&Path>, cursor: Option<&str>) -> std::io::Result<()> {
+        let (Some(anchor), Some(cursor)) = (anchor, cursor) else {
+            return Ok(());
+        };
+        let path = Self::cursor_file(anchor);
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, cursor)?;
+        std::fs::rename(tmp, path)
     }
 }
 
@@ -544,4 +585,28 @@ async fn submitted_now(sources: &Sources, payout: &str) -> Result<bool, Reconcil
     .fetch_one(&sources.proxydb)
     .await
     .map_err(store("proxydb"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RailOptions;
+
+    /// The cursor kept beside an anchor file is the next run's; none kept (or no anchor file)
+    /// starts the round at the first payout.
+    #[test]
+    fn the_cursor_kept_beside_the_anchor_is_the_next_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let anchor = dir.path().join("anchor.json");
+        assert_eq!(
+            RailOptions::kept_beside(Some(&anchor)).unwrap().cursor,
+            None
+        );
+        let cursor = r#"{"after":"po-2","missed":0}"#;
+        RailOptions::keep_beside(Some(&anchor), Some(cursor)).unwrap();
+        let next = RailOptions::kept_beside(Some(&anchor)).unwrap();
+        assert_eq!(next.cursor.as_deref(), Some(cursor));
+        assert_eq!(next.lookups_max, super::RAIL_LOOKUPS_PER_RUN_MAX);
+        assert_eq!(RailOptions::kept_beside(None).unwrap().cursor, None);
+        RailOptions::keep_beside(None, Some(cursor)).unwrap();
+    }
 }

@@ -305,10 +305,14 @@ pub async fn run_once(
             &Options {
                 require_outbox_drained: config.require_drained,
                 audit_anchor,
-                ..Default::default()
+                rail: reconciler::RailOptions::kept_beside(config.audit_anchor_file.as_deref())?,
             },
         )
         .await?;
+        reconciler::RailOptions::keep_beside(
+            config.audit_anchor_file.as_deref(),
+            checks.rail_cursor.as_deref(),
+        )?;
         if let (Some(path), true) = (&config.audit_anchor_file, checks.is_clean()) {
             reconciler::AuditHead::save(&checks.audit_heads, path)?;
         }
