@@ -344,6 +344,36 @@ impl StrandedRow {
     }
 }
 
+/// Test-only (feature `test-seams`, which no shipped package enables): a hook a pass awaits
+/// between its read of a payout in flight and the describe of that payout's workflow, where a
+/// test finishes the payout so that the pass must re-read it (`tests/resume_reread.rs`).
+#[cfg(feature = "test-seams")]
+pub mod seams {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::{Arc, Mutex};
+
+    /// Called with the payout's id; the pass waits for its future.
+    pub type Hook = Arc<dyn Fn(String) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+    static BEFORE_DESCRIBE: Mutex<Option<Hook>> = Mutex::new(None);
+
+    /// Sets (or, with `None`, clears) the hook for every pass of this process.
+    pub fn set_before_describe(hook: Option<Hook>) {
+        *BEFORE_DESCRIBE.lock().unwrap_or_else(|e| e.into_inner()) = hook;
+    }
+
+    pub(crate) async fn before_describe(payout_id: &str) {
+        let hook = BEFORE_DESCRIBE
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(hook) = hook {
+            hook(payout_id.to_string()).await;
+        }
+    }
+}
+
 /// What one pass did, and how far its walk went.
 #[derive(Debug, Clone, Default)]
 pub struct Pass<T> {
@@ -517,6 +547,8 @@ impl<'a> Resumer<'a> {
             took_over_from: None,
             detail: String::new(),
         };
+        #[cfg(feature = "test-seams")]
+        seams::before_describe(payout_id.as_str()).await;
         let status = match self
             .temporal
             .status(&payout_domain::workflow_id(&payout_id))
