@@ -221,6 +221,12 @@ impl Parts {
         }
     }
 
+    /// The local stack's system record (its task queue, its settlement window); `None` for a
+    /// deployment.
+    pub fn local_system(&self) -> Option<&SystemRecord> {
+        self.record.as_ref().map(|(_, system)| system)
+    }
+
     pub fn payment_url(&self) -> anyhow::Result<String> {
         self.service_url(&self.deployment.payment_url, "payment-url", |s| {
             s.ports.payment_resource

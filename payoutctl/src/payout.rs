@@ -1,7 +1,11 @@
 //! `payoutctl payout show|list|create|abandon`: one payout as every store sees it, the payouts of
 //! an account or a state, a payout submitted through the payment resource's intake, and an
 //! operator's abandon through the workflow's `abandon` Update (answered at once: accepted or
-//! refused, and why; refused and recorded by this command when the workflow is not running).
+//! refused, and why). When the workflow is not running, a payout that may be abandoned (PENDING,
+//! or RAIL_AMBIGUOUS past the resolution SLA by the payment resource's record) has its workflow
+//! started again through the resolver's start path (`resolver::resume`), so the abandon goes
+//! through the one fenced path (a grant, the operator's signature verified by the payment
+//! resource, the same audit rows); anything else is refused and recorded by this command.
 //!
 //! `show` and `list` only read: paydb, proxydb and gldb as a read-only role, the rail through the
 //! proxy's read-only lookup. `create` is the payment resource's CreatePayout (idempotent: the same
@@ -39,6 +43,23 @@ pub const SHOW_ROWS_MAX: i64 = 500;
 pub const ABANDON_ANSWER_TIMEOUT_MS: u64 = 60_000;
 /// `payout abandon` says on stderr that it is still waiting this often.
 const PROGRESS_EVERY_MS: u64 = 5_000;
+/// How often `payout abandon` asks a run it started again whether it can judge the abandon yet
+/// (its `status` query, a read of the workflow's state: cheap, and a quarter second is well
+/// under the activities it waits for).
+const READY_POLL_MS: u64 = 250;
+/// One `status` query of that run may take this long: Temporal answers it once a worker has run
+/// the run's workflow task, a second or two on a busy worker; a query not answered by then is
+/// asked again (the whole wait is bounded by [`ABANDON_ANSWER_TIMEOUT_MS`]).
+const READY_QUERY_TIMEOUT_MS: u64 = 10_000;
+/// The settlement window a run started again by `payout abandon` waits between its inquiries
+/// when neither `--settlement-window-ms` nor the local stack's record gives one: the
+/// reconciler's resume pass default (`reconciler --settlement-window-ms`).
+const SETTLEMENT_WINDOW_DEFAULT_MS: u64 = 30_000;
+/// The resolution SLA `payout abandon` checks an ambiguous payout whose workflow is not
+/// running against (and starts its run with), when `--resolution-sla-ms` is not given: the
+/// payment resource's production default (one hour), which the payment resource enforces on
+/// its own record in any case.
+pub const RESOLUTION_SLA_DEFAULT_MS: u64 = 3_600_000;
 
 #[derive(Subcommand)]
 pub enum Command {
@@ -47,17 +68,21 @@ pub enum Command {
     /// and the General Ledger's journals and events. Reads only. Exit status 1 if there is no
     /// such payout.
     Show(ShowArgs),
-    /// Payouts, newest first, filtered by account and state (at most 1,000 per call).
+    /// Payouts, newest first (or oldest first), filtered by account, state and age (at most
+    /// 1,000 per call).
     List(ListArgs),
     /// Submit a payout through the payment resource's CreatePayout. Idempotent: the same payout
     /// id with the same content answers the existing payout; with other content it is refused.
     Create(CreateArgs),
     /// Abandon a payout through its workflow's `abandon` Update, signed with the operator's key:
     /// prints whether it was accepted (carried out, or on record and waiting for the account's
-    /// lock) or refused, and why. When the payout's workflow is not running (a terminal payout's
-    /// has completed), Temporal refuses before any worker sees it: this command then records the
-    /// refusal in the payment resource's audit trail itself. Exit status 0 when accepted, 1 when
-    /// refused.
+    /// lock) or refused, and why. When the payout's workflow is not running and the payout may
+    /// be abandoned (PENDING, or RAIL_AMBIGUOUS past the resolution SLA by the payment
+    /// resource's record), the workflow is started again as the reconciler's resume pass starts
+    /// it (the account's key taken over from a grant whose workflow is not running, an audited
+    /// force-revoke under the operator's name) and then asked. Otherwise (terminal, another
+    /// state, the SLA not passed) this command records the refusal in the payment resource's
+    /// audit trail itself. Exit status 0 when accepted, 1 when refused.
     Abandon(AbandonArgs),
 }
 
@@ -82,7 +107,14 @@ pub struct ListArgs {
     /// POSTED, FAILED, ABANDONED).
     #[arg(long, value_parser = parse_state)]
     pub state: Option<PayoutState>,
-    /// At most this many payouts, newest first (1 to 1,000).
+    /// Only payouts created longer ago than this: a whole number and a unit, s, m, h or d
+    /// (`15m`, `2h`, `1d`), by paydb's clock.
+    #[arg(long, value_parser = parse_age)]
+    pub older_than: Option<Duration>,
+    /// Oldest first (the longest-waiting payouts at the top) instead of newest first.
+    #[arg(long)]
+    pub oldest_first: bool,
+    /// At most this many payouts, newest first unless --oldest-first (1 to 1,000).
     #[arg(long, default_value_t = LIST_LIMIT_DEFAULT, value_parser = clap::value_parser!(i64).range(1..=LIST_LIMIT_MAX))]
     pub limit: i64,
     /// One JSON object instead of a table.
@@ -131,6 +163,19 @@ pub struct AbandonArgs {
     /// The operator's secret key, as `payoutctl keys operator` wrote it.
     #[arg(long)]
     pub key_file: std::path::PathBuf,
+    /// The resolution SLA of the deployment (ms): when the payout is RAIL_AMBIGUOUS and its
+    /// workflow is not running, an abandon before the SLA has passed since the payment
+    /// resource's record of the ambiguity is refused here, and a run started again carries it.
+    #[arg(long, env = "PAYOUT_RESOLUTION_SLA_MS", default_value_t = RESOLUTION_SLA_DEFAULT_MS)]
+    pub resolution_sla_ms: u64,
+    /// The payout workers' task queue, where a workflow that is not running is started again
+    /// (the local stack's own, else `payouts`).
+    #[arg(long, env = "PAYOUT_TASK_QUEUE")]
+    pub task_queue: Option<String>,
+    /// The settlement window (ms) a workflow started again waits between its inquiries (the
+    /// local stack's own, else 30 s, the reconciler's default).
+    #[arg(long, env = "PAYOUT_SETTLEMENT_WINDOW_MS")]
+    pub settlement_window_ms: Option<u64>,
     /// One JSON object instead of a line.
     #[arg(long)]
     pub json: bool,
@@ -155,6 +200,44 @@ fn parse_amount(value: &str) -> Result<AmountMinor, String> {
         .parse()
         .map_err(|_| format!("{value:?} is not a whole number of minor units"))?;
     AmountMinor::new(n).map_err(|e| e.to_string())
+}
+/// The longest age `payout list --older-than` takes: ten years, far beyond any payout's life,
+/// and far inside what paydb's interval arithmetic holds.
+pub const LIST_AGE_MAX: Duration = Duration::from_secs(10 * 366 * 24 * 3_600);
+
+/// An age: a whole positive number and a unit (`90s`, `15m`, `2h`, `1d`).
+fn parse_age(value: &str) -> Result<Duration, String> {
+    let usage = || {
+        format!(
+            "{value:?} is not an age: a whole positive number and a unit, s, m, h or d (e.g. 15m)"
+        )
+    };
+    let unit_at = value
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(usage)?;
+    let (number, unit) = value.split_at(unit_at);
+    let n: u64 = number.parse().map_err(|_| usage())?;
+    let seconds_per = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        "d" => 86_400,
+        _ => return Err(usage()),
+    };
+    if n == 0 {
+        return Err(usage());
+    }
+    let age = n
+        .checked_mul(seconds_per)
+        .map(Duration::from_secs)
+        .filter(|age| *age <= LIST_AGE_MAX)
+        .ok_or_else(|| {
+            format!(
+                "{value:?} is older than any payout can be (at most {} d)",
+                LIST_AGE_MAX.as_secs() / 86_400
+            )
+        })?;
+    Ok(age)
 }
 fn parse_state(value: &str) -> Result<PayoutState, String> {
     PayoutState::parse(&value.to_ascii_uppercase()).ok_or_else(|| {
@@ -782,25 +865,43 @@ pub struct Listing {
     pub payouts: Vec<PayoutRow>,
     /// How many payouts match the filters (more than `payouts.len()` when the page was cut).
     pub matching: i64,
+    /// The order of `payouts`: oldest first, or newest first.
+    pub oldest_first: bool,
 }
 
-pub async fn listing(
-    parts: &Parts,
-    account: Option<&AccountId>,
-    state: Option<PayoutState>,
-    limit: i64,
-) -> anyhow::Result<Listing> {
-    let limit = limit.clamp(1, LIST_LIMIT_MAX);
+/// What `payout list` asks of paydb.
+#[derive(Debug, Clone, Default)]
+pub struct ListQuery {
+    pub account: Option<AccountId>,
+    pub state: Option<PayoutState>,
+    /// Only payouts created longer ago than this (by paydb's clock).
+    pub older_than: Option<Duration>,
+    pub oldest_first: bool,
+    pub limit: i64,
+}
+
+pub async fn listing(parts: &Parts, q: &ListQuery) -> anyhow::Result<Listing> {
+    let limit = q.limit.clamp(1, LIST_LIMIT_MAX);
     let mut paydb = parts.read(Db::Paydb).await?;
-    let filter = "($1::text IS NULL OR account_id = $1) AND ($2::text IS NULL OR state = $2)";
-    let account = account.map(|a| a.as_str().to_string());
-    let state = state.map(|s| s.as_str().to_string());
+    let filter = "($1::text IS NULL OR account_id = $1) AND ($2::text IS NULL OR state = $2) \
+                  AND ($3::bigint IS NULL OR created_at < now() - $3 * interval '1 millisecond')";
+    let account = q.account.as_ref().map(|a| a.as_str().to_string());
+    let state = q.state.map(|s| s.as_str().to_string());
+    // Bounded by LIST_AGE_MAX at parsing, so it fits.
+    let older_than_ms = q
+        .older_than
+        .map(|age| i64::try_from(age.as_millis()).unwrap_or(i64::MAX));
+    let order = if q.oldest_first {
+        "created_at ASC, id ASC"
+    } else {
+        "created_at DESC, id DESC"
+    };
     let payouts = sqlx::query(&format!(
-        "SELECT {PAYOUT_COLUMNS} FROM payout WHERE {filter} \
-         ORDER BY created_at DESC, id DESC LIMIT $3"
+        "SELECT {PAYOUT_COLUMNS} FROM payout WHERE {filter} ORDER BY {order} LIMIT $4"
     ))
     .bind(&account)
     .bind(&state)
+    .bind(older_than_ms)
     .bind(limit)
     .fetch_all(&mut paydb)
     .await
@@ -814,12 +915,17 @@ pub async fn listing(
         sqlx::query_scalar(&format!("SELECT count(*) FROM payout WHERE {filter}"))
             .bind(&account)
             .bind(&state)
+            .bind(older_than_ms)
             .fetch_one(&mut paydb)
             .await
             .context("counting payouts in paydb")?
     };
     let _ = sqlx::Connection::close(paydb).await;
-    Ok(Listing { payouts, matching })
+    Ok(Listing {
+        payouts,
+        matching,
+        oldest_first: q.oldest_first,
+    })
 }
 
 pub fn render_listing(l: &Listing) -> String {
@@ -848,8 +954,9 @@ pub fn render_listing(l: &Listing) -> String {
         l.payouts.len(),
         if l.matching > l.payouts.len() as i64 {
             format!(
-                " of {} matching (newest first; narrow the filters or raise --limit, at most {LIST_LIMIT_MAX})",
-                l.matching
+                " of {} matching ({}; narrow the filters or raise --limit, at most {LIST_LIMIT_MAX})",
+                l.matching,
+                if l.oldest_first { "oldest first" } else { "newest first" }
             )
         } else {
             String::new()
@@ -862,11 +969,23 @@ async fn list(args: ListArgs) -> anyhow::Result<std::process::ExitCode> {
     let parts = args.deployment.parts()?;
     if args.limit > LIST_PROGRESS_ABOVE {
         eprintln!(
-            "payoutctl: reading up to {} payouts from paydb (newest first)",
-            args.limit
+            "payoutctl: reading up to {} payouts from paydb ({})",
+            args.limit,
+            if args.oldest_first {
+                "oldest first"
+            } else {
+                "newest first"
+            }
         );
     }
-    let listing = listing(&parts, args.account.as_ref(), args.state, args.limit).await?;
+    let query = ListQuery {
+        account: args.account.clone(),
+        state: args.state,
+        older_than: args.older_than,
+        oldest_first: args.oldest_first,
+        limit: args.limit,
+    };
+    let listing = listing(&parts, &query).await?;
     if args.json {
         println!("{}", serde_json::to_string(&listing)?);
     } else {
@@ -969,6 +1088,8 @@ pub struct AbandonReport {
     pub rejected: Option<String>,
     /// The refusal recorded by this command, when the payout's workflow is not running.
     pub not_running: Option<NotRunning>,
+    /// The payout's workflow was not running and this command started it again before asking.
+    pub resumed: Option<Resumed>,
 }
 
 /// An abandon of a payout whose workflow is not running (it has completed, or never started):
@@ -1002,27 +1123,31 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
         .temporal(&format!("payoutctl-{}", args.operator))
         .await?;
     let workflow_id = payout_domain::workflow_id(&args.payout_id);
-    eprintln!("payoutctl: asking {workflow_id} to abandon (the workflow answers once the decision is on record)");
-    let update = payout_workflows::abandon::execute(&client, &workflow_id, signal.clone(), None);
-    tokio::pin!(update);
-    let started = std::time::Instant::now();
-    let answer = loop {
-        tokio::select! {
-            answer = &mut update => break answer,
-            _ = tokio::time::sleep(Duration::from_millis(PROGRESS_EVERY_MS)) => {
-                let waited = started.elapsed();
-                if waited >= Duration::from_millis(ABANDON_ANSWER_TIMEOUT_MS) {
-                    anyhow::bail!(
-                        "{workflow_id} did not answer within {} s: is a worker polling its task queue? \
-                         This command saw no decision; `payoutctl payout show {}` shows whether one was recorded",
-                        ABANDON_ANSWER_TIMEOUT_MS / 1000,
-                        args.payout_id
-                    );
-                }
-                eprintln!("payoutctl: still waiting for {workflow_id}'s answer ({} s)", waited.as_secs());
+    let mut resumed = None;
+    let mut answer = ask_workflow(&client, &workflow_id, &signal, &args.payout_id).await?;
+    if matches!(answer, Err(AbandonError::NotFound { .. })) {
+        match resume_for_abandon(&args, &parts, &client, &workflow_id, &signal).await? {
+            NotRunningOutcome::Resumed(how) => {
+                resumed = Some(how);
+                answer = ask_workflow(&client, &workflow_id, &signal, &args.payout_id).await?;
             }
+            NotRunningOutcome::Refused(not_running) => {
+                return print_abandon(
+                    &args,
+                    AbandonReport {
+                        payout_id: args.payout_id.to_string(),
+                        workflow_id,
+                        accepted: false,
+                        answer: None,
+                        rejected: None,
+                        not_running: Some(not_running),
+                        resumed: None,
+                    },
+                )
+            }
+            NotRunningOutcome::Nothing => return Ok(std::process::ExitCode::from(exit::PROBLEM)),
         }
-    };
+    }
     let report = match answer {
         Ok(answer) => AbandonReport {
             payout_id: args.payout_id.to_string(),
@@ -1031,6 +1156,7 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
             answer: Some(answer),
             rejected: None,
             not_running: None,
+            resumed,
         },
         Err(AbandonError::Rejected { reason, .. }) => AbandonReport {
             payout_id: args.payout_id.to_string(),
@@ -1039,9 +1165,25 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
             answer: None,
             rejected: Some(reason),
             not_running: None,
+            resumed,
         },
+        // The run this command started ended before it answered (its inquiry found evidence
+        // and it finished the payout): the refusal is recorded as for any closed workflow.
         Err(AbandonError::NotFound { .. }) => {
-            match record_not_running(&args, &parts, &workflow_id, &signal).await? {
+            let state = match payout_state_now(&args, &parts, &workflow_id).await? {
+                Some(found) => found.payout.state,
+                None => return Ok(std::process::ExitCode::from(exit::PROBLEM)),
+            };
+            match record_refusal(
+                &args,
+                &parts,
+                &workflow_id,
+                &signal,
+                state,
+                not_running_note(&workflow_id, state),
+            )
+            .await?
+            {
                 Some(not_running) => AbandonReport {
                     payout_id: args.payout_id.to_string(),
                     workflow_id: workflow_id.clone(),
@@ -1049,12 +1191,20 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
                     answer: None,
                     rejected: None,
                     not_running: Some(not_running),
+                    resumed,
                 },
                 None => return Ok(std::process::ExitCode::from(exit::PROBLEM)),
             }
         }
         Err(e @ AbandonError::Update { .. }) => return Err(anyhow::Error::new(e)),
     };
+    print_abandon(&args, report)
+}
+
+fn print_abandon(
+    args: &AbandonArgs,
+    report: AbandonReport,
+) -> anyhow::Result<std::process::ExitCode> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -1067,14 +1217,306 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
     }))
 }
 
-/// Records the refusal of an abandon whose workflow is not running (see [`NotRunning`]): what
-/// was recorded, or `None` once it has said on stderr why nothing could be (no such payout, or
-/// the payment resource refused the record).
-async fn record_not_running(
+/// Sends the signed abandon Update to `workflow_id` and waits (bounded by
+/// [`ABANDON_ANSWER_TIMEOUT_MS`], saying so on stderr) for its answer.
+async fn ask_workflow(
+    client: &temporalio_client::Client,
+    workflow_id: &str,
+    signal: &payout_workflows::AbandonSignal,
+    payout_id: &PayoutId,
+) -> anyhow::Result<Result<payout_workflows::AbandonAnswer, AbandonError>> {
+    eprintln!("payoutctl: asking {workflow_id} to abandon (the workflow answers once the decision is on record)");
+    let update = payout_workflows::abandon::execute(client, workflow_id, signal.clone(), None);
+    tokio::pin!(update);
+    let started = std::time::Instant::now();
+    loop {
+        tokio::select! {
+            answer = &mut update => return Ok(answer),
+            _ = tokio::time::sleep(Duration::from_millis(PROGRESS_EVERY_MS)) => {
+                let waited = started.elapsed();
+                if waited >= Duration::from_millis(ABANDON_ANSWER_TIMEOUT_MS) {
+                    anyhow::bail!(
+                        "{workflow_id} did not answer within {} s: is a worker polling its task queue? \
+                         This command saw no decision; `payoutctl payout show {payout_id}` shows whether one was recorded",
+                        ABANDON_ANSWER_TIMEOUT_MS / 1000,
+                    );
+                }
+                eprintln!("payoutctl: still waiting for {workflow_id}'s answer ({} s)", waited.as_secs());
+            }
+        }
+    }
+}
+
+/// What `payout abandon` did about a payout whose workflow was not running.
+enum NotRunningOutcome {
+    /// The payout may be abandoned now (PENDING, or RAIL_AMBIGUOUS past the resolution SLA by
+    /// the payment resource's record): its workflow runs again and can judge the Update.
+    Resumed(Resumed),
+    /// Refused and recorded in the payment resource's audit trail (see [`NotRunning`]).
+    Refused(NotRunning),
+    /// Nothing could be recorded; stderr says why.
+    Nothing,
+}
+
+/// The payout's workflow was not running and this command started it again (the resolver's
+/// start path: the same takeover and the same resume input as the scheduled resume pass), so
+/// the abandon went through the one fenced path: the run takes a grant, the payment resource
+/// verifies the operator's signature, and both audit rows are written as for any abandon.
+#[derive(Debug, Clone, Serialize)]
+pub struct Resumed {
+    /// False when a run was already going (the resume pass started it at the same moment).
+    pub started: bool,
+    /// The owner of the grant the dead run left held on the account's key, taken over (an
+    /// audited force-revoke under the operator's name) before the start.
+    pub took_over_from: Option<String>,
+}
+
+/// The payout as the payment resource records it, with its audit history; `None` once it has
+/// said on stderr that there is no such payout.
+async fn payout_state_now(
+    args: &AbandonArgs,
+    parts: &Parts,
+    workflow_id: &str,
+) -> anyhow::Result<Option<payment_client::PayoutWithHistory>> {
+    use payment_client::PaymentError;
+    let url = parts.payment_url()?;
+    let tls = parts.operator_tls(&args.operator)?;
+    let client = payment_client::PaymentClient::connect(&url, &tls)
+        .await
+        .map_err(|e| exit::unreachable(format!("the payment resource at {url}"), e))?;
+    match client.get_payout(&args.payout_id).await {
+        Ok(found) => Ok(Some(found)),
+        Err(PaymentError::PayoutNotFound { .. }) => {
+            eprintln!(
+                "payoutctl: no workflow {workflow_id} and no payout {}: nothing was changed or recorded",
+                args.payout_id
+            );
+            Ok(None)
+        }
+        Err(e @ PaymentError::Transport { .. }) => Err(exit::unreachable(
+            format!("the payment resource at {url}"),
+            e,
+        )),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("reading payout {}", args.payout_id))),
+    }
+}
+
+fn not_running_note(workflow_id: &str, state: PayoutState) -> String {
+    format!(
+        "refused: workflow {workflow_id} is not running (it has completed, or was never started); \
+         the payout is {}{}",
+        state.as_str(),
+        if state.is_terminal() {
+            ": there is nothing to abandon"
+        } else {
+            ""
+        }
+    )
+}
+
+/// When the payout entered RAIL_AMBIGUOUS, by the payment resource's record (its first
+/// transition there), as the workflow and the payment resource's own SLA check read it.
+fn ambiguous_since(history: &[payment_client::model::AuditEvent]) -> Option<DateTime<Utc>> {
+    history
+        .iter()
+        .filter(|e| e.kind == "transition" && e.to_state.as_deref() == Some("RAIL_AMBIGUOUS"))
+        .map(|e| e.at)
+        .min()
+}
+
+/// Why an abandon of a payout in `state` whose workflow is not running is refused without
+/// starting it, if it is: a terminal payout (nothing to abandon), a state the spec never lets
+/// an operator abandon, a RAIL_AMBIGUOUS payout before its resolution SLA by the payment
+/// resource's record (fail closed: no recorded entry into RAIL_AMBIGUOUS is an SLA not passed).
+fn refusal_without_run(
+    workflow_id: &str,
+    state: PayoutState,
+    since: Option<DateTime<Utc>>,
+    sla: Duration,
+    now: DateTime<Utc>,
+) -> Option<String> {
+    match state {
+        PayoutState::Pending => None,
+        PayoutState::RailAmbiguous => {
+            let ends = since.and_then(|s| {
+                chrono::Duration::from_std(sla)
+                    .ok()
+                    .and_then(|sla| s.checked_add_signed(sla))
+            });
+            match (since, ends) {
+                (Some(_), Some(ends)) if ends <= now => None,
+                (Some(since), Some(ends)) => Some(format!(
+                    "refused: RAIL_AMBIGUOUS since {} and the resolution SLA ({} s) ends at {}: \
+                     the rail is still being asked; nothing was started (workflow {workflow_id} \
+                     is not running)",
+                    time(&since),
+                    sla.as_secs(),
+                    time(&ends)
+                )),
+                _ => Some(format!(
+                    "refused: RAIL_AMBIGUOUS but the payment resource records no entry into it, \
+                     so the resolution SLA is not known to have passed; nothing was started \
+                     (workflow {workflow_id} is not running)"
+                )),
+            }
+        }
+        state if state.is_terminal() => Some(not_running_note(workflow_id, state)),
+        other => Some(format!(
+            "refused: state {other} does not allow abandon (only PENDING, or RAIL_AMBIGUOUS past \
+             the resolution SLA); workflow {workflow_id} is not running: the reconciler's resume \
+             pass hands the payout back to a workflow"
+        )),
+    }
+}
+
+/// An abandon whose workflow is not running: refused and recorded (terminal, a state that does
+/// not allow it, an SLA not passed), or the payout's workflow started again as the resume pass
+/// starts it (its account's key taken over from a grant whose workflow is not running, then the
+/// resume input) and waited for until it can judge the Update: it has read the payout, and a
+/// RAIL_AMBIGUOUS run has held a grant and found the SLA passed by the record. A start that
+/// races the resume pass's is Temporal's "already started": the Update goes to that run.
+async fn resume_for_abandon(
+    args: &AbandonArgs,
+    parts: &Parts,
+    client: &temporalio_client::Client,
+    workflow_id: &str,
+    signal: &payout_workflows::AbandonSignal,
+) -> anyhow::Result<NotRunningOutcome> {
+    let Some(found) = payout_state_now(args, parts, workflow_id).await? else {
+        return Ok(NotRunningOutcome::Nothing);
+    };
+    let state = found.payout.state;
+    let sla = Duration::from_millis(args.resolution_sla_ms);
+    if let Some(note) = refusal_without_run(
+        workflow_id,
+        state,
+        ambiguous_since(&found.history),
+        sla,
+        Utc::now(),
+    ) {
+        return Ok(
+            match record_refusal(args, parts, workflow_id, signal, state, note).await? {
+                Some(not_running) => NotRunningOutcome::Refused(not_running),
+                None => NotRunningOutcome::Nothing,
+            },
+        );
+    }
+    let local = parts.local_system();
+    let temporal = resolver::resume::Temporal::from_client(
+        client.clone(),
+        args.task_queue
+            .clone()
+            .or_else(|| local.map(|s| s.task_queue.clone()))
+            .unwrap_or_else(|| crate::record::TASK_QUEUE.to_string()),
+        args.settlement_window_ms
+            .or_else(|| local.map(|s| s.settlement_window_ms))
+            .unwrap_or(SETTLEMENT_WINDOW_DEFAULT_MS),
+        args.resolution_sla_ms,
+        format!("operator {}'s abandon (payoutctl)", args.operator),
+    );
+    let account = found.payout.account_id.as_str().to_string();
+    let lock_url = parts.lock_url()?;
+    let lock = lock_client::LockClient::connect(&lock_url, &parts.operator_tls(&args.operator)?)
+        .await
+        .map_err(|e| exit::unreachable(format!("the lock service at {lock_url}"), e))?;
+    let took_over_from = resolver::resume::take_over_if_not_running_as(
+        &lock,
+        &account,
+        &args.operator,
+        |holder| {
+            let temporal = temporal.clone();
+            async move { temporal.status(&holder).await }
+        },
+    )
+    .await
+    .map_err(|detail| anyhow::anyhow!("{workflow_id} is not running and its account's key could not be checked: {detail}; nothing was started"))?;
+    if let Some(from) = &took_over_from {
+        eprintln!(
+            "payoutctl: took the account's key over from {from} (its workflow is not running)"
+        );
+    }
+    let started = temporal
+        .resume(&args.payout_id, &account)
+        .await
+        .with_context(|| format!("starting {workflow_id} again"))?;
+    eprintln!(
+        "payoutctl: {workflow_id} was not running; {} (the payout is {}), waiting until it can judge the abandon",
+        if started {
+            "started it again as the resume pass does"
+        } else {
+            "a run was started meanwhile (the resume pass)"
+        },
+        state.as_str()
+    );
+    wait_until_ready(client, workflow_id).await?;
+    Ok(NotRunningOutcome::Resumed(Resumed {
+        started,
+        took_over_from,
+    }))
+}
+
+/// Waits (bounded by [`ABANDON_ANSWER_TIMEOUT_MS`]) until the run can judge an abandon: it has
+/// read the payout (its first event), and a RAIL_AMBIGUOUS run has found the SLA passed by the
+/// payment resource's record (it does so under its grant, after the lock). Before that its
+/// validator would judge a state it has not read, or an SLA it has not yet checked.
+async fn wait_until_ready(
+    client: &temporalio_client::Client,
+    workflow_id: &str,
+) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let mut said = std::time::Instant::now();
+    let mut last = String::from("(no answer to its status query yet)");
+    loop {
+        let asked = tokio::time::timeout(
+            Duration::from_millis(READY_QUERY_TIMEOUT_MS),
+            payout_workflows::client::status(client, workflow_id),
+        )
+        .await;
+        if let Ok(Ok(status)) = asked {
+            let read = !status.last_event.is_empty();
+            if read && (status.state != PayoutState::RailAmbiguous || status.resolution_sla_passed)
+            {
+                return Ok(());
+            }
+            last = format!(
+                "{} ({})",
+                status.state.as_str(),
+                if status.last_event.is_empty() {
+                    "not yet read"
+                } else {
+                    &status.last_event
+                }
+            );
+        }
+        let waited = started.elapsed();
+        if waited >= Duration::from_millis(ABANDON_ANSWER_TIMEOUT_MS) {
+            anyhow::bail!(
+                "{workflow_id} runs again but could not judge an abandon within {} s (last seen: \
+                 {last}); nothing was asked. Run the command again once it holds the account's lock",
+                ABANDON_ANSWER_TIMEOUT_MS / 1000
+            );
+        }
+        if said.elapsed() >= Duration::from_millis(PROGRESS_EVERY_MS) {
+            said = std::time::Instant::now();
+            eprintln!(
+                "payoutctl: {workflow_id} runs again; waiting for it ({} s): {last}",
+                waited.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(READY_POLL_MS)).await;
+    }
+}
+
+/// Records the refusal of an abandon whose workflow is not running (see [`NotRunning`]), with
+/// `reason` as its note: what was recorded, or `None` once it has said on stderr why nothing
+/// could be (the payment resource refused the record).
+async fn record_refusal(
     args: &AbandonArgs,
     parts: &Parts,
     workflow_id: &str,
     signal: &payout_workflows::AbandonSignal,
+    state: PayoutState,
+    reason: String,
 ) -> anyhow::Result<Option<NotRunning>> {
     use payment_client::PaymentError;
     let url = parts.payment_url()?;
@@ -1084,30 +1526,6 @@ async fn record_not_running(
         .map_err(|e| exit::unreachable(format!("the payment resource at {url}"), e))?;
     let unreachable =
         |e: PaymentError| exit::unreachable(format!("the payment resource at {url}"), e);
-    let state = match client.get_payout(&args.payout_id).await {
-        Ok(found) => found.payout.state,
-        Err(PaymentError::PayoutNotFound { .. }) => {
-            eprintln!(
-                "payoutctl: no workflow {workflow_id} and no payout {}: nothing was changed or recorded",
-                args.payout_id
-            );
-            return Ok(None);
-        }
-        Err(e @ PaymentError::Transport { .. }) => return Err(unreachable(e)),
-        Err(e) => {
-            return Err(anyhow::Error::new(e).context(format!("reading payout {}", args.payout_id)))
-        }
-    };
-    let reason = format!(
-        "refused: workflow {workflow_id} is not running (it has completed, or was never started); \
-         the payout is {}{}",
-        state.as_str(),
-        if state.is_terminal() {
-            ": there is nothing to abandon"
-        } else {
-            ""
-        }
-    );
     let decision = payment_client::model::OperatorDecision {
         payout_id: args.payout_id.clone(),
         operator: args.operator.clone(),
@@ -1154,6 +1572,21 @@ pub fn render_abandon(r: &AbandonReport) -> String {
     }
     match (&r.answer, &r.rejected) {
         (Some(a), _) => {
+            let resumed = match &r.resumed {
+                None => String::new(),
+                Some(x) => format!(
+                    " [its workflow was not running: {}{}]",
+                    if x.started {
+                        "started again by this command"
+                    } else {
+                        "started meanwhile by the resume pass"
+                    },
+                    x.took_over_from
+                        .as_deref()
+                        .map(|from| format!(", the account's key taken over from {from}"))
+                        .unwrap_or_default()
+                ),
+            };
             let what = match a.outcome {
                 payout_workflows::AbandonOutcome::Abandoned => "ACCEPTED: abandoned",
                 payout_workflows::AbandonOutcome::AcceptedWaitingForLock => {
@@ -1162,7 +1595,7 @@ pub fn render_abandon(r: &AbandonReport) -> String {
                 payout_workflows::AbandonOutcome::Refused => "REFUSED",
             };
             format!(
-                "{} {what} (decided by the {}; the payout is {}): {}",
+                "{} {what} (decided by the {}; the payout is {}): {}{resumed}",
                 r.workflow_id,
                 match a.decided_by {
                     payout_workflows::AbandonDecider::Workflow => "workflow",
@@ -1194,6 +1627,34 @@ mod tests {
             (vec!["show", "p 1"], "may contain only"),
             (vec!["list", "--state", "PAID"], "is not a payout state"),
             (vec!["list", "--limit", "1001"], "1001"),
+            (vec!["list", "--older-than", "15"], "is not an age"),
+            (vec!["list", "--older-than", "15x"], "is not an age"),
+            (vec!["list", "--older-than", "m"], "is not an age"),
+            (vec!["list", "--older-than", "0m"], "is not an age"),
+            (
+                vec!["list", "--older-than", "-5m"],
+                "unexpected argument '-5'",
+            ),
+            (
+                vec!["list", "--older-than", "99999999999d"],
+                "older than any payout",
+            ),
+            (vec!["list", "--oldest-first=yes"], "unexpected value"),
+            (
+                vec![
+                    "abandon",
+                    "p-1",
+                    "--reason",
+                    "r",
+                    "--operator",
+                    "o",
+                    "--key-file",
+                    "k",
+                    "--resolution-sla-ms",
+                    "soon",
+                ],
+                "soon",
+            ),
             (
                 vec![
                     "create",
@@ -1234,6 +1695,17 @@ mod tests {
         };
         assert_eq!(list.state, Some(PayoutState::RailAmbiguous));
         assert_eq!(list.limit, LIST_LIMIT_DEFAULT);
+        assert!(!list.oldest_first && list.older_than.is_none());
+        let Command::List(list) =
+            parse(&["list", "--older-than", "15m", "--oldest-first"]).unwrap()
+        else {
+            panic!("not list")
+        };
+        assert_eq!(list.older_than, Some(Duration::from_secs(900)));
+        assert!(list.oldest_first);
+        for (age, seconds) in [("90s", 90), ("2h", 7_200), ("1d", 86_400)] {
+            assert_eq!(parse_age(age), Ok(Duration::from_secs(seconds)), "{age}");
+        }
     }
 
     #[test]

@@ -137,6 +137,70 @@ impl Ctl {
     }
 }
 
+impl Ctl {
+    /// `payout abandon` signed by the system's registered operator and presenting that
+    /// operator's own certificate (the lock service and the payment resource record only the
+    /// name a certificate carries), with the key in `key_file`.
+    fn abandon_as_operator(
+        &self,
+        system: &System,
+        payout: &str,
+        reason: &str,
+        key_file: &std::path::Path,
+    ) -> Out {
+        let tls = system
+            .pki
+            .issue(Role::Operator, testkit::grants::OPERATOR)
+            .expect("the signing operator's certificate");
+        self.run(&[
+            "payout",
+            "abandon",
+            payout,
+            "--reason",
+            reason,
+            "--operator",
+            testkit::grants::OPERATOR,
+            "--key-file",
+            key_file.to_str().unwrap(),
+            "--tls-ca",
+            tls.ca.to_str().unwrap(),
+            "--tls-cert",
+            tls.cert.to_str().unwrap(),
+            "--tls-key",
+            tls.key.to_str().unwrap(),
+            "--json",
+        ])
+    }
+}
+
+/// What a test drives a system with besides `payoutctl`: the fixture's payment client (opens
+/// accounts), Temporal (starts workflows), paydb (reads states).
+struct Clients {
+    fixture: PaymentClient,
+    temporal: temporalio_client::Client,
+    paydb: sqlx::PgPool,
+}
+
+async fn clients(system: &System) -> Clients {
+    Clients {
+        fixture: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+            .await
+            .unwrap(),
+        temporal: wf::connect(
+            &system.temporal_address,
+            testkit::temporal::NAMESPACE,
+            "payoutctl-tests",
+        )
+        .await
+        .unwrap(),
+        paydb: sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&system.databases.paydb)
+            .await
+            .unwrap(),
+    }
+}
+
 fn unique(name: &str) -> String {
     Stack::shared()
         .unique_prefix(name)
@@ -216,21 +280,11 @@ async fn operator_commands_against_a_real_system() {
     .await
     .expect("the system starts");
     let ctl = Ctl::for_system(&system);
-    let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
-        .await
-        .unwrap();
-    let temporal = wf::connect(
-        &system.temporal_address,
-        testkit::temporal::NAMESPACE,
-        "payoutctl-tests",
-    )
-    .await
-    .unwrap();
-    let paydb = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&system.databases.paydb)
-        .await
-        .unwrap();
+    let Clients {
+        fixture,
+        temporal,
+        paydb,
+    } = clients(&system).await;
     let eur = Currency::parse("EUR").unwrap();
     let (paid_account, busy_account, poor_account) =
         (unique("a-paid"), unique("a-busy"), unique("a-poor"));
@@ -1007,4 +1061,348 @@ fn an_unreachable_deployment_exits_3() {
     );
     // Usage: clap's own code.
     ctl.expect(&["payout", "list", "--state", "PAID"], 2);
+}
+
+/// The resolution SLA of the orphaned-ambiguous test (the payment resource's and the runs'):
+/// long enough that the first abandon, right after the payout became ambiguous and its workflow
+/// was terminated, comes before it (the test checks it had the margin), short enough to wait
+/// out.
+const ORPHAN_SLA_MS: u64 = 40_000;
+/// The rail's settlement window in that test: it answers UNKNOWN about the payout for far longer
+/// than the test runs, so only an operator can finish it.
+const RAIL_UNKNOWN_MS: u64 = 900_000;
+/// The first run's settlement window: it waits far longer than the test before it would ask.
+const FIRST_RUN_WINDOW_MS: u64 = 900_000;
+/// The window a run started again by `payout abandon` waits between its inquiries.
+const RESUMED_WINDOW_MS: u64 = 2_000;
+
+/// Terminates a payout's workflow with the `temporal` CLI, as an operator would.
+fn terminate(workflow_id: &str) -> anyhow::Result<String> {
+    Stack::shared().temporal().cli(&[
+        "workflow",
+        "terminate",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--workflow-id",
+        workflow_id,
+        "--reason",
+        "operator terminates the workflow (test)",
+    ])
+}
+
+/// Issue 35, item 3: a RAIL_AMBIGUOUS payout whose workflow ended (the rail keeps answering
+/// UNKNOWN) is abandoned by `payoutctl payout abandon` past its SLA: before the SLA it is
+/// refused with the SLA's end, nothing started; past it, the command takes the account's key over
+/// from the dead run's grant, starts the workflow again as the resume pass does and sends the
+/// signed Update, so the payout ends ABANDONED through the fenced path with the audit rows naming
+/// the operator. A forged signature goes the same way and is refused by the payment resource.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ambiguous_payout_whose_workflow_ended_is_abandoned_past_its_sla() {
+    let stack = Stack::shared();
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 1,
+            settlement_window_ms: RAIL_UNKNOWN_MS,
+            rail_timeout_ms: 2_000,
+            resolution_sla_ms: Some(ORPHAN_SLA_MS),
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .expect("the system starts");
+    let mut ctl = Ctl::for_system(&system);
+    for (name, value) in [
+        ("PAYOUT_TASK_QUEUE", system.task_queue.clone()),
+        ("PAYOUT_RESOLUTION_SLA_MS", ORPHAN_SLA_MS.to_string()),
+        ("PAYOUT_SETTLEMENT_WINDOW_MS", RESUMED_WINDOW_MS.to_string()),
+    ] {
+        ctl.env.push((name.to_string(), value));
+    }
+    let Clients {
+        fixture,
+        temporal,
+        paydb,
+    } = clients(&system).await;
+    let (account, payout) = (unique("a-orphan"), unique("p-orphan"));
+    fixture
+        .open_account(
+            &AccountId::parse(account.as_str()).unwrap(),
+            &Currency::parse("EUR").unwrap(),
+            10_000,
+        )
+        .await
+        .unwrap();
+    ctl.expect(&create_args(&payout, &account, "700"), 0);
+    // The rail answers 503 without acting: the proxy records TIMEOUT, the payout is ambiguous,
+    // and the rail says UNKNOWN about it for the whole test.
+    let reference =
+        payout_domain::ClientReference::for_payout(&PayoutId::parse(payout.as_str()).unwrap())
+            .to_string();
+    rail_stub::client::StubClient::new(system.rail_url())
+        .force(&reference, Some(rail_stub::FaultMode::FailBeforeActing))
+        .await
+        .unwrap();
+    let mut first = input(&payout, &account, 700);
+    first.ambiguity = payout_activities::types::AmbiguityPolicy {
+        settlement_window_ms: FIRST_RUN_WINDOW_MS,
+        resolution_sla_ms: ORPHAN_SLA_MS,
+    };
+    start(&temporal, &system, &first).await;
+    let workflow_id = format!("payout-{payout}");
+    testkit::eventually(SETTLE_TIMEOUT, "the payout is RAIL_AMBIGUOUS", || async {
+        (state_of(&paydb, &payout).await.as_deref() == Some("RAIL_AMBIGUOUS")).then_some(())
+    })
+    .await
+    .unwrap();
+    terminate(&workflow_id).expect("the first run is terminated");
+    let sla_passed = || async {
+        sqlx::query_scalar::<_, Option<bool>>(
+            "SELECT min(at) + $2 * interval '1 millisecond' <= now() FROM audit_event \
+             WHERE payout_id = $1 AND kind = 'transition' AND to_state = 'RAIL_AMBIGUOUS'",
+        )
+        .bind(&payout)
+        .bind(ORPHAN_SLA_MS as i64)
+        .fetch_one(&paydb)
+        .await
+        .unwrap()
+        .expect("an entry into RAIL_AMBIGUOUS is recorded")
+    };
+    let key_file = system.operator.key_file.clone();
+
+    // Before the SLA: refused with its end, recorded, nothing started.
+    let early = ctl.abandon_as_operator(&system, &payout, "finance ticket 1", &key_file);
+    assert!(
+        !sla_passed().await,
+        "the test's margin: the first abandon ran before the SLA ({ORPHAN_SLA_MS} ms) passed"
+    );
+    assert_eq!(
+        state_of(&paydb, &payout).await.as_deref(),
+        Some("RAIL_AMBIGUOUS")
+    );
+    testkit::eventually(
+        Duration::from_millis(ORPHAN_SLA_MS) + SETTLE_TIMEOUT,
+        "the resolution SLA passes",
+        || async { sla_passed().await.then_some(()) },
+    )
+    .await
+    .unwrap();
+
+    // Past the SLA, a forged signature (a key the payment resource does not know under the
+    // operator's name): the run is started again, the decision refused by the payment resource.
+    let dir = tempfile::tempdir().unwrap();
+    let forged_key = dir.path().join("forged.key");
+    ctl.expect(
+        &[
+            "keys",
+            "operator",
+            "--name",
+            testkit::grants::OPERATOR,
+            "--out",
+            forged_key.to_str().unwrap(),
+        ],
+        0,
+    );
+    let forged = ctl.abandon_as_operator(&system, &payout, "finance ticket 2", &forged_key);
+    assert_eq!(
+        state_of(&paydb, &payout).await.as_deref(),
+        Some("RAIL_AMBIGUOUS"),
+        "a forged decision changes nothing: {forged:?}"
+    );
+    // Its run ended again (terminated, holding the key under a higher token).
+    let _ = terminate(&workflow_id);
+
+    // Past the SLA, the operator's own signature: ABANDONED through the one fenced path.
+    let genuine = ctl.abandon_as_operator(&system, &payout, "finance ticket 3", &key_file);
+    assert_eq!(genuine.code, 0, "{genuine:?}");
+    let answer = genuine.json();
+    assert_eq!(
+        (
+            answer["accepted"].as_bool(),
+            answer["answer"]["outcome"].as_str(),
+            answer["resumed"]["started"].as_bool(),
+            answer["resumed"]["took_over_from"]
+                .as_str()
+                .is_some_and(|from| from.ends_with(&format!("/{payout}"))),
+        ),
+        (Some(true), Some("abandoned"), Some(true), true),
+        "{answer}"
+    );
+    assert_eq!(
+        state_of(&paydb, &payout).await.as_deref(),
+        Some("ABANDONED")
+    );
+    let shown = ctl.expect(&["payout", "show", &payout, "--json"], 0).json();
+    let audit = shown["audit"].as_array().unwrap();
+    let abandoned = audit
+        .iter()
+        .find(|a| a["kind"] == "transition" && a["to_state"] == "ABANDONED")
+        .unwrap_or_else(|| panic!("a transition to ABANDONED: {audit:?}"));
+    assert_eq!(
+        abandoned["detail"]["operator"].as_str(),
+        Some(testkit::grants::OPERATOR),
+        "{abandoned}"
+    );
+    assert!(
+        abandoned["token"].as_i64().is_some(),
+        "carried out under a grant: {abandoned}"
+    );
+    let accepted_decision = audit.iter().any(|a| {
+        a["kind"] == "operator_decision"
+            && a["owner"] == testkit::grants::OPERATOR
+            && a["detail"]["accepted"] == true
+            && a["detail"]["reason"] == "finance ticket 3"
+    });
+    assert!(
+        accepted_decision,
+        "the decision names the operator: {audit:?}"
+    );
+
+    // The early refusal said why and when, and started nothing.
+    assert_eq!(early.code, 1, "{early:?}");
+    let early = early.json();
+    assert!(
+        early["resumed"].is_null()
+            && early["not_running"]["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("resolution SLA") && r.contains("ends at")),
+        "{early}"
+    );
+    // The forged one was refused by the payment resource, after the command started the run.
+    assert_eq!(forged.code, 1, "{forged:?}");
+    let forged = forged.json();
+    assert_eq!(
+        (
+            forged["accepted"].as_bool(),
+            forged["resumed"]["started"].as_bool(),
+        ),
+        (Some(false), Some(true)),
+        "{forged}"
+    );
+    let refused_forged = audit.iter().any(|a| {
+        a["kind"] == "operator_not_verified"
+            || (a["kind"] == "operator_decision"
+                && a["detail"]["reason"] == "finance ticket 2"
+                && a["detail"]["accepted"] == false)
+    });
+    assert!(
+        refused_forged,
+        "the forged decision is on record as refused: {audit:?}"
+    );
+}
+
+/// `payout list --oldest-first --older-than`: only payouts created longer ago than the age, the
+/// oldest first; without the flags, every payout newest first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payout_list_sorts_oldest_first_and_filters_by_age() {
+    /// The age the listing filters by: the older payouts are waited until at least this old.
+    const AGE_S: u64 = 8;
+    let system = System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 1,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .expect("the system starts");
+    let ctl = Ctl::for_system(&system);
+    let Clients { fixture, paydb, .. } = clients(&system).await;
+    let account = unique("a-ages");
+    fixture
+        .open_account(
+            &AccountId::parse(account.as_str()).unwrap(),
+            &Currency::parse("EUR").unwrap(),
+            10_000,
+        )
+        .await
+        .unwrap();
+    let (old1, old2, young) = (unique("p-old1"), unique("p-old2"), unique("p-young"));
+    for id in [&old1, &old2] {
+        ctl.expect(&create_args(id, &account, "100"), 0);
+    }
+    let age_of = |id: String| {
+        let paydb = paydb.clone();
+        async move {
+            sqlx::query_scalar::<_, f64>(
+                "SELECT extract(epoch FROM now() - created_at)::float8 FROM payout WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&paydb)
+            .await
+            .unwrap()
+        }
+    };
+    testkit::eventually(
+        SETTLE_TIMEOUT,
+        "the older payouts are old enough",
+        || async { (age_of(old2.clone()).await > AGE_S as f64 + 1.0).then_some(()) },
+    )
+    .await
+    .unwrap();
+    ctl.expect(&create_args(&young, &account, "100"), 0);
+    let ids = |listed: &Value| -> Vec<String> {
+        listed["payouts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["payout_id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let age = format!("{AGE_S}s");
+    let filtered = ctl
+        .expect(
+            &[
+                "payout",
+                "list",
+                "--account",
+                &account,
+                "--older-than",
+                &age,
+                "--oldest-first",
+                "--json",
+            ],
+            0,
+        )
+        .json();
+    assert!(
+        age_of(young.clone()).await < AGE_S as f64,
+        "the test's margin: the young payout was younger than {AGE_S} s when listed"
+    );
+    assert_eq!(ids(&filtered), [old1.clone(), old2.clone()], "{filtered}");
+    let newest_first = ctl
+        .expect(
+            &[
+                "payout",
+                "list",
+                "--account",
+                &account,
+                "--older-than",
+                &age,
+                "--json",
+            ],
+            0,
+        )
+        .json();
+    assert_eq!(
+        ids(&newest_first),
+        [old2.clone(), old1.clone()],
+        "{newest_first}"
+    );
+    let all = ctl
+        .expect(
+            &[
+                "payout",
+                "list",
+                "--account",
+                &account,
+                "--oldest-first",
+                "--json",
+            ],
+            0,
+        )
+        .json();
+    assert_eq!(ids(&all), [old1, old2, young], "{all}");
+    let bad = ctl.expect(&["payout", "list", "--older-than", "soon"], 2);
+    assert!(bad.stderr.contains("is not an age"), "{bad:?}");
 }

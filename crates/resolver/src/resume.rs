@@ -109,6 +109,8 @@ pub struct Temporal {
     /// `resolution_sla_ms`), as the workflow's input names them.
     settlement_window_ms: u64,
     resolution_sla_ms: u64,
+    /// Who resumes, as the run's summary in the Temporal UI says.
+    resumed_by: String,
 }
 
 /// Where Temporal is and how resumed workflows are started.
@@ -148,7 +150,27 @@ impl Temporal {
             payout_task_queue: config.payout_task_queue.clone(),
             settlement_window_ms: config.settlement_window_ms,
             resolution_sla_ms: config.resolution_sla_ms,
+            resumed_by: "the reconciler's stranded-payout pass".into(),
         })
+    }
+
+    /// The same start path over a client already connected under another identity (an
+    /// operator's `payoutctl payout abandon` of a payout whose workflow is not running);
+    /// `resumed_by` names it in the run's summary.
+    pub fn from_client(
+        client: Client,
+        payout_task_queue: String,
+        settlement_window_ms: u64,
+        resolution_sla_ms: u64,
+        resumed_by: String,
+    ) -> Self {
+        Self {
+            client,
+            payout_task_queue,
+            settlement_window_ms,
+            resolution_sla_ms,
+            resumed_by,
+        }
     }
 
     /// The status of the workflow `workflow_id` (its latest run).
@@ -214,12 +236,14 @@ impl Temporal {
                 // it says so; what it pays is the payment resource's record, which the run's
                 // current details show once it has read it.
                 .static_summary(format!(
-                    "Payout {payout_id}: resumed by the reconciler (account {account_id})"
+                    "Payout {payout_id}: resumed by {} (account {account_id})",
+                    self.resumed_by
                 ))
                 .static_details(format!(
                     "**Payout** `{payout_id}`  \n**Account** `{account_id}`  \n\
-                     **Resumed** by the reconciler's stranded-payout pass: the previous run \
-                     closed (or never started) while the payout was open"
+                     **Resumed** by {}: the previous run \
+                     closed (or never started) while the payout was open",
+                    self.resumed_by
                 ))
                 .build();
         let started = tokio::time::timeout(
@@ -694,6 +718,22 @@ where
     F: FnOnce(String) -> Fut,
     Fut: std::future::Future<Output = Result<WorkflowStatus, ResumeError>>,
 {
+    take_over_if_not_running_as(lock, account, RECOVERER, workflow_status).await
+}
+
+/// [`take_over_if_not_running`], the force-revoke recorded under `revoker` (the name the
+/// caller's certificate carries: an operator's `payoutctl payout abandon` of a payout whose
+/// workflow is not running takes the key over as itself).
+pub async fn take_over_if_not_running_as<F, Fut>(
+    lock: &LockClient,
+    account: &str,
+    revoker: &str,
+    workflow_status: F,
+) -> Result<Option<String>, String>
+where
+    F: FnOnce(String) -> Fut,
+    Fut: std::future::Future<Output = Result<WorkflowStatus, ResumeError>>,
+{
     let key = format!("payout:{account}");
     let held = lock
         .describe(&key)
@@ -727,7 +767,7 @@ where
     // never deposed.
     let described = lock_client::FencingToken::new(held.token)
         .map_err(|e| format!("describing {key}: the holder's token: {e}"))?;
-    match lock.force_revoke(&key, described, RECOVERER, &reason).await {
+    match lock.force_revoke(&key, described, revoker, &reason).await {
         Ok(r) => {
             tracing::warn!(key, revoked_owner = %r.revoked_owner, revoked_token = r.revoked_token, reason, "orphaned grant taken over");
             Ok(Some(r.revoked_owner))
