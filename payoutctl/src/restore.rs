@@ -7,8 +7,11 @@
 //! it reads the lock service's horizon (the highest token it ever issued) from the lock backend
 //! itself, never from what the operator types, and runs `rearm_after_restore(horizon, operator,
 //! reason)` as the owner role, which raises every fence (high-water) and the token floor to the
-//! horizon, records who and why, and marks the database current. `restore status` says, for each
-//! guard's database, whether it is current and how its incarnation row was last armed.
+//! horizon, records who and why, and marks the database current; for paydb it first reads from
+//! gldb what the General Ledger holds beyond the restored copy ([`gl_beyond_paydb`]) and runs
+//! `rearm_paydb_after_restore`, which also carries that lost timeline forward (paydb 0014,
+//! [`rearm_paydb`]). `restore status` says, for each guard's database, whether it is current and
+//! how its incarnation row was last armed.
 //!
 //! The local stack is addressed through its state directory (the owner's and the reconciler's
 //! logins from its credentials, its etcd with a certificate from its own authority), a deployment
@@ -46,7 +49,10 @@ pub enum Command {
     /// (services/lock-server/RESTORE.md). Exit status 0 when re-armed, 1 when the guard refused
     /// the horizon (a fence above it: the lock backend is behind the guard and must be restored
     /// first) or on any other error, 3 when the database or the lock backend could not be
-    /// reached.
+    /// reached. For paydb it also reads gldb and, in the same transaction, carries forward what
+    /// the General Ledger holds beyond the restored copy (its events and postings of the lost
+    /// timeline), so no re-run reuses an event version or re-sends a posting (RESTORE.md, "paydb
+    /// restored: the outbox and the GL").
     Rearm(RearmArgs),
     /// Whether paydb and proxydb are each the database their incarnation row was armed in, and how
     /// it was last armed. Exit status 0 when both are current, 1 when one is not (restored from a
@@ -90,6 +96,12 @@ pub struct RearmArgs {
     /// is issued from the stack's own authority).
     #[command(flatten)]
     pub etcd_tls: mtls::EtcdTlsArgs,
+    /// A deployment's gldb URL (a role that reads it: the reconciler's; the password in the
+    /// environment), required with --database paydb on a deployment: what the General Ledger
+    /// already holds of each payout beyond the restored copy is carried forward (the local stack's
+    /// is read as the reconciler).
+    #[arg(long, env = "PAYOUT_GLDB_URL")]
+    pub gldb_url: Option<String>,
     /// State directory of the local stack (used when no deployment is given).
     #[arg(long, env = "PAYOUT_STATE_DIR", default_value = crate::record::DEFAULT_STATE_DIR,
           value_parser = crate::record::state_dir_arg)]
@@ -198,16 +210,174 @@ pub async fn rearm(
         .fetch_one(&mut conn)
         .await;
     let _ = sqlx::Connection::close(conn).await;
-    match answer {
-        Ok(raised) => Ok(u64::try_from(raised).unwrap_or_default()),
-        Err(sqlx::Error::Database(e)) if e.message().contains(REFUSAL_MARK) => {
-            Err(anyhow::Error::new(Refused {
+    answer
+        .map(|raised| u64::try_from(raised).unwrap_or_default())
+        .map_err(|e| refusal_or(e, horizon, "rearm_after_restore"))
+}
+
+/// A guard's refusal of the horizon as [`Refused`], any other error as itself.
+fn refusal_or(error: sqlx::Error, horizon: i64, call: &'static str) -> anyhow::Error {
+    match error {
+        sqlx::Error::Database(e) if e.message().contains(REFUSAL_MARK) => {
+            anyhow::Error::new(Refused {
                 horizon,
                 message: e.message().to_string(),
-            }))
+            })
         }
-        Err(e) => Err(anyhow::Error::new(e).context("rearm_after_restore")),
+        e => anyhow::Error::new(e).context(call),
     }
+}
+
+/// One record the General Ledger holds of a payout beyond what a restored paydb holds: an event
+/// above the payout's version, or any record of a payout paydb does not hold (paydb 0014's
+/// `restore_lost_timeline` row, as `rearm_paydb_after_restore` takes it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GlRecord {
+    pub payout_id: String,
+    /// `JOURNAL` (a posting) or `TRANSACTION_EVENT`.
+    pub kind: &'static str,
+    pub idempotency_key: String,
+    /// A TRANSACTION_EVENT's version.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_version: Option<i64>,
+    /// The GL's id of the journal or event.
+    pub gl_record_id: String,
+    /// The event type or the journal's effect kind.
+    pub gl_type: String,
+    /// A journal's lines: `[{"line_number": n, "amount": "..."}]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lines: Option<serde_json::Value>,
+}
+
+/// What the General Ledger (`gldb_url`, a reader) holds of paydb's payouts (`paydb_url`, any role
+/// that reads `payout`) beyond each payout's version: a payout whose latest event in paydb is
+/// v(version + 1) and whose highest in the GL is above it, or that paydb does not hold at all,
+/// gives every GL event above that and every GL journal of it. Whether paydb's outbox holds one
+/// of these keys after all (a row delivered before the backup) is the database's to decide, in
+/// the re-arming's transaction. Read after the restore and before the re-arming: the restored
+/// copy's guard refuses every transition until it is re-armed, so no payout moves between.
+pub async fn gl_beyond_paydb(paydb_url: &str, gldb_url: &str) -> anyhow::Result<Vec<GlRecord>> {
+    let mut paydb = crate::ops::connect_db(paydb_url, "paydb").await?;
+    let versions: Vec<(String, i64)> = sqlx::query_as("SELECT id, version FROM payout")
+        .fetch_all(&mut paydb)
+        .await
+        .context("reading the payouts' versions from paydb")?;
+    let _ = sqlx::Connection::close(paydb).await;
+    let versions: std::collections::HashMap<String, i64> = versions.into_iter().collect();
+    // The highest event version paydb has written for a payout: its version + 1.
+    let beyond = |payout: &str, event_version: i64| {
+        versions
+            .get(payout)
+            .is_none_or(|version| event_version > version + 1)
+    };
+    let mut gldb = crate::ops::connect_db(gldb_url, "gldb").await?;
+    let highest: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT source_transaction_id, max(event_version)::bigint FROM transaction_events \
+         WHERE source_service = 'payment-resource' GROUP BY source_transaction_id",
+    )
+    .fetch_all(&mut gldb)
+    .await
+    .context("reading the highest lifecycle event of each payout from gldb")?;
+    let ahead: Vec<String> = highest
+        .into_iter()
+        .filter(|(payout, highest)| beyond(payout, *highest))
+        .map(|(payout, _)| payout)
+        .collect();
+    let mut records = Vec::new();
+    if ahead.is_empty() {
+        let _ = sqlx::Connection::close(gldb).await;
+        return Ok(records);
+    }
+    let events: Vec<(String, i64, String, String)> = sqlx::query_as(
+        "SELECT source_transaction_id, event_version::bigint, event_type, id::text \
+         FROM transaction_events \
+         WHERE source_service = 'payment-resource' AND source_transaction_id = ANY($1) \
+         ORDER BY source_transaction_id, event_version",
+    )
+    .bind(&ahead)
+    .fetch_all(&mut gldb)
+    .await
+    .context("reading the lifecycle events of the payouts the GL holds beyond paydb")?;
+    for (payout, event_version, event_type, id) in events {
+        if !beyond(&payout, event_version) {
+            continue;
+        }
+        let key = payout_domain::PayoutId::parse(payout.clone())
+            .with_context(|| format!("the GL's payout id {payout:?}"))?
+            .lifecycle_event_key(event_version);
+        records.push(GlRecord {
+            payout_id: payout,
+            kind: "TRANSACTION_EVENT",
+            idempotency_key: key,
+            event_version: Some(event_version),
+            gl_record_id: id,
+            gl_type: event_type,
+            lines: None,
+        });
+    }
+    let journals: Vec<(String, String, String, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT j.source_transaction_id, j.idempotency_key, j.id::text, j.effect_kind, \
+                jsonb_agg(jsonb_build_object('line_number', e.line_number, 'amount', e.amount::text) \
+                          ORDER BY e.line_number) \
+         FROM journals j JOIN entries e ON e.journal_id = j.id \
+         WHERE j.source_service = 'payment-resource' AND j.source_transaction_id = ANY($1) \
+         GROUP BY j.id ORDER BY j.source_transaction_id, j.idempotency_key",
+    )
+    .bind(&ahead)
+    .fetch_all(&mut gldb)
+    .await
+    .context("reading the journals of the payouts the GL holds beyond paydb")?;
+    let _ = sqlx::Connection::close(gldb).await;
+    for (payout, key, id, effect_kind, lines) in journals {
+        records.push(GlRecord {
+            payout_id: payout,
+            kind: "JOURNAL",
+            idempotency_key: key,
+            event_version: None,
+            gl_record_id: id,
+            gl_type: effect_kind,
+            lines: Some(lines),
+        });
+    }
+    Ok(records)
+}
+
+/// What paydb's re-arming did with the General Ledger's records beyond it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct LostTimeline {
+    /// Accounts whose fence was raised to the horizon.
+    pub raised: u64,
+    /// GL records recorded in `restore_lost_timeline` (a lost timeline's events and postings).
+    pub carried: u64,
+    /// Non-terminal payouts whose version was lifted past the GL's highest event of theirs.
+    pub payouts_lifted: u64,
+}
+
+/// paydb's procedure: `rearm_paydb_after_restore(horizon, armed_by, reason, gl_lost)` as the
+/// owner (`owner_url`), one transaction: the fences as [`rearm`] raises them, and `gl_lost` (from
+/// [`gl_beyond_paydb`]) carried forward so no re-run reuses an event version or re-sends a posting
+/// the GL holds. A horizon below an accepted fence is refused with [`Refused`] (nothing changed).
+pub async fn rearm_paydb(
+    owner_url: &str,
+    horizon: i64,
+    armed_by: &str,
+    reason: &str,
+    gl_lost: &[GlRecord],
+) -> anyhow::Result<LostTimeline> {
+    let gl_lost = serde_json::to_string(gl_lost)?;
+    let mut conn = crate::ops::connect_db(owner_url, "paydb as the owner").await?;
+    let answer = sqlx::query_scalar::<_, serde_json::Value>(
+        "SELECT rearm_paydb_after_restore($1, $2, $3, $4::jsonb)",
+    )
+    .bind(horizon)
+    .bind(armed_by)
+    .bind(reason)
+    .bind(gl_lost)
+    .fetch_one(&mut conn)
+    .await;
+    let _ = sqlx::Connection::close(conn).await;
+    let answer = answer.map_err(|e| refusal_or(e, horizon, "rearm_paydb_after_restore"))?;
+    serde_json::from_value(answer).context("rearm_paydb_after_restore's answer")
 }
 
 /// A guard database's incarnation: whether it is the database its row was armed in, and the row.
@@ -264,6 +434,9 @@ pub struct Rearmed {
     pub raised: u64,
     /// Whether the database was current before (false: a restored copy, as expected).
     pub was_current: bool,
+    /// paydb: what the GL held beyond the restored copy, carried forward.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lost_timeline: Option<LostTimeline>,
     /// The incarnation as re-armed.
     pub incarnation: Incarnation,
 }
@@ -272,6 +445,8 @@ pub struct Rearmed {
 struct RearmTarget {
     owner_url: String,
     horizon: HorizonSource,
+    /// paydb's: the General Ledger, read for what it holds beyond the restored copy.
+    gldb_url: Option<String>,
 }
 
 enum HorizonSource {
@@ -329,7 +504,18 @@ impl RearmArgs {
                     })?,
                 },
             };
-            return Ok(RearmTarget { owner_url, horizon });
+            let gldb_url = match self.database {
+                db_access::Database::Paydb => Some(self.gldb_url.clone().context(
+                    "a deployment's paydb: give --gldb-url (or PAYOUT_GLDB_URL), a reader of gldb: \
+                     what the GL holds beyond the restored copy is carried forward",
+                )?),
+                _ => None,
+            };
+            return Ok(RearmTarget {
+                owner_url,
+                horizon,
+                gldb_url,
+            });
         }
         // The local stack: never a deployment's database with the stack's lock service.
         anyhow::ensure!(
@@ -344,8 +530,18 @@ impl RearmArgs {
             .into_iter()
             .find_map(|(d, port)| (d == self.database).then_some(port))
             .with_context(|| format!("the stack has no {name}"))?;
+        let gldb_url = match self.database {
+            db_access::Database::Paydb => Some(StackRecord::login_url(
+                &self.state_dir,
+                "reconciler",
+                record.ports.pg_main,
+                "gldb",
+            )?),
+            _ => None,
+        };
         Ok(RearmTarget {
             owner_url: StackRecord::login_url(&self.state_dir, db_access::OWNER, port, name)?,
+            gldb_url,
             horizon: HorizonSource::Etcd {
                 endpoints: record.etcd_endpoints(),
                 tls: crate::target::local_etcd_tls(&self.state_dir)?,
@@ -378,8 +574,19 @@ async fn run_rearm(args: RearmArgs) -> anyhow::Result<std::process::ExitCode> {
     // more tokens it covers.
     let horizon = target.horizon.read().await?;
     let horizon_source = target.horizon.describe();
-    let raised = match rearm(&target.owner_url, horizon, operator, reason).await {
-        Ok(raised) => raised,
+    let done = match &target.gldb_url {
+        Some(gldb_url) => {
+            let gl_lost = gl_beyond_paydb(&target.owner_url, gldb_url).await?;
+            rearm_paydb(&target.owner_url, horizon, operator, reason, &gl_lost)
+                .await
+                .map(|lost| (lost.raised, Some(lost)))
+        }
+        None => rearm(&target.owner_url, horizon, operator, reason)
+            .await
+            .map(|raised| (raised, None)),
+    };
+    let (raised, lost_timeline) = match done {
+        Ok(done) => done,
         Err(error) => match error.downcast_ref::<Refused>() {
             Some(refused) => {
                 if args.json {
@@ -413,6 +620,7 @@ async fn run_rearm(args: RearmArgs) -> anyhow::Result<std::process::ExitCode> {
         horizon_source,
         raised,
         was_current: before.current,
+        lost_timeline,
         incarnation: after,
     };
     if args.json {
@@ -432,7 +640,7 @@ pub fn render_rearmed(done: &Rearmed) -> String {
     };
     format!(
         "re-armed {}: {} {what} raised to {}, the lock service's horizon ({}); token floor {}; \
-         armed by {} at {}: {:?}{}",
+         armed by {} at {}: {:?}{}{}",
         done.database,
         done.raised,
         done.horizon,
@@ -445,6 +653,14 @@ pub fn render_rearmed(done: &Rearmed) -> String {
             " (it was current already: no restore was detected; every fence is at least the horizon now)"
         } else {
             " (it was a restored copy)"
+        },
+        match &done.lost_timeline {
+            Some(lost) => format!(
+                "; the GL's lost timeline carried forward: {} record(s) recorded, {} payout(s) \
+                 lifted past the GL's highest event",
+                lost.carried, lost.payouts_lifted
+            ),
+            None => String::new(),
         }
     )
 }
@@ -672,6 +888,11 @@ mod tests {
             horizon_source: "etcd's current revision at https://etcd:2379".into(),
             raised: 3,
             was_current: false,
+            lost_timeline: Some(LostTimeline {
+                raised: 3,
+                carried: 7,
+                payouts_lifted: 2,
+            }),
             incarnation: incarnation(true),
         };
         let line = render_rearmed(&done);
@@ -679,7 +900,8 @@ mod tests {
             line.starts_with("re-armed paydb: 3 account fence(s) raised to 1234")
                 && line.contains("etcd's current revision")
                 && line.contains("armed by alice")
-                && line.contains("restored copy"),
+                && line.contains("restored copy")
+                && line.contains("7 record(s) recorded, 2 payout(s) lifted"),
             "{line}"
         );
         let json = serde_json::to_value(&done).unwrap();

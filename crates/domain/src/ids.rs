@@ -87,6 +87,15 @@ identifier!(
     "beneficiary reference"
 );
 
+impl PayoutId {
+    /// The GL idempotency key of this payout's lifecycle event `n` (the payment resource's outbox
+    /// key, `payment-resource:payout:{id}:event:v{n}`): defined here so the payment resource that
+    /// writes it and `payoutctl restore rearm` that finds it in the GL spell it alike.
+    pub fn lifecycle_event_key(&self, event_version: i64) -> String {
+        format!("payment-resource:payout:{}:event:v{event_version}", self.0)
+    }
+}
+
 /// The reference the rail sees for a payout, and by which ambiguity is later looked up.
 ///
 /// It can only be derived from a payout id, so it cannot be regenerated on retry: a regenerated

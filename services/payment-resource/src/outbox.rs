@@ -133,10 +133,7 @@ pub fn lifecycle_event_type(
 /// payout's `version` after the change, plus one). Unique and increasing per payout, since every
 /// transition holds the payout's row lock.
 pub fn payout_event_key(payout: &PayoutId, event_version: i64) -> String {
-    format!(
-        "payment-resource:payout:{}:event:v{event_version}",
-        payout.as_str()
-    )
+    payout.lifecycle_event_key(event_version)
 }
 
 pub fn payout_posting_key(payout: &PayoutId) -> String {

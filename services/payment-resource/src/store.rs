@@ -1871,14 +1871,28 @@ impl Store {
             occurred_at: fenced.now,
             rail_ref: payout.rail_ref.as_deref(),
         });
-        insert_outbox(
-            tx,
-            payout.account_id.as_str(),
-            &key,
-            outbox::OutboxKind::Journal,
-            &payload,
-        )
-        .await?;
+        // After a paydb restore the GL may already hold this payout's posting from the lost
+        // timeline (paydb 0014): the movement is posted there once, so this row is written as
+        // delivered to that journal (same key, same lines); only paydb's own rows above are new.
+        let carried = carried_lost_posting(tx, &key, &payload).await?;
+        match carried.as_deref() {
+            Some(journal_id) => {
+                insert_carried_outbox(tx, payout.account_id.as_str(), &key, &payload, journal_id)
+                    .await?;
+                tracing::warn!(payout_id = %payout.payout_id, journal_id, key,
+                    "posting carried by the GL's journal of a timeline lost in a paydb restore: not delivered again");
+            }
+            None => {
+                insert_outbox(
+                    tx,
+                    payout.account_id.as_str(),
+                    &key,
+                    outbox::OutboxKind::Journal,
+                    &payload,
+                )
+                .await?
+            }
+        }
         let changes = Changes {
             settled_now: true,
             transaction_group: Some(group),
@@ -2169,6 +2183,49 @@ async fn insert_outbox(
     .await?;
     Ok(())
 }
+
+/// The GL's journal id when the GL holds the posting `key` from a timeline lost in a paydb
+/// restore with `payload`'s lines (paydb 0014's `lost_posting_carried`), else `None`.
+async fn carried_lost_posting(
+    tx: &mut Transaction<'static, Postgres>,
+    key: &str,
+    payload: &Value,
+) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT lost_posting_carried($1, $2::jsonb)")
+        .bind(key)
+        .bind(payload.to_string())
+        .fetch_one(&mut **tx)
+        .await
+}
+
+/// A posting's outbox row written as already delivered to `journal_id`: the GL's journal of the
+/// lost timeline that carries it ([`carried_lost_posting`]). The dispatcher never sends it.
+async fn insert_carried_outbox(
+    tx: &mut Transaction<'static, Postgres>,
+    account_id: &str,
+    key: &str,
+    payload: &Value,
+    journal_id: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO ledger_outbox (account_id, idempotency_key, kind, payload, delivered_at, journal_id, last_error) \
+         VALUES ($1, $2, $3, $4::jsonb, now(), $5, $6)",
+    )
+    .bind(account_id)
+    .bind(key)
+    .bind(outbox::OutboxKind::Journal.as_str())
+    .bind(payload.to_string())
+    .bind(journal_id)
+    .bind(CARRIED_POSTING_NOTE)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// What a carried posting's outbox row says of itself (its `last_error` column, the only free
+/// text a row has): why it was never sent.
+const CARRIED_POSTING_NOTE: &str =
+    "not sent: the GL holds this posting from a timeline lost in a paydb restore (restore_lost_timeline)";
 
 /// Stages `payout-{id}`'s start (paydb 0009's `workflow_start`) in the creating transaction,
 /// with the payout's instruction as the start input's fields.
