@@ -19,6 +19,11 @@
 //! its call, and writes the guard's answer to `<step>.answer.<payout_id>`. The chaos nemesis arms
 //! it to plant a stale holder in a running system.
 //!
+//! In the same directory, a file `inquire.failing` makes every rail lookup fail (a transient
+//! error) until `inquire.release.<payout_id>` exists, the first failure noted in
+//! `inquire.failed.<payout_id>`: a run asking about an ambiguous payout then has no answer of the
+//! rail's for as long as the harness needs (`services/reconciler/tests/resumed_abandon.rs`).
+//!
 //! Where the wait sits: `PayoutActivities` checks the grant (`Backend::check_held`) and then calls
 //! the backend; this wrapper is the backend it calls, so the wait falls between the check and the
 //! guard call, as a worker paused by the operating system at that instant would.
@@ -45,7 +50,8 @@ pub const STALL_DIR_ENV: &str = "PAYOUT_TEST_STALL_DIR";
 /// An armed stall looks for its release this often.
 const STALL_RELEASE_POLL: Duration = Duration::from_millis(50);
 
-/// The worker's backend with the stall points of the environment in front of three guard calls.
+/// The worker's backend with the stall points of the environment in front of three guard calls
+/// (and the failing rail lookup, [`StallPoints::failing_lookup`]).
 pub struct StallingBackend {
     inner: Arc<dyn Backend>,
     stalls: StallPoints,
@@ -155,7 +161,12 @@ impl Backend for StallingBackend {
         })
     }
     fn inquire(&self, input: InquireInput) -> Answer<'_, Inquiry> {
-        self.inner.inquire(input)
+        Box::pin(async move {
+            if let Some(failure) = self.stalls.failing_lookup(&input.payout_id) {
+                return Err(failure);
+            }
+            self.inner.inquire(input).await
+        })
     }
 }
 
@@ -291,6 +302,29 @@ impl StallPoints {
         let taken = dir.join(format!("{step}.taken.{identity}.{payout}"));
         std::fs::rename(&armed, &taken).ok()?;
         Some((ms, dir))
+    }
+
+    /// With `<dir>/inquire.failing` in the armed directory, a rail lookup for `payout` fails as
+    /// a transient error (as with the proxy unreachable) until the harness creates
+    /// `<dir>/inquire.release.<payout>`; the first failure writes `<dir>/inquire.failed.<payout>`.
+    /// Unlike a held call, a failing one leaves the run's workflow tasks free (a held local
+    /// step keeps its workflow task open, so the run answers no Update meanwhile), and the run
+    /// gets no answer of the rail's.
+    fn failing_lookup(&self, payout: &PayoutId) -> Option<ActivityFailure> {
+        let (dir, _) = self.armed_dir.as_ref()?;
+        if !dir.join("inquire.failing").exists()
+            || dir.join(format!("inquire.release.{payout}")).exists()
+        {
+            return None;
+        }
+        let failed = dir.join(format!("inquire.failed.{payout}"));
+        if !failed.exists() {
+            write_atomically(&failed, "failing");
+        }
+        tracing::warn!(payout_id = %payout, "test: the rail lookup fails until the harness releases it");
+        Some(ActivityFailure::Transient(format!(
+            "test: the rail lookup for {payout} fails until released"
+        )))
     }
 
     async fn stall(&self, step: &str, payout: &PayoutId, token: FencingToken) -> PlantedCall {

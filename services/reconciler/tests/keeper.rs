@@ -23,8 +23,8 @@ use testkit::{ManagedProcess, ProcessSpec, Stack};
 
 mod common;
 use common::{
-    metric, metrics_text, movements, new_payout, once_json, resumptions, state_of, temporal_cli,
-    SETTLE_TIMEOUT,
+    metric, metrics_text, movements, new_payout, once_json, payout_input, resumptions, state_of,
+    temporal_cli, SETTLE_TIMEOUT,
 };
 
 /// The keeper's interval in these tests (`RECONCILE_KEEPER_INTERVAL_S`).
@@ -353,20 +353,7 @@ async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interva
     )
     .await
     .unwrap();
-    let input = |payout: &str| {
-        let new = new_payout(account, payout);
-        payout_activities::types::PayoutInput {
-            payout_id: new.payout_id,
-            account_id: new.account_id,
-            amount_minor: new.amount_minor,
-            currency: new.currency,
-            beneficiary_ref: new.beneficiary_ref,
-            ambiguity: payout_activities::types::AmbiguityPolicy {
-                settlement_window_ms: 500,
-                resolution_sla_ms: 600_000,
-            },
-        }
-    };
+    let input = |payout: &str| payout_input(account, payout, 500, 600_000);
     let holder_id =
         payout_workflows::client::start_payout(&client, &system.task_queue, &input(holder))
             .await

@@ -17,8 +17,8 @@ use testkit::Stack;
 
 mod common;
 use common::{
-    create_payouts, new_payout, once_json, resumptions, source_args, state_of, terminate,
-    wait_state, SETTLE_TIMEOUT,
+    create_payouts, new_payout, once_json, payout_input, resumptions, source_args, state_of,
+    terminate, wait_state, SETTLE_TIMEOUT,
 };
 
 /// The stall points hold a step far longer than the test: the terminated workflow's activity
@@ -88,20 +88,7 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
     for (account, payouts) in &accounts {
         create_payouts(&system, account, payouts).await;
     }
-    let start = |account: &str, payout: &str| {
-        let new = new_payout(account, payout);
-        payout_activities::types::PayoutInput {
-            payout_id: new.payout_id,
-            account_id: new.account_id,
-            amount_minor: new.amount_minor,
-            currency: new.currency,
-            beneficiary_ref: new.beneficiary_ref,
-            ambiguity: payout_activities::types::AmbiguityPolicy {
-                settlement_window_ms: 500,
-                resolution_sla_ms: 600_000,
-            },
-        }
-    };
+    let start = |account: &str, payout: &str| payout_input(account, payout, 500, 600_000);
     let mut started = Vec::new();
     for (account, payout) in [
         ("s-acct-a", claimed),
@@ -331,18 +318,7 @@ async fn an_orphaned_ambiguous_payout_is_resumed_by_one_pass_inquires_and_frees_
     .await
     .unwrap();
     let start = |payout: &str, settlement_window_ms: u64| {
-        let new = new_payout(account, payout);
-        payout_activities::types::PayoutInput {
-            payout_id: new.payout_id,
-            account_id: new.account_id,
-            amount_minor: new.amount_minor,
-            currency: new.currency,
-            beneficiary_ref: new.beneficiary_ref,
-            ambiguity: payout_activities::types::AmbiguityPolicy {
-                settlement_window_ms,
-                resolution_sla_ms: 600_000,
-            },
-        }
+        payout_input(account, payout, settlement_window_ms, 600_000)
     };
     // Its first run waits a window far longer than the test before it would ask the rail: it is
     // terminated while it waits, holding the account's key.

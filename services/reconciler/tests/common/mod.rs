@@ -30,6 +30,28 @@ pub fn new_payout(account: &str, payout: &str) -> NewPayout {
     }
 }
 
+/// The workflow input of [`new_payout`] with these ambiguity clocks (a run's settlement window
+/// and resolution SLA).
+pub fn payout_input(
+    account: &str,
+    payout: &str,
+    settlement_window_ms: u64,
+    resolution_sla_ms: u64,
+) -> payout_activities::types::PayoutInput {
+    let new = new_payout(account, payout);
+    payout_activities::types::PayoutInput {
+        payout_id: new.payout_id,
+        account_id: new.account_id,
+        amount_minor: new.amount_minor,
+        currency: new.currency,
+        beneficiary_ref: new.beneficiary_ref,
+        ambiguity: payout_activities::types::AmbiguityPolicy {
+            settlement_window_ms,
+            resolution_sla_ms,
+        },
+    }
+}
+
 /// Opens the account (the fixture path) and creates each payout on it, PENDING.
 pub async fn create_payouts(system: &System, account: &str, payouts: &[&str]) {
     let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
