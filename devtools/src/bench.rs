@@ -24,6 +24,12 @@ pub enum Which {
     EtcdSoak(SoakArgs),
     /// The whole system beside our workflow's floor and the Temporal floor, on the local stack.
     E2e(Box<crate::e2e::Args>),
+    /// The reconciler's full and incremental passes over a seeded book (a million payouts by
+    /// default), beside a scan of every table, on a private stack.
+    Reconcile(crate::reconcile_bench::Args),
+    /// One pass of `bench reconcile`, in a process of its own (its memory figure is that pass's).
+    #[command(hide = true)]
+    ReconcilePass(crate::reconcile_bench::PassArgs),
 }
 
 #[derive(ClapArgs)]
@@ -56,6 +62,8 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
     let which = match which {
         Which::EtcdSoak(args) => return soak(args).await,
         Which::E2e(args) => return crate::e2e::run(*args).await,
+        Which::Reconcile(args) => return crate::reconcile_bench::run(args).await,
+        Which::ReconcilePass(args) => return crate::reconcile_bench::one_pass_here(args).await,
         other => other,
     };
     // Durable PostgreSQL (fsync on), as in a deployment: both sides of each comparison pay for
@@ -199,7 +207,7 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
                 );
             }
         }
-        Which::EtcdSoak(_) | Which::E2e(_) => {
+        Which::EtcdSoak(_) | Which::E2e(_) | Which::Reconcile(_) | Which::ReconcilePass(_) => {
             unreachable!("handled above: they bring their own stack")
         }
     }

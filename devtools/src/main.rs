@@ -7,6 +7,7 @@ mod chaos;
 mod e2e;
 mod parts;
 mod profile;
+mod reconcile_bench;
 mod run;
 mod stack;
 

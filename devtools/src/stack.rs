@@ -572,6 +572,10 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 args.reconcile_interval_s.to_string(),
             ])
             .arg("--resolve-orphans")
+            // Its audit anchor, watermark and rail cursor, kept between runs as a deployment's
+            // are: after a clean run, runs are incremental, with a full pass every hour.
+            .arg("--audit-anchor-file")
+            .arg(dir.join("system").join("reconciler-anchor.json"))
             // Stranded payouts go back to a workflow on the workers' queue.
             .arg("--resume-stranded")
             .args(["--payout-task-queue", TASK_QUEUE])

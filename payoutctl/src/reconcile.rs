@@ -21,6 +21,11 @@ pub struct Args {
     /// cannot write.
     #[arg(long, env = "PAYOUT_AUDIT_ANCHOR_FILE")]
     pub audit_anchor_file: Option<std::path::PathBuf>,
+    /// Examine only the accounts touched since the last clean run (the watermark kept beside the
+    /// audit anchor), not every account: what the scheduled reconciler runs between its full
+    /// passes. Without a watermark (no clean run yet) the run is a full pass.
+    #[arg(long)]
+    pub incremental: bool,
 }
 
 /// A database that has not let us log in within this does not answer (a login here takes well
@@ -64,23 +69,41 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             .with_context(|| format!("reading the audit anchor {}", path.display()))?,
         None => None,
     };
+    let watermark_file = anchor_file.as_deref().map(reconciler::Watermark::beside);
+    let since = match (&watermark_file, args.incremental) {
+        (Some(path), true) => reconciler::Watermark::load(path)
+            .with_context(|| format!("reading the watermark {}", path.display()))?,
+        (None, true) => anyhow::bail!(
+            "--incremental needs the watermark kept beside an audit anchor: give --audit-anchor-file"
+        ),
+        (_, false) => None,
+    };
     let report = reconciler::reconcile(
         &sources,
         &reconciler::Options {
             require_outbox_drained: args.require_drained,
             audit_anchor,
+            since,
             rail: reconciler::RailOptions::kept_beside(anchor_file.as_deref())
                 .context("reading the rail cross-check's cursor beside the audit anchor")?,
+            ..Default::default()
         },
     )
     .await?;
     // The rail cross-check's cursor advances every run (RailOptions::keep_beside says why).
     reconciler::RailOptions::keep_beside(anchor_file.as_deref(), report.rail_cursor.as_deref())
         .context("writing the rail cross-check's cursor beside the audit anchor")?;
-    // A run that found the chain broken keeps the old anchor: the evidence stays.
-    if let (Some(path), true) = (&anchor_file, report.is_clean()) {
+    // A run that found the chain broken keeps the old anchor and watermark: the evidence stays,
+    // and the next incremental run examines everything touched since the last clean one.
+    if let (Some(path), Some(watermark_file), true) =
+        (&anchor_file, &watermark_file, report.is_clean())
+    {
         reconciler::AuditHead::save(&report.audit_heads, path)
             .with_context(|| format!("writing the audit anchor {}", path.display()))?;
+        report
+            .watermark
+            .save(watermark_file)
+            .with_context(|| format!("writing the watermark {}", watermark_file.display()))?;
     }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

@@ -17,8 +17,10 @@ pub mod lock_audit;
 pub mod lost_timeline;
 pub mod rail_check;
 pub mod row_chains;
+pub mod scope;
 
 pub use rail_check::RailOptions;
+pub use scope::{Scope, Watermark};
 
 use payout_domain::{Actor, PayoutEvent, PayoutState};
 use serde::Serialize;
@@ -145,6 +147,16 @@ pub struct Options {
     /// The rail cross-check's bound, periods and cursor ([`rail_check`]): pass the last run's
     /// [`Report::rail_cursor`] as `rail.cursor`.
     pub rail: RailOptions,
+    /// An incremental pass: examine only the accounts touched since this watermark (an earlier
+    /// clean run's [`Report::watermark`]) and the audit anchor of the same run ([`scope`]). None,
+    /// or no anchor: the full pass.
+    pub since: Option<Watermark>,
+    /// How far before the watermark the clock-based sources of an incremental pass look; None:
+    /// [`scope::OVERLAP_MS`]. (A test whose writes have all committed before each run may say 0.)
+    pub overlap_ms: Option<u64>,
+    /// Accounts per batch of the per-payout checks; None: [`ACCOUNTS_PER_BATCH`]. (Tests make it
+    /// small to hold a run of many batches to the findings of one.)
+    pub accounts_per_batch: Option<usize>,
 }
 
 /// A point of one of paydb's audit chains (one per account; "" for rows that name none): its
@@ -224,6 +236,11 @@ pub struct Report {
     /// paydb's audit chains' heads at this run: pass them as the next run's
     /// [`Options::audit_anchor`].
     pub audit_heads: Vec<AuditHead>,
+    /// Each database's clock at this run's snapshots: pass it as the next run's
+    /// [`Options::since`] (with [`Report::audit_heads`] as its anchor) for an incremental pass.
+    pub watermark: Watermark,
+    /// How many accounts an incremental pass examined (None: the full pass).
+    pub accounts_examined: Option<usize>,
 }
 
 impl Report {
@@ -288,6 +305,12 @@ impl Report {
             .iter()
             .map(|(s, n)| format!("{s}={n}"))
             .collect();
+        match self.accounts_examined {
+            Some(n) => out.push_str(&format!(
+                "incremental pass: {n} account(s) touched since the last clean run\n"
+            )),
+            None => out.push_str("full pass: every account\n"),
+        }
         out.push_str(&format!(
             "payouts: {}; rail movements: {}; outbox pending: {}; ambiguous: {}\n",
             states.join(" "),
@@ -330,19 +353,37 @@ const IN_FLIGHT: &str = "('CLAIMED','RAIL_SUBMITTED','RAIL_ACKED','RAIL_AMBIGUOU
 
 /// Runs every check, each store read in one snapshot (see [`Snapshots`]).
 pub async fn reconcile(sources: &Sources, options: &Options) -> Result<Report, ReconcileError> {
-    reconcile_with(sources, options, Reads::OneSnapshotPerStore).await
+    reconcile_with(sources, options, Reads::OneSnapshotPerStore, None).await
 }
 
-/// TEST ONLY (feature `negative-controls`, which no shipped binary is built with): [`reconcile`]
-/// as it read before each store had one snapshot per run: every statement on its own snapshot and
-/// no finding confirmed. A run on a busy system reports violations that are none; the crate's
-/// tests show it (`tests/busy.rs`).
+/// A write a test makes in the middle of a run (see [`reconcile_with_a_write_between`]).
+type Between =
+    Box<dyn FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send>;
+
+/// TEST ONLY (feature `negative-controls`): [`reconcile`] (or, `snapshots` false, the
+/// negative control's reads) with `write` awaited in the middle of the run, after the first
+/// batch's payouts are read and before their recorded histories are: the moment a busy system
+/// may commit a transition. With one snapshot per store the run sees none of it (a consistent
+/// book); without, it sees the history ahead of the payout's state, a violation that is none.
+/// Deterministic, where a loop racing a batch only sometimes lands a write there
+/// (`tests/busy.rs`).
 #[cfg(feature = "negative-controls")]
-pub async fn reconcile_without_snapshots(
+pub async fn reconcile_with_a_write_between<F, Fut>(
     sources: &Sources,
     options: &Options,
-) -> Result<Report, ReconcileError> {
-    reconcile_with(sources, options, Reads::EachStatementOnItsOwn).await
+    snapshots: bool,
+    write: F,
+) -> Result<Report, ReconcileError>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let reads = match snapshots {
+        true => Reads::OneSnapshotPerStore,
+        false => Reads::EachStatementOnItsOwn,
+    };
+    let between: Between = Box::new(move || Box::pin(write()));
+    reconcile_with(sources, options, reads, Some(between)).await
 }
 
 /// How a run reads the databases.
@@ -459,6 +500,7 @@ async fn reconcile_with(
     sources: &Sources,
     options: &Options,
     reads: Reads,
+    between: Option<Between>,
 ) -> Result<Report, ReconcileError> {
     let mut checks = Vec::new();
     let mut snap = Snapshots::take(sources, reads).await?;
@@ -470,42 +512,124 @@ async fn reconcile_with(
         ..
     } = &mut snap;
     let (paydb, proxydb, gldb) = (paydb.conn(), proxydb.conn(), gldb.conn());
-    let payouts = load_payouts(paydb).await?;
-    let payouts_by_state = payouts.values().fold(BTreeMap::new(), |mut m, p| {
-        *m.entry(p.state.clone()).or_insert(0u64) += 1;
-        m
-    });
-    let ambiguous_payouts = payouts
-        .values()
-        .filter(|p| p.state == "RAIL_AMBIGUOUS")
-        .map(|p| p.id.clone())
-        .collect();
+    let paydb_unix_ms = Watermark::clock(paydb, "paydb").await?;
+    let scope = match (&options.since, &options.audit_anchor) {
+        (Some(since), Some(anchor)) => {
+            let since = since.less(options.overlap_ms);
+            scope::touched(paydb, proxydb, gldb, anchor, &since).await?
+        }
+        _ => Scope::Full,
+    };
+    let watermark = Watermark {
+        paydb_unix_ms,
+        proxydb_unix_ms: Watermark::clock(proxydb, "proxydb").await?,
+        gldb_unix_ms: Watermark::clock(gldb, "gldb").await?,
+        full_pass_unix_ms: match (&scope, &options.since) {
+            (Scope::Accounts(_), Some(since)) => since.full_pass_unix_ms,
+            _ => paydb_unix_ms,
+        },
+    };
+    let (payouts_by_state, ambiguous_payouts) = payouts_by_state(paydb).await?;
 
+    // The checks that read rows per payout, over the run's accounts in batches (memory: one
+    // batch's rows, whatever the book's size); the full pass's accounts are every account any
+    // of the three stores names.
+    let accounts = match &scope {
+        Scope::Accounts(accounts) | Scope::Span(accounts) => accounts.clone(),
+        Scope::Full => every_account(paydb, proxydb).await?,
+    };
+    let recent_gl_since = match &scope {
+        Scope::Full | Scope::Span(_) => None,
+        Scope::Accounts(_) => options
+            .since
+            .map(|w| w.less(options.overlap_ms).gldb_unix_ms),
+    };
+    let mut per_payout = PerPayoutChecks {
+        between,
+        ..PerPayoutChecks::default()
+    };
+    let batches: Vec<&[String]> = match accounts.is_empty() {
+        true => vec![&[]],
+        false => accounts
+            .chunks(
+                options
+                    .accounts_per_batch
+                    .unwrap_or(ACCOUNTS_PER_BATCH)
+                    .max(1),
+            )
+            .collect(),
+    };
+    for batch in batches {
+        // A full pass's batch is a span of the account order (every account in it is in the
+        // batch: the list is every account), an incremental pass's its touched accounts.
+        let batch = match &scope {
+            Scope::Full => Scope::Span(batch.to_vec()),
+            _ => Scope::Accounts(batch.to_vec()),
+        };
+        per_payout
+            .run(
+                sources,
+                paydb,
+                proxydb,
+                gldb,
+                options,
+                &batch,
+                confirm,
+                recent_gl_since,
+            )
+            .await?;
+    }
+    if scope == Scope::Full {
+        let found = gl_rows_without_outbox_rows(
+            paydb,
+            gldb,
+            per_payout.journals_seen,
+            per_payout.events_seen,
+        )
+        .await?;
+        per_payout.gl.violations.extend(found);
+    }
+    if let (Some(grants), None) = (&sources.lock_grants, &per_payout.granted.skipped) {
+        per_payout.granted.note = Some(grant_horizon_note(
+            grants.horizon_ms,
+            per_payout.beyond_horizon,
+        ));
+    }
+    let PerPayoutChecks {
+        transitions,
+        guard1,
+        postings,
+        submissions,
+        guard2,
+        instructions,
+        gl,
+        granted,
+        pending: outbox_pending,
+        ..
+    } = per_payout;
     // The payouts the rail will be asked about, read with the run's payouts (the rail is asked
     // after the other checks, [`Snapshots`]).
     let rail_plan = rail_check::plan(sources, paydb, &options.rail).await?;
 
     checks.push(one_in_flight_per_account(paydb).await?);
-    checks.push(transition_history(paydb, &payouts).await?);
-    checks.push(guard1_tokens(paydb).await?);
-    checks.push(ledger_balanced(paydb).await?);
-    checks.push(postings_match_payouts(paydb, &payouts).await?);
-    checks.push(one_submission_per_payout(proxydb, &payouts).await?);
-    checks.push(guard2_tokens(proxydb).await?);
+    checks.push(transitions);
+    checks.push(guard1);
+    checks.push(ledger_balanced(paydb, &scope).await?);
+    checks.push(postings);
+    checks.push(submissions);
+    checks.push(guard2);
     checks.push(guard_database_current_in(paydb, proxydb).await?);
-    checks.push(fence_not_below_proxy_submissions_in(paydb, proxydb).await?);
-    checks.push(submissions_match_payouts(proxydb, &payouts).await?);
+    checks.push(fence_not_below_proxy_submissions_in(paydb, proxydb, &scope).await?);
+    checks.push(instructions);
     let rail = rail_plan.look_up(sources, proxydb, confirm).await?;
     let (rail_movements, rail_cursor) = (rail.movements, rail.cursor);
     checks.push(rail.check);
-    let (gl, outbox_pending) =
-        gl_matches_paydb(paydb, gldb, confirm.then_some(&sources.gldb), options).await?;
     checks.push(gl);
-    checks.push(tokens_were_granted(sources, paydb, proxydb).await?);
+    checks.push(granted);
     let (lock_audit, lock_audit_head) =
         lock_audit::lock_audit_chain_intact(sources, options).await?;
     checks.push(lock_audit);
-    let (chain, mut audit_heads) = audit_chain_in(paydb, options).await?;
+    let (chain, mut audit_heads) = audit_chain_in(paydb, options, &scope).await?;
     checks.push(chain);
     let (rows, row_heads) = row_chains::row_chains_in(paydb, proxydb, gldb, options).await?;
     checks.push(rows);
@@ -528,7 +652,145 @@ async fn reconcile_with(
         outbox_pending,
         audit_heads,
         ambiguous_payouts,
+        watermark,
+        accounts_examined: scope.accounts(),
     })
+}
+
+/// Accounts per batch of the checks that read rows per payout: the run holds one batch's rows
+/// (its payouts, transitions, submissions, outbox rows and GL rows) at a time. A thousand accounts
+/// at a hundred payouts each is about a hundred thousand payouts' rows, tens of MiB; the queries
+/// per batch go through each table's account index.
+pub const ACCOUNTS_PER_BATCH: usize = 1_000;
+
+/// Every account any store names: paydb's accounts, audit chains and outbox rows, and proxydb's
+/// high-waters and submissions (a submission for an account paydb does not know is a finding, so
+/// its account must be examined too). Sorted, deduplicated.
+async fn every_account(
+    paydb: &mut PgConnection,
+    proxydb: &mut PgConnection,
+) -> Result<Vec<String>, ReconcileError> {
+    let mut accounts: Vec<String> = sqlx::query_scalar(
+        "SELECT id FROM account UNION SELECT chain FROM audit_chain_head \
+         UNION SELECT DISTINCT account_id FROM ledger_outbox",
+    )
+    .fetch_all(&mut *paydb)
+    .await
+    .map_err(store("paydb"))?;
+    accounts.extend(
+        sqlx::query_scalar::<_, String>(
+            "SELECT account_id FROM account_high_water \
+             UNION SELECT DISTINCT account_id FROM rail_submission",
+        )
+        .fetch_all(&mut *proxydb)
+        .await
+        .map_err(store("proxydb"))?,
+    );
+    accounts.sort_unstable();
+    accounts.dedup();
+    Ok(accounts)
+}
+
+/// The per-payout checks' findings, added up over a run's batches.
+struct PerPayoutChecks {
+    transitions: Check,
+    guard1: Check,
+    postings: Check,
+    submissions: Check,
+    guard2: Check,
+    instructions: Check,
+    gl: Check,
+    granted: Check,
+    pending: u64,
+    journals_seen: u64,
+    events_seen: u64,
+    beyond_horizon: u64,
+    /// A test's write, awaited once between the first batch's payouts and their histories.
+    between: Option<Between>,
+}
+
+impl Default for PerPayoutChecks {
+    fn default() -> Self {
+        Self {
+            transitions: check("transition_history_replays", "INV-01/INV-08"),
+            guard1: check("paydb_tokens_never_decrease", "INV-04/INV-05"),
+            postings: check("postings_match_payouts", "INV-03"),
+            submissions: check("one_submission_per_payout", "INV-02"),
+            guard2: check("proxydb_tokens_never_decrease", "INV-04/INV-05"),
+            instructions: check("submissions_match_payouts", "INV-02"),
+            gl: check("gl_matches_paydb", "outbox/GL"),
+            granted: check("guard_tokens_were_granted", "INV-07"),
+            pending: 0,
+            journals_seen: 0,
+            events_seen: 0,
+            beyond_horizon: 0,
+            between: None,
+        }
+    }
+}
+
+impl PerPayoutChecks {
+    /// Runs every per-payout check over one batch of accounts and adds its findings.
+    #[allow(clippy::too_many_arguments)]
+    async fn run(
+        &mut self,
+        sources: &Sources,
+        paydb: &mut PgConnection,
+        proxydb: &mut PgConnection,
+        gldb: &mut PgConnection,
+        options: &Options,
+        batch: &Scope,
+        confirm: bool,
+        recent_gl_since: Option<i64>,
+    ) -> Result<(), ReconcileError> {
+        let payouts = load_payouts(paydb, batch).await?;
+        if let Some(write) = self.between.take() {
+            write().await;
+        }
+        add(
+            &mut self.transitions,
+            transition_history(paydb, &payouts, batch).await?,
+        );
+        add(&mut self.guard1, guard1_tokens(paydb, batch).await?);
+        add(
+            &mut self.postings,
+            postings_match_payouts(paydb, &payouts, batch).await?,
+        );
+        add(
+            &mut self.submissions,
+            one_submission_per_payout(proxydb, paydb, &payouts, batch).await?,
+        );
+        add(&mut self.guard2, guard2_tokens(proxydb, batch).await?);
+        add(
+            &mut self.instructions,
+            submissions_match_payouts(proxydb, paydb, &payouts, batch).await?,
+        );
+        let gl = gl_matches_paydb(
+            paydb,
+            gldb,
+            confirm.then_some(&sources.gldb),
+            options,
+            batch,
+            recent_gl_since,
+        )
+        .await?;
+        add(&mut self.gl, gl.check);
+        self.pending += gl.pending;
+        self.journals_seen += gl.journals_seen;
+        self.events_seen += gl.events_seen;
+        let (granted, beyond_horizon) = tokens_were_granted(sources, paydb, proxydb, batch).await?;
+        add(&mut self.granted, granted);
+        self.beyond_horizon += beyond_horizon;
+        Ok(())
+    }
+}
+
+/// Adds one batch's findings of a check to the run's.
+fn add(total: &mut Check, batch: Check) {
+    total.examined += batch.examined;
+    total.violations.extend(batch.violations);
+    total.skipped = total.skipped.take().or(batch.skipped);
+    total.note = batch.note.or(total.note.take());
 }
 
 #[derive(Debug, Clone)]
@@ -541,28 +803,96 @@ struct PayoutRow {
     beneficiary_ref: String,
 }
 
+/// The payouts of the run's scope.
 async fn load_payouts(
     paydb: &mut PgConnection,
+    scope: &Scope,
 ) -> Result<BTreeMap<String, PayoutRow>, ReconcileError> {
-    let rows =
-        sqlx::query("SELECT id, account_id, state, amount_minor, currency, beneficiary_ref, client_reference FROM payout")
-            .fetch_all(&mut *paydb)
-            .await
-            .map_err(store("paydb"))?;
+    let sql = format!(
+        "SELECT id, account_id, state, amount_minor, currency, beneficiary_ref, client_reference \
+         FROM payout WHERE {}",
+        scope.on("account_id", 1)
+    );
+    let rows = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
     Ok(rows
-        .into_iter()
+        .iter()
         .map(|r| {
-            let p = PayoutRow {
-                id: r.get("id"),
-                account_id: r.get("account_id"),
-                state: r.get("state"),
-                amount_minor: r.get("amount_minor"),
-                currency: r.get("currency"),
-                beneficiary_ref: r.get("beneficiary_ref"),
-            };
+            let p = payout_row(r);
             (p.id.clone(), p)
         })
         .collect())
+}
+
+fn payout_row(r: &sqlx::postgres::PgRow) -> PayoutRow {
+    PayoutRow {
+        id: r.get("id"),
+        account_id: r.get("account_id"),
+        state: r.get("state"),
+        amount_minor: r.get("amount_minor"),
+        currency: r.get("currency"),
+        beneficiary_ref: r.get("beneficiary_ref"),
+    }
+}
+
+/// `payouts` with every payout of `named` that paydb's snapshot holds and `payouts` lacks: a
+/// submission of an account the run examines may name a payout of an account it does not (a
+/// finding of its own, the instruction not matching the record), which must be judged against
+/// its record, not reported as unknown.
+async fn with_payouts_named<'a>(
+    paydb: &mut PgConnection,
+    payouts: &'a BTreeMap<String, PayoutRow>,
+    named: &[String],
+) -> Result<std::borrow::Cow<'a, BTreeMap<String, PayoutRow>>, ReconcileError> {
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|id| !payouts.contains_key(*id))
+        .collect();
+    if missing.is_empty() {
+        return Ok(std::borrow::Cow::Borrowed(payouts));
+    }
+    let rows = sqlx::query(
+        "SELECT id, account_id, state, amount_minor, currency, beneficiary_ref, client_reference \
+         FROM payout WHERE id = ANY($1)",
+    )
+    .bind(missing)
+    .fetch_all(&mut *paydb)
+    .await
+    .map_err(store("paydb"))?;
+    if rows.is_empty() {
+        return Ok(std::borrow::Cow::Borrowed(payouts));
+    }
+    let mut more = payouts.clone();
+    for r in rows {
+        let p = payout_row(&r);
+        more.insert(p.id.clone(), p);
+    }
+    Ok(std::borrow::Cow::Owned(more))
+}
+
+/// Every payout counted by state, and the ambiguous ones named, whatever the run's scope (the
+/// ambiguous ones through paydb 0011's index of the non-terminal payouts).
+async fn payouts_by_state(
+    paydb: &mut PgConnection,
+) -> Result<(BTreeMap<String, u64>, Vec<String>), ReconcileError> {
+    let by_state =
+        sqlx::query_as::<_, (String, i64)>("SELECT state, count(*) FROM payout GROUP BY state")
+            .fetch_all(&mut *paydb)
+            .await
+            .map_err(store("paydb"))?
+            .into_iter()
+            .map(|(state, n)| (state, n as u64))
+            .collect();
+    let ambiguous = sqlx::query_scalar(
+        "SELECT id FROM payout WHERE state = 'RAIL_AMBIGUOUS' ORDER BY created_at, id",
+    )
+    .fetch_all(&mut *paydb)
+    .await
+    .map_err(store("paydb"))?;
+    Ok((by_state, ambiguous))
 }
 
 /// INV-01's detective control: at most one payout per account is in flight.
@@ -594,15 +924,19 @@ async fn one_in_flight_per_account(paydb: &mut PgConnection) -> Result<Check, Re
 async fn transition_history(
     paydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
+    scope: &Scope,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("transition_history_replays", "INV-01/INV-08");
-    let rows = sqlx::query(
+    let sql = format!(
         "SELECT payout_id, from_state, to_state, event, actor FROM audit_event \
-         WHERE kind = 'transition' AND payout_id IS NOT NULL ORDER BY payout_id, id",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?;
+         WHERE kind = 'transition' AND payout_id IS NOT NULL AND {} ORDER BY payout_id, id",
+        scope.on("chain", 1)
+    );
+    let rows = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
     let mut history: HashMap<String, Vec<(String, String, String, String)>> = HashMap::new();
     for r in rows {
         history.entry(r.get("payout_id")).or_default().push((
@@ -666,15 +1000,18 @@ fn parse_actor(value: &str) -> Option<Actor> {
 
 /// INV-04/INV-05 at the first guard: per account, the tokens of accepted transitions never go
 /// down in commit order, and the stored fence is at least every accepted token.
-async fn guard1_tokens(paydb: &mut PgConnection) -> Result<Check, ReconcileError> {
+async fn guard1_tokens(paydb: &mut PgConnection, scope: &Scope) -> Result<Check, ReconcileError> {
     let mut c = check("paydb_tokens_never_decrease", "INV-04/INV-05");
-    let rows = sqlx::query(
+    let sql = format!(
         "SELECT account_id, token, payout_id FROM audit_event \
-         WHERE kind = 'transition' AND token IS NOT NULL ORDER BY account_id, id",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?;
+         WHERE kind = 'transition' AND token IS NOT NULL AND {} ORDER BY account_id, id",
+        scope.on("chain", 1)
+    );
+    let rows = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
     let mut last: HashMap<String, i64> = HashMap::new();
     for r in &rows {
         c.examined += 1;
@@ -691,7 +1028,9 @@ async fn guard1_tokens(paydb: &mut PgConnection) -> Result<Check, ReconcileError
         }
         last.insert(account, token);
     }
-    let fences = sqlx::query("SELECT id, fence FROM account")
+    let sql = format!("SELECT id, fence FROM account WHERE {}", scope.on("id", 1));
+    let fences = scope
+        .bind_rows(sqlx::query(&sql))
         .fetch_all(&mut *paydb)
         .await
         .map_err(store("paydb"))?;
@@ -721,7 +1060,7 @@ pub async fn audit_chain_intact(
     options: &Options,
 ) -> Result<(Check, Vec<AuditHead>), ReconcileError> {
     let mut conn = paydb.acquire().await.map_err(store("paydb"))?;
-    audit_chain_in(&mut conn, options).await
+    audit_chain_in(&mut conn, options, &Scope::Full).await
 }
 
 /// [`audit_chain_intact`] on the given connection (a run's snapshot: the chains and their heads
@@ -729,24 +1068,57 @@ pub async fn audit_chain_intact(
 async fn audit_chain_in(
     paydb: &mut PgConnection,
     options: &Options,
+    scope: &Scope,
 ) -> Result<(Check, Vec<AuditHead>), ReconcileError> {
     let mut c = check("audit_chain_intact", "audit");
-    let rows = sqlx::query(
+    // Which rows are checked, as (chain, the seq after which they are): every row (the full
+    // pass), or the rows each touched chain gained since the anchored head, read with that head's
+    // row, so that the first new row is checked against it (the anchored row itself is held to
+    // the anchor's hash below).
+    let (from, from_chains, from_seqs): (&str, Vec<String>, Vec<i64>) = match scope {
+        Scope::Full => ("audit_event e", Vec::new(), Vec::new()),
+        Scope::Accounts(accounts) | Scope::Span(accounts) => {
+            let anchored: HashMap<&str, i64> = options
+                .audit_anchor
+                .iter()
+                .flatten()
+                .map(|h| (h.chain.as_str(), h.seq))
+                .collect();
+            let seqs = accounts
+                .iter()
+                .map(|a| anchored.get(a.as_str()).copied().unwrap_or(0))
+                .collect();
+            (
+                "unnest($1::text[], $2::bigint[]) AS s(chain, after_seq) \
+                 JOIN audit_event e ON e.chain = s.chain AND e.chain_seq >= s.after_seq",
+                accounts.clone(),
+                seqs,
+            )
+        }
+    };
+    let after = match scope {
+        Scope::Full => "0",
+        Scope::Accounts(_) | Scope::Span(_) => "after_seq",
+    };
+    let sql = format!(
         "WITH c AS ( \
-           SELECT id, chain, chain_seq, prev_hash, row_hash, \
-                  sha256(prev_hash || audit_event_content(e)) AS recomputed, \
-                  lag(row_hash) OVER w AS before, lag(chain_seq) OVER w AS seq_before \
-           FROM audit_event e WINDOW w AS (PARTITION BY chain ORDER BY chain_seq)) \
-         SELECT id, chain, chain_seq, recomputed <> row_hash AS edited, \
+           SELECT e.id, e.chain, e.chain_seq, e.prev_hash, e.row_hash, {after} AS after_seq, \
+                  sha256(e.prev_hash || audit_event_content(e)) AS recomputed, \
+                  lag(e.row_hash) OVER w AS before, lag(e.chain_seq) OVER w AS seq_before \
+           FROM {from} WINDOW w AS (PARTITION BY e.chain ORDER BY e.chain_seq)) \
+         SELECT id, chain, chain_seq, \
+                recomputed <> row_hash AS edited, \
                 chain_seq <> coalesce(seq_before, 0) + 1 AS gap, \
                 prev_hash <> coalesce(before, audit_chain_genesis()) AS unlinked \
-         FROM c \
-         WHERE recomputed <> row_hash OR chain_seq <> coalesce(seq_before, 0) + 1 \
-            OR prev_hash <> coalesce(before, audit_chain_genesis())",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?;
+         FROM c WHERE chain_seq > after_seq AND (recomputed <> row_hash \
+            OR chain_seq <> coalesce(seq_before, 0) + 1 \
+            OR prev_hash <> coalesce(before, audit_chain_genesis()))"
+    );
+    let mut query = sqlx::query(&sql);
+    if *scope != Scope::Full {
+        query = query.bind(&from_chains).bind(&from_seqs);
+    }
+    let rows = query.fetch_all(&mut *paydb).await.map_err(store("paydb"))?;
     for r in rows {
         let id: i64 = r.get("id");
         let chain: String = r.get("chain");
@@ -756,21 +1128,51 @@ async fn audit_chain_in(
             chain_faults(&r)
         ));
     }
-    c.examined = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit_event")
+    let sql = format!(
+        "SELECT count(*) FROM {from} WHERE e.chain_seq > {}",
+        match scope {
+            Scope::Full => "0",
+            Scope::Accounts(_) | Scope::Span(_) => "s.after_seq",
+        }
+    );
+    let mut query = sqlx::query_as::<_, (i64,)>(&sql);
+    if *scope != Scope::Full {
+        query = query.bind(&from_chains).bind(&from_seqs);
+    }
+    c.examined = query
         .fetch_one(&mut *paydb)
         .await
-        .map_err(store("paydb"))? as u64;
-    // Each chain's head against its last row.
-    let heads = sqlx::query(
+        .map_err(store("paydb"))?
+        .0 as u64;
+    // Each chain's head against its last row (the touched chains' only, in the incremental
+    // pass: an untouched chain's head is still the anchored one, which is checked below); and
+    // every head, for the next run's anchor.
+    let last_rows = match scope {
+        Scope::Full => {
+            "SELECT DISTINCT ON (chain) chain, chain_seq AS seq, row_hash AS hash \
+             FROM audit_event ORDER BY chain, chain_seq DESC"
+        }
+        Scope::Accounts(_) | Scope::Span(_) => {
+            "SELECT l.* FROM unnest($1::text[]) AS s(chain) CROSS JOIN LATERAL ( \
+               SELECT chain, chain_seq AS seq, row_hash AS hash FROM audit_event e \
+               WHERE e.chain = s.chain ORDER BY chain_seq DESC LIMIT 1) l"
+        }
+    };
+    let sql = format!(
         "SELECT coalesce(h.chain, t.chain) AS chain, h.seq AS head_seq, h.hash AS head_hash, \
-                t.seq AS last_seq, t.hash AS last_hash \
-         FROM audit_chain_head h \
-         FULL JOIN (SELECT DISTINCT ON (chain) chain, chain_seq AS seq, row_hash AS hash \
-                    FROM audit_event ORDER BY chain, chain_seq DESC) t ON t.chain = h.chain",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?;
+                t.seq AS last_seq, t.hash AS last_hash, \
+                t.chain IS NOT NULL OR {} AS judged \
+         FROM audit_chain_head h FULL JOIN ({last_rows}) t ON t.chain = h.chain",
+        match scope {
+            Scope::Full => "TRUE",
+            Scope::Accounts(_) | Scope::Span(_) => "h.chain = ANY($1)",
+        }
+    );
+    let mut query = sqlx::query(&sql);
+    if *scope != Scope::Full {
+        query = query.bind(&from_chains);
+    }
+    let heads = query.fetch_all(&mut *paydb).await.map_err(store("paydb"))?;
     let mut current = Vec::new();
     for r in heads {
         let chain: String = r.get("chain");
@@ -778,7 +1180,9 @@ async fn audit_chain_in(
         let head_hash: Option<Vec<u8>> = r.get("head_hash");
         let last_seq: Option<i64> = r.get("last_seq");
         let last_hash: Option<Vec<u8>> = r.get("last_hash");
+        let judged: bool = r.get("judged");
         match (head_seq, last_seq) {
+            _ if !judged => {}
             (None, Some(last)) => c.violations.push(format!(
                 "chain {chain:?} has rows up to seq {last} but no head (the head was removed)"
             )),
@@ -857,33 +1261,50 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-async fn ledger_balanced(paydb: &mut PgConnection) -> Result<Check, ReconcileError> {
+async fn ledger_balanced(paydb: &mut PgConnection, scope: &Scope) -> Result<Check, ReconcileError> {
     let mut c = check("ledger_balanced", "INV-03");
-    c.examined =
-        sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT transaction_group) FROM ledger_entry")
-            .fetch_one(&mut *paydb)
-            .await
-            .map_err(store("paydb"))? as u64;
-    let groups = sqlx::query(
+    // The groups with an entry on an account of the scope, each with all its entries.
+    let groups_of_scope = match scope {
+        Scope::Full => "TRUE".to_string(),
+        Scope::Accounts(_) | Scope::Span(_) => format!(
+            "transaction_group IN (SELECT transaction_group FROM ledger_entry WHERE {})",
+            scope.on("account_id", 1)
+        ),
+    };
+    let sql = format!(
+        "SELECT count(DISTINCT transaction_group) FROM ledger_entry WHERE {groups_of_scope}"
+    );
+    c.examined = scope
+        .bind(sqlx::query_as::<_, (i64,)>(&sql))
+        .fetch_one(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?
+        .0 as u64;
+    let sql = format!(
         "SELECT transaction_group::text AS g, sum(amount_minor)::bigint AS s FROM ledger_entry \
-         GROUP BY transaction_group HAVING sum(amount_minor) <> 0",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?;
+         WHERE {groups_of_scope} GROUP BY transaction_group HAVING sum(amount_minor) <> 0"
+    );
+    let groups = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
     for r in groups {
         let g: String = r.get("g");
         let s: i64 = r.get("s");
         c.violations.push(format!("group {g} sums to {s}, not 0"));
     }
-    let balances = sqlx::query(
+    let sql = format!(
         "SELECT a.id, a.balance_minor, coalesce(sum(e.amount_minor), 0)::bigint AS summed \
-         FROM account a LEFT JOIN ledger_entry e ON e.account_id = a.id \
+         FROM account a LEFT JOIN ledger_entry e ON e.account_id = a.id WHERE {} \
          GROUP BY a.id, a.balance_minor HAVING a.balance_minor <> coalesce(sum(e.amount_minor), 0)",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?;
+        scope.on("a.id", 1)
+    );
+    let balances = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
     for r in balances {
         let id: String = r.get("id");
         let cached: i64 = r.get("balance_minor");
@@ -900,16 +1321,20 @@ async fn ledger_balanced(paydb: &mut PgConnection) -> Result<Check, ReconcileErr
 async fn postings_match_payouts(
     paydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
+    scope: &Scope,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("postings_match_payouts", "INV-03");
-    let rows = sqlx::query(
+    let sql = format!(
         "SELECT e.payout_id, count(*) AS n, \
                 coalesce(sum(e.amount_minor) FILTER (WHERE e.account_id = p.account_id), 0)::bigint AS customer \
-         FROM ledger_entry e JOIN payout p ON p.id = e.payout_id GROUP BY e.payout_id",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?;
+         FROM ledger_entry e JOIN payout p ON p.id = e.payout_id WHERE {} GROUP BY e.payout_id",
+        scope.on("p.account_id", 1)
+    );
+    let rows = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
     let mut posted: HashMap<String, (i64, i64)> = HashMap::new();
     for r in rows {
         posted.insert(r.get("payout_id"), (r.get("n"), r.get("customer")));
@@ -936,14 +1361,22 @@ async fn postings_match_payouts(
 /// INV-02 at the proxy: one submission record per payout, and only for payouts that exist.
 async fn one_submission_per_payout(
     proxydb: &mut PgConnection,
+    paydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
+    scope: &Scope,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("one_submission_per_payout", "INV-02");
-    let rows =
-        sqlx::query("SELECT payout_id, count(*) AS n FROM rail_submission GROUP BY payout_id")
-            .fetch_all(&mut *proxydb)
-            .await
-            .map_err(store("proxydb"))?;
+    let sql = format!(
+        "SELECT payout_id, count(*) AS n FROM rail_submission WHERE {} GROUP BY payout_id",
+        scope.on("account_id", 1)
+    );
+    let rows = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *proxydb)
+        .await
+        .map_err(store("proxydb"))?;
+    let named: Vec<String> = rows.iter().map(|r| r.get("payout_id")).collect();
+    let payouts = with_payouts_named(paydb, payouts, &named).await?;
     for r in rows {
         c.examined += 1;
         let payout: String = r.get("payout_id");
@@ -962,14 +1395,18 @@ async fn one_submission_per_payout(
 
 /// INV-04/INV-05 at the second guard: per account, submission tokens never go down in insertion
 /// order, and the high-water is at least every accepted token.
-async fn guard2_tokens(proxydb: &mut PgConnection) -> Result<Check, ReconcileError> {
+async fn guard2_tokens(proxydb: &mut PgConnection, scope: &Scope) -> Result<Check, ReconcileError> {
     let mut c = check("proxydb_tokens_never_decrease", "INV-04/INV-05");
-    let rows = sqlx::query(
-        "SELECT account_id, fence_token, payout_id FROM rail_submission ORDER BY account_id, id",
-    )
-    .fetch_all(&mut *proxydb)
-    .await
-    .map_err(store("proxydb"))?;
+    let sql = format!(
+        "SELECT account_id, fence_token, payout_id FROM rail_submission WHERE {} \
+         ORDER BY account_id, id",
+        scope.on("account_id", 1)
+    );
+    let rows = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *proxydb)
+        .await
+        .map_err(store("proxydb"))?;
     let mut last: HashMap<String, i64> = HashMap::new();
     for r in &rows {
         c.examined += 1;
@@ -985,7 +1422,12 @@ async fn guard2_tokens(proxydb: &mut PgConnection) -> Result<Check, ReconcileErr
         }
         last.insert(account, token);
     }
-    let hw = sqlx::query("SELECT account_id, high_water FROM account_high_water")
+    let sql = format!(
+        "SELECT account_id, high_water FROM account_high_water WHERE {}",
+        scope.on("account_id", 1)
+    );
+    let hw = scope
+        .bind_rows(sqlx::query(&sql))
         .fetch_all(&mut *proxydb)
         .await
         .map_err(store("proxydb"))?;
@@ -1072,7 +1514,7 @@ pub async fn fence_not_below_proxy_submissions(
 ) -> Result<Check, ReconcileError> {
     let mut proxydb = proxydb.acquire().await.map_err(store("proxydb"))?;
     let mut paydb = paydb.acquire().await.map_err(store("paydb"))?;
-    fence_not_below_proxy_submissions_in(&mut paydb, &mut proxydb).await
+    fence_not_below_proxy_submissions_in(&mut paydb, &mut proxydb, &Scope::Full).await
 }
 
 /// [`fence_not_below_proxy_submissions`] on the given connections: in a run, proxydb's snapshot
@@ -1080,16 +1522,22 @@ pub async fn fence_not_below_proxy_submissions(
 async fn fence_not_below_proxy_submissions_in(
     paydb: &mut PgConnection,
     proxydb: &mut PgConnection,
+    scope: &Scope,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("fence_not_below_proxy_submissions", "INV-04/INV-05");
-    let submitted = sqlx::query(
+    let sql = format!(
         "SELECT DISTINCT ON (account_id) account_id, fence_token, payout_id FROM rail_submission \
-         WHERE outcome IS DISTINCT FROM 'NOT_SENT' ORDER BY account_id, fence_token DESC, id",
-    )
-    .fetch_all(&mut *proxydb)
-    .await
-    .map_err(store("proxydb"))?;
-    let fences: HashMap<String, i64> = sqlx::query("SELECT id, fence FROM account")
+         WHERE outcome IS DISTINCT FROM 'NOT_SENT' AND {} ORDER BY account_id, fence_token DESC, id",
+        scope.on("account_id", 1)
+    );
+    let submitted = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *proxydb)
+        .await
+        .map_err(store("proxydb"))?;
+    let sql = format!("SELECT id, fence FROM account WHERE {}", scope.on("id", 1));
+    let fences: HashMap<String, i64> = scope
+        .bind_rows(sqlx::query(&sql))
         .fetch_all(&mut *paydb)
         .await
         .map_err(store("paydb"))?
@@ -1122,16 +1570,23 @@ async fn fence_not_below_proxy_submissions_in(
 /// debit, never what a workflow's input said).
 async fn submissions_match_payouts(
     proxydb: &mut PgConnection,
+    paydb: &mut PgConnection,
     payouts: &BTreeMap<String, PayoutRow>,
+    scope: &Scope,
 ) -> Result<Check, ReconcileError> {
     let mut c = check("submissions_match_payouts", "INV-02");
-    let rows: Vec<(String, String, i64, String, String)> = sqlx::query_as(
+    let sql = format!(
         "SELECT payout_id, account_id, amount_minor, currency, beneficiary_ref FROM rail_submission \
-         WHERE outcome IS DISTINCT FROM 'NOT_SENT'",
-    )
-    .fetch_all(&mut *proxydb)
-    .await
-    .map_err(store("proxydb"))?;
+         WHERE outcome IS DISTINCT FROM 'NOT_SENT' AND {}",
+        scope.on("account_id", 1)
+    );
+    let rows: Vec<(String, String, i64, String, String)> = scope
+        .bind(sqlx::query_as(&sql))
+        .fetch_all(&mut *proxydb)
+        .await
+        .map_err(store("proxydb"))?;
+    let named: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
+    let payouts = with_payouts_named(paydb, payouts, &named).await?;
     for (payout_id, account_id, amount_minor, currency, beneficiary_ref) in rows {
         c.examined += 1;
         let Some(p) = payouts.get(&payout_id) else {
@@ -1170,29 +1625,64 @@ async fn gl_matches_paydb(
     gldb: &mut PgConnection,
     fresh_gldb: Option<&PgPool>,
     options: &Options,
-) -> Result<(Check, u64), ReconcileError> {
+    scope: &Scope,
+    recent_since_unix_ms: Option<i64>,
+) -> Result<GlFindings, ReconcileError> {
     let mut c = check("gl_matches_paydb", "outbox/GL");
-    let outbox = sqlx::query(
+    let sql = format!(
         "SELECT idempotency_key, kind, payload, delivered_at IS NOT NULL AS delivered, journal_id \
-         FROM ledger_outbox",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?;
-    let journals = sqlx::query(
+         FROM ledger_outbox WHERE {}",
+        scope.on("account_id", 1)
+    );
+    let outbox = scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
+    // The GL's rows to hold against them: every row of the payment resource (Scope::Full), or
+    // the rows of those outbox rows (by key, and every event of their payouts), and in an
+    // incremental pass every row the GL recorded since the watermark too: a recent GL row with
+    // no outbox row at all is found among those. (A full pass finds such rows by count:
+    // [`gl_rows_without_outbox_rows`].)
+    let (journals_of, events_of, keys, payout_ids) = match scope {
+        Scope::Full => ("TRUE", "TRUE", Vec::new(), Vec::new()),
+        Scope::Accounts(_) | Scope::Span(_) => {
+            let keys: Vec<String> = outbox.iter().map(|r| r.get("idempotency_key")).collect();
+            let payouts: Vec<String> = outbox
+                .iter()
+                .filter_map(|r| {
+                    r.get::<serde_json::Value, _>("payload")["source_transaction_id"]
+                        .as_str()
+                        .map(str::to_string)
+                })
+                .collect();
+            match recent_since_unix_ms {
+                Some(_) => (
+                    "(j.idempotency_key = ANY($1) OR j.recorded_at >= to_timestamp($2 / 1000.0))",
+                    "(source_transaction_id = ANY($1) OR recorded_at >= to_timestamp($2 / 1000.0))",
+                    keys,
+                    payouts,
+                ),
+                None => (
+                    "j.idempotency_key = ANY($1)",
+                    "source_transaction_id = ANY($1)",
+                    keys,
+                    payouts,
+                ),
+            }
+        }
+    };
+    let sql = format!(
         "SELECT j.idempotency_key, e.line_number, e.amount::text AS amount \
-         FROM journals j JOIN entries e ON e.journal_id = j.id WHERE j.source_service = 'payment-resource'",
-    )
-    .fetch_all(&mut *gldb)
-    .await
-    .map_err(store("gldb"))?;
-    let events = sqlx::query(
+         FROM journals j JOIN entries e ON e.journal_id = j.id \
+         WHERE j.source_service = 'payment-resource' AND {journals_of}"
+    );
+    let journals = gl_rows(gldb, &sql, scope, &keys, recent_since_unix_ms).await?;
+    let sql = format!(
         "SELECT id::text AS id, source_transaction_id, event_version, event_type FROM transaction_events \
-         WHERE source_service = 'payment-resource'",
-    )
-    .fetch_all(&mut *gldb)
-    .await
-    .map_err(store("gldb"))?;
+         WHERE source_service = 'payment-resource' AND {events_of}"
+    );
+    let events = gl_rows(gldb, &sql, scope, &payout_ids, recent_since_unix_ms).await?;
     let mut gl: HashMap<String, BTreeMap<i32, String>> = HashMap::new();
     for r in journals {
         let amount: String = r.get("amount");
@@ -1319,7 +1809,148 @@ async fn gl_matches_paydb(
         }
     }
     c.note = lost.note();
-    Ok((c, pending))
+    Ok(GlFindings {
+        journals_seen: gl.len() as u64,
+        events_seen: gl_events.len() as u64,
+        check: c,
+        pending,
+    })
+}
+
+/// The GL's rows of one of [`gl_matches_paydb`]'s queries: everything (Scope::Full), or those
+/// named by `names` (`$1`) and, given, those recorded since (`$2`).
+async fn gl_rows(
+    gldb: &mut PgConnection,
+    sql: &str,
+    scope: &Scope,
+    names: &[String],
+    recent_since_unix_ms: Option<i64>,
+) -> Result<Vec<sqlx::postgres::PgRow>, ReconcileError> {
+    let mut query = sqlx::query(sql);
+    if *scope != Scope::Full {
+        query = query.bind(names);
+        if let Some(since) = recent_since_unix_ms {
+            query = query.bind(since);
+        }
+    }
+    query.fetch_all(&mut *gldb).await.map_err(store("gldb"))
+}
+
+/// What [`gl_matches_paydb`] found over its outbox rows.
+struct GlFindings {
+    check: Check,
+    /// Undelivered outbox rows.
+    pending: u64,
+    /// The GL's journals and events of the payment resource it read (each belongs to one account,
+    /// so over a full pass's batches they add up to the GL's own count unless the GL holds a row
+    /// no outbox row of any account explains).
+    journals_seen: u64,
+    events_seen: u64,
+}
+
+/// GL rows read per page when a full pass looks for the GL's rows that no outbox row explains.
+pub const GL_SWEEP_PAGE: i64 = 10_000;
+
+/// The full pass's last GL finding: a journal or event of the payment resource that no outbox
+/// row of any account explains (nor a paydb restore's lost timeline). Counted first: when every
+/// GL row was read against its outbox row in some batch (`seen` equals the GL's count), there is
+/// none, and nothing more is read; otherwise the GL is read page by page, each page's rows looked
+/// up in paydb, so that memory stays one page whatever the ledger's size.
+async fn gl_rows_without_outbox_rows(
+    paydb: &mut PgConnection,
+    gldb: &mut PgConnection,
+    journals_seen: u64,
+    events_seen: u64,
+) -> Result<Vec<String>, ReconcileError> {
+    let mut found = Vec::new();
+    let (journals, events): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM journals WHERE source_service = 'payment-resource'), \
+                (SELECT count(*) FROM transaction_events WHERE source_service = 'payment-resource')",
+    )
+    .fetch_one(&mut *gldb)
+    .await
+    .map_err(store("gldb"))?;
+    let mut lost = lost_timeline::LostTimeline::read(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
+    if journals as u64 > journals_seen {
+        let mut after = String::new();
+        loop {
+            let page: Vec<String> = sqlx::query_scalar(
+                "SELECT idempotency_key FROM journals \
+                 WHERE source_service = 'payment-resource' AND idempotency_key > $1 \
+                 ORDER BY idempotency_key LIMIT $2",
+            )
+            .bind(&after)
+            .bind(GL_SWEEP_PAGE)
+            .fetch_all(&mut *gldb)
+            .await
+            .map_err(store("gldb"))?;
+            let Some(last) = page.last().cloned() else {
+                break;
+            };
+            let known: BTreeSet<String> = sqlx::query_scalar(
+                "SELECT idempotency_key FROM ledger_outbox WHERE idempotency_key = ANY($1)",
+            )
+            .bind(&page)
+            .fetch_all(&mut *paydb)
+            .await
+            .map_err(store("paydb"))?
+            .into_iter()
+            .collect();
+            for key in page.iter().filter(|k| !known.contains(*k)) {
+                if !lost.explains_journal(key) {
+                    found.push(format!("GL journal {key} has no posting in paydb"));
+                }
+            }
+            after = last;
+        }
+    }
+    if events as u64 > events_seen {
+        let (mut after_payout, mut after_version) = (String::new(), 0i32);
+        loop {
+            let page: Vec<(String, i32, String)> = sqlx::query_as(
+                "SELECT source_transaction_id, event_version, event_type FROM transaction_events \
+                 WHERE source_service = 'payment-resource' \
+                   AND (source_transaction_id, event_version) > ($1, $2) \
+                 ORDER BY source_transaction_id, event_version LIMIT $3",
+            )
+            .bind(&after_payout)
+            .bind(after_version)
+            .bind(GL_SWEEP_PAGE)
+            .fetch_all(&mut *gldb)
+            .await
+            .map_err(store("gldb"))?;
+            let Some((last_payout, last_version, _)) = page.last().cloned() else {
+                break;
+            };
+            let payouts: Vec<&str> = page.iter().map(|(p, _, _)| p.as_str()).collect();
+            let known: BTreeSet<(String, i64)> = sqlx::query_as::<_, (String, i64)>(
+                "SELECT o.payload->>'source_transaction_id', (o.payload->>'event_version')::bigint \
+                 FROM payout p JOIN ledger_outbox o ON o.account_id = p.account_id \
+                 WHERE p.id = ANY($1) AND o.kind = 'TRANSACTION_EVENT' \
+                   AND o.payload->>'source_transaction_id' = p.id",
+            )
+            .bind(&payouts)
+            .fetch_all(&mut *paydb)
+            .await
+            .map_err(store("paydb"))?
+            .into_iter()
+            .collect();
+            for (payout, version, event_type) in &page {
+                let version = i64::from(*version);
+                if !known.contains(&(payout.clone(), version))
+                    && !lost.explains_event(payout, version)
+                {
+                    found.push(format!(
+                        "GL event {event_type} of {payout} v{version} has no outbox row in paydb"
+                    ));
+                }
+            }
+            (after_payout, after_version) = (last_payout, last_version);
+        }
+    }
+    Ok(found)
 }
 
 /// What an outbox row put in the GL, as the GL names it.
@@ -1370,12 +2001,13 @@ async fn tokens_were_granted(
     sources: &Sources,
     paydb: &mut PgConnection,
     proxydb: &mut PgConnection,
-) -> Result<Check, ReconcileError> {
+    scope: &Scope,
+) -> Result<(Check, u64), ReconcileError> {
     let mut c = check("guard_tokens_were_granted", "INV-07");
     let Some(grants) = &sources.lock_grants else {
         c.skipped =
             Some("no etcd grant records given (PostgreSQL lock backend, or not configured)".into());
-        return Ok(c);
+        return Ok((c, 0));
     };
     // The acceptances first (the run's snapshots), then the records: a token accepted while this
     // runs was granted before it was accepted, so its record is already there when the records
@@ -1395,13 +2027,17 @@ async fn tokens_were_granted(
             *entry = (at_unix_ms, what);
         }
     };
-    for r in sqlx::query(
+    let sql = format!(
         "SELECT account_id, fence_token, payout_id, \
-           (extract(epoch FROM created_at) * 1000)::bigint AS at_unix_ms FROM rail_submission",
-    )
-    .fetch_all(&mut *proxydb)
-    .await
-    .map_err(store("proxydb"))?
+           (extract(epoch FROM created_at) * 1000)::bigint AS at_unix_ms FROM rail_submission \
+         WHERE {}",
+        scope.on("account_id", 1)
+    );
+    for r in scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *proxydb)
+        .await
+        .map_err(store("proxydb"))?
     {
         accept(
             r.get("account_id"),
@@ -1410,13 +2046,17 @@ async fn tokens_were_granted(
             format!("submission of {}", r.get::<String, _>("payout_id")),
         );
     }
-    for r in sqlx::query(
+    let sql = format!(
         "SELECT account_id, token, (extract(epoch FROM min(at)) * 1000)::bigint AS at_unix_ms \
-         FROM audit_event WHERE kind = 'transition' AND token IS NOT NULL GROUP BY account_id, token",
-    )
-    .fetch_all(&mut *paydb)
-    .await
-    .map_err(store("paydb"))?
+         FROM audit_event WHERE kind = 'transition' AND token IS NOT NULL AND {} \
+         GROUP BY account_id, token",
+        scope.on("chain", 1)
+    );
+    for r in scope
+        .bind_rows(sqlx::query(&sql))
+        .fetch_all(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?
     {
         accept(
             r.get("account_id"),
@@ -1425,7 +2065,19 @@ async fn tokens_were_granted(
             "paydb transition".into(),
         );
     }
-    let granted = grant_records(grants).await?;
+    let granted = match scope {
+        Scope::Full => grant_records(grants, None).await?,
+        Scope::Accounts(_) | Scope::Span(_) => {
+            // Only the accounts with a token to demand a record for: an old book asks etcd nothing.
+            let mut needed: Vec<String> = presented
+                .iter()
+                .filter(|(_, (first, _))| *first >= horizon_start_unix_ms)
+                .map(|((account, _), _)| account.clone())
+                .collect();
+            needed.dedup();
+            grant_records(grants, Some(&needed)).await?
+        }
+    };
     let mut beyond_horizon = 0u64;
     for ((account, token), (first_accepted_unix_ms, what)) in presented {
         if first_accepted_unix_ms < horizon_start_unix_ms {
@@ -1446,23 +2098,50 @@ async fn tokens_were_granted(
                 .push(format!("{what}: token {token} for {key} was never granted"));
         }
     }
-    c.note = Some(format!(
-        "grant records are kept for a retention window: demanded for tokens first accepted within \
-         the last {} (horizon); {beyond_horizon} older token(s) not checked",
-        human_duration(grants.horizon_ms)
-    ));
-    Ok(c)
+    Ok((c, beyond_horizon))
 }
 
-/// Every grant record under the prefix, as lock key -> tokens, read page by page.
+/// The grant check's note: what it deliberately left out.
+fn grant_horizon_note(horizon_ms: u64, beyond_horizon: u64) -> String {
+    format!(
+        "grant records are kept for a retention window: demanded for tokens first accepted within \
+         the last {} (horizon); {beyond_horizon} older token(s) not checked",
+        human_duration(horizon_ms)
+    )
+}
+
+/// Every grant record under the prefix (or, given accounts, under each one's lock key), as lock
+/// key -> tokens, read page by page.
 async fn grant_records(
     grants: &LockGrants,
+    accounts: Option<&[String]>,
 ) -> Result<HashMap<String, BTreeSet<i64>>, ReconcileError> {
     let mut client = grants.connect().await?;
     let grants_prefix = format!("{}grants/", grants.prefix);
-    let range_end = prefix_end(grants_prefix.as_bytes());
     let mut granted: HashMap<String, BTreeSet<i64>> = HashMap::new();
-    let mut from = grants_prefix.as_bytes().to_vec();
+    let Some(accounts) = accounts else {
+        read_grant_records(&mut client, &grants_prefix, &grants_prefix, &mut granted).await?;
+        return Ok(granted);
+    };
+    for account in accounts {
+        let Ok(account) = payout_domain::AccountId::parse(account.clone()) else {
+            continue;
+        };
+        let range = format!("{grants_prefix}{}/", payout_domain::lock_key(&account));
+        read_grant_records(&mut client, &grants_prefix, &range, &mut granted).await?;
+    }
+    Ok(granted)
+}
+
+/// The grant records under `range` (a prefix within `grants_prefix`) into `granted`.
+async fn read_grant_records(
+    client: &mut etcd_client::Client,
+    grants_prefix: &str,
+    range: &str,
+    granted: &mut HashMap<String, BTreeSet<i64>>,
+) -> Result<(), ReconcileError> {
+    let range_end = prefix_end(range.as_bytes());
+    let mut from = range.as_bytes().to_vec();
     loop {
         let got = client
             .get(
@@ -1477,7 +2156,7 @@ async fn grant_records(
             .await?;
         for kv in got.kvs() {
             let key = String::from_utf8_lossy(kv.key());
-            if let Some(rest) = key.strip_prefix(&grants_prefix) {
+            if let Some(rest) = key.strip_prefix(grants_prefix) {
                 if let Some((lock_key, _)) = rest.rsplit_once('/') {
                     granted
                         .entry(lock_key.to_string())
@@ -1492,7 +2171,7 @@ async fn grant_records(
                 from = last.key().to_vec();
                 from.push(0);
             }
-            _ => return Ok(granted),
+            _ => return Ok(()),
         }
     }
 }

@@ -661,3 +661,235 @@ async fn grant_records_are_demanded_only_within_the_horizon() {
         report.render()
     );
 }
+
+/// A system with one payout paid on each of acct-{tag}1..3 (po-{tag}1..3), its outbox drained.
+async fn three_accounts_paid(tag: &str) -> (System, Sources) {
+    let system = system_without_workers().await;
+    for n in 1..=3 {
+        pay(
+            &system,
+            &format!("acct-{tag}{n}"),
+            &format!("po-{tag}{n}"),
+            100 * n,
+        )
+        .await;
+    }
+    drained(&system).await;
+    let src = sources(&system).await;
+    (system, src)
+}
+
+fn examined(report: &Report, name: &str) -> u64 {
+    check(report, name).examined
+}
+
+/// An incremental pass (issue 35, item 4) examines the accounts touched since the last clean run
+/// and no other: its cost follows the traffic since then, not the size of the book. Before it,
+/// every run read every payout, submission, outbox row and audit row (here: 5 payouts where 3
+/// are the new traffic's). It still finds what is broken where the evidence moved (a submission
+/// planted in proxydb now, which touches its account by proxydb's clock), and what it cannot see
+/// (a payout's state rewritten behind every trigger, leaving no audit row and no timestamp) the
+/// full pass finds: the limit the service's periodic full pass exists for.
+#[tokio::test]
+async fn an_incremental_pass_examines_only_the_accounts_touched_since_the_last_clean_run() {
+    let (system, src) = three_accounts_paid("i").await;
+    let full = reconciler::reconcile(&src, &Options::default())
+        .await
+        .unwrap();
+    assert!(full.is_clean(), "{}", full.render());
+    assert_eq!(full.accounts_examined, None, "no watermark: the full pass");
+    assert_eq!(examined(&full, "transition_history_replays"), 3);
+    // Every write here has committed before the run that follows it, so no overlap is needed
+    // to see it: the runs below examine exactly what changed since the watermark.
+    let since = |report: &Report| Options {
+        audit_anchor: Some(report.audit_heads.clone()),
+        since: Some(report.watermark),
+        overlap_ms: Some(0),
+        ..Options::default()
+    };
+    // With the deployment's overlap, the clock-based sources reach back past it: the last
+    // minutes' accounts are examined again (a transaction open at the watermark may have
+    // committed after it).
+    let overlapping = reconciler::reconcile(
+        &src,
+        &Options {
+            overlap_ms: None,
+            ..since(&full)
+        },
+    )
+    .await
+    .unwrap();
+    assert!(overlapping.is_clean(), "{}", overlapping.render());
+    assert_eq!(
+        overlapping.accounts_examined,
+        Some(3),
+        "{}",
+        overlapping.render()
+    );
+
+    // Nothing happened since: nothing to examine, and clean.
+    let idle = reconciler::reconcile(&src, &since(&full)).await.unwrap();
+    assert!(idle.is_clean(), "{}", idle.render());
+    assert_eq!(idle.accounts_examined, Some(0), "{}", idle.render());
+    assert_eq!(examined(&idle, "transition_history_replays"), 0);
+
+    // New traffic on one old account and one new one.
+    pay(&system, "acct-i2", "po-i2b", 50).await;
+    pay(&system, "acct-i4", "po-i4", 400).await;
+    drained(&system).await;
+    let incremental = reconciler::reconcile(&src, &since(&full)).await.unwrap();
+    assert!(incremental.is_clean(), "{}", incremental.render());
+    assert_eq!(
+        incremental.accounts_examined,
+        Some(2),
+        "{}",
+        incremental.render()
+    );
+    assert_eq!(
+        examined(&incremental, "transition_history_replays"),
+        3,
+        "acct-i2's two payouts and acct-i4's one, not acct-i1's or acct-i3's"
+    );
+    assert_eq!(
+        examined(&incremental, "postings_match_payouts"),
+        3,
+        "{}",
+        incremental.render()
+    );
+    let full_now = reconciler::reconcile(&src, &Options::default())
+        .await
+        .unwrap();
+    assert!(full_now.is_clean(), "{}", full_now.render());
+    assert_eq!(examined(&full_now, "transition_history_replays"), 5);
+    assert_eq!(
+        examined(&incremental, "audit_chain_intact"),
+        examined(&full_now, "audit_chain_intact") - examined(&full, "audit_chain_intact"),
+        "only the audit rows written since the anchor: {}",
+        incremental.render()
+    );
+
+    // A submission planted in proxydb for an untouched account: it touches that account by
+    // proxydb's clock, and the incremental pass judges it.
+    behind_the_back(
+        &system.databases.proxydb,
+        "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, \
+           amount_minor, currency, beneficiary_ref) \
+         VALUES ('po-i-ghost', 'acct-i1', 1, 'planted', 'cref-po-i-ghost', 5, 'EUR', 'ben-1')",
+    )
+    .await;
+    let planted = reconciler::reconcile(&src, &since(&incremental))
+        .await
+        .unwrap();
+    assert!(
+        violations(&planted, "one_submission_per_payout")
+            .iter()
+            .any(|v| v.contains("po-i-ghost")),
+        "the incremental pass must judge the planted submission:\n{}",
+        planted.render()
+    );
+
+    // A payout rewritten behind every trigger writes no audit row and stamps no time: the
+    // incremental pass does not see it (the limit, stated in scope.rs), the full pass does.
+    behind_the_back(
+        &system.databases.proxydb,
+        "DELETE FROM rail_submission WHERE payout_id = 'po-i-ghost'",
+    )
+    .await;
+    behind_the_back(
+        &system.databases.paydb,
+        "UPDATE payout SET state = 'FAILED' WHERE id = 'po-i3'",
+    )
+    .await;
+    let blind = reconciler::reconcile(&src, &since(&incremental))
+        .await
+        .unwrap();
+    assert!(
+        violations(&blind, "transition_history_replays").is_empty(),
+        "{}",
+        blind.render()
+    );
+    let seen = reconciler::reconcile(&src, &Options::default())
+        .await
+        .unwrap();
+    assert!(
+        violations(&seen, "transition_history_replays")
+            .iter()
+            .any(|v| v.contains("po-i3")),
+        "the full pass must see the rewritten payout:\n{}",
+        seen.render()
+    );
+}
+
+/// A full pass reads the per-payout checks' rows one batch of accounts at a time, so that its
+/// memory is one batch's whatever the book's size (before: every payout, transition, submission,
+/// outbox row and GL row at once; `payoutdev bench reconcile` measures both). Here in batches of
+/// one account, it reports exactly what one batch of every account reports, a clean book clean,
+/// and finds the GL rows no outbox row explains (which no batch reads: the pass counts the GL's
+/// rows against those its batches read, and reads the GL page by page only when they differ).
+#[tokio::test]
+async fn a_full_pass_in_batches_of_one_account_finds_what_a_single_batch_finds() {
+    let (system, src) = three_accounts_paid("b").await;
+    let batched = Options {
+        accounts_per_batch: Some(1),
+        ..Options::default()
+    };
+    let one = reconciler::reconcile(&src, &Options::default())
+        .await
+        .unwrap();
+    let many = reconciler::reconcile(&src, &batched).await.unwrap();
+    assert!(
+        one.is_clean() && many.is_clean(),
+        "{}\n{}",
+        one.render(),
+        many.render()
+    );
+    for c in &one.checks {
+        assert_eq!(
+            examined(&many, c.name),
+            c.examined,
+            "{}: batches must examine what one batch does",
+            c.name
+        );
+    }
+
+    behind_the_back(
+        &system.databases.gldb,
+        "INSERT INTO journals (id, source_service, idempotency_key, payload_hash, source_transaction_id, \
+           tracking_code, effect_kind, effect_version, occurred_at, correlation_id, actor_id) \
+         VALUES (gen_random_uuid(), 'payment-resource', 'planted-journal', repeat('0', 64), 'po-b1', \
+           '', 'PAYOUT_POSTED', 1, now(), '', 'planted'); \
+         INSERT INTO transaction_events (id, source_service, source_transaction_id, event_type, \
+           event_version, payload_hash, occurred_at, correlation_id, actor_id) \
+         VALUES (gen_random_uuid(), 'payment-resource', 'po-nowhere', 'PAYOUT_POSTED', 1, '', now(), \
+           '', 'planted')",
+    )
+    .await;
+    let one = reconciler::reconcile(&src, &Options::default())
+        .await
+        .unwrap();
+    let many = reconciler::reconcile(&src, &batched).await.unwrap();
+    for report in [&one, &many] {
+        let found = violations(report, "gl_matches_paydb");
+        assert!(
+            found
+                .iter()
+                .any(|v| v.contains("GL journal planted-journal has no posting")),
+            "{}",
+            report.render()
+        );
+        assert!(
+            found
+                .iter()
+                .any(|v| v.contains("of po-nowhere v1 has no outbox row")),
+            "{}",
+            report.render()
+        );
+    }
+    assert_eq!(
+        violations(&one, "gl_matches_paydb").len(),
+        violations(&many, "gl_matches_paydb").len(),
+        "{}\n{}",
+        one.render(),
+        many.render()
+    );
+}

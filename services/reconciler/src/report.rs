@@ -165,6 +165,13 @@ mod tests {
                 outbox_pending: 0,
                 ambiguous_payouts: vec!["po-1".into()],
                 audit_heads: Vec::new(),
+                watermark: reconciler::Watermark {
+                    paydb_unix_ms: 0,
+                    proxydb_unix_ms: 0,
+                    gldb_unix_ms: 0,
+                    full_pass_unix_ms: 0,
+                },
+                accounts_examined: None,
             }),
             resolutions: vec![
                 Resolution {

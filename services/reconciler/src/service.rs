@@ -139,6 +139,12 @@ pub struct Config {
     /// holds the head the run before saw (a rewritten chain is otherwise consistent in itself).
     #[arg(long, env = "RECONCILE_AUDIT_ANCHOR_FILE")]
     pub audit_anchor_file: Option<std::path::PathBuf>,
+    /// With an audit anchor file, a run examines only the accounts touched since the last clean
+    /// run (the watermark is kept beside the anchor: `reconciler::scope`), and a full pass of
+    /// every account runs when the last one is this long behind. The full pass is what sees a
+    /// write made behind every service and trigger, which leaves no audit row and no timestamp.
+    #[arg(long, env = "RECONCILE_FULL_PASS_EVERY_MS", default_value_t = FULL_PASS_EVERY_MS_DEFAULT)]
+    pub full_pass_every_ms: u64,
     /// Resolve orphaned RAIL_AMBIGUOUS payouts (evidence only) before the checks.
     #[arg(long, env = "RECONCILE_RESOLVE_ORPHANS")]
     pub resolve_orphans: bool,
@@ -234,6 +240,11 @@ impl Config {
     }
 }
 
+/// How often a scheduled run is a full pass (every account) rather than an incremental one: an
+/// hour, twelve runs of the default five-minute schedule, bounds how long a write made behind
+/// every service (no audit row, no timestamp) stays unseen, at the cost of one full read an hour.
+pub const FULL_PASS_EVERY_MS_DEFAULT: u64 = 3_600_000;
+
 /// Where each corrective pass of this process stopped (`resolver::walk`): the next run goes on
 /// from there. `reconciler serve` keeps one for all its runs; `reconciler once` begins at the
 /// start, as does a restarted process (still within the walk's bound).
@@ -296,16 +307,22 @@ pub async fn run_once(
     };
     drop(corrective);
     let checks = async {
-        let audit_anchor = match &config.audit_anchor_file {
-            Some(path) => reconciler::AuditHead::load(path)?,
-            None => None,
+        let (audit_anchor, since) = match &config.audit_anchor_file {
+            Some(path) => (
+                reconciler::AuditHead::load(path)?,
+                reconciler::Watermark::load(&reconciler::Watermark::beside(path))?
+                    .filter(|w| !w.full_pass_due(config.full_pass_every_ms)),
+            ),
+            None => (None, None),
         };
         let checks = reconciler::reconcile(
             sources,
             &Options {
                 require_outbox_drained: config.require_drained,
                 audit_anchor,
+                since,
                 rail: reconciler::RailOptions::kept_beside(config.audit_anchor_file.as_deref())?,
+                ..Default::default()
             },
         )
         .await?;
@@ -315,6 +332,9 @@ pub async fn run_once(
         )?;
         if let (Some(path), true) = (&config.audit_anchor_file, checks.is_clean()) {
             reconciler::AuditHead::save(&checks.audit_heads, path)?;
+            checks
+                .watermark
+                .save(&reconciler::Watermark::beside(path))?;
         }
         anyhow::Ok(checks)
     };
