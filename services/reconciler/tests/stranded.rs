@@ -181,7 +181,7 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
         .unwrap();
     assert!(
         described.contains(&format!(
-            "Payout {never_started}: resumed by the reconciler (account s-acct-"
+            "Payout {never_started}: resumed by the reconciler's stranded-payout pass (account s-acct-"
         )),
         "the resumed run's summary: {described}"
     );
