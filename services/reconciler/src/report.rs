@@ -218,7 +218,8 @@ mod tests {
     }
 
     /// The text of `reconciler once` is what it was when the checks' report carried the
-    /// corrective outcomes itself: checks, orphans, stranded payouts, then the total.
+    /// corrective outcomes itself: checks, the pass (full or incremental), orphans, stranded
+    /// payouts, then the total.
     #[test]
     fn the_run_renders_the_checks_then_the_corrective_sections_then_the_total() {
         let expected = [
@@ -228,6 +229,7 @@ mod tests {
             "  VIOLATION one_in_flight_payout_per_account: account a has several payouts in flight: x,y",
             "  guard_tokens_were_granted skipped: no etcd",
             "  guard_tokens_were_granted: a note",
+            "full pass: every account",
             "payouts: FAILED=1 POSTED=2; rail movements: 2; outbox pending: 0; ambiguous: 1",
             "ORPHAN                   WORKFLOW     EVIDENCE    NEW STATE       TOKEN  DETAIL",
             "po-1                     NOT_FOUND    FOUND       POSTED              7  d",
@@ -249,6 +251,7 @@ mod tests {
             "  VIOLATION one_in_flight_payout_per_account: account a has several payouts in flight: x,y",
             "  guard_tokens_were_granted skipped: no etcd",
             "  guard_tokens_were_granted: a note",
+            "full pass: every account",
             "payouts: FAILED=1 POSTED=2; rail movements: 2; outbox pending: 0; ambiguous: 1",
             "violations: 1",
         ];
@@ -261,14 +264,14 @@ mod tests {
     fn the_run_serializes_as_one_object_with_the_corrective_outcomes_last() {
         assert_eq!(
             serde_json::to_string(&run_report()).unwrap(),
-            r#"{"checks":[{"name":"one_in_flight_payout_per_account","invariant":"INV-01","examined":3,"violations":["account a has several payouts in flight: x,y"],"skipped":null,"note":null},{"name":"guard_tokens_were_granted","invariant":"INV-07","examined":0,"violations":[],"skipped":"no etcd","note":"a note"}],"violations":1,"payouts_by_state":{"FAILED":1,"POSTED":2},"rail_movements":2,"outbox_pending":0,"ambiguous_payouts":["po-1"],"audit_heads":[],"resolutions":[{"payout_id":"po-1","account_id":"acc-1","workflow":"NOT_FOUND","evidence":"FOUND","new_state":"POSTED","token":7,"detail":"d"},{"payout_id":"po-2","account_id":"acc-2","workflow":"TERMINATED","evidence":"LOCK_BUSY","new_state":"RAIL_AMBIGUOUS","token":null,"detail":""}],"resumptions":[{"payout_id":"","account_id":"acc-3","state":"","workflow":"","action":"TOOK_OVER","took_over_from":"worker-0/po-9","detail":""},{"payout_id":"po-4","account_id":"acc-4","state":"CLAIMED","workflow":"TERMINATED","action":"RESUMED","took_over_from":null,"detail":"x"}],"errors":[]}"#
+            r#"{"checks":[{"name":"one_in_flight_payout_per_account","invariant":"INV-01","examined":3,"violations":["account a has several payouts in flight: x,y"],"skipped":null,"note":null},{"name":"guard_tokens_were_granted","invariant":"INV-07","examined":0,"violations":[],"skipped":"no etcd","note":"a note"}],"violations":1,"payouts_by_state":{"FAILED":1,"POSTED":2},"rail_movements":2,"outbox_pending":0,"ambiguous_payouts":["po-1"],"audit_heads":[],"watermark":{"paydb_unix_ms":0,"proxydb_unix_ms":0,"gldb_unix_ms":0,"full_pass_unix_ms":0},"accounts_examined":null,"resolutions":[{"payout_id":"po-1","account_id":"acc-1","workflow":"NOT_FOUND","evidence":"FOUND","new_state":"POSTED","token":7,"detail":"d"},{"payout_id":"po-2","account_id":"acc-2","workflow":"TERMINATED","evidence":"LOCK_BUSY","new_state":"RAIL_AMBIGUOUS","token":null,"detail":""}],"resumptions":[{"payout_id":"","account_id":"acc-3","state":"","workflow":"","action":"TOOK_OVER","took_over_from":"worker-0/po-9","detail":""},{"payout_id":"po-4","account_id":"acc-4","state":"CLAIMED","workflow":"TERMINATED","action":"RESUMED","took_over_from":null,"detail":"x"}],"errors":[]}"#
         );
         let mut empty = run_report();
         empty.resolutions.clear();
         empty.resumptions.clear();
         assert_eq!(
             serde_json::to_string(&empty).unwrap(),
-            r#"{"checks":[{"name":"one_in_flight_payout_per_account","invariant":"INV-01","examined":3,"violations":["account a has several payouts in flight: x,y"],"skipped":null,"note":null},{"name":"guard_tokens_were_granted","invariant":"INV-07","examined":0,"violations":[],"skipped":"no etcd","note":"a note"}],"violations":1,"payouts_by_state":{"FAILED":1,"POSTED":2},"rail_movements":2,"outbox_pending":0,"ambiguous_payouts":["po-1"],"audit_heads":[],"resolutions":[],"resumptions":[],"errors":[]}"#
+            r#"{"checks":[{"name":"one_in_flight_payout_per_account","invariant":"INV-01","examined":3,"violations":["account a has several payouts in flight: x,y"],"skipped":null,"note":null},{"name":"guard_tokens_were_granted","invariant":"INV-07","examined":0,"violations":[],"skipped":"no etcd","note":"a note"}],"violations":1,"payouts_by_state":{"FAILED":1,"POSTED":2},"rail_movements":2,"outbox_pending":0,"ambiguous_payouts":["po-1"],"audit_heads":[],"watermark":{"paydb_unix_ms":0,"proxydb_unix_ms":0,"gldb_unix_ms":0,"full_pass_unix_ms":0},"accounts_examined":null,"resolutions":[],"resumptions":[],"errors":[]}"#
         );
     }
 
