@@ -91,6 +91,11 @@ pub struct Plant {
     pub answer: Option<String>,
     /// Anything that kept the plant from completing.
     pub problem: Option<String>,
+    /// The planted worker's process was gone when the answer was awaited: it exited with the
+    /// planted call (the supervisor starts a new one). Seen here as the Temporal SDK's own panic
+    /// ("Trying to send a new WFT for a run which already has one", temporalio-sdk-core 0.10.1,
+    /// `managed_run.rs`) after a worker was paused, which ends the process.
+    pub worker_exited: bool,
 }
 
 impl Plant {
@@ -872,6 +877,7 @@ async fn plant_stale_holder(
     .await?;
     let watch = PlantWatch {
         step: step.to_string(),
+        worker_pid: worker.pid(),
         worker: identity.clone(),
         payout: payout.clone(),
         token,
@@ -885,9 +891,21 @@ async fn plant_stale_holder(
     ))
 }
 
+/// Whether process `pid` still runs (not gone, not a zombie awaiting its reaping).
+fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command's closing parenthesis: "pid (comm) S ...".
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X')
+    })
+}
+
 /// Releases one planted call once it is stale, and collects the guard's answer.
 struct PlantWatch {
     step: String,
+    /// The planted worker's process: whether it still runs when no answer came.
+    worker_pid: Option<u32>,
     worker: String,
     payout: String,
     token: i64,
@@ -907,6 +925,7 @@ impl PlantWatch {
             successor_token: None,
             answer: None,
             problem: None,
+            worker_exited: false,
         };
         let deadline = Instant::now() + PLANT_STALL_MAX;
         while Instant::now() < deadline {
@@ -941,6 +960,15 @@ impl PlantWatch {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if plant.answer.is_none() {
+            plant.worker_exited = self.worker_pid.is_none_or(|pid| !process_alive(pid));
+            if plant.worker_exited && plant.problem.is_none() {
+                plant.problem = Some(format!(
+                    "{} exited with the planted call (restarted by the supervisor)",
+                    self.worker
+                ));
+            }
         }
         plant
     }
