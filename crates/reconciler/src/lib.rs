@@ -813,11 +813,7 @@ async fn load_payouts(
          FROM payout WHERE {}",
         scope.on("account_id", 1)
     );
-    let rows = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let rows = scope.rows(&mut *paydb, "paydb", &sql).await?;
     Ok(rows
         .iter()
         .map(|r| {
@@ -932,11 +928,7 @@ async fn transition_history(
          WHERE kind = 'transition' AND payout_id IS NOT NULL AND {} ORDER BY payout_id, id",
         scope.on("chain", 1)
     );
-    let rows = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let rows = scope.rows(&mut *paydb, "paydb", &sql).await?;
     let mut history: HashMap<String, Vec<(String, String, String, String)>> = HashMap::new();
     for r in rows {
         history.entry(r.get("payout_id")).or_default().push((
@@ -1007,11 +999,7 @@ async fn guard1_tokens(paydb: &mut PgConnection, scope: &Scope) -> Result<Check,
          WHERE kind = 'transition' AND token IS NOT NULL AND {} ORDER BY account_id, id",
         scope.on("chain", 1)
     );
-    let rows = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let rows = scope.rows(&mut *paydb, "paydb", &sql).await?;
     let mut last: HashMap<String, i64> = HashMap::new();
     for r in &rows {
         c.examined += 1;
@@ -1029,11 +1017,7 @@ async fn guard1_tokens(paydb: &mut PgConnection, scope: &Scope) -> Result<Check,
         last.insert(account, token);
     }
     let sql = format!("SELECT id, fence FROM account WHERE {}", scope.on("id", 1));
-    let fences = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let fences = scope.rows(&mut *paydb, "paydb", &sql).await?;
     for r in fences {
         let account: String = r.get("id");
         let fence: i64 = r.get("fence");
@@ -1284,11 +1268,7 @@ async fn ledger_balanced(paydb: &mut PgConnection, scope: &Scope) -> Result<Chec
         "SELECT transaction_group::text AS g, sum(amount_minor)::bigint AS s FROM ledger_entry \
          WHERE {groups_of_scope} GROUP BY transaction_group HAVING sum(amount_minor) <> 0"
     );
-    let groups = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let groups = scope.rows(&mut *paydb, "paydb", &sql).await?;
     for r in groups {
         let g: String = r.get("g");
         let s: i64 = r.get("s");
@@ -1300,11 +1280,7 @@ async fn ledger_balanced(paydb: &mut PgConnection, scope: &Scope) -> Result<Chec
          GROUP BY a.id, a.balance_minor HAVING a.balance_minor <> coalesce(sum(e.amount_minor), 0)",
         scope.on("a.id", 1)
     );
-    let balances = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let balances = scope.rows(&mut *paydb, "paydb", &sql).await?;
     for r in balances {
         let id: String = r.get("id");
         let cached: i64 = r.get("balance_minor");
@@ -1330,11 +1306,7 @@ async fn postings_match_payouts(
          FROM ledger_entry e JOIN payout p ON p.id = e.payout_id WHERE {} GROUP BY e.payout_id",
         scope.on("p.account_id", 1)
     );
-    let rows = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let rows = scope.rows(&mut *paydb, "paydb", &sql).await?;
     let mut posted: HashMap<String, (i64, i64)> = HashMap::new();
     for r in rows {
         posted.insert(r.get("payout_id"), (r.get("n"), r.get("customer")));
@@ -1370,11 +1342,7 @@ async fn one_submission_per_payout(
         "SELECT payout_id, count(*) AS n FROM rail_submission WHERE {} GROUP BY payout_id",
         scope.on("account_id", 1)
     );
-    let rows = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *proxydb)
-        .await
-        .map_err(store("proxydb"))?;
+    let rows = scope.rows(&mut *proxydb, "proxydb", &sql).await?;
     let named: Vec<String> = rows.iter().map(|r| r.get("payout_id")).collect();
     let payouts = with_payouts_named(paydb, payouts, &named).await?;
     for r in rows {
@@ -1402,11 +1370,7 @@ async fn guard2_tokens(proxydb: &mut PgConnection, scope: &Scope) -> Result<Chec
          ORDER BY account_id, id",
         scope.on("account_id", 1)
     );
-    let rows = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *proxydb)
-        .await
-        .map_err(store("proxydb"))?;
+    let rows = scope.rows(&mut *proxydb, "proxydb", &sql).await?;
     let mut last: HashMap<String, i64> = HashMap::new();
     for r in &rows {
         c.examined += 1;
@@ -1426,11 +1390,7 @@ async fn guard2_tokens(proxydb: &mut PgConnection, scope: &Scope) -> Result<Chec
         "SELECT account_id, high_water FROM account_high_water WHERE {}",
         scope.on("account_id", 1)
     );
-    let hw = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *proxydb)
-        .await
-        .map_err(store("proxydb"))?;
+    let hw = scope.rows(&mut *proxydb, "proxydb", &sql).await?;
     for r in hw {
         let account: String = r.get("account_id");
         let high: i64 = r.get("high_water");
@@ -1530,17 +1490,11 @@ async fn fence_not_below_proxy_submissions_in(
          WHERE outcome IS DISTINCT FROM 'NOT_SENT' AND {} ORDER BY account_id, fence_token DESC, id",
         scope.on("account_id", 1)
     );
-    let submitted = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *proxydb)
-        .await
-        .map_err(store("proxydb"))?;
+    let submitted = scope.rows(&mut *proxydb, "proxydb", &sql).await?;
     let sql = format!("SELECT id, fence FROM account WHERE {}", scope.on("id", 1));
     let fences: HashMap<String, i64> = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?
+        .rows(&mut *paydb, "paydb", &sql)
+        .await?
         .into_iter()
         .map(|r| (r.get("id"), r.get("fence")))
         .collect();
@@ -1634,11 +1588,7 @@ async fn gl_matches_paydb(
          FROM ledger_outbox WHERE {}",
         scope.on("account_id", 1)
     );
-    let outbox = scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    let outbox = scope.rows(&mut *paydb, "paydb", &sql).await?;
     // The GL's rows to hold against them: every row of the payment resource (Scope::Full), or
     // the rows of those outbox rows (by key, and every event of their payouts), and in an
     // incremental pass every row the GL recorded since the watermark too: a recent GL row with
@@ -2033,12 +1983,7 @@ async fn tokens_were_granted(
          WHERE {}",
         scope.on("account_id", 1)
     );
-    for r in scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *proxydb)
-        .await
-        .map_err(store("proxydb"))?
-    {
+    for r in scope.rows(&mut *proxydb, "proxydb", &sql).await? {
         accept(
             r.get("account_id"),
             r.get("fence_token"),
@@ -2052,12 +1997,7 @@ async fn tokens_were_granted(
          GROUP BY account_id, token",
         scope.on("chain", 1)
     );
-    for r in scope
-        .bind_rows(sqlx::query(&sql))
-        .fetch_all(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?
-    {
+    for r in scope.rows(&mut *paydb, "paydb", &sql).await? {
         accept(
             r.get("account_id"),
             r.get("token"),

@@ -164,6 +164,20 @@ impl Scope {
         }
     }
 
+    /// The rows of `sql` (built with [`Scope::on`] as `$1`) on `conn`, the scope bound; a store
+    /// error named after `store_name`.
+    pub(crate) async fn rows(
+        &self,
+        conn: &mut PgConnection,
+        store_name: &'static str,
+        sql: &str,
+    ) -> Result<Vec<sqlx::postgres::PgRow>, ReconcileError> {
+        self.bind_rows(sqlx::query(sql))
+            .fetch_all(conn)
+            .await
+            .map_err(store(store_name))
+    }
+
     /// Whether `account` is examined.
     pub fn covers(&self, account: &str) -> bool {
         match self {
