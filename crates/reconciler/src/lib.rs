@@ -544,6 +544,10 @@ async fn reconcile_with(
             .since
             .map(|w| w.less(options.overlap_ms).gldb_unix_ms),
     };
+    // A paydb restore's lost timeline (paydb 0014), read once for the run's GL findings.
+    let mut lost = lost_timeline::LostTimeline::read(&mut *paydb)
+        .await
+        .map_err(store("paydb"))?;
     let mut per_payout = PerPayoutChecks {
         between,
         ..PerPayoutChecks::default()
@@ -576,6 +580,7 @@ async fn reconcile_with(
                 &batch,
                 confirm,
                 recent_gl_since,
+                &mut lost,
             )
             .await?;
     }
@@ -585,10 +590,12 @@ async fn reconcile_with(
             gldb,
             per_payout.journals_seen,
             per_payout.events_seen,
+            &mut lost,
         )
         .await?;
         per_payout.gl.violations.extend(found);
     }
+    per_payout.gl.note = lost.note();
     if let (Some(grants), None) = (&sources.lock_grants, &per_payout.granted.skipped) {
         per_payout.granted.note = Some(grant_horizon_note(
             grants.horizon_ms,
@@ -742,6 +749,7 @@ impl PerPayoutChecks {
         batch: &Scope,
         confirm: bool,
         recent_gl_since: Option<i64>,
+        lost: &mut lost_timeline::LostTimeline,
     ) -> Result<(), ReconcileError> {
         let payouts = load_payouts(paydb, batch).await?;
         if let Some(write) = self.between.take() {
@@ -772,6 +780,7 @@ impl PerPayoutChecks {
             options,
             batch,
             recent_gl_since,
+            lost,
         )
         .await?;
         add(&mut self.gl, gl.check);
@@ -1581,6 +1590,7 @@ async fn gl_matches_paydb(
     options: &Options,
     scope: &Scope,
     recent_since_unix_ms: Option<i64>,
+    lost: &mut lost_timeline::LostTimeline,
 ) -> Result<GlFindings, ReconcileError> {
     let mut c = check("gl_matches_paydb", "outbox/GL");
     let sql = format!(
@@ -1739,10 +1749,8 @@ async fn gl_matches_paydb(
             c.violations.push(finding);
         }
     }
-    // A paydb restore's aftermath: what the GL holds of a lost timeline (paydb 0014).
-    let mut lost = lost_timeline::LostTimeline::read(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
+    // A paydb restore's aftermath (paydb 0014) explains what the GL holds of a lost timeline:
+    // `lost` is the run's, read once, and counts what every batch met for the check's note.
     for key in gl.keys().filter(|k| !keys.contains(*k)) {
         if !lost.explains_journal(key) {
             c.violations
@@ -1758,7 +1766,6 @@ async fn gl_matches_paydb(
             ));
         }
     }
-    c.note = lost.note();
     Ok(GlFindings {
         journals_seen: gl.len() as u64,
         events_seen: gl_events.len() as u64,
@@ -1811,6 +1818,7 @@ async fn gl_rows_without_outbox_rows(
     gldb: &mut PgConnection,
     journals_seen: u64,
     events_seen: u64,
+    lost: &mut lost_timeline::LostTimeline,
 ) -> Result<Vec<String>, ReconcileError> {
     let mut found = Vec::new();
     let (journals, events): (i64, i64) = sqlx::query_as(
@@ -1820,9 +1828,6 @@ async fn gl_rows_without_outbox_rows(
     .fetch_one(&mut *gldb)
     .await
     .map_err(store("gldb"))?;
-    let mut lost = lost_timeline::LostTimeline::read(&mut *paydb)
-        .await
-        .map_err(store("paydb"))?;
     if journals as u64 > journals_seen {
         let mut after = String::new();
         loop {
