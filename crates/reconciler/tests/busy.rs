@@ -15,48 +15,16 @@ use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
 use rail_proxy_client::{Outcome, RailProxyClient, SubmitPayout};
 use reconciler::{Options, Report, Sources};
 use testkit::pki::Role;
-use testkit::system::{System, SystemOptions};
-use testkit::Stack;
+use testkit::system::System;
+
+mod common;
+use common::{sources, system_without_workers};
 
 /// Accounts paid at once: one writer each (one payout in flight per account).
 const ACCOUNTS: usize = 6;
 /// Payouts per account, one after the other. Each waits for one more reconciler run to start, so
 /// the loop runs at least this many times while the batch moves.
 const PAYOUTS_PER_ACCOUNT: usize = 6;
-
-/// Payouts here are driven by hand, so no workers.
-async fn system_without_workers() -> System {
-    System::start(
-        Stack::shared(),
-        SystemOptions {
-            workers: 0,
-            ..SystemOptions::default()
-        },
-    )
-    .await
-    .unwrap()
-}
-
-async fn sources(system: &System) -> Sources {
-    Sources {
-        paydb: sqlx::PgPool::connect(&system.databases.paydb)
-            .await
-            .unwrap(),
-        proxydb: sqlx::PgPool::connect(&system.databases.proxydb)
-            .await
-            .unwrap(),
-        gldb: sqlx::PgPool::connect(&system.databases.gldb).await.unwrap(),
-        rail_proxy: Some(reconciler::ProxySource {
-            url: system.proxy_url(),
-            tls: system.tls(Role::Reconciler),
-        }),
-        lock_grants: Some(reconciler::LockGrants::new(
-            Stack::shared().etcd_endpoints(),
-            Stack::shared().etcd_client_tls("reconciler"),
-            system.etcd_prefix.clone(),
-        )),
-    }
-}
 
 /// One account's payouts, created PENDING, then each driven through claim, submit, outcome and
 /// posting under a real grant, the next only once `runs` has counted one more reconciler run.
@@ -84,20 +52,7 @@ async fn pay_account(
     let beneficiary = BeneficiaryRef::parse("ben-1").unwrap();
     for (n, payout_id) in payouts.iter().enumerate() {
         runs.wait_for(|started| *started > n).await.unwrap();
-        let grant = match session
-            .acquire(
-                &payout_domain::lock_key(&account_id),
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap()
-        {
-            lock_client::Acquired::Granted(g) => g,
-            other => panic!("lock not granted: {other:?}"),
-        };
-        let fence = Fence::new(grant.owner(), grant.token())
-            .unwrap()
-            .signed(grant.key(), grant.signature().clone());
+        let (grant, fence) = common::granted(&session, &account_id).await;
         payments.claim(payout_id, &fence).await.unwrap();
         payments.mark_submitted(payout_id, &fence).await.unwrap();
         let submission = proxy
@@ -268,20 +223,7 @@ async fn a_transition_committed_mid_run_is_no_finding_in_one_snapshot_and_a_fals
             })
             .await
             .unwrap();
-        let grant = match session
-            .acquire(
-                &payout_domain::lock_key(&account_id),
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap()
-        {
-            lock_client::Acquired::Granted(g) => g,
-            other => panic!("lock not granted: {other:?}"),
-        };
-        let fence = Fence::new(grant.owner(), grant.token())
-            .unwrap()
-            .signed(grant.key(), grant.signature().clone());
+        let (grant, fence) = common::granted(&session, &account_id).await;
         payments.claim(&payout_id, &fence).await.unwrap();
         claimed.push((payout_id, fence, grant));
     }

@@ -12,41 +12,9 @@ use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId};
 use rail_proxy_client::{Outcome, RailProxyClient, SubmitPayout};
 use reconciler::{Options, Report, Sources};
 use testkit::system::{System, SystemOptions};
-use testkit::Stack;
 
-/// Payouts here are driven by hand, so no workers.
-async fn system_without_workers() -> System {
-    System::start(
-        Stack::shared(),
-        SystemOptions {
-            workers: 0,
-            ..SystemOptions::default()
-        },
-    )
-    .await
-    .unwrap()
-}
-
-async fn sources(system: &System) -> Sources {
-    Sources {
-        paydb: sqlx::PgPool::connect(&system.databases.paydb)
-            .await
-            .unwrap(),
-        proxydb: sqlx::PgPool::connect(&system.databases.proxydb)
-            .await
-            .unwrap(),
-        gldb: sqlx::PgPool::connect(&system.databases.gldb).await.unwrap(),
-        rail_proxy: Some(reconciler::ProxySource {
-            url: system.proxy_url(),
-            tls: system.tls(Role::Reconciler),
-        }),
-        lock_grants: Some(reconciler::LockGrants::new(
-            Stack::shared().etcd_endpoints(),
-            Stack::shared().etcd_client_tls("reconciler"),
-            system.etcd_prefix.clone(),
-        )),
-    }
-}
+mod common;
+use common::{sources, system_without_workers};
 
 fn violations<'a>(report: &'a Report, check: &str) -> &'a [String] {
     &report
@@ -122,17 +90,7 @@ async fn submitted_by_hand(system: &System, account: &str, payout: &str, amount:
         .await
         .unwrap();
     let account_id = AccountId::parse(account).unwrap();
-    let grant = match session
-        .acquire(
-            &payout_domain::lock_key(&account_id),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap()
-    {
-        lock_client::Acquired::Granted(g) => g,
-        other => panic!("lock not granted: {other:?}"),
-    };
+    let (grant, fence) = common::granted(&session, &account_id).await;
     let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
@@ -153,10 +111,6 @@ async fn submitted_by_hand(system: &System, account: &str, payout: &str, amount:
         beneficiary_ref: BeneficiaryRef::parse("ben-1").unwrap(),
     };
     fixture.create_payout(&new).await.unwrap();
-    // The grant as the lock service signed it (key, token, owner): both guards verify it.
-    let fence = Fence::new(grant.owner(), grant.token())
-        .unwrap()
-        .signed(grant.key(), grant.signature().clone());
     payments.claim(&payout_id, &fence).await.unwrap();
     payments.mark_submitted(&payout_id, &fence).await.unwrap();
     Claimed {
