@@ -55,6 +55,19 @@ pub enum Refusal {
     /// A request a service refused as malformed: a bug, never retried.
     #[error("invalid request: {detail}")]
     InvalidRequest { detail: String },
+    /// The activity was scheduled by a workflow that is not this system's payout workflow for
+    /// the payout it names (another workflow type, or another workflow id): the worker serves
+    /// no one else, and nothing reached a service.
+    #[error(
+        "{activity} refused: called by workflow {workflow_id} of type {workflow_type}, \
+         not the payout workflow of payout {payout_id}"
+    )]
+    ForeignCaller {
+        activity: String,
+        workflow_type: String,
+        workflow_id: String,
+        payout_id: String,
+    },
 }
 
 impl Refusal {
@@ -68,6 +81,7 @@ impl Refusal {
             Refusal::AccountBusy { .. } => "AccountBusy",
             Refusal::ResolutionSlaNotPassed { .. } => "ResolutionSlaNotPassed",
             Refusal::InvalidRequest { .. } => "InvalidRequest",
+            Refusal::ForeignCaller { .. } => "ForeignCaller",
         }
     }
 

@@ -55,7 +55,7 @@ const SUBMIT_ATTEMPTS_MAX: u32 = 1;
 
 /// The refusals are non-retryable on the failure itself; naming them here as well keeps them
 /// non-retryable even if an activity forgot the flag.
-const REFUSALS: [&str; 7] = [
+const REFUSALS: [&str; 8] = [
     "FencedOut",
     "GrantLost",
     "DuplicateSubmission",
@@ -63,6 +63,7 @@ const REFUSALS: [&str; 7] = [
     "AccountBusy",
     "ResolutionSlaNotPassed",
     "InvalidRequest",
+    "ForeignCaller",
 ];
 
 fn safe_to_repeat() -> RetryPolicy {
@@ -243,6 +244,12 @@ mod tests {
             },
             Refusal::InvalidRequest {
                 detail: String::new(),
+            },
+            Refusal::ForeignCaller {
+                activity: String::new(),
+                workflow_type: String::new(),
+                workflow_id: String::new(),
+                payout_id: String::new(),
             },
         ];
         for refusal in samples {
