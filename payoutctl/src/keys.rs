@@ -7,8 +7,15 @@
 //! script can capture it. The lock-server takes the secret with `--grant-signing-key-id ID
 //! --grant-signing-key-file FILE`.
 //!
-//! `keys grant-public-key --key-id ID --key-file FILE` prints the public key line of a key made
-//! earlier (a rotation adds it to the guards' list before the lock-server switches to it).
+//! `keys instruction-signing` makes the payment resource's instruction signing key (its public
+//! line goes to the rail proxy's `--instruction-verify-keys`); `keys rail-fact-signing` makes the
+//! rail proxy's rail-fact signing key (its public line goes to the payment resource's
+//! `--rail-fact-verify-keys`). Same key kind, file format and 0600 rule as the grant's; each
+//! service is given only its own secret.
+//!
+//! `keys public-key --key-id ID --key-file FILE` prints the public key line of any key made
+//! earlier (a rotation adds it to the verifiers' list before the signer switches to it);
+//! `keys grant-public-key` is the same command under its older name.
 
 use std::path::{Path, PathBuf};
 
@@ -21,8 +28,18 @@ pub enum Command {
     /// Make the lock service's grant signing key: the secret to --out (mode 0600, never
     /// overwritten), the guards' public key line (`id=hex`) to standard output.
     GrantSigning(GrantSigningArgs),
-    /// Print the guards' public key line (`id=hex`) of an existing grant signing key.
-    GrantPublicKey(GrantPublicKeyArgs),
+    /// Make the payment resource's instruction signing key: the secret to --out (mode 0600,
+    /// never overwritten), the rail proxy's public key line (`id=hex`, for
+    /// --instruction-verify-keys / INSTRUCTION_VERIFY_KEYS) to standard output.
+    InstructionSigning(GrantSigningArgs),
+    /// Make the rail proxy's rail-fact signing key: the secret to --out (mode 0600, never
+    /// overwritten), the payment resource's public key line (`id=hex`, for
+    /// --rail-fact-verify-keys / RAIL_FACT_VERIFY_KEYS) to standard output.
+    RailFactSigning(GrantSigningArgs),
+    /// Print the public key line (`id=hex`) of an existing signing key of any kind (grant,
+    /// instruction, rail fact, operator).
+    #[command(alias = "grant-public-key")]
+    PublicKey(GrantPublicKeyArgs),
     /// Make an operator's own key: the secret to --out (mode 0600, never overwritten; it stays
     /// with the operator), the registration line (`name=hex`, for the payment resource's
     /// --operator-keys / PAYOUT_OPERATOR_KEYS) to standard output.
@@ -63,21 +80,10 @@ pub struct GrantPublicKeyArgs {
 
 pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
     match command {
-        Command::GrantSigning(args) => {
-            let public = grant_signing(&args.key_id, &args.out)?;
-            println!("{public}");
-            eprintln!(
-                "payoutctl: wrote grant signing key {:?} to {} (mode 0600; keep it secret).\n  \
-                 lock-server: --grant-signing-key-id {} --grant-signing-key-file {}\n  \
-                 payment-resource and rail-proxy: add the line above to --grant-verify-keys \
-                 (GRANT_VERIFY_KEYS, comma-separated)",
-                args.key_id,
-                args.out.display(),
-                args.key_id,
-                args.out.display()
-            );
-        }
-        Command::GrantPublicKey(args) => {
+        Command::GrantSigning(args) => make_signing_key(&SIGNED_BY[0], &args)?,
+        Command::InstructionSigning(args) => make_signing_key(&SIGNED_BY[1], &args)?,
+        Command::RailFactSigning(args) => make_signing_key(&SIGNED_BY[2], &args)?,
+        Command::PublicKey(args) => {
             println!("{}", grant_public_key(&args.key_id, &args.key_file)?);
         }
         Command::Operator(args) => {
@@ -99,6 +105,59 @@ pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
+/// A service's signing key: what it signs, the signer's flag prefix, who verifies and with
+/// which flag (and its environment variable).
+struct SignedBy {
+    what: &'static str,
+    signer: &'static str,
+    flag: &'static str,
+    verifiers: &'static str,
+    verify_flag: &'static str,
+    verify_env: &'static str,
+}
+
+const SIGNED_BY: [SignedBy; 3] = [
+    SignedBy {
+        what: "grant",
+        signer: "lock-server",
+        flag: "grant",
+        verifiers: "payment-resource and rail-proxy",
+        verify_flag: "--grant-verify-keys",
+        verify_env: "GRANT_VERIFY_KEYS",
+    },
+    SignedBy {
+        what: "instruction",
+        signer: "payment-resource",
+        flag: "instruction",
+        verifiers: "rail-proxy",
+        verify_flag: "--instruction-verify-keys",
+        verify_env: "INSTRUCTION_VERIFY_KEYS",
+    },
+    SignedBy {
+        what: "rail-fact",
+        signer: "rail-proxy",
+        flag: "rail-fact",
+        verifiers: "payment-resource",
+        verify_flag: "--rail-fact-verify-keys",
+        verify_env: "RAIL_FACT_VERIFY_KEYS",
+    },
+];
+
+/// Makes the key, prints its public line alone on standard output and how to use both halves
+/// on standard error.
+fn make_signing_key(kind: &SignedBy, args: &GrantSigningArgs) -> anyhow::Result<()> {
+    let public = grant_signing(&args.key_id, &args.out)?;
+    println!("{public}");
+    let (id, out, flag) = (&args.key_id, args.out.display(), kind.flag);
+    eprintln!(
+        "payoutctl: wrote {} signing key {id:?} to {out} (mode 0600; keep it secret).\n  \
+         {}: --{flag}-signing-key-id {id} --{flag}-signing-key-file {out}\n  \
+         {}: add the line above to {} ({}, comma-separated)",
+        kind.what, kind.signer, kind.verifiers, kind.verify_flag, kind.verify_env
+    );
+    Ok(())
+}
+
 /// Makes a key under `key_id`, writes its secret to `out` (mode 0600; an existing file is
 /// refused and left as it was) and returns the public key line.
 pub fn grant_signing(key_id: &str, out: &Path) -> anyhow::Result<grant_signing::PublicKey> {
@@ -111,9 +170,9 @@ pub fn grant_signing(key_id: &str, out: &Path) -> anyhow::Result<grant_signing::
 /// The public key line of the key in `key_file`, made under `key_id`.
 pub fn grant_public_key(key_id: &str, key_file: &Path) -> anyhow::Result<grant_signing::PublicKey> {
     let text = std::fs::read_to_string(key_file)
-        .with_context(|| format!("reading the grant signing key {}", key_file.display()))?;
+        .with_context(|| format!("reading the signing key {}", key_file.display()))?;
     Ok(Signer::from_hex(key_id, &text)
-        .with_context(|| format!("reading the grant signing key {}", key_file.display()))?
+        .with_context(|| format!("reading the signing key {}", key_file.display()))?
         .public_key())
 }
 
@@ -172,6 +231,88 @@ mod tests {
             Ok(())
         );
         assert_eq!(grant_public_key("2026-12", &out).unwrap(), public);
+    }
+
+    #[derive(clap::Parser)]
+    struct Keys {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    #[test]
+    fn instruction_and_rail_fact_keys_are_made_like_grant_keys_and_public_key_reads_any() {
+        use clap::Parser;
+        use grant_signing::instruction::{Instruction, Presented};
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("instruction.key");
+        let made = Keys::try_parse_from([
+            "keys",
+            "instruction-signing",
+            "--key-id",
+            "pr-1",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .unwrap();
+        run(made.command).unwrap();
+        let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // The line `public-key` prints (under both names) verifies what the file signs.
+        for name in ["public-key", "grant-public-key"] {
+            let parsed = Keys::try_parse_from([
+                "keys",
+                name,
+                "--key-id",
+                "pr-1",
+                "--key-file",
+                out.to_str().unwrap(),
+            ])
+            .unwrap();
+            assert!(matches!(parsed.command, Command::PublicKey(_)), "{name}");
+        }
+        let verifier =
+            Verifier::parse(&grant_public_key("pr-1", &out).unwrap().to_string()).unwrap();
+        let signer = Signer::from_hex("pr-1", &std::fs::read_to_string(&out).unwrap()).unwrap();
+        let i = Instruction {
+            payout_id: "p".into(),
+            account_id: "a".into(),
+            currency: "EUR".into(),
+            beneficiary_ref: "b".into(),
+            client_reference: "c".into(),
+            lock_key: "payout:a".into(),
+            amount_minor: 1,
+            token: 1,
+            issued_at_unix_ms: 0,
+            expires_at_unix_ms: 1,
+        };
+        let presented = Presented {
+            payout_id: "p",
+            account_id: "a",
+            amount_minor: 1,
+            currency: "EUR",
+            beneficiary_ref: "b",
+            client_reference: "c",
+            lock_key: "payout:a",
+            token: 1,
+        };
+        assert_eq!(
+            verifier.verify_instruction(&signer.sign_instruction(i), &presented, 0),
+            Ok(())
+        );
+        // rail-fact-signing writes its own file by the same rules (an existing one is refused).
+        let facts = dir.path().join("rail-fact.key");
+        for expect_ok in [true, false] {
+            let made = Keys::try_parse_from([
+                "keys",
+                "rail-fact-signing",
+                "--key-id",
+                "proxy-1",
+                "--out",
+                facts.to_str().unwrap(),
+            ])
+            .unwrap();
+            assert_eq!(run(made.command).is_ok(), expect_ok);
+        }
     }
 
     #[test]

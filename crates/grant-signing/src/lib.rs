@@ -18,6 +18,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 pub mod audit_chain;
+pub mod instruction;
+pub mod rail_fact;
 
 use ring::rand::SystemRandom;
 use ring::signature::{Ed25519KeyPair, KeyPair, UnparsedPublicKey, ED25519};
@@ -34,14 +36,53 @@ pub const KEY_ID_LENGTH_MAX: usize = 64;
 /// The bytes a grant's signature covers: the domain tag, then each field length-prefixed (u32,
 /// big-endian) so no two different grants share a message, then the token (u64, big-endian).
 pub fn message(key_id: &str, key: &str, owner: &str, token: u64) -> Vec<u8> {
-    let mut m = Vec::with_capacity(DOMAIN.len() + 12 + key_id.len() + key.len() + owner.len() + 8);
-    m.extend_from_slice(DOMAIN);
+    let mut m = Message::new(DOMAIN);
     for field in [key_id, key, owner] {
-        m.extend_from_slice(&(field.len() as u32).to_be_bytes());
-        m.extend_from_slice(field.as_bytes());
+        m.text(field);
     }
-    m.extend_from_slice(&token.to_be_bytes());
-    m
+    m.u64(token);
+    m.into_bytes()
+}
+
+/// The canonical encoding every signed fact of the system shares: a domain tag, then each string
+/// length-prefixed (u32, big-endian) and each integer as 8 bytes big-endian, in a fixed order, so
+/// no two different facts (of one kind or of two) share a message. Protobuf or JSON bytes are
+/// never signed: neither is canonical.
+pub(crate) struct Message(Vec<u8>);
+
+impl Message {
+    pub(crate) fn new(domain: &[u8]) -> Self {
+        let mut m = Vec::with_capacity(256);
+        m.extend_from_slice(domain);
+        Self(m)
+    }
+
+    pub(crate) fn text(&mut self, field: &str) -> &mut Self {
+        self.0
+            .extend_from_slice(&(field.len() as u32).to_be_bytes());
+        self.0.extend_from_slice(field.as_bytes());
+        self
+    }
+
+    pub(crate) fn u64(&mut self, value: u64) -> &mut Self {
+        self.0.extend_from_slice(&value.to_be_bytes());
+        self
+    }
+
+    /// A list's length, before its items.
+    pub(crate) fn count(&mut self, items: usize) -> &mut Self {
+        self.0.extend_from_slice(&(items as u32).to_be_bytes());
+        self
+    }
+
+    pub(crate) fn i64(&mut self, value: i64) -> &mut Self {
+        self.0.extend_from_slice(&value.to_be_bytes());
+        self
+    }
+
+    pub(crate) fn into_bytes(self) -> Vec<u8> {
+        self.0
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -135,6 +176,14 @@ impl Signer {
         PublicKey {
             key_id: self.key_id.clone(),
             bytes,
+        }
+    }
+
+    /// This key's signature over `message` (a [`Message`] that begins with this key's id).
+    pub(crate) fn sign_message(&self, message: &[u8]) -> Signature {
+        Signature {
+            key_id: self.key_id.clone(),
+            bytes: self.pair.sign(message).as_ref().to_vec(),
         }
     }
 
@@ -254,13 +303,12 @@ impl Verifier {
         self.keys.keys().map(String::as_str)
     }
 
-    /// Whether `signature` is the lock service's over (`key`, `token`, `owner`).
-    pub fn verify(
+    /// Whether `signature` is by the key it names, over the message `message_for` builds for that
+    /// key id (a signature cannot be moved to another key id: the id is the message's first field).
+    pub(crate) fn verify_message(
         &self,
-        key: &str,
-        token: u64,
-        owner: &str,
         signature: &Signature,
+        message_for: impl FnOnce(&str) -> Vec<u8>,
     ) -> Result<(), Forged> {
         if signature.bytes.is_empty() && signature.key_id.is_empty() {
             return Err(Forged::Unsigned);
@@ -270,11 +318,19 @@ impl Verifier {
             .get(&signature.key_id)
             .ok_or_else(|| Forged::UnknownKeyId(signature.key_id.clone()))?;
         UnparsedPublicKey::new(&ED25519, public)
-            .verify(
-                &message(&signature.key_id, key, owner, token),
-                &signature.bytes,
-            )
+            .verify(&message_for(&signature.key_id), &signature.bytes)
             .map_err(|_| Forged::BadSignature)
+    }
+
+    /// Whether `signature` is the lock service's over (`key`, `token`, `owner`).
+    pub fn verify(
+        &self,
+        key: &str,
+        token: u64,
+        owner: &str,
+        signature: &Signature,
+    ) -> Result<(), Forged> {
+        self.verify_message(signature, |key_id| message(key_id, key, owner, token))
     }
 }
 
@@ -494,6 +550,16 @@ pub mod operator {
                 .is_err());
         }
     }
+}
+
+/// Lower-case hex, as signatures travel in JSON (activity payloads, audit details).
+pub fn to_hex(bytes: &[u8]) -> String {
+    hex(bytes)
+}
+
+/// The bytes of [`to_hex`]'s text, or `None` if it is not even-length hex.
+pub fn from_hex(text: &str) -> Option<Vec<u8>> {
+    unhex(text)
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -1,34 +1,75 @@
-//! The grant signing key of a system under test (or of the local stack): generated on first use
-//! into the system's directory, never committed, the same across restarts of its processes. The
-//! lock-server signs with it; both guards are given its public half (`--grant-verify-keys`).
+//! The signing keys of a system under test (or of the local stack): generated on first use into
+//! the system's directory, never committed, the same across restarts of its processes. Three
+//! [`SigningKey`]s, each secret given to its one owner and its public half to the verifiers: the
+//! grant key (lock-server signs; both guards verify, `--grant-verify-keys`), the instruction key
+//! (payment resource signs; rail proxy verifies, `--instruction-verify-keys`) and the rail-fact key
+//! (rail proxy signs; payment resource verifies, `--rail-fact-verify-keys`). And the operator's key.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use grant_signing::{PublicKey, Signer};
 
-/// The key id the test systems and the local stack sign under.
+/// The key id the test systems and the local stack sign grants under.
 pub const KEY_ID: &str = "local-1";
 const KEY_FILE: &str = "grant-signing.key";
+/// The payment resource's instruction key of the test systems and the local stack.
+pub const INSTRUCTION_KEY_ID: &str = "local-instruction-1";
+const INSTRUCTION_KEY_FILE: &str = "instruction-signing.key";
+/// The rail proxy's rail-fact key of the test systems and the local stack.
+pub const RAIL_FACT_KEY_ID: &str = "local-rail-fact-1";
+const RAIL_FACT_KEY_FILE: &str = "rail-fact-signing.key";
 
+/// One Ed25519 signing key on disk: its id, its secret's file and its public half.
 #[derive(Debug, Clone)]
-pub struct GrantKeys {
+pub struct SigningKey {
     pub key_id: String,
     /// The private key (PKCS#8 in hex), mode 0600.
     pub key_file: PathBuf,
     pub public_key: PublicKey,
 }
 
-impl GrantKeys {
-    /// The key in `dir`, made now if it is not there yet.
-    pub fn in_dir(dir: &Path) -> anyhow::Result<Self> {
-        let key_file = dir.join(KEY_FILE);
-        let signer = load_or_generate(&key_file, KEY_ID)?;
+impl SigningKey {
+    /// The key `key_id` in `dir/file`, made now if it is not there yet.
+    pub fn in_dir(dir: &Path, file: &str, key_id: &str) -> anyhow::Result<Self> {
+        let key_file = dir.join(file);
+        let signer = load_or_generate(&key_file, key_id)?;
         Ok(Self {
-            key_id: KEY_ID.to_string(),
+            key_id: key_id.to_string(),
             key_file,
             public_key: signer.public_key(),
         })
+    }
+
+    /// The lock-server's grant key in `dir`.
+    pub fn grant(dir: &Path) -> anyhow::Result<Self> {
+        Self::in_dir(dir, KEY_FILE, KEY_ID)
+    }
+
+    /// The payment resource's instruction key in `dir`.
+    pub fn instruction(dir: &Path) -> anyhow::Result<Self> {
+        Self::in_dir(dir, INSTRUCTION_KEY_FILE, INSTRUCTION_KEY_ID)
+    }
+
+    /// The rail proxy's rail-fact key in `dir`.
+    pub fn rail_fact(dir: &Path) -> anyhow::Result<Self> {
+        Self::in_dir(dir, RAIL_FACT_KEY_FILE, RAIL_FACT_KEY_ID)
+    }
+
+    /// The signing process's arguments for this key: `--{kind}-signing-key-id ID
+    /// --{kind}-signing-key-file FILE` (`kind`: `grant`, `instruction`, `rail-fact`).
+    pub fn signing_args(&self, kind: &str) -> [std::ffi::OsString; 4] {
+        [
+            format!("--{kind}-signing-key-id").into(),
+            self.key_id.clone().into(),
+            format!("--{kind}-signing-key-file").into(),
+            self.key_file.clone().into_os_string(),
+        ]
+    }
+
+    /// A verifier of this key alone, for in-process hosts.
+    pub fn verifier(&self) -> anyhow::Result<grant_signing::Verifier> {
+        Ok(grant_signing::Verifier::new([self.public_key.clone()])?)
     }
 
     /// The signer itself, for a test that mints grants without the lock service.
@@ -37,19 +78,14 @@ impl GrantKeys {
         Ok(Signer::from_hex(&self.key_id, &text)?)
     }
 
-    /// What the guards' `--grant-verify-keys` takes.
+    /// What the verifiers' `--*-verify-keys` takes.
     pub fn verify_keys(&self) -> String {
         self.public_key.to_string()
     }
 
-    /// The lock-server's arguments for this key.
+    /// The lock-server's arguments for this (grant) key.
     pub fn lock_server_args(&self) -> [std::ffi::OsString; 4] {
-        [
-            "--grant-signing-key-id".into(),
-            self.key_id.clone().into(),
-            "--grant-signing-key-file".into(),
-            self.key_file.clone().into_os_string(),
-        ]
+        self.signing_args("grant")
     }
 }
 

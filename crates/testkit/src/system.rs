@@ -122,7 +122,7 @@ pub struct System {
     pub temporal_address: String,
     pub dir: PathBuf,
     /// The key the lock-server signs grants with; the guards hold its public half.
-    pub grant_keys: crate::grants::GrantKeys,
+    pub grant_keys: crate::grants::SigningKey,
     /// The system's certificate authority: every process has its own certificate from it.
     pub pki: crate::pki::Pki,
     /// The system's registered operator (the payment resource's `--operator-keys`).
@@ -219,7 +219,7 @@ impl System {
         };
         let m = &ports.metrics;
 
-        let grant_keys = crate::grants::GrantKeys::in_dir(&dir)?;
+        let grant_keys = crate::grants::SigningKey::grant(&dir)?;
         let pki = crate::pki::Pki::in_dir(&dir)?;
         let operator = crate::grants::OperatorKey::in_dir(&dir)?;
         let lock_server = ManagedProcess::start(
