@@ -176,12 +176,28 @@ impl PaymentClient {
         wire::payout_from_proto(p)
     }
 
+    /// RecordOutcome without a rail fact: enough for TIMEOUT and OUTCOME_MISSING, refused for
+    /// ACKED and DECLINED once the payment resource requires the proxy's signed outcome
+    /// ([`PaymentClient::record_outcome_proven`]).
     pub async fn record_outcome(
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
         outcome: &model::RailOutcome,
         detail: &str,
+    ) -> Result<model::Payout, PaymentError> {
+        self.record_outcome_proven(payout_id, fence, outcome, detail, None)
+            .await
+    }
+
+    /// RecordOutcome with the rail proxy's signed outcome `fact` (as the proxy answered it).
+    pub async fn record_outcome_proven(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        outcome: &model::RailOutcome,
+        detail: &str,
+        fact: Option<&model::RailFact>,
     ) -> Result<model::Payout, PaymentError> {
         let (kind, rail_ref, decline_code) = match outcome {
             model::RailOutcome::Acked { rail_ref } => {
@@ -206,6 +222,7 @@ impl PaymentClient {
             rail_ref,
             decline_code,
             detail: detail.to_string(),
+            rail_fact: fact.map(wire::rail_fact_to_proto),
         };
         let p = self
             .raw()
@@ -247,12 +264,27 @@ impl PaymentClient {
         })
     }
 
+    /// ResolveAmbiguity without the proxy's signed evidence: refused once the payment resource
+    /// requires it ([`PaymentClient::resolve_ambiguity_proven`]).
     pub async fn resolve_ambiguity(
         &self,
         payout_id: &PayoutId,
         fence: &Fence,
         evidence: &model::Evidence,
         evidence_source: &str,
+    ) -> Result<model::Payout, PaymentError> {
+        self.resolve_ambiguity_proven(payout_id, fence, evidence, evidence_source, None)
+            .await
+    }
+
+    /// ResolveAmbiguity with the rail proxy's signed evidence `proof` (an inquiry's resolution).
+    pub async fn resolve_ambiguity_proven(
+        &self,
+        payout_id: &PayoutId,
+        fence: &Fence,
+        evidence: &model::Evidence,
+        evidence_source: &str,
+        proof: Option<&model::RailEvidence>,
     ) -> Result<model::Payout, PaymentError> {
         let (kind, rail_ref) = match evidence {
             model::Evidence::Found { rail_ref } => (pb::Evidence::Found, rail_ref.clone()),
@@ -264,6 +296,7 @@ impl PaymentClient {
             evidence: kind as i32,
             rail_ref,
             evidence_source: evidence_source.to_string(),
+            rail_evidence: proof.map(wire::rail_evidence_to_proto),
         };
         let p = self
             .raw()

@@ -87,6 +87,20 @@ pub enum PaymentError {
         /// `unsigned` | `unknown_operator` | `bad_signature` | `stale`
         reason: String,
     },
+    /// A RecordOutcome (ACKED, DECLINED) or ResolveAmbiguity without the rail proxy's signed fact
+    /// saying the same thing: unsigned, by a key the payment resource does not know, a bad
+    /// signature, or a genuine fact that contradicts the request (`reason`:
+    /// `grant_signing::rail_fact::REASONS`). Nothing changed but the refusal's audit row and a
+    /// counter. PERMISSION_DENIED.
+    #[error("rail fact refused on payout {payout_id} ({operation}: {reason}): {detail}; nothing was changed")]
+    RailFactRefused {
+        payout_id: String,
+        /// `record_outcome` | `resolve_ambiguity`
+        operation: String,
+        reason: String,
+        detail: String,
+        signing_key_id: String,
+    },
     /// A break-glass call naming an operator the caller's certificate does not carry
     /// (`service_kit::grpc::certified_operator`). Nothing changed; counted and logged at alert
     /// level. PERMISSION_DENIED.

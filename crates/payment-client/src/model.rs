@@ -142,6 +142,9 @@ pub struct Payout {
     pub submitted_at: Option<DateTime<Utc>>,
     pub settled_at: Option<DateTime<Utc>>,
     pub updated_at: DateTime<Utc>,
+    /// The signed instruction the rail proxy requires to send this payout: set only in
+    /// MarkSubmitted's answer (issue 33), `None` everywhere else.
+    pub instruction: Option<grant_signing::instruction::SignedInstruction>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -191,6 +194,73 @@ pub enum RailOutcome {
     Declined { decline_code: String },
     Timeout,
     OutcomeMissing,
+}
+
+/// The rail proxy's signed final outcome of a submission, as a RecordOutcome carries it
+/// (`grant_signing::rail_fact::Outcome`; the payout's own id, account and client reference
+/// complete the signed message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailFact {
+    /// `ACKED`, `REJECTED`, `TIMEOUT` or `NOT_SENT`.
+    pub outcome: String,
+    pub rail_ref: String,
+    pub decline_code: String,
+    pub token: u64,
+    pub signed_at_unix_ms: i64,
+    pub signature: Signature,
+}
+
+impl RailFact {
+    /// The signed message this fact stands for, on `payout`.
+    pub fn message<'a>(
+        &'a self,
+        payout_id: &'a str,
+        account_id: &'a str,
+        client_reference: &'a str,
+    ) -> grant_signing::rail_fact::Outcome<'a> {
+        grant_signing::rail_fact::Outcome {
+            payout_id,
+            account_id,
+            client_reference,
+            outcome: &self.outcome,
+            rail_ref: &self.rail_ref,
+            decline_code: &self.decline_code,
+            token: self.token,
+            signed_at_unix_ms: self.signed_at_unix_ms,
+        }
+    }
+}
+
+/// The rail proxy's signed evidence of an inquiry, as a ResolveAmbiguity carries it
+/// (`grant_signing::rail_fact::Evidence`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailEvidence {
+    /// `FOUND`, `ABSENT`, `NEVER_SENT` or `UNKNOWN`.
+    pub evidence: String,
+    pub rail_refs: Vec<String>,
+    pub asked_by: String,
+    pub asked_at_unix_ms: i64,
+    pub signature: Signature,
+}
+
+impl RailEvidence {
+    /// The signed message this evidence stands for, on `payout`.
+    pub fn message<'a>(
+        &'a self,
+        payout_id: &'a str,
+        account_id: &'a str,
+        client_reference: &'a str,
+    ) -> grant_signing::rail_fact::Evidence<'a> {
+        grant_signing::rail_fact::Evidence {
+            payout_id,
+            account_id,
+            client_reference,
+            evidence: &self.evidence,
+            rail_refs: &self.rail_refs,
+            asked_by: &self.asked_by,
+            signed_at_unix_ms: self.asked_at_unix_ms,
+        }
+    }
 }
 
 /// External evidence about an ambiguous payout. Time is not evidence.

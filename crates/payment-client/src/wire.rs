@@ -175,7 +175,139 @@ pub fn payout_to_proto(p: &model::Payout) -> pb::Payout {
         submitted_at: opt_time(p.submitted_at),
         settled_at: opt_time(p.settled_at),
         updated_at: rfc3339(p.updated_at),
+        instruction: p.instruction.as_ref().map(instruction_to_proto),
     }
+}
+
+fn signature_of(key_id: &str, bytes: &[u8]) -> grant_signing::Signature {
+    grant_signing::Signature {
+        key_id: key_id.to_string(),
+        bytes: bytes.to_vec(),
+    }
+}
+
+pub fn instruction_to_proto(
+    s: &grant_signing::instruction::SignedInstruction,
+) -> pb::SignedInstruction {
+    let i = &s.instruction;
+    pb::SignedInstruction {
+        payout_id: i.payout_id.clone(),
+        account_id: i.account_id.clone(),
+        amount_minor: i.amount_minor,
+        currency: i.currency.clone(),
+        beneficiary_ref: i.beneficiary_ref.clone(),
+        client_reference: i.client_reference.clone(),
+        lock_key: i.lock_key.clone(),
+        token: i.token,
+        issued_at_unix_ms: i.issued_at_unix_ms,
+        expires_at_unix_ms: i.expires_at_unix_ms,
+        signing_key_id: s.signature.key_id.clone(),
+        signature: s.signature.bytes.clone(),
+    }
+}
+
+pub fn instruction_from_proto(
+    i: pb::SignedInstruction,
+) -> grant_signing::instruction::SignedInstruction {
+    grant_signing::instruction::SignedInstruction {
+        signature: signature_of(&i.signing_key_id, &i.signature),
+        instruction: grant_signing::instruction::Instruction {
+            payout_id: i.payout_id,
+            account_id: i.account_id,
+            currency: i.currency,
+            beneficiary_ref: i.beneficiary_ref,
+            client_reference: i.client_reference,
+            lock_key: i.lock_key,
+            amount_minor: i.amount_minor,
+            token: i.token,
+            issued_at_unix_ms: i.issued_at_unix_ms,
+            expires_at_unix_ms: i.expires_at_unix_ms,
+        },
+    }
+}
+
+pub fn rail_fact_to_proto(f: &model::RailFact) -> pb::RailFact {
+    pb::RailFact {
+        outcome: f.outcome.clone(),
+        rail_ref: f.rail_ref.clone(),
+        decline_code: f.decline_code.clone(),
+        token: f.token,
+        signed_at_unix_ms: f.signed_at_unix_ms,
+        signing_key_id: f.signature.key_id.clone(),
+        signature: f.signature.bytes.clone(),
+    }
+}
+
+/// The fact as sent: its texts are only bounded here (they are compared with the payout's record
+/// and verified against the signature by the store, which names a refusal precisely).
+pub fn rail_fact_from_proto(f: &pb::RailFact) -> Result<model::RailFact, PaymentError> {
+    for (field, text) in [
+        ("rail_fact.outcome", &f.outcome),
+        ("rail_fact.rail_ref", &f.rail_ref),
+        ("rail_fact.decline_code", &f.decline_code),
+        ("rail_fact.signing_key_id", &f.signing_key_id),
+    ] {
+        check_fact_text(field, text)?;
+    }
+    Ok(model::RailFact {
+        outcome: f.outcome.clone(),
+        rail_ref: f.rail_ref.clone(),
+        decline_code: f.decline_code.clone(),
+        token: f.token,
+        signed_at_unix_ms: f.signed_at_unix_ms,
+        signature: signature_of(&f.signing_key_id, &f.signature),
+    })
+}
+
+pub fn rail_evidence_to_proto(e: &model::RailEvidence) -> pb::RailEvidence {
+    pb::RailEvidence {
+        evidence: e.evidence.clone(),
+        rail_refs: e.rail_refs.clone(),
+        asked_by: e.asked_by.clone(),
+        asked_at_unix_ms: e.asked_at_unix_ms,
+        signing_key_id: e.signature.key_id.clone(),
+        signature: e.signature.bytes.clone(),
+    }
+}
+
+/// Most rail references one evidence may carry: more than one is already a duplicate payment;
+/// a bound keeps a forged one from being large.
+pub const EVIDENCE_RAIL_REFS_MAX: usize = 64;
+
+pub fn rail_evidence_from_proto(e: &pb::RailEvidence) -> Result<model::RailEvidence, PaymentError> {
+    for (field, text) in [
+        ("rail_evidence.evidence", &e.evidence),
+        ("rail_evidence.asked_by", &e.asked_by),
+        ("rail_evidence.signing_key_id", &e.signing_key_id),
+    ] {
+        check_fact_text(field, text)?;
+    }
+    if e.rail_refs.len() > EVIDENCE_RAIL_REFS_MAX {
+        return Err(PaymentError::invalid(
+            "rail_evidence.rail_refs",
+            InvalidReason::TextTooLong,
+        ));
+    }
+    for r in &e.rail_refs {
+        check_fact_text("rail_evidence.rail_refs", r)?;
+    }
+    Ok(model::RailEvidence {
+        evidence: e.evidence.clone(),
+        rail_refs: e.rail_refs.clone(),
+        asked_by: e.asked_by.clone(),
+        asked_at_unix_ms: e.asked_at_unix_ms,
+        signature: signature_of(&e.signing_key_id, &e.signature),
+    })
+}
+
+fn check_fact_text(field: &str, text: &str) -> Result<(), PaymentError> {
+    if text.len() > model::TEXT_LENGTH_MAX {
+        return Err(PaymentError::invalid(field, InvalidReason::TextTooLong));
+    }
+    if text.contains('\0') {
+        return Err(PaymentError::invalid(field, InvalidReason::TextHasNul));
+    }
+    Ok(())
 }
 
 pub fn account_to_proto(a: &model::Account) -> pb::Account {
@@ -340,6 +472,22 @@ pub fn error_to_status(err: PaymentError) -> Status {
                 reason,
             }),
         ),
+        PaymentError::RailFactRefused {
+            payout_id,
+            operation,
+            reason,
+            detail,
+            signing_key_id,
+        } => (
+            Code::PermissionDenied,
+            Kind::RailFactRefused(pb::RailFactRefused {
+                payout_id,
+                operation,
+                reason,
+                detail,
+                signing_key_id,
+            }),
+        ),
         PaymentError::OperatorNotCertified { operator } => (
             Code::PermissionDenied,
             Kind::OperatorNotCertified(pb::OperatorNotCertified { operator }),
@@ -465,6 +613,13 @@ pub fn status_to_error(status: Status) -> PaymentError {
             operator: r.operator,
             reason: r.reason,
         },
+        Kind::RailFactRefused(r) => PaymentError::RailFactRefused {
+            payout_id: r.payout_id,
+            operation: r.operation,
+            reason: r.reason,
+            detail: r.detail,
+            signing_key_id: r.signing_key_id,
+        },
         Kind::OperatorNotCertified(r) => PaymentError::OperatorNotCertified {
             operator: r.operator,
         },
@@ -527,6 +682,7 @@ pub fn payout_from_proto(p: pb::Payout) -> Result<model::Payout, PaymentError> {
         submitted_at: opt_time_from("submitted_at", &p.submitted_at)?,
         settled_at: opt_time_from("settled_at", &p.settled_at)?,
         updated_at: time("updated_at", &p.updated_at)?,
+        instruction: p.instruction.map(instruction_from_proto),
     })
 }
 
@@ -672,6 +828,13 @@ mod tests {
                 operator: "mallory".into(),
             },
             PaymentError::NotQuarantined { outbox_id: 42 },
+            PaymentError::RailFactRefused {
+                payout_id: "p-1".into(),
+                operation: "record_outcome".into(),
+                reason: "unsigned".into(),
+                detail: "DECLINED needs the proxy's signed REJECTED outcome".into(),
+                signing_key_id: String::new(),
+            },
         ]
     }
 
@@ -724,8 +887,74 @@ mod tests {
             submitted_at: Some(at),
             settled_at: None,
             updated_at: at,
+            instruction: None,
         };
         assert_eq!(payout_from_proto(payout_to_proto(&payout)).unwrap(), payout);
+        // MarkSubmitted's answer carries the signed instruction.
+        let (signer, _) = grant_signing::Signer::generate("pr-1").unwrap();
+        let instructed = model::Payout {
+            instruction: Some(
+                signer.sign_instruction(grant_signing::instruction::Instruction {
+                    payout_id: "p-1".into(),
+                    account_id: "acct-1".into(),
+                    currency: "EUR".into(),
+                    beneficiary_ref: "ben-1".into(),
+                    client_reference: "ref-1".into(),
+                    lock_key: "payout:acct-1".into(),
+                    amount_minor: 1_000,
+                    token: 7,
+                    issued_at_unix_ms: 1,
+                    expires_at_unix_ms: 2,
+                }),
+            ),
+            ..payout
+        };
+        assert_eq!(
+            payout_from_proto(payout_to_proto(&instructed)).unwrap(),
+            instructed
+        );
+    }
+
+    /// The rail facts cross as sent; a NUL or an oversized text is a specific invalid argument.
+    #[test]
+    fn rail_facts_survive_the_wire_and_bad_text_names_its_field() {
+        let (signer, _) = grant_signing::Signer::generate("proxy-1").unwrap();
+        let fact = model::RailFact {
+            outcome: "ACKED".into(),
+            rail_ref: "rr-1".into(),
+            decline_code: String::new(),
+            token: 7,
+            signed_at_unix_ms: 5,
+            signature: signer.sign("x", 1, "y"),
+        };
+        assert_eq!(
+            rail_fact_from_proto(&rail_fact_to_proto(&fact)).unwrap(),
+            fact
+        );
+        let evidence = model::RailEvidence {
+            evidence: "FOUND".into(),
+            rail_refs: vec!["rr-1".into()],
+            asked_by: "resolver".into(),
+            asked_at_unix_ms: 5,
+            signature: signer.sign("x", 1, "y"),
+        };
+        assert_eq!(
+            rail_evidence_from_proto(&rail_evidence_to_proto(&evidence)).unwrap(),
+            evidence
+        );
+        let mut nul = rail_fact_to_proto(&fact);
+        nul.rail_ref = "a\0".into();
+        assert!(matches!(
+            rail_fact_from_proto(&nul),
+            Err(PaymentError::InvalidArgument { field, reason: InvalidReason::TextHasNul })
+                if field == "rail_fact.rail_ref"
+        ));
+        let mut many = rail_evidence_to_proto(&evidence);
+        many.rail_refs = vec!["r".into(); EVIDENCE_RAIL_REFS_MAX + 1];
+        assert!(matches!(
+            rail_evidence_from_proto(&many),
+            Err(PaymentError::InvalidArgument { field, .. }) if field == "rail_evidence.rail_refs"
+        ));
     }
 
     /// Both grant refusals and the uncertified operator travel as PERMISSION_DENIED, the others
@@ -738,6 +967,7 @@ mod tests {
                 PaymentError::ForgedGrant { .. }
                     | PaymentError::GrantForAnotherKey { .. }
                     | PaymentError::OperatorNotCertified { .. }
+                    | PaymentError::RailFactRefused { .. }
             );
             let code = error_to_status(refusal).code();
             assert_eq!(code == Code::PermissionDenied, grant, "{code:?}");

@@ -88,6 +88,19 @@ pub enum ProxyError {
         incarnation_current: bool,
         token_floor: u64,
     },
+    /// PERMISSION_DENIED: the submit's instruction is missing, not signed by a payment resource
+    /// key the proxy knows, or not for exactly this payment (`reason`:
+    /// `grant_signing::instruction::REASONS`; `field` names a mismatched field). Nothing was sent
+    /// and nothing written but the refusal's guard event.
+    #[error("instruction refused at the rail proxy ({reason}{}) for payout {payout_id}: {detail}; nothing sent",
+        if field.is_empty() { String::new() } else { format!(": {field}") })]
+    InstructionRefused {
+        payout_id: String,
+        reason: String,
+        field: String,
+        signing_key_id: String,
+        detail: String,
+    },
     #[error(transparent)]
     Malformed(#[from] Malformed),
     /// Transport or server failure without a typed rejection.

@@ -3,7 +3,8 @@
 //! and every caller use these same types; [`crate::wire`] converts them to and from
 //! `railproxy.v1`.
 
-use grant_signing::Signature;
+use grant_signing::instruction::SignedInstruction;
+use grant_signing::{rail_fact, Signature};
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
 };
@@ -35,6 +36,9 @@ pub struct SubmitPayout {
     pub key: String,
     /// The lock service's signature over (`key`, `token`, `owner`); unsigned by default.
     pub signature: Signature,
+    /// The payment resource's signed instruction for exactly this payment (its MarkSubmitted
+    /// answer); the proxy refuses a submit without one (`ProxyError::InstructionRefused`).
+    pub instruction: Option<SignedInstruction>,
 }
 
 impl SubmitPayout {
@@ -60,6 +64,7 @@ impl SubmitPayout {
             beneficiary_ref,
             key,
             signature: Signature::default(),
+            instruction: None,
         }
     }
 
@@ -68,6 +73,26 @@ impl SubmitPayout {
         self.key = key.into();
         self.signature = signature;
         self
+    }
+
+    /// The payment resource's signed instruction, as the worker got it (never made here).
+    pub fn instructed(mut self, instruction: Option<SignedInstruction>) -> Self {
+        self.instruction = instruction;
+        self
+    }
+
+    /// What the request asks, as the instruction's verifier compares it field by field.
+    pub fn presented(&self) -> grant_signing::instruction::Presented<'_> {
+        grant_signing::instruction::Presented {
+            payout_id: self.payout_id.as_str(),
+            account_id: self.account_id.as_str(),
+            amount_minor: self.amount_minor.get(),
+            currency: self.currency.as_str(),
+            beneficiary_ref: self.beneficiary_ref.as_str(),
+            client_reference: self.client_reference.as_str(),
+            lock_key: &self.key,
+            token: self.token.get(),
+        }
     }
 
     /// The lock key whose token sequence this request's token must belong to: the account's.
@@ -186,9 +211,41 @@ pub struct Submission {
     /// The instruction's expiry at the rail; `None` for sealed records and records written
     /// before expiry existed (migration 0002).
     pub valid_until_unix_ms: Option<i64>,
+    /// The proxy's signature over the final outcome ([`Submission::outcome_fact`]); `None` while
+    /// PENDING and from a proxy that does not sign.
+    pub outcome_signature: Option<FactSignature>,
+}
+
+/// The proxy's signature over one rail fact, and the time the fact's message names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FactSignature {
+    pub signature: Signature,
+    pub signed_at_unix_ms: i64,
 }
 
 impl Submission {
+    /// The signed message of this submission's final outcome, or `None` while PENDING (no fact
+    /// yet). Signed at the outcome's time (`resolved_at`, or `created_at` for a record born
+    /// final).
+    pub fn outcome_fact(&self) -> Option<rail_fact::Outcome<'_>> {
+        let (rail_ref, decline_code) = match &self.outcome {
+            Outcome::Pending => return None,
+            Outcome::Acked { rail_ref } => (rail_ref.as_str(), ""),
+            Outcome::Rejected { decline_code } => ("", decline_code.as_str()),
+            Outcome::Timeout { .. } | Outcome::NotSent { .. } => ("", ""),
+        };
+        Some(rail_fact::Outcome {
+            payout_id: self.payout_id.as_str(),
+            account_id: self.account_id.as_str(),
+            client_reference: self.client_reference.as_str(),
+            outcome: self.outcome.name(),
+            rail_ref,
+            decline_code,
+            token: self.token.get(),
+            signed_at_unix_ms: self.resolved_at_unix_ms.unwrap_or(self.created_at_unix_ms),
+        })
+    }
+
     /// Whether `request` carries the same payment as this record (a retry rather than a conflict).
     pub fn same_payload(&self, request: &SubmitPayout) -> bool {
         self.account_id == request.account_id
@@ -268,6 +325,34 @@ pub struct Resolution {
     pub asked_by: String,
     pub asked_at_unix_ms: i64,
     pub evidence: Evidence,
+    /// The submission's account, which the evidence's signed message names (`None` from a proxy
+    /// that does not sign).
+    pub account_id: Option<AccountId>,
+    /// The proxy's signature over [`Resolution::evidence_fact`].
+    pub signature: Option<FactSignature>,
+}
+
+impl Resolution {
+    /// The signed message of this evidence for the payout's `account_id`. UNKNOWN's detail is not
+    /// part of it (UNKNOWN decides nothing).
+    pub fn evidence_fact<'a>(
+        &'a self,
+        account_id: &'a AccountId,
+        client_reference: &'a ClientReference,
+    ) -> rail_fact::Evidence<'a> {
+        rail_fact::Evidence {
+            payout_id: self.payout_id.as_str(),
+            account_id: account_id.as_str(),
+            client_reference: client_reference.as_str(),
+            evidence: self.evidence.name(),
+            rail_refs: match &self.evidence {
+                Evidence::Found { rail_refs } => rail_refs,
+                _ => &[],
+            },
+            asked_by: &self.asked_by,
+            signed_at_unix_ms: self.asked_at_unix_ms,
+        }
+    }
 }
 
 /// A rejected field of a submit request: which field, and why. Nothing was written.

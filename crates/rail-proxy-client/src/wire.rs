@@ -3,6 +3,7 @@
 //! the `*_to_proto` functions; the client builds requests with [`submit_request`] and
 //! [`inquire_request`] and reads answers with the `*_from_proto` functions.
 
+use grant_signing::instruction::{Instruction, SignedInstruction};
 use grant_signing::{Signature, KEY_ID_LENGTH_MAX};
 use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, ClientReference, Currency, FencingToken, PayoutId,
@@ -12,8 +13,8 @@ use tonic::{Code, Status};
 
 use crate::client::ProxyError;
 use crate::model::{
-    Evidence, InquirePayout, InvalidArgument, Outcome, Payment, Resolution, Submission,
-    SubmitPayout, KEY_LENGTH_MAX, OWNER_LENGTH_MAX,
+    Evidence, FactSignature, InquirePayout, InvalidArgument, Outcome, Payment, Resolution,
+    Submission, SubmitPayout, KEY_LENGTH_MAX, OWNER_LENGTH_MAX,
 };
 
 /// Longest `asked_by` accepted; diagnostics, bounded like every other input.
@@ -154,6 +155,11 @@ pub fn parse_submit(request: &pb::SubmitRequest) -> Result<SubmitPayout, Invalid
     let beneficiary_ref = BeneficiaryRef::parse(request.beneficiary_ref.as_str())
         .map_err(|e| InvalidArgument::new("beneficiary_ref", e))?;
     let (key, signature) = parse_grant(&request.key, &request.signing_key_id, &request.signature)?;
+    let instruction = request
+        .instruction
+        .as_ref()
+        .map(instruction_from_proto)
+        .transpose()?;
     Ok(SubmitPayout {
         payout_id,
         account_id,
@@ -165,7 +171,86 @@ pub fn parse_submit(request: &pb::SubmitRequest) -> Result<SubmitPayout, Invalid
         beneficiary_ref,
         key,
         signature,
+        instruction,
     })
+}
+
+/// The instruction as it travels. Its fields are kept as sent (bounded), not parsed as domain
+/// values: the proxy compares them with the request's and verifies the signature over them, and
+/// an altered field must reach that check to be named (`mismatch{field}`), not be lost as an
+/// invalid argument.
+fn instruction_from_proto(
+    i: &pb::PaymentInstruction,
+) -> Result<SignedInstruction, InvalidArgument> {
+    for (field, text) in [
+        ("instruction.payout_id", &i.payout_id),
+        ("instruction.account_id", &i.account_id),
+        ("instruction.currency", &i.currency),
+        ("instruction.beneficiary_ref", &i.beneficiary_ref),
+        ("instruction.client_reference", &i.client_reference),
+        ("instruction.lock_key", &i.lock_key),
+    ] {
+        check_kept_text(field, text, KEY_LENGTH_MAX)?;
+    }
+    check_kept_text(
+        "instruction.signing_key_id",
+        &i.signing_key_id,
+        KEY_ID_LENGTH_MAX,
+    )?;
+    Ok(SignedInstruction {
+        instruction: Instruction {
+            payout_id: i.payout_id.clone(),
+            account_id: i.account_id.clone(),
+            currency: i.currency.clone(),
+            beneficiary_ref: i.beneficiary_ref.clone(),
+            client_reference: i.client_reference.clone(),
+            lock_key: i.lock_key.clone(),
+            amount_minor: i.amount_minor,
+            token: i.token,
+            issued_at_unix_ms: i.issued_at_unix_ms,
+            expires_at_unix_ms: i.expires_at_unix_ms,
+        },
+        signature: Signature {
+            key_id: i.signing_key_id.clone(),
+            bytes: i.signature.clone(),
+        },
+    })
+}
+
+fn instruction_to_proto(s: &SignedInstruction) -> pb::PaymentInstruction {
+    let i = &s.instruction;
+    pb::PaymentInstruction {
+        payout_id: i.payout_id.clone(),
+        account_id: i.account_id.clone(),
+        amount_minor: i.amount_minor,
+        currency: i.currency.clone(),
+        beneficiary_ref: i.beneficiary_ref.clone(),
+        client_reference: i.client_reference.clone(),
+        lock_key: i.lock_key.clone(),
+        token: i.token,
+        issued_at_unix_ms: i.issued_at_unix_ms,
+        expires_at_unix_ms: i.expires_at_unix_ms,
+        signing_key_id: s.signature.key_id.clone(),
+        signature: s.signature.bytes.clone(),
+    }
+}
+
+fn fact_signature_to_proto(f: &FactSignature) -> pb::FactSignature {
+    pb::FactSignature {
+        signing_key_id: f.signature.key_id.clone(),
+        signature: f.signature.bytes.clone(),
+        signed_at_unix_ms: f.signed_at_unix_ms,
+    }
+}
+
+fn fact_signature_from_proto(f: &pb::FactSignature) -> FactSignature {
+    FactSignature {
+        signature: Signature {
+            key_id: f.signing_key_id.clone(),
+            bytes: f.signature.clone(),
+        },
+        signed_at_unix_ms: f.signed_at_unix_ms,
+    }
 }
 
 pub fn submit_request(request: &SubmitPayout) -> pb::SubmitRequest {
@@ -181,6 +266,7 @@ pub fn submit_request(request: &SubmitPayout) -> pb::SubmitRequest {
         key: request.key.clone(),
         signing_key_id: request.signature.key_id.clone(),
         signature: request.signature.bytes.clone(),
+        instruction: request.instruction.as_ref().map(instruction_to_proto),
     }
 }
 
@@ -245,6 +331,7 @@ pub fn submission_to_proto(s: &Submission) -> pb::Submission {
         resolved_at_unix_ms: s.resolved_at_unix_ms.unwrap_or(0),
         valid_until_unix_ms: s.valid_until_unix_ms.unwrap_or(0),
         sealed_by,
+        outcome_signature: s.outcome_signature.as_ref().map(fact_signature_to_proto),
     }
 }
 
@@ -312,6 +399,7 @@ pub fn submission_from_proto(s: &pb::Submission) -> Result<Submission, Malformed
         created_at_unix_ms: s.created_at_unix_ms,
         resolved_at_unix_ms: (s.resolved_at_unix_ms != 0).then_some(s.resolved_at_unix_ms),
         valid_until_unix_ms: (s.valid_until_unix_ms != 0).then_some(s.valid_until_unix_ms),
+        outcome_signature: s.outcome_signature.as_ref().map(fact_signature_from_proto),
     })
 }
 
@@ -329,6 +417,12 @@ pub fn resolution_to_proto(r: &Resolution) -> pb::Resolution {
         evidence: evidence as i32,
         rail_refs,
         detail,
+        account_id: r
+            .account_id
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default(),
+        evidence_signature: r.signature.as_ref().map(fact_signature_to_proto),
     }
 }
 
@@ -350,6 +444,12 @@ pub fn resolution_from_proto(r: &pb::Resolution) -> Result<Resolution, Malformed
         asked_by: r.asked_by.clone(),
         asked_at_unix_ms: r.asked_at_unix_ms,
         evidence,
+        account_id: if r.account_id.is_empty() {
+            None
+        } else {
+            Some(AccountId::parse(r.account_id.as_str()).map_err(|e| malformed(what, e))?)
+        },
+        signature: r.evidence_signature.as_ref().map(fact_signature_from_proto),
     })
 }
 
@@ -462,6 +562,22 @@ pub fn error_to_status(error: &ProxyError) -> Status {
                 token_floor: *token_floor,
             }),
         ),
+        ProxyError::InstructionRefused {
+            payout_id,
+            reason,
+            field,
+            signing_key_id,
+            detail,
+        } => (
+            Code::PermissionDenied,
+            Kind::InstructionRefused(pb::InstructionRefused {
+                payout_id: payout_id.clone(),
+                reason: reason.clone(),
+                field: field.clone(),
+                signing_key_id: signing_key_id.clone(),
+                detail: detail.clone(),
+            }),
+        ),
         ProxyError::Malformed(m) => return Status::internal(m.to_string()),
         ProxyError::Rpc(status) => return status.clone(),
     };
@@ -537,6 +653,13 @@ pub fn status_to_error(status: Status) -> ProxyError {
             incarnation_current: d.incarnation_current,
             token_floor: d.token_floor,
         },
+        Kind::InstructionRefused(i) => ProxyError::InstructionRefused {
+            payout_id: i.payout_id,
+            reason: i.reason,
+            field: i.field,
+            signing_key_id: i.signing_key_id,
+            detail: i.detail,
+        },
     }
 }
 
@@ -558,6 +681,7 @@ mod tests {
             key: "payout:a-1".into(),
             signing_key_id: "k1".into(),
             signature: vec![7; grant_signing::SIGNATURE_LEN],
+            instruction: None,
         }
     }
 
@@ -677,9 +801,101 @@ mod tests {
                 created_at_unix_ms: 1,
                 resolved_at_unix_ms: Some(2),
                 valid_until_unix_ms: (!sealed).then_some(3),
+                outcome_signature: None,
+            };
+            assert_eq!(submission_from_proto(&submission_to_proto(&s)).unwrap(), s);
+            // With the proxy's signature over its outcome.
+            let (signer, _) = grant_signing::Signer::generate("proxy-1").unwrap();
+            let signed = s.outcome_fact().map(|fact| FactSignature {
+                signature: signer.sign_outcome(&fact),
+                signed_at_unix_ms: fact.signed_at_unix_ms,
+            });
+            assert_eq!(signed.is_none(), s.outcome == Outcome::Pending);
+            let s = Submission {
+                outcome_signature: signed,
+                ..s
             };
             assert_eq!(submission_from_proto(&submission_to_proto(&s)).unwrap(), s);
         }
+    }
+
+    /// A resolution crosses with its account and the proxy's signature over its evidence; the
+    /// signed instruction crosses a submit unchanged, and an instruction altered in transit still
+    /// parses (the proxy must see it to name the altered field).
+    #[test]
+    fn signed_facts_cross_the_wire_both_ways() {
+        let (signer, verifier) = {
+            let (s, _) = grant_signing::Signer::generate("k1").unwrap();
+            let v = grant_signing::Verifier::new([s.public_key()]).unwrap();
+            (s, v)
+        };
+        let request = parse_submit(&good()).unwrap();
+        let resolution = Resolution {
+            payout_id: request.payout_id.clone(),
+            asked_by: "resolver".into(),
+            asked_at_unix_ms: 7,
+            evidence: Evidence::Found {
+                rail_refs: vec!["rr-1".into()],
+            },
+            account_id: None,
+            signature: None,
+        };
+        let fact = resolution.evidence_fact(&request.account_id, &request.client_reference);
+        let signed = Resolution {
+            account_id: Some(request.account_id.clone()),
+            signature: Some(FactSignature {
+                signature: signer.sign_evidence(&fact),
+                signed_at_unix_ms: 7,
+            }),
+            ..resolution.clone()
+        };
+        for r in [resolution, signed.clone()] {
+            assert_eq!(resolution_from_proto(&resolution_to_proto(&r)).unwrap(), r);
+        }
+        let back = resolution_from_proto(&resolution_to_proto(&signed)).unwrap();
+        let signature = back.signature.clone().unwrap().signature;
+        assert_eq!(
+            verifier.verify_evidence(
+                &back.evidence_fact(&request.account_id, &request.client_reference),
+                &signature
+            ),
+            Ok(())
+        );
+
+        let p = request.presented();
+        let instruction = signer.sign_instruction(Instruction {
+            payout_id: p.payout_id.into(),
+            account_id: p.account_id.into(),
+            currency: p.currency.into(),
+            beneficiary_ref: p.beneficiary_ref.into(),
+            client_reference: p.client_reference.into(),
+            lock_key: p.lock_key.into(),
+            amount_minor: p.amount_minor,
+            token: p.token,
+            issued_at_unix_ms: 1,
+            expires_at_unix_ms: 2,
+        });
+        let instructed = request.clone().instructed(Some(instruction.clone()));
+        let wire = submit_request(&instructed);
+        assert_eq!(parse_submit(&wire).unwrap(), instructed);
+        let mut altered = wire.clone();
+        if let Some(i) = altered.instruction.as_mut() {
+            i.amount_minor += 1;
+            i.currency = "not a currency".into();
+        }
+        let parsed = parse_submit(&altered).unwrap();
+        assert_eq!(
+            parsed.instruction.map(|i| i.instruction.currency),
+            Some("not a currency".to_string())
+        );
+        let mut nul = wire;
+        if let Some(i) = nul.instruction.as_mut() {
+            i.beneficiary_ref = "a\0b".into();
+        }
+        assert_eq!(
+            parse_submit(&nul).unwrap_err().field,
+            "instruction.beneficiary_ref"
+        );
     }
 
     /// The signed grant crosses the wire both ways, for Submit and Inquire; an unsigned request
@@ -762,7 +978,14 @@ mod tests {
             owner: "worker-1".into(),
             payout_id: "p-2".into(),
         };
-        for error in [&forged, &another] {
+        let refused = ProxyError::InstructionRefused {
+            payout_id: "p-5".into(),
+            reason: "mismatch".into(),
+            field: "amount_minor".into(),
+            signing_key_id: "pr-1".into(),
+            detail: "the request's amount_minor (2) is not the instruction's (1)".into(),
+        };
+        for error in [&forged, &another, &refused] {
             let status = error_to_status(error);
             assert_eq!(status.code(), Code::PermissionDenied, "{error:?}");
             assert_eq!(status.message(), error.to_string());

@@ -456,6 +456,7 @@ mod tests {
             submitted_at: None,
             settled_at: None,
             updated_at: Utc::now(),
+            instruction: None,
         };
         let at = DateTime::parse_from_rfc3339("2026-01-02T03:04:05Z")
             .unwrap()

@@ -346,6 +346,7 @@ impl PayoutRow {
             submitted_at: self.submitted_at,
             settled_at: self.settled_at,
             updated_at: self.updated_at,
+            instruction: None,
         })
     }
 }

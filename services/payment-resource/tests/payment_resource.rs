@@ -3056,6 +3056,7 @@ fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
                         rail_ref,
                         decline_code,
                         detail,
+                        rail_fact: None,
                     })
                 }
             ),
@@ -3069,6 +3070,7 @@ fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
                     evidence,
                     rail_ref,
                     evidence_source,
+                    rail_evidence: None,
                 })
             }
         ),

@@ -377,6 +377,7 @@ impl ProxyService {
             created_at_unix_ms: unix_ms_now(),
             resolved_at_unix_ms: Some(unix_ms_now()),
             valid_until_unix_ms: None,
+            outcome_signature: None,
         })
     }
 }

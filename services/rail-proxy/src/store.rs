@@ -147,6 +147,7 @@ fn submission_from_row(row: &sqlx::postgres::PgRow) -> Result<Submission, StoreE
         created_at_unix_ms: row.try_get("created_ms")?,
         resolved_at_unix_ms: row.try_get("resolved_ms")?,
         valid_until_unix_ms: row.try_get("valid_until_ms")?,
+        outcome_signature: None,
     })
 }
 
@@ -665,6 +666,8 @@ fn resolution_from_row(
         asked_by: row.try_get("asked_by")?,
         asked_at_unix_ms: row.try_get("asked_ms")?,
         evidence,
+        account_id: None,
+        signature: None,
     })
 }
 

@@ -752,6 +752,7 @@ async fn bad_input_gets_a_specific_error_and_writes_nothing() {
         key: "payout:acct-bad".into(),
         signing_key_id: grant.key_id.clone(),
         signature: grant.bytes.clone(),
+        instruction: None,
     };
     let table: Vec<(&str, pb::SubmitRequest)> = vec![
         (
@@ -1787,7 +1788,7 @@ const PROXYDB_TABLES: [&str; 4] = [
 /// One call of `railproxy.v1.RailProxy`, with whatever field values.
 #[derive(Debug, Clone)]
 enum ProxyCall {
-    Submit(pb::SubmitRequest),
+    Submit(Box<pb::SubmitRequest>),
     Lookup(pb::LookupRequest),
     Inquire(pb::InquireRequest),
 }
@@ -1904,7 +1905,7 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
                 grant,
             )| {
                 let (key, signing_key_id, signature) = grant.present(&account_id, token, &owner);
-                ProxyCall::Submit(pb::SubmitRequest {
+                ProxyCall::Submit(Box::new(pb::SubmitRequest {
                     client_reference: client_reference
                         .unwrap_or_else(|| format!("cref-{payout_id}")),
                     payout_id,
@@ -1917,7 +1918,8 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
                     key,
                     signing_key_id,
                     signature,
-                })
+                    instruction: None,
+                }))
             },
         );
     let lookup = payout_id
@@ -1982,7 +1984,7 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
             let raw = client.raw();
             let send = async {
                 match call {
-                    ProxyCall::Submit(r) => raw.submit(r).await.map(drop),
+                    ProxyCall::Submit(r) => raw.submit(*r).await.map(drop),
                     ProxyCall::Lookup(r) => raw.lookup(r).await.map(drop),
                     ProxyCall::Inquire(r) => raw.inquire(r).await.map(drop),
                 }
