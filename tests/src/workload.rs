@@ -92,6 +92,28 @@ impl Batch {
     }
 }
 
+/// One payout on an account of its own, both named after `name` made unique in the shared stack
+/// (`p-{unique}`, `a-{unique}`), of `amount_minor` EUR to `ben-e2e`: the system tests' single
+/// payouts (nothing created yet).
+pub fn unique_payout(
+    name: &str,
+    amount_minor: i64,
+    ambiguity: AmbiguityPolicy,
+) -> anyhow::Result<PayoutInput> {
+    let unique = testkit::Stack::shared()
+        .unique_prefix(name)
+        .replace(['/', ':'], "-");
+    let unique = unique.trim_matches('-');
+    Ok(PayoutInput {
+        payout_id: PayoutId::parse(format!("p-{unique}"))?,
+        account_id: AccountId::parse(format!("a-{unique}"))?,
+        amount_minor: AmountMinor::new(amount_minor)?,
+        currency: Currency::parse("EUR")?,
+        beneficiary_ref: BeneficiaryRef::parse("ben-e2e")?,
+        ambiguity,
+    })
+}
+
 /// The payment resource's record of a payout the workflow will be started with.
 pub fn new_payout(input: &PayoutInput) -> NewPayout {
     NewPayout {
