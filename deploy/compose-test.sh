@@ -53,8 +53,21 @@ PAYOUT_GRANT_VERIFY_KEYS="$(target/debug/payoutctl keys grant-signing --key-id "
 # lock-server in its container can read it and nobody else on the host.
 docker run --rm --user 0 -v "$KEY_DIR:/keys" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
     chown payout "/keys/$KEY_ID.key"
+# The signed facts' keys (issue 33), made the same way: the payment resource's instruction key
+# and the rail proxy's rail-fact key, each mounted only into its own service.
+PAYOUT_INSTRUCTION_SIGNING_KEY_ID="$KEY_ID-instruction"
+PAYOUT_INSTRUCTION_VERIFY_KEYS="$(target/debug/payoutctl keys instruction-signing \
+    --key-id "$PAYOUT_INSTRUCTION_SIGNING_KEY_ID" --out "$KEY_DIR/$PAYOUT_INSTRUCTION_SIGNING_KEY_ID.key")"
+PAYOUT_RAIL_FACT_SIGNING_KEY_ID="$KEY_ID-rail-fact"
+PAYOUT_RAIL_FACT_VERIFY_KEYS="$(target/debug/payoutctl keys rail-fact-signing \
+    --key-id "$PAYOUT_RAIL_FACT_SIGNING_KEY_ID" --out "$KEY_DIR/$PAYOUT_RAIL_FACT_SIGNING_KEY_ID.key")"
+docker run --rm --user 0 -v "$KEY_DIR:/keys" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
+    chown payout "/keys/$PAYOUT_INSTRUCTION_SIGNING_KEY_ID.key" "/keys/$PAYOUT_RAIL_FACT_SIGNING_KEY_ID.key"
 export PAYOUT_GRANT_KEY_DIR="$KEY_DIR" PAYOUT_GRANT_SIGNING_KEY_ID="$KEY_ID" PAYOUT_GRANT_VERIFY_KEYS
+export PAYOUT_INSTRUCTION_SIGNING_KEY_ID PAYOUT_INSTRUCTION_VERIFY_KEYS
+export PAYOUT_RAIL_FACT_SIGNING_KEY_ID PAYOUT_RAIL_FACT_VERIFY_KEYS
 echo "grant signing key: $KEY_ID (public: $PAYOUT_GRANT_VERIFY_KEYS)"
+echo "instruction key: $PAYOUT_INSTRUCTION_VERIFY_KEYS; rail-fact key: $PAYOUT_RAIL_FACT_VERIFY_KEYS"
 echo "TIMING grant signing key: $(secs "$t")"
 
 # This run's certificates (ARCHITECTURE.md, "Mutual TLS"): a fresh authority and one certificate

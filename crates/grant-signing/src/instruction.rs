@@ -66,6 +66,20 @@ impl Instruction {
             .i64(self.expires_at_unix_ms);
         m.into_bytes()
     }
+
+    /// The request this instruction authorises, field for field (what a faithful relay presents).
+    pub fn presented(&self) -> Presented<'_> {
+        Presented {
+            payout_id: &self.payout_id,
+            account_id: &self.account_id,
+            amount_minor: self.amount_minor,
+            currency: &self.currency,
+            beneficiary_ref: &self.beneficiary_ref,
+            client_reference: &self.client_reference,
+            lock_key: &self.lock_key,
+            token: self.token,
+        }
+    }
 }
 
 /// An instruction and the payment resource's signature over it, as it travels.
@@ -275,16 +289,7 @@ mod tests {
     }
 
     fn presented(i: &Instruction) -> Presented<'_> {
-        Presented {
-            payout_id: &i.payout_id,
-            account_id: &i.account_id,
-            amount_minor: i.amount_minor,
-            currency: &i.currency,
-            beneficiary_ref: &i.beneficiary_ref,
-            client_reference: &i.client_reference,
-            lock_key: &i.lock_key,
-            token: i.token,
-        }
+        i.presented()
     }
 
     fn pair(id: &str) -> (Signer, Verifier) {

@@ -141,7 +141,23 @@ impl Hosted {
             .map_err(start_error("paydb migrations"))?;
         let verifier = payment_resource::Verifier::new([public_key.clone()])
             .map_err(start_error("verifier"))?;
-        let mut options = payment_resource::StoreOptions::new(verifier);
+        // The signed facts' two keys, made for this host (the payment resource signs
+        // instructions, the proxy rail facts; each verifies the other's).
+        let (instruction_signer, _) =
+            grant_signing::Signer::generate("hosted-instruction").map_err(start_error("key"))?;
+        let (fact_signer, _) =
+            grant_signing::Signer::generate("hosted-rail-fact").map_err(start_error("key"))?;
+        let instruction_keys = grant_signing::Verifier::new([instruction_signer.public_key()])
+            .map_err(start_error("verifier"))?;
+        let fact_keys = grant_signing::Verifier::new([fact_signer.public_key()])
+            .map_err(start_error("verifier"))?;
+        let facts = payment_resource::SignedFacts::new(
+            std::sync::Arc::new(instruction_signer),
+            grant_signing::instruction::TTL_DEFAULT_MS,
+            fact_keys,
+        )
+        .map_err(start_error("signed facts"))?;
+        let mut options = payment_resource::StoreOptions::new(verifier, facts);
         if !secured {
             options = options
                 .without_grant_verification_for_tests()
@@ -169,8 +185,12 @@ impl Hosted {
             .await
             .map_err(start_error("proxydb"))?;
         let verifier = rail_proxy::Verifier::new([public_key]).map_err(start_error("verifier"))?;
-        let mut config =
-            rail_proxy::ProxyConfig::new(stub.base_url(), verifier, tls(Role::RailProxy));
+        let keys = rail_proxy::GuardKeys {
+            grants: verifier,
+            instructions: instruction_keys,
+            fact_signer: std::sync::Arc::new(fact_signer),
+        };
+        let mut config = rail_proxy::ProxyConfig::new(stub.base_url(), keys, tls(Role::RailProxy));
         if !secured {
             config = config
                 .disable_grant_verification_for_negative_control()

@@ -246,9 +246,16 @@ pub async fn run(
     let floor_pool = pool.clone();
     let (signer, _) = Signer::generate("bench")?;
     let verifier = Verifier::new([signer.public_key()])?;
+    let (instruction_signer, _) = Signer::generate("bench-instruction")?;
+    let (fact_signer, _) = Signer::generate("bench-rail-fact")?;
+    let keys = rail_proxy::GuardKeys {
+        grants: verifier,
+        instructions: Verifier::new([instruction_signer.public_key()])?,
+        fact_signer: std::sync::Arc::new(fact_signer),
+    };
     let insecure = RunningProxy::start(
         pool.clone(),
-        ProxyConfig::new(stub.base_url(), verifier.clone(), tls(Role::RailProxy))
+        ProxyConfig::new(stub.base_url(), keys.clone(), tls(Role::RailProxy))
             .disable_grant_verification_for_negative_control()
             .plaintext_for_benches(),
     )
@@ -256,7 +263,7 @@ pub async fn run(
     // The real table and mutual TLS, as deployed: a worker's certificate submits.
     let proxy = RunningProxy::start(
         pool,
-        ProxyConfig::new(stub.base_url(), verifier, tls(Role::RailProxy)),
+        ProxyConfig::new(stub.base_url(), keys, tls(Role::RailProxy)),
     )
     .await?;
     let client = RailProxyClient::connect(&proxy.endpoint(), &tls(Role::Worker)).await?;

@@ -123,6 +123,10 @@ pub struct System {
     pub dir: PathBuf,
     /// The key the lock-server signs grants with; the guards hold its public half.
     pub grant_keys: crate::grants::SigningKey,
+    /// The payment resource's instruction key (the rail proxy verifies with its public half).
+    pub instruction_keys: crate::grants::SigningKey,
+    /// The rail proxy's rail-fact key (the payment resource verifies with its public half).
+    pub rail_fact_keys: crate::grants::SigningKey,
     /// The system's certificate authority: every process has its own certificate from it.
     pub pki: crate::pki::Pki,
     /// The system's registered operator (the payment resource's `--operator-keys`).
@@ -220,6 +224,8 @@ impl System {
         let m = &ports.metrics;
 
         let grant_keys = crate::grants::SigningKey::grant(&dir)?;
+        let instruction_keys = crate::grants::SigningKey::instruction(&dir)?;
+        let rail_fact_keys = crate::grants::SigningKey::rail_fact(&dir)?;
         let pki = crate::pki::Pki::in_dir(&dir)?;
         let operator = crate::grants::OperatorKey::in_dir(&dir)?;
         let lock_server = ManagedProcess::start(
@@ -257,6 +263,11 @@ impl System {
                     login(PgServer::Main, "payment_resource", &databases.paydb),
                 )
                 .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
+                .args(instruction_keys.signing_args("instruction"))
+                .args([
+                    "--rail-fact-verify-keys".into(),
+                    rail_fact_keys.verify_keys(),
+                ])
                 .args(["--operator-keys".into(), operator.registered()])
                 .args(
                     pki.issue(Role::PaymentResource, "payment-resource")?
@@ -294,6 +305,11 @@ impl System {
                     login(PgServer::Proxy, "rail_proxy", &databases.proxydb),
                 )
                 .args(["--grant-verify-keys".into(), grant_keys.verify_keys()])
+                .args([
+                    "--instruction-verify-keys".into(),
+                    instruction_keys.verify_keys(),
+                ])
+                .args(rail_fact_keys.signing_args("rail-fact"))
                 .args(pki.issue(Role::RailProxy, "rail-proxy")?.to_args())
                 .args(["--rail-url".into(), rail_url(ports.rail_stub)])
                 .args([
@@ -393,6 +409,8 @@ impl System {
             temporal_address: temporal.address(),
             dir,
             grant_keys,
+            instruction_keys,
+            rail_fact_keys,
             pki,
             operator,
             lock_server,

@@ -34,9 +34,10 @@ pub mod store;
 use std::time::Duration;
 
 pub use error::ServerError;
+pub use grant_signing::instruction::TTL_DEFAULT_MS as INSTRUCTION_TTL_DEFAULT_MS;
 /// The lock service's public keys, as `StoreOptions::new` takes them.
 pub use grant_signing::Verifier;
-pub use store::{Store, StoreOptions, RESOLUTION_SLA_DEFAULT};
+pub use store::{FactKeyError, SignedFacts, Store, StoreOptions, RESOLUTION_SLA_DEFAULT};
 
 /// The gRPC service name, as `grpc.health.v1` reports it.
 pub const SERVICE_NAME: &str = "payment.v1.PaymentResource";

@@ -50,6 +50,23 @@ enum Command {
         /// every operator decision is refused and recorded as refused.
         #[arg(long, env = "PAYOUT_OPERATOR_KEYS", value_name = "NAME=HEX,...", default_value = "", value_parser = parse_operator_keys)]
         operator_keys: Verifier,
+        /// The id of this service's instruction signing key (`payoutctl keys
+        /// instruction-signing`). Required: MarkSubmitted answers the signed instruction the rail
+        /// proxy requires to send a payout; there is no unsigned mode.
+        #[arg(long, env = "PAYOUT_INSTRUCTION_SIGNING_KEY_ID")]
+        instruction_signing_key_id: String,
+        /// The instruction signing key's file (its PKCS#8 document in hex, readable by this
+        /// service only).
+        #[arg(long, env = "PAYOUT_INSTRUCTION_SIGNING_KEY_FILE")]
+        instruction_signing_key_file: std::path::PathBuf,
+        /// How long a signed instruction is honoured by the rail proxy, at most
+        /// `grant_signing::instruction::TTL_MAX_MS` (one hour).
+        #[arg(long, env = "PAYOUT_INSTRUCTION_TTL_MS", default_value_t = grant_signing::instruction::TTL_DEFAULT_MS)]
+        instruction_ttl_ms: u64,
+        /// The rail proxy's rail-fact public keys, `key_id=<64 hex digits>[,...]`. Required: an
+        /// ACKED / DECLINED outcome or an evidence is recorded only on the proxy's signed fact.
+        #[arg(long, env = "RAIL_FACT_VERIFY_KEYS", value_name = "ID=HEX,...", value_parser = parse_verify_keys)]
+        rail_fact_verify_keys: Verifier,
         #[command(flatten)]
         tls: service_kit::grpc::TlsArgs,
         /// Serve OpenAccount (funded accounts from nothing) to the fixture role. Off by default;
@@ -97,10 +114,21 @@ async fn main() -> anyhow::Result<()> {
             resolution_sla_ms,
             grant_verify_keys,
             operator_keys,
+            instruction_signing_key_id,
+            instruction_signing_key_file,
+            instruction_ttl_ms,
+            rail_fact_verify_keys,
             tls,
             fixture_accounts,
         } => {
             let tls = tls.load().context("TLS material")?;
+            let facts = payment_resource::SignedFacts::load(
+                &instruction_signing_key_id,
+                &instruction_signing_key_file,
+                instruction_ttl_ms,
+                rail_fact_verify_keys,
+            )
+            .context("signed facts' keys")?;
             let pool = service_kit::connect_pg(&database_url).await?;
             payment_resource::require_schema(&pool).await?;
             let metrics = Metrics::default();
@@ -109,7 +137,8 @@ async fn main() -> anyhow::Result<()> {
             let key_ids: Vec<String> = grant_verify_keys.key_ids().map(str::to_string).collect();
             let operators: Vec<String> = operator_keys.key_ids().map(str::to_string).collect();
             tracing::info!(?operators, "registered operators");
-            let options = StoreOptions::new(grant_verify_keys)
+            tracing::info!(instruction_signing_key_id, instruction_ttl_ms, rail_fact_verify_key_ids = ?facts.rail_fact_key_ids(), "signed facts");
+            let options = StoreOptions::new(grant_verify_keys, facts)
                 .with_operator_keys(operator_keys)
                 .with_resolution_sla(std::time::Duration::from_millis(resolution_sla_ms));
             let store = Store::new(pool, options, &metrics);

@@ -141,6 +141,96 @@ pub struct StoreOptions {
     restore_check: bool,
     /// CreatePayout stages the workflow's start in its own transaction (paydb 0009).
     start_staging: bool,
+    /// The instruction signer and the rail proxy's fact keys (issue 33). `None` only for the
+    /// fixture command's store, which refuses every fenced call before any would be signed.
+    facts: Option<SignedFacts>,
+}
+
+/// The signed facts this service makes and checks: it signs each payout's instruction (the rail
+/// proxy sends nothing without one) and verifies the rail proxy's signed outcomes and evidence.
+#[derive(Debug, Clone)]
+pub struct SignedFacts {
+    instruction_signer: std::sync::Arc<grant_signing::Signer>,
+    instruction_ttl_ms: u64,
+    rail_facts: Verifier,
+}
+
+/// Why the signed facts' keys could not be loaded: the service does not start.
+#[derive(Debug, thiserror::Error)]
+pub enum FactKeyError {
+    #[error("reading the instruction signing key {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Key(#[from] grant_signing::KeyError),
+    #[error("instruction TTL {0} ms is zero or above the bound of {max} ms", max = grant_signing::instruction::TTL_MAX_MS)]
+    TtlOutOfBounds(u64),
+}
+
+impl SignedFacts {
+    /// `instruction_signer` signs instructions valid `instruction_ttl_ms` (1 ..= TTL_MAX_MS);
+    /// `rail_facts` are the rail proxy's public keys.
+    pub fn new(
+        instruction_signer: std::sync::Arc<grant_signing::Signer>,
+        instruction_ttl_ms: u64,
+        rail_facts: Verifier,
+    ) -> Result<Self, FactKeyError> {
+        if instruction_ttl_ms == 0 || instruction_ttl_ms > grant_signing::instruction::TTL_MAX_MS {
+            return Err(FactKeyError::TtlOutOfBounds(instruction_ttl_ms));
+        }
+        Ok(Self {
+            instruction_signer,
+            instruction_ttl_ms,
+            rail_facts,
+        })
+    }
+
+    /// The binary's form: the signing key from its file.
+    pub fn load(
+        key_id: &str,
+        key_file: &std::path::Path,
+        instruction_ttl_ms: u64,
+        rail_facts: Verifier,
+    ) -> Result<Self, FactKeyError> {
+        let text = std::fs::read_to_string(key_file).map_err(|source| FactKeyError::Read {
+            path: key_file.display().to_string(),
+            source,
+        })?;
+        let signer = grant_signing::Signer::from_hex(key_id, &text)?;
+        Self::new(std::sync::Arc::new(signer), instruction_ttl_ms, rail_facts)
+    }
+
+    pub fn rail_fact_key_ids(&self) -> Vec<String> {
+        self.rail_facts.key_ids().map(str::to_string).collect()
+    }
+
+    /// The instruction for `payout`, marked submitted under `fence`: every payment field from the
+    /// payout row, never from a request; issued at paydb's submission time.
+    fn instruction(
+        &self,
+        payout: &Payout,
+        fence: &Fence,
+    ) -> Option<grant_signing::instruction::SignedInstruction> {
+        let issued_at_unix_ms = payout.submitted_at?.timestamp_millis();
+        Some(
+            self.instruction_signer
+                .sign_instruction(grant_signing::instruction::Instruction {
+                    payout_id: payout.payout_id.to_string(),
+                    account_id: payout.account_id.to_string(),
+                    currency: payout.currency.to_string(),
+                    beneficiary_ref: payout.beneficiary_ref.clone(),
+                    client_reference: payout.client_reference.clone(),
+                    lock_key: fence.key().to_string(),
+                    amount_minor: payout.amount_minor,
+                    token: fence.token().get(),
+                    issued_at_unix_ms,
+                    expires_at_unix_ms: issued_at_unix_ms
+                        .saturating_add(self.instruction_ttl_ms as i64),
+                }),
+        )
+    }
 }
 
 /// Finance's resolution SLA for an ambiguous payout before an operator may abandon it (spec 2.3,
@@ -149,10 +239,12 @@ pub const RESOLUTION_SLA_DEFAULT: std::time::Duration = std::time::Duration::fro
 
 impl StoreOptions {
     /// A serving store: every fenced call's grant must carry the signature of one of `verifier`'s
-    /// keys (the binary's `--grant-verify-keys`).
-    pub fn new(verifier: Verifier) -> Self {
+    /// keys (the binary's `--grant-verify-keys`), and it signs instructions and checks rail facts
+    /// with `facts` (required: there is no unsigned mode).
+    pub fn new(verifier: Verifier, facts: SignedFacts) -> Self {
         Self {
             verifier,
+            facts: Some(facts),
             ..Self::without_grant_keys()
         }
     }
@@ -171,6 +263,7 @@ impl StoreOptions {
             operator_certification: true,
             restore_check: true,
             start_staging: true,
+            facts: None,
         }
     }
     /// The registered operators (`name=hex,...`, `payoutctl keys operator`): an abandon is carried
@@ -1487,15 +1580,29 @@ impl Store {
             submitted_now: true,
             ..Changes::default()
         };
-        self.transition(
-            fenced,
-            PayoutEvent::SubmissionAccepted,
-            Actor::Holder,
-            fence,
-            changes,
-            json!({}),
-        )
-        .await
+        let mut payout = self
+            .transition(
+                fenced,
+                PayoutEvent::SubmissionAccepted,
+                Actor::Holder,
+                fence,
+                changes,
+                json!({}),
+            )
+            .await?;
+        // Signed only for the payout this grant marked submitted (the transition, or its
+        // idempotent repeat under the same grant: same row, same bytes, same signature). A later
+        // holder finding RAIL_SUBMITTED never submits, so it is never given one.
+        if payout.state == PayoutState::RailSubmitted
+            && payout.token_stamp == Some(fence.token().get())
+        {
+            payout.instruction = self
+                .options
+                .facts
+                .as_ref()
+                .and_then(|facts| facts.instruction(&payout, fence));
+        }
+        Ok(payout)
     }
 
     /// RAIL_SUBMITTED -> RAIL_ACKED (acked), FAILED (declined) or RAIL_AMBIGUOUS (timeout, or no

@@ -108,13 +108,59 @@ fn signer() -> &'static Signer {
     SIGNER.get_or_init(|| Signer::generate("test-1").expect("a signing key").0)
 }
 
+/// The payment resource's instruction key in these tests; [`instruction_verifier`] is the proxy's
+/// side.
+fn instruction_signer() -> std::sync::Arc<Signer> {
+    static SIGNER: OnceLock<std::sync::Arc<Signer>> = OnceLock::new();
+    SIGNER
+        .get_or_init(|| std::sync::Arc::new(Signer::generate("pr-test-1").expect("a key").0))
+        .clone()
+}
+
+fn instruction_verifier() -> Verifier {
+    Verifier::new([instruction_signer().public_key()]).expect("a verifier")
+}
+
+/// The rail proxy's rail-fact key in these tests (signs the facts the tests present).
+fn fact_signer() -> &'static Signer {
+    static SIGNER: OnceLock<Signer> = OnceLock::new();
+    SIGNER.get_or_init(|| Signer::generate("proxy-facts-test-1").expect("a key").0)
+}
+
+fn fact_verifier() -> Verifier {
+    Verifier::new([fact_signer().public_key()]).expect("a verifier")
+}
+
+/// The binary's signed-facts flags: the instruction signing key (written once per test binary,
+/// in a folder kept until the process exits) and the proxy's public rail-fact key.
+fn binary_fact_args() -> Vec<std::ffi::OsString> {
+    static KEY: OnceLock<(tempfile::TempDir, testkit::grants::SigningKey)> = OnceLock::new();
+    let (_, key) = KEY.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("a key folder");
+        let key = testkit::grants::SigningKey::instruction(dir.path()).expect("a key");
+        (dir, key)
+    });
+    let mut args = key.signing_args("instruction").to_vec();
+    args.push("--rail-fact-verify-keys".into());
+    args.push(fact_signer().public_key().to_string().into());
+    args
+}
+
 /// The store options every test server starts from: the test signer's public key and the test
 /// operators' keys, nothing else.
 fn options() -> StoreOptions {
-    StoreOptions::new(Verifier::new([signer().public_key()]).expect("a verifier"))
-        .with_operator_keys(
-            Verifier::new(OPERATORS.iter().map(|name| operator(name).public_key())).unwrap(),
+    StoreOptions::new(
+        Verifier::new([signer().public_key()]).expect("a verifier"),
+        payment_resource::SignedFacts::new(
+            instruction_signer(),
+            grant_signing::instruction::TTL_DEFAULT_MS,
+            fact_verifier(),
         )
+        .expect("signed facts"),
+    )
+    .with_operator_keys(
+        Verifier::new(OPERATORS.iter().map(|name| operator(name).public_key())).unwrap(),
+    )
 }
 
 /// The registered operators of the test servers.
@@ -1025,6 +1071,69 @@ async fn a_fabricated_grant_is_refused_as_forged_and_changes_nothing() {
     assert_eq!(submitted.state, PayoutState::RailSubmitted);
     assert_eq!(snapshot(&h.pool, "p-1").await.fence, 10);
     assert_ledger_clean(&h).await;
+}
+
+/// MarkSubmitted answers the instruction the rail proxy requires (issue 33): signed by this
+/// service's instruction key, its payment fields from the payout row, the grant's key and token,
+/// issued at paydb's submission time and valid for the TTL. The idempotent repeat under the same
+/// grant answers the same bytes; no other answer carries one, nor does a later grant's refused
+/// MarkSubmitted.
+#[tokio::test]
+async fn mark_submitted_answers_the_instruction_signed_for_exactly_this_payout() {
+    let h = harness().await;
+    open(&h, "acct-i", 100_000).await;
+    let created = create(&h, "p-i", "acct-i", 1_234).await;
+    assert_eq!(created.instruction, None);
+    let p = pid("p-i");
+    let grant = fence("acct-i", "worker-a", 10);
+    let claimed = h.c().claim(&p, &grant).await.unwrap();
+    assert_eq!(claimed.instruction, None, "only MarkSubmitted signs");
+    let submitted = h.c().mark_submitted(&p, &grant).await.unwrap();
+    let signed = submitted.instruction.clone().expect("a signed instruction");
+    let i = &signed.instruction;
+    assert_eq!(
+        (
+            i.payout_id.as_str(),
+            i.account_id.as_str(),
+            i.amount_minor,
+            i.currency.as_str(),
+            i.beneficiary_ref.as_str(),
+            i.client_reference.as_str(),
+            i.lock_key.as_str(),
+            i.token
+        ),
+        (
+            "p-i",
+            "acct-i",
+            1_234,
+            "EUR",
+            "ben-1",
+            submitted.client_reference.as_str(),
+            "payout:acct-i",
+            10
+        )
+    );
+    let issued = submitted
+        .submitted_at
+        .expect("submitted")
+        .timestamp_millis();
+    assert_eq!(i.issued_at_unix_ms, issued);
+    assert_eq!(
+        i.expires_at_unix_ms - i.issued_at_unix_ms,
+        payment_resource::INSTRUCTION_TTL_DEFAULT_MS as i64
+    );
+    assert_eq!(
+        instruction_verifier().verify_instruction(&signed, &i.presented(), issued),
+        Ok(())
+    );
+    let again = h.c().mark_submitted(&p, &grant).await.unwrap();
+    assert_eq!(again.instruction, Some(signed), "same row, same bytes");
+    // A later grant finds RAIL_SUBMITTED: its MarkSubmitted is refused, nothing is signed.
+    assert!(h
+        .c()
+        .mark_submitted(&p, &fence("acct-i", "worker-b", 11))
+        .await
+        .is_err());
 }
 
 /// NEGATIVE CONTROL of the test above: with the signature check switched off (test-only switch),
@@ -2700,6 +2809,7 @@ async fn binary_refuses_a_database_not_at_its_schema() {
             "127.0.0.1:0",
         ])
         .args(["--grant-verify-keys", &signer().public_key().to_string()])
+        .args(binary_fact_args())
         .args(
             testkit::pki::shared()
                 .issue(Role::PaymentResource, "payment-resource-schema")
@@ -2758,7 +2868,10 @@ async fn binary_refuses_to_start_without_valid_grant_verify_keys() {
     ];
     for (name, flag, env, expected) in cases {
         let mut command = tokio::process::Command::new(bin);
-        command.args(serve).env_remove("GRANT_VERIFY_KEYS");
+        command
+            .args(serve)
+            .args(binary_fact_args())
+            .env_remove("GRANT_VERIFY_KEYS");
         if let Some(flag) = flag {
             command.args(["--grant-verify-keys", flag]);
         }
@@ -3266,6 +3379,7 @@ impl Binary {
                 &signer().public_key().to_string(),
             ])
             .env("PAYDB_URL", database_url)
+            .args(binary_fact_args())
             .args(extra)
             .args(
                 testkit::pki::shared()

@@ -36,7 +36,7 @@ use payout_proto::railproxy::rail_proxy_server::RailProxyServer;
 use service_kit::Shutdown;
 
 /// The lock service's public keys, as the proxy is given them (`--grant-verify-keys`).
-pub use grant_signing::{KeyError, Verifier};
+pub use grant_signing::{KeyError, Signer, Verifier};
 pub use model::DuplicateClass;
 pub use rail::{RAIL_CALL_TIMEOUT_MS_DEFAULT, RAIL_CALL_TIMEOUT_MS_MAX};
 pub use store::MIGRATOR;
@@ -82,6 +82,53 @@ pub(crate) struct Protections {
     pub restore_check: bool,
 }
 
+/// The keys the proxy judges and signs with, all required (there is no unsigned mode): the lock
+/// service's grant keys, the payment resource's instruction keys (issue 33: a submit is sent only
+/// on a signed instruction for exactly its payment), and the proxy's own rail-fact signing key
+/// (every final outcome and every evidence it answers is signed, for the payment resource).
+#[derive(Debug, Clone)]
+pub struct GuardKeys {
+    pub grants: Verifier,
+    pub instructions: Verifier,
+    pub fact_signer: Arc<Signer>,
+}
+
+/// The binaries' flags for [`GuardKeys`] (the shipped proxy and the test failpoint proxy).
+#[derive(Debug, clap::Args)]
+pub struct GuardKeyArgs {
+    /// The lock service's public grant keys, `key_id=<64 hex digits>[,key_id=<...>]` (two during
+    /// a rotation). Required: every fenced call's grant must be signed by one of them.
+    #[arg(long, env = "GRANT_VERIFY_KEYS", value_parser = Verifier::parse)]
+    pub grant_verify_keys: Verifier,
+    /// The payment resource's instruction public keys, `key_id=<64 hex digits>[,...]` (`payoutctl
+    /// keys instruction-signing`). Required: a submit is sent only on an instruction one of them
+    /// signed for exactly that payment.
+    #[arg(long, env = "INSTRUCTION_VERIFY_KEYS", value_parser = Verifier::parse)]
+    pub instruction_verify_keys: Verifier,
+    /// The id of this proxy's rail-fact signing key (`payoutctl keys rail-fact-signing`).
+    #[arg(long, env = "RAIL_FACT_SIGNING_KEY_ID")]
+    pub rail_fact_signing_key_id: String,
+    /// The rail-fact signing key's file (its PKCS#8 document in hex, readable by the proxy only).
+    #[arg(long, env = "RAIL_FACT_SIGNING_KEY_FILE")]
+    pub rail_fact_signing_key_file: std::path::PathBuf,
+}
+
+impl GuardKeyArgs {
+    pub fn load(self) -> anyhow::Result<GuardKeys> {
+        use anyhow::Context;
+        let path = &self.rail_fact_signing_key_file;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the rail-fact signing key {}", path.display()))?;
+        let signer = Signer::from_hex(&self.rail_fact_signing_key_id, &text)
+            .with_context(|| format!("reading the rail-fact signing key {}", path.display()))?;
+        Ok(GuardKeys {
+            grants: self.grant_verify_keys,
+            instructions: self.instruction_verify_keys,
+            fact_signer: Arc::new(signer),
+        })
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
     pub rail_base_url: String,
@@ -89,6 +136,11 @@ pub struct ProxyConfig {
     pub rail_timeout: Duration,
     /// The lock service's public keys: a fenced call's grant must be signed by one of them.
     verifier: Verifier,
+    /// The payment resource's instruction keys (enforced from issue 33's commit 5).
+    #[allow(dead_code)]
+    instructions: Verifier,
+    /// Signs every final outcome and evidence the proxy answers.
+    fact_signer: Arc<Signer>,
     /// The proxy's certificate; every caller must present one from the same authority, and
     /// `authz::POLICY` decides what its role may call.
     tls: service_kit::grpc::Tls,
@@ -136,17 +188,19 @@ impl ProxyConfig {
     }
 
     /// The proxy in front of the rail at `rail_base_url`, verifying every fenced call's grant
-    /// with `verifier` (the lock service's public keys), serving over mutual TLS with `tls`.
-    /// There is no configuration without either.
+    /// and instruction and signing its rail facts with `keys`, serving over mutual TLS with
+    /// `tls`. There is no configuration without either.
     pub fn new(
         rail_base_url: impl Into<String>,
-        verifier: Verifier,
+        keys: GuardKeys,
         tls: service_kit::grpc::Tls,
     ) -> Self {
         Self {
             rail_base_url: rail_base_url.into(),
             rail_timeout: Duration::from_millis(RAIL_CALL_TIMEOUT_MS_DEFAULT),
-            verifier,
+            verifier: keys.grants,
+            instructions: keys.instructions,
+            fact_signer: keys.fact_signer,
             tls,
             policy: &authz::POLICY,
             #[cfg(feature = "negative-controls")]
@@ -193,6 +247,11 @@ impl ProxyConfig {
     /// The lock service's public keys this proxy verifies grants with.
     pub fn verifier(&self) -> &Verifier {
         &self.verifier
+    }
+
+    /// The key this proxy signs its rail facts with.
+    pub(crate) fn fact_signer(&self) -> &Signer {
+        &self.fact_signer
     }
 
     /// TEST ONLY (feature `negative-controls`): the negative control of the grant signature.
@@ -319,7 +378,7 @@ pub async fn run(
     ));
     let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout, &metrics);
     let counters = service::Counters::new(&metrics);
-    tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, "rail proxy listening");
+    tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, instruction_verify_keys = ?config.instructions, rail_fact_signing_key_id = config.fact_signer.key_id(), "rail proxy listening");
     let serving = config.serving(&metrics)?;
     let service = service::ProxyService(Arc::new(service::Inner {
         pool,

@@ -11,10 +11,12 @@ use sqlx::PgPool;
 use tonic::{Code, Request, Response, Status};
 
 use grant_signing::Forged;
-use rail_proxy_client::model::RailLookup;
+use rail_proxy_client::model::{FactSignature, RailLookup};
 use rail_proxy_client::{wire, ProxyError};
 
-use crate::model::{DuplicateClass, Evidence, InvalidArgument, Outcome, Submission, SubmitPayout};
+use crate::model::{
+    DuplicateClass, Evidence, InvalidArgument, Outcome, Resolution, Submission, SubmitPayout,
+};
 use crate::rail::{Rail, RailAnswer};
 use crate::store::{self, GrantRefusal, InquiryGuard, Intent, Presented, StoreError};
 use crate::ProxyConfig;
@@ -382,6 +384,38 @@ impl ProxyService {
     }
 }
 
+/// The proxy's signed rail facts (issue 33): every final outcome and every evidence it answers
+/// carries its signature, made on the fly from the stored row (Ed25519 is deterministic: the same
+/// row always gives the same signature, so nothing new is stored).
+impl ProxyService {
+    /// `s` as answered: with the signature over its final outcome (none while PENDING).
+    fn signed_submission(&self, s: &Submission) -> pb::Submission {
+        let signer = self.0.config.fact_signer();
+        let outcome_signature = s.outcome_fact().map(|fact| FactSignature {
+            signature: signer.sign_outcome(&fact),
+            signed_at_unix_ms: fact.signed_at_unix_ms,
+        });
+        wire::submission_to_proto(&Submission {
+            outcome_signature,
+            ..s.clone()
+        })
+    }
+
+    /// `r`, evidence on `submission`'s payout, as answered: with its account and signature.
+    fn signed_resolution(&self, r: &Resolution, submission: &Submission) -> pb::Resolution {
+        let fact = r.evidence_fact(&submission.account_id, &submission.client_reference);
+        let signature = FactSignature {
+            signature: self.0.config.fact_signer().sign_evidence(&fact),
+            signed_at_unix_ms: fact.signed_at_unix_ms,
+        };
+        wire::resolution_to_proto(&Resolution {
+            account_id: Some(submission.account_id.clone()),
+            signature: Some(signature),
+            ..r.clone()
+        })
+    }
+}
+
 /// The RPCs' bodies; `timed::TimedProxy` serves them as `RailProxy`, timing each call.
 impl ProxyService {
     pub(crate) async fn submit(
@@ -442,7 +476,7 @@ impl ProxyService {
                     }
                     let detail = pb::Rejection {
                         kind: Some(pb::rejection::Kind::Duplicate(pb::Duplicate {
-                            existing: Some(wire::submission_to_proto(&existing)),
+                            existing: Some(self.signed_submission(&existing)),
                             payload_matches,
                         })),
                     };
@@ -471,7 +505,7 @@ impl ProxyService {
         .instrument_in(span)
         .await?;
         Ok(Response::new(pb::SubmitResponse {
-            submission: Some(wire::submission_to_proto(&submission)),
+            submission: Some(self.signed_submission(&submission)),
         }))
     }
 
@@ -488,8 +522,11 @@ impl ProxyService {
             return Err(not_found(&payout_id));
         };
         Ok(Response::new(pb::LookupResponse {
-            submission: Some(wire::submission_to_proto(&submission)),
-            resolutions: resolutions.iter().map(wire::resolution_to_proto).collect(),
+            submission: Some(self.signed_submission(&submission)),
+            resolutions: resolutions
+                .iter()
+                .map(|r| self.signed_resolution(r, &submission))
+                .collect(),
         }))
     }
 
@@ -637,8 +674,8 @@ impl ProxyService {
                     .map_err(store_failure)?;
             tracing::info!(evidence = evidence.name(), outcome = submission.outcome.name(), "inquiry recorded");
             Ok(Response::new(pb::InquireResponse {
-                submission: Some(wire::submission_to_proto(&submission)),
-                resolution: Some(wire::resolution_to_proto(&resolution)),
+                submission: Some(self.signed_submission(&submission)),
+                resolution: Some(self.signed_resolution(&resolution, &submission)),
             }))
         }
         .instrument_in(span)

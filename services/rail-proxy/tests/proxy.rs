@@ -31,6 +31,29 @@ fn verifier() -> Verifier {
     Verifier::new([SIGNER.public_key()]).unwrap()
 }
 
+/// The payment resource's instruction key, as far as these tests are concerned.
+static INSTRUCTION_SIGNER: LazyLock<Signer> =
+    LazyLock::new(|| Signer::generate("pr-test-1").expect("a fresh key").0);
+
+/// The proxy's own rail-fact key in these tests; [`fact_verifier`] is the payment resource's side.
+static FACT_SIGNER: LazyLock<std::sync::Arc<Signer>> = LazyLock::new(|| {
+    std::sync::Arc::new(Signer::generate("proxy-facts-1").expect("a fresh key").0)
+});
+
+fn fact_verifier() -> Verifier {
+    Verifier::new([FACT_SIGNER.public_key()]).unwrap()
+}
+
+/// The in-process proxy's keys: [`SIGNER`]'s grants, [`INSTRUCTION_SIGNER`]'s instructions, and
+/// [`FACT_SIGNER`] for its facts.
+fn keys() -> rail_proxy::GuardKeys {
+    rail_proxy::GuardKeys {
+        grants: verifier(),
+        instructions: Verifier::new([INSTRUCTION_SIGNER.public_key()]).unwrap(),
+        fact_signer: FACT_SIGNER.clone(),
+    }
+}
+
 /// The genuine signature of the grant (`key`, `token`, `owner`).
 fn sign(key: &str, token: u64, owner: &str) -> Signature {
     SIGNER.sign(key, token, owner)
@@ -66,7 +89,7 @@ async fn rig_with(
     let pool = service_kit::connect_pg(&db_url).await.unwrap();
     let stub = RunningStub::start(stub_config).await.unwrap();
     let config = configure(
-        ProxyConfig::new(stub.base_url(), verifier(), tls(Role::RailProxy))
+        ProxyConfig::new(stub.base_url(), keys(), tls(Role::RailProxy))
             // The suite calls as worker and as reconciler from one client; the binary's real
             // table is exercised by the system and attack suites.
             .with_policy_for_tests(testkit::pki::every_role(&rail_proxy::authz::POLICY))
@@ -325,6 +348,81 @@ fn duplicates_counted(rig: &Rig, kind: &str) -> u64 {
 /// same owner) asking again for the same payment; every other duplicate is a second submitter,
 /// the defect signal that pages. Both send nothing; the two are counted apart (metric label and
 /// `guard_event.duplicate`), and `kind = 'DUPLICATE'` and the metric's sum still count them all.
+/// Every final outcome and every evidence the proxy answers carries its signature, which the
+/// payment resource's side (the proxy's public rail-fact key) verifies: Submit's answer, a
+/// Duplicate's `existing`, Lookup's submission and resolutions, Inquire's pair. The signature
+/// covers the record: the same record with another rail reference (a forged ACK) does not verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_final_outcome_and_evidence_the_proxy_answers_is_signed() {
+    let mut rig = rig().await;
+    let facts = fact_verifier();
+    let verify_outcome = |s: &rail_proxy_client::Submission| {
+        let fact = s.outcome_fact().expect("a final outcome");
+        let signature = &s.outcome_signature.as_ref().expect("signed").signature;
+        facts.verify_outcome(&fact, signature)
+    };
+    let request = payout("p-signed", "acct-signed", 5, "worker-1");
+    let submitted = rig.client.submit(&request).await.unwrap();
+    assert!(matches!(submitted.outcome, Outcome::Acked { .. }));
+    assert_eq!(verify_outcome(&submitted), Ok(()));
+    // A forged ACK (another rail reference) under the genuine signature does not verify.
+    let forged = rail_proxy_client::Submission {
+        outcome: Outcome::Acked {
+            rail_ref: "fake".into(),
+        },
+        ..submitted.clone()
+    };
+    assert_eq!(
+        verify_outcome(&forged),
+        Err(grant_signing::Forged::BadSignature)
+    );
+    match rig.client.submit(&request).await {
+        Err(ProxyError::Duplicate { existing, .. }) => {
+            assert_eq!(verify_outcome(&existing), Ok(()))
+        }
+        other => panic!("expected a duplicate, got {other:?}"),
+    }
+    let inquiry = rig
+        .client
+        .inquire(&inquiry_of(&request, "resolver-1"))
+        .await
+        .unwrap();
+    assert_eq!(verify_outcome(&inquiry.submission), Ok(()));
+    let verify_evidence = |r: &rail_proxy_client::Resolution| {
+        assert_eq!(r.account_id.as_ref(), Some(&request.account_id));
+        let fact = r.evidence_fact(&request.account_id, &request.client_reference);
+        facts.verify_evidence(&fact, &r.signature.as_ref().expect("signed").signature)
+    };
+    assert!(matches!(
+        inquiry.resolution.evidence,
+        Evidence::Found { .. }
+    ));
+    assert_eq!(verify_evidence(&inquiry.resolution), Ok(()));
+    let record = rig
+        .client
+        .lookup(&request.payout_id)
+        .await
+        .unwrap()
+        .expect("recorded");
+    assert_eq!(verify_outcome(&record.submission), Ok(()));
+    assert_eq!(record.resolutions.len(), 1);
+    assert_eq!(verify_evidence(&record.resolutions[0]), Ok(()));
+    // A payout sealed unsent: its NOT_SENT outcome and NEVER_SENT evidence are signed too.
+    let sealed = payout("p-signed-sealed", "acct-signed", 6, "resolver-1");
+    let never = rig
+        .client
+        .inquire(&inquiry_of(&sealed, "resolver-1"))
+        .await
+        .unwrap();
+    assert_eq!(never.resolution.evidence, Evidence::NeverSent);
+    assert_eq!(verify_outcome(&never.submission), Ok(()));
+    let fact = never
+        .resolution
+        .evidence_fact(&sealed.account_id, &sealed.client_reference);
+    let signature = never.resolution.signature.clone().expect("signed");
+    assert_eq!(facts.verify_evidence(&fact, &signature.signature), Ok(()));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_duplicate_is_a_retry_only_from_the_recorded_grant_and_a_second_submitter_otherwise() {
     use rail_proxy::DuplicateClass::{self, Retry, SecondSubmitter};
@@ -642,6 +740,15 @@ async fn a_proxy_killed_between_intent_and_rail_call_leaves_an_ambiguous_null() 
         "--grant-verify-keys".to_string(),
         SIGNER.public_key().to_string(),
     ])
+    .args([
+        "--instruction-verify-keys".to_string(),
+        INSTRUCTION_SIGNER.public_key().to_string(),
+    ])
+    .args(
+        testkit::grants::SigningKey::rail_fact(dir.path())
+            .unwrap()
+            .signing_args("rail-fact"),
+    )
     .args(
         testkit::pki::shared()
             .issue(Role::RailProxy, "rail-proxy-binary")
@@ -1761,6 +1868,9 @@ fn the_binary_will_not_start_without_valid_grant_verify_keys() {
             .args(["--rail-url", "http://127.0.0.1:1"])
             .args(args)
             .env_remove("GRANT_VERIFY_KEYS")
+            .env_remove("INSTRUCTION_VERIFY_KEYS")
+            .env_remove("RAIL_FACT_SIGNING_KEY_ID")
+            .env_remove("RAIL_FACT_SIGNING_KEY_FILE")
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1770,6 +1880,69 @@ fn the_binary_will_not_start_without_valid_grant_verify_keys() {
             Some(2),
             "{args:?}: a usage error: {stderr}"
         );
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
+/// Nor an unsigned mode for instructions or rail facts (issue 33): with valid grant keys, a
+/// missing instruction key list or rail-fact signing key is a usage error naming the flag, and an
+/// unreadable key file stops the start naming the file, before any database is touched.
+#[test]
+fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
+    let bin = env!("CARGO_BIN_EXE_rail-proxy");
+    let grants = SIGNER.public_key().to_string();
+    let instructions = INSTRUCTION_SIGNER.public_key().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let missing_file = dir.path().join("absent.key");
+    let missing_file = missing_file.to_str().unwrap();
+    let cases: [(Vec<&str>, &str, i32); 3] = [
+        (
+            vec![
+                "--rail-fact-signing-key-id",
+                "k",
+                "--rail-fact-signing-key-file",
+                missing_file,
+            ],
+            "--instruction-verify-keys",
+            2,
+        ),
+        (
+            vec!["--instruction-verify-keys", &instructions],
+            "--rail-fact-signing-key-id",
+            2,
+        ),
+        (
+            vec![
+                "--instruction-verify-keys",
+                &instructions,
+                "--rail-fact-signing-key-id",
+                "k",
+                "--rail-fact-signing-key-file",
+                missing_file,
+            ],
+            "reading the rail-fact signing key",
+            1,
+        ),
+    ];
+    for (args, expected, code) in cases {
+        let out = std::process::Command::new(bin)
+            .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
+            .args(["--rail-url", "http://127.0.0.1:1"])
+            .args(["--grant-verify-keys", &grants])
+            .args(
+                testkit::pki::shared()
+                    .issue(Role::RailProxy, "rail-proxy-keys")
+                    .unwrap()
+                    .to_args(),
+            )
+            .args(&args)
+            .env_remove("INSTRUCTION_VERIFY_KEYS")
+            .env_remove("RAIL_FACT_SIGNING_KEY_ID")
+            .env_remove("RAIL_FACT_SIGNING_KEY_FILE")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
 }

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::Parser;
-use rail_proxy::{Failpoint, ProxyConfig, Verifier};
+use rail_proxy::{Failpoint, ProxyConfig};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -21,9 +21,9 @@ struct Args {
     database_url: String,
     #[arg(long)]
     rail_url: String,
-    /// As the shipped proxy's: the lock service's public grant keys (`key_id=<hex>[,...]`).
-    #[arg(long, value_parser = Verifier::parse)]
-    grant_verify_keys: Verifier,
+    /// As the shipped proxy's: the grant and instruction public keys, the rail-fact signing key.
+    #[command(flatten)]
+    keys: rail_proxy::GuardKeyArgs,
     #[command(flatten)]
     tls: service_kit::grpc::TlsArgs,
 }
@@ -33,7 +33,7 @@ async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy-failpoint");
     let args = Args::parse();
     let tls = args.tls.load().context("TLS material")?;
-    let config = ProxyConfig::new(args.rail_url, args.grant_verify_keys, tls)
+    let config = ProxyConfig::new(args.rail_url, args.keys.load()?, tls)
         .with_failpoint(Some(Failpoint::AbortAfterIntent));
     let pool = service_kit::connect_pg(&args.database_url).await?;
     rail_proxy::migrate(&pool)

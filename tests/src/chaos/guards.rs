@@ -87,7 +87,15 @@ pub async fn replace_services(
         let verifier = payment_resource::Verifier::new([system.grant_keys.public_key.clone()])?;
         let store = payment_resource::Store::new(
             pool,
-            payment_resource::StoreOptions::new(verifier).without_fence_predicate_for_tests(),
+            payment_resource::StoreOptions::new(
+                verifier,
+                payment_resource::SignedFacts::new(
+                    std::sync::Arc::new(system.instruction_keys.signer()?),
+                    payment_resource::INSTRUCTION_TTL_DEFAULT_MS,
+                    system.rail_fact_keys.verifier()?,
+                )?,
+            )
+            .without_fence_predicate_for_tests(),
             &Metrics::default(),
         );
         let listener = rebind(system.ports.payment_resource).await?;
@@ -118,8 +126,13 @@ pub async fn replace_services(
         tokio::task::block_in_place(|| system.rail_proxy.kill())?;
         let pool = service_kit::connect_pg(&system.databases.proxydb).await?;
         let verifier = rail_proxy::Verifier::new([system.grant_keys.public_key.clone()])?;
+        let keys = rail_proxy::GuardKeys {
+            grants: verifier,
+            instructions: system.instruction_keys.verifier()?,
+            fact_signer: std::sync::Arc::new(system.rail_fact_keys.signer()?),
+        };
         let config =
-            rail_proxy::ProxyConfig::new(system.rail_url(), verifier, system.tls(Role::RailProxy))
+            rail_proxy::ProxyConfig::new(system.rail_url(), keys, system.tls(Role::RailProxy))
                 .with_rail_timeout(Duration::from_millis(super::RAIL_TIMEOUT_MS))
                 .disable_guards_for_negative_control();
         let listener = rebind(system.ports.rail_proxy).await?;

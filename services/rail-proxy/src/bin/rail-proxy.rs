@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use rail_proxy::{ProxyConfig, Verifier};
+use rail_proxy::ProxyConfig;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -30,10 +30,8 @@ struct Args {
     rail_url: String,
     #[arg(long, env = "RAIL_PROXY_RAIL_TIMEOUT_MS", default_value_t = rail_proxy::RAIL_CALL_TIMEOUT_MS_DEFAULT)]
     rail_timeout_ms: u64,
-    /// The lock service's public grant keys, `key_id=<64 hex digits>[,key_id=<...>]` (two during
-    /// a rotation). Required: every fenced call's grant must be signed by one of them.
-    #[arg(long, env = "GRANT_VERIFY_KEYS", value_parser = Verifier::parse)]
-    grant_verify_keys: Verifier,
+    #[command(flatten)]
+    keys: rail_proxy::GuardKeyArgs,
     #[command(flatten)]
     tls: service_kit::grpc::TlsArgs,
 }
@@ -43,7 +41,7 @@ async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy");
     let args = Args::parse();
     let tls = args.tls.load().context("TLS material")?;
-    let config = ProxyConfig::new(args.rail_url, args.grant_verify_keys, tls)
+    let config = ProxyConfig::new(args.rail_url, args.keys.load()?, tls)
         .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms));
     let pool = service_kit::connect_pg(&args.database_url).await?;
     rail_proxy::require_schema(&pool).await?;
