@@ -1,5 +1,6 @@
-//! The activity definitions the workflow calls. Each one is a thin shell: check the grant where
-//! the call is fenced, call the backend, log once with payout_id, account key and token.
+//! The activity definitions the workflow calls. Each one is a thin shell: check that the caller
+//! is the payout's own workflow, check the grant where the call is fenced, call the backend, log
+//! once with payout_id, account key and token.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use temporalio_macros::activities;
 use temporalio_sdk::activities::{ActivityContext, ActivityError};
 
 use crate::backend::Backend;
-use crate::refusal::ActivityFailure;
+use crate::refusal::{ActivityFailure, Refusal};
 use crate::types::*;
 
 /// Registered on the worker with `WorkerOptions::register_activities(PayoutActivities::new(..))`.
@@ -29,6 +30,68 @@ impl PayoutActivities {
             .map_err(ActivityFailure::from)
     }
 }
+
+/// The caller check (issue 33, design section 2): an activity that names a payout serves only
+/// that payout's own workflow, `PayoutWorkflow` under `payout-{payout_id}`. Anything else (a
+/// workflow of another type, a payout workflow under another id, a standalone activity) is
+/// refused before any service is called, logged for an alert and counted by the worker's
+/// telemetry (the refusal's name, `ForeignCaller`). This narrows who can drive the worker; it is
+/// not what keeps money safe (an impostor registering its own `PayoutWorkflow` under a payout's
+/// id passes it): the guards' signed facts are.
+pub fn check_caller(
+    ctx: &ActivityContext,
+    payout_id: &payout_domain::PayoutId,
+) -> Result<(), ActivityFailure> {
+    let info = ctx.info();
+    let own_id = payout_domain::workflow_id(payout_id);
+    let workflow_type = info.workflow_type.as_deref();
+    let workflow_id = info.workflow_id.as_deref();
+    if workflow_type == Some(payout_domain::PAYOUT_WORKFLOW_TYPE)
+        && workflow_id == Some(own_id.as_str())
+    {
+        return Ok(());
+    }
+    let refusal = Refusal::ForeignCaller {
+        activity: info.activity_type.clone(),
+        workflow_type: workflow_type.unwrap_or(NO_WORKFLOW).to_string(),
+        workflow_id: workflow_id.unwrap_or(NO_WORKFLOW).to_string(),
+        payout_id: payout_id.to_string(),
+    };
+    tracing::error!(
+        event = "foreign_caller",
+        alert = true,
+        activity = %info.activity_type,
+        workflow_type = workflow_type.unwrap_or(NO_WORKFLOW),
+        workflow_id = workflow_id.unwrap_or(NO_WORKFLOW),
+        run_id = info.workflow_run_id.as_deref().unwrap_or(NO_WORKFLOW),
+        task_queue = %info.task_queue,
+        payout_id = %payout_id,
+        "an activity was scheduled by a workflow that is not the payout's own: refused, no service called"
+    );
+    Err(refusal.into())
+}
+
+/// What the refusal names as the caller of a standalone activity (no workflow scheduled it).
+const NO_WORKFLOW: &str = "(none)";
+
+/// The registered type name of every activity above: the worker's telemetry keeps one
+/// `payout_activity_foreign_callers_total` series per name from the start.
+pub const ACTIVITY_TYPES: [&str; 14] = [
+    "AcquireGrant",
+    "TryAcquireGrant",
+    "ReleaseGrant",
+    "ReleaseGrantHere",
+    "GetPayout",
+    "Claim",
+    "MarkSubmitted",
+    "SubmitToRail",
+    "RecordOutcome",
+    "PostLedger",
+    "InquireRail",
+    "ResolveAmbiguity",
+    "Abandon",
+    "RecordOperatorDecision",
+];
 
 /// The pre-queue workflow shape: one short wait, then the workflow's own durable timer.
 pub const ACQUIRE_WAIT_UNQUEUED: Duration = Duration::from_secs(2);
@@ -123,18 +186,20 @@ fenced_call!(
 );
 
 impl PayoutActivities {
-    /// The one shape of a fenced activity: the client-side check of the grant, then the backend
+    /// The one shape of a fenced activity: the caller check, the client-side check of the grant,
+    /// then the backend
     /// call (which presents the grant's token to its guard), logged once with the payout and the
     /// token. A refused check never reaches the backend.
     async fn fenced<I: FencedCall, T>(
         &self,
+        ctx: &ActivityContext,
         step: &'static str,
         input: I,
         call: impl for<'a> FnOnce(&'a dyn Backend, I) -> crate::backend::Answer<'a, T>,
     ) -> Result<T, ActivityError> {
         let token = input.grant().token.get();
         let payout_id = input.payout_id().clone();
-        let result = match self.vouch(input.grant()) {
+        let result = match check_caller(ctx, &payout_id).and_then(|()| self.vouch(input.grant())) {
             Ok(()) => call(self.backend.as_ref(), input).await,
             Err(e) => Err(e),
         };
@@ -171,9 +236,12 @@ impl PayoutActivities {
         let payout_id = input.payout_id.clone();
         // A workflow that waits in the queue schedules this with a heartbeat timeout; one from
         // before the queue (its history waits on timers between short attempts) does not.
-        let result = match ctx.info().heartbeat_timeout {
-            Some(heartbeat_timeout) => self.acquire_queued(&ctx, input, heartbeat_timeout).await,
-            None => self.backend.acquire(input, ACQUIRE_WAIT_UNQUEUED).await,
+        let result = match (check_caller(&ctx, &payout_id), ctx.info().heartbeat_timeout) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Some(heartbeat_timeout)) => {
+                self.acquire_queued(&ctx, input, heartbeat_timeout).await
+            }
+            (Ok(()), None) => self.backend.acquire(input, ACQUIRE_WAIT_UNQUEUED).await,
         };
         let token = match &result {
             Ok(AcquireOutcome::Granted(grant)) => Some(grant.token.get()),
@@ -187,18 +255,21 @@ impl PayoutActivities {
     #[activity(name = "TryAcquireGrant")]
     pub async fn try_acquire_grant(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: AcquireInput,
     ) -> Result<TryAcquired, ActivityError> {
         let payout_id = input.payout_id.clone();
-        let result = self
-            .backend
-            .acquire(input, Duration::ZERO)
-            .await
-            .map(|outcome| TryAcquired {
-                outcome,
-                worker_queue: self.backend.task_queue(),
-            });
+        let result = match check_caller(&ctx, &payout_id) {
+            Ok(()) => self
+                .backend
+                .acquire(input, Duration::ZERO)
+                .await
+                .map(|outcome| TryAcquired {
+                    outcome,
+                    worker_queue: self.backend.task_queue(),
+                }),
+            Err(e) => Err(e),
+        };
         let token = match &result {
             Ok(TryAcquired {
                 outcome: AcquireOutcome::Granted(grant),
@@ -212,11 +283,14 @@ impl PayoutActivities {
     #[activity(name = "ReleaseGrant")]
     pub async fn release_grant(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: FencedInput,
     ) -> Result<(), ActivityError> {
         let token = input.grant.token.get();
-        let result = self.backend.release(input.grant).await;
+        let result = match check_caller(&ctx, &input.payout_id) {
+            Ok(()) => self.backend.release(input.grant).await,
+            Err(e) => Err(e),
+        };
         logged("release", &input.payout_id, Some(token), result)
     }
 
@@ -226,12 +300,14 @@ impl PayoutActivities {
     #[activity(name = "ReleaseGrantHere")]
     pub async fn release_grant_here(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: FencedInput,
     ) -> Result<Released, ActivityError> {
         let token = input.grant.token.get();
         let payout_id = input.payout_id.clone();
-        let result = if input.grant.task_queue == self.backend.task_queue() {
+        let result = if let Err(e) = check_caller(&ctx, &payout_id) {
+            Err(e)
+        } else if input.grant.task_queue == self.backend.task_queue() {
             self.backend
                 .release(input.grant)
                 .await
@@ -245,30 +321,33 @@ impl PayoutActivities {
     #[activity(name = "GetPayout")]
     pub async fn get_payout(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         payout_id: payout_domain::PayoutId,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        let result = self.backend.get_payout(payout_id.clone()).await;
+        let result = match check_caller(&ctx, &payout_id) {
+            Ok(()) => self.backend.get_payout(payout_id.clone()).await,
+            Err(e) => Err(e),
+        };
         logged("get_payout", &payout_id, None, result)
     }
 
     #[activity(name = "Claim")]
     pub async fn claim(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: FencedInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        self.fenced("claim", input, |backend, input| backend.claim(input))
+        self.fenced(&ctx, "claim", input, |backend, input| backend.claim(input))
             .await
     }
 
     #[activity(name = "MarkSubmitted")]
     pub async fn mark_submitted(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: FencedInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        self.fenced("mark_submitted", input, |backend, input| {
+        self.fenced(&ctx, "mark_submitted", input, |backend, input| {
             backend.mark_submitted(input)
         })
         .await
@@ -279,20 +358,22 @@ impl PayoutActivities {
     #[activity(name = "SubmitToRail")]
     pub async fn submit_to_rail(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: SubmitInput,
     ) -> Result<SubmitAnswer, ActivityError> {
-        self.fenced("submit", input, |backend, input| backend.submit(input))
-            .await
+        self.fenced(&ctx, "submit", input, |backend, input| {
+            backend.submit(input)
+        })
+        .await
     }
 
     #[activity(name = "RecordOutcome")]
     pub async fn record_outcome(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: RecordOutcomeInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        self.fenced("record_outcome", input, |backend, input| {
+        self.fenced(&ctx, "record_outcome", input, |backend, input| {
             backend.record_outcome(input)
         })
         .await
@@ -301,54 +382,95 @@ impl PayoutActivities {
     #[activity(name = "PostLedger")]
     pub async fn post_ledger(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: FencedInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        self.fenced("post", input, |backend, input| backend.post(input))
+        self.fenced(&ctx, "post", input, |backend, input| backend.post(input))
             .await
     }
 
     #[activity(name = "InquireRail")]
     pub async fn inquire_rail(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: InquireInput,
     ) -> Result<Inquiry, ActivityError> {
         let payout_id = input.payout_id.clone();
-        let result = self.backend.inquire(input).await;
+        let result = match check_caller(&ctx, &payout_id) {
+            Ok(()) => self.backend.inquire(input).await,
+            Err(e) => Err(e),
+        };
         logged("inquire", &payout_id, None, result)
     }
 
     #[activity(name = "ResolveAmbiguity")]
     pub async fn resolve_ambiguity(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: ResolveInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        self.fenced("resolve", input, |backend, input| backend.resolve(input))
-            .await
+        self.fenced(&ctx, "resolve", input, |backend, input| {
+            backend.resolve(input)
+        })
+        .await
     }
 
     #[activity(name = "Abandon")]
     pub async fn abandon(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: AbandonInput,
     ) -> Result<PayoutSnapshot, ActivityError> {
-        self.fenced("abandon", input, |backend, input| backend.abandon(input))
-            .await
+        self.fenced(&ctx, "abandon", input, |backend, input| {
+            backend.abandon(input)
+        })
+        .await
     }
 
     #[activity(name = "RecordOperatorDecision")]
     pub async fn record_operator_decision(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
         input: OperatorDecisionInput,
     ) -> Result<Option<RecordedDecision>, ActivityError> {
         let payout_id = input.payout_id.clone();
         let token = input.token.map(|t| t.get());
         // Always `Some`: `None` is only what histories recorded before this answer hold.
-        let result = self.backend.record_operator_decision(input).await.map(Some);
+        let result = match check_caller(&ctx, &payout_id) {
+            Ok(()) => self.backend.record_operator_decision(input).await.map(Some),
+            Err(e) => Err(e),
+        };
         logged("record_operator_decision", &payout_id, token, result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The telemetry's list is the registered names, each once.
+    #[test]
+    fn activity_types_are_the_registered_names() {
+        let mut registered = vec![
+            PayoutActivities::acquire_grant.name(),
+            PayoutActivities::try_acquire_grant.name(),
+            PayoutActivities::release_grant.name(),
+            PayoutActivities::release_grant_here.name(),
+            PayoutActivities::get_payout.name(),
+            PayoutActivities::claim.name(),
+            PayoutActivities::mark_submitted.name(),
+            PayoutActivities::submit_to_rail.name(),
+            PayoutActivities::record_outcome.name(),
+            PayoutActivities::post_ledger.name(),
+            PayoutActivities::inquire_rail.name(),
+            PayoutActivities::resolve_ambiguity.name(),
+            PayoutActivities::abandon.name(),
+            PayoutActivities::record_operator_decision.name(),
+        ];
+        let mut listed = ACTIVITY_TYPES.to_vec();
+        registered.sort_unstable();
+        listed.sort_unstable();
+        listed.dedup();
+        assert_eq!(listed, registered);
     }
 }

@@ -19,6 +19,6 @@ pub mod in_memory;
 pub mod refusal;
 pub mod types;
 
-pub use activities::PayoutActivities;
+pub use activities::{check_caller, PayoutActivities, ACTIVITY_TYPES};
 pub use backend::Backend;
 pub use refusal::{ActivityFailure, Refusal};

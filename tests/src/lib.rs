@@ -4,9 +4,10 @@
 //! worker (`payout-test-worker`) puts in front of its backend. [`workload`] is the one builder of
 //! a batch of payouts, for the main job, the benchmarks, the fault suite and the tests. [`rogue`]
 //! is the attack suite's rogue Temporal client (issue 33): a worker of its own whose workflows
-//! schedule the genuine activities.
+//! schedule the genuine activities. [`metrics`] reads a process's `/metrics`.
 
 pub mod chaos;
+pub mod metrics;
 pub mod rogue;
 pub mod stall;
 pub mod workload;

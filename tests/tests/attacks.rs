@@ -21,6 +21,7 @@ use payout_domain::{
     AccountId, AmountMinor, BeneficiaryRef, Currency, FencingToken, PayoutId, PayoutState,
 };
 use payout_proto::{ledger, lock, payment, railproxy};
+use system_tests::metrics::sample;
 use testkit::db_access::Database;
 use testkit::pki::Role;
 use testkit::stack::PgServer;
@@ -41,20 +42,7 @@ fn code_of<T>(r: Result<tonic::Response<T>, tonic::Status>) -> Option<tonic::Cod
 }
 
 async fn metrics(system: &System, index: usize) -> String {
-    let url = format!("http://127.0.0.1:{}/metrics", system.ports.metrics[index]);
-    match reqwest::get(url).await {
-        Ok(r) => r.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
-    }
-}
-
-/// The value of the sample of `name` whose labels contain every one of `labels`.
-fn sample(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")))
-        .filter(|l| labels.iter().all(|want| l.contains(want)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    system_tests::metrics::scrape(system.ports.metrics[index]).await
 }
 
 const METRICS_LOCK: usize = 0;

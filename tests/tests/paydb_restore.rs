@@ -319,15 +319,20 @@ async fn experiment(procedure: Procedure) -> Aftermath {
     // Every unfinished payout runs again (its first workflow ended; the resume pass's stand-in).
     let mut reruns = Vec::new();
     for input in &unfinished {
-        let id = format!(
-            "{}-after-restore",
-            payout_domain::workflow_id(&input.payout_id)
-        );
-        reruns.push(
-            wf::start_payout_with_id(&ctx.temporal, &ctx.system.task_queue, input, &id)
-                .await
-                .unwrap(),
-        );
+        // Under the payout's own id (the only one whose activities the worker serves), a new
+        // run of the ended one, as the resume pass starts it.
+        let mut options = payout_workflows::start_options(&ctx.system.task_queue, input);
+        options.id_reuse_policy = temporalio_client::WorkflowIdReusePolicy::AllowDuplicate;
+        let id = options.workflow_id.clone();
+        ctx.temporal
+            .start_workflow(
+                payout_workflows::PayoutWorkflow::run,
+                payout_activities::types::PayoutStartInput::from(*input),
+                options,
+            )
+            .await
+            .unwrap();
+        reruns.push(id);
     }
     for run in &reruns {
         ctx.wait(run).await;

@@ -6,7 +6,10 @@
 //! that nothing was written or paid, and that the refusal was counted where an operator sees it.
 
 use payout_activities::types::PayoutInput;
+use payout_domain::ClientReference;
+use rail_stub::client::StubClient;
 use serde_json::json;
+use std::time::Duration;
 use system_tests::rogue::{Activity, Outcome, Rogue, Script, Step};
 use testkit::pki::Role;
 use testkit::system::{System, SystemOptions};
@@ -88,4 +91,96 @@ async fn an_impostor_on_a_payouts_own_id_is_served_by_the_genuine_worker() {
     };
     assert_eq!(snapshot["payout_id"], json!(input.payout_id), "{snapshot}");
     assert_eq!(report.steps[0].task_queue, system.task_queue);
+}
+
+/// Row 1a: a workflow of another type drives the genuine worker through TryAcquireGrant and
+/// SubmitToRail for a real payout, with its own beneficiary and amount. The genuine worker
+/// refuses the first activity (`ForeignCaller`): no grant is made, nothing reaches the proxy or
+/// the rail, and the refusal is counted on the worker's `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rogue_workflow_type_cannot_drive_the_genuine_worker_to_pay() {
+    let system = system().await;
+    let input = pending_payout(system, "rogue-type", 10_000, 1_000).await;
+    let rogue = rogue(system).await;
+    let cref = ClientReference::for_payout(&input.payout_id);
+    let report = rogue
+        .rogue(Script {
+            payout_queue: system.task_queue.clone(),
+            steps: vec![
+                Step::new(
+                    Activity::TryAcquireGrant,
+                    json!({"payout_id": input.payout_id, "account_id": input.account_id}),
+                ),
+                Step::new(
+                    Activity::SubmitToRail,
+                    json!({
+                        "payout_id": input.payout_id,
+                        "account_id": input.account_id,
+                        "amount_minor": 90_000,
+                        "currency": "EUR",
+                        "beneficiary_ref": "ben-rogue",
+                        "client_reference": cref,
+                    }),
+                ),
+            ],
+            abandon_answer: None,
+        })
+        .await
+        .unwrap();
+    let truth = StubClient::new(system.rail_url())
+        .ground_truth()
+        .await
+        .unwrap();
+    let paid: Vec<(i64, String)> = truth
+        .movements
+        .iter()
+        .filter(|m| m.client_reference == cref.as_str())
+        .map(|m| (m.amount_minor, m.beneficiary_ref.clone()))
+        .collect();
+    assert_eq!(paid, [], "the rail paid the rogue: {report:?}");
+    assert_eq!(
+        report.refusal(Activity::TryAcquireGrant),
+        Some("ForeignCaller"),
+        "{report:?}"
+    );
+    assert_eq!(
+        report.steps.len(),
+        1,
+        "nothing ran after the refusal: {report:?}"
+    );
+    let proxydb = sqlx::PgPool::connect(&system.databases.proxydb)
+        .await
+        .unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM rail_submission WHERE payout_id = $1")
+        .bind(input.payout_id.as_str())
+        .fetch_one(&proxydb)
+        .await
+        .unwrap();
+    testkit::util::close_pool(proxydb).await;
+    assert_eq!(rows, 0, "no proxydb row");
+    // No grant was made: the account's key is free at once.
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let session = lock
+        .open_session("rogue-clients-test", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let free = session
+        .acquire(&payout_domain::lock_key(&input.account_id), Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(
+        matches!(free, lock_client::Acquired::Granted(_)),
+        "the key was free"
+    );
+    let counted = system_tests::metrics::sample(
+        &system_tests::metrics::scrape(system.worker_metrics[0]).await,
+        "payout_activity_foreign_callers_total",
+        &["activity=\"TryAcquireGrant\""],
+    );
+    assert!(
+        counted >= 1.0,
+        "the worker counted the foreign caller: {counted}"
+    );
 }

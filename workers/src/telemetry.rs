@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use service_kit::latency::ACTIVITY_BUCKETS_SECONDS;
-use service_kit::prometheus::HistogramVec;
+use service_kit::prometheus::{HistogramVec, IntCounterVec};
 use temporalio_client::Client;
 use temporalio_common::telemetry::{
     start_prometheus_metric_exporter, PrometheusExporterOptions, TelemetryOptions,
@@ -44,6 +44,7 @@ const TEMPORAL_HEALTH_SERVICE: &str = "temporal.api.workflowservice.v1.WorkflowS
 pub struct Telemetry {
     metrics: service_kit::Metrics,
     activities: HistogramVec,
+    foreign_callers: IntCounterVec,
     sdk_exporter: Arc<OnceLock<SocketAddr>>,
     health: Arc<Health>,
 }
@@ -59,13 +60,23 @@ impl Telemetry {
         let metrics = service_kit::Metrics::default();
         let activities = metrics.histogram_vec(
             "payout_activity_duration_seconds",
-            "Latency of each workflow step (activity) as this worker ran it, by activity type and outcome (ok, fenced_out, refused, error, cancelled).",
+            "Latency of each workflow step (activity) as this worker ran it, by activity type and outcome (ok, fenced_out, foreign_caller, refused, error, cancelled).",
             &["activity", "outcome"],
             ACTIVITY_BUCKETS_SECONDS,
         );
+        let foreign_callers = metrics.counter_vec(
+            "payout_activity_foreign_callers_total",
+            "Activities refused because the workflow that scheduled them is not the payout's own (another workflow type, or another workflow id): someone else drives this worker (alert ForeignWorkflowCalledActivity).",
+            &["activity"],
+        );
+        // Every series exists from the start, so that the alert's increase() sees the first one.
+        for activity in payout_activities::ACTIVITY_TYPES {
+            foreign_callers.with_label_values(&[activity]);
+        }
         Self {
             metrics,
             activities,
+            foreign_callers,
             sdk_exporter: Arc::new(OnceLock::new()),
             health: Arc::new(Health::default()),
         }
@@ -111,6 +122,7 @@ impl Telemetry {
     pub fn activity_timing(&self) -> ActivityTiming {
         ActivityTiming {
             histograms: self.activities.clone(),
+            foreign_callers: self.foreign_callers.clone(),
         }
     }
 
@@ -195,10 +207,15 @@ async fn scrape(addr: SocketAddr) -> anyhow::Result<String> {
 }
 
 /// Times each activity around its whole execution on this worker:
-/// `payout_activity_duration_seconds{activity,outcome}`.
+/// `payout_activity_duration_seconds{activity,outcome}`, and counts the ones refused for their
+/// caller: `payout_activity_foreign_callers_total{activity}`.
 pub struct ActivityTiming {
     histograms: HistogramVec,
+    foreign_callers: IntCounterVec,
 }
+
+/// The outcome label of an activity refused by the caller check (`Refusal::ForeignCaller`).
+const FOREIGN_CALLER: &str = "foreign_caller";
 
 /// The outcome label of an activity's result. Refusals carry their stable name as the failure
 /// type (`payout_activities::Refusal::name`); `Transient` is a retryable fault.
@@ -207,6 +224,7 @@ fn activity_outcome<T>(result: &Result<T, ActivityError>) -> &'static str {
         Ok(_) => "ok",
         Err(ActivityError::Application(failure)) => match failure.type_name() {
             Some("FencedOut") => "fenced_out",
+            Some("ForeignCaller") => FOREIGN_CALLER,
             Some("Transient") | None => "error",
             Some(_) => "refused",
         },
@@ -226,9 +244,15 @@ impl ActivityInboundInterceptor for ActivityTiming {
         let started = Instant::now();
         Box::pin(async move {
             let result = next.run(input).await;
+            let outcome = activity_outcome(&result);
             self.histograms
-                .with_label_values(&[activity.as_str(), activity_outcome(&result)])
+                .with_label_values(&[activity.as_str(), outcome])
                 .observe(started.elapsed().as_secs_f64());
+            if outcome == FOREIGN_CALLER {
+                self.foreign_callers
+                    .with_label_values(&[activity.as_str()])
+                    .inc();
+            }
             result
         })
     }
@@ -382,6 +406,7 @@ mod tests {
             ))
         };
         assert_eq!(activity_outcome(&named("FencedOut")), "fenced_out");
+        assert_eq!(activity_outcome(&named("ForeignCaller")), "foreign_caller");
         assert_eq!(activity_outcome(&named("RefusedTransition")), "refused");
         assert_eq!(activity_outcome(&named("Transient")), "error");
         assert_eq!(

@@ -42,7 +42,10 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
     };
     let world = InMemoryBackend::new("worker-test");
     let input = PayoutInput {
-        payout_id: PayoutId::parse("p-worker-1").unwrap(),
+        // Unique per run (the shared Temporal keeps earlier runs' workflows): the workflow is
+        // `payout-{payout_id}`, the only id whose activities the worker serves.
+        payout_id: PayoutId::parse(format!("p-{}", queue.replace('/', "-").trim_matches('-')))
+            .unwrap(),
         account_id: AccountId::parse("a-worker-1").unwrap(),
         amount_minor: AmountMinor::new(700).unwrap(),
         currency: Currency::parse("EUR").unwrap(),
@@ -58,7 +61,7 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
     });
     let body = async {
         let client = payout_worker::connect(&config).await.unwrap();
-        let id = format!("{queue}payout-p-worker-1").replace('/', "-");
+        let id = payout_domain::workflow_id(&input.payout_id);
         let handle = client
             .start_workflow(
                 PayoutWorkflow::run,

@@ -20,6 +20,10 @@ pub fn lock_key(account: &AccountId) -> String {
     format!("payout:{}", account.as_str())
 }
 
+/// The payout workflow's registered type name: the only workflow whose activities the worker
+/// serves, and the type the resume pass expects on `payout-{payout_id}`.
+pub const PAYOUT_WORKFLOW_TYPE: &str = "PayoutWorkflow";
+
 /// The Temporal workflow id of a payout. Fixed by the brief: one workflow id per payout.
 pub fn workflow_id(payout: &PayoutId) -> String {
     format!("payout-{}", payout.as_str())
