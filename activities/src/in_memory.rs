@@ -117,6 +117,7 @@ impl InMemoryBackend {
                             currency: input.currency.clone(),
                             beneficiary_ref: input.beneficiary_ref.clone(),
                         }),
+                        signed_instruction: None,
                     },
                 },
             );
@@ -422,8 +423,8 @@ impl Backend for InMemoryBackend {
             let p = w.payouts.get_mut(&input.payout_id).expect("exists");
             p.snapshot.rail_outcome = name.into();
             match &input.outcome {
-                RailOutcome::Acked { rail_ref } => p.snapshot.rail_ref = rail_ref.clone(),
-                RailOutcome::Declined { decline_code } => {
+                RailOutcome::Acked { rail_ref, .. } => p.snapshot.rail_ref = rail_ref.clone(),
+                RailOutcome::Declined { decline_code, .. } => {
                     p.snapshot.failure_reason = decline_code.clone()
                 }
                 _ => {}
@@ -564,16 +565,22 @@ impl Backend for InMemoryBackend {
                     true,
                     Some(RailOutcome::Acked {
                         rail_ref: rail_ref.clone(),
+                        proof: None,
                     }),
-                    Ok(SubmitAnswer::Acked { rail_ref }),
+                    Ok(SubmitAnswer::Acked {
+                        rail_ref,
+                        proof: None,
+                    }),
                 ),
                 RailScript::Decline => (
                     false,
                     Some(RailOutcome::Declined {
                         decline_code: "INSUFFICIENT_BENEFICIARY_DETAILS".into(),
+                        proof: None,
                     }),
                     Ok(SubmitAnswer::Declined {
                         decline_code: "INSUFFICIENT_BENEFICIARY_DETAILS".into(),
+                        proof: None,
                     }),
                 ),
                 RailScript::TimeoutAfterAcceptance | RailScript::TimeoutBeforeRail => (

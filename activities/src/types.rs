@@ -311,6 +311,44 @@ pub struct SubmitInput {
     /// Derived from the payout id (`ClientReference::for_payout`), never regenerated.
     pub client_reference: ClientReference,
     pub grant: Grant,
+    /// The payment resource's signed instruction (MarkSubmitted's answer), carried to the rail
+    /// proxy as it came: the worker and Temporal cannot make one (issue 33). Absent in histories
+    /// recorded before it was carried; the proxy then refuses the submit (`unsigned`).
+    #[serde(default)]
+    pub signed_instruction: Option<SignedInstruction>,
+}
+
+/// The payment resource's signed instruction as it crosses Temporal's history: the signed fields
+/// as the payment resource wrote them (texts, not parsed: the proxy compares and verifies them),
+/// the key id and the signature in hex (`grant_signing::instruction`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignedInstruction {
+    pub payout_id: String,
+    pub account_id: String,
+    pub currency: String,
+    pub beneficiary_ref: String,
+    pub client_reference: String,
+    pub lock_key: String,
+    pub amount_minor: i64,
+    pub token: u64,
+    pub issued_at_unix_ms: i64,
+    pub expires_at_unix_ms: i64,
+    pub signing_key_id: String,
+    /// The Ed25519 signature, hex.
+    pub signature: String,
+}
+
+/// The rail proxy's signature over a final outcome (`grant_signing::rail_fact::Outcome`): the
+/// payment resource records ACKED or DECLINED only on it (issue 33). The outcome's other signed
+/// fields are the payout's own and the outcome itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RailProof {
+    pub key_id: String,
+    /// The Ed25519 signature, hex.
+    pub signature: String,
+    /// The submission's token, as signed.
+    pub token: u64,
+    pub signed_at_unix_ms: i64,
 }
 
 /// The rail proxy's answer to the single submission attempt.
@@ -318,14 +356,17 @@ pub struct SubmitInput {
 pub enum SubmitAnswer {
     Acked {
         rail_ref: String,
+        /// The proxy's signed outcome; absent in histories recorded before it was carried.
+        #[serde(default)]
+        proof: Option<RailProof>,
     },
     Declined {
         decline_code: String,
+        #[serde(default)]
+        proof: Option<RailProof>,
     },
     /// Timeout, connection failure, 5xx or any answer we cannot read: money may have moved.
-    Ambiguous {
-        detail: String,
-    },
+    Ambiguous { detail: String },
 }
 
 /// What the workflow records in the payment resource after a submission.
@@ -333,9 +374,15 @@ pub enum SubmitAnswer {
 pub enum RailOutcome {
     Acked {
         rail_ref: String,
+        /// The proxy's signed outcome; absent in histories recorded before it was carried (the
+        /// worker then asks the proxy's Lookup for it).
+        #[serde(default)]
+        proof: Option<RailProof>,
     },
     Declined {
         decline_code: String,
+        #[serde(default)]
+        proof: Option<RailProof>,
     },
     Timeout {
         detail: String,
@@ -460,6 +507,9 @@ pub struct PayoutSnapshot {
     /// The payout's recorded instruction (absent in histories recorded before it was carried).
     #[serde(default)]
     pub instruction: Option<Instruction>,
+    /// The payment resource's signed instruction: only in MarkSubmitted's answer (issue 33).
+    #[serde(default)]
+    pub signed_instruction: Option<SignedInstruction>,
     /// When the payment resource's record first shows the payout RAIL_AMBIGUOUS (its audit
     /// trail's first transition into it, on the resource's clock), in Unix milliseconds: the
     /// start of the resolution SLA in every run, whichever run saw the ambiguity begin. Only
@@ -467,4 +517,41 @@ pub struct PayoutSnapshot {
     /// histories recorded before it was carried.
     #[serde(default)]
     pub ambiguous_since_unix_ms: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Activity inputs and results recorded before the signed facts were carried (issue 33)
+    /// decode with none: every new field is defaulted, and only struct variants gained one.
+    #[test]
+    fn shapes_recorded_before_the_signed_facts_still_decode() {
+        let old: RailOutcome = serde_json::from_str(r#"{"Acked":{"rail_ref":"r-1"}}"#).unwrap();
+        assert_eq!(
+            old,
+            RailOutcome::Acked {
+                rail_ref: "r-1".into(),
+                proof: None
+            }
+        );
+        let old: SubmitAnswer =
+            serde_json::from_str(r#"{"Declined":{"decline_code":"NO"}}"#).unwrap();
+        assert_eq!(
+            old,
+            SubmitAnswer::Declined {
+                decline_code: "NO".into(),
+                proof: None
+            }
+        );
+        let unit: RailOutcome = serde_json::from_str(r#""OutcomeMissing""#).unwrap();
+        assert_eq!(unit, RailOutcome::OutcomeMissing);
+        let old: SubmitInput = serde_json::from_value(serde_json::json!({
+            "payout_id": "p-1", "account_id": "acct-1", "amount_minor": 1000, "currency": "EUR",
+            "beneficiary_ref": "ben-1", "client_reference": "cref-p-1",
+            "grant": {"key": "payout:acct-1", "owner": "w", "session_id": "s", "token": 7},
+        }))
+        .unwrap();
+        assert_eq!(old.signed_instruction, None);
+    }
 }

@@ -22,7 +22,8 @@ use payment_client::model;
 use payment_client::{PaymentClient, PaymentError};
 use payout_domain::{lock_key, PayoutId};
 use rail_proxy_client::{
-    Evidence as ProxyEvidence, InquirePayout, Outcome, ProxyError, RailProxyClient, SubmitPayout,
+    Evidence as ProxyEvidence, InquirePayout, Outcome, ProxyError, RailProxyClient, Submission,
+    SubmitPayout,
 };
 
 use payout_activities::backend::{Answer, Backend};
@@ -473,6 +474,7 @@ fn snapshot(p: model::Payout) -> PayoutSnapshot {
     };
     PayoutSnapshot {
         instruction,
+        signed_instruction: p.instruction.as_ref().map(signed_instruction_to_history),
         payout_id: p.payout_id,
         state: p.state,
         claimed_by: p.claimed_by.unwrap_or_default(),
@@ -486,13 +488,16 @@ fn snapshot(p: model::Payout) -> PayoutSnapshot {
 
 /// What the proxy's record says, in the workflow's terms. PENDING (intent without an ending) is
 /// "no recorded outcome": ambiguous.
-fn recorded_outcome(outcome: &Outcome) -> Option<RailOutcome> {
-    match outcome {
+fn recorded_outcome(submission: &Submission) -> Option<RailOutcome> {
+    let proof = rail_proof(submission);
+    match &submission.outcome {
         Outcome::Acked { rail_ref } => Some(RailOutcome::Acked {
             rail_ref: rail_ref.clone(),
+            proof,
         }),
         Outcome::Rejected { decline_code } => Some(RailOutcome::Declined {
             decline_code: decline_code.clone(),
+            proof,
         }),
         Outcome::Timeout { detail } => Some(RailOutcome::Timeout {
             detail: detail.clone(),
@@ -501,6 +506,119 @@ fn recorded_outcome(outcome: &Outcome) -> Option<RailOutcome> {
         // a submitter that finds the seal records nothing definitive of its own.
         Outcome::Pending | Outcome::NotSent { .. } => None,
     }
+}
+
+// The signed facts (issue 33) between their wire forms and Temporal's history. The worker only
+// carries them: it never makes, checks or alters one.
+
+/// The payment resource's signed instruction, as history keeps it (signature in hex).
+fn signed_instruction_to_history(
+    s: &grant_signing::instruction::SignedInstruction,
+) -> SignedInstruction {
+    let i = &s.instruction;
+    SignedInstruction {
+        payout_id: i.payout_id.clone(),
+        account_id: i.account_id.clone(),
+        currency: i.currency.clone(),
+        beneficiary_ref: i.beneficiary_ref.clone(),
+        client_reference: i.client_reference.clone(),
+        lock_key: i.lock_key.clone(),
+        amount_minor: i.amount_minor,
+        token: i.token,
+        issued_at_unix_ms: i.issued_at_unix_ms,
+        expires_at_unix_ms: i.expires_at_unix_ms,
+        signing_key_id: s.signature.key_id.clone(),
+        signature: grant_signing::to_hex(&s.signature.bytes),
+    }
+}
+
+/// History's instruction back to what the proxy verifies. Signature text that is not hex is
+/// carried as no bytes: the proxy then refuses it (`bad_signature`), which is the truth.
+fn signed_instruction_from_history(
+    s: SignedInstruction,
+) -> grant_signing::instruction::SignedInstruction {
+    grant_signing::instruction::SignedInstruction {
+        signature: Signature {
+            key_id: s.signing_key_id,
+            bytes: grant_signing::from_hex(&s.signature).unwrap_or_default(),
+        },
+        instruction: grant_signing::instruction::Instruction {
+            payout_id: s.payout_id,
+            account_id: s.account_id,
+            currency: s.currency,
+            beneficiary_ref: s.beneficiary_ref,
+            client_reference: s.client_reference,
+            lock_key: s.lock_key,
+            amount_minor: s.amount_minor,
+            token: s.token,
+            issued_at_unix_ms: s.issued_at_unix_ms,
+            expires_at_unix_ms: s.expires_at_unix_ms,
+        },
+    }
+}
+
+/// The proxy's signature over `submission`'s final outcome, as history keeps it.
+fn rail_proof(submission: &Submission) -> Option<RailProof> {
+    let signed = submission.outcome_signature.as_ref()?;
+    Some(RailProof {
+        key_id: signed.signature.key_id.clone(),
+        signature: grant_signing::to_hex(&signed.signature.bytes),
+        token: submission.token.get(),
+        signed_at_unix_ms: signed.signed_at_unix_ms,
+    })
+}
+
+/// The fact a RecordOutcome carries to the payment resource: `outcome` (`ACKED`, `REJECTED`)
+/// with `proof`.
+fn rail_fact(
+    outcome: &str,
+    rail_ref: &str,
+    decline_code: &str,
+    proof: &RailProof,
+) -> model::RailFact {
+    model::RailFact {
+        outcome: outcome.to_string(),
+        rail_ref: rail_ref.to_string(),
+        decline_code: decline_code.to_string(),
+        token: proof.token,
+        signed_at_unix_ms: proof.signed_at_unix_ms,
+        signature: Signature {
+            key_id: proof.key_id.clone(),
+            bytes: grant_signing::from_hex(&proof.signature).unwrap_or_default(),
+        },
+    }
+}
+
+/// The newest of the proxy's signed resolutions that supports `evidence`: FOUND listing the
+/// rail reference, or ABSENT / NEVER_SENT for absence.
+fn supporting_resolution(
+    resolutions: &[rail_proxy_client::Resolution],
+    evidence: &Evidence,
+) -> Option<model::RailEvidence> {
+    resolutions
+        .iter()
+        .filter(|r| match (evidence, &r.evidence) {
+            (Evidence::Found { rail_ref }, ProxyEvidence::Found { rail_refs }) => {
+                rail_refs.contains(rail_ref)
+            }
+            (Evidence::Absent, ProxyEvidence::Absent | ProxyEvidence::NeverSent) => true,
+            _ => false,
+        })
+        .filter(|r| r.signature.is_some())
+        .max_by_key(|r| r.asked_at_unix_ms)
+        .and_then(|r| {
+            let signed = r.signature.as_ref()?;
+            Some(model::RailEvidence {
+                evidence: r.evidence.name().to_string(),
+                rail_refs: match &r.evidence {
+                    ProxyEvidence::Found { rail_refs } => rail_refs.clone(),
+                    _ => Vec::new(),
+                },
+                asked_by: r.asked_by.clone(),
+                asked_at_unix_ms: r.asked_at_unix_ms,
+                signature: signed.signature.clone(),
+            })
+        })
 }
 
 /// Every [`UNCLAIMED_GRANT_SWEEP`], releases the grants no workflow has used within `max` of
@@ -707,21 +825,44 @@ impl Backend for ServiceBackend {
     fn record_outcome(&self, input: RecordOutcomeInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
             let fence = self.fence(&input.grant)?;
-            let (outcome, detail) = match input.outcome {
-                RailOutcome::Acked { rail_ref } => {
-                    (model::RailOutcome::Acked { rail_ref }, String::new())
+            let (outcome, detail, fact) = match input.outcome {
+                RailOutcome::Acked { rail_ref, proof } => {
+                    let fact = match proof {
+                        Some(proof) => Some(rail_fact("ACKED", &rail_ref, "", &proof)),
+                        None => {
+                            self.looked_up_outcome(&input.payout_id, "ACKED", &rail_ref, "")
+                                .await
+                        }
+                    };
+                    (model::RailOutcome::Acked { rail_ref }, String::new(), fact)
                 }
-                RailOutcome::Declined { decline_code } => {
-                    (model::RailOutcome::Declined { decline_code }, String::new())
+                RailOutcome::Declined {
+                    decline_code,
+                    proof,
+                } => {
+                    let fact = match proof {
+                        Some(proof) => Some(rail_fact("REJECTED", "", &decline_code, &proof)),
+                        None => {
+                            self.looked_up_outcome(&input.payout_id, "REJECTED", "", &decline_code)
+                                .await
+                        }
+                    };
+                    (
+                        model::RailOutcome::Declined { decline_code },
+                        String::new(),
+                        fact,
+                    )
                 }
-                RailOutcome::Timeout { detail } => (model::RailOutcome::Timeout, detail),
-                RailOutcome::OutcomeMissing => (model::RailOutcome::OutcomeMissing, String::new()),
+                RailOutcome::Timeout { detail } => (model::RailOutcome::Timeout, detail, None),
+                RailOutcome::OutcomeMissing => {
+                    (model::RailOutcome::OutcomeMissing, String::new(), None)
+                }
             };
             // The payment resource bounds free text; a long transport error is cut, not refused.
             let detail: String = detail.chars().take(model::TEXT_LENGTH_MAX / 2).collect();
             let p = self
                 .payment
-                .record_outcome(&input.payout_id, &fence, &outcome, &detail)
+                .record_outcome_proven(&input.payout_id, &fence, &outcome, &detail, fact.as_ref())
                 .await
                 .map_err(payment_failure)?;
             Ok(snapshot(p))
@@ -743,6 +884,18 @@ impl Backend for ServiceBackend {
     fn resolve(&self, input: ResolveInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
             let fence = self.fence(&input.grant)?;
+            // The proxy's signed evidence is not carried through history (Inquiry's unit variants
+            // would not decode in older histories with fields): it is read back from the proxy's
+            // record of the inquiry the workflow just made. None found: the payment resource
+            // refuses, which is the truth (issue 33).
+            let proof = match self.proxy.clone().lookup(&input.payout_id).await {
+                Ok(Some(record)) => supporting_resolution(&record.resolutions, &input.evidence),
+                Ok(None) => None,
+                Err(e) => {
+                    tracing::warn!(payout_id = %input.payout_id, error = %e, "no signed evidence: the proxy's Lookup failed");
+                    None
+                }
+            };
             let evidence = match input.evidence {
                 Evidence::Found { rail_ref } => model::Evidence::Found { rail_ref },
                 Evidence::Absent => model::Evidence::Absent,
@@ -753,7 +906,13 @@ impl Backend for ServiceBackend {
             );
             let p = self
                 .payment
-                .resolve_ambiguity(&input.payout_id, &fence, &evidence, &source)
+                .resolve_ambiguity_proven(
+                    &input.payout_id,
+                    &fence,
+                    &evidence,
+                    &source,
+                    proof.as_ref(),
+                )
                 .await
                 .map_err(payment_failure)?;
             Ok(snapshot(p))
@@ -872,6 +1031,35 @@ impl Backend for ServiceBackend {
 }
 
 impl ServiceBackend {
+    /// The proxy's signed outcome for a RecordOutcome whose history carries none (recorded
+    /// before proofs were carried): attached only if the proxy's record says the same thing;
+    /// otherwise none, and the payment resource refuses.
+    async fn looked_up_outcome(
+        &self,
+        payout_id: &PayoutId,
+        outcome: &str,
+        rail_ref: &str,
+        decline_code: &str,
+    ) -> Option<model::RailFact> {
+        let record = match self.proxy.clone().lookup(payout_id).await {
+            Ok(record) => record?,
+            Err(e) => {
+                tracing::warn!(%payout_id, error = %e, "no signed outcome: the proxy's Lookup failed");
+                return None;
+            }
+        };
+        let fact = record.submission.outcome_fact()?;
+        let says_the_same = fact.outcome == outcome
+            && fact.rail_ref == rail_ref
+            && fact.decline_code == decline_code;
+        if !says_the_same {
+            tracing::warn!(%payout_id, recorded = fact.outcome, asked = outcome, "the proxy's record does not say what RecordOutcome asks: no proof attached");
+            return None;
+        }
+        let proof = rail_proof(&record.submission)?;
+        Some(rail_fact(outcome, rail_ref, decline_code, &proof))
+    }
+
     /// The Submit itself, once the activity's grant check is behind it.
     async fn submit_checked(&self, input: SubmitInput) -> Result<SubmitAnswer, ActivityFailure> {
         let presented = self.presented(&input.grant)?;
@@ -884,7 +1072,13 @@ impl ServiceBackend {
             input.currency.clone(),
             input.beneficiary_ref.clone(),
         )
-        .signed(presented.key, presented.signature);
+        .signed(presented.key, presented.signature)
+        // Relayed as the workflow carried it; the proxy judges it (and audits a refusal).
+        .instructed(
+            input
+                .signed_instruction
+                .map(signed_instruction_from_history),
+        );
         // The reference is derived from the payout id on both sides; a difference is a bug.
         if request.client_reference != input.client_reference {
             return Err(Refusal::InvalidRequest {
@@ -897,9 +1091,15 @@ impl ServiceBackend {
         }
         let mut proxy = self.proxy.clone();
         match proxy.submit(&request).await {
-            Ok(submission) => Ok(match submission.outcome {
-                Outcome::Acked { rail_ref } => SubmitAnswer::Acked { rail_ref },
-                Outcome::Rejected { decline_code } => SubmitAnswer::Declined { decline_code },
+            Ok(submission) => Ok(match submission.outcome.clone() {
+                Outcome::Acked { rail_ref } => SubmitAnswer::Acked {
+                    rail_ref,
+                    proof: rail_proof(&submission),
+                },
+                Outcome::Rejected { decline_code } => SubmitAnswer::Declined {
+                    decline_code,
+                    proof: rail_proof(&submission),
+                },
                 Outcome::Timeout { detail } => SubmitAnswer::Ambiguous { detail },
                 Outcome::Pending => SubmitAnswer::Ambiguous {
                     detail: "the proxy recorded the intent but no outcome".into(),
@@ -913,7 +1113,7 @@ impl ServiceBackend {
             Err(e @ ProxyError::FencedOut { .. }) => Err(proxy_fenced_out(e)),
             Err(ProxyError::Duplicate { existing, .. }) => Err(Refusal::DuplicateSubmission {
                 payout_id: input.payout_id.to_string(),
-                existing_outcome: recorded_outcome(&existing.outcome),
+                existing_outcome: recorded_outcome(&existing),
             }
             .into()),
             Err(ProxyError::InvalidArgument { field, reason }) => Err(Refusal::InvalidRequest {
@@ -962,5 +1162,97 @@ fn proxy_fenced_out(error: ProxyError) -> ActivityFailure {
         }
         .into(),
         other => unreachable!("only called with FencedOut, got {other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn signer(id: &str) -> grant_signing::Signer {
+        grant_signing::Signer::generate(id).unwrap().0
+    }
+
+    /// The instruction crosses history (hex signature) and comes back verifying exactly as the
+    /// payment resource signed it.
+    #[test]
+    fn a_signed_instruction_survives_history() {
+        let pr = signer("pr-1");
+        let verifier = grant_signing::Verifier::new([pr.public_key()]).unwrap();
+        let signed = pr.sign_instruction(grant_signing::instruction::Instruction {
+            payout_id: "p-1".into(),
+            account_id: "acct-1".into(),
+            currency: "EUR".into(),
+            beneficiary_ref: "ben-1".into(),
+            client_reference: "cref-p-1".into(),
+            lock_key: "payout:acct-1".into(),
+            amount_minor: 1_000,
+            token: 7,
+            issued_at_unix_ms: 1,
+            expires_at_unix_ms: 2,
+        });
+        let back = signed_instruction_from_history(signed_instruction_to_history(&signed));
+        assert_eq!(back, signed);
+        assert_eq!(
+            verifier.verify_instruction(&back, &back.instruction.presented(), 1),
+            Ok(())
+        );
+    }
+
+    /// Evidence for ResolveAmbiguity is the newest signed resolution that supports it: FOUND
+    /// listing the reference, ABSENT or NEVER_SENT for absence; nothing else.
+    #[test]
+    fn the_supporting_resolution_is_the_newest_signed_one_that_says_the_same() {
+        let proxy = signer("proxy-1");
+        let resolution =
+            |evidence: ProxyEvidence, at: i64, signed: bool| rail_proxy_client::Resolution {
+                payout_id: PayoutId::parse("p-1").unwrap(),
+                asked_by: "w".into(),
+                asked_at_unix_ms: at,
+                evidence,
+                account_id: None,
+                signature: signed.then(|| rail_proxy_client::model::FactSignature {
+                    signature: proxy.sign("x", 1, "y"),
+                    signed_at_unix_ms: at,
+                }),
+            };
+        let found = |refs: &[&str]| ProxyEvidence::Found {
+            rail_refs: refs.iter().map(|r| r.to_string()).collect(),
+        };
+        let rs = vec![
+            resolution(found(&["r-1"]), 1, true),
+            resolution(found(&["r-1", "r-2"]), 3, true),
+            resolution(found(&["r-1"]), 5, false),
+            resolution(
+                ProxyEvidence::Unknown {
+                    detail: String::new(),
+                },
+                6,
+                true,
+            ),
+            resolution(ProxyEvidence::NeverSent, 2, true),
+        ];
+        let picked = supporting_resolution(
+            &rs,
+            &Evidence::Found {
+                rail_ref: "r-1".into(),
+            },
+        )
+        .unwrap();
+        // The unsigned one at 5 is passed over: the newest signed FOUND listing r-1 is at 3.
+        assert_eq!(
+            (picked.evidence.as_str(), picked.asked_at_unix_ms),
+            ("FOUND", 3)
+        );
+        assert_eq!(picked.rail_refs, ["r-1", "r-2"]);
+        assert!(supporting_resolution(
+            &rs,
+            &Evidence::Found {
+                rail_ref: "fake".into()
+            }
+        )
+        .is_none());
+        let absent = supporting_resolution(&rs, &Evidence::Absent).unwrap();
+        assert_eq!(absent.evidence, "NEVER_SENT");
     }
 }

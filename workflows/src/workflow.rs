@@ -307,6 +307,9 @@ struct RunFacts {
     /// RAIL_SUBMITTED any other way (a lost workflow task, an earlier run, a grant lost since) is
     /// "maybe sent" (spec 2.3: a later holder finds no recorded outcome) and resolved by inquiry.
     marked_under: Option<FencingToken>,
+    /// The payment resource's signed instruction from this run's MarkSubmitted answer, for the
+    /// submission (issue 33): the rail proxy sends nothing without it.
+    signed_instruction: Option<SignedInstruction>,
     /// What the single submission answered (or the existing record, on DUPLICATE).
     known_outcome: Option<RailOutcome>,
     ambiguous_since: Option<SystemTime>,
@@ -1340,6 +1343,7 @@ async fn step(
             )
             .await?;
             facts.marked_under = Some(grant.token);
+            facts.signed_instruction = marked.signed_instruction.clone();
             Ok((marked, "MARK_SUBMITTED"))
         }
         PayoutState::RailSubmitted => {
@@ -1420,13 +1424,22 @@ async fn submit(
             beneficiary_ref: instruction.beneficiary_ref,
             client_reference: ClientReference::for_payout(&input.payout_id),
             grant: grant.clone(),
+            // Carried as MarkSubmitted answered it; no branch on its presence (the proxy judges).
+            signed_instruction: facts.signed_instruction.clone(),
         },
         options::fenced(options::submit(), grant),
     )
     .await;
     Ok(match answer {
-        Ok(SubmitAnswer::Acked { rail_ref }) => RailOutcome::Acked { rail_ref },
-        Ok(SubmitAnswer::Declined { decline_code }) => RailOutcome::Declined { decline_code },
+        // The proxy's signed outcome goes on to RecordOutcome as it came (issue 33).
+        Ok(SubmitAnswer::Acked { rail_ref, proof }) => RailOutcome::Acked { rail_ref, proof },
+        Ok(SubmitAnswer::Declined {
+            decline_code,
+            proof,
+        }) => RailOutcome::Declined {
+            decline_code,
+            proof,
+        },
         Ok(SubmitAnswer::Ambiguous { detail }) => RailOutcome::Timeout { detail },
         Err(error) if never_started(&error) => {
             // The grant's worker never picked the submission up: nothing was sent under it.
