@@ -51,7 +51,7 @@ use sqlx::PgPool;
 use temporalio_client::errors::{WorkflowInteractionError, WorkflowStartError};
 use temporalio_client::{
     Client, UntypedWorkflow, WorkflowDescribeOptions, WorkflowExecutionStatus,
-    WorkflowIdReusePolicy, WorkflowStartOptions,
+    WorkflowIdReusePolicy, WorkflowStartOptions, WorkflowTerminateOptions,
 };
 use temporalio_common::data_converters::RawValue;
 use temporalio_common::protos::temporal::api::common::v1::Payload;
@@ -65,7 +65,9 @@ pub const RECOVERER: &str = "reconciler";
 /// skipped this pass).
 pub const UNDESCRIBED: &str = "UNDESCRIBED";
 /// The payout workflow's type name (workflows/src/workflow.rs).
-pub const PAYOUT_WORKFLOW_TYPE: &str = "PayoutWorkflow";
+pub use payout_domain::PAYOUT_WORKFLOW_TYPE;
+/// The action reported for a squatter's run terminated by a pass (before the payout's RESUMED).
+pub const SQUATTER_TERMINATED: &str = "SQUATTER_TERMINATED";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ResumeError {
@@ -175,6 +177,16 @@ impl Temporal {
 
     /// The status of the workflow `workflow_id` (its latest run).
     pub async fn status(&self, workflow_id: &str) -> Result<WorkflowStatus, ResumeError> {
+        Ok(self.execution(workflow_id).await?.0)
+    }
+
+    /// The status of the workflow `workflow_id` (its latest run) and, while it runs, which run
+    /// it is: its type, task queue and run id, to tell the payout's own workflow from a
+    /// squatter.
+    pub async fn execution(
+        &self,
+        workflow_id: &str,
+    ) -> Result<(WorkflowStatus, Option<RunningExecution>), ResumeError> {
         let err = |detail: String| ResumeError::Temporal {
             workflow_id: workflow_id.to_string(),
             detail,
@@ -190,10 +202,64 @@ impl Temporal {
         .map_err(|_| err(format!("no answer within {TEMPORAL_CALL_TIMEOUT:?}")))?;
         match described {
             Ok(d) => Ok(match d.status() {
-                WorkflowExecutionStatus::Running => WorkflowStatus::Running,
-                other => WorkflowStatus::Closed(format!("{other:?}").to_ascii_uppercase()),
+                WorkflowExecutionStatus::Running => (
+                    WorkflowStatus::Running,
+                    Some(RunningExecution {
+                        workflow_type: d.workflow_type().to_string(),
+                        task_queue: d.task_queue().to_string(),
+                        run_id: d.run_id().to_string(),
+                    }),
+                ),
+                other => (
+                    WorkflowStatus::Closed(format!("{other:?}").to_ascii_uppercase()),
+                    None,
+                ),
             }),
-            Err(WorkflowInteractionError::NotFound(_)) => Ok(WorkflowStatus::NotFound),
+            Err(WorkflowInteractionError::NotFound(_)) => Ok((WorkflowStatus::NotFound, None)),
+            Err(e) => Err(err(e.to_string())),
+        }
+    }
+
+    /// Why the running `execution` on a payout's workflow id is not the payout's own workflow
+    /// (another type, or another task queue than the payout workers'), or `None` if it is.
+    pub fn squatter(&self, execution: &RunningExecution) -> Option<String> {
+        if execution.workflow_type == PAYOUT_WORKFLOW_TYPE
+            && execution.task_queue == self.payout_task_queue
+        {
+            return None;
+        }
+        Some(format!(
+            "type {} on queue {} (the payout workflow is {PAYOUT_WORKFLOW_TYPE} on {})",
+            execution.workflow_type, execution.task_queue, self.payout_task_queue
+        ))
+    }
+
+    /// Terminates that one run (never a later one that took the id meanwhile).
+    pub async fn terminate_run(
+        &self,
+        workflow_id: &str,
+        run_id: &str,
+        reason: String,
+    ) -> Result<(), ResumeError> {
+        let err = |detail: String| ResumeError::Temporal {
+            workflow_id: workflow_id.to_string(),
+            detail,
+        };
+        let handle = temporalio_client::WorkflowExecutionInfo::builder()
+            .namespace(self.client.options().namespace.clone())
+            .workflow_id(workflow_id)
+            .run_id(run_id)
+            .build()
+            .bind_untyped(self.client.clone());
+        let terminated = tokio::time::timeout(
+            TEMPORAL_CALL_TIMEOUT,
+            handle.terminate(WorkflowTerminateOptions::builder().reason(reason).build()),
+        )
+        .await
+        .map_err(|_| err(format!("no answer within {TEMPORAL_CALL_TIMEOUT:?}")))?;
+        match terminated {
+            // Closed meanwhile: nothing squats the id any more.
+            Ok(()) | Err(WorkflowInteractionError::NotFound(_)) => Ok(()),
             Err(e) => Err(err(e.to_string())),
         }
     }
@@ -264,6 +330,14 @@ impl Temporal {
     }
 }
 
+/// The run on a payout's workflow id while it runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RunningExecution {
+    pub workflow_type: String,
+    pub task_queue: String,
+    pub run_id: String,
+}
+
 /// One stranded payout handled (or deliberately left alone).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct Resumption {
@@ -272,7 +346,8 @@ pub struct Resumption {
     pub state: String,
     /// What Temporal said about `payout-{id}` before.
     pub workflow: String,
-    /// RESUMED, ALREADY_RUNNING (a start raced ours), or ERROR.
+    /// RESUMED, ALREADY_RUNNING (a start raced ours), SQUATTER_TERMINATED (a foreign run on
+    /// the payout's id, terminated; the payout's RESUMED follows), or ERROR.
     pub action: String,
     /// The account's key, if it was taken over from a grant whose workflow is not running.
     pub took_over_from: Option<String>,
@@ -387,6 +462,20 @@ pub mod seams {
         *BEFORE_DESCRIBE.lock().unwrap_or_else(|e| e.into_inner()) = hook;
     }
 
+    static SQUAT_DETECTION_OFF: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+
+    /// The negative control of the squatter check: `false` makes every pass of this process
+    /// take any running execution on a payout's id for the payout's own workflow (as before the
+    /// check), `true` restores the check.
+    pub fn set_squat_detection(on: bool) {
+        SQUAT_DETECTION_OFF.store(!on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub(crate) fn squat_detection() -> bool {
+        !SQUAT_DETECTION_OFF.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     pub(crate) async fn before_describe(payout_id: &str) {
         let hook = BEFORE_DESCRIBE
             .lock()
@@ -495,6 +584,15 @@ pub async fn resume_blocked_accounts(
     Ok(resumer.finish())
 }
 
+/// Whether passes tell squatters apart: always, but in a test that switched it off
+/// (`seams::set_squat_detection`, feature `test-seams`).
+fn squat_detection() -> bool {
+    #[cfg(feature = "test-seams")]
+    return seams::squat_detection();
+    #[cfg(not(feature = "test-seams"))]
+    true
+}
+
 /// One pass's work on the payouts it examines: each account's key taken over (once per pass)
 /// from a grant whose workflow is not running, each payout whose workflow is not running (or,
 /// past its grace, never existed) handed to a new run.
@@ -573,14 +671,11 @@ impl<'a> Resumer<'a> {
         };
         #[cfg(feature = "test-seams")]
         seams::before_describe(payout_id.as_str()).await;
-        let status = match self
-            .temporal
-            .status(&payout_domain::workflow_id(&payout_id))
-            .await
-        {
-            Ok(status) => {
+        let workflow_id = payout_domain::workflow_id(&payout_id);
+        let (status, running) = match self.temporal.execution(&workflow_id).await {
+            Ok(described) => {
                 self.consecutive_describe_errors = 0;
-                status
+                described
             }
             Err(e) => {
                 // This payout is skipped, reported and counted; the pass goes on, unless
@@ -598,13 +693,54 @@ impl<'a> Resumer<'a> {
             }
         };
         r.workflow = status.name();
-        let stranded = match &status {
-            WorkflowStatus::Running => false,
-            WorkflowStatus::NotFound => past_grace,
-            WorkflowStatus::Closed(_) => true,
+        let squatter = running
+            .as_ref()
+            .filter(|_| squat_detection())
+            .and_then(|run| Some((run, self.temporal.squatter(run)?)));
+        let stranded = match (&status, &squatter) {
+            (WorkflowStatus::Running, None) => false,
+            (WorkflowStatus::Running, Some(_)) => true,
+            (WorkflowStatus::NotFound, _) => past_grace,
+            (WorkflowStatus::Closed(_), _) => true,
         };
         if !stranded {
             return Ok(false);
+        }
+        if let Some((run, why)) = squatter {
+            // Someone else's workflow holds the payout's id (started before the starter
+            // delivered, which then found the id taken, or after a run closed): while it runs,
+            // no payout workflow can start there and the payout waits for ever. That run, and
+            // only that run, is terminated; the payout is then resumed like a closed run's.
+            let reason = format!("foreign workflow squatting {workflow_id} ({why})");
+            let terminated = self
+                .temporal
+                .terminate_run(&workflow_id, &run.run_id, reason.clone())
+                .await;
+            let mut squat = r.clone();
+            squat.action = SQUATTER_TERMINATED.into();
+            squat.detail = match &terminated {
+                Ok(()) => format!("run {}: {reason}", run.run_id),
+                Err(e) => e.to_string(),
+            };
+            tracing::error!(
+                event = "payout_workflow_squatted",
+                alert = true,
+                payout_id = %r.payout_id,
+                account_id = %r.account_id,
+                workflow_id = %workflow_id,
+                run_id = %run.run_id,
+                workflow_type = %run.workflow_type,
+                task_queue = %run.task_queue,
+                terminated = terminated.is_ok(),
+                "a foreign workflow squatted the payout's workflow id: terminated, the payout is resumed"
+            );
+            self.out.push(squat);
+            if let Err(e) = terminated {
+                r.action = "ERROR".into();
+                r.detail = e.to_string();
+                self.out.push(r);
+                return Ok(true);
+            }
         }
         // The payout was read in flight before its workflow was described: on a busy system it
         // may have finished in between (its workflow completes after its last transition). Only

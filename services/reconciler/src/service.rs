@@ -384,6 +384,7 @@ pub struct ReconcileMetrics {
     schedule_repairs: IntCounterVec,
     schedule_healthy: IntGauge,
     holder_pass_actions: IntCounterVec,
+    squatters: IntCounter,
     holder_pass_failures: IntCounter,
     pass_errors: IntCounterVec,
     payouts_skipped: IntCounterVec,
@@ -434,7 +435,11 @@ impl ReconcileMetrics {
             "Repairs of the reconciler's schedule by its keeper, by what was wrong",
             &["reason"],
         );
-        for reason in [RepairReason::Missing, RepairReason::Paused] {
+        for reason in [
+            RepairReason::Missing,
+            RepairReason::Paused,
+            RepairReason::Altered,
+        ] {
             schedule_repairs.with_label_values(&[reason.as_str()]);
         }
         let schedule_healthy = IntGauge::new(
@@ -452,6 +457,16 @@ impl ReconcileMetrics {
             "What the keeper's short holder pass did (RESUMED, TOOK_OVER, ALREADY_RUNNING, ERROR)",
             &["action"],
         );
+        let squatters = IntCounter::new(
+            "reconciler_squatters_total",
+            "Foreign runs on a payout's workflow id (another type, or another queue than the payout \
+             workers') that a pass terminated before resuming the payout (alert PayoutWorkflowSquatted)",
+        )
+        .expect("valid metric");
+        metrics
+            .registry
+            .register(Box::new(squatters.clone()))
+            .expect("metric registered once");
         let holder_pass_failures = IntCounter::new(
             "reconciler_holder_pass_failures_total",
             "Short holder passes that could not read their sources",
@@ -490,10 +505,20 @@ impl ReconcileMetrics {
             schedule_repairs,
             schedule_healthy,
             holder_pass_actions,
+            squatters,
             holder_pass_failures,
             pass_errors,
             payouts_skipped,
         }
+    }
+
+    /// The squatters a pass terminated (`SQUATTER_TERMINATED`).
+    fn count_squatters(&self, resumptions: &[resolver::resume::Resumption]) {
+        let terminated = resumptions
+            .iter()
+            .filter(|r| r.action == resolver::resume::SQUATTER_TERMINATED)
+            .count();
+        self.squatters.inc_by(terminated as u64);
     }
 
     /// A run's outcome: each part's error counted; a run whose checks failed counts as a failed
@@ -518,6 +543,7 @@ impl ReconcileMetrics {
         self.payouts_skipped
             .with_label_values(&[Pass::Resume.as_str()])
             .inc_by(skipped(&mut report.resumptions.iter().map(|r| &r.workflow)));
+        self.count_squatters(&report.resumptions);
         let Some(checks) = &report.checks else {
             self.failed_runs.inc();
             return;
@@ -743,12 +769,25 @@ pub async fn ensure_schedule(
         tracing::info!(schedule_id = %serve.schedule_id, "schedule already exists as configured");
         return Ok(ScheduleOutcome::Unchanged);
     }
+    restore_schedule(&handle, serve).await?;
+    tracing::info!(schedule_id = %serve.schedule_id, interval_s = serve.interval.as_secs(), task_queue = %serve.task_queue, "schedule updated to this configuration");
+    Ok(ScheduleOutcome::Updated)
+}
+
+/// Puts the schedule's spec, action and overlap policy back to what this process creates.
+async fn restore_schedule(
+    handle: &ScheduleHandle<Client>,
+    serve: &ServeOptions,
+) -> anyhow::Result<()> {
     let (spec, action) = (schedule_spec(serve), schedule_action(serve));
     tokio::time::timeout(
         SCHEDULE_CALL_TIMEOUT,
         handle.update(
             move |update| {
-                update.set_spec(spec).set_action(action);
+                update
+                    .set_spec(spec)
+                    .set_action(action)
+                    .set_overlap_policy(ScheduleOverlapPolicy::Skip);
             },
             Default::default(),
         ),
@@ -756,11 +795,11 @@ pub async fn ensure_schedule(
     .await
     .with_context(|| format!("updating schedule {}: no answer", serve.schedule_id))?
     .with_context(|| format!("updating schedule {}", serve.schedule_id))?;
-    tracing::info!(schedule_id = %serve.schedule_id, interval_s = serve.interval.as_secs(), task_queue = %serve.task_queue, "schedule updated to this configuration");
-    Ok(ScheduleOutcome::Updated)
+    Ok(())
 }
 
-/// Whether an existing schedule starts the same workflow on the same queue at the same interval.
+/// Whether an existing schedule starts the same workflow on the same queue at the same interval,
+/// skipping a run while one is going.
 fn schedule_matches(described: &ScheduleDescription, serve: &ServeOptions) -> bool {
     let action = match described.action() {
         ScheduleDescriptionAction::StartWorkflow(action) => action,
@@ -770,6 +809,20 @@ fn schedule_matches(described: &ScheduleDescription, serve: &ServeOptions) -> bo
     action.workflow_type() == RECONCILE_WORKFLOW_TYPE
         && action.task_queue() == serve.task_queue
         && schedule_intervals(described) == [serve.interval.max(SCHEDULE_INTERVAL_MIN)]
+        && overlap_skips(described)
+}
+
+/// Whether the schedule skips a run while one is going (Temporal's default, unspecified, is
+/// skip): any other policy lets two runs overlap.
+fn overlap_skips(described: &ScheduleDescription) -> bool {
+    use temporalio_common::protos::temporal::api::enums::v1::ScheduleOverlapPolicy as Proto;
+    let policy = described
+        .raw()
+        .schedule
+        .as_ref()
+        .and_then(|s| s.policies.as_ref())
+        .map_or(Proto::Unspecified as i32, |p| p.overlap_policy);
+    policy == Proto::Skip as i32 || policy == Proto::Unspecified as i32
 }
 
 /// The intervals a described schedule fires at.
@@ -803,6 +856,9 @@ pub enum RepairReason {
     /// The schedule was paused: unpaused (the reconciliation is turned off by stopping the
     /// reconciler, never by pausing its schedule).
     Paused,
+    /// The schedule was changed by hand (interval lengthened, action's workflow type or queue
+    /// changed, overlap allowed): its spec, action and policy put back as at start.
+    Altered,
 }
 
 impl RepairReason {
@@ -810,6 +866,7 @@ impl RepairReason {
         match self {
             Self::Missing => "missing",
             Self::Paused => "paused",
+            Self::Altered => "altered",
         }
     }
 }
@@ -840,6 +897,13 @@ pub async fn keep_schedule(
             return Err(e).with_context(|| format!("describing schedule {}", serve.schedule_id))
         }
     };
+    if !schedule_matches(&described, serve) {
+        // Someone with access to Temporal made the checks rarer or pointed them elsewhere. A
+        // pause as well is seen (and undone) on the next look.
+        restore_schedule(&handle, serve).await?;
+        trigger_missed_run(&handle, serve).await;
+        return Ok(Some(RepairReason::Altered));
+    }
     if !described.paused() {
         return Ok(None);
     }
@@ -923,6 +987,9 @@ async fn keep(
                     RepairReason::Paused => {
                         tracing::warn!(schedule_id = %serve.schedule_id, reason = reason.as_str(), "the reconciler's schedule was paused: unpaused (stop the reconciler to turn reconciliation off)")
                     }
+                    RepairReason::Altered => {
+                        tracing::warn!(schedule_id = %serve.schedule_id, reason = reason.as_str(), "the reconciler's schedule was altered (interval, workflow, queue or overlap policy): put back as at start")
+                    }
                 }
             }
             Err(e) => {
@@ -950,6 +1017,7 @@ async fn keep(
                             .with_label_values(&[r.action.as_str()])
                             .inc();
                     }
+                    metrics.count_squatters(&done);
                 }
                 Ok(Err(e)) => {
                     metrics.holder_pass_failures.inc();

@@ -2,8 +2,9 @@
 //! (issue 35, items 7 and 8; issue 33: a paused or missing schedule is an alert). Against a real
 //! system (every service a process, the testkit's Temporal):
 //!
-//! - `reconciler serve` re-creates its schedule when it is deleted and unpauses it when it is
-//!   paused, while it runs, within its keeper interval, and counts each repair;
+//! - `reconciler serve` re-creates its schedule when it is deleted, unpauses it when it is
+//!   paused and puts it back when it is altered (interval lengthened, another workflow type),
+//!   while it runs, within its keeper interval, and counts each repair;
 //! - a PENDING payout whose workflow start paydb records as delivered but whose workflow Temporal
 //!   no longer knows (Temporal's amnesia, here one workflow deleted) is resumed by one pass, with
 //!   the default not-started grace, and paid once;
@@ -23,8 +24,8 @@ use testkit::{ManagedProcess, ProcessSpec, Stack};
 
 mod common;
 use common::{
-    metric, metrics_text, movements, new_payout, once_json, payout_input, resumptions, state_of,
-    temporal_cli, SETTLE_TIMEOUT,
+    metric, metrics_text, movements, new_payout, once_json, paydb_scalar, payout_input,
+    resumptions, state_of, temporal_cli, SETTLE_TIMEOUT,
 };
 
 /// The keeper's interval in these tests (`RECONCILE_KEEPER_INTERVAL_S`).
@@ -71,18 +72,6 @@ fn start_serve(system: &System, interval_s: u64) -> (ManagedProcess, String, u16
     (serve, schedule_id, metrics_port)
 }
 
-/// One value read from paydb with `psql` (the test reads what paydb recorded, as an operator
-/// would; this package links no database driver).
-fn paydb_scalar(system: &System, sql: &str) -> Option<String> {
-    let out = std::process::Command::new("psql")
-        .args([system.databases.paydb.as_str(), "-tAXc", sql])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
 /// The schedule as `temporal schedule describe` shows it, or `None` if Temporal has none.
 fn describe_schedule(schedule_id: &str) -> Option<serde_json::Value> {
     let out = temporal_cli(&[
@@ -104,7 +93,7 @@ fn paused(described: &serde_json::Value) -> bool {
 }
 
 #[tokio::test]
-async fn serve_recreates_a_deleted_schedule_and_unpauses_a_paused_one() {
+async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_an_altered_one() {
     let stack = Stack::shared();
     let system = System::start(
         stack,
@@ -171,6 +160,55 @@ async fn serve_recreates_a_deleted_schedule_and_unpauses_a_paused_one() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+    // The negative control of the altered case: two repairs (re-created, unpaused) and every
+    // look since found the schedule as configured, so nothing was counted as altered.
+    let altered = "reconciler_schedule_repairs_total{reason=\"altered\"}";
+    let text = metrics_text(port).await.unwrap();
+    assert_eq!(metric(&text, altered), Some(0.0), "{text}");
+
+    // Altered while serve runs: the interval lengthened to two days (the checks made rarer),
+    // then the action pointed at another workflow type: each put back, counted.
+    let queue = format!("{}-reconciliation", system.task_queue);
+    let alter = |interval: &str, workflow_type: &str| {
+        temporal_cli(&[
+            "schedule",
+            "update",
+            "--namespace",
+            testkit::temporal::NAMESPACE,
+            "--schedule-id",
+            &schedule_id,
+            "--interval",
+            interval,
+            "--type",
+            workflow_type,
+            "--task-queue",
+            &queue,
+            "--workflow-id",
+            &format!("{schedule_id}-run"),
+        ])
+        .unwrap();
+    };
+    let as_configured = |described: &serde_json::Value| {
+        let text = described.to_string();
+        text.contains("ReconcileWorkflow") && text.contains("86400s")
+    };
+    for (round, (interval, workflow_type)) in [
+        ("172800s", "ReconcileWorkflow"),
+        ("86400s", "NotTheReconciler"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        alter(interval, workflow_type);
+        let repairs = f64::from(u8::try_from(round + 1).unwrap());
+        testkit::eventually(REPAIR_TIMEOUT, "the altered schedule put back", || async {
+            let described = describe_schedule(&schedule_id)?;
+            let text = metrics_text(port).await?;
+            (metric(&text, altered)? == repairs && as_configured(&described)).then_some(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+    }
     let text = metrics_text(port).await.unwrap();
     assert_eq!(metric(&text, missing), Some(1.0), "{text}");
     assert_eq!(

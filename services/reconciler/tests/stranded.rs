@@ -470,3 +470,128 @@ async fn an_orphaned_ambiguous_payout_is_resumed_by_one_pass_inquires_and_frees_
     assert_eq!(truth.movement_counts.get(&reference(behind)), Some(&1));
     assert_eq!(submit_requests(&truth, behind), 1);
 }
+
+/// Issue 33 (design section 2, "Squatters"): someone starts a workflow of their own on a payout's
+/// id, `payout-{id}`, before the starter delivers (the starter then finds the id taken, counts
+/// the start as delivered and never starts the payout's workflow): an impostor registered as
+/// `PayoutWorkflow` on a queue of its own, and a workflow of another type on the payout queue.
+/// While they run, nothing pays either payout. One pass terminates each squatter's run
+/// (SQUATTER_TERMINATED) and resumes the payout (RESUMED); both end POSTED, paid once. The
+/// negative control runs the same pass in this process with the squatter check switched off
+/// (`seams::set_squat_detection`, feature `test-seams`): it takes the squatters for the
+/// payouts' workflows and leaves both PENDING.
+#[tokio::test]
+async fn a_foreign_workflow_squatting_a_payout_is_terminated_and_the_payout_finishes() {
+    let system = System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 1,
+            workflow_starts: Some(testkit::system::WorkflowStarts {
+                settlement_window_ms: 500,
+                resolution_sla_ms: 600_000,
+            }),
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let impostor = "sq-impostor";
+    let foreign = "sq-foreign";
+    // The starter is held while the payouts are created and the squatters start.
+    system.dispatcher.pause().unwrap();
+    create_payouts(&system, "sq-acct-a", &[impostor]).await;
+    create_payouts(&system, "sq-acct-b", &[foreign]).await;
+    let rogue_queue = format!("{}-rogue", system.task_queue);
+    for (payout, workflow_type, queue) in [
+        (impostor, "PayoutWorkflow", rogue_queue.as_str()),
+        (foreign, "SquatterWorkflow", system.task_queue.as_str()),
+    ] {
+        common::start_workflow_as(payout, workflow_type, queue);
+    }
+    system.dispatcher.resume().unwrap();
+    for payout in [impostor, foreign] {
+        let delivered = format!(
+            "SELECT started_at IS NOT NULL FROM workflow_start WHERE payout_id = '{payout}'"
+        );
+        testkit::eventually(SETTLE_TIMEOUT, "the start counted as delivered", || {
+            let answer = common::paydb_scalar(&system, &delivered);
+            async move { (answer.as_deref() == Some("t")).then_some(()) }
+        })
+        .await
+        .unwrap();
+    }
+
+    // The control: without the check a pass sees two running workflows and does nothing.
+    let paydb = sqlx::PgPool::connect(&system.databases.paydb)
+        .await
+        .unwrap();
+    let config = resolver::resume::ResumeConfig {
+        lock_url: system.lock_url(),
+        tls: system.tls(Role::Reconciler),
+        temporal: resolver::resume::TemporalConfig {
+            connection: payout_workflows::client::TemporalArgs::at(
+                system.temporal_address.clone(),
+                testkit::temporal::NAMESPACE,
+            ),
+            payout_task_queue: system.task_queue.clone(),
+            settlement_window_ms: 500,
+            resolution_sla_ms: 600_000,
+        },
+        not_started_grace: Duration::ZERO,
+        bounds: resolver::walk::PassBounds::default(),
+    };
+    resolver::resume::seams::set_squat_detection(false);
+    let blind =
+        resolver::resume::resume_stranded(&paydb, &config, &mut resolver::walk::Cursor::default())
+            .await;
+    resolver::resume::seams::set_squat_detection(true);
+    paydb.close().await;
+    let blind = blind.unwrap();
+    assert!(
+        blind
+            .done
+            .iter()
+            .all(|r| r.payout_id != impostor && r.payout_id != foreign),
+        "without the check the squatters pass for the payouts' workflows: {:?}",
+        blind.done
+    );
+    for payout in [impostor, foreign] {
+        assert_eq!(state_of(&payments, payout).await, PayoutState::Pending);
+    }
+
+    // One pass of the binary: each squatter terminated, then the payout resumed.
+    let mut args = source_args(&system, &system.temporal_address);
+    args.extend(["--not-started-grace-ms", "0", "--resume-stranded"].map(String::from));
+    let report = once_json(&args, &[]).0;
+    for payout in [impostor, foreign] {
+        let actions: Vec<&str> = report["resumptions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["payout_id"] == payout)
+            .map(|r| r["action"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            actions,
+            ["SQUATTER_TERMINATED", "RESUMED"],
+            "{payout}: {report}"
+        );
+    }
+    let truth = rail_stub::client::StubClient::new(system.rail_url());
+    for payout in [impostor, foreign] {
+        wait_state(&payments, payout, PayoutState::Posted).await;
+        let reference = ClientReference::for_payout(&PayoutId::parse(payout).unwrap());
+        let moved = truth
+            .ground_truth()
+            .await
+            .unwrap()
+            .movement_counts
+            .get(reference.as_str())
+            .copied()
+            .unwrap_or(0);
+        assert_eq!(moved, 1, "{payout}: paid once");
+    }
+}

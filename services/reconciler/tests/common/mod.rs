@@ -123,8 +123,15 @@ pub fn terminate(workflow_id: &str) {
     .unwrap();
 }
 
-/// Starts `payout-{payout}` on a task queue nobody polls: it stays RUNNING for the test.
+/// Starts `payout-{payout}`, a payout workflow on the payout queue, in a system without
+/// workers: nobody polls it, so it stays RUNNING for the test, and a pass takes it for the
+/// payout's own workflow (not a squatter: its type and queue are the payout workflow's).
 pub fn start_unpolled_workflow(system: &System, payout: &str) {
+    start_workflow_as(payout, "PayoutWorkflow", &system.task_queue);
+}
+
+/// Starts a workflow of `workflow_type` on `task_queue` under `payout-{payout}`, without input.
+pub fn start_workflow_as(payout: &str, workflow_type: &str, task_queue: &str) {
     temporal_cli(&[
         "workflow",
         "start",
@@ -133,9 +140,9 @@ pub fn start_unpolled_workflow(system: &System, payout: &str) {
         "--workflow-id",
         &format!("payout-{payout}"),
         "--type",
-        "PayoutWorkflow",
+        workflow_type,
         "--task-queue",
-        &format!("{}-nobody", system.task_queue),
+        task_queue,
     ])
     .unwrap();
 }
@@ -341,4 +348,16 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+/// One value read from paydb with `psql` (the test reads what paydb recorded, as an operator
+/// would; this package links no database driver).
+pub fn paydb_scalar(system: &System, sql: &str) -> Option<String> {
+    let out = std::process::Command::new("psql")
+        .args([system.databases.paydb.as_str(), "-tAXc", sql])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
