@@ -1001,6 +1001,7 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
         // Genuine signatures (the system's own grant key): the guards must refuse these late
         // submissions on their token and on the seal, not as forged.
         let signer = system.grant_keys.signer().unwrap();
+        let instructions = system.instruction_keys.signer().unwrap();
         let key = payout_domain::lock_key(&input.account_id);
         let late = |token: u64, owner: &str| {
             SubmitPayout::new(
@@ -1013,6 +1014,12 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
                 input.beneficiary_ref.clone(),
             )
             .signed(key.clone(), signer.sign(&key, token, owner))
+            .instructed_by(
+                &instructions,
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as i64),
+            )
         };
         let stale = proxy.submit(&late(frozen_token as u64, &claimer)).await;
         assert!(

@@ -81,6 +81,29 @@ impl SubmitPayout {
         self
     }
 
+    /// This request with an instruction for exactly it, signed by `signer` at `issued_at_unix_ms`
+    /// for the default TTL: what the payment resource's MarkSubmitted answers for a payout whose
+    /// record says what this request says. For test rigs and benches that drive the proxy by
+    /// hand, holding the instruction key as the payment resource would; a caller without that
+    /// key cannot make one.
+    pub fn instructed_by(self, signer: &grant_signing::Signer, issued_at_unix_ms: i64) -> Self {
+        let p = self.presented();
+        let instruction = grant_signing::instruction::Instruction {
+            payout_id: p.payout_id.into(),
+            account_id: p.account_id.into(),
+            currency: p.currency.into(),
+            beneficiary_ref: p.beneficiary_ref.into(),
+            client_reference: p.client_reference.into(),
+            lock_key: p.lock_key.into(),
+            amount_minor: p.amount_minor,
+            token: p.token,
+            issued_at_unix_ms,
+            expires_at_unix_ms: issued_at_unix_ms
+                .saturating_add(grant_signing::instruction::TTL_DEFAULT_MS as i64),
+        };
+        self.instructed(Some(signer.sign_instruction(instruction)))
+    }
+
     /// What the request asks, as the instruction's verifier compares it field by field.
     pub fn presented(&self) -> grant_signing::instruction::Presented<'_> {
         grant_signing::instruction::Presented {

@@ -21,7 +21,12 @@ pub const PAYDB_CHAINS: &[&str] = &["outbox_replay"];
 /// The chained tables of gldb.
 pub const GLDB_CHAINS: &[&str] = &["operating_mode_changes", "operating_mode_refusals"];
 /// The chained tables of proxydb.
-pub const PROXYDB_CHAINS: &[&str] = &["guard_event", "resolution", "rearm_event"];
+pub const PROXYDB_CHAINS: &[&str] = &[
+    "guard_event",
+    "resolution",
+    "rearm_event",
+    "instruction_refusal",
+];
 
 /// The name a table's chain has in a report and in the anchor: `<database>:<table>`. An
 /// account id cannot contain ':', so these never meet paydb's per-account chains.

@@ -66,7 +66,13 @@ async fn pay_account(
                     eur.clone(),
                     beneficiary.clone(),
                 )
-                .signed(grant.key(), grant.signature().clone()),
+                .signed(grant.key(), grant.signature().clone())
+                .instructed_by(
+                    &system.instruction_keys.signer().unwrap(),
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as i64),
+                ),
             )
             .await
             .unwrap();

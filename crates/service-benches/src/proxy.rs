@@ -295,7 +295,13 @@ pub async fn run(
                     );
                     let key = request.lock_key();
                     let signature = signer.sign(&key, request.token.get(), &request.owner);
-                    request.signed(key, signature)
+                    // Instructed up front too (the payment resource's part, not the proxy's).
+                    request.signed(key, signature).instructed_by(
+                        &instruction_signer,
+                        std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_millis() as i64),
+                    )
                 })
                 .collect(),
         )

@@ -80,6 +80,9 @@ pub(crate) struct Protections {
     /// No high-water advance passes a database that does not admit the token: a copy restored
     /// from a backup and not re-armed, or a token below the re-arming's horizon (migration 0006).
     pub restore_check: bool,
+    /// Every submit carries the payment resource's signed instruction for exactly its payment
+    /// (issue 33, `instruction_refused`).
+    pub instruction: bool,
 }
 
 /// The keys the proxy judges and signs with, all required (there is no unsigned mode): the lock
@@ -136,8 +139,8 @@ pub struct ProxyConfig {
     pub rail_timeout: Duration,
     /// The lock service's public keys: a fenced call's grant must be signed by one of them.
     verifier: Verifier,
-    /// The payment resource's instruction keys (enforced from issue 33's commit 5).
-    #[allow(dead_code)]
+    /// The payment resource's instruction keys: a submit is sent only on an instruction one of
+    /// them signed for exactly that payment.
     instructions: Verifier,
     /// Signs every final outcome and evidence the proxy answers.
     fact_signer: Arc<Signer>,
@@ -213,6 +216,7 @@ impl ProxyConfig {
                 grant_signature: true,
                 grant_key_binding: true,
                 restore_check: true,
+                instruction: true,
             },
             #[cfg(feature = "negative-controls")]
             failpoint: None,
@@ -252,6 +256,21 @@ impl ProxyConfig {
     /// The key this proxy signs its rail facts with.
     pub(crate) fn fact_signer(&self) -> &Signer {
         &self.fact_signer
+    }
+
+    /// The payment resource's instruction keys this proxy verifies with.
+    pub(crate) fn instructions(&self) -> &Verifier {
+        &self.instructions
+    }
+
+    /// TEST ONLY (feature `negative-controls`): the negative control of the signed instruction.
+    /// Every submit is taken at its word (no instruction is checked), so a caller with a genuine
+    /// grant has the rail pay whatever it asks. No binary can reach it.
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn disable_instruction_verification_for_negative_control(mut self) -> Self {
+        self.protections.instruction = false;
+        self
     }
 
     /// TEST ONLY (feature `negative-controls`): the negative control of the grant signature.

@@ -42,6 +42,8 @@ pub(crate) struct Counters {
     pub inquiries: IntCounterVec,
     pub seals: IntCounterVec,
     pub rail_duplicates: IntCounterVec,
+    /// `instructions_refused_total{guard="rail_proxy",reason}` (issue 33).
+    pub instructions_refused: IntCounterVec,
 }
 
 /// The fenced operations (the `operation` label of the guard's refusal counters, registered at 0).
@@ -67,6 +69,11 @@ impl Counters {
                 "Payouts sealed unsent (NOT_SENT) by a fenced inquiry.",
                 &[],
             ),
+            instructions_refused: metrics.counter_vec(
+                "instructions_refused_total",
+                "Submits refused because they do not carry the payment resource's signed instruction for exactly their payment, by reason (unsigned, unknown_key_id, bad_signature, mismatch, expired, not_yet_valid, ttl_too_long). Nothing sent. Alert on any.",
+                &["guard", "reason"],
+            ),
             rail_duplicates: metrics.counter_vec(
                 "rail_proxy_rail_duplicate_movements_total",
                 "Inquiries that found more than one movement for one client reference (safety event).",
@@ -78,6 +85,11 @@ impl Counters {
             counters.duplicates.with_label_values(&[kind.label()]);
         }
         counters.rail_duplicates.with_label_values(&[] as &[&str]);
+        for reason in grant_signing::instruction::REASONS {
+            counters
+                .instructions_refused
+                .with_label_values(&[service_kit::Guard::RailProxy.label(), reason]);
+        }
         counters
     }
 }
@@ -273,6 +285,57 @@ impl ProxyService {
         Ok(())
     }
 
+    /// The instruction check, right after the grant's and before anything else of a Submit
+    /// (the negative control's unguarded path included): the payment resource's signature over
+    /// the instruction, then each of its fields against the request's, then its validity on this
+    /// host's clock (`grant_signing::instruction::Verifier::verify_instruction`). A refusal writes
+    /// its `instruction_refusal` row (and nothing else), counts, logs once at alert level, and
+    /// sends nothing. If the row cannot be written the submit is refused all the same.
+    async fn check_instruction(&self, request: &SubmitPayout) -> Result<(), Status> {
+        let inner = &self.0;
+        if !inner.config.protections.instruction {
+            return Ok(());
+        }
+        let verdict = match &request.instruction {
+            None => Err(grant_signing::instruction::Refused::Unsigned),
+            Some(signed) => inner.config.instructions().verify_instruction(
+                signed,
+                &request.presented(),
+                unix_ms_now(),
+            ),
+        };
+        let Err(refused) = verdict else {
+            return Ok(());
+        };
+        let reason = refused.reason();
+        inner
+            .counters
+            .instructions_refused
+            .with_label_values(&[service_kit::Guard::RailProxy.label(), reason])
+            .inc();
+        let signing_key_id = request
+            .instruction
+            .as_ref()
+            .map(|i| i.signature.key_id.clone())
+            .unwrap_or_default();
+        tracing::error!(
+            event = "instruction_refused", alert = true, reason, field = refused.field(),
+            signing_key_id = %signing_key_id, payout_id = %request.payout_id,
+            account_id = %request.account_id, token = request.token.get(), owner = %request.owner,
+            "a submit without the payment resource's instruction for exactly this payment refused ({refused}); nothing sent"
+        );
+        if let Err(e) = store::record_instruction_refusal(&inner.pool, request, &refused).await {
+            tracing::error!(error = %e, reason, "the instruction refusal's row could not be written; refused all the same");
+        }
+        Err(wire::error_to_status(&ProxyError::InstructionRefused {
+            payout_id: request.payout_id.to_string(),
+            reason: reason.to_string(),
+            field: refused.field().to_string(),
+            signing_key_id,
+            detail: refused.to_string(),
+        }))
+    }
+
     async fn record_grant_refusal(&self, presented: &Presented<'_>, refusal: GrantRefusal) {
         if let Err(e) = store::record_grant_refusal(&self.0.pool, presented, refusal).await {
             tracing::error!(error = %e, ?refusal, "the grant refusal's guard event could not be written; refused all the same");
@@ -426,6 +489,7 @@ impl ProxyService {
         let span = tracing::info_span!("submit", payout_id = %request.payout_id, account_id = %request.account_id, token = request.token.get(), owner = %request.owner);
         let submission = async {
             self.check_grant(&Presented::submit(&request)).await?;
+            self.check_instruction(&request).await?;
             #[cfg(feature = "negative-controls")]
             if self.0.config.guards == Guards::DisabledForNegativeControl {
                 return self.unguarded(request).await;
@@ -683,9 +747,9 @@ impl ProxyService {
     }
 }
 
-/// Milliseconds since the Unix epoch on this host's clock (0 if the clock is before it). Only
-/// the unguarded path stamps a record itself; every guarded record is stamped by proxydb.
-#[cfg(feature = "negative-controls")]
+/// Milliseconds since the Unix epoch on this host's clock (0 if the clock is before it): what an
+/// instruction's validity is judged at. The unguarded path also stamps its records with it; every
+/// guarded record is stamped by proxydb.
 fn unix_ms_now() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

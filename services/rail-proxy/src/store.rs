@@ -237,6 +237,70 @@ pub(crate) async fn record_grant_refusal(
     Ok(())
 }
 
+// Who authorised a recorded intent: the accepted instruction's key id, signature and issue time
+// (NULL for a submit accepted without one: only the negative control's).
+fn instruction_key_id(request: &SubmitPayout) -> Option<&str> {
+    request
+        .instruction
+        .as_ref()
+        .map(|i| i.signature.key_id.as_str())
+}
+
+fn instruction_signature(request: &SubmitPayout) -> Option<&[u8]> {
+    request
+        .instruction
+        .as_ref()
+        .map(|i| i.signature.bytes.as_slice())
+}
+
+fn instruction_issued_at(request: &SubmitPayout) -> Option<i64> {
+    request
+        .instruction
+        .as_ref()
+        .map(|i| i.instruction.issued_at_unix_ms)
+}
+
+/// The evidence row of a refused instruction (proxydb 0009): why, which field, the key id and the
+/// request as presented, and the account's high-water as it stands, which the refusal leaves
+/// unchanged. One statement, and the only row the refusal writes.
+pub(crate) async fn record_instruction_refusal(
+    pool: &PgPool,
+    request: &SubmitPayout,
+    refused: &grant_signing::instruction::Refused,
+) -> Result<(), StoreError> {
+    let field = match refused.field() {
+        "" => None,
+        field => Some(field),
+    };
+    let signing_key_id = request
+        .instruction
+        .as_ref()
+        .map(|i| i.signature.key_id.as_str())
+        .unwrap_or_default();
+    sqlx::query(
+        "INSERT INTO instruction_refusal (payout_id, account_id, lock_key, presented, owner, reason, field, \
+           signing_key_id, detail, amount_minor, currency, beneficiary_ref, stored, stored_owner) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, COALESCE(hw.high_water, 0), \
+           COALESCE(hw.owner, '') \
+         FROM (SELECT 1) AS one LEFT JOIN account_high_water hw ON hw.account_id = $2",
+    )
+    .bind(request.payout_id.as_str())
+    .bind(request.account_id.as_str())
+    .bind(&request.key)
+    .bind(request.token.as_i64())
+    .bind(&request.owner)
+    .bind(refused.reason())
+    .bind(field)
+    .bind(signing_key_id)
+    .bind(refused.to_string())
+    .bind(request.amount_minor.get())
+    .bind(request.currency.as_str())
+    .bind(request.beneficiary_ref.as_str())
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// The evidence row of a refusal: FENCED (no `duplicate`), or DUPLICATE with its class.
 async fn guard_event(
     tx: &mut Transaction<'_, Postgres>,
@@ -411,8 +475,10 @@ pub async fn record_intent(
            RETURNING high_water), \
          intent AS ( \
            INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, \
-             amount_minor, currency, beneficiary_ref, valid_until) \
-           SELECT $4, $1, $2, $3, $5, $6, $7, $8, now() + $9 * interval '1 millisecond' FROM hw \
+             amount_minor, currency, beneficiary_ref, valid_until, \
+             instruction_key_id, instruction_signature, instruction_issued_at) \
+           SELECT $4, $1, $2, $3, $5, $6, $7, $8, now() + $9 * interval '1 millisecond', \
+             $10, $11, to_timestamp($12::double precision / 1000) FROM hw \
            ON CONFLICT DO NOTHING RETURNING {COLUMNS}) \
          SELECT * FROM intent",
         admits = admits_condition(restore_check)
@@ -426,6 +492,9 @@ pub async fn record_intent(
     .bind(request.currency.as_str())
     .bind(request.beneficiary_ref.as_str())
     .bind(valid_for_ms)
+    .bind(instruction_key_id(request))
+    .bind(instruction_signature(request))
+    .bind(instruction_issued_at(request))
     .fetch_optional(pool)
     .await?;
     if let Some(row) = fast {
@@ -461,8 +530,9 @@ async fn record_intent_or_refusal(
     }
     let inserted = sqlx::query(&format!(
         "INSERT INTO rail_submission (payout_id, account_id, fence_token, owner, client_reference, amount_minor, \
-           currency, beneficiary_ref, valid_until) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now() + $9 * interval '1 millisecond') \
+           currency, beneficiary_ref, valid_until, instruction_key_id, instruction_signature, instruction_issued_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now() + $9 * interval '1 millisecond', \
+           $10, $11, to_timestamp($12::double precision / 1000)) \
          ON CONFLICT DO NOTHING RETURNING {COLUMNS}"
     ))
     .bind(request.payout_id.as_str())
@@ -474,6 +544,9 @@ async fn record_intent_or_refusal(
     .bind(request.currency.as_str())
     .bind(request.beneficiary_ref.as_str())
     .bind(valid_for_ms)
+    .bind(instruction_key_id(request))
+    .bind(instruction_signature(request))
+    .bind(instruction_issued_at(request))
     .fetch_optional(&mut *tx)
     .await?;
     if let Some(row) = inserted {

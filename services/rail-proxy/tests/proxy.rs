@@ -59,11 +59,64 @@ fn sign(key: &str, token: u64, owner: &str) -> Signature {
     SIGNER.sign(key, token, owner)
 }
 
-/// `request` under the genuine grant of its own account's key.
+/// `request` under the genuine grant of its own account's key, with the payment resource's
+/// signed instruction for exactly it.
 fn signed(request: SubmitPayout) -> SubmitPayout {
     let key = request.lock_key();
     let signature = sign(&key, request.token.get(), &request.owner);
-    request.signed(key, signature)
+    instructed(request.signed(key, signature))
+}
+
+/// Milliseconds since the Unix epoch on this host (the proxy's clock too).
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// The instruction the payment resource would sign for `request` as it stands, issued now.
+fn instruction_for(request: &SubmitPayout) -> grant_signing::instruction::Instruction {
+    instructed(request.clone())
+        .instruction
+        .expect("instructed")
+        .instruction
+}
+
+/// [`INSTRUCTION_SIGNER`]'s instruction over a raw request's own fields, as the wire carries it.
+fn wire_instruction(r: &pb::SubmitRequest) -> pb::PaymentInstruction {
+    let signed = INSTRUCTION_SIGNER.sign_instruction(grant_signing::instruction::Instruction {
+        payout_id: r.payout_id.clone(),
+        account_id: r.account_id.clone(),
+        currency: r.currency.clone(),
+        beneficiary_ref: r.beneficiary_ref.clone(),
+        client_reference: r.client_reference.clone(),
+        lock_key: r.key.clone(),
+        amount_minor: r.amount_minor,
+        token: r.token,
+        issued_at_unix_ms: now_ms(),
+        expires_at_unix_ms: now_ms() + grant_signing::instruction::TTL_DEFAULT_MS as i64,
+    });
+    let i = signed.instruction;
+    pb::PaymentInstruction {
+        payout_id: i.payout_id,
+        account_id: i.account_id,
+        amount_minor: i.amount_minor,
+        currency: i.currency,
+        beneficiary_ref: i.beneficiary_ref,
+        client_reference: i.client_reference,
+        lock_key: i.lock_key,
+        token: i.token,
+        issued_at_unix_ms: i.issued_at_unix_ms,
+        expires_at_unix_ms: i.expires_at_unix_ms,
+        signing_key_id: signed.signature.key_id,
+        signature: signed.signature.bytes,
+    }
+}
+
+/// `request` with [`INSTRUCTION_SIGNER`]'s instruction for exactly it.
+fn instructed(request: SubmitPayout) -> SubmitPayout {
+    request.instructed_by(&INSTRUCTION_SIGNER, now_ms())
 }
 
 /// `request` under the genuine grant of its own account's key.
@@ -85,11 +138,20 @@ async fn rig_with(
     stub_config: StubConfig,
     configure: impl FnOnce(ProxyConfig) -> ProxyConfig,
 ) -> Rig {
+    rig_keyed(stub_config, keys(), configure).await
+}
+
+/// A rig whose proxy is given `keys`.
+async fn rig_keyed(
+    stub_config: StubConfig,
+    keys: rail_proxy::GuardKeys,
+    configure: impl FnOnce(ProxyConfig) -> ProxyConfig,
+) -> Rig {
     let db_url = Stack::shared().fresh_db(PgServer::Proxy).await;
     let pool = service_kit::connect_pg(&db_url).await.unwrap();
     let stub = RunningStub::start(stub_config).await.unwrap();
     let config = configure(
-        ProxyConfig::new(stub.base_url(), keys(), tls(Role::RailProxy))
+        ProxyConfig::new(stub.base_url(), keys, tls(Role::RailProxy))
             // The suite calls as worker and as reconciler from one client; the binary's real
             // table is exercised by the system and attack suites.
             .with_policy_for_tests(testkit::pki::every_role(&rail_proxy::authz::POLICY))
@@ -432,6 +494,8 @@ async fn a_duplicate_is_a_retry_only_from_the_recorded_grant_and_a_second_submit
     assert!(matches!(submitted.outcome, Outcome::Acked { .. }));
     let mut other_payment = original.clone();
     other_payment.amount_minor = AmountMinor::new(2_000).unwrap();
+    // Instructed for the other payment: the duplicate, not the instruction, is what is tested.
+    let other_payment = instructed(other_payment);
     // On its own account: the sealing inquiry advances that account's high-water.
     let sealed = payout("p-dup-sealed", "acct-dup-sealed", 7, "resolver-1");
     rig.client
@@ -840,6 +904,244 @@ async fn negative_control_without_the_guard_the_same_race_pays_twice() {
         at_rail(&rig, &stale).await,
         (2, 2),
         "without the guard the rail pays twice: what the guard prevents"
+    );
+}
+
+/// The rows an instruction refusal wrote for `payout`: (reason, field).
+async fn instruction_refusals(pool: &sqlx::PgPool, payout: &str) -> Vec<(String, Option<String>)> {
+    sqlx::query_as("SELECT reason, field FROM instruction_refusal WHERE payout_id = $1 ORDER BY id")
+        .bind(payout)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Attack row 1c (issue 33): a genuine instruction copied and one thing changed. The request
+/// differing from the signed instruction in any field (what a rogue relay would change to pay
+/// someone else, more, or under another grant), an instruction signed by an unregistered key,
+/// a tampered signature, an expired one, one not yet valid, one of a key removed after a rotation:
+/// each is refused `instruction_refused` with its reason (and field), writes only its
+/// `instruction_refusal` row, is counted, and sends nothing. The untouched instruction, and one
+/// of the new key during a rotation, are accepted and sent (the control).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_submit_is_sent_only_on_the_payment_resources_instruction_for_exactly_it() {
+    let rig = rig().await;
+    let genuine = payout("p-ins", "acct-ins", 5, "worker-1");
+    type Mutation = Box<dyn Fn(&mut SubmitPayout)>;
+    let mutations: Vec<(&str, Mutation)> = vec![
+        (
+            "amount_minor",
+            Box::new(|r| r.amount_minor = AmountMinor::new(999_999).unwrap()),
+        ),
+        (
+            "beneficiary_ref",
+            Box::new(|r| r.beneficiary_ref = BeneficiaryRef::parse("mallory").unwrap()),
+        ),
+        (
+            "currency",
+            Box::new(|r| r.currency = Currency::parse("USD").unwrap()),
+        ),
+        // The instruction of another account's payout, presented for this one.
+        (
+            "account_id",
+            Box::new(|r| {
+                let i = r.instruction.as_mut().unwrap();
+                *i = INSTRUCTION_SIGNER.sign_instruction(grant_signing::instruction::Instruction {
+                    account_id: "acct-other".into(),
+                    ..i.instruction.clone()
+                });
+            }),
+        ),
+        (
+            "payout_id",
+            Box::new(|r| {
+                let i = r.instruction.as_mut().unwrap();
+                *i = INSTRUCTION_SIGNER.sign_instruction(grant_signing::instruction::Instruction {
+                    payout_id: "p-other".into(),
+                    ..i.instruction.clone()
+                });
+            }),
+        ),
+        (
+            "token",
+            Box::new(|r| {
+                let i = r.instruction.as_mut().unwrap();
+                *i = INSTRUCTION_SIGNER.sign_instruction(grant_signing::instruction::Instruction {
+                    token: 4,
+                    ..i.instruction.clone()
+                });
+            }),
+        ),
+        (
+            "lock_key",
+            Box::new(|r| {
+                let i = r.instruction.as_mut().unwrap();
+                *i = INSTRUCTION_SIGNER.sign_instruction(grant_signing::instruction::Instruction {
+                    lock_key: "payout:acct-other".into(),
+                    ..i.instruction.clone()
+                });
+            }),
+        ),
+    ];
+    let mut refused = 0;
+    for (field, mutate) in &mutations {
+        let mut forged = genuine.clone();
+        mutate(&mut forged);
+        match rig.client.clone().submit(&forged).await {
+            Err(ProxyError::InstructionRefused {
+                reason,
+                field: named,
+                ..
+            }) => {
+                assert_eq!((reason.as_str(), named.as_str()), ("mismatch", *field));
+            }
+            other => panic!("{field}: expected instruction_refused, got {other:?}"),
+        }
+        refused += 1;
+    }
+    let (stranger, _) = Signer::generate("pr-stranger").unwrap();
+    let (new_key, _) = Signer::generate("pr-test-2").unwrap();
+    let signed_by = |signer: &Signer, i: grant_signing::instruction::Instruction| {
+        genuine.clone().instructed(Some(signer.sign_instruction(i)))
+    };
+    let base = instruction_for(&genuine);
+    let mut tampered = genuine.clone();
+    if let Some(i) = tampered.instruction.as_mut() {
+        i.signature.bytes[0] ^= 1;
+    }
+    let skew = grant_signing::instruction::CLOCK_SKEW_MS;
+    let cases: Vec<(&str, SubmitPayout)> = vec![
+        ("unsigned", genuine.clone().instructed(None)),
+        ("unknown_key_id", signed_by(&stranger, base.clone())),
+        ("unknown_key_id", signed_by(&new_key, base.clone())),
+        ("bad_signature", tampered),
+        (
+            "expired",
+            signed_by(
+                &INSTRUCTION_SIGNER,
+                grant_signing::instruction::Instruction {
+                    issued_at_unix_ms: now_ms() - 120_000,
+                    expires_at_unix_ms: now_ms() - 2 * skew,
+                    ..base.clone()
+                },
+            ),
+        ),
+        (
+            "not_yet_valid",
+            signed_by(
+                &INSTRUCTION_SIGNER,
+                grant_signing::instruction::Instruction {
+                    issued_at_unix_ms: now_ms() + 60_000,
+                    expires_at_unix_ms: now_ms() + 120_000,
+                    ..base.clone()
+                },
+            ),
+        ),
+    ];
+    for (reason, request) in &cases {
+        match rig.client.clone().submit(request).await {
+            Err(ProxyError::InstructionRefused { reason: r, .. }) => assert_eq!(&r, reason),
+            other => panic!("{reason}: expected instruction_refused, got {other:?}"),
+        }
+        refused += 1;
+    }
+    // Nothing sent, nothing written but the refusal rows.
+    assert_eq!(
+        at_rail(&rig, &genuine).await,
+        (0, 0),
+        "a refused submit reached the rail"
+    );
+    assert_eq!(
+        count(
+            &rig.pool,
+            "SELECT count(*) FROM rail_submission WHERE payout_id = 'p-ins'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(&rig.pool, "SELECT count(*) FROM account_high_water").await,
+        0
+    );
+    let rows = instruction_refusals(&rig.pool, "p-ins").await;
+    assert_eq!(rows.len(), refused);
+    assert_eq!(rows[0], ("mismatch".into(), Some("amount_minor".into())));
+    let metrics = rig.proxy.metrics.render();
+    for (reason, n) in [
+        ("mismatch", 7),
+        ("unknown_key_id", 2),
+        ("unsigned", 1),
+        ("expired", 1),
+    ] {
+        let line =
+            format!("instructions_refused_total{{guard=\"rail_proxy\",reason=\"{reason}\"}} {n}");
+        assert!(metrics.contains(&line), "missing {line}");
+    }
+
+    // The control: the untouched instruction is accepted and sent, and recorded as authorising.
+    let sent = rig.client.clone().submit(&genuine).await.unwrap();
+    assert!(matches!(sent.outcome, Outcome::Acked { .. }));
+    assert_eq!(at_rail(&rig, &genuine).await, (1, 1));
+    let key_id: Option<String> = sqlx::query_scalar(
+        "SELECT instruction_key_id FROM rail_submission WHERE payout_id = 'p-ins'",
+    )
+    .fetch_one(&rig.pool)
+    .await
+    .unwrap();
+    assert_eq!(key_id.as_deref(), Some("pr-test-1"));
+}
+
+/// Rotation: a proxy given the old and the new instruction key accepts both; once the old key is
+/// removed, its instructions are refused `unknown_key_id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_instruction_key_rotation_accepts_both_keys_then_only_the_new_one() {
+    let (new_key, _) = Signer::generate("pr-test-2").unwrap();
+    let both = Verifier::new([INSTRUCTION_SIGNER.public_key(), new_key.public_key()]).unwrap();
+    let only_new = Verifier::new([new_key.public_key()]).unwrap();
+    for (verifier, old_accepted) in [(both, true), (only_new, false)] {
+        let keys = rail_proxy::GuardKeys {
+            instructions: verifier,
+            ..keys()
+        };
+        let rig = rig_keyed(StubConfig::default(), keys, |c| c).await;
+        // Signed by the old key (INSTRUCTION_SIGNER).
+        let by_old = payout("p-rot-old", "acct-rot", 5, "worker-1");
+        let old = rig.client.clone().submit(&by_old).await;
+        assert_eq!(old.is_ok(), old_accepted, "{old:?}");
+        if !old_accepted {
+            assert!(
+                matches!(&old, Err(ProxyError::InstructionRefused { reason, .. }) if reason == "unknown_key_id"),
+                "{old:?}"
+            );
+        }
+        let fresh = signed(unsigned_payout("p-rot-new", "acct-rot", 6, "worker-1"));
+        let fresh = fresh
+            .clone()
+            .instructed(Some(new_key.sign_instruction(instruction_for(&fresh))));
+        assert!(
+            rig.client.clone().submit(&fresh).await.is_ok(),
+            "the new key's instruction"
+        );
+    }
+}
+
+/// NEGATIVE CONTROL of attack row 1c: with the instruction check switched off (test-only
+/// switch), the same altered request (another beneficiary, another amount) is sent and paid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_the_instruction_check_an_altered_submit_is_paid() {
+    let rig = rig_with(StubConfig::default(), |c| {
+        c.disable_instruction_verification_for_negative_control()
+    })
+    .await;
+    let mut forged = payout("p-ins-control", "acct-ins-control", 5, "worker-1");
+    forged.amount_minor = AmountMinor::new(999_999).unwrap();
+    forged.beneficiary_ref = BeneficiaryRef::parse("mallory").unwrap();
+    let sent = rig.client.clone().submit(&forged).await.unwrap();
+    assert!(matches!(sent.outcome, Outcome::Acked { .. }));
+    assert_eq!(
+        at_rail(&rig, &forged).await,
+        (1, 1),
+        "without the check the rail pays the forgery"
     );
 }
 
@@ -1661,7 +1963,8 @@ async fn negative_control_without_grant_verification_a_fabricated_token_fences_o
     let max = i64::MAX as u64;
     let real = payout("p-forge-nc-real", ACCOUNT, 5, "worker-real");
     rig.client.submit(&real).await.unwrap();
-    let forged = unsigned_payout("p-forge-nc", ACCOUNT, max, "mallory");
+    // With an instruction for exactly it: the grant check alone is switched off here.
+    let forged = instructed(unsigned_payout("p-forge-nc", ACCOUNT, max, "mallory"));
     let sent = rig.client.submit(&forged).await.unwrap();
     assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
     assert_eq!(
@@ -1817,8 +2120,10 @@ async fn negative_control_without_the_key_binding_a_grant_of_account_a_fences_ac
         .submit(&payout("p-nk-b-1", "acct-nk-b", 5, "worker-b"))
         .await
         .unwrap();
-    let cross = unsigned_payout("p-nk-b-2", "acct-nk-b", 9, "worker-a")
-        .signed("payout:acct-nk-a", sign("payout:acct-nk-a", 9, "worker-a"));
+    let cross = instructed(
+        unsigned_payout("p-nk-b-2", "acct-nk-b", 9, "worker-a")
+            .signed("payout:acct-nk-a", sign("payout:acct-nk-a", 9, "worker-a")),
+    );
     let sent = rig.client.submit(&cross).await.unwrap();
     assert!(matches!(sent.outcome, Outcome::Acked { .. }), "{sent:?}");
     assert_eq!(
@@ -1951,11 +2256,12 @@ fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
 // The boundary under arbitrary wire values (issue 14, item 4)
 
 /// The proxydb tables a call may write.
-const PROXYDB_TABLES: [&str; 4] = [
+const PROXYDB_TABLES: [&str; 5] = [
     "account_high_water",
     "rail_submission",
     "guard_event",
     "resolution",
+    "instruction_refusal",
 ];
 
 /// One call of `railproxy.v1.RailProxy`, with whatever field values.
@@ -2078,7 +2384,7 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
                 grant,
             )| {
                 let (key, signing_key_id, signature) = grant.present(&account_id, token, &owner);
-                ProxyCall::Submit(Box::new(pb::SubmitRequest {
+                let mut request = pb::SubmitRequest {
                     client_reference: client_reference
                         .unwrap_or_else(|| format!("cref-{payout_id}")),
                     payout_id,
@@ -2092,7 +2398,11 @@ fn proxy_call() -> impl proptest::strategy::Strategy<Value = ProxyCall> {
                     signing_key_id,
                     signature,
                     instruction: None,
-                }))
+                };
+                // The payment resource's instruction over whatever the request says, so that the
+                // boundary behind the instruction check is still reached.
+                request.instruction = Some(wire_instruction(&request));
+                ProxyCall::Submit(Box::new(request))
             },
         );
     let lookup = payout_id
@@ -2195,6 +2505,12 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
                         prop_assert!(matches!(kind, Some(Kind::FencedOut(_))), "{kind:?}");
                         prop_assert_eq!(changed, vec!["guard_event".to_string()]);
                         prop_assert_eq!(before.rows_added(&after, "guard_event"), 1);
+                    }
+                    tonic::Code::PermissionDenied
+                        if matches!(kind, Some(Kind::InstructionRefused(_))) =>
+                    {
+                        prop_assert_eq!(changed, vec!["instruction_refusal".to_string()]);
+                        prop_assert_eq!(before.rows_added(&after, "instruction_refusal"), 1);
                     }
                     tonic::Code::PermissionDenied => {
                         prop_assert!(

@@ -134,7 +134,10 @@ async fn orphans_are_resolved_with_evidence_only_and_the_schedule_runs() {
     let mut proxy = RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
-    match proxy.submit(&submit_request(&late, &late_grant)).await {
+    match proxy
+        .submit(&submit_request(&system, &late, &late_grant))
+        .await
+    {
         Err(ProxyError::Duplicate { existing, .. }) => {
             assert!(existing.is_sealed(), "{existing:?}")
         }

@@ -158,6 +158,7 @@ pub async fn stale_holder_on(
             .map_err(|e| anyhow::anyhow!("B's claim: {e}"))?;
         // 3. A wakes up and carries on with its stale token.
         let stale_claim_accepted = payments.claim(&payout_id, &fence(&grant_a)?).await.is_ok();
+        let instructions = system.instruction_keys.signer()?;
         let submit = |grant: &GrantHandle| {
             SubmitPayout::new(
                 payout_id.clone(),
@@ -169,6 +170,14 @@ pub async fn stale_holder_on(
                 beneficiary.clone(),
             )
             .signed(grant.key(), grant.signature().clone())
+            // The payment resource's instruction for it (the system's own key): the guards must
+            // refuse the stale holder on its token, not for want of an instruction.
+            .instructed_by(
+                &instructions,
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as i64),
+            )
         };
         let mut proxy =
             RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker)).await?;

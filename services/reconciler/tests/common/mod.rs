@@ -270,7 +270,13 @@ pub async fn grant(system: &System, account: &AccountId, owner: &str) -> lock_cl
     }
 }
 
-pub fn submit_request(new: &NewPayout, grant: &lock_client::GrantHandle) -> SubmitPayout {
+/// The submit a holder of `grant` makes for `new`, with the payment resource's instruction for it
+/// (signed with `system`'s instruction key, as MarkSubmitted would answer it).
+pub fn submit_request(
+    system: &System,
+    new: &NewPayout,
+    grant: &lock_client::GrantHandle,
+) -> SubmitPayout {
     SubmitPayout::new(
         new.payout_id.clone(),
         new.account_id.clone(),
@@ -281,6 +287,12 @@ pub fn submit_request(new: &NewPayout, grant: &lock_client::GrantHandle) -> Subm
         new.beneficiary_ref.clone(),
     )
     .signed(grant.key(), grant.signature().clone())
+    .instructed_by(
+        &system.instruction_keys.signer().unwrap(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64),
+    )
 }
 
 /// Claim, mark submitted and an ambiguous outcome, by hand under a real grant, then the holder
@@ -317,7 +329,10 @@ pub async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, ho
                 RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker))
                     .await
                     .unwrap();
-            let submission = proxy.submit(&submit_request(&new, &grant)).await.unwrap();
+            let submission = proxy
+                .submit(&submit_request(system, &new, &grant))
+                .await
+                .unwrap();
             assert!(
                 matches!(submission.outcome, Outcome::Timeout { .. }),
                 "{how:?} must leave the proxy's record ambiguous: {submission:?}"
