@@ -16,6 +16,10 @@
 //! `keys public-key --key-id ID --key-file FILE` prints the public key line of any key made
 //! earlier (a rotation adds it to the verifiers' list before the signer switches to it);
 //! `keys grant-public-key` is the same command under its older name.
+//!
+//! `keys ui-user --name NAME --password-out FILE` makes a login for the Temporal UI behind the
+//! front: a random password to FILE (mode 0600, never over an existing file) and the `htpasswd`
+//! line (`NAME:{SSHA}...`) the front's `auth_basic_user_file` takes to standard output.
 
 use std::path::{Path, PathBuf};
 
@@ -44,6 +48,19 @@ pub enum Command {
     /// with the operator), the registration line (`name=hex`, for the payment resource's
     /// --operator-keys / PAYOUT_OPERATOR_KEYS) to standard output.
     Operator(OperatorArgs),
+    /// Make a login for the Temporal UI: a random password to --password-out (mode 0600, never
+    /// overwritten), the front's htpasswd line (`name:{SSHA}...`) to standard output.
+    UiUser(UiUserArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct UiUserArgs {
+    /// The user's name: 1 to 64 characters of [A-Za-z0-9._-].
+    #[arg(long)]
+    pub name: String,
+    /// Where to write the password. Refused if the file exists.
+    #[arg(long)]
+    pub password_out: PathBuf,
 }
 
 #[derive(ClapArgs)]
@@ -101,6 +118,16 @@ pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
                 args.out.display()
             );
         }
+        Command::UiUser(args) => {
+            println!("{}", ui_user(&args.name, &args.password_out)?);
+            eprintln!(
+                "payoutctl: wrote UI user {:?}'s password to {} (mode 0600).\n  the front: \
+                 append the line above to its htpasswd file (PAYOUT_TEMPORAL_UI_HTPASSWD in \
+                 compose)",
+                args.name,
+                args.password_out.display()
+            );
+        }
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
@@ -156,6 +183,15 @@ fn make_signing_key(kind: &SignedBy, args: &GrantSigningArgs) -> anyhow::Result<
         kind.what, kind.signer, kind.verifiers, kind.verify_flag, kind.verify_env
     );
     Ok(())
+}
+
+/// Makes UI user `name`, writes the password to `password_out` (mode 0600; an existing file is
+/// refused and left as it was) and returns the htpasswd line.
+pub fn ui_user(name: &str, password_out: &Path) -> anyhow::Result<String> {
+    // The name is checked before anything is written.
+    let user = mtls::htpasswd::ui_user(name)?;
+    write_secret(password_out, &user.password)?;
+    Ok(user.line)
 }
 
 /// Makes a key under `key_id`, writes its secret to `out` (mode 0600; an existing file is
@@ -313,6 +349,26 @@ mod tests {
             .unwrap();
             assert_eq!(run(made.command).is_ok(), expect_ok);
         }
+    }
+
+    #[test]
+    fn a_ui_user_gets_an_owner_only_password_file_and_a_line_for_that_password() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ui.password");
+        let line = ui_user("alice", &out).unwrap();
+        let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let password = std::fs::read_to_string(&out).unwrap();
+        assert_eq!(password.len(), mtls::htpasswd::PASSWORD_LEN);
+        let (name, stored) = line.split_once(':').unwrap();
+        assert_eq!(name, "alice");
+        assert!(stored.starts_with("{SSHA}"), "{line}");
+        let e = ui_user("alice", &out).unwrap_err();
+        assert!(e.to_string().contains("refusing to overwrite"), "{e:#}");
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), password);
+        let fresh = dir.path().join("bad.password");
+        assert!(ui_user("a:b", &fresh).is_err());
+        assert!(!fresh.exists());
     }
 
     #[test]

@@ -6,6 +6,12 @@
 //! A service takes them as `--tls-ca DIR/ca.pem --tls-cert DIR/NAME.pem --tls-key DIR/NAME.key`
 //! (or `PAYOUT_TLS_CA`, `PAYOUT_TLS_CERT`, `PAYOUT_TLS_KEY`); an operator gets a certificate of
 //! role `operator` the same way and hands it to payoutctl with the same three flags.
+//! Each certificate of a role carries it twice: as its DNS subject name (what our services check)
+//! and as the subject's `OU` (what the Temporal front, nginx, checks: it cannot read the SAN).
+//!
+//! `pki issue-server --dir DIR --name NAME --host H...` issues a server certificate with no role:
+//! a database, an etcd member, or the Temporal front (`--name temporal --host temporal --host
+//! 127.0.0.1`; every Temporal client sets the server name `temporal`).
 
 use std::path::PathBuf;
 

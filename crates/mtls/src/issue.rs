@@ -108,27 +108,48 @@ impl Authority {
 
     /// A certificate for one process: its DNS subject name is `role`'s name, its common name is
     /// `instance` (for logs), and it serves as both TLS server and client.
+    /// The role is also the subject's organisational unit (`OU=<role>`): a front that cannot read
+    /// a certificate's SAN (nginx before Temporal) admits by it; our own services keep the SAN.
     /// An operator's certificate also carries `<instance>.operator` ([`crate::operator_subject`]):
     /// the name its operator actions are recorded under, which must then be one DNS label.
     pub fn issue(&self, role: Role, instance: &str) -> Result<Issued, TlsError> {
         if role != Role::Operator {
-            return self.issue_named(&[role.name()], instance);
+            return self.issue_with(&[role.name()], instance, Some(role));
         }
         if !crate::is_operator_name(instance) {
             return Err(TlsError::OperatorName(instance.to_string()));
         }
-        self.issue_named(&[role.name(), &crate::operator_subject(instance)], instance)
+        self.issue_with(
+            &[role.name(), &crate::operator_subject(instance)],
+            instance,
+            Some(role),
+        )
     }
 
     /// A certificate for a server that is not one of ours (PostgreSQL, etcd), named by what its
     /// clients connect to: DNS names or IP addresses, each checked by the client
     /// (`sslmode=verify-full`). Like [`issue`](Self::issue), it serves as server and client.
+    /// A server certificate carries no role, so no `OU`: a front admitting by role refuses it.
     pub fn issue_named(&self, names: &[&str], instance: &str) -> Result<Issued, TlsError> {
+        self.issue_with(names, instance, None)
+    }
+
+    fn issue_with(
+        &self,
+        names: &[&str],
+        instance: &str,
+        role: Option<Role>,
+    ) -> Result<Issued, TlsError> {
         let key = KeyPair::generate()?;
         let mut params =
             CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
         params.distinguished_name = DistinguishedName::new();
         params.distinguished_name.push(DnType::CommonName, instance);
+        if let Some(role) = role {
+            params
+                .distinguished_name
+                .push(DnType::OrganizationalUnitName, role.name());
+        }
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![
@@ -200,6 +221,43 @@ mod tests {
         let other_der: rustls_pki_types::CertificateDer =
             rustls_pki_types::pem::PemObject::from_pem_slice(other.cert_pem.as_bytes()).unwrap();
         assert_ne!(crate::fingerprint(&der), crate::fingerprint(&other_der));
+    }
+
+    /// The subject's organisational units, read from the DER without an X.509 parser: each
+    /// attribute is the OID 2.5.4.11 (`06 03 55 04 0b`) followed by a string (tag, short length).
+    fn organisational_units(pem: &str) -> Vec<String> {
+        let der: rustls_pki_types::CertificateDer =
+            rustls_pki_types::pem::PemObject::from_pem_slice(pem.as_bytes()).unwrap();
+        let bytes = der.as_ref();
+        let oid = [0x06, 0x03, 0x55, 0x04, 0x0b];
+        bytes
+            .windows(oid.len())
+            .enumerate()
+            .filter(|(_, w)| *w == oid)
+            .map(|(at, _)| {
+                let len = bytes[at + oid.len() + 1] as usize;
+                let start = at + oid.len() + 2;
+                String::from_utf8(bytes[start..start + len].to_vec()).unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_process_certificate_carries_its_role_as_its_subject_ou_and_a_server_one_none() {
+        let ca = Authority::create().unwrap();
+        for role in Role::ALL {
+            let instance = if role == Role::Operator {
+                "alice"
+            } else {
+                "i-1"
+            };
+            let issued = ca.issue(role, instance).unwrap();
+            assert_eq!(organisational_units(&issued.cert_pem), vec![role.name()]);
+        }
+        let server = ca
+            .issue_named(&["temporal", "127.0.0.1"], "temporal")
+            .unwrap();
+        assert!(organisational_units(&server.cert_pem).is_empty());
     }
 
     #[test]

@@ -17,6 +17,8 @@
 
 pub mod authz;
 #[cfg(feature = "issue")]
+pub mod htpasswd;
+#[cfg(feature = "issue")]
 pub mod issue;
 
 use std::path::{Path, PathBuf};
