@@ -82,6 +82,12 @@ for svc in lock-server payment-resource rail-proxy general-ledger outbox-dispatc
 done
 # The database servers' certificates name every host their clients reach them at: the service
 # name inside compose, 127.0.0.1 and localhost from the host (the suite's reconciler).
+# The Temporal front's server certificate: every Temporal client checks the name `temporal`
+# (inside compose) and the suite reaches it from the host at 127.0.0.1.
+target/debug/payoutctl pki issue-server --dir "$TLS_DIR" --name temporal \
+    --host temporal --host 127.0.0.1 > /dev/null
+# The suite's own Temporal client (the operator role) and the certificate the front must refuse.
+target/debug/payoutctl pki issue --dir "$TLS_DIR" --role operator --name compose-operator > /dev/null
 for db in paydb proxydb; do
     target/debug/payoutctl pki issue-server --dir "$TLS_DIR" --name "$db" \
         --host "$db" --host 127.0.0.1 --host localhost > /dev/null
@@ -94,6 +100,15 @@ for member in etcd1 etcd2 etcd3; do
 done
 docker run --rm --user 0 -v "$TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
     sh -c 'chown payout /tls/*.key && chmod 644 /tls/*.pem'
+# The front (nginx in the temporal image) reads its key as that image's `temporal` user.
+docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/temporal:1.9.1" \
+    -c 'chown temporal /tls/temporal.key && chmod 600 /tls/temporal.key'
+# The Temporal UI's login: one user, its password beside the certificates (the suite reads it).
+rm -f "$TLS_DIR/temporal-ui.password"
+target/debug/payoutctl keys ui-user --name compose-operator \
+    --password-out "$TLS_DIR/temporal-ui.password" > "$KEY_DIR/temporal-ui.htpasswd" 2>/dev/null
+chmod 644 "$KEY_DIR/temporal-ui.htpasswd"
+export PAYOUT_TEMPORAL_UI_HTPASSWD="$KEY_DIR/temporal-ui.htpasswd"
 # PostgreSQL reads its key as its own user (the postgres image's uid), mode 0600.
 docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/postgres:15" \
     -c 'chown postgres /tls/paydb.key /tls/proxydb.key && chmod 600 /tls/paydb.key /tls/proxydb.key'

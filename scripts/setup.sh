@@ -10,8 +10,10 @@ need_apt=()
 # Recommends of protobuf-compiler, so --no-install-recommends would leave it out. iproute2 and
 # iptables make the network namespaces of the fault-injection suite's partitions. prometheus
 # (with promtool) and prometheus-alertmanager run the alerting of deploy/monitoring. chromium takes
-# the Temporal UI screenshots of scripts/ui-screenshots.sh (headless).
-for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables prometheus prometheus-alertmanager chromium; do
+# the Temporal UI screenshots of scripts/ui-screenshots.sh (headless). nginx is the mutual-TLS
+# front before the Temporal dev server (which has no TLS or login of its own); curl is how the
+# front's tests reach its UI over TLS.
+for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables prometheus prometheus-alertmanager chromium nginx curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -20,6 +22,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq
   $sudo_cmd apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# The unprivileged user the Temporal dev server and its front run as when the stack is started by
+# root (CI): the only user the test kit's iptables owner rules let reach the server's raw ports.
+if [ "$(id -u)" -eq 0 ] && ! id payout-temporal >/dev/null 2>&1; then
+  echo "setup: adding the system user payout-temporal"
+  useradd --system --no-create-home --shell /usr/sbin/nologin payout-temporal
 fi
 
 # The Temporal CLI (server + UI) lives in a project-local virtual environment; payoutdev finds it there.

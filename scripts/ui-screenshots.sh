@@ -37,8 +37,13 @@ if [ -z "$temporal" ] || [ -z "$chromium" ]; then
   echo "ui-screenshots: needs the temporal CLI and chromium: run scripts/setup.sh" >&2
   exit 1
 fi
-tctl() { "$temporal" --address "127.0.0.1:$temporal_port" --namespace default "$@"; }
-ui="http://127.0.0.1:$ui_port/namespaces/default"
+# Temporal is behind its mutual-TLS front: the CLI as the stack's operator profile, the UI over
+# TLS with the stack's UI login (ui_screenshot.py sends it).
+tctl() {
+  TEMPORAL_CONFIG_FILE="$state_dir/temporal-clients/temporal-clients.toml" TEMPORAL_PROFILE=operator \
+    "$temporal" --address "127.0.0.1:$temporal_port" --namespace default "$@"
+}
+ui="https://127.0.0.1:$ui_port/namespaces/default"
 urlencode() { python3 -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.argv[1], safe=""))' "$1"; }
 
 cargo build -q --bins --locked
@@ -98,5 +103,6 @@ shots=(
 if [ -n "$waiting" ]; then
   shots+=("$out/waiting-metadata.png" "$ui/workflows/$waiting/$(run_id "$waiting")/user-metadata" "Current Details")
 fi
-python3 "$root/scripts/ui_screenshot.py" "$chromium" "${shots[@]}"
+UI_LOGIN="operator:$(cat "$state_dir/temporal-clients/temporal-ui.password")" \
+  python3 "$root/scripts/ui_screenshot.py" "$chromium" "${shots[@]}"
 echo "ui-screenshots: saved under docs/screenshots/ (account $account, ambiguous $ambiguous${waiting:+, waiting $waiting})"

@@ -94,6 +94,11 @@ pub struct Args {
     /// One JSON object with every figure.
     #[arg(long)]
     pub json: bool,
+    /// Also run the Temporal floor on the dev server's raw frontend (host:port, plaintext), to
+    /// set the front's cost beside `temporal-floor`: `temporal-floor-raw`. Only a stack whose
+    /// raw ports are open reaches it (`payoutdev stack up --no-temporal-isolation`).
+    #[arg(long)]
+    pub temporal_raw_address: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -125,6 +130,8 @@ struct Report {
     /// `in-process` over `in-process-security-off`: the payout path with its security (mutual
     /// TLS, the authorisation tables, grant verification at both guards) against without.
     secured_over_security_off: Option<f64>,
+    /// `temporal-floor` over `temporal-floor-raw`: what the Temporal front costs the floor.
+    front_over_raw: Option<f64>,
 }
 
 /// The most past entries `--history` gives one account.
@@ -217,7 +224,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         eprintln!("{services}");
     }
     let client = Arc::new(
-        payout_workflows::client::connect(&system.temporal_address, "default", "payoutdev-bench")
+        payout_workflows::client::connect_configured(&system.temporal_args(), "payoutdev-bench")
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?,
     );
@@ -312,46 +319,26 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             "(c) Temporal floor: {} workflows of one no-op activity",
             args.payouts
         ));
-        let run = run_id()?;
-        let queue = format!("bench-temporal-floor-{run}");
-        let ids: Vec<String> = (0..args.payouts)
-            .map(|i| format!("bench-floor-{run}-{i:05}"))
-            .collect();
-        let worker = WorkerOptions::new(queue.clone())
-            .register_workflow::<FloorWorkflow>()?
-            .register_activities(FloorActivities)
-            .build();
-        let measured = with_worker(&client, worker, async {
-            let starts = Arc::new(tokio::sync::Semaphore::new(
-                crate::run::START_CONCURRENCY_MAX,
-            ));
-            measure(ids.clone(), |id| {
-                let client = client.clone();
-                let queue = queue.clone();
-                let starts = starts.clone();
-                async move {
-                    let permit = starts.acquire_owned().await.expect("semaphore open");
-                    client
-                        .start_workflow(
-                            FloorWorkflow::run,
-                            id.clone(),
-                            WorkflowStartOptions::new(queue, id.clone()).build(),
-                        )
-                        .await?;
-                    drop(permit);
-                    let handle = client.get_workflow_handle::<FloorWorkflow>(&id);
-                    tokio::time::timeout(
-                        timeout,
-                        handle.get_result(WorkflowGetResultOptions::default()),
-                    )
-                    .await??;
-                    Ok(())
-                }
-            })
+        configurations.push(temporal_floor("temporal-floor", &client, &args, timeout).await?);
+    }
+    if let Some(raw) = &args.temporal_raw_address {
+        say(format!(
+            "(c') Temporal floor on the dev server's raw frontend {raw}, around its front: {} \
+             workflows",
+            args.payouts
+        ));
+        // Plaintext, nothing configured but the address: only a stack whose raw ports are open
+        // (`payoutdev stack up --no-temporal-isolation`, measurement only) lets it through.
+        let raw_client = Arc::new(
+            payout_workflows::client::connect_configured(
+                &payout_workflows::client::TemporalArgs::at(raw.clone(), "default"),
+                "payoutdev-bench-raw",
+            )
             .await
-        })
-        .await?;
-        configurations.push(figures("temporal-floor", &client, &ids, measured, args.sample).await);
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+        );
+        configurations
+            .push(temporal_floor("temporal-floor-raw", &raw_client, &args, timeout).await?);
     }
     if wanted.contains(&"idle") && args.idle > 0 {
         say(format!(
@@ -429,6 +416,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         system_over_workflow_floor: ratio(per_s("system"), per_s("workflow-floor")),
         workflow_floor_over_temporal_floor: ratio(per_s("workflow-floor"), per_s("temporal-floor")),
         secured_over_security_off: ratio(per_s("in-process"), per_s("in-process-security-off")),
+        front_over_raw: ratio(per_s("temporal-floor"), per_s("temporal-floor-raw")),
         configurations,
     };
     if args.json {
@@ -552,6 +540,56 @@ fn workflow_ids(inputs: &[payout_activities::types::PayoutInput]) -> Vec<String>
         .collect()
 }
 
+/// (c): `args.payouts` workflows of one no-op activity on a worker in this process, through
+/// `client` (the front, or the raw frontend for `temporal-floor-raw`).
+async fn temporal_floor(
+    name: &'static str,
+    client: &Arc<Client>,
+    args: &Args,
+    timeout: Duration,
+) -> anyhow::Result<Figures> {
+    let run = run_id()?;
+    let queue = format!("bench-{name}-{run}");
+    let ids: Vec<String> = (0..args.payouts)
+        .map(|i| format!("bench-floor-{run}-{i:05}"))
+        .collect();
+    let worker = WorkerOptions::new(queue.clone())
+        .register_workflow::<FloorWorkflow>()?
+        .register_activities(FloorActivities)
+        .build();
+    let measured = with_worker(client, worker, async {
+        let starts = Arc::new(tokio::sync::Semaphore::new(
+            crate::run::START_CONCURRENCY_MAX,
+        ));
+        measure(ids.clone(), |id| {
+            let client = client.clone();
+            let queue = queue.clone();
+            let starts = starts.clone();
+            async move {
+                let permit = starts.acquire_owned().await.expect("semaphore open");
+                client
+                    .start_workflow(
+                        FloorWorkflow::run,
+                        id.clone(),
+                        WorkflowStartOptions::new(queue, id.clone()).build(),
+                    )
+                    .await?;
+                drop(permit);
+                let handle = client.get_workflow_handle::<FloorWorkflow>(&id);
+                tokio::time::timeout(
+                    timeout,
+                    handle.get_result(WorkflowGetResultOptions::default()),
+                )
+                .await??;
+                Ok(())
+            }
+        })
+        .await
+    })
+    .await?;
+    Ok(figures(name, client, &ids, measured, args.sample).await)
+}
+
 /// Runs `work` while a worker with `options` polls in this process, then stops the worker.
 async fn with_worker<T>(
     client: &Client,
@@ -652,6 +690,9 @@ fn print_report(r: &Report) {
     }
     if let Some(x) = r.workflow_floor_over_temporal_floor {
         println!("b/c workflow floor over Temporal floor: {x:.2}");
+    }
+    if let Some(x) = r.front_over_raw {
+        println!("c/c' Temporal floor through the front over raw: {x:.2}");
     }
     if let Some(x) = r.secured_over_security_off {
         println!(

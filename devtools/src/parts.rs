@@ -124,7 +124,7 @@ pub enum Repair {
 
 /// The infrastructure first, in the record's order; then our services.
 fn is_infrastructure(name: &str) -> bool {
-    name.starts_with("postgres") || name.starts_with("etcd") || name == "temporal"
+    name.starts_with("postgres") || name.starts_with("etcd") || name.starts_with("temporal")
 }
 
 /// Checks every part of the recorded stack and starts again only those that do not answer,

@@ -191,15 +191,9 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         // The address is the target's; the namespace, TLS and API key come from the Temporal
         // environment or profile as for every process (a deployment elsewhere, Temporal Cloud),
         // the namespace `default` when nothing names one (the local stack's).
-        payout_workflows::client::connect_configured(
-            &payout_workflows::client::TemporalArgs {
-                address: Some(system.temporal_address.clone()),
-                ..Default::default()
-            },
-            "payoutdev",
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?,
+        payout_workflows::client::connect_configured(&system.temporal_args(), "payoutdev")
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
     );
     let timeout = Duration::from_secs(args.timeout_s);
     let progress = tokio::spawn(progress_lines(

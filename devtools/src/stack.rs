@@ -103,6 +103,12 @@ pub struct UpArgs {
     /// Infrastructure only (PostgreSQL, etcd, Temporal), none of our services.
     #[arg(long)]
     pub infra_only: bool,
+    /// Measurement only: leave the Temporal dev server's raw ports open to every local user
+    /// (run by root, they are otherwise closed to all but its front), so that
+    /// `payoutdev bench e2e --temporal-raw-address` can set the front's cost beside the raw
+    /// frontend. Never for a stack anyone else uses.
+    #[arg(long)]
+    pub no_temporal_isolation: bool,
 }
 
 /// What `up` leaves behind for `down`, `status`, `migrate` and the run.
@@ -385,6 +391,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
     );
     let dir_for_thread = dir.clone();
     let ports_for_thread = ports.clone();
+    let no_isolation = args.no_temporal_isolation;
     let stack = tokio::task::spawn_blocking(move || {
         Stack::builder()
             .state_dir(dir_for_thread)
@@ -393,6 +400,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             .etcd_members(args.etcd_members)
             .ports(testkit_stack_ports(&ports_for_thread))
             .temporal(true)
+            .temporal_isolation(!no_isolation)
             .start()
     })
     .await??;
@@ -430,10 +438,17 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             address: member.endpoint(),
         });
     }
+    // The front before the server: a repair starts it first (it needs nothing behind it to
+    // listen), and the server's health is then read through it; `down` stops the server first.
+    parts.push(Part {
+        name: "temporal-front".into(),
+        pid: temporal.front.process.pid().expect("started"),
+        address: temporal.address(),
+    });
     parts.push(Part {
         name: "temporal".into(),
         pid: temporal.process.pid().expect("started"),
-        address: temporal.address(),
+        address: temporal.raw_address(),
     });
     let mut record = StackRecord {
         ports,
@@ -445,6 +460,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
     for member in &stack.etcd.members {
         crate::parts::save(dir, &format!("etcd-{}", member.name), &member.process)?;
     }
+    crate::parts::save(dir, "temporal-front", &temporal.front.process)?;
     crate::parts::save(dir, "temporal", &temporal.process)?;
     record.save(dir)?;
     if !args.infra_only {
@@ -556,6 +572,13 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 SystemRecord::url(system_ports.payment_resource),
             ])
             .args(["--temporal-address".to_string(), record.temporal_address()])
+            // Through the Temporal front, with the reconciler's profile.
+            .args([
+                "--temporal-config-file".to_string(),
+                temporal.clients_file().display().to_string(),
+                "--temporal-profile".to_string(),
+                "reconciler".to_string(),
+            ])
             // Its own certificate (role reconciler) from the stack's authority.
             .args(
                 system
@@ -692,6 +715,9 @@ fn down(dir: &Path) -> anyhow::Result<std::process::ExitCode> {
         // stdout one JSON object.
         eprintln!("stopped {}", part.name);
     }
+    // The Temporal isolation rules share the dev server's life: gone with it, so that no rule
+    // refuses whoever binds its raw ports next.
+    testkit::temporal_front::Isolation::remove_stale();
     Ok(std::process::ExitCode::SUCCESS)
 }
 
@@ -731,8 +757,8 @@ async fn part_rows(record: &StackRecord, dir: &Path) -> Vec<PartStatus> {
             problem,
         });
     }
-    let ui_ok = testkit::util::http_get(record.ports.temporal_ui, "/", Duration::from_secs(2))
-        .is_ok_and(|(code, _)| (200..400).contains(&code));
+    // The UI is behind the front's TLS and login: up when the front listens on its port.
+    let ui_ok = testkit::util::listening_pid(record.ports.temporal_ui).is_some();
     rows.push(PartStatus {
         name: "temporal-ui".into(),
         address: record.ui_url(),
@@ -790,10 +816,18 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
             }
         }
         println!();
-        println!("Temporal UI: {}", record.ui_url());
         println!(
-            "Temporal frontend: {} (namespace default)",
+            "Temporal UI: {} (user operator, password in {})",
+            record.ui_url(),
+            StackRecord::temporal_ui_password_file(dir).display()
+        );
+        println!(
+            "Temporal frontend: {} (namespace default), through its mutual-TLS front:",
             record.temporal_address()
+        );
+        println!(
+            "  TEMPORAL_CONFIG_FILE={} TEMPORAL_PROFILE=operator temporal workflow list",
+            StackRecord::temporal_clients_file(dir).display()
         );
     }
     Ok(if all_ok {
@@ -936,7 +970,15 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
         testkit::etcd::read_as(&part.address, Some(&tls))
             .await
             .is_ok()
+    } else if part.name == "temporal-front" {
+        // Up when it listens; what is behind it is the server's part.
+        part.address
+            .rsplit_once(':')
+            .and_then(|(_, port)| port.parse::<u16>().ok())
+            .and_then(testkit::util::listening_pid)
+            .is_some()
     } else if part.name == "temporal" {
+        // The server answers only through the front, as an operator.
         let Ok(cli) = testkit::temporal::cli_path() else {
             return false;
         };
@@ -950,6 +992,11 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
                 "--address",
             ])
             .arg(record.temporal_address())
+            .env(
+                "TEMPORAL_CONFIG_FILE",
+                StackRecord::temporal_clients_file(dir),
+            )
+            .env("TEMPORAL_PROFILE", "operator")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .status()

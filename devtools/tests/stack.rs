@@ -86,14 +86,19 @@ async fn stack_up_status_down_up_keeps_data() {
         "every part still healthy once the reconciler runs: {status}"
     );
 
-    // The UI serves its page.
+    // The UI serves its page behind the Temporal front: over TLS, to its login only.
     let ui_port = ports[4].1;
-    let (code, body) =
-        testkit::util::http_get(ui_port, "/", std::time::Duration::from_secs(5)).unwrap();
-    assert!((200..400).contains(&code), "UI answered {code}");
-    assert!(
-        body.to_lowercase().contains("<html") || code >= 300,
-        "UI page: {body:.200}"
+    let clients = state.join("temporal-clients");
+    let password = std::fs::read_to_string(clients.join("temporal-ui.password")).unwrap();
+    let url = format!("https://127.0.0.1:{ui_port}/");
+    let ui = |login: Option<&str>| {
+        testkit::temporal_front::ui_status(&url, &clients.join("ca.pem"), login).unwrap()
+    };
+    assert_eq!(ui(None), "401", "the UI without its login");
+    assert_eq!(
+        ui(Some(&format!("operator:{password}"))),
+        "200",
+        "the UI with its login"
     );
 
     // Write into paydb, go down, come up: the row is still there.

@@ -250,14 +250,21 @@ impl Parts {
         use payout_workflows::client::{connect_to, TemporalArgs, DEFAULT_NAMESPACE};
         let args = match &self.record {
             None => self.deployment.temporal.clone(),
-            Some((record, _)) => TemporalArgs::at(
-                record.temporal_address(),
-                self.deployment
-                    .temporal
-                    .namespace
-                    .clone()
-                    .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string()),
-            ),
+            // Through the local stack's Temporal front, with its operator certificate.
+            Some((record, _)) => TemporalArgs {
+                address: Some(record.temporal_address()),
+                namespace: Some(
+                    self.deployment
+                        .temporal
+                        .namespace
+                        .clone()
+                        .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string()),
+                ),
+                config_file: Some(StackRecord::temporal_clients_file(
+                    &self.deployment.state_dir,
+                )),
+                profile: Some(mtls::Role::Operator.name().to_string()),
+            },
         };
         let target = args.resolve()?;
         connect_to(&target, identity)

@@ -186,7 +186,25 @@ impl StackRecord {
         format!("127.0.0.1:{}", self.ports.temporal)
     }
 
+    /// The UI behind the Temporal front's login (user `operator`, password in
+    /// [`StackRecord::temporal_ui_password_file`]).
     pub fn ui_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.ports.temporal_ui)
+        format!("https://127.0.0.1:{}", self.ports.temporal_ui)
+    }
+
+    /// The Temporal front's client profiles of the local stack, one per admitted role (what the
+    /// test kit writes beside the dev server's folder): `--temporal-config-file` /
+    /// `TEMPORAL_CONFIG_FILE` with the profile `operator`.
+    pub fn temporal_clients_file(state_dir: &Path) -> std::path::PathBuf {
+        state_dir
+            .join("temporal-clients")
+            .join("temporal-clients.toml")
+    }
+
+    /// The local stack's UI password file (mode 0600).
+    pub fn temporal_ui_password_file(state_dir: &Path) -> std::path::PathBuf {
+        state_dir
+            .join("temporal-clients")
+            .join("temporal-ui.password")
     }
 }

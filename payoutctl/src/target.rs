@@ -67,6 +67,9 @@ pub struct Resolved {
     /// Where payoutctl's certificates come from: see [`Resolved::tls`].
     pub certificates: Certificates,
     pub temporal_address: String,
+    /// The local stack's Temporal front profiles (`None` for a deployment, whose TLS settings
+    /// come from the Temporal environment or config file): see [`Resolved::temporal_args`].
+    pub temporal_clients: Option<std::path::PathBuf>,
     pub ui_url: String,
     pub etcd_endpoints: Vec<String>,
     /// etcd's authority and payoutctl's certificate from it.
@@ -113,6 +116,7 @@ impl Target {
                     .clone()
                     .unwrap_or_else(|| "(not given)".into()),
                 temporal_address,
+                temporal_clients: None,
                 etcd_endpoints: self.etcd_endpoints.clone(),
                 etcd_tls: self.etcd_tls.load()?,
                 lock_prefix: self.lock_prefix.clone(),
@@ -140,6 +144,7 @@ impl Target {
                 mtls::issue::Authority::open_or_create(&self.state_dir.join("system").join("pki"))?,
             )),
             temporal_address: record.temporal_address(),
+            temporal_clients: Some(StackRecord::temporal_clients_file(&self.state_dir)),
             ui_url: record.ui_url(),
             etcd_endpoints: record.etcd_endpoints(),
             etcd_tls: local_etcd_tls(&self.state_dir)?,
@@ -147,6 +152,24 @@ impl Target {
             task_queue: system.task_queue.clone(),
             settlement_window_ms: system.settlement_window_ms,
         })
+    }
+}
+
+impl Resolved {
+    /// Temporal as an operator: the local stack's front with its operator profile, or a
+    /// deployment's at its address with the TLS of the Temporal environment or config file.
+    pub fn temporal_args(&self) -> payout_workflows::client::TemporalArgs {
+        let base = match &self.temporal_clients {
+            Some(file) => payout_workflows::client::TemporalArgs::profile_of(
+                file,
+                mtls::Role::Operator.name(),
+            ),
+            None => payout_workflows::client::TemporalArgs::default(),
+        };
+        payout_workflows::client::TemporalArgs {
+            address: Some(self.temporal_address.clone()),
+            ..base
+        }
     }
 }
 

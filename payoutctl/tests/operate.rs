@@ -86,6 +86,11 @@ impl Ctl {
             ("PAYOUT_LOCK_URL", system.lock_url()),
             ("TEMPORAL_ADDRESS", system.temporal_address.clone()),
             (
+                "TEMPORAL_CONFIG_FILE",
+                system.temporal_clients.display().to_string(),
+            ),
+            ("TEMPORAL_PROFILE", "operator".to_string()),
+            (
                 "TEMPORAL_NAMESPACE",
                 testkit::temporal::NAMESPACE.to_string(),
             ),
@@ -186,9 +191,8 @@ async fn clients(system: &System) -> Clients {
         fixture: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
             .await
             .unwrap(),
-        temporal: wf::connect(
-            &system.temporal_address,
-            testkit::temporal::NAMESPACE,
+        temporal: wf::connect_configured(
+            &wf::TemporalArgs::profile_of(&system.temporal_clients, "operator"),
             "payoutctl-tests",
         )
         .await

@@ -52,9 +52,8 @@ struct Ctx {
 
 impl Ctx {
     async fn new(system: System) -> Self {
-        let temporal = wf::connect(
-            &system.temporal_address,
-            testkit::temporal::NAMESPACE,
+        let temporal = wf::connect_configured(
+            &wf::TemporalArgs::profile_of(&system.temporal_clients, "operator"),
             "system-tests",
         )
         .await

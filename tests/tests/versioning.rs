@@ -251,9 +251,8 @@ impl<'a> Ctx<'a> {
     async fn new(system: &'a System, identity: &str) -> Self {
         Self {
             system,
-            temporal: wf::connect(
-                &system.temporal_address,
-                testkit::temporal::NAMESPACE,
+            temporal: wf::connect_configured(
+                &wf::TemporalArgs::profile_of(&system.temporal_clients, "operator"),
                 identity,
             )
             .await

@@ -21,9 +21,9 @@ async fn worker_runs_a_payout_and_stops_gracefully() {
     let temporal = stack.temporal();
     let queue = stack.unique_prefix("worker-q");
     let config = WorkerConfig {
-        temporal: payout_workflows::client::TemporalArgs::at(
-            temporal.address(),
-            testkit::temporal::NAMESPACE,
+        temporal: payout_workflows::client::TemporalArgs::profile_of(
+            temporal.clients_file(),
+            "worker",
         ),
         deployment: Default::default(),
         task_queue: queue.clone(),
@@ -105,15 +105,16 @@ async fn healthz_follows_temporal_and_metrics_carry_the_sdks_families() {
             &dir,
             testkit::temporal::TemporalPorts::free(false),
             testkit::Lifetime::Attached,
+            Stack::shared().pki(),
         )
     })
     .await
     .unwrap()
     .unwrap();
     let config = WorkerConfig {
-        temporal: payout_workflows::client::TemporalArgs::at(
-            temporal.address(),
-            testkit::temporal::NAMESPACE,
+        temporal: payout_workflows::client::TemporalArgs::profile_of(
+            temporal.clients_file(),
+            "worker",
         ),
         deployment: Default::default(),
         task_queue: "health-q".into(),

@@ -83,24 +83,6 @@ pub enum PayoutClientError {
     },
 }
 
-/// Connects to the Temporal frontend at `address` (`host:port`) in `namespace`, in plain text and
-/// nothing else configured: the test kit's own dev server. A process uses [`connect_configured`].
-pub async fn connect(
-    address: &str,
-    namespace: &str,
-    identity: &str,
-) -> Result<Client, PayoutClientError> {
-    let url = Url::parse(&format!("http://{address}"))
-        .map_err(|_| PayoutClientError::BadAddress(address.to_string()))?;
-    Ok(Client::connect(
-        ConnectionOptions::new(url)
-            .identity(identity.to_string())
-            .build(),
-        ClientOptions::new(namespace.to_string()).build(),
-    )
-    .await?)
-}
-
 /// The address used when neither a flag, the environment nor a profile names one: the local dev
 /// server (the SDK's own default, `localhost`, may resolve to `::1`, where the dev server is not).
 pub const DEFAULT_ADDRESS: &str = "127.0.0.1:7233";
@@ -160,6 +142,16 @@ impl TemporalArgs {
         Self {
             address: Some(address.into()),
             namespace: Some(namespace.into()),
+            ..Self::default()
+        }
+    }
+
+    /// The settings of `profile` in the config file `config_file` (address, namespace and TLS):
+    /// the test kit's clients, one profile per role, through the Temporal front.
+    pub fn profile_of(config_file: impl Into<PathBuf>, profile: impl Into<String>) -> Self {
+        Self {
+            config_file: Some(config_file.into()),
+            profile: Some(profile.into()),
             ..Self::default()
         }
     }

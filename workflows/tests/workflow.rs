@@ -18,8 +18,8 @@ use payout_workflows::{
     PayoutWorkflow,
 };
 use temporalio_client::{
-    Client, ClientOptions, ConnectionOptions, Url, WorkflowFetchHistoryOptions,
-    WorkflowGetResultOptions, WorkflowQueryOptions, WorkflowStartOptions,
+    Client, WorkflowFetchHistoryOptions, WorkflowGetResultOptions, WorkflowQueryOptions,
+    WorkflowStartOptions,
 };
 use temporalio_sdk::workflow_replayer::{WorkflowReplayer, WorkflowReplayerOptions};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
@@ -30,16 +30,14 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 const HISTORIES_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/histories");
 
 async fn client() -> Client {
-    let address = Stack::shared().temporal().address();
-    let url = Url::parse(&format!("http://{address}")).unwrap();
-    Client::connect(
-        ConnectionOptions::new(url)
-            .identity("payout-workflow-tests".to_string())
-            .build(),
-        ClientOptions::new(testkit::temporal::NAMESPACE).build(),
-    )
-    .await
-    .unwrap()
+    // Through the Temporal front, as an operator (the tests start and drive workflows).
+    let args = payout_workflows::client::TemporalArgs::profile_of(
+        Stack::shared().temporal().clients_file(),
+        "operator",
+    );
+    payout_workflows::client::connect_configured(&args, "payout-workflow-tests")
+        .await
+        .unwrap()
 }
 
 fn input(name: &str, amount: i64, ambiguity: AmbiguityPolicy) -> PayoutInput {

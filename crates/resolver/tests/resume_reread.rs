@@ -127,12 +127,10 @@ async fn a_payout_finished_between_the_pass_read_and_its_describe_is_not_resumed
         lock_url: system.lock_url(),
         tls: system.tls(Role::Reconciler),
         temporal: TemporalConfig {
-            connection: payout_workflows::client::TemporalArgs {
-                address: Some(system.temporal_address.clone()),
-                namespace: Some(testkit::temporal::NAMESPACE.into()),
-                profile: None,
-                config_file: None,
-            },
+            connection: payout_workflows::client::TemporalArgs::profile_of(
+                &system.temporal_clients,
+                "reconciler",
+            ),
             payout_task_queue: system.task_queue.clone(),
             settlement_window_ms: 500,
             resolution_sla_ms: 600_000,

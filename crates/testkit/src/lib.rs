@@ -13,6 +13,7 @@ pub mod process;
 pub mod stack;
 pub mod system;
 pub mod temporal;
+pub mod temporal_front;
 pub mod util;
 pub mod wire;
 

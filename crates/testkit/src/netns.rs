@@ -29,7 +29,8 @@ pub struct NetNs {
     pub ns_ip: Ipv4Addr,
 }
 
-fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
+/// Runs `program` with `args`; its stderr is the error when it fails.
+pub(crate) fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new(program)
         .args(args)
         .output()

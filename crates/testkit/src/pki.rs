@@ -43,6 +43,14 @@ impl Pki {
             .with_context(|| format!("issuing {instance}'s certificate"))
     }
 
+    /// Issues `instance`'s certificate for `role` into `dir` (with the authority's `ca.pem`), for
+    /// clients whose files live apart from the services' (the Temporal front's clients).
+    pub fn issue_into(&self, role: Role, instance: &str, dir: &Path) -> anyhow::Result<TlsArgs> {
+        self.authority
+            .issue_to(role, instance, dir)
+            .with_context(|| format!("issuing {instance}'s certificate"))
+    }
+
     /// A certificate for a server that is not one of ours (PostgreSQL, etcd), named by the
     /// names and addresses its clients connect to.
     pub fn issue_named(

@@ -67,6 +67,10 @@ impl ProcessSpec {
         self.env.insert(key.to_string(), value.into());
         self
     }
+    pub fn envs<I: IntoIterator<Item = (String, String)>>(mut self, vars: I) -> Self {
+        self.env.extend(vars);
+        self
+    }
     pub fn user(mut self, user: Option<(u32, u32)>) -> Self {
         self.user = user;
         self

@@ -49,9 +49,17 @@ pub struct StackBuilder {
     lifetime: Lifetime,
     durable: bool,
     ports: Option<StackPorts>,
+    temporal_isolation: bool,
 }
 
 impl StackBuilder {
+    /// Whether the Temporal dev server's raw ports are closed to all but its front when root
+    /// (default on). Off only to measure the front against the raw frontend
+    /// (`payoutdev stack up --no-temporal-isolation`).
+    pub fn temporal_isolation(mut self, isolate: bool) -> Self {
+        self.temporal_isolation = isolate;
+        self
+    }
     pub fn etcd_members(mut self, count: usize) -> Self {
         self.etcd_members = count;
         self
@@ -177,8 +185,12 @@ impl StackBuilder {
                 ui: Some(p.temporal_ui),
                 http: p.temporal_http,
                 metrics: p.temporal_metrics,
+                // Behind the front: only the front dials them, so any free port does.
+                raw_frontend: free_port(),
+                raw_ui: Some(free_port()),
             }),
             temporal_ui: self.temporal_ui,
+            temporal_isolation: self.temporal_isolation,
             lifetime: self.lifetime,
             counter: AtomicU64::new(0),
             _tempdir: tempdir,
@@ -202,6 +214,7 @@ pub struct Stack {
     temporal_start: Mutex<()>,
     temporal_ports: Option<TemporalPorts>,
     temporal_ui: bool,
+    temporal_isolation: bool,
     lifetime: Lifetime,
     counter: AtomicU64,
     /// Last field: dropped after every process above is dead.
@@ -218,6 +231,7 @@ impl Stack {
             lifetime: Lifetime::Attached,
             durable: false,
             ports: None,
+            temporal_isolation: true,
         }
     }
 
@@ -315,8 +329,22 @@ impl Stack {
             .temporal_ports
             .clone()
             .unwrap_or_else(|| TemporalPorts::free(self.temporal_ui));
-        let dev = TemporalDev::start(&self.state.join("temporal"), ports, self.lifetime)?;
+        let dev = TemporalDev::start(
+            &self.state.join("temporal"),
+            ports,
+            crate::temporal::TemporalOptions {
+                lifetime: self.lifetime,
+                isolate: self.temporal_isolation,
+            },
+            &self.pki,
+        )?;
         Ok(self.temporal.get_or_init(|| dev))
+    }
+
+    /// The stack's own authority (a test that starts a Temporal dev server of its own fronts it
+    /// with it).
+    pub fn pki(&self) -> &crate::pki::Pki {
+        &self.pki
     }
 
     pub fn temporal_if_started(&self) -> Option<&TemporalDev> {

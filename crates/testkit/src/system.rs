@@ -119,7 +119,10 @@ pub struct System {
     pub etcd_prefix: String,
     pub databases: Databases,
     pub task_queue: String,
+    /// The Temporal front's address, and its clients' profiles (one per admitted role, the SDK's
+    /// envconfig format): `TemporalArgs::profile_of(&system.temporal_clients, "operator")`.
     pub temporal_address: String,
+    pub temporal_clients: PathBuf,
     pub dir: PathBuf,
     /// The key the lock-server signs grants with; the guards hold its public half.
     pub grant_keys: crate::grants::SigningKey,
@@ -344,6 +347,7 @@ impl System {
                 .env("LOCK_SERVER_URL", url(ports.lock_server))
                 .env("PAYMENT_RESOURCE_URL", url(ports.payment_resource))
                 .env("RAIL_PROXY_URL", url(ports.rail_proxy));
+            w = w.envs(temporal.env(Role::Worker));
             for (k, v) in &options.worker_env {
                 w = w.env(k, v.clone());
             }
@@ -376,6 +380,7 @@ impl System {
         };
         let dispatcher = ManagedProcess::start(
             spec("outbox-dispatcher")?
+                .envs(temporal.env(Role::OutboxDispatcher))
                 .env(
                     "PAYDB_DATABASE_URL",
                     login(PgServer::Main, "outbox_dispatcher", &databases.paydb),
@@ -407,6 +412,7 @@ impl System {
             databases,
             task_queue,
             temporal_address: temporal.address(),
+            temporal_clients: temporal.clients_file().to_path_buf(),
             dir,
             grant_keys,
             instruction_keys,

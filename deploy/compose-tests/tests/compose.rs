@@ -273,27 +273,14 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
     let checker = PaymentClient::connect(&payment_url, &suite_tls(mtls::Role::Reconciler)?)
         .await
         .context("payment-resource from the host, as the reconciler")?;
-    let temporal = payout_workflows::client::connect(
-        &format!(
-            "127.0.0.1:{}",
-            project.host_port("temporal", TEMPORAL_PORT).await?
-        ),
-        "default",
-        "compose-tests",
-    )
-    .await
-    .context("Temporal from the host")?;
-    let ui = reqwest::get(format!(
-        "http://127.0.0.1:{}/",
-        project.host_port("temporal", TEMPORAL_UI_PORT).await?
-    ))
-    .await
-    .context("Temporal UI from the host")?;
-    ensure!(
-        ui.status().is_success(),
-        "Temporal UI answers {}",
-        ui.status()
-    );
+    let temporal_port = project.host_port("temporal", TEMPORAL_PORT).await?;
+    let temporal = temporal_front(temporal_port, mtls::Role::Operator)?;
+    let temporal = payout_workflows::client::connect_configured(&temporal, "compose-tests")
+        .await
+        .context("Temporal from the host, through its front as an operator")?;
+    temporal_front_refusals(project, temporal_port)
+        .await
+        .context("the Temporal front")?;
     let mut h = Harness {
         project,
         payment,
@@ -1218,6 +1205,98 @@ async fn check_everything(h: &Harness<'_>) -> anyhow::Result<()> {
     // refusal the scenario meant (insufficient funds) from one a cut caused.
     println!("checker: FAILED payouts {failed:?}");
     ensure!(violations.is_empty(), "violations: {violations:#?}");
+    Ok(())
+}
+
+/// Temporal through its front at `port` with a certificate of `role` from this run's authority:
+/// a profile file of the SDK's envconfig format, as every client of the deployment is configured.
+fn temporal_front(
+    port: u16,
+    role: mtls::Role,
+) -> anyhow::Result<payout_workflows::client::TemporalArgs> {
+    let dir = std::env::var_os("PAYOUT_TLS_DIR")
+        .ok_or_else(|| anyhow::anyhow!("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)"))?;
+    let own = std::env::temp_dir().join(format!("compose-temporal-{}-{role}", std::process::id()));
+    let files = mtls::issue::Authority::open_or_create(std::path::Path::new(&dir))?.issue_to(
+        role,
+        &format!("compose-suite-{role}"),
+        &own,
+    )?;
+    let profile = own.join("temporal.toml");
+    std::fs::write(
+        &profile,
+        format!(
+            "[profile.suite]\naddress = \"127.0.0.1:{port}\"\nnamespace = \"default\"\n\n\
+             [profile.suite.tls]\nclient_cert_path = \"{}\"\nclient_key_path = \"{}\"\n\
+             server_ca_cert_path = \"{}\"\nserver_name = \"temporal\"\n",
+            files.cert.display(),
+            files.key.display(),
+            files.ca.display()
+        ),
+    )?;
+    Ok(payout_workflows::client::TemporalArgs::profile_of(
+        profile, "suite",
+    ))
+}
+
+/// Issue 33, attack rows 3a and 3b against the deployment: Temporal refuses a client without a
+/// certificate and one of a role that does not need it (intake), before any call; the UI asks
+/// for its login and lets the login made by deploy/compose-test.sh in.
+async fn temporal_front_refusals(project: &Deployment, port: u16) -> anyhow::Result<()> {
+    // The SDK's connect asks the server for its system info: it is refused or it answers.
+    let plain = payout_workflows::client::connect_configured(
+        &payout_workflows::client::TemporalArgs::at(format!("127.0.0.1:{port}"), "default"),
+        "compose-plaintext",
+    )
+    .await;
+    ensure!(
+        plain.is_err(),
+        "a plaintext client without a certificate got an answer from Temporal"
+    );
+    let intake = payout_workflows::client::connect_configured(
+        &temporal_front(port, mtls::Role::Intake)?,
+        "compose-intake",
+    )
+    .await;
+    match intake {
+        Ok(_) => bail!("an intake certificate got an answer from Temporal"),
+        Err(e) => {
+            let said = format!("{e:?}");
+            ensure!(
+                said.contains("PermissionDenied"),
+                "an intake certificate was refused, but not by the front's role check: {said}"
+            );
+        }
+    }
+    let dir = std::env::var("PAYOUT_TLS_DIR").context("PAYOUT_TLS_DIR")?;
+    let password = std::fs::read_to_string(format!("{dir}/temporal-ui.password"))
+        .context("the UI's password (deploy/compose-test.sh: payoutctl keys ui-user)")?;
+    let ui = format!(
+        "https://127.0.0.1:{}/",
+        project.host_port("temporal", TEMPORAL_UI_PORT).await?
+    );
+    let status = |login: Option<&str>| -> anyhow::Result<String> {
+        let mut curl = std::process::Command::new("curl");
+        curl.args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "20",
+        ])
+        .args(["--cacert", &format!("{dir}/ca.pem")]);
+        if let Some(login) = login {
+            curl.args(["-u", login]);
+        }
+        let out = curl.arg(&ui).output().context("curl")?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    ensure!(status(None)? == "401", "the UI without a login answered");
+    let login = format!("compose-operator:{password}");
+    let got = status(Some(&login))?;
+    ensure!(got == "200", "the UI with its login answered {got}");
     Ok(())
 }
 

@@ -19,6 +19,7 @@ use sqlx::PgPool;
 use temporalio_client::errors::WorkflowInteractionError;
 use temporalio_client::{Client, UntypedWorkflow, WorkflowDescribeOptions};
 use testkit::pki::{tls, Role};
+use testkit::temporal::TemporalDev;
 use testkit::{eventually, PgServer, Stack};
 
 /// Every bounded wait of this suite: a start takes milliseconds; a restarted Temporal seconds.
@@ -101,10 +102,13 @@ fn new_payout(id: &str, account: &AccountId, amount: i64) -> NewPayout {
 }
 
 /// The starter's configuration for one test: its own task queue (nobody polls it), quick retries.
-fn starter_config(temporal: &str, task_queue: &str, instance: &str) -> StarterConfig {
-    let target = payout_workflows::client::TemporalArgs::at(temporal, testkit::temporal::NAMESPACE)
-        .resolve()
-        .expect("a Temporal target");
+fn starter_config(temporal: &TemporalDev, task_queue: &str, instance: &str) -> StarterConfig {
+    let target = payout_workflows::client::TemporalArgs::profile_of(
+        temporal.clients_file(),
+        Role::OutboxDispatcher.name(),
+    )
+    .resolve()
+    .expect("a Temporal target");
     let mut config = StarterConfig::new(target, task_queue, AmbiguityPolicy::default(), instance);
     config.backoff_base_ms = 100;
     config.backoff_max_ms = 500;
@@ -123,8 +127,13 @@ fn spawn_starter(
     (metrics, stop)
 }
 
-async fn temporal_client(address: &str) -> Client {
-    payout_workflows::client::connect(address, testkit::temporal::NAMESPACE, "starts-test")
+/// An operator's client through the Temporal front.
+async fn temporal_client(temporal: &TemporalDev) -> Client {
+    let args = payout_workflows::client::TemporalArgs::profile_of(
+        temporal.clients_file(),
+        Role::Operator.name(),
+    );
+    payout_workflows::client::connect_configured(&args, "starts-test")
         .await
         .expect("Temporal client")
 }
@@ -235,14 +244,14 @@ async fn fresh_paydb(stack: &Stack) -> (String, PgPool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_starts_the_workflow_and_a_second_create_starts_nothing() {
     let stack = Stack::shared();
-    let temporal_address = stack.temporal().address();
+    let temporal_dev = stack.temporal();
     let (url, paydb) = fresh_paydb(stack).await;
     let intake = intake(&url, options()).await;
-    let temporal = temporal_client(&temporal_address).await;
+    let temporal = temporal_client(temporal_dev).await;
     let queue = format!("starts-{}", stack.unique_prefix("q").replace('/', "-"));
     let (metrics, _starter) = spawn_starter(
         paydb.clone(),
-        starter_config(&temporal_address, &queue, "starter-1"),
+        starter_config(temporal_dev, &queue, "starter-1"),
     );
     let account = intake.account("acct-s1").await;
 
@@ -327,7 +336,7 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
     let p = if stage { "po-k" } else { "po-n" };
     let id = |n: u32| format!("{p}{n}");
     let stack = Stack::shared();
-    let temporal_address = stack.temporal().address();
+    let temporal_dev = stack.temporal();
     let (url, paydb) = fresh_paydb(stack).await;
     let intake = intake(&url, options()).await;
     let unstaged = if stage {
@@ -335,7 +344,7 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
     } else {
         Some(intake_on_same_db(&url).await)
     };
-    let temporal = temporal_client(&temporal_address).await;
+    let temporal = temporal_client(temporal_dev).await;
     let queue = format!("starts-{}", stack.unique_prefix("q").replace('/', "-"));
     let dir = tempfile::tempdir().unwrap();
     let spawn = |instance: &str| {
@@ -351,7 +360,8 @@ async fn killed_starter_leaves_stranded(stage: bool) -> Vec<String> {
             "--metrics-listen",
             &format!("127.0.0.1:{}", testkit::free_port()),
         ])
-        .args(["--temporal-address", &temporal_address])
+        .args(["--temporal-address", &temporal_dev.address()])
+        .envs(temporal_dev.env(Role::OutboxDispatcher))
         .args(["--payout-task-queue", &queue])
         .args(
             testkit::pki::shared()
@@ -473,11 +483,10 @@ async fn temporal_down_at_create_the_workflow_starts_when_it_is_back() {
     // A stack of its own: this test stops its Temporal.
     let stack = Stack::builder().temporal(false).start().unwrap();
     let temporal_dev = stack.temporal();
-    let temporal_address = temporal_dev.address();
     let (url, paydb) = fresh_paydb(&stack).await;
     let intake = intake(&url, options()).await;
-    let temporal = temporal_client(&temporal_address).await;
-    let mut config = starter_config(&temporal_address, "starts-down", "starter-d");
+    let temporal = temporal_client(temporal_dev).await;
+    let mut config = starter_config(temporal_dev, "starts-down", "starter-d");
     // Every failed attempt is overdue at once: the alert path is what this test watches.
     config.overdue_ms = 0;
     let (metrics, _starter) = spawn_starter(paydb.clone(), config);
@@ -515,7 +524,7 @@ async fn temporal_down_at_create_the_workflow_starts_when_it_is_back() {
 
     temporal_dev.process.restart().unwrap();
     temporal_dev.wait_ready().unwrap();
-    let temporal = temporal_client(&temporal_address).await;
+    let temporal = temporal_client(temporal_dev).await;
     started(&temporal, "po-d2").await;
     assert_eq!(
         marked(&paydb, "po-d2").await.map(|s| (s.0, s.1)),

@@ -235,9 +235,9 @@ async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_a
 
 fn temporal_config(system: &System) -> TemporalConfig {
     TemporalConfig {
-        connection: payout_workflows::client::TemporalArgs::at(
-            system.temporal_address.clone(),
-            testkit::temporal::NAMESPACE,
+        connection: payout_workflows::client::TemporalArgs::profile_of(
+            &system.temporal_clients,
+            "reconciler",
         ),
         payout_task_queue: system.task_queue.clone(),
         settlement_window_ms: 500,
@@ -384,9 +384,8 @@ async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interva
         .create_payout(&new_payout(account, behind))
         .await
         .unwrap();
-    let client = payout_workflows::client::connect(
-        &system.temporal_address,
-        testkit::temporal::NAMESPACE,
+    let client = payout_workflows::client::connect_configured(
+        &payout_workflows::client::TemporalArgs::profile_of(&system.temporal_clients, "operator"),
         "keeper-test",
     )
     .await

@@ -87,9 +87,8 @@ async fn a_run_started_in_rail_ambiguous_past_the_sla_accepts_an_abandon_before_
         )
         .await
         .unwrap();
-    let temporal = wf::connect(
-        &system.temporal_address,
-        testkit::temporal::NAMESPACE,
+    let temporal = wf::connect_configured(
+        &wf::TemporalArgs::profile_of(&system.temporal_clients, "operator"),
         "resumed-abandon-test",
     )
     .await

@@ -14,10 +14,7 @@ use temporalio_client::schedules::ScheduleDescriptionAction;
 use testkit::Stack;
 
 fn temporal_args() -> TemporalArgs {
-    TemporalArgs::at(
-        Stack::shared().temporal().address(),
-        testkit::temporal::NAMESPACE,
-    )
+    TemporalArgs::profile_of(Stack::shared().temporal().clients_file(), "reconciler")
 }
 
 fn serve(schedule_id: &str, interval: Duration) -> ServeOptions {

@@ -71,9 +71,8 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
     let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
-    let temporal = wf::connect(
-        &system.temporal_address,
-        testkit::temporal::NAMESPACE,
+    let temporal = wf::connect_configured(
+        &wf::TemporalArgs::profile_of(&system.temporal_clients, "operator"),
         "stranded-test",
     )
     .await
@@ -289,9 +288,8 @@ async fn an_orphaned_ambiguous_payout_is_resumed_by_one_pass_inquires_and_frees_
     let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
         .await
         .unwrap();
-    let temporal = wf::connect(
-        &system.temporal_address,
-        testkit::temporal::NAMESPACE,
+    let temporal = wf::connect_configured(
+        &wf::TemporalArgs::profile_of(&system.temporal_clients, "operator"),
         "stranded-test",
     )
     .await

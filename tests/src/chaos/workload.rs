@@ -100,9 +100,11 @@ impl Workload {
     ) -> anyhow::Result<()> {
         let paydb = super::one_connection(&system.databases.paydb).await?;
         let client = Arc::new(
-            payout_workflows::client::connect(
-                &system.temporal_address,
-                testkit::temporal::NAMESPACE,
+            payout_workflows::client::connect_configured(
+                &payout_workflows::client::TemporalArgs::profile_of(
+                    &system.temporal_clients,
+                    "operator",
+                ),
                 "chaos",
             )
             .await

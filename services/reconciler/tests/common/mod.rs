@@ -159,8 +159,9 @@ pub fn reconciler_tls(system: &System) -> Vec<String> {
         .collect()
 }
 
-/// The reconciler's certificate and every source, Temporal at `temporal_address`, and a resumed
-/// run's settlement window of 500 ms, as `payoutdev stack up` passes them.
+/// The reconciler's certificate and every source, Temporal at `temporal_address` (through the
+/// front as the reconciler: its profile), and a resumed run's settlement window of 500 ms, as
+/// `payoutdev stack up` passes them.
 pub fn source_args(system: &System, temporal_address: &str) -> Vec<String> {
     let s = |v: &str| v.to_string();
     reconciler_tls(system)
@@ -180,6 +181,10 @@ pub fn source_args(system: &System, temporal_address: &str) -> Vec<String> {
             system.payment_url(),
             s("--temporal-address"),
             s(temporal_address),
+            s("--temporal-config-file"),
+            system.temporal_clients.display().to_string(),
+            s("--temporal-profile"),
+            s("reconciler"),
             s("--payout-task-queue"),
             system.task_queue.clone(),
             s("--settlement-window-ms"),
