@@ -15,6 +15,7 @@
 //! every later step on the grant's `task_queue` (the private queue of the worker process whose
 //! session holds the grant), as the genuine workflow routes them.
 
+use payout_workflows::client::TemporalArgs;
 use std::time::Duration;
 
 use payout_activities::refusal::Refusal;
@@ -277,15 +278,16 @@ pub struct Rogue {
 }
 
 impl Rogue {
-    /// Connects to the Temporal frontend at `temporal_address` as any client can and starts
+    /// Connects to Temporal with `temporal` (through its front, as an operator: what is tested
+    /// is the worker and the guards, not the front) as any admitted client can, and starts
     /// polling a queue of its own. The SDK's worker future is not `Send`, so it runs on a thread
     /// of its own with its own runtime.
-    pub async fn start(temporal_address: &str) -> anyhow::Result<Self> {
+    pub async fn start(temporal: TemporalArgs) -> anyhow::Result<Self> {
         let task_queue = format!("rogue-{}", uuid::Uuid::new_v4());
-        let client = connect(temporal_address).await?;
+        let client = connect(&temporal).await?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (polling, started) = tokio::sync::oneshot::channel::<anyhow::Result<()>>();
-        let address = temporal_address.to_string();
+        let address = temporal;
         let queue = task_queue.clone();
         std::thread::Builder::new()
             .name("rogue-worker".into())
@@ -356,16 +358,13 @@ impl Drop for Rogue {
     }
 }
 
-async fn connect(temporal_address: &str) -> anyhow::Result<Client> {
-    Ok(
-        payout_workflows::client::connect(temporal_address, testkit::temporal::NAMESPACE, "rogue")
-            .await?,
-    )
+async fn connect(temporal: &TemporalArgs) -> anyhow::Result<Client> {
+    Ok(payout_workflows::client::connect_configured(temporal, "rogue").await?)
 }
 
 /// The worker's thread: polls until `stopped`, having said on `polling` whether it started.
 async fn poll(
-    address: String,
+    address: TemporalArgs,
     task_queue: String,
     polling: tokio::sync::oneshot::Sender<anyhow::Result<()>>,
     stopped: tokio::sync::oneshot::Receiver<()>,

@@ -62,7 +62,12 @@ async fn pending_payout(
 }
 
 async fn rogue(system: &System) -> Rogue {
-    Rogue::start(&system.temporal_address).await.unwrap()
+    Rogue::start(payout_workflows::client::TemporalArgs::profile_of(
+        &system.temporal_clients,
+        "operator",
+    ))
+    .await
+    .unwrap()
 }
 
 /// The harness itself: an impostor started as a real payout's workflow id reaches the genuine
