@@ -530,9 +530,9 @@ async fn a_foreign_workflow_squatting_a_payout_is_terminated_and_the_payout_fini
         lock_url: system.lock_url(),
         tls: system.tls(Role::Reconciler),
         temporal: resolver::resume::TemporalConfig {
-            connection: payout_workflows::client::TemporalArgs::at(
-                system.temporal_address.clone(),
-                testkit::temporal::NAMESPACE,
+            connection: payout_workflows::client::TemporalArgs::profile_of(
+                &system.temporal_clients,
+                "reconciler",
             ),
             payout_task_queue: system.task_queue.clone(),
             settlement_window_ms: 500,
