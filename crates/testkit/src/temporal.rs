@@ -155,6 +155,7 @@ impl TemporalDev {
             .append(true)
             .open(&log)?;
         crate::util::hand_over(dir, user)?;
+        crate::util::open_way_to(&cli, user)?;
         let mut spec = ProcessSpec::new("temporal", &cli, log)
             .env("HOME", dir.display().to_string())
             .user(user)

@@ -160,14 +160,17 @@ pub fn unprivileged_user() -> Option<(u32, u32)> {
     );
 }
 
-/// Gives `user` ownership of `dir` (recursively) and makes every ancestor traversable, so an
-/// unprivileged server can use a directory made by root (tempdirs are 0700).
-pub fn hand_over(dir: &std::path::Path, user: Option<(u32, u32)>) -> anyhow::Result<()> {
+/// Lets another user (`user`, when there is one) reach `path`: every ancestor folder that others
+/// cannot traverse gets the traverse bit (o+x, as 0711: nothing is listed). A checkout or a
+/// `mktemp -d` folder is 0700, so a program or a folder inside it is out of reach of a process
+/// started as another user until then (seen: the CI clone's `.venv/bin/temporal`, Permission
+/// denied, under `/tmp/tmp.XXXX`).
+pub fn open_way_to(path: &std::path::Path, user: Option<(u32, u32)>) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    let Some((uid, gid)) = user else {
+    if user.is_none() {
         return Ok(());
-    };
-    for ancestor in dir.ancestors().skip(1) {
+    }
+    for ancestor in path.ancestors().skip(1) {
         if ancestor.as_os_str().is_empty() || ancestor == std::path::Path::new("/") {
             break;
         }
@@ -177,6 +180,16 @@ pub fn hand_over(dir: &std::path::Path, user: Option<(u32, u32)>) -> anyhow::Res
             std::fs::set_permissions(ancestor, std::fs::Permissions::from_mode(mode | 0o711))?;
         }
     }
+    Ok(())
+}
+
+/// Gives `user` ownership of `dir` (recursively) and makes every ancestor traversable, so an
+/// unprivileged server can use a directory made by root (tempdirs are 0700).
+pub fn hand_over(dir: &std::path::Path, user: Option<(u32, u32)>) -> anyhow::Result<()> {
+    let Some((uid, gid)) = user else {
+        return Ok(());
+    };
+    open_way_to(dir, user)?;
     let status = std::process::Command::new("chown")
         .arg("-R")
         .arg(format!("{uid}:{gid}"))

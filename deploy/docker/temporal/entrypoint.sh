@@ -2,8 +2,9 @@
 # temporal server start-dev with a persistent SQLite file, on loopback only, behind its
 # mutual-TLS front (nginx, nginx.conf.in): the front listens on every interface on 7233 (gRPC,
 # client certificates of the deployment's authority, roles worker, reconciler, outbox-dispatcher
-# and operator only) and 8233 (the UI behind a login); the dev server's own frontend (7234), HTTP
-# API (7243) and UI (8234) are reachable inside the container only. The search attributes, dynamic
+# and operator only) and 8233 (the UI behind a login), and passes the metrics (9090, no payloads)
+# through for Prometheus; the dev server's own frontend (7234), HTTP API (7243), UI (8234) and
+# metrics (9091) are reachable inside the container only. The search attributes, dynamic
 # config and SQLite pragmas come from the project's temporal/ folder (copied to
 # /etc/temporal-dev/). Either process dying stops the container. Extra arguments go to the server.
 set -euo pipefail
@@ -17,7 +18,7 @@ args=(server start-dev
       --ui-ip 127.0.0.1 --ui-port 8234
       --namespace "${TEMPORAL_NAMESPACE:-default}"
       --log-level "${TEMPORAL_LOG_LEVEL:-warn}"
-      --metrics-port "${TEMPORAL_METRICS_PORT:-9090}")
+      --metrics-port 9091)
 settings() { grep -v '^[[:space:]]*#' "$1" 2>/dev/null | sed 's/[[:space:]]*$//' | grep -v '^$' || true; }
 while read -r attribute; do args+=(--search-attribute "$attribute"); done < <(settings /etc/temporal-dev/search-attributes)
 while read -r value; do args+=(--dynamic-config-value "$value"); done < <(settings /etc/temporal-dev/dynamic-config)
@@ -25,6 +26,7 @@ while read -r pragma; do args+=(--sqlite-pragma "$pragma"); done < <(settings /e
 mkdir -p /data/front/tmp
 sed -e "s|@FRONT_PORT@|7233|g" -e "s|@UI_PORT@|8233|g" -e "s|@RAW_PORT@|7234|g" \
     -e "s|@RAW_UI_PORT@|8234|g" -e "s|@TLS_DIR@|$TLS_DIR|g" \
+    -e "s|@METRICS_PORT@|${TEMPORAL_METRICS_PORT:-9090}|g" -e "s|@RAW_METRICS_PORT@|9091|g" \
     /etc/temporal-dev/nginx.conf.in > /data/front/nginx.conf
 nginx -t -q -e stderr -c /data/front/nginx.conf
 temporal "${args[@]}" "$@" &
