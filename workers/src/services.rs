@@ -825,47 +825,72 @@ impl Backend for ServiceBackend {
     fn record_outcome(&self, input: RecordOutcomeInput) -> Answer<'_, PayoutSnapshot> {
         boxed(async move {
             let fence = self.fence(&input.grant)?;
-            let (outcome, detail, fact) = match input.outcome {
-                RailOutcome::Acked { rail_ref, proof } => {
-                    let fact = match proof {
-                        Some(proof) => Some(rail_fact("ACKED", &rail_ref, "", &proof)),
-                        None => {
-                            self.looked_up_outcome(&input.payout_id, "ACKED", &rail_ref, "")
-                                .await
-                        }
-                    };
-                    (model::RailOutcome::Acked { rail_ref }, String::new(), fact)
-                }
+            // What the proxy signed: (outcome, rail_ref, decline_code) and the proof history
+            // carries, if any.
+            let (outcome, detail, signed) = match input.outcome {
+                RailOutcome::Acked { rail_ref, proof } => (
+                    model::RailOutcome::Acked {
+                        rail_ref: rail_ref.clone(),
+                    },
+                    String::new(),
+                    Some(("ACKED", rail_ref, String::new(), proof)),
+                ),
                 RailOutcome::Declined {
                     decline_code,
                     proof,
-                } => {
-                    let fact = match proof {
-                        Some(proof) => Some(rail_fact("REJECTED", "", &decline_code, &proof)),
-                        None => {
-                            self.looked_up_outcome(&input.payout_id, "REJECTED", "", &decline_code)
-                                .await
-                        }
-                    };
-                    (
-                        model::RailOutcome::Declined { decline_code },
-                        String::new(),
-                        fact,
-                    )
-                }
+                } => (
+                    model::RailOutcome::Declined {
+                        decline_code: decline_code.clone(),
+                    },
+                    String::new(),
+                    Some(("REJECTED", String::new(), decline_code, proof)),
+                ),
                 RailOutcome::Timeout { detail } => (model::RailOutcome::Timeout, detail, None),
                 RailOutcome::OutcomeMissing => {
                     (model::RailOutcome::OutcomeMissing, String::new(), None)
                 }
             };
+            let (fact, carried) = match &signed {
+                None => (None, false),
+                Some((name, rail_ref, code, Some(proof))) => {
+                    (Some(rail_fact(name, rail_ref, code, proof)), true)
+                }
+                // A history recorded before proofs were carried: the proxy's record, re-read.
+                Some((name, rail_ref, code, None)) => (
+                    self.looked_up_outcome(&input.payout_id, name, rail_ref, code)
+                        .await?,
+                    false,
+                ),
+            };
             // The payment resource bounds free text; a long transport error is cut, not refused.
             let detail: String = detail.chars().take(model::TEXT_LENGTH_MAX / 2).collect();
-            let p = self
+            let answer = self
                 .payment
                 .record_outcome_proven(&input.payout_id, &fence, &outcome, &detail, fact.as_ref())
-                .await
-                .map_err(payment_failure)?;
-            Ok(snapshot(p))
+                .await;
+            let answer = match (answer, &signed) {
+                // The carried proof's key was rotated away (or the proof was damaged on the way):
+                // the proxy's record, re-signed with its current key, once.
+                (
+                    Err(PaymentError::RailFactRefused { reason, .. }),
+                    Some((name, rail_ref, code, _)),
+                ) if carried && (reason == "unknown_key_id" || reason == "bad_signature") => {
+                    let fresh = self
+                        .looked_up_outcome(&input.payout_id, name, rail_ref, code)
+                        .await?;
+                    self.payment
+                        .record_outcome_proven(
+                            &input.payout_id,
+                            &fence,
+                            &outcome,
+                            &detail,
+                            fresh.as_ref(),
+                        )
+                        .await
+                }
+                (answer, _) => answer,
+            };
+            Ok(snapshot(answer.map_err(payment_failure)?))
         })
     }
 
@@ -888,12 +913,15 @@ impl Backend for ServiceBackend {
             // would not decode in older histories with fields): it is read back from the proxy's
             // record of the inquiry the workflow just made. None found: the payment resource
             // refuses, which is the truth (issue 33).
+            // A Lookup that fails is transient: retried, never sent without its evidence.
             let proof = match self.proxy.clone().lookup(&input.payout_id).await {
                 Ok(Some(record)) => supporting_resolution(&record.resolutions, &input.evidence),
                 Ok(None) => None,
                 Err(e) => {
-                    tracing::warn!(payout_id = %input.payout_id, error = %e, "no signed evidence: the proxy's Lookup failed");
-                    None
+                    tracing::warn!(payout_id = %input.payout_id, error = %e, "no signed evidence yet: the proxy's Lookup failed");
+                    return Err(ActivityFailure::Transient(format!(
+                        "the rail proxy's signed evidence could not be read: {e}"
+                    )));
                 }
             };
             let evidence = match input.evidence {
@@ -1034,30 +1062,38 @@ impl ServiceBackend {
     /// The proxy's signed outcome for a RecordOutcome whose history carries none (recorded
     /// before proofs were carried): attached only if the proxy's record says the same thing;
     /// otherwise none, and the payment resource refuses.
+    ///
+    /// A Lookup that fails (the proxy unreachable) is transient: the step is retried rather than
+    /// sent without its fact, which the payment resource would refuse for good.
     async fn looked_up_outcome(
         &self,
         payout_id: &PayoutId,
         outcome: &str,
         rail_ref: &str,
         decline_code: &str,
-    ) -> Option<model::RailFact> {
+    ) -> Result<Option<model::RailFact>, ActivityFailure> {
         let record = match self.proxy.clone().lookup(payout_id).await {
-            Ok(record) => record?,
+            Ok(Some(record)) => record,
+            Ok(None) => return Ok(None),
             Err(e) => {
-                tracing::warn!(%payout_id, error = %e, "no signed outcome: the proxy's Lookup failed");
-                return None;
+                tracing::warn!(%payout_id, error = %e, "no signed outcome yet: the proxy's Lookup failed");
+                return Err(ActivityFailure::Transient(format!(
+                    "the rail proxy's signed outcome could not be read: {e}"
+                )));
             }
         };
-        let fact = record.submission.outcome_fact()?;
+        let Some(fact) = record.submission.outcome_fact() else {
+            return Ok(None);
+        };
         let says_the_same = fact.outcome == outcome
             && fact.rail_ref == rail_ref
             && fact.decline_code == decline_code;
         if !says_the_same {
             tracing::warn!(%payout_id, recorded = fact.outcome, asked = outcome, "the proxy's record does not say what RecordOutcome asks: no proof attached");
-            return None;
+            return Ok(None);
         }
-        let proof = rail_proof(&record.submission)?;
-        Some(rail_fact(outcome, rail_ref, decline_code, &proof))
+        Ok(rail_proof(&record.submission)
+            .map(|proof| rail_fact(outcome, rail_ref, decline_code, &proof)))
     }
 
     /// The Submit itself, once the activity's grant check is behind it.
