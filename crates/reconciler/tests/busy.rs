@@ -76,11 +76,18 @@ async fn pay_account(
             )
             .await
             .unwrap();
+        let fact = resolver::facts::outcome(&submission);
         let Outcome::Acked { rail_ref } = submission.outcome else {
             panic!("rail did not ack: {submission:?}")
         };
         payments
-            .record_outcome(payout_id, &fence, &RailOutcome::Acked { rail_ref }, "")
+            .record_outcome_proven(
+                payout_id,
+                &fence,
+                &RailOutcome::Acked { rail_ref },
+                "",
+                fact.as_ref(),
+            )
             .await
             .unwrap();
         payments.post(payout_id, &fence).await.unwrap();

@@ -65,11 +65,18 @@ async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i6
         )
         .await
         .unwrap();
+    let fact = resolver::facts::outcome(&submission);
     let Outcome::Acked { rail_ref } = submission.outcome else {
         panic!("rail did not ack: {submission:?}")
     };
     payments
-        .record_outcome(&payout_id, &fence, &RailOutcome::Acked { rail_ref }, "")
+        .record_outcome_proven(
+            &payout_id,
+            &fence,
+            &RailOutcome::Acked { rail_ref },
+            "",
+            fact.as_ref(),
+        )
         .await
         .unwrap();
     payments.post(&payout_id, &fence).await.unwrap();
@@ -500,11 +507,12 @@ async fn a_movement_for_a_payout_the_proxy_sealed_is_a_violation() {
         .unwrap();
     assert!(inquiry.submission.is_sealed(), "{inquiry:?}");
     let failed = payments
-        .resolve_ambiguity(
+        .resolve_ambiguity_proven(
             &new.payout_id,
             &fence,
             &payment_client::model::Evidence::Absent,
             "proxy: NEVER_SENT",
+            resolver::facts::evidence(&inquiry.resolution).as_ref(),
         )
         .await
         .unwrap();

@@ -41,6 +41,7 @@
 //! resumed is never deposed), and a second start of a resumed workflow is Temporal's "already
 //! started". The schedule never overlaps two scheduled runs.
 
+pub mod facts;
 pub mod resolve;
 pub mod resume;
 pub mod walk;

@@ -334,20 +334,7 @@ async fn resolve_one(
         };
         // The proxy's signed evidence, as its Inquire answered it (issue 33): the payment resource
         // resolves only on it.
-        let proof = inquiry
-            .resolution
-            .signature
-            .as_ref()
-            .map(|signed| payment_client::model::RailEvidence {
-                evidence: inquiry.resolution.evidence.name().to_string(),
-                rail_refs: match &inquiry.resolution.evidence {
-                    Evidence::Found { rail_refs } => rail_refs.clone(),
-                    _ => Vec::new(),
-                },
-                asked_by: inquiry.resolution.asked_by.clone(),
-                asked_at_unix_ms: inquiry.resolution.asked_at_unix_ms,
-                signature: signed.signature.clone(),
-            });
+        let proof = crate::facts::evidence(&inquiry.resolution);
         let resolved = payments
             .resolve_ambiguity_proven(payout_id, &fence, &evidence, RESOLVER, proof.as_ref())
             .await

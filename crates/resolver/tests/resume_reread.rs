@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use payment_client::model::{Fence, NewPayout, RailOutcome};
+use payment_client::model::{Fence, NewPayout, RailFact, RailOutcome};
 use payment_client::PaymentClient;
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
 use resolver::resume::{
@@ -63,15 +63,34 @@ async fn finish(system: &System) {
         .mark_submitted(&new.payout_id, &fence)
         .await
         .unwrap();
+    // The rail's decline as the rail proxy signs it (the payment resource records a DECLINED only
+    // on the proxy's signed fact): this test plays the proxy with the system's rail-fact key.
+    let outcome = RailOutcome::Declined {
+        decline_code: "test-decline".into(),
+    };
+    let cref = payout_domain::ClientReference::for_payout(&new.payout_id);
+    let mut fact = RailFact {
+        outcome: "REJECTED".into(),
+        rail_ref: String::new(),
+        decline_code: "test-decline".into(),
+        token: grant.token().get(),
+        signed_at_unix_ms: 1,
+        signature: grant_signing::Signature {
+            key_id: String::new(),
+            bytes: Vec::new(),
+        },
+    };
+    fact.signature = system
+        .rail_fact_keys
+        .signer()
+        .unwrap()
+        .sign_outcome(&fact.message(
+            new.payout_id.as_str(),
+            new.account_id.as_str(),
+            cref.as_str(),
+        ));
     let p = payments
-        .record_outcome(
-            &new.payout_id,
-            &fence,
-            &RailOutcome::Declined {
-                decline_code: "test-decline".into(),
-            },
-            "test",
-        )
+        .record_outcome_proven(&new.payout_id, &fence, &outcome, "test", Some(&fact))
         .await
         .unwrap();
     assert!(p.state.is_terminal(), "declined: {:?}", p.state);

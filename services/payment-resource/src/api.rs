@@ -210,8 +210,13 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
             let fence = parse_fence(r.fence.as_ref())?;
             let outcome = parse_outcome(&r)?;
             let detail = model::optional_text("detail", &r.detail)?;
+            let fact = r
+                .rail_fact
+                .as_ref()
+                .map(payment_client::wire::rail_fact_from_proto)
+                .transpose()?;
             self.store
-                .record_outcome(&payout_id, &fence, &outcome, &detail)
+                .record_outcome(&payout_id, &fence, &outcome, &detail, fact.as_ref())
                 .await
         }
         .await;
@@ -246,8 +251,13 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
             let payout_id = parse_payout_id(&r.payout_id)?;
             let fence = parse_fence(r.fence.as_ref())?;
             let (evidence, source) = parse_evidence(&r)?;
+            let proof = r
+                .rail_evidence
+                .as_ref()
+                .map(payment_client::wire::rail_evidence_from_proto)
+                .transpose()?;
             self.store
-                .resolve_ambiguity(&payout_id, &fence, &evidence, &source)
+                .resolve_ambiguity(&payout_id, &fence, &evidence, &source, proof.as_ref())
                 .await
         }
         .await;

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use payment_client::model::{
     AbandonRequest, Account, AuditEvent, Evidence, Fence, LedgerEntry, NewPayout, OperatorDecision,
-    Payout, PostOutcome, RailOutcome,
+    Payout, PostOutcome, RailEvidence, RailFact, RailOutcome,
 };
 use payment_client::{InvalidReason, PaymentError};
 
@@ -144,6 +144,8 @@ pub struct StoreOptions {
     /// The instruction signer and the rail proxy's fact keys (issue 33). `None` only for the
     /// fixture command's store, which refuses every fenced call before any would be signed.
     facts: Option<SignedFacts>,
+    /// RecordOutcome ACKED/DECLINED and ResolveAmbiguity need the rail proxy's signed fact.
+    rail_fact_verification: bool,
 }
 
 /// The signed facts this service makes and checks: it signs each payout's instruction (the rail
@@ -233,6 +235,157 @@ impl SignedFacts {
     }
 }
 
+/// A rail fact the payment resource does not record on: why (`grant_signing::rail_fact::REASONS`),
+/// in words, and the key it named (empty when unsigned).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FactRefusal {
+    pub reason: &'static str,
+    pub detail: String,
+    pub signing_key_id: String,
+}
+
+impl FactRefusal {
+    fn unsigned(what: &str) -> Self {
+        Self {
+            reason: "unsigned",
+            detail: format!("{what} carries no signed fact of the rail proxy"),
+            signing_key_id: String::new(),
+        }
+    }
+
+    fn forged(forged: &Forged, key_id: &str) -> Self {
+        Self {
+            reason: forged.reason(),
+            detail: match forged {
+                Forged::Unsigned => "the fact carries no signature".to_string(),
+                Forged::UnknownKeyId(id) => {
+                    format!("the fact is signed by key {id:?}, which this resource does not know")
+                }
+                Forged::BadSignature => {
+                    "the signature does not match the fact on this payout".to_string()
+                }
+            },
+            signing_key_id: key_id.to_string(),
+        }
+    }
+
+    fn contradicts(key_id: &str, detail: String) -> Self {
+        Self {
+            reason: "contradicts",
+            detail,
+            signing_key_id: key_id.to_string(),
+        }
+    }
+}
+
+impl SignedFacts {
+    /// Whether `fact` is the rail proxy's signed outcome of `payout`'s submission saying what
+    /// `outcome` asks: ACKED with that rail reference, or REJECTED with that decline code. TIMEOUT
+    /// and OUTCOME_MISSING need none (both only lead to RAIL_AMBIGUOUS, which leaves only on
+    /// signed evidence or a signed abandon: a forged one delays, never decides). The verified
+    /// fact, for the transition's audit detail (`Null` when none was needed).
+    pub(crate) fn check_outcome(
+        &self,
+        payout: &Payout,
+        outcome: &RailOutcome,
+        fact: Option<&RailFact>,
+    ) -> Result<Value, FactRefusal> {
+        let (name, fact_outcome, value) = match outcome {
+            RailOutcome::Acked { rail_ref } => ("ACKED", "ACKED", rail_ref.as_str()),
+            RailOutcome::Declined { decline_code } => {
+                ("DECLINED", "REJECTED", decline_code.as_str())
+            }
+            RailOutcome::Timeout | RailOutcome::OutcomeMissing => return Ok(Value::Null),
+        };
+        let Some(fact) = fact else {
+            return Err(FactRefusal::unsigned(&format!("RecordOutcome {name}")));
+        };
+        let key_id = fact.signature.key_id.as_str();
+        self.rail_facts
+            .verify_outcome(
+                &fact.message(
+                    payout.payout_id.as_str(),
+                    payout.account_id.as_str(),
+                    &payout.client_reference,
+                ),
+                &fact.signature,
+            )
+            .map_err(|forged| FactRefusal::forged(&forged, key_id))?;
+        let recorded = if fact_outcome == "ACKED" {
+            &fact.rail_ref
+        } else {
+            &fact.decline_code
+        };
+        if fact.outcome != fact_outcome || recorded.as_str() != value {
+            return Err(FactRefusal::contradicts(
+                key_id,
+                format!(
+                    "RecordOutcome {name} {value:?}, but the rail proxy recorded {} (rail_ref {:?}, decline_code {:?})",
+                    fact.outcome, fact.rail_ref, fact.decline_code
+                ),
+            ));
+        }
+        Ok(
+            json!({"outcome": fact.outcome, "rail_ref": fact.rail_ref, "decline_code": fact.decline_code,
+                  "token": fact.token, "signed_at_unix_ms": fact.signed_at_unix_ms,
+                  "signing_key_id": key_id, "signature": grant_signing::to_hex(&fact.signature.bytes)}),
+        )
+    }
+
+    /// Whether `proof` is the rail proxy's signed evidence of an inquiry about `payout` saying
+    /// what `evidence` asks: FOUND listing that rail reference, or ABSENT / NEVER_SENT for
+    /// ABSENT. The verified evidence, for the transition's audit detail.
+    pub(crate) fn check_evidence(
+        &self,
+        payout: &Payout,
+        evidence: &Evidence,
+        proof: Option<&RailEvidence>,
+    ) -> Result<Value, FactRefusal> {
+        let name = match evidence {
+            Evidence::Found { .. } => "FOUND",
+            Evidence::Absent => "ABSENT",
+        };
+        let Some(proof) = proof else {
+            return Err(FactRefusal::unsigned(&format!("ResolveAmbiguity {name}")));
+        };
+        let key_id = proof.signature.key_id.as_str();
+        self.rail_facts
+            .verify_evidence(
+                &proof.message(
+                    payout.payout_id.as_str(),
+                    payout.account_id.as_str(),
+                    &payout.client_reference,
+                ),
+                &proof.signature,
+            )
+            .map_err(|forged| FactRefusal::forged(&forged, key_id))?;
+        let agrees = match evidence {
+            Evidence::Found { rail_ref } => {
+                proof.evidence == "FOUND" && proof.rail_refs.iter().any(|r| r == rail_ref)
+            }
+            Evidence::Absent => matches!(proof.evidence.as_str(), "ABSENT" | "NEVER_SENT"),
+        };
+        if !agrees {
+            let asked = match evidence {
+                Evidence::Found { rail_ref } => format!("FOUND {rail_ref:?}"),
+                Evidence::Absent => "ABSENT".to_string(),
+            };
+            return Err(FactRefusal::contradicts(
+                key_id,
+                format!(
+                    "ResolveAmbiguity {asked}, but the rail proxy's evidence is {} {:?}",
+                    proof.evidence, proof.rail_refs
+                ),
+            ));
+        }
+        Ok(
+            json!({"evidence": proof.evidence, "rail_refs": proof.rail_refs, "asked_by": proof.asked_by,
+                  "asked_at_unix_ms": proof.asked_at_unix_ms, "signing_key_id": key_id,
+                  "signature": grant_signing::to_hex(&proof.signature.bytes)}),
+        )
+    }
+}
+
 /// Finance's resolution SLA for an ambiguous payout before an operator may abandon it (spec 2.3,
 /// RAIL_AMBIGUOUS -> ABANDONED): one hour unless the deployment says otherwise.
 pub const RESOLUTION_SLA_DEFAULT: std::time::Duration = std::time::Duration::from_secs(3_600);
@@ -264,6 +417,7 @@ impl StoreOptions {
             restore_check: true,
             start_staging: true,
             facts: None,
+            rail_fact_verification: true,
         }
     }
     /// The registered operators (`name=hex,...`, `payoutctl keys operator`): an abandon is carried
@@ -327,6 +481,16 @@ impl StoreOptions {
         self.start_staging = false;
         self
     }
+    /// NEGATIVE CONTROL ONLY (feature `negative-controls`, which no shipped binary has):
+    /// RecordOutcome and ResolveAmbiguity record what the caller says about the rail without the
+    /// rail proxy's signed fact, as before issue 33. Tests use it to show that the rail-fact tests
+    /// detect what they claim to.
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn without_rail_fact_verification_for_tests(mut self) -> Self {
+        self.rail_fact_verification = false;
+        self
+    }
     /// The resolution SLA this resource enforces: it decides from its own record when a
     /// payout became RAIL_AMBIGUOUS, on the database's clock, never from what a caller asserts.
     pub fn with_resolution_sla(mut self, sla: std::time::Duration) -> Self {
@@ -370,6 +534,7 @@ struct Counters {
     account_busy: IntCounterVec,
     transitions: IntCounterVec,
     operator_not_verified: IntCounterVec,
+    rail_facts_refused: IntCounterVec,
     /// `payout_duration_seconds{final_state}`: creation to the terminal transition's commit.
     payout_duration: service_kit::prometheus::HistogramVec,
 }
@@ -681,6 +846,11 @@ impl Store {
                 "Operator decisions whose signature was missing, unknown, wrong or stale (refused and audited). Alert on any.",
                 &["decision", "reason"],
             ),
+            rail_facts_refused: metrics.counter_vec(
+                "payment_rail_facts_refused_total",
+                "RecordOutcome (ACKED, DECLINED) and ResolveAmbiguity calls without the rail proxy's signed fact saying the same thing (refused and audited): a caller's word about the rail. Alert on any.",
+                &["operation", "reason"],
+            ),
             payout_duration: metrics.histogram_vec(
                 "payout_duration_seconds",
                 "A payout's end-to-end latency: from its creation in paydb to the commit of its terminal transition, by final state (POSTED, FAILED, ABANDONED).",
@@ -786,6 +956,75 @@ impl Store {
             fence.owner(),
             fence.signature(),
         )
+    }
+
+    /// The verdict of `check` on the configured rail-fact keys. A store without them (the
+    /// fixture command's) refuses every fact as signed by an unknown key.
+    fn verify_rail_fact(
+        &self,
+        check: impl FnOnce(&SignedFacts) -> Result<Value, FactRefusal>,
+    ) -> Result<Value, FactRefusal> {
+        if !self.options.rail_fact_verification {
+            return Ok(Value::Null);
+        }
+        match &self.options.facts {
+            Some(facts) => check(facts),
+            None => Err(FactRefusal {
+                reason: "unknown_key_id",
+                detail: "this store knows no rail proxy key".to_string(),
+                signing_key_id: String::new(),
+            }),
+        }
+    }
+
+    /// A RecordOutcome or ResolveAmbiguity without the rail proxy's signed fact saying the same:
+    /// the transaction (and the fence's advance) rolled back, the refusal's audit row in its own
+    /// statement, counted, logged.
+    async fn rail_fact_refused(
+        &self,
+        fenced: Fenced,
+        fence: &Fence,
+        operation: &str,
+        refusal: FactRefusal,
+    ) -> ServerError {
+        let payout = fenced.payout;
+        if let Err(e) = fenced.tx.rollback().await {
+            return e.into();
+        }
+        self.counters
+            .rail_facts_refused
+            .with_label_values(&[operation, refusal.reason])
+            .inc();
+        tracing::warn!(
+            event = "rail_fact_refused", payout_id = %payout.payout_id, operation, reason = refusal.reason,
+            signing_key_id = refusal.signing_key_id, owner = fence.owner(), token = fence.token().get(),
+            detail = refusal.detail, "rail fact refused: the caller's word about the rail is not recorded"
+        );
+        let audit = Audit {
+            payout_id: Some(payout.payout_id.as_str()),
+            account_id: Some(payout.account_id.as_str()),
+            kind: "rail_fact_refused",
+            actor: Actor::Holder.as_str(),
+            owner: Some(fence.owner()),
+            token: Some(fence.token().as_i64()),
+            from_state: Some(payout.state.as_str()),
+            to_state: None,
+            event: Some(operation),
+            detail: json!({"operation": operation, "reason": refusal.reason, "detail": refusal.detail,
+                           "signing_key_id": refusal.signing_key_id}),
+        };
+        if let Err(e) = insert_audit(&self.pool, &audit).await {
+            // The refusal stands (nothing was written); only its evidence row is missing.
+            tracing::error!(error = %e, payout_id = %payout.payout_id, "could not record the rail_fact_refused audit event");
+        }
+        PaymentError::RailFactRefused {
+            payout_id: payout.payout_id.to_string(),
+            operation: operation.to_string(),
+            reason: refusal.reason.to_string(),
+            detail: refusal.detail,
+            signing_key_id: refusal.signing_key_id,
+        }
+        .into()
     }
 
     /// A grant the lock service did not sign: nothing ran but this refusal's audit row (in its own
@@ -1613,10 +1852,23 @@ impl Store {
         fence: &Fence,
         outcome: &RailOutcome,
         detail_text: &str,
+        fact: Option<&RailFact>,
     ) -> Result<Payout, ServerError> {
         let fenced = self
             .begin_fenced(payout_id, fence, "record_outcome")
             .await?;
+        // The rail proxy's word, not the caller's: checked on the locked row, before anything
+        // is written (a refusal rolls the fence's advance back too).
+        let verified = match self
+            .verify_rail_fact(|facts| facts.check_outcome(&fenced.payout, outcome, fact))
+        {
+            Ok(verified) => verified,
+            Err(refusal) => {
+                return Err(self
+                    .rail_fact_refused(fenced, fence, "record_outcome", refusal)
+                    .await)
+            }
+        };
         let (event, changes, name) = match outcome {
             RailOutcome::Acked { rail_ref } => (
                 PayoutEvent::RailAcked,
@@ -1654,7 +1906,7 @@ impl Store {
             ),
         };
         let detail = json!({"outcome": name, "rail_ref": changes.rail_ref, "failure_reason": changes.failure_reason,
-                            "detail": detail_text});
+                            "detail": detail_text, "rail_fact": verified});
         self.transition(fenced, event, Actor::Holder, fence, changes, detail)
             .await
     }
@@ -1667,10 +1919,21 @@ impl Store {
         fence: &Fence,
         evidence: &Evidence,
         evidence_source: &str,
+        proof: Option<&RailEvidence>,
     ) -> Result<Payout, ServerError> {
         let fenced = self
             .begin_fenced(payout_id, fence, "resolve_ambiguity")
             .await?;
+        let verified = match self
+            .verify_rail_fact(|facts| facts.check_evidence(&fenced.payout, evidence, proof))
+        {
+            Ok(verified) => verified,
+            Err(refusal) => {
+                return Err(self
+                    .rail_fact_refused(fenced, fence, "resolve_ambiguity", refusal)
+                    .await)
+            }
+        };
         let (event, changes, name) = match evidence {
             Evidence::Found { rail_ref } => (
                 PayoutEvent::EvidenceFound,
@@ -1691,7 +1954,8 @@ impl Store {
                 "ABSENT",
             ),
         };
-        let detail = json!({"evidence": name, "evidence_source": evidence_source, "rail_ref": changes.rail_ref});
+        let detail = json!({"evidence": name, "evidence_source": evidence_source, "rail_ref": changes.rail_ref,
+                            "rail_evidence": verified});
         self.transition(fenced, event, Actor::Resolver, fence, changes, detail)
             .await
     }

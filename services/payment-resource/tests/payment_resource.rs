@@ -11,7 +11,7 @@ use std::time::Duration;
 use grant_signing::{Signer, Verifier};
 use payment_client::model::{
     AbandonRequest, Evidence, Fence, NewPayout, OperatorDecision, OperatorSignature, Payout,
-    RailOutcome, Signature,
+    RailEvidence, RailFact, RailOutcome, Signature,
 };
 use payment_client::{InvalidReason, PaymentClient, PaymentError};
 use payment_resource::{Store, StoreOptions};
@@ -129,6 +129,133 @@ fn fact_signer() -> &'static Signer {
 
 fn fact_verifier() -> Verifier {
     Verifier::new([fact_signer().public_key()]).expect("a verifier")
+}
+
+/// The rail proxy's signed outcome of `payout`'s submission, as the proxy answers it, by `key`:
+/// `outcome` (`ACKED`, `REJECTED`) with its rail reference or decline code, under token 7.
+fn outcome_fact(
+    key: &Signer,
+    payout: &str,
+    account: &str,
+    outcome: &str,
+    rail_ref: &str,
+    decline_code: &str,
+) -> RailFact {
+    let payout_id = pid(payout);
+    let cref = payout_domain::ClientReference::for_payout(&payout_id);
+    let mut fact = RailFact {
+        outcome: outcome.into(),
+        rail_ref: rail_ref.into(),
+        decline_code: decline_code.into(),
+        token: 7,
+        signed_at_unix_ms: 1_800_000_000_000,
+        signature: Signature {
+            key_id: String::new(),
+            bytes: Vec::new(),
+        },
+    };
+    fact.signature = key.sign_outcome(&fact.message(payout, account, cref.as_str()));
+    fact
+}
+
+/// The rail proxy's signed evidence of an inquiry about `payout`, by `key`: `evidence` (`FOUND`,
+/// `ABSENT`, `NEVER_SENT`, `UNKNOWN`) listing `rail_refs`.
+fn evidence_fact(
+    key: &Signer,
+    payout: &str,
+    account: &str,
+    evidence: &str,
+    rail_refs: &[&str],
+) -> RailEvidence {
+    let payout_id = pid(payout);
+    let cref = payout_domain::ClientReference::for_payout(&payout_id);
+    let mut proof = RailEvidence {
+        evidence: evidence.into(),
+        rail_refs: rail_refs.iter().map(|r| r.to_string()).collect(),
+        asked_by: "resolver".into(),
+        asked_at_unix_ms: 1_800_000_000_000,
+        signature: Signature {
+            key_id: String::new(),
+            bytes: Vec::new(),
+        },
+    };
+    proof.signature = key.sign_evidence(&proof.message(payout, account, cref.as_str()));
+    proof
+}
+
+/// The proxy's genuine fact for `outcome` on payout `p` (ACKED, DECLINED; none for the others),
+/// read from the payout's own record: what a genuine worker relays.
+async fn genuine_outcome(
+    c: &PaymentClient,
+    p: &PayoutId,
+    outcome: &RailOutcome,
+) -> Option<RailFact> {
+    let account = c.get_payout(p).await.ok()?.payout.account_id;
+    match outcome {
+        RailOutcome::Acked { rail_ref } => Some(outcome_fact(
+            fact_signer(),
+            p.as_str(),
+            account.as_str(),
+            "ACKED",
+            rail_ref,
+            "",
+        )),
+        RailOutcome::Declined { decline_code } => Some(outcome_fact(
+            fact_signer(),
+            p.as_str(),
+            account.as_str(),
+            "REJECTED",
+            "",
+            decline_code,
+        )),
+        RailOutcome::Timeout | RailOutcome::OutcomeMissing => None,
+    }
+}
+
+/// The proxy's genuine evidence for `evidence` on payout `p`.
+async fn genuine_evidence(
+    c: &PaymentClient,
+    p: &PayoutId,
+    evidence: &Evidence,
+) -> Option<RailEvidence> {
+    let account = c.get_payout(p).await.ok()?.payout.account_id;
+    Some(match evidence {
+        Evidence::Found { rail_ref } => evidence_fact(
+            fact_signer(),
+            p.as_str(),
+            account.as_str(),
+            "FOUND",
+            &[rail_ref],
+        ),
+        Evidence::Absent => {
+            evidence_fact(fact_signer(), p.as_str(), account.as_str(), "ABSENT", &[])
+        }
+    })
+}
+
+/// RecordOutcome as a genuine worker makes it: with the proxy's signed fact.
+async fn record(
+    c: &PaymentClient,
+    p: &PayoutId,
+    f: &Fence,
+    outcome: &RailOutcome,
+    detail: &str,
+) -> Result<Payout, PaymentError> {
+    let fact = genuine_outcome(c, p, outcome).await;
+    c.record_outcome_proven(p, f, outcome, detail, fact.as_ref())
+        .await
+}
+
+/// ResolveAmbiguity as a genuine resolver makes it: with the proxy's signed evidence.
+async fn resolve(
+    c: &PaymentClient,
+    p: &PayoutId,
+    f: &Fence,
+    evidence: &Evidence,
+) -> Result<Payout, PaymentError> {
+    let proof = genuine_evidence(c, p, evidence).await;
+    c.resolve_ambiguity_proven(p, f, evidence, "rail-lookup", proof.as_ref())
+        .await
 }
 
 /// The binary's signed-facts flags: the instruction signing key (written once per test binary,
@@ -274,7 +401,8 @@ async fn perform(
         E::Claim | E::FundsInsufficient => c.claim(p, f).await,
         E::SubmissionAccepted => c.mark_submitted(p, f).await,
         E::RailAcked => {
-            c.record_outcome(
+            record(
+                c,
                 p,
                 f,
                 &RailOutcome::Acked {
@@ -285,7 +413,8 @@ async fn perform(
             .await
         }
         E::RailDeclined => {
-            c.record_outcome(
+            record(
+                c,
                 p,
                 f,
                 &RailOutcome::Declined {
@@ -305,20 +434,17 @@ async fn perform(
         }
         E::Posted => c.post(p, f).await.map(|o| o.payout),
         E::EvidenceFound => {
-            c.resolve_ambiguity(
+            resolve(
+                c,
                 p,
                 f,
                 &Evidence::Found {
                     rail_ref: "rail-1".into(),
                 },
-                "rail-lookup",
             )
             .await
         }
-        E::EvidenceAbsent => {
-            c.resolve_ambiguity(p, f, &Evidence::Absent, "rail-lookup")
-                .await
-        }
+        E::EvidenceAbsent => resolve(c, p, f, &Evidence::Absent).await,
         E::OperatorAbandon => {
             c.abandon(
                 p,
@@ -828,17 +954,17 @@ async fn stale_holder_is_fenced_out_and_changes_nothing() {
         perform(h.c(), &p, PayoutEvent::RailTimeout, &old).await,
         Err(PaymentError::FencedOut { .. })
     ));
-    h.c()
-        .record_outcome(
-            &p,
-            &new,
-            &RailOutcome::Acked {
-                rail_ref: "rail-9".into(),
-            },
-            "",
-        )
-        .await
-        .unwrap();
+    record(
+        h.c(),
+        &p,
+        &new,
+        &RailOutcome::Acked {
+            rail_ref: "rail-9".into(),
+        },
+        "",
+    )
+    .await
+    .unwrap();
     assert!(matches!(
         h.c().post(&p, &old).await,
         Err(PaymentError::FencedOut { .. })
@@ -3309,6 +3435,7 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
                                     Kind::ForgedGrant(_)
                                         | Kind::GrantForAnotherKey(_)
                                         | Kind::OperatorNotVerified(_)
+                                        | Kind::RailFactRefused(_)
                                 )
                             ),
                             "{kind:?}"
@@ -3685,6 +3812,327 @@ async fn negative_control_without_operator_verification_an_unsigned_abandon_land
         .unwrap();
     assert_eq!(abandoned.state, PayoutState::Abandoned);
     assert_eq!(snapshot(&h.pool, "p-1").await.state, "ABANDONED");
+}
+
+// ----- the rail's answer is recorded only on the rail proxy's signed fact (issue 33, rows 2a-2c) -----
+
+/// `call`'s refusal must be `RailFactRefused` for `reason` on `operation`, and nothing of the
+/// payout or its account changed (state, version, token stamp, fence, balance).
+async fn refused_unchanged(
+    h: &Harness,
+    payout: &str,
+    operation: &str,
+    reason: &str,
+    call: impl std::future::Future<Output = Result<Payout, PaymentError>>,
+) {
+    let before = snapshot(&h.pool, payout).await;
+    match call.await {
+        Err(PaymentError::RailFactRefused {
+            payout_id,
+            operation: op,
+            reason: r,
+            ..
+        }) => assert_eq!(
+            (payout_id.as_str(), op.as_str(), r.as_str()),
+            (payout, operation, reason)
+        ),
+        other => panic!("expected RailFactRefused({operation}, {reason}), got {other:?}"),
+    }
+    assert_eq!(
+        snapshot(&h.pool, payout).await,
+        before,
+        "{operation} {reason}: nothing changed"
+    );
+}
+
+async fn rail_fact_refusals(h: &Harness, payout: &str) -> Vec<(String, String, String)> {
+    sqlx::query_as(
+        "SELECT from_state, detail->>'operation', detail->>'reason' FROM audit_event \
+         WHERE payout_id = $1 AND kind = 'rail_fact_refused' ORDER BY id",
+    )
+    .bind(payout)
+    .fetch_all(&h.pool)
+    .await
+    .unwrap()
+}
+
+/// Rows 2a and 2c: after a real submission, a RecordOutcome is recorded only with the rail
+/// proxy's signed outcome saying the same thing. Without one, with another payout's, with one
+/// signed by a key the resource does not know, or with a genuine one that says something else,
+/// it is refused, audited and counted, and the payout (and the fence) stay as they were.
+#[tokio::test]
+async fn a_rail_outcome_is_recorded_only_on_the_proxys_signed_fact() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let (p, f) = (pid("p-1"), fence("acct-1", "worker-a", 10));
+    h.c().claim(&p, &f).await.unwrap();
+    h.c().mark_submitted(&p, &f).await.unwrap();
+    let declined = RailOutcome::Declined {
+        decline_code: "BENEFICIARY_CLOSED".into(),
+    };
+    let acked_fact = outcome_fact(fact_signer(), "p-1", "acct-1", "ACKED", "rail-1", "");
+    let cases: [(&str, RailOutcome, Option<RailFact>); 5] = [
+        ("unsigned", declined.clone(), None),
+        (
+            "bad_signature",
+            declined.clone(),
+            Some(outcome_fact(
+                fact_signer(),
+                "p-2",
+                "acct-1",
+                "REJECTED",
+                "",
+                "BENEFICIARY_CLOSED",
+            )),
+        ),
+        (
+            "unknown_key_id",
+            declined.clone(),
+            Some(outcome_fact(
+                rogue_signer(),
+                "p-1",
+                "acct-1",
+                "REJECTED",
+                "",
+                "BENEFICIARY_CLOSED",
+            )),
+        ),
+        ("contradicts", declined.clone(), Some(acked_fact.clone())),
+        (
+            "contradicts",
+            RailOutcome::Acked {
+                rail_ref: "rail-fake".into(),
+            },
+            Some(acked_fact.clone()),
+        ),
+    ];
+    for (reason, outcome, fact) in &cases {
+        refused_unchanged(
+            &h,
+            "p-1",
+            "record_outcome",
+            reason,
+            h.c()
+                .record_outcome_proven(&p, &f, outcome, "", fact.as_ref()),
+        )
+        .await;
+    }
+    let refusals = rail_fact_refusals(&h, "p-1").await;
+    assert_eq!(
+        refusals,
+        cases
+            .iter()
+            .map(|(reason, _, _)| (
+                "RAIL_SUBMITTED".to_string(),
+                "record_outcome".to_string(),
+                reason.to_string()
+            ))
+            .collect::<Vec<_>>(),
+        "one audit row per refusal"
+    );
+    let counted = h.service.metrics.render();
+    for (reason, n) in [
+        ("unsigned", 1),
+        ("bad_signature", 1),
+        ("unknown_key_id", 1),
+        ("contradicts", 2),
+    ] {
+        let line = format!(
+            "payment_rail_facts_refused_total{{operation=\"record_outcome\",reason=\"{reason}\"}} {n}"
+        );
+        assert!(counted.contains(&line), "{line} in {counted}");
+    }
+    // The genuine fact: recorded, and kept in the transition's audit detail for re-verification.
+    let acked = h
+        .c()
+        .record_outcome_proven(
+            &p,
+            &f,
+            &RailOutcome::Acked {
+                rail_ref: "rail-1".into(),
+            },
+            "",
+            Some(&acked_fact),
+        )
+        .await
+        .unwrap();
+    assert_eq!(acked.state, PayoutState::RailAcked);
+    let kept: Option<String> = sqlx::query_scalar(
+        "SELECT detail->'rail_fact'->>'signing_key_id' FROM audit_event \
+         WHERE payout_id = 'p-1' AND kind = 'transition' AND to_state = 'RAIL_ACKED'",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert_eq!(kept.as_deref(), Some("proxy-facts-test-1"));
+}
+
+/// Row 2b (and 2c for evidence): an ambiguous payout is resolved only on the rail proxy's signed
+/// evidence saying the same thing: FOUND listing the rail reference asked, ABSENT or NEVER_SENT
+/// for absence. A FOUND for a movement that never happened is refused and the payout stays
+/// RAIL_AMBIGUOUS (nobody is debited for nothing).
+#[tokio::test]
+async fn an_ambiguity_is_resolved_only_on_the_proxys_signed_evidence() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    let (p, f) = (pid("p-1"), fence("acct-1", "worker-a", 10));
+    h.c().claim(&p, &f).await.unwrap();
+    h.c().mark_submitted(&p, &f).await.unwrap();
+    let ambiguous = h
+        .c()
+        .record_outcome(&p, &f, &RailOutcome::Timeout, "deadline exceeded")
+        .await
+        .unwrap();
+    assert_eq!(
+        ambiguous.state,
+        PayoutState::RailAmbiguous,
+        "a TIMEOUT needs no fact: it decides nothing"
+    );
+    let fake = Evidence::Found {
+        rail_ref: "fake".into(),
+    };
+    let found_1 = evidence_fact(fact_signer(), "p-1", "acct-1", "FOUND", &["rail-1"]);
+    let cases: [(&str, Evidence, Option<RailEvidence>); 6] = [
+        ("unsigned", fake.clone(), None),
+        ("contradicts", fake.clone(), Some(found_1.clone())),
+        (
+            "bad_signature",
+            fake.clone(),
+            Some(evidence_fact(
+                fact_signer(),
+                "p-2",
+                "acct-1",
+                "FOUND",
+                &["fake"],
+            )),
+        ),
+        (
+            "unknown_key_id",
+            fake.clone(),
+            Some(evidence_fact(
+                rogue_signer(),
+                "p-1",
+                "acct-1",
+                "FOUND",
+                &["fake"],
+            )),
+        ),
+        (
+            "contradicts",
+            Evidence::Absent,
+            Some(evidence_fact(
+                fact_signer(),
+                "p-1",
+                "acct-1",
+                "UNKNOWN",
+                &[],
+            )),
+        ),
+        ("contradicts", Evidence::Absent, Some(found_1.clone())),
+    ];
+    for (reason, evidence, proof) in &cases {
+        refused_unchanged(
+            &h,
+            "p-1",
+            "resolve_ambiguity",
+            reason,
+            h.c()
+                .resolve_ambiguity_proven(&p, &f, evidence, "rail-lookup", proof.as_ref()),
+        )
+        .await;
+    }
+    assert_eq!(rail_fact_refusals(&h, "p-1").await.len(), cases.len());
+    assert!(h.service.metrics.render().contains(
+        "payment_rail_facts_refused_total{operation=\"resolve_ambiguity\",reason=\"contradicts\"} 3"
+    ));
+    let resolved = h
+        .c()
+        .resolve_ambiguity_proven(
+            &p,
+            &f,
+            &Evidence::Found {
+                rail_ref: "rail-1".into(),
+            },
+            "rail-lookup",
+            Some(&found_1),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resolved.state, PayoutState::RailAcked);
+    // ABSENT on the proxy's NEVER_SENT (a sealed submission) is enough, on another payout.
+    open(&h, "acct-2", 10_000).await;
+    create(&h, "p-2", "acct-2", 500).await;
+    let p2 = pid("p-2");
+    let f2 = fence("acct-2", "worker-a", 11);
+    h.c().claim(&p2, &f2).await.unwrap();
+    h.c().mark_submitted(&p2, &f2).await.unwrap();
+    h.c()
+        .record_outcome(&p2, &f2, &RailOutcome::OutcomeMissing, "")
+        .await
+        .unwrap();
+    let never_sent = evidence_fact(fact_signer(), "p-2", "acct-2", "NEVER_SENT", &[]);
+    let failed = h
+        .c()
+        .resolve_ambiguity_proven(
+            &p2,
+            &f2,
+            &Evidence::Absent,
+            "rail-lookup",
+            Some(&never_sent),
+        )
+        .await
+        .unwrap();
+    assert_eq!(failed.state, PayoutState::Failed);
+}
+
+/// Negative control of both: with the rail-fact check switched off in-process (a test-only
+/// switch), the caller's word is recorded: a DECLINED after a real submission fails the payout
+/// (money may be gone, the customer is not debited), and a FOUND without a movement acks it.
+#[tokio::test]
+async fn negative_control_without_rail_fact_verification_the_callers_word_is_recorded() {
+    let h = harness().await;
+    open(&h, "acct-1", 10_000).await;
+    create(&h, "p-1", "acct-1", 1_000).await;
+    create(&h, "p-2", "acct-1", 500).await;
+    let unverified =
+        start_service(&h.url, options().without_rail_fact_verification_for_tests()).await;
+    let c = &unverified.client;
+    let (p1, f1) = (pid("p-1"), fence("acct-1", "worker-a", 10));
+    c.claim(&p1, &f1).await.unwrap();
+    c.mark_submitted(&p1, &f1).await.unwrap();
+    let failed = c
+        .record_outcome(
+            &p1,
+            &f1,
+            &RailOutcome::Declined {
+                decline_code: "BENEFICIARY_CLOSED".into(),
+            },
+            "",
+        )
+        .await
+        .unwrap();
+    assert_eq!(failed.state, PayoutState::Failed);
+    let (p2, f2) = (pid("p-2"), fence("acct-1", "worker-a", 11));
+    c.claim(&p2, &f2).await.unwrap();
+    c.mark_submitted(&p2, &f2).await.unwrap();
+    c.record_outcome(&p2, &f2, &RailOutcome::Timeout, "")
+        .await
+        .unwrap();
+    let acked = c
+        .resolve_ambiguity(
+            &p2,
+            &f2,
+            &Evidence::Found {
+                rail_ref: "fake".into(),
+            },
+            "rail-lookup",
+        )
+        .await
+        .unwrap();
+    assert_eq!(acked.state, PayoutState::RailAcked);
+    assert!(rail_fact_refusals(&h, "p-1").await.is_empty());
 }
 
 // ----- a quarantine replay is recorded under the certified operator (issue 17, section 3) -----
