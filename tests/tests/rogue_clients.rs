@@ -10,7 +10,7 @@ use payout_domain::ClientReference;
 use rail_stub::client::StubClient;
 use serde_json::json;
 use std::time::Duration;
-use system_tests::rogue::{Activity, Outcome, Rogue, Script, Step};
+use system_tests::rogue::{Activity, Outcome, Report, Rogue, Script, Step};
 use testkit::pki::Role;
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;
@@ -188,4 +188,277 @@ async fn a_rogue_workflow_type_cannot_drive_the_genuine_worker_to_pay() {
         counted >= 1.0,
         "the worker counted the foreign caller: {counted}"
     );
+}
+
+/// The impostor's first steps on a real payout, as the genuine workflow takes them: the grant,
+/// the claim, the submission mark (the payment resource signs the instruction into its answer,
+/// which the impostor does not use). Then `tail`.
+fn owned_and_marked(input: &PayoutInput, tail: Vec<Step>) -> Vec<Step> {
+    let payout = json!({"payout_id": input.payout_id});
+    let mut steps = vec![
+        Step::new(
+            Activity::TryAcquireGrant,
+            json!({"payout_id": input.payout_id, "account_id": input.account_id}),
+        ),
+        Step::new(Activity::Claim, payout.clone()),
+        Step::new(Activity::MarkSubmitted, payout),
+    ];
+    steps.extend(tail);
+    steps
+}
+
+/// Runs `tail` as an impostor on `input`'s own workflow id after [`owned_and_marked`]'s steps,
+/// and returns its report; every step before the tail must have been answered.
+async fn impostor_on(system: &System, input: &PayoutInput, tail: Vec<Step>) -> Report {
+    let rogue = rogue(system).await;
+    let id = payout_domain::workflow_id(&input.payout_id);
+    rogue
+        .start_impostor(
+            &id,
+            Script {
+                payout_queue: system.task_queue.clone(),
+                steps: owned_and_marked(input, tail),
+                abandon_answer: None,
+            },
+        )
+        .await
+        .unwrap();
+    let report = rogue.report(&id).await.unwrap();
+    for step in report.steps.iter().take(3) {
+        assert!(
+            matches!(step.outcome, Outcome::Answered(_)),
+            "the genuine worker served the impostor up to the tail: {report:?}"
+        );
+    }
+    report
+}
+
+/// The payout's state and its `rail_fact_refused` audit rows (operation, reason), from paydb.
+async fn paydb_record(system: &System, input: &PayoutInput) -> (String, Vec<(String, String)>) {
+    let paydb = sqlx::PgPool::connect(&system.databases.paydb)
+        .await
+        .unwrap();
+    let state: String = sqlx::query_scalar("SELECT state FROM payout WHERE id = $1")
+        .bind(input.payout_id.as_str())
+        .fetch_one(&paydb)
+        .await
+        .unwrap();
+    let refusals = sqlx::query_as(
+        "SELECT detail->>'operation', detail->>'reason' FROM audit_event \
+         WHERE payout_id = $1 AND kind = 'rail_fact_refused' ORDER BY id",
+    )
+    .bind(input.payout_id.as_str())
+    .fetch_all(&paydb)
+    .await
+    .unwrap();
+    testkit::util::close_pool(paydb).await;
+    (state, refusals)
+}
+
+/// `metric{labels}` on service `index`'s `/metrics` (`SystemPorts::metrics` order).
+async fn service_counter(system: &System, index: usize, metric: &str, labels: &[&str]) -> f64 {
+    system_tests::metrics::sample(
+        &system_tests::metrics::scrape(system.ports.metrics[index]).await,
+        metric,
+        labels,
+    )
+}
+
+/// `activity` (RecordOutcome or ResolveAmbiguity) was refused by the payment resource as
+/// unsigned: relayed by the worker, the payout still in `state`, one `rail_fact_refused` audit
+/// row, counted on the payment resource's `/metrics`.
+async fn unsigned_fact_refused(
+    system: &System,
+    input: &PayoutInput,
+    report: &Report,
+    activity: Activity,
+    state: &str,
+) {
+    let operation = match activity {
+        Activity::RecordOutcome => "record_outcome",
+        _ => "resolve_ambiguity",
+    };
+    let refused = relayed_refusal(report, activity);
+    assert!(
+        refused.contains("rail fact refused") && refused.contains("unsigned"),
+        "{refused}"
+    );
+    let (now, refusals) = paydb_record(system, input).await;
+    assert_eq!(now, state, "the payout's record is unchanged");
+    assert_eq!(refusals, [(operation.to_string(), "unsigned".to_string())]);
+    let counted = service_counter(
+        system,
+        1,
+        "payment_rail_facts_refused_total",
+        &[&format!("operation=\"{operation}\""), "reason=\"unsigned\""],
+    )
+    .await;
+    assert!(counted >= 1.0, "the payment resource counted it: {counted}");
+}
+
+/// The refusal the genuine worker relayed for `activity`: the payment resource's or the proxy's
+/// named refusal in its text (the worker carries a guard's refusal as `InvalidRequest`).
+fn relayed_refusal(report: &Report, activity: Activity) -> String {
+    match report.outcome(activity) {
+        Some(Outcome::Refused(refusal)) => refusal.to_string(),
+        other => panic!("{activity:?} was refused: {other:?} in {report:?}"),
+    }
+}
+
+/// Row 1b: an impostor `PayoutWorkflow` on a real payout's own id (so the caller check passes)
+/// takes the grant, claims and marks the payout submitted, then asks the genuine worker to
+/// submit another amount to its own beneficiary, with no instruction. The proxy refuses it
+/// (`InstructionRefused{unsigned}`): nothing reaches the rail, the refusal is in proxydb's
+/// `instruction_refusal` and counted. The proxy suite's
+/// `negative_control_without_the_instruction_check_an_altered_submit_is_paid` is the control.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impostor_cannot_pay_without_the_payment_resources_instruction() {
+    let system = system().await;
+    let input = pending_payout(system, "impostor-pays", 100_000, 1_000).await;
+    let cref = ClientReference::for_payout(&input.payout_id);
+    let report = impostor_on(
+        system,
+        &input,
+        vec![Step::new(
+            Activity::SubmitToRail,
+            json!({
+                "payout_id": input.payout_id,
+                "account_id": input.account_id,
+                "amount_minor": 90_000,
+                "currency": "EUR",
+                "beneficiary_ref": "ben-rogue",
+                "client_reference": cref,
+            }),
+        )],
+    )
+    .await;
+    // The worker reads any refused submit conservatively, as an unclear answer (the genuine
+    // workflow would then inquire, find nothing sent, and fail the payout unpaid).
+    let Some(Outcome::Answered(answer)) = report.outcome(Activity::SubmitToRail) else {
+        panic!("the submit was answered: {report:?}");
+    };
+    let detail = answer["Ambiguous"]["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("instruction refused") && detail.contains("unsigned"),
+        "{answer}"
+    );
+    let truth = StubClient::new(system.rail_url())
+        .ground_truth()
+        .await
+        .unwrap();
+    assert!(
+        !truth
+            .movements
+            .iter()
+            .any(|m| m.client_reference == cref.as_str()),
+        "nothing reached the rail"
+    );
+    let proxydb = sqlx::PgPool::connect(&system.databases.proxydb)
+        .await
+        .unwrap();
+    let audited: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT reason, beneficiary_ref, amount_minor FROM instruction_refusal WHERE payout_id = $1",
+    )
+    .bind(input.payout_id.as_str())
+    .fetch_all(&proxydb)
+    .await
+    .unwrap();
+    let submitted: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM rail_submission WHERE payout_id = $1")
+            .bind(input.payout_id.as_str())
+            .fetch_one(&proxydb)
+            .await
+            .unwrap();
+    testkit::util::close_pool(proxydb).await;
+    assert_eq!(
+        audited,
+        [("unsigned".to_string(), "ben-rogue".to_string(), 90_000)]
+    );
+    assert_eq!(submitted, 0, "no submission was recorded");
+    let counted = service_counter(
+        system,
+        3,
+        "instructions_refused_total",
+        &["reason=\"unsigned\""],
+    )
+    .await;
+    assert!(counted >= 1.0, "the proxy counted the refusal: {counted}");
+}
+
+/// Row 2a: the same impostor, after the submission mark, records the rail's DECLINED without
+/// the proxy's signed outcome (the genuine worker finds none to attach: the proxy has no such
+/// submission). The payment resource refuses it (`RailFactRefused{unsigned}`): the payout stays
+/// RAIL_SUBMITTED, the refusal is audited and counted. The payment-resource suite's
+/// `negative_control_without_rail_fact_verification_the_callers_word_is_recorded` is the
+/// control (the same call then fails the payout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impostor_cannot_record_a_decline_the_proxy_did_not_sign() {
+    let system = system().await;
+    let input = pending_payout(system, "impostor-declines", 10_000, 1_000).await;
+    let report = impostor_on(
+        system,
+        &input,
+        vec![Step::new(
+            Activity::RecordOutcome,
+            json!({
+                "payout_id": input.payout_id,
+                "outcome": {"Declined": {"decline_code": "BENEFICIARY_CLOSED"}},
+            }),
+        )],
+    )
+    .await;
+    unsigned_fact_refused(
+        system,
+        &input,
+        &report,
+        Activity::RecordOutcome,
+        "RAIL_SUBMITTED",
+    )
+    .await;
+}
+
+/// Row 2b: the impostor pushes the payout to RAIL_AMBIGUOUS with an unsigned TIMEOUT (allowed:
+/// a TIMEOUT only delays), then resolves it FOUND with a rail reference of its own making. The
+/// payment resource refuses it without the proxy's signed evidence: the payout stays
+/// RAIL_AMBIGUOUS and nobody is debited for a movement that never happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impostor_cannot_resolve_an_ambiguity_with_a_movement_that_never_happened() {
+    let system = system().await;
+    let input = pending_payout(system, "impostor-finds", 10_000, 1_000).await;
+    let report = impostor_on(
+        system,
+        &input,
+        vec![
+            Step::new(
+                Activity::RecordOutcome,
+                json!({
+                    "payout_id": input.payout_id,
+                    "outcome": {"Timeout": {"detail": "the impostor says so"}},
+                }),
+            ),
+            Step::new(
+                Activity::ResolveAmbiguity,
+                json!({
+                    "payout_id": input.payout_id,
+                    "evidence": {"Found": {"rail_ref": "fake"}},
+                }),
+            ),
+        ],
+    )
+    .await;
+    assert!(
+        matches!(
+            report.outcome(Activity::RecordOutcome),
+            Some(Outcome::Answered(_))
+        ),
+        "a TIMEOUT needs no fact: {report:?}"
+    );
+    unsigned_fact_refused(
+        system,
+        &input,
+        &report,
+        Activity::ResolveAmbiguity,
+        "RAIL_AMBIGUOUS",
+    )
+    .await;
 }
