@@ -1090,6 +1090,73 @@ pub struct AbandonReport {
     pub not_running: Option<NotRunning>,
     /// The payout's workflow was not running and this command started it again before asking.
     pub resumed: Option<Resumed>,
+    /// Whether the payment resource's own record bears the workflow's answer out (issue 33):
+    /// anyone polling the payout queue can answer the Update, so the answer alone is not trusted.
+    pub confirmation: Option<Confirmation>,
+}
+
+/// What the payment resource's record says of an abandon a workflow answered: the record is the
+/// payment resource's, the answer only the word of whoever served the Update.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Confirmation {
+    /// The record bears the answer out: `abandoned` with the payout ABANDONED by this operator
+    /// for this reason; `accepted_waiting_for_lock` with this signed request's accepted decision
+    /// on record; `refused` with the request not carried out.
+    pub agrees: bool,
+    /// The payout's state in the payment resource.
+    pub state: String,
+    /// The audit row that bears the answer out, if any.
+    pub audit_event_id: Option<i64>,
+    /// What was compared, in words.
+    pub detail: String,
+}
+
+/// Checks `answer` (to the abandon `signal`) against the payment resource's `record` of the
+/// payout: pure, so every outcome is tested without a system.
+pub fn confirm_abandon(
+    answer: &payout_workflows::AbandonAnswer,
+    signal: &payout_workflows::AbandonSignal,
+    record: &payment_client::PayoutWithHistory,
+) -> Confirmation {
+    use payout_workflows::AbandonOutcome;
+    let state = record.payout.state;
+    let carried_out = record.history.iter().find(|e| {
+        e.kind == "transition"
+            && e.to_state.as_deref() == Some(PayoutState::Abandoned.as_str())
+            && e.detail["operator"].as_str() == Some(signal.operator.as_str())
+            && e.detail["reason"].as_str() == Some(signal.reason.as_str())
+    });
+    let decided = record.history.iter().find(|e| {
+        e.kind == "operator_decision"
+            && e.owner.as_deref() == Some(signal.operator.as_str())
+            && e.detail["decision"].as_str() == Some("abandon")
+            && e.detail["accepted"].as_bool() == Some(true)
+            && e.detail["reason"].as_str() == Some(signal.reason.as_str())
+            && e.detail["signed_at_unix_ms"].as_u64() == Some(signal.signed_at_unix_ms)
+    });
+    let (agrees, event, detail) = match answer.outcome {
+        AbandonOutcome::Abandoned => (
+            state == PayoutState::Abandoned && carried_out.is_some(),
+            carried_out,
+            "answered abandoned: the payout must be ABANDONED by a transition naming this operator and reason",
+        ),
+        AbandonOutcome::AcceptedWaitingForLock => (
+            decided.is_some() || carried_out.is_some(),
+            decided.or(carried_out),
+            "answered accepted: this signed request's accepted decision must be on record",
+        ),
+        AbandonOutcome::Refused => (
+            carried_out.is_none(),
+            carried_out,
+            "answered refused: the request must not have been carried out",
+        ),
+    };
+    Confirmation {
+        agrees,
+        state: state.as_str().to_string(),
+        audit_event_id: event.map(|e| e.id),
+        detail: detail.to_string(),
+    }
 }
 
 /// An abandon of a payout whose workflow is not running (it has completed, or never started):
@@ -1142,6 +1209,7 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
                         rejected: None,
                         not_running: Some(not_running),
                         resumed: None,
+                        confirmation: None,
                     },
                 )
             }
@@ -1149,15 +1217,29 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
         }
     }
     let report = match answer {
-        Ok(answer) => AbandonReport {
-            payout_id: args.payout_id.to_string(),
-            workflow_id: workflow_id.clone(),
-            accepted: answer.accepted,
-            answer: Some(answer),
-            rejected: None,
-            not_running: None,
-            resumed,
-        },
+        Ok(answer) => {
+            // The answer is the word of whoever served the Update: the payment resource's record
+            // is what was done.
+            let confirmation = match payout_state_now(&args, &parts, &workflow_id).await? {
+                Some(record) => confirm_abandon(&answer, &signal, &record),
+                None => Confirmation {
+                    agrees: false,
+                    state: String::new(),
+                    audit_event_id: None,
+                    detail: "the payment resource has no such payout".into(),
+                },
+            };
+            AbandonReport {
+                payout_id: args.payout_id.to_string(),
+                workflow_id: workflow_id.clone(),
+                accepted: answer.accepted,
+                answer: Some(answer),
+                rejected: None,
+                not_running: None,
+                resumed,
+                confirmation: Some(confirmation),
+            }
+        }
         Err(AbandonError::Rejected { reason, .. }) => AbandonReport {
             payout_id: args.payout_id.to_string(),
             workflow_id: workflow_id.clone(),
@@ -1166,6 +1248,7 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
             rejected: Some(reason),
             not_running: None,
             resumed,
+            confirmation: None,
         },
         // The run this command started ended before it answered (its inquiry found evidence
         // and it finished the payout): the refusal is recorded as for any closed workflow.
@@ -1192,6 +1275,7 @@ async fn abandon(args: AbandonArgs) -> anyhow::Result<std::process::ExitCode> {
                     rejected: None,
                     not_running: Some(not_running),
                     resumed,
+                    confirmation: None,
                 },
                 None => return Ok(std::process::ExitCode::from(exit::PROBLEM)),
             }
@@ -1210,11 +1294,14 @@ fn print_abandon(
     } else {
         println!("{}", render_abandon(&report));
     }
-    Ok(std::process::ExitCode::from(if report.accepted {
-        exit::OK
-    } else {
-        exit::PROBLEM
-    }))
+    let confirmed = report.confirmation.as_ref().is_none_or(|c| c.agrees);
+    Ok(std::process::ExitCode::from(
+        if report.accepted && confirmed {
+            exit::OK
+        } else {
+            exit::PROBLEM
+        },
+    ))
 }
 
 /// Sends the signed abandon Update to `workflow_id` and waits (bounded by
@@ -1594,7 +1681,7 @@ pub fn render_abandon(r: &AbandonReport) -> String {
                 }
                 payout_workflows::AbandonOutcome::Refused => "REFUSED",
             };
-            format!(
+            let answered = format!(
                 "{} {what} (decided by the {}; the payout is {}): {}{resumed}",
                 r.workflow_id,
                 match a.decided_by {
@@ -1603,7 +1690,17 @@ pub fn render_abandon(r: &AbandonReport) -> String {
                 },
                 a.state.as_str(),
                 a.reason
-            )
+            );
+            match &r.confirmation {
+                Some(c) if !c.agrees => format!(
+                    "NOT CONFIRMED: the payment resource's record does not bear the workflow's answer out \
+                     (the payout is {} there; {}): whatever answered the Update may not be this system's \
+                     worker; nothing is assumed done. The answer was: {answered}",
+                    if c.state.is_empty() { "unknown" } else { &c.state },
+                    c.detail
+                ),
+                _ => answered,
+            }
         }
         (None, rejected) => format!(
             "{} REFUSED by the workflow's validator (nothing recorded): {}",
@@ -1616,6 +1713,181 @@ pub fn render_abandon(r: &AbandonReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A payout in `state` whose audit trail is `history`.
+    fn record(
+        state: PayoutState,
+        history: Vec<payment_client::model::AuditEvent>,
+    ) -> payment_client::PayoutWithHistory {
+        let now = Utc::now();
+        payment_client::PayoutWithHistory {
+            payout: payment_client::model::Payout {
+                payout_id: PayoutId::parse("p-1").unwrap(),
+                account_id: AccountId::parse("a-1").unwrap(),
+                amount_minor: 100,
+                currency: Currency::parse("EUR").unwrap(),
+                beneficiary_ref: "ben-1".into(),
+                state,
+                client_reference: "cref-p-1".into(),
+                claimed_by: None,
+                token_stamp: None,
+                failure_reason: None,
+                rail_ref: None,
+                rail_outcome: None,
+                transaction_group: None,
+                created_at: now,
+                claimed_at: None,
+                submitted_at: None,
+                settled_at: None,
+                updated_at: now,
+                instruction: None,
+            },
+            history,
+        }
+    }
+
+    fn event(
+        id: i64,
+        kind: &str,
+        owner: Option<&str>,
+        to_state: Option<&str>,
+        detail: serde_json::Value,
+    ) -> payment_client::model::AuditEvent {
+        payment_client::model::AuditEvent {
+            id,
+            payout_id: Some("p-1".into()),
+            account_id: Some("a-1".into()),
+            kind: kind.into(),
+            actor: "operator".into(),
+            owner: owner.map(str::to_string),
+            token: Some(7),
+            from_state: None,
+            to_state: to_state.map(str::to_string),
+            event: None,
+            detail,
+            at: Utc::now(),
+        }
+    }
+
+    fn answer(outcome: payout_workflows::AbandonOutcome) -> payout_workflows::AbandonAnswer {
+        payout_workflows::AbandonAnswer {
+            payout_id: "p-1".into(),
+            outcome,
+            accepted: outcome != payout_workflows::AbandonOutcome::Refused,
+            decided_by: payout_workflows::AbandonDecider::PaymentResource,
+            reason: String::new(),
+            state: PayoutState::Abandoned,
+        }
+    }
+
+    /// Issue 33, row 3e's logic: an answer is confirmed only by the payment resource's record of
+    /// this very request; an answer the record does not bear out (a rogue poller's) is not.
+    #[test]
+    fn an_abandon_answer_is_confirmed_only_by_the_payment_resources_record() {
+        use payout_workflows::AbandonOutcome as O;
+        let signal = payout_workflows::AbandonSignal {
+            operator: "op-1".into(),
+            reason: "customer cancelled".into(),
+            signature: "00".into(),
+            signed_at_unix_ms: 1_800_000_000_000,
+        };
+        let abandoned_by_op = event(
+            11,
+            "transition",
+            Some("worker-1"),
+            Some("ABANDONED"),
+            serde_json::json!({"operator": "op-1", "reason": "customer cancelled"}),
+        );
+        let decided = |signed_at: u64, reason: &str| {
+            event(
+                12,
+                "operator_decision",
+                Some("op-1"),
+                None,
+                serde_json::json!({"decision": "abandon", "accepted": true, "reason": reason,
+                                   "signed_at_unix_ms": signed_at}),
+            )
+        };
+        let cases = [
+            (
+                "abandoned, on record",
+                O::Abandoned,
+                record(PayoutState::Abandoned, vec![abandoned_by_op.clone()]),
+                true,
+            ),
+            (
+                "abandoned, but PENDING with nothing on record",
+                O::Abandoned,
+                record(PayoutState::Pending, vec![]),
+                false,
+            ),
+            (
+                "abandoned by another operator's request",
+                O::Abandoned,
+                record(
+                    PayoutState::Abandoned,
+                    vec![event(
+                        11,
+                        "transition",
+                        None,
+                        Some("ABANDONED"),
+                        serde_json::json!({"operator": "op-2", "reason": "customer cancelled"}),
+                    )],
+                ),
+                false,
+            ),
+            (
+                "waiting, this request on record",
+                O::AcceptedWaitingForLock,
+                record(
+                    PayoutState::Pending,
+                    vec![decided(1_800_000_000_000, "customer cancelled")],
+                ),
+                true,
+            ),
+            (
+                "waiting, an earlier request on record",
+                O::AcceptedWaitingForLock,
+                record(
+                    PayoutState::Pending,
+                    vec![decided(1_700_000_000_000, "customer cancelled")],
+                ),
+                false,
+            ),
+            (
+                "waiting, another reason on record",
+                O::AcceptedWaitingForLock,
+                record(
+                    PayoutState::Pending,
+                    vec![decided(1_800_000_000_000, "other")],
+                ),
+                false,
+            ),
+            (
+                "waiting, nothing on record",
+                O::AcceptedWaitingForLock,
+                record(PayoutState::Pending, vec![]),
+                false,
+            ),
+            (
+                "refused, not carried out",
+                O::Refused,
+                record(PayoutState::Posted, vec![]),
+                true,
+            ),
+            (
+                "refused, but carried out",
+                O::Refused,
+                record(PayoutState::Abandoned, vec![abandoned_by_op]),
+                false,
+            ),
+        ];
+        for (case, outcome, record, agrees) in cases {
+            let c = confirm_abandon(&answer(outcome), &signal, &record);
+            assert_eq!(c.agrees, agrees, "{case}: {c:?}");
+            assert_eq!(c.state, record.payout.state.as_str(), "{case}");
+        }
+    }
 
     fn parse(args: &[&str]) -> Result<Command, clap::Error> {
         crate::ops::cli_test::parse(args)

@@ -527,6 +527,9 @@ async fn operator_commands_against_a_real_system() {
     assert_eq!(accepted.code, 0, "{accepted:?}");
     let answer = accepted.json();
     assert_eq!(answer["accepted"], true, "{answer}");
+    // The genuine worker's answer is borne out by the payment resource's record (issue 33, the
+    // control of rogue_clients.rs's an_abandon_answered_by_a_rogue_poller_is_not_confirmed).
+    assert_eq!(answer["confirmation"]["agrees"], true, "{answer}");
     // The control: accepted, but nothing carries it out while the holder keeps the key.
     assert_eq!(
         state_of(&paydb, &abandoned).await.as_deref(),

@@ -462,3 +462,83 @@ async fn an_impostor_cannot_resolve_an_ambiguity_with_a_movement_that_never_happ
     )
     .await;
 }
+
+/// Row 3e: a rogue poller answers an operator's abandon. An impostor on a real PENDING payout's
+/// workflow id answers the `abandon` Update "abandoned" without anything being done. `payoutctl
+/// payout abandon` checks the answer against the payment resource's record: the payout is still
+/// PENDING there and no transition names the operator, so it says NOT CONFIRMED and exits 1
+/// (before issue 33 it printed ACCEPTED and exited 0). The control is the operator suite
+/// (`payoutctl/tests/operate.rs`), where the genuine worker's answers are confirmed (exit 0,
+/// `confirmation.agrees`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandon_answered_by_a_rogue_poller_is_not_confirmed() {
+    let system = system().await;
+    let input = pending_payout(system, "rogue-answers", 10_000, 1_000).await;
+    let rogue = rogue(system).await;
+    let id = payout_domain::workflow_id(&input.payout_id);
+    let forged = payout_workflows::AbandonAnswer {
+        payout_id: input.payout_id.to_string(),
+        outcome: payout_workflows::AbandonOutcome::Abandoned,
+        accepted: true,
+        decided_by: payout_workflows::AbandonDecider::PaymentResource,
+        reason: "carried out".into(),
+        state: payout_domain::PayoutState::Abandoned,
+    };
+    rogue
+        .start_impostor(
+            &id,
+            Script {
+                payout_queue: system.task_queue.clone(),
+                steps: Vec::new(),
+                abandon_answer: Some(serde_json::to_value(&forged).unwrap()),
+            },
+        )
+        .await
+        .unwrap();
+    let tls = system
+        .pki
+        .issue(Role::Operator, testkit::grants::OPERATOR)
+        .expect("the operator's certificate");
+    let mut cmd = std::process::Command::new(testkit::util::bin_dir().join("payoutctl"));
+    for (name, _) in std::env::vars() {
+        if name.starts_with("PAYOUT_") || name.starts_with("TEMPORAL_") {
+            cmd.env_remove(name);
+        }
+    }
+    let out = cmd
+        .args([
+            "payout",
+            "abandon",
+            input.payout_id.as_str(),
+            "--reason",
+            "customer cancelled",
+            "--operator",
+            testkit::grants::OPERATOR,
+            "--key-file",
+            system.operator.key_file.to_str().unwrap(),
+            "--json",
+        ])
+        .env("PAYOUT_PAYMENT_URL", system.payment_url())
+        .env("PAYOUT_LOCK_URL", system.lock_url())
+        .env("PAYOUT_PROXY_URL", system.proxy_url())
+        .env("TEMPORAL_CONFIG_FILE", &system.temporal_clients)
+        .env("TEMPORAL_PROFILE", "operator")
+        .env("TEMPORAL_NAMESPACE", testkit::temporal::NAMESPACE)
+        .env("PAYOUT_TLS_CA", &tls.ca)
+        .env("PAYOUT_TLS_CERT", &tls.cert)
+        .env("PAYOUT_TLS_KEY", &tls.key)
+        .output()
+        .expect("payoutctl runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).expect("--json");
+    assert_eq!(
+        report["answer"]["outcome"], "abandoned",
+        "the impostor answered: {report}"
+    );
+    assert_eq!(report["confirmation"]["agrees"], false, "{report}");
+    assert_eq!(report["confirmation"]["state"], "PENDING", "{report}");
+    let (state, _) = paydb_record(system, &input).await;
+    assert_eq!(state, "PENDING", "nothing was abandoned");
+}
