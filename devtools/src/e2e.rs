@@ -86,6 +86,8 @@ pub struct Args {
     /// dispatcher's starter: the before figure of the intake. `in-process` and
     /// `in-process-security-off`: the payout path's services hosted in this process, as deployed
     /// and with their security off (the pair's ratio is what the security costs).
+    /// `in-process-facts-unchecked`: as deployed with only the signed facts' checks off (the
+    /// instruction at the proxy, the rail's answers at the payment resource; issue 33).
     #[arg(
         long,
         default_value = "system,workflow-floor,temporal-floor,idle,in-process,in-process-security-off"
@@ -132,6 +134,9 @@ struct Report {
     secured_over_security_off: Option<f64>,
     /// `temporal-floor` over `temporal-floor-raw`: what the Temporal front costs the floor.
     front_over_raw: Option<f64>,
+    /// `in-process` over `in-process-facts-unchecked`: what checking the signed facts costs the
+    /// payout path (issue 33's budget: at least 0.90).
+    facts_checked_over_unchecked: Option<f64>,
 }
 
 /// The most past entries `--history` gives one account.
@@ -209,7 +214,8 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                 "temporal-floor",
                 "idle",
                 "in-process",
-                "in-process-security-off"
+                "in-process-security-off",
+                "in-process-facts-unchecked"
             ]
             .contains(w),
             "--only: unknown configuration {w:?}"
@@ -378,6 +384,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let pair: Vec<(&'static str, Security)> = [
         ("in-process", Security::AsDeployed),
         ("in-process-security-off", Security::Off),
+        ("in-process-facts-unchecked", Security::FactsUnchecked),
     ]
     .into_iter()
     .filter(|(name, _)| wanted.contains(name))
@@ -417,6 +424,10 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         workflow_floor_over_temporal_floor: ratio(per_s("workflow-floor"), per_s("temporal-floor")),
         secured_over_security_off: ratio(per_s("in-process"), per_s("in-process-security-off")),
         front_over_raw: ratio(per_s("temporal-floor"), per_s("temporal-floor-raw")),
+        facts_checked_over_unchecked: ratio(
+            per_s("in-process"),
+            per_s("in-process-facts-unchecked"),
+        ),
         configurations,
     };
     if args.json {
@@ -696,7 +707,12 @@ fn print_report(r: &Report) {
     }
     if let Some(x) = r.secured_over_security_off {
         println!(
-            "in-process secured over security off: {x:.2} (mutual TLS, the authorisation tables and grant verification; target at least 0.95)"
+            "in-process secured over security off: {x:.2} (mutual TLS, the authorisation tables, grant verification and the signed facts' checks; target at least 0.95)"
+        );
+    }
+    if let Some(x) = r.facts_checked_over_unchecked {
+        println!(
+            "in-process signed facts checked over unchecked: {x:.2} (the instruction at the proxy, the rail's answers at the payment resource; target at least 0.90)"
         );
     }
 }

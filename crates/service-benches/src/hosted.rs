@@ -2,8 +2,10 @@
 //! configurations that differ in one thing only: the security.
 //!
 //! [`Security::AsDeployed`] serves the lock service, the payment resource and the rail proxy as
-//! their binaries do: mutual TLS with a certificate per role, the real authorisation tables, and
-//! both guards verifying every grant's signature and its key. [`Security::Off`] serves the same
+//! their binaries do: mutual TLS with a certificate per role, the real authorisation tables,
+//! both guards verifying every grant's signature and its key, and each verifying the other's
+//! signed facts. [`Security::FactsUnchecked`] is the same with only the signed facts' checks
+//! switched off (the third configuration, issue 33). [`Security::Off`] serves the same
 //! libraries on the same databases, etcd and rail with all of that switched off by the
 //! test-only switches (plaintext, no table, no grant verification at either guard), which this
 //! crate, never shipped, may use. The lock service signs every grant in both (its signer is not a
@@ -22,9 +24,15 @@ use crate::pki::tls;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Security {
-    /// Mutual TLS, the authorisation tables, grant verification at both guards.
+    /// Mutual TLS, the authorisation tables, grant verification at both guards, the signed facts
+    /// checked (the instruction at the proxy, the rail's outcomes and evidence at the payment
+    /// resource).
     AsDeployed,
-    /// TEST ONLY: plaintext, no tables, no grant verification.
+    /// TEST ONLY: as deployed but the signed facts are not checked (issue 33): what their checks
+    /// cost. They are still signed (the payment resource signs each instruction, the proxy each
+    /// answer), so the pair's ratio is the checks' cost, not the signatures'.
+    FactsUnchecked,
+    /// TEST ONLY: plaintext, no tables, no grant verification, no signed-fact check.
     Off,
 }
 
@@ -80,7 +88,8 @@ pub fn certificate(role: Role) -> mtls::Tls {
 
 impl Hosted {
     pub async fn start(backing: &Backing, security: Security) -> Result<Self, HostError> {
-        let secured = security == Security::AsDeployed;
+        let secured = security != Security::Off;
+        let facts_checked = security == Security::AsDeployed;
         let stub = rail_stub::RunningStub::start(rail_stub::StubConfig::default())
             .await
             .map_err(start_error("rail stub"))?;
@@ -163,6 +172,9 @@ impl Hosted {
                 .without_grant_verification_for_tests()
                 .without_key_binding_for_tests();
         }
+        if !facts_checked {
+            options = options.without_rail_fact_verification_for_tests();
+        }
         let metrics = Metrics::default();
         let store = payment_resource::Store::new(paydb, options, &metrics);
         let mut front = payment_resource::Front::new(tls(Role::PaymentResource), metrics)
@@ -196,6 +208,9 @@ impl Hosted {
                 .disable_grant_verification_for_negative_control()
                 .plaintext_for_benches();
         }
+        if !facts_checked {
+            config = config.disable_instruction_verification_for_negative_control();
+        }
         let proxy = rail_proxy::RunningProxy::start(proxydb, config)
             .await
             .map_err(start_error("rail proxy"))?;
@@ -222,7 +237,7 @@ impl Hosted {
         role: Role,
     ) -> Result<Channel, HostError> {
         let endpoint = match self.security {
-            Security::AsDeployed => tls(role)
+            Security::AsDeployed | Security::FactsUnchecked => tls(role)
                 .endpoint(&format!("https://{addr}"), server)
                 .map_err(start_error("client TLS"))?,
             Security::Off => tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
