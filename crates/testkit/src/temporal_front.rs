@@ -33,6 +33,11 @@ pub const USER: &str = "payout-temporal";
 /// Calls may last longer than Temporal's 70 s long polls (its own advice for a proxy: above
 /// 80 s), or every idle poll would end in an error.
 const CALL_TIMEOUT_S: u32 = 120;
+/// The front's internal location that answers a refused role (never reachable from outside).
+const DENIED_PATH: &str = "payout-front-permission-denied";
+/// The grpc-message of a refused role: what every client prints (deploy's front says the same).
+pub const DENIED_MESSAGE: &str =
+    "the client certificate's role may not call Temporal (payout front)";
 /// A connection is kept well beyond Temporal's advice (at least 6 minutes).
 const KEEPALIVE_TIMEOUT_S: u32 = 600;
 /// nginx GOAWAYs a connection after this many requests (default 1000): a busy worker's would be
@@ -120,11 +125,21 @@ http {{
     http2_max_concurrent_streams {CONCURRENT_STREAMS_MAX};
     client_max_body_size {BODY_SIZE_MAX};
     client_body_timeout {CALL_TIMEOUT_S}s;
-    if ($temporal_role = "") {{ return 403; }}
+    # A role that does not need Temporal is answered as gRPC answers a refusal (grpc-status 7,
+    # PERMISSION_DENIED, in a trailers-only response), so every client names it as such.
+    error_page 403 = /{DENIED_PATH};
     location / {{
+      if ($temporal_role = "") {{ return 403; }}
       grpc_pass grpc://temporal_raw;
       grpc_read_timeout {CALL_TIMEOUT_S}s;
       grpc_send_timeout {CALL_TIMEOUT_S}s;
+    }}
+    location = /{DENIED_PATH} {{
+      internal;
+      default_type application/grpc;
+      add_header grpc-status 7 always;
+      add_header grpc-message "{DENIED_MESSAGE}" always;
+      return 200 "";
     }}
   }}
 "#,

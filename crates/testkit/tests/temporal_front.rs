@@ -1,7 +1,7 @@
 //! Attack rows 3a and 3b of issue 33 (design section 4): Temporal is reached only through its mutual-TLS front, by
 //! the roles that need it, and its UI only with a login. Every refusal happens before any call
-//! reaches the dev server: at the TLS handshake, at the front's role check (403, which gRPC
-//! clients read as PERMISSION_DENIED), or at the isolation rules on the raw ports.
+//! reaches the dev server: at the TLS handshake, at the front's role check (a gRPC
+//! PERMISSION_DENIED the front answers itself), or at the isolation rules on the raw ports.
 //!
 //! The clients are the real ones: the `temporal` CLI (grpc-go, as operators use it) for gRPC,
 //! curl for the UI. Controls: the operator's certificate through the front answers; the dev
@@ -139,8 +139,9 @@ fn temporal_is_reached_only_through_the_front() {
         &["the server requires TLS"],
     );
 
-    // A certificate of our authority whose role does not need Temporal: the front's role check
-    // (403; the Rust SDK reads it as PERMISSION_DENIED, the Go CLI prints the HTTP status).
+    // A certificate of our authority whose role does not need Temporal: the front's role check,
+    // answered as a gRPC PERMISSION_DENIED with the front's message, which the Go CLI prints
+    // (the compose suite reads the code itself through the Rust SDK).
     for (role, name) in [
         (Role::Intake, "intake-1"),
         (Role::PaymentResource, "payment-resource"),
@@ -150,7 +151,7 @@ fn temporal_is_reached_only_through_the_front() {
         assert_refused(
             &format!("a {role} certificate"),
             &describe(&front, &flags),
-            &["403 (Forbidden)"],
+            &[testkit::temporal_front::DENIED_MESSAGE],
         );
     }
 

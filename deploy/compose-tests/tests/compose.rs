@@ -1261,13 +1261,12 @@ async fn temporal_front_refusals(project: &Deployment, port: u16) -> anyhow::Res
     match intake {
         Ok(_) => bail!("an intake certificate got an answer from Temporal"),
         Err(e) => {
-            // The front's role check is nginx's `return 403` (a TLS refusal is a 400 or a
-            // handshake error): a gRPC client reads it as PermissionDenied where it maps the HTTP
-            // status, and tonic as Internal naming the response's `403 Forbidden` from nginx.
+            // The front's role check answers a gRPC PERMISSION_DENIED with its own message (a
+            // TLS refusal is a handshake error, never this).
             let said = format!("{e:?}");
             ensure!(
                 said.contains("PermissionDenied")
-                    || (said.contains("403 Forbidden") && said.contains("nginx")),
+                    && said.contains("may not call Temporal (payout front)"),
                 "an intake certificate was refused, but not by the front's role check: {said}"
             );
         }
