@@ -1172,9 +1172,14 @@ async fn replay_committed_histories() {
     // replay on its old path; the v2_ ones with it, before the local steps (LOCAL_STEPS_PATCH),
     // and replay on the activity path; the others were recorded with local steps
     // (`local_step_gave_up`: a local acquire that gave up on a worker cut off from the lock
-    // service, the run then on activity tasks).
+    // service, the run then on activity tasks). `real_backend_normal_path` is the real services'
+    // shape since issue 33 (the signed instruction in MarkSubmitted's answer and SubmitToRail's
+    // input, the proxy's signed outcome in its answer and RecordOutcome's input);
+    // `v3_real_backend_normal_path` the same path recorded before, without them.
     for required in [
         "normal_path",
+        "real_backend_normal_path",
+        "v3_real_backend_normal_path",
         "local_step_gave_up",
         "decline",
         "v1_normal_path",
