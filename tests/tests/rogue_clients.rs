@@ -107,7 +107,6 @@ async fn a_rogue_workflow_type_cannot_drive_the_genuine_worker_to_pay() {
     let system = system().await;
     let input = pending_payout(system, "rogue-type", 10_000, 1_000).await;
     let rogue = rogue(system).await;
-    let cref = ClientReference::for_payout(&input.payout_id);
     let report = rogue
         .rogue(Script {
             payout_queue: system.task_queue.clone(),
@@ -116,33 +115,17 @@ async fn a_rogue_workflow_type_cannot_drive_the_genuine_worker_to_pay() {
                     Activity::TryAcquireGrant,
                     json!({"payout_id": input.payout_id, "account_id": input.account_id}),
                 ),
-                Step::new(
-                    Activity::SubmitToRail,
-                    json!({
-                        "payout_id": input.payout_id,
-                        "account_id": input.account_id,
-                        "amount_minor": 90_000,
-                        "currency": "EUR",
-                        "beneficiary_ref": "ben-rogue",
-                        "client_reference": cref,
-                    }),
-                ),
+                rogue_submit(&input),
             ],
             abandon_answer: None,
         })
         .await
         .unwrap();
-    let truth = StubClient::new(system.rail_url())
-        .ground_truth()
-        .await
-        .unwrap();
-    let paid: Vec<(i64, String)> = truth
-        .movements
-        .iter()
-        .filter(|m| m.client_reference == cref.as_str())
-        .map(|m| (m.amount_minor, m.beneficiary_ref.clone()))
-        .collect();
-    assert_eq!(paid, [], "the rail paid the rogue: {report:?}");
+    assert_eq!(
+        paid_for(system, &input).await,
+        [],
+        "the rail paid the rogue: {report:?}"
+    );
     assert_eq!(
         report.refusal(Activity::TryAcquireGrant),
         Some("ForeignCaller"),
@@ -305,6 +288,70 @@ fn relayed_refusal(report: &Report, activity: Activity) -> String {
     }
 }
 
+/// The impostor's SubmitToRail: 90 000 to `ben-rogue` for `input`'s payout, no instruction.
+fn rogue_submit(input: &PayoutInput) -> Step {
+    Step::new(
+        Activity::SubmitToRail,
+        json!({
+            "payout_id": input.payout_id,
+            "account_id": input.account_id,
+            "amount_minor": 90_000,
+            "currency": "EUR",
+            "beneficiary_ref": "ben-rogue",
+            "client_reference": ClientReference::for_payout(&input.payout_id),
+        }),
+    )
+}
+
+/// What the rail paid for `input`'s payout: (amount, beneficiary) of each movement.
+async fn paid_for(system: &System, input: &PayoutInput) -> Vec<(i64, String)> {
+    let cref = ClientReference::for_payout(&input.payout_id);
+    StubClient::new(system.rail_url())
+        .ground_truth()
+        .await
+        .unwrap()
+        .movements
+        .iter()
+        .filter(|m| m.client_reference == cref.as_str())
+        .map(|m| (m.amount_minor, m.beneficiary_ref.clone()))
+        .collect()
+}
+
+/// Row 1b's negative control: the same impostor against a system whose rail proxy is the
+/// test-only `rail-proxy-failpoint --mode instruction-unverified` (the shipped start-up with the
+/// instruction check switched off). The rail pays the impostor's amount to its beneficiary: the
+/// refusal in the case below is the instruction check's doing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_with_the_instruction_unchecked_the_impostor_is_paid() {
+    let system = System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 1,
+            rail_proxy_binary: Some((
+                "rail-proxy-failpoint".into(),
+                vec!["--mode".into(), "instruction-unverified".into()],
+            )),
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .expect("the system starts");
+    let input = pending_payout(&system, "impostor-paid", 100_000, 1_000).await;
+    let report = impostor_on(&system, &input, vec![rogue_submit(&input)]).await;
+    assert!(
+        matches!(
+            report.outcome(Activity::SubmitToRail),
+            Some(Outcome::Answered(answer)) if answer.get("Acked").is_some()
+        ),
+        "the unchecked proxy sent it: {report:?}"
+    );
+    assert_eq!(
+        paid_for(&system, &input).await,
+        [(90_000, "ben-rogue".to_string())],
+        "the rail paid the impostor's amount to its beneficiary"
+    );
+}
+
 /// Row 1b: an impostor `PayoutWorkflow` on a real payout's own id (so the caller check passes)
 /// takes the grant, claims and marks the payout submitted, then asks the genuine worker to
 /// submit another amount to its own beneficiary, with no instruction. The proxy refuses it
@@ -315,23 +362,7 @@ fn relayed_refusal(report: &Report, activity: Activity) -> String {
 async fn an_impostor_cannot_pay_without_the_payment_resources_instruction() {
     let system = system().await;
     let input = pending_payout(system, "impostor-pays", 100_000, 1_000).await;
-    let cref = ClientReference::for_payout(&input.payout_id);
-    let report = impostor_on(
-        system,
-        &input,
-        vec![Step::new(
-            Activity::SubmitToRail,
-            json!({
-                "payout_id": input.payout_id,
-                "account_id": input.account_id,
-                "amount_minor": 90_000,
-                "currency": "EUR",
-                "beneficiary_ref": "ben-rogue",
-                "client_reference": cref,
-            }),
-        )],
-    )
-    .await;
+    let report = impostor_on(system, &input, vec![rogue_submit(&input)]).await;
     // The worker reads any refused submit conservatively, as an unclear answer (the genuine
     // workflow would then inquire, find nothing sent, and fail the payout unpaid).
     let Some(Outcome::Answered(answer)) = report.outcome(Activity::SubmitToRail) else {
@@ -342,15 +373,9 @@ async fn an_impostor_cannot_pay_without_the_payment_resources_instruction() {
         detail.contains("instruction refused") && detail.contains("unsigned"),
         "{answer}"
     );
-    let truth = StubClient::new(system.rail_url())
-        .ground_truth()
-        .await
-        .unwrap();
-    assert!(
-        !truth
-            .movements
-            .iter()
-            .any(|m| m.client_reference == cref.as_str()),
+    assert_eq!(
+        paid_for(system, &input).await,
+        [],
         "nothing reached the rail"
     );
     let proxydb = sqlx::PgPool::connect(&system.databases.proxydb)

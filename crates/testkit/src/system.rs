@@ -44,6 +44,10 @@ pub struct SystemOptions {
     /// The payment resource's resolution SLA (when an operator may abandon an ambiguous
     /// payout); its production default (one hour) if `None`.
     pub resolution_sla_ms: Option<u64>,
+    /// TEST ONLY: another binary in the rail proxy's place (a test binary of the workspace that
+    /// takes the proxy's flags, e.g. `rail-proxy-failpoint`) and extra arguments for it: a
+    /// negative control's proxy with a protection switched off. The shipped `rail-proxy` if `None`.
+    pub rail_proxy_binary: Option<(String, Vec<String>)>,
     /// The dispatcher delivers the payout workflow starts CreatePayout stages (paydb 0009), on
     /// this system's task queue with these clocks. `None` (the tests' default: they start their
     /// own workflows, with their own clocks, or none at all): `--without-workflow-starts`.
@@ -73,6 +77,7 @@ impl Default for SystemOptions {
             task_queue: None,
             etcd_prefix: None,
             resolution_sla_ms: None,
+            rail_proxy_binary: None,
             workflow_starts: None,
         }
     }
@@ -299,8 +304,13 @@ impl System {
             stub = stub.args(["--faults-json", faults]);
         }
         let rail_stub = ManagedProcess::start(stub)?;
+        let (proxy_binary, proxy_extra) = options
+            .rail_proxy_binary
+            .clone()
+            .unwrap_or_else(|| ("rail-proxy".to_string(), Vec::new()));
         let rail_proxy = ManagedProcess::start(
-            spec("rail-proxy")?
+            spec(&proxy_binary)?
+                .args(proxy_extra)
                 .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_proxy)])
                 .args(["--metrics-listen".into(), format!("127.0.0.1:{}", m[3])])
                 .env(
