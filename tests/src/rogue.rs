@@ -65,7 +65,9 @@ impl Activity {
 }
 
 /// One step: the activity and its input as JSON. A fenced step's input without a `grant` gets
-/// the grant the script's last `TryAcquireGrant` obtained.
+/// the grant the script's last `TryAcquireGrant` obtained, and a `signed_instruction` of
+/// [`FROM_MARK_SUBMITTED`] gets the one the script's last `MarkSubmitted` was answered with (what
+/// the genuine workflow carries from that answer to SubmitToRail).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Step {
     pub activity: Activity,
@@ -77,6 +79,9 @@ impl Step {
         Self { activity, input }
     }
 }
+
+/// A step input's `signed_instruction` value that stands for MarkSubmitted's answer's.
+pub const FROM_MARK_SUBMITTED: &str = "from MarkSubmitted's answer";
 
 /// What the rogue does, in order; it stops at the first step that is not answered.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -181,12 +186,16 @@ impl ImpostorWorkflow {
 async fn run_script<W>(ctx: &WorkflowContext<W>, script: &Script) -> Report {
     let mut report = Report::default();
     let mut grant: Option<Grant> = None;
+    let mut instruction = serde_json::Value::Null;
     for step in &script.steps {
         let task_queue = match (&grant, step.activity.fenced()) {
             (Some(g), true) if !g.task_queue.is_empty() => g.task_queue.clone(),
             _ => script.payout_queue.clone(),
         };
         let mut input = step.input.clone();
+        if input["signed_instruction"] == FROM_MARK_SUBMITTED {
+            input["signed_instruction"] = instruction.clone();
+        }
         if step.activity.fenced() {
             if let (Some(g), Some(fields)) = (&grant, input.as_object_mut()) {
                 if !fields.contains_key("grant") {
@@ -221,7 +230,13 @@ async fn run_script<W>(ctx: &WorkflowContext<W>, script: &Script) -> Report {
             }
             Activity::GetPayout => run!(PayoutActivities::get_payout),
             Activity::Claim => run!(PayoutActivities::claim),
-            Activity::MarkSubmitted => run!(PayoutActivities::mark_submitted),
+            Activity::MarkSubmitted => {
+                let answer = run!(PayoutActivities::mark_submitted);
+                if let Outcome::Answered(value) = &answer {
+                    instruction = value["signed_instruction"].clone();
+                }
+                answer
+            }
             Activity::SubmitToRail => run!(PayoutActivities::submit_to_rail),
             Activity::RecordOutcome => run!(PayoutActivities::record_outcome),
             Activity::ResolveAmbiguity => run!(PayoutActivities::resolve_ambiguity),

@@ -410,28 +410,60 @@ async fn an_impostor_cannot_pay_without_the_payment_resources_instruction() {
     assert!(counted >= 1.0, "the proxy counted the refusal: {counted}");
 }
 
-/// Row 2a: the same impostor, after the submission mark, records the rail's DECLINED without
-/// the proxy's signed outcome (the genuine worker finds none to attach: the proxy has no such
-/// submission). The payment resource refuses it (`RailFactRefused{unsigned}`): the payout stays
-/// RAIL_SUBMITTED, the refusal is audited and counted. The payment-resource suite's
+/// Row 2a: the same impostor submits the payout as the genuine workflow would (the payment
+/// resource's instruction from MarkSubmitted's answer, the payout's own amount and beneficiary):
+/// the rail pays and the proxy answers ACKED. It then records the rail's DECLINED instead (money
+/// gone, the customer not debited, were it recorded). The genuine worker has no signed DECLINED
+/// to attach (the proxy's record says ACKED), so the payment resource refuses it
+/// (`RailFactRefused{unsigned}`): the payout stays RAIL_SUBMITTED, the refusal is audited and
+/// counted, and the rail holds the one payment. The payment-resource suite's
 /// `negative_control_without_rail_fact_verification_the_callers_word_is_recorded` is the
 /// control (the same call then fails the payout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_impostor_cannot_record_a_decline_the_proxy_did_not_sign() {
+async fn an_impostor_cannot_record_a_decline_after_a_real_ack() {
     let system = system().await;
     let input = pending_payout(system, "impostor-declines", 10_000, 1_000).await;
     let report = impostor_on(
         system,
         &input,
-        vec![Step::new(
-            Activity::RecordOutcome,
-            json!({
-                "payout_id": input.payout_id,
-                "outcome": {"Declined": {"decline_code": "BENEFICIARY_CLOSED"}},
-            }),
-        )],
+        vec![
+            Step::new(
+                Activity::SubmitToRail,
+                json!({
+                    "payout_id": input.payout_id,
+                    "account_id": input.account_id,
+                    "amount_minor": input.amount_minor,
+                    "currency": input.currency,
+                    "beneficiary_ref": input.beneficiary_ref,
+                    "client_reference": ClientReference::for_payout(&input.payout_id),
+                    "signed_instruction": system_tests::rogue::FROM_MARK_SUBMITTED,
+                }),
+            ),
+            Step::new(
+                Activity::RecordOutcome,
+                json!({
+                    "payout_id": input.payout_id,
+                    "outcome": {"Declined": {"decline_code": "BENEFICIARY_CLOSED"}},
+                }),
+            ),
+        ],
     )
     .await;
+    assert!(
+        matches!(
+            report.outcome(Activity::SubmitToRail),
+            Some(Outcome::Answered(answer)) if answer.get("Acked").is_some()
+        ),
+        "the genuine submission was paid: {report:?}"
+    );
+    assert_eq!(
+        paid_for(system, &input).await,
+        [(
+            input.amount_minor.get(),
+            input.beneficiary_ref.as_str().to_string()
+        )],
+        "the rail paid the payout once, as instructed"
+    );
     unsigned_fact_refused(
         system,
         &input,
