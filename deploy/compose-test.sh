@@ -70,7 +70,7 @@ echo "grant signing key: $KEY_ID (public: $PAYOUT_GRANT_VERIFY_KEYS)"
 echo "instruction key: $PAYOUT_INSTRUCTION_VERIFY_KEYS; rail-fact key: $PAYOUT_RAIL_FACT_VERIFY_KEYS"
 echo "TIMING grant signing key: $(secs "$t")"
 
-# This run's certificates (ARCHITECTURE.md, "Mutual TLS"): a fresh authority and one certificate
+# This run's certificates (ARCHITECTURE.md, "`crates/mtls`"): a fresh authority and one certificate
 # per service, made by the operator CLI exactly as an operator makes them, into deploy/secrets/tls
 # (git-ignored). The suite's own calls use certificates it issues from the same authority.
 TLS_DIR="$KEY_DIR/tls"
