@@ -1013,12 +1013,7 @@ async fn a_worker_frozen_after_marking_submitted_never_moves_money_for_a_failed_
                 input.beneficiary_ref.clone(),
             )
             .signed(key.clone(), signer.sign(&key, token, owner))
-            .instructed_by(
-                &instructions,
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as i64),
-            )
+            .instructed_now(&instructions)
         };
         let stale = proxy.submit(&late(frozen_token as u64, &claimer)).await;
         assert!(

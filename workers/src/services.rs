@@ -850,17 +850,16 @@ impl Backend for ServiceBackend {
                     (model::RailOutcome::OutcomeMissing, String::new(), None)
                 }
             };
-            let (fact, carried) = match &signed {
-                None => (None, false),
+            let fact = match &signed {
+                None => None,
                 Some((name, rail_ref, code, Some(proof))) => {
-                    (Some(rail_fact(name, rail_ref, code, proof)), true)
+                    Some(rail_fact(name, rail_ref, code, proof))
                 }
                 // A history recorded before proofs were carried: the proxy's record, re-read.
-                Some((name, rail_ref, code, None)) => (
+                Some((name, rail_ref, code, None)) => {
                     self.looked_up_outcome(&input.payout_id, name, rail_ref, code)
-                        .await?,
-                    false,
-                ),
+                        .await?
+                }
             };
             // The payment resource bounds free text; a long transport error is cut, not refused.
             let detail: String = detail.chars().take(model::TEXT_LENGTH_MAX / 2).collect();
@@ -873,8 +872,8 @@ impl Backend for ServiceBackend {
                 // the proxy's record, re-signed with its current key, once.
                 (
                     Err(PaymentError::RailFactRefused { reason, .. }),
-                    Some((name, rail_ref, code, _)),
-                ) if carried && (reason == "unknown_key_id" || reason == "bad_signature") => {
+                    Some((name, rail_ref, code, Some(_carried))),
+                ) if reason == "unknown_key_id" || reason == "bad_signature" => {
                     let fresh = self
                         .looked_up_outcome(&input.payout_id, name, rail_ref, code)
                         .await?;

@@ -104,6 +104,12 @@ impl SubmitPayout {
         self.instructed(Some(signer.sign_instruction(instruction)))
     }
 
+    /// [`SubmitPayout::instructed_by`] issued now, on this host's clock.
+    pub fn instructed_now(self, signer: &grant_signing::Signer) -> Self {
+        let now = i64::try_from(grant_signing::operator::now_unix_ms()).unwrap_or(i64::MAX);
+        self.instructed_by(signer, now)
+    }
+
     /// What the request asks, as the instruction's verifier compares it field by field.
     pub fn presented(&self) -> grant_signing::instruction::Presented<'_> {
         grant_signing::instruction::Presented {

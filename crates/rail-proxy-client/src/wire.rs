@@ -862,20 +862,7 @@ mod tests {
             Ok(())
         );
 
-        let p = request.presented();
-        let instruction = signer.sign_instruction(Instruction {
-            payout_id: p.payout_id.into(),
-            account_id: p.account_id.into(),
-            currency: p.currency.into(),
-            beneficiary_ref: p.beneficiary_ref.into(),
-            client_reference: p.client_reference.into(),
-            lock_key: p.lock_key.into(),
-            amount_minor: p.amount_minor,
-            token: p.token,
-            issued_at_unix_ms: 1,
-            expires_at_unix_ms: 2,
-        });
-        let instructed = request.clone().instructed(Some(instruction.clone()));
+        let instructed = request.clone().instructed_by(&signer, 1);
         let wire = submit_request(&instructed);
         assert_eq!(parse_submit(&wire).unwrap(), instructed);
         let mut altered = wire.clone();

@@ -56,12 +56,7 @@ async fn pay_submitting(system: &System, account: &str, payout: &str, amount: i6
                 new.beneficiary_ref.clone(),
             )
             .signed(grant.key(), grant.signature().clone())
-            .instructed_by(
-                &system.instruction_keys.signer().unwrap(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as i64),
-            ),
+            .instructed_now(&system.instruction_keys.signer().unwrap()),
         )
         .await
         .unwrap();

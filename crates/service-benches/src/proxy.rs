@@ -296,12 +296,9 @@ pub async fn run(
                     let key = request.lock_key();
                     let signature = signer.sign(&key, request.token.get(), &request.owner);
                     // Instructed up front too (the payment resource's part, not the proxy's).
-                    request.signed(key, signature).instructed_by(
-                        &instruction_signer,
-                        std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| d.as_millis() as i64),
-                    )
+                    request
+                        .signed(key, signature)
+                        .instructed_now(&instruction_signer)
                 })
                 .collect(),
         )

@@ -172,12 +172,7 @@ pub async fn stale_holder_on(
             .signed(grant.key(), grant.signature().clone())
             // The payment resource's instruction for it (the system's own key): the guards must
             // refuse the stale holder on its token, not for want of an instruction.
-            .instructed_by(
-                &instructions,
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as i64),
-            )
+            .instructed_now(&instructions)
         };
         let mut proxy =
             RailProxyClient::connect(&system.proxy_url(), &system.tls(Role::Worker)).await?;

@@ -292,12 +292,7 @@ pub fn submit_request(
         new.beneficiary_ref.clone(),
     )
     .signed(grant.key(), grant.signature().clone())
-    .instructed_by(
-        &system.instruction_keys.signer().unwrap(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64),
-    )
+    .instructed_now(&system.instruction_keys.signer().unwrap())
 }
 
 /// Claim, mark submitted and an ambiguous outcome, by hand under a real grant, then the holder
