@@ -328,6 +328,12 @@ fn the_shipped_build_enables_no_negative_control() {
             !line.contains("negative-controls"),
             "the shipped build enables a negative control: {line}"
         );
+        // `payment-resource fixture` opens funded accounts straight on paydb: a test build's
+        // command, never a shipped one (issue 34, row 6a).
+        assert!(
+            !line.contains("fixture-command"),
+            "the shipped build can mint money (payment-resource's fixture subcommand): {line}"
+        );
         for harness in HARNESS {
             assert!(
                 !line.starts_with(&format!("{harness} v")),

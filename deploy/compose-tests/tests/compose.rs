@@ -76,6 +76,7 @@ const TEMPORAL_UI_PORT: u16 = 8233;
 const PAYMENT_PORT: u16 = 50052;
 const RAIL_STUB_PORT: u16 = 8090;
 const PROXY_PORT: u16 = 50053;
+const LOCK_PORT: u16 = 7100;
 const POSTGRES_PORT: u16 = 5432;
 const ETCD_PORT: u16 = 2379;
 const ETCD_MEMBERS: [&str; 3] = ["etcd1", "etcd2", "etcd3"];
@@ -300,6 +301,9 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
     monitoring_healthy(project)
         .await
         .context("alerting: every target up, nothing firing")?;
+    compartments(&h)
+        .await
+        .context("one compromised container is not the whole system")?;
     for scenario in SCENARIOS {
         let t = Instant::now();
         (scenario.run)(&mut h).await.context(scenario.what)?;
@@ -526,6 +530,44 @@ async fn negative_control(h: &Harness<'_>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Issue 34's rows that need the deployment itself: what code execution inside one container
+/// can do. Row 6a: the payment resource's container holds paydb's login and the shipped binary,
+/// and the binary has no command that opens a funded account (the `fixture` subcommand is a test
+/// build's, feature `fixture-command`): clap refuses it (exit 2) and no account appears.
+async fn compartments(h: &Harness<'_>) -> anyhow::Result<()> {
+    let container = h.project.container("payment-resource")?;
+    let prefix = format!("mint-{}-", h.run);
+    let (code, stdout, stderr) = h
+        .project
+        .exec_outcome(
+            &container,
+            &[
+                "payment-resource",
+                "fixture",
+                "--accounts",
+                "1",
+                "--prefix",
+                &prefix,
+                "--balance-minor",
+                "1000000000",
+            ],
+        )
+        .await?;
+    ensure!(
+        code == Some(2) && stderr.contains("unrecognized subcommand 'fixture'"),
+        "row 6a: the shipped payment-resource must not know `fixture`; exit {code:?}: {stdout}{stderr}"
+    );
+    let minted = AccountId::parse(format!("{prefix}1"))?;
+    match h.checker.get_account(&minted).await {
+        Err(payment_client::PaymentError::AccountNotFound { .. }) => {}
+        other => bail!("row 6a: {minted} must not exist: {other:?}"),
+    }
+    println!(
+        "row 6a: the shipped payment-resource has no fixture command (exit 2); nothing opened"
+    );
+    Ok(())
+}
+
 /// The outbox dispatcher delivers within a poll interval (250 ms) once the GL answers; after a
 /// paydb restart its backoff may be up to 30 s.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(90);
@@ -615,6 +657,148 @@ async fn operator_commands(h: &Harness<'_>) -> anyhow::Result<()> {
         "an unknown payout is a problem found (1), got {code}: {missing}"
     );
     println!("payoutctl: payout list and show of {id} against the deployment");
+    break_glass(h, &tls)
+        .await
+        .context("deploy/README.md's operator block: reconcile and the lock break-glass")
+}
+
+/// deploy/README.md's operator block (between `<!-- operator-env:begin -->` and `end`), run as
+/// written by bash with this deployment's ports and folders, then the commands it documents
+/// (issue 34, rows 8a and 8b): `payoutctl reconcile` (etcd over mutual TLS with the operator's
+/// certificate: zero violations), and the break-glass on a lock key held by a session of the
+/// suite's own worker certificate: `lock describe`, a revoke naming another operator than the
+/// certificate's (refused, nothing revoked), then the revoke of exactly that grant.
+async fn break_glass(h: &Harness<'_>, operator: &mtls::TlsArgs) -> anyhow::Result<()> {
+    const BEGIN: &str = "<!-- operator-env:begin -->";
+    const END: &str = "<!-- operator-env:end -->";
+    let root = support::repo_root();
+    let readme = std::fs::read_to_string(root.join("deploy/README.md"))?;
+    let block = readme
+        .split_once(BEGIN)
+        .and_then(|(_, rest)| rest.split_once(END))
+        .map(|(block, _)| block)
+        .context("deploy/README.md has no operator-env block")?;
+    let block: String = block
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("```"))
+        .map(|line| format!("{}\n", line.trim_start()))
+        .collect();
+    let me = operator
+        .cert
+        .with_extension("")
+        .to_str()
+        .context("operator certificate path")?
+        .to_string();
+    ensure!(
+        operator.key == std::path::Path::new(&format!("{me}.key")),
+        "the block expects $me.pem and $me.key"
+    );
+    let project = h.project;
+    let mut env = vec![("PAYOUT_OPERATOR_CERT".to_string(), me)];
+    for (var, service, port) in [
+        ("PAYOUT_PAYDB_PORT", "paydb", POSTGRES_PORT),
+        ("PAYOUT_PROXYDB_PORT", "proxydb", POSTGRES_PORT),
+        ("PAYOUT_RAIL_STUB_PORT", "rail-stub", RAIL_STUB_PORT),
+        ("PAYOUT_PROXY_PORT", "rail-proxy", PROXY_PORT),
+        ("PAYOUT_PAYMENT_PORT", "payment-resource", PAYMENT_PORT),
+        ("PAYOUT_LOCK_PORT", "lock-server", LOCK_PORT),
+        ("PAYOUT_ETCD1_PORT", "etcd1", ETCD_PORT),
+        ("PAYOUT_ETCD2_PORT", "etcd2", ETCD_PORT),
+        ("PAYOUT_ETCD3_PORT", "etcd3", ETCD_PORT),
+        ("PAYOUT_TEMPORAL_PORT", "temporal", TEMPORAL_PORT),
+        ("PAYOUT_TEMPORAL_UI_PORT", "temporal", TEMPORAL_UI_PORT),
+    ] {
+        env.push((
+            var.to_string(),
+            project.host_port(service, port).await?.to_string(),
+        ));
+    }
+    let path = format!(
+        "{}:{}",
+        root.join("target/debug").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let operator_shell = |command: &str| -> anyhow::Result<(i32, String)> {
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!("set -e\n{block}{command}"))
+            .current_dir(&root)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("PATH", &path)
+            .output()
+            .context("bash")?;
+        Ok((
+            out.status.code().unwrap_or(-1),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ))
+    };
+
+    // Row 8a: the block gives payoutctl reconcile everything it needs, etcd's TLS included.
+    let (code, report) = operator_shell("payoutctl reconcile")?;
+    ensure!(
+        code == 0,
+        "row 8a: payoutctl reconcile with the README's block exited {code}: {report}"
+    );
+
+    // Row 8b: a key held by a worker's session, from the host.
+    let lock_url = format!(
+        "https://127.0.0.1:{}",
+        project.host_port("lock-server", LOCK_PORT).await?
+    );
+    let lock = lock_client::LockClient::connect(&lock_url, &suite_tls(mtls::Role::Worker)?)
+        .await
+        .context("the lock service from the host, as a worker")?;
+    let session = lock
+        .open_session("compose-break-glass", Duration::from_secs(60))
+        .await?;
+    let key = format!("payout:break-glass-{}", h.run);
+    let grant = session
+        .acquire(&key, Duration::from_secs(10))
+        .await?
+        .granted()
+        .with_context(|| format!("{key} granted to the suite's worker session"))?;
+    let token = grant.token().get();
+    let (code, described) = operator_shell(&format!("payoutctl lock describe {key} --json"))?;
+    ensure!(
+        code == 0,
+        "row 8b: lock describe exited {code}: {described}"
+    );
+    let described: serde_json::Value = serde_json::from_str(described.trim())
+        .with_context(|| format!("lock describe --json: {described}"))?;
+    ensure!(
+        described["held"] == true && described["token"] == token,
+        "row 8b: describe shows the worker's grant (token {token}): {described}"
+    );
+    let revoke = |operator: &str| {
+        format!(
+            "payoutctl lock revoke {key} --expected-token {token} --reason 'compose suite break-glass' --operator {operator} --json"
+        )
+    };
+    // Control: the name must be the one the certificate carries; nothing is revoked.
+    let (code, refused) = operator_shell(&revoke("mallory"))?;
+    ensure!(
+        code == 1 && refused.contains("operator_not_certified"),
+        "row 8b: a revoke under another operator's name must be refused (exit 1), got {code}: {refused}"
+    );
+    let still = lock.describe(&key).await?;
+    ensure!(
+        still.token == token,
+        "row 8b: the refused revoke changed the key: {still:?}"
+    );
+    let (code, revoked) = operator_shell(&revoke("compose-operator"))?;
+    ensure!(code == 0, "row 8b: lock revoke exited {code}: {revoked}");
+    let after = lock.describe(&key).await?;
+    ensure!(
+        !after.held,
+        "row 8b: the grant {token} still holds {key} after the revoke: {after:?}"
+    );
+    println!(
+        "rows 8a/8b: the README's operator block runs reconcile (0 violations) and revokes {key} (token {token}) from the host"
+    );
     Ok(())
 }
 

@@ -25,6 +25,7 @@
 pub mod api;
 pub mod authz;
 pub mod error;
+#[cfg(feature = "fixture-command")]
 pub mod fixture;
 pub mod model;
 pub mod outbox;

@@ -1,11 +1,14 @@
-//! `payment-resource serve` runs the service; `payment-resource fixture` loads accounts.
+//! `payment-resource serve` runs the service; `payment-resource fixture` (test builds only,
+//! feature `fixture-command`) loads accounts.
 
 use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use grant_signing::Verifier;
-use payment_resource::{fixture, serve, Store, StoreOptions};
+#[cfg(feature = "fixture-command")]
+use payment_resource::fixture;
+use payment_resource::{serve, Store, StoreOptions};
 use service_kit::{Metrics, Shutdown};
 
 #[derive(Parser)]
@@ -75,6 +78,8 @@ enum Command {
         fixture_accounts: bool,
     },
     /// Open accounts with opening balances (idempotent), through the same code as OpenAccount.
+    /// Test builds only (feature `fixture-command`): the shipped binary has no way to mint.
+    #[cfg(feature = "fixture-command")]
     Fixture {
         #[arg(long, env = "PAYDB_URL")]
         database_url: String,
@@ -159,6 +164,7 @@ async fn main() -> anyhow::Result<()> {
             metrics_task.await.context("metrics task")??;
             tracing::info!("payment-resource stopped");
         }
+        #[cfg(feature = "fixture-command")]
         Command::Fixture {
             database_url,
             file,

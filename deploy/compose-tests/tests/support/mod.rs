@@ -390,6 +390,20 @@ impl Deployment {
     /// A command inside a running container: its stdout, or an error with its exit code and
     /// output when it exits non-zero.
     pub async fn exec(&self, id: &str, cmd: &[&str]) -> anyhow::Result<String> {
+        let (code, stdout, stderr) = self.exec_outcome(id, cmd).await?;
+        ensure!(
+            code == Some(0),
+            "exec {cmd:?} in {id} exited {code:?}: {stdout}{stderr}"
+        );
+        Ok(stdout)
+    }
+
+    /// A command inside a running container, whatever its exit: (exit code, stdout, stderr).
+    pub async fn exec_outcome(
+        &self,
+        id: &str,
+        cmd: &[&str],
+    ) -> anyhow::Result<(Option<i64>, String, String)> {
         let exec = self
             .docker
             .create_exec(
@@ -417,11 +431,7 @@ impl Deployment {
             }
         }
         let code = self.docker.inspect_exec(&exec.id).await?.exit_code;
-        ensure!(
-            code == Some(0),
-            "exec {cmd:?} in {id} exited {code:?}: {stdout}{stderr}"
-        );
-        Ok(stdout)
+        Ok((code, stdout, stderr))
     }
 
     /// A container's last `lines` log lines, stdout and stderr both.
