@@ -41,6 +41,7 @@ async fn chain(revokes: usize) -> Chain {
             grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: dir.path().join("issued-tokens.json"),
+        issued_tokens_limits: Default::default(),
         signer: std::sync::Arc::new(grant_signing::Signer::generate("lock-audit-1").unwrap().0),
     };
     let server = InProcess::start_with_policy(
@@ -70,10 +71,13 @@ async fn chain(revokes: usize) -> Chain {
         _dir: dir,
     };
     for n in 1..=revokes {
-        c.revoke(&format!("k{n}"), &format!("stuck worker, ticket {n}"))
-            .await
-            .0
-            .unwrap();
+        c.revoke(
+            &format!("payout:k{n}"),
+            &format!("stuck worker, ticket {n}"),
+        )
+        .await
+        .0
+        .unwrap();
     }
     c
 }
@@ -149,7 +153,7 @@ async fn three_force_revokes_make_an_intact_chain_and_a_rewrite_with_the_same_va
         assert!(r.hash_holds());
         assert_eq!(
             (r.operator.as_str(), r.key.as_str()),
-            (TEST_OPERATOR, format!("k{}", i + 1).as_str())
+            (TEST_OPERATOR, format!("payout:k{}", i + 1).as_str())
         );
         let stored: audit_chain::Record =
             serde_json::from_slice(&value(&c.record_key(r.seq)).await).unwrap();
@@ -173,7 +177,7 @@ async fn three_force_revokes_make_an_intact_chain_and_a_rewrite_with_the_same_va
     assert!(c.findings().await.is_empty());
 
     // And the chain goes on from its head.
-    c.revoke("k4", "one more").await.0.unwrap();
+    c.revoke("payout:k4", "one more").await.0.unwrap();
     let check = lock_audit_chain(&c.grants, &Options::default())
         .await
         .unwrap()
@@ -249,14 +253,14 @@ async fn a_removed_head_is_found_and_force_revoke_refuses_to_append_to_the_broke
         violations[0].contains("records up to seq 2") && violations[0].contains("head removed"),
         "{violations:?}"
     );
-    let (answer, _session) = c.revoke("k3", "after the head went").await;
+    let (answer, _session) = c.revoke("payout:k3", "after the head went").await;
     let refused = answer.unwrap_err();
     assert!(
         format!("{refused:?}").contains("audit chain is not consistent"),
         "{refused:?}"
     );
     assert!(
-        c.operator.describe("k3").await.unwrap().held,
+        c.operator.describe("payout:k3").await.unwrap().held,
         "a refused revoke takes nothing"
     );
     assert_eq!(

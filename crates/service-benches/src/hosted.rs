@@ -106,6 +106,7 @@ impl Hosted {
                 grant_retention_ms: lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT,
             },
             issued_tokens_path: issued_dir.path().join("issued-tokens"),
+            issued_tokens_limits: Default::default(),
             signer: std::sync::Arc::new(signer),
         };
         let metrics = Metrics::default();

@@ -116,6 +116,7 @@ pub async fn run(
             grant_retention_ms: lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: dir.path().join("issued-tokens.json"),
+        issued_tokens_limits: Default::default(),
         // Every grant is signed, as in deployment: the figures include the signing.
         signer: std::sync::Arc::new(
             grant_signing::Signer::generate("bench-1")
@@ -147,7 +148,7 @@ pub async fn run(
                 })
                 .await?
                 .into_inner();
-            let key = format!("bench-key-{w}");
+            let key = format!("payout:bench-{w}");
             let mut samples = Vec::with_capacity(per_worker);
             for i in 0..per_worker + WARMUP_ITERATIONS {
                 let t0 = Instant::now();

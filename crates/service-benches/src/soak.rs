@@ -147,6 +147,7 @@ pub async fn run(
             grant_retention_ms,
         },
         issued_tokens_path: dir.path().join("issued-tokens.json"),
+        issued_tokens_limits: Default::default(),
         // Every grant is signed, as in deployment: the figures include the signing.
         signer: std::sync::Arc::new(
             grant_signing::Signer::generate("bench-1")

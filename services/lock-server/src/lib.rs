@@ -12,6 +12,7 @@ pub mod backend;
 pub mod checker;
 pub mod error;
 pub mod issued;
+pub mod key;
 pub mod queue;
 pub mod service;
 pub mod session;
@@ -50,6 +51,8 @@ pub struct Config {
     pub backend: BackendConfig,
     /// Where this server remembers the highest token it issued per key (INV-04), outside the backend.
     pub issued_tokens_path: PathBuf,
+    /// How long that record keeps a key, and how many keys at most ([`issued::Limits`]).
+    pub issued_tokens_limits: issued::Limits,
     /// The key every grant is signed with; the guards hold its public half.
     pub signer: Arc<grant_signing::Signer>,
 }
@@ -81,7 +84,8 @@ pub async fn build(
             PgBackend::connect(database_url, lock_metrics.sessions.clone()).await?,
         ),
     };
-    let issued = issued::IssuedTokens::open(&config.issued_tokens_path)?;
+    let issued =
+        issued::IssuedTokens::open_with(&config.issued_tokens_path, config.issued_tokens_limits)?;
     Ok(LockServiceImpl::new(
         backend,
         issued,

@@ -49,6 +49,11 @@ struct Args {
         default_value = "lock-server-issued-tokens.json"
     )]
     issued_tokens_path: PathBuf,
+    /// How long the INV-04 record keeps a key after its token was last raised; older keys are
+    /// pruned into one floor that every new key's token must exceed. Default: the grant records'
+    /// retention.
+    #[arg(long, env = "LOCK_ISSUED_TOKENS_RETENTION_MS", default_value_t = lock_server::issued::RETENTION_MS_DEFAULT)]
+    issued_tokens_retention_ms: u64,
     /// The grant signing key's id (the guards know its public half under this id).
     #[arg(long, env = "LOCK_GRANT_SIGNING_KEY_ID")]
     grant_signing_key_id: String,
@@ -89,6 +94,10 @@ async fn main() -> anyhow::Result<()> {
     let config = lock_server::Config {
         backend,
         issued_tokens_path: args.issued_tokens_path,
+        issued_tokens_limits: lock_server::issued::Limits {
+            retention_ms: args.issued_tokens_retention_ms,
+            ..Default::default()
+        },
         signer: std::sync::Arc::new(signer),
     };
     let metrics = service_kit::Metrics::default();

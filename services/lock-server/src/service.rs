@@ -18,8 +18,10 @@ use crate::session::{SessionMetrics, SessionState, Tracker};
 
 /// Owner identities are names of workers or operators, not documents.
 pub const OWNER_LENGTH_MAX: usize = 256;
-/// Lock keys are `payout:{account_id}`-sized; the bound keeps etcd keys and index rows small.
-pub const KEY_LENGTH_MAX: usize = 512;
+/// Lock keys are `payout:{account id}` and nothing else ([`crate::key`]).
+pub use crate::key::KEY_LENGTH_MAX;
+/// A force-revoke's reason: a ticket reference and a sentence, not a document.
+pub const REASON_LENGTH_MAX: usize = 512;
 /// etcd leases have whole-second granularity; below a second a client's safety margin would eat
 /// the whole TTL.
 pub const SESSION_TTL_MS_MIN: u64 = 1_000;
@@ -203,7 +205,7 @@ fn check_token(field: &'static str, token: u64) -> Result<(), LockError> {
 
 fn handle_from(h: Option<pb::Handle>) -> Result<HandleRef, LockError> {
     let h = h.ok_or_else(|| LockError::invalid("handle", "required"))?;
-    check_text("key", &h.key, KEY_LENGTH_MAX)?;
+    crate::key::check("key", &h.key)?;
     check_text("owner", &h.owner, OWNER_LENGTH_MAX)?;
     check_text("session_id", &h.session_id, OWNER_LENGTH_MAX)?;
     check_token("token", h.token)?;
@@ -483,7 +485,7 @@ impl LockServiceImpl {
         session_id: &str,
         wait_ms: u64,
     ) -> Result<pb::AcquireResponse, LockError> {
-        check_text("key", key, KEY_LENGTH_MAX)?;
+        crate::key::check("key", key)?;
         check_text("owner", owner, OWNER_LENGTH_MAX)?;
         check_text("session_id", session_id, OWNER_LENGTH_MAX)?;
         let started = Instant::now();
@@ -705,9 +707,9 @@ impl LockServiceImpl {
         operator: &str,
         reason: &str,
     ) -> Result<pb::ForceRevokeResponse, LockError> {
-        check_text("key", key, KEY_LENGTH_MAX)?;
+        crate::key::check("key", key)?;
         check_text("operator", operator, OWNER_LENGTH_MAX)?;
-        check_text("reason", reason, KEY_LENGTH_MAX)?;
+        check_text("reason", reason, REASON_LENGTH_MAX)?;
         if let Some(token) = expected_token {
             check_token("expected_token", token)?;
         }
@@ -814,7 +816,7 @@ impl LockServiceImpl {
     }
 
     pub async fn describe(&self, key: &str) -> Result<pb::DescribeResponse, LockError> {
-        check_text("key", key, KEY_LENGTH_MAX)?;
+        crate::key::check("key", key)?;
         let holder = self.inner.backend.describe(key).await?;
         let waiter_count = self.inner.queues.len(key) as u64;
         Ok(match holder {

@@ -27,7 +27,7 @@ async fn etcd_force_revokes_at_once_each_take_their_own_seq_in_the_chain() {
     let prefix = prefix.clone();
     let s = start_with(config).await;
     let session = s.client.open_session("worker-a", TTL).await.unwrap();
-    let keys = ["a1", "a2", "a3", "a4"];
+    let keys = ["payout:a1", "payout:a2", "payout:a3", "payout:a4"];
     // Held (the handles kept) until the revokes take them.
     let mut held = Vec::new();
     for k in keys {
@@ -102,7 +102,7 @@ async fn postgres_force_revokes_are_chained_and_the_lock_server_cannot_change_a_
     })
     .await;
     let session = s.client.open_session("worker-a", TTL).await.unwrap();
-    for k in ["p1", "p2", "p3"] {
+    for k in ["payout:p1", "payout:p2", "payout:p3"] {
         let held = grant(&session, k).await;
         s.operator
             .force_revoke(k, held.token(), TEST_OPERATOR, "stuck")

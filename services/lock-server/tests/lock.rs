@@ -226,6 +226,108 @@ async fn postgres_grants_and_refusals() {
     grants_and_refusals(Kind::Postgres).await;
 }
 
+/// The lock service restates the account id grammar (it links nothing of the payout domain):
+/// for every key of this table, `lock_server::key::check` accepts exactly what
+/// `payout_domain::lock_key(AccountId::parse(..))` can produce.
+#[test]
+fn the_key_grammar_agrees_with_the_payout_domain() {
+    use payout_domain::{ids::ID_LENGTH_MAX, AccountId};
+    assert_eq!(lock_server::key::ACCOUNT_ID_LENGTH_MAX, ID_LENGTH_MAX);
+    let accounts = [
+        "acct-1".to_string(),
+        "A.b_c-9".to_string(),
+        "a".repeat(64),
+        "a".repeat(65),
+        String::new(),
+        "a/b".into(),
+        "a b".into(),
+        "a\0".into(),
+        "é".into(),
+        "a:b".into(),
+        "a*".into(),
+    ];
+    for account in accounts {
+        let key = format!("payout:{account}");
+        let domain = AccountId::parse(account.clone()).map(|a| payout_domain::lock_key(&a));
+        let lock = lock_server::key::check("key", &key);
+        assert_eq!(
+            domain.is_ok(),
+            lock.is_ok(),
+            "{account:?}: the domain says {domain:?}, the lock service {lock:?}"
+        );
+        if let Ok(domain_key) = domain {
+            assert_eq!(domain_key, key);
+        }
+    }
+    for foreign in [
+        "other",
+        "payout",
+        "Payout:acct-1",
+        " payout:acct-1",
+        "payout:",
+    ] {
+        assert!(
+            lock_server::key::check("key", foreign).is_err(),
+            "{foreign:?}"
+        );
+    }
+}
+
+/// Issue 34, row 4e: the lock service serves only `payout:{account id}` keys. Anything else (a
+/// key of the caller's own invention, an account id past 64 characters, a 512-byte key, a slash)
+/// is refused INVALID_ARGUMENT on `key` at Acquire, Describe and ForceRevoke, before the backend,
+/// the waiter queues or the issued-token record see it. Control: an account's key is granted.
+async fn only_account_keys_are_served(kind: Kind) {
+    let s = start(kind).await;
+    let a = s.client.open_session("worker-a", TTL).await.unwrap();
+    let long_account = format!("payout:{}", "a".repeat(65));
+    let big = "k".repeat(512);
+    for key in [
+        "other",
+        long_account.as_str(),
+        big.as_str(),
+        "payout:a/b",
+        "payout:",
+    ] {
+        let refused = |e: &ClientError, call: &str| match rejection(e) {
+            Rejection::InvalidArgument(i) => {
+                assert_eq!(i.field, "key", "{call} {key:?}: {i:?}")
+            }
+            other => panic!("{call} {key:?}: expected INVALID_ARGUMENT on key, got {other:?}"),
+        };
+        refused(
+            &a.acquire(key, Duration::ZERO).await.unwrap_err(),
+            "acquire",
+        );
+        refused(&s.operator.describe(key).await.unwrap_err(), "describe");
+        refused(
+            &s.operator
+                .force_revoke(
+                    key,
+                    FencingToken::new(1).unwrap(),
+                    testkit::pki::TEST_OPERATOR,
+                    "row 4e",
+                )
+                .await
+                .unwrap_err(),
+            "force_revoke",
+        );
+    }
+    let granted = grant(&a, "payout:acct-1").await;
+    assert_eq!(granted.key(), "payout:acct-1");
+    granted.release().await.unwrap();
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_only_account_keys_are_served() {
+    only_account_keys_are_served(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_only_account_keys_are_served() {
+    only_account_keys_are_served(Kind::Postgres).await;
+}
+
 /// Every grant the lock service hands out carries its signature over (key, token, owner): the
 /// first grant, a narrower owner's (`acquire_as`), a waiter's, and the Renew answer a handle is
 /// re-established from. Each verifies with the server's public key alone, and only for its own
@@ -331,7 +433,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
     let s = start(kind).await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
     let b = s.client.open_session("worker-b", TTL).await.unwrap();
-    let keys = ["k1", "k2", "k3"];
+    let keys = ["payout:k1", "payout:k2", "payout:k3"];
     let mut tokens = Vec::new();
     for k in keys {
         tokens.push(grant(&a, k).await.token());
@@ -345,7 +447,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
     }
 
     // Force-revoke: audited, alerted, and the next token is higher.
-    let held = grant(&b, "revoked").await;
+    let held = grant(&b, "payout:revoked").await;
     // The operator recorded is the one the certificate carries: another operator's name, or an
     // operator's name from a worker's certificate, is refused, counted, and revokes nothing. (The
     // same call with the certificate's own name, below, is carried out: the name decides.)
@@ -362,7 +464,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
         (&s.client, testkit::pki::TEST_OPERATOR),
     ] {
         let e = client
-            .force_revoke("revoked", held.token(), name, "not mine to give")
+            .force_revoke("payout:revoked", held.token(), name, "not mine to give")
             .await
             .unwrap_err();
         assert!(
@@ -376,7 +478,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
     let r = s
         .operator
         .force_revoke(
-            "revoked",
+            "payout:revoked",
             held.token(),
             testkit::pki::TEST_OPERATOR,
             "stuck worker, ticket 42",
@@ -389,7 +491,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
     );
     assert_eq!(s.server.service.event_count("revoked"), 1);
     let c = s.client.open_session("worker-c", TTL).await.unwrap();
-    let next = grant(&c, "revoked").await;
+    let next = grant(&c, "payout:revoked").await;
     assert!(
         next.token() > held.token(),
         "force-revoke must make the next token higher"
@@ -418,7 +520,7 @@ async fn session_death_and_force_revoke(kind: Kind) {
     let e = s
         .operator
         .force_revoke(
-            "revoked",
+            "payout:revoked",
             next.token(),
             testkit::pki::TEST_OPERATOR,
             "again",
@@ -472,11 +574,11 @@ async fn negative_control_without_operator_certification_another_name_revokes() 
     )
     .await;
     let b = s.client.open_session("worker-b", TTL).await.unwrap();
-    let held = grant(&b, "revoked").await;
+    let held = grant(&b, "payout:revoked").await;
     let r = s
         .operator
         .force_revoke(
-            "revoked",
+            "payout:revoked",
             held.token(),
             "another-operator",
             "not mine to give",
@@ -1256,7 +1358,7 @@ async fn negative_control_with_room_and_time_the_same_calls_are_served() {
 async fn expiry(kind: Kind) {
     let s = start(kind).await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
-    let g = grant(&a, "expiring").await;
+    let g = grant(&a, "payout:expiring").await;
     let mut lost = g.lost();
     // A partitioned client: no more keep-alives.
     a.stop_keep_alive();
@@ -1267,7 +1369,7 @@ async fn expiry(kind: Kind) {
     let c = s.client.clone();
     let server_expired_at = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
-            if !c.describe("expiring").await.unwrap().held {
+            if !c.describe("payout:expiring").await.unwrap().held {
                 return Instant::now();
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -1295,7 +1397,7 @@ async fn expiry(kind: Kind) {
     );
     // Acquire on a lost session fails closed locally.
     assert!(matches!(
-        a.acquire("other", Duration::ZERO).await,
+        a.acquire("payout:other", Duration::ZERO).await,
         Err(ClientError::SessionLost)
     ));
     s.server.stop().await;
@@ -1351,7 +1453,7 @@ async fn contention(
                 let (key, hold_ms, action) = {
                     let mut rng = rand::rng();
                     (
-                        format!("key-{}", rng.random_range(0..KEYS)),
+                        format!("payout:key-{}", rng.random_range(0..KEYS)),
                         rng.random_range(0..40u64),
                         rng.random_range(0..10u32),
                     )
@@ -1449,7 +1551,7 @@ async fn etcd_three_members_leader_killed_mid_run() {
         .open_session("survivor", Duration::from_secs(10))
         .await
         .unwrap();
-    let kept = grant(&survivor, "kept").await;
+    let kept = grant(&survivor, "payout:kept").await;
     let kill = async {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         stack.etcd.members[leader].process.kill().unwrap();
@@ -1484,7 +1586,7 @@ async fn etcd_three_members_leader_killed_mid_run() {
     })
     .await
     .unwrap();
-    let d = s.client.describe("kept").await.unwrap();
+    let d = s.client.describe("payout:kept").await.unwrap();
     assert_eq!((d.held, d.token), (true, kept.token().get()));
     s.server.stop().await;
 }
@@ -1598,6 +1700,7 @@ async fn grant_via(
             grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
         issued_tokens_path: issued.to_path_buf(),
+        issued_tokens_limits: Default::default(),
         signer: signer(),
     };
     let server = InProcess::start_with_policy(&config, &tls(Role::LockServer), every_role())
@@ -1633,14 +1736,14 @@ async fn etcd_restore_from_snapshot_raises_token_regression_unless_revision_adva
     .unwrap();
     etcd_ready(&endpoint).await;
 
-    let (first, _) = grant_via(&endpoint, &issued, "k").await;
+    let (first, _) = grant_via(&endpoint, &issued, "payout:k").await;
     let first = first.unwrap();
     let snapshot = dir.path().join("snap.db");
     etcdctl(&endpoint, &["snapshot", "save", snapshot.to_str().unwrap()]);
     // Life goes on after the backup: more grants, higher tokens.
     let mut last = first;
     for _ in 0..5 {
-        let (t, _) = grant_via(&endpoint, &issued, "k").await;
+        let (t, _) = grant_via(&endpoint, &issued, "payout:k").await;
         last = t.unwrap();
     }
     assert!(last > first);
@@ -1657,7 +1760,7 @@ async fn etcd_restore_from_snapshot_raises_token_regression_unless_revision_adva
     ))
     .unwrap();
     etcd_ready(&endpoint).await;
-    let (result, regressions) = grant_via(&endpoint, &issued, "k").await;
+    let (result, regressions) = grant_via(&endpoint, &issued, "payout:k").await;
     let e = result.expect_err("a rewound etcd must not produce a grant");
     match rejection(&e) {
         Rejection::TokenRegression(r) => {
@@ -1696,7 +1799,7 @@ async fn etcd_restore_from_snapshot_raises_token_regression_unless_revision_adva
             break;
         }
     }
-    let (result, regressions) = grant_via(&endpoint, &issued, "k").await;
+    let (result, regressions) = grant_via(&endpoint, &issued, "payout:k").await;
     let token = result.expect("after the procedure grants are issued again");
     assert!(
         token > last,
@@ -1710,10 +1813,10 @@ async fn etcd_restore_from_snapshot_raises_token_regression_unless_revision_adva
 async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
     let s = start(Kind::Postgres).await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
-    let mut last = grant(&a, "k").await;
+    let mut last = grant(&a, "payout:k").await;
     for _ in 0..3 {
         last.release().await.unwrap();
-        last = grant(&a, "k").await;
+        last = grant(&a, "payout:k").await;
     }
     let highest = last.token();
     last.release().await.unwrap();
@@ -1736,7 +1839,7 @@ async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
         .await
         .unwrap();
     let e = a
-        .acquire("k", Duration::ZERO)
+        .acquire("payout:k", Duration::ZERO)
         .await
         .expect_err("a rewound sequence must not produce a grant");
     assert!(
@@ -1752,7 +1855,7 @@ async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
         .await
         .unwrap();
     let b = s.client.open_session("worker-b", TTL).await.unwrap();
-    let after = grant(&b, "k").await;
+    let after = grant(&b, "payout:k").await;
     assert!(after.token() > highest);
     assert_eq!(
         s.server.service.token_regression_count(),
@@ -1853,7 +1956,7 @@ async fn etcd_waiter_whose_watch_start_was_compacted_reads_the_key_again() {
         .open_session("holder", Duration::from_secs(10))
         .await
         .unwrap();
-    let held = grant(&holder, "compacted").await;
+    let held = grant(&holder, "payout:compacted").await;
     let Backend::Etcd(backend) = s.server.service.backend() else {
         unreachable!()
     };
@@ -1905,7 +2008,7 @@ async fn etcd_waiter_whose_watch_start_was_compacted_reads_the_key_again() {
         "a compacted watch start must end the wait at once, not at the deadline ({:?})",
         started.elapsed()
     );
-    let d = s.client.describe("compacted").await.unwrap();
+    let d = s.client.describe("payout:compacted").await.unwrap();
     assert_eq!((d.held, d.token), (true, held.token().get()));
     // The service path: another owner waits, the holder releases, the waiter is granted.
     let waiter = s
@@ -1918,7 +2021,7 @@ async fn etcd_waiter_whose_watch_start_was_compacted_reads_the_key_again() {
         held.release().await.unwrap();
     };
     let (acquired, ()) = tokio::join!(
-        waiter.acquire("compacted", Duration::from_secs(10)),
+        waiter.acquire("payout:compacted", Duration::from_secs(10)),
         release
     );
     assert!(matches!(acquired.unwrap(), Acquired::Granted(_)));
@@ -1937,7 +2040,7 @@ async fn etcd_grant_records_are_kept_for_the_retention_window_then_deleted() {
     let rotation = window / RETENTION_LEASES_PER_WINDOW as u32;
     let s = start_retaining(&prefix, GRANT_RETENTION_MS_MIN).await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
-    let g = grant(&a, "k").await;
+    let g = grant(&a, "payout:k").await;
     let granted_at = Instant::now();
     let token = g.token().get();
     g.release().await.unwrap();
@@ -2011,7 +2114,7 @@ async fn etcd_retention_leases_past_their_window_are_revoked_whatever_their_ttl(
 
     let s = start_retaining(&prefix, GRANT_RETENTION_MS_MIN).await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
-    let g = grant(&a, "k").await;
+    let g = grant(&a, "payout:k").await;
     assert!(
         !lease_alive(&endpoints, stale).await,
         "past its window: revoked"
@@ -2026,8 +2129,14 @@ async fn etcd_retention_leases_past_their_window_are_revoked_whatever_their_ttl(
         .map(|(key, _)| key)
         .collect();
     assert_eq!(keys.len(), 2, "{keys:?}");
-    assert!(keys[0].contains("grants/k/"), "{keys:?}");
-    assert!(keys[1].ends_with("grants/live/planted"), "{keys:?}");
+    assert!(
+        keys.iter().any(|k| k.contains("grants/payout:k/")),
+        "{keys:?}"
+    );
+    assert!(
+        keys.iter().any(|k| k.ends_with("grants/live/planted")),
+        "{keys:?}"
+    );
     g.release().await.unwrap();
     etcd.lease_revoke(live).await.unwrap();
     a.close().await.unwrap();
@@ -2043,7 +2152,7 @@ async fn etcd_grant_after_its_retention_lease_was_revoked_makes_a_new_one() {
     let prefix = Stack::shared().unique_prefix("revoked-retention");
     let s = start_retaining(&prefix, GRANT_RETENTION_MS_DEFAULT).await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
-    let first = grant(&a, "k").await;
+    let first = grant(&a, "payout:k").await;
     first.release().await.unwrap();
     let leases = retention_leases(&endpoints, &prefix).await;
     assert_eq!(leases.len(), 1);
@@ -2057,7 +2166,7 @@ async fn etcd_grant_after_its_retention_lease_was_revoked_makes_a_new_one() {
         "the records went with their lease"
     );
 
-    let second = grant(&a, "k").await;
+    let second = grant(&a, "payout:k").await;
     assert!(second.token() > first.token());
     assert_eq!(
         record_tokens(&endpoints, &prefix).await,

@@ -42,7 +42,7 @@ use testkit::Stack;
 mod support;
 use support::{grant, lockdb, start_with, Server};
 
-const KEY: &str = "acct-race";
+const KEY: &str = "payout:acct-race";
 /// The acquirer the trigger holds between its statement's snapshot and its insert.
 const HELD_OWNER: &str = "held-acquirer";
 /// The advisory lock the held statement waits for (issue 35, item 6); any number unused in

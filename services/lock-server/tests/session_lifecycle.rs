@@ -107,11 +107,14 @@ async fn session_states(kind: Kind) {
     };
     let s = start_with(backend(kind, "lifecycle").await).await;
     let healthy = s.client.open_session("healthy", TTL).await.unwrap();
-    let _h = grant(&healthy, "healthy").await;
+    let _h = grant(&healthy, "payout:healthy").await;
     let a = s.client.open_session("worker-a", TTL).await.unwrap();
-    let _g = grant(&a, "k").await;
+    let _g = grant(&a, "payout:k").await;
     assert_eq!(
-        holder_state(&s.client, "k").await.unwrap().as_deref(),
+        holder_state(&s.client, "payout:k")
+            .await
+            .unwrap()
+            .as_deref(),
         Some("ACTIVE")
     );
 
@@ -120,10 +123,13 @@ async fn session_states(kind: Kind) {
     let suspect_after = TTL / CLIENT_KEEP_ALIVES_PER_TTL + Duration::from_millis(SUSPECT_SLACK_MS);
     let sent = last_keep_alive(&s.client, &a).await;
     let suspect_at = loop {
-        let state = holder_state(&s.client, "k").await.unwrap();
+        let state = holder_state(&s.client, "payout:k").await.unwrap();
         let at = sent.elapsed();
         assert_eq!(
-            holder_state(&s.client, "healthy").await.unwrap().as_deref(),
+            holder_state(&s.client, "payout:healthy")
+                .await
+                .unwrap()
+                .as_deref(),
             Some("ACTIVE"),
             "a session whose client keeps alive is never SUSPECT"
         );
@@ -158,14 +164,21 @@ async fn session_states(kind: Kind) {
     // A keep-alive brings it back to ACTIVE.
     let sent = keep_alive_once(&s.client, &a, Vec::new()).await;
     assert_eq!(
-        holder_state(&s.client, "k").await.unwrap().as_deref(),
+        holder_state(&s.client, "payout:k")
+            .await
+            .unwrap()
+            .as_deref(),
         Some("ACTIVE")
     );
 
     // None again: SUSPECT, then EXPIRED (the key is free, by the backend's decision).
     let mut seen_suspect = false;
     let expired_at = loop {
-        match holder_state(&s.client, "k").await.unwrap().as_deref() {
+        match holder_state(&s.client, "payout:k")
+            .await
+            .unwrap()
+            .as_deref()
+        {
             Some("SUSPECT") => seen_suspect = true,
             Some("ACTIVE") => assert!(!seen_suspect, "back to ACTIVE without a keep-alive"),
             Some(other) => panic!("{other}"),
@@ -292,9 +305,9 @@ async fn etcd_a_leader_election_gives_every_session_one_full_ttl() {
 
     // Control: no election, no keep-alive: lost at the original expiry.
     let c = s.client.open_session("control", TTL).await.unwrap();
-    let _cg = grant(&c, "control").await;
+    let _cg = grant(&c, "payout:control").await;
     let sent = last_keep_alive(&s.client, &c).await;
-    let (lost, _) = until_free(&s.client, "control", TTL * 3).await;
+    let (lost, _) = until_free(&s.client, "payout:control", TTL * 3).await;
     let control_ms = lost.duration_since(sent).as_millis() as i64;
     println!("control (no election): lost {control_ms} ms after its last keep-alive (TTL 4000 ms)");
     assert!(
@@ -304,13 +317,13 @@ async fn etcd_a_leader_election_gives_every_session_one_full_ttl() {
 
     // The graced session, and one that will resume inside the grace period.
     let a = s.client.open_session("graced", TTL).await.unwrap();
-    let ga = grant(&a, "graced").await;
+    let ga = grant(&a, "payout:graced").await;
     let b = s.client.open_session("resumes", TTL).await.unwrap();
-    let gb = grant(&b, "resumes").await;
+    let gb = grant(&b, "payout:resumes").await;
     b.stop_keep_alive();
     let sent = last_keep_alive(&s.client, &a).await;
     let b_vouch = pb::Handle {
-        key: "resumes".into(),
+        key: "payout:resumes".into(),
         owner: "resumes".into(),
         session_id: b.id().to_string(),
         token: gb.token().get(),
@@ -322,8 +335,12 @@ async fn etcd_a_leader_election_gives_every_session_one_full_ttl() {
         Duration::from_secs(3),
         "SUSPECT before the election",
         || async {
-            (holder_state(&s.client, "graced").await.ok()?.as_deref() == Some("SUSPECT"))
-                .then_some(())
+            (holder_state(&s.client, "payout:graced")
+                .await
+                .ok()?
+                .as_deref()
+                == Some("SUSPECT"))
+            .then_some(())
         },
     )
     .await
@@ -364,7 +381,7 @@ async fn etcd_a_leader_election_gives_every_session_one_full_ttl() {
     // the new leader's raft term); until then the session may still read SUSPECT. Never free.
     let mut before_grace: Vec<String> = Vec::new();
     let graced_at = loop {
-        match holder_state(&s.client, "graced").await {
+        match holder_state(&s.client, "payout:graced").await {
             Ok(Some(state)) if state == "ACTIVE" => break Instant::now(),
             Ok(Some(state)) => before_grace.push(state),
             Ok(None) => panic!("lost past its original expiry before the grace period"),
@@ -386,7 +403,11 @@ async fn etcd_a_leader_election_gives_every_session_one_full_ttl() {
         }
     );
     assert!(graced_at > original_expiry);
-    match other.acquire("graced", Duration::ZERO).await.unwrap() {
+    match other
+        .acquire("payout:graced", Duration::ZERO)
+        .await
+        .unwrap()
+    {
         Acquired::NotAcquired { holder_owner, .. } => assert_eq!(holder_owner, "graced"),
         Acquired::Granted(_) => panic!("the graced grant was taken inside the grace period"),
     }
@@ -397,7 +418,7 @@ async fn etcd_a_leader_election_gives_every_session_one_full_ttl() {
     keep_alive_once(&s.client, &b, vec![b_vouch]).await;
     println!("the resuming session kept its grant with a keep-alive {resumed_after_ms} ms after its original expiry");
 
-    let (lost, seen) = until_free(&s.client, "graced", TTL * 4).await;
+    let (lost, seen) = until_free(&s.client, "payout:graced", TTL * 4).await;
     let past_original_ms = lost.duration_since(original_expiry).as_millis() as i64;
     let after_election_ms = lost.duration_since(elected_at).as_millis() as i64;
     println!(
@@ -413,7 +434,11 @@ async fn etcd_a_leader_election_gives_every_session_one_full_ttl() {
     );
     assert!(seen.contains(&"ACTIVE".to_string()), "{seen:?}");
     // Lost after the grace: another client takes it, with a higher token.
-    match other.acquire("graced", Duration::ZERO).await.unwrap() {
+    match other
+        .acquire("payout:graced", Duration::ZERO)
+        .await
+        .unwrap()
+    {
         Acquired::Granted(g) => assert!(g.token() > ga.token()),
         Acquired::NotAcquired { holder_owner, .. } => panic!("still held by {holder_owner}"),
     }
@@ -467,11 +492,11 @@ async fn lockdb_outage(grace: bool) -> Outage {
         .open_session("dead", Duration::from_secs(1))
         .await
         .unwrap();
-    let _dg = grant(&dead, "dead").await;
+    let _dg = grant(&dead, "payout:dead").await;
     dead.stop_keep_alive();
 
     let a = s.client.open_session("graced", TTL).await.unwrap();
-    let ga = grant(&a, "graced").await;
+    let ga = grant(&a, "payout:graced").await;
     last_keep_alive(&s.client, &a).await;
     let expiry_of = |owner: &'static str| {
         let admin = admin.clone();
@@ -496,8 +521,12 @@ async fn lockdb_outage(grace: bool) -> Outage {
         Duration::from_secs(3),
         "SUSPECT before the outage",
         || async {
-            (holder_state(&s.client, "graced").await.ok()?.as_deref() == Some("SUSPECT"))
-                .then_some(())
+            (holder_state(&s.client, "payout:graced")
+                .await
+                .ok()?
+                .as_deref()
+                == Some("SUSPECT"))
+            .then_some(())
         },
     )
     .await
@@ -506,7 +535,7 @@ async fn lockdb_outage(grace: bool) -> Outage {
         Duration::from_secs(3),
         "the dead session expired",
         || async {
-            holder_state(&s.client, "dead")
+            holder_state(&s.client, "payout:dead")
                 .await
                 .ok()?
                 .is_none()
@@ -553,10 +582,17 @@ async fn lockdb_outage(grace: bool) -> Outage {
         // Held past its original expiry, ACTIVE in the grace period, not available to another;
         // the session that died before the outage was not revived.
         assert_eq!(
-            holder_state(&s.client, "graced").await.unwrap().as_deref(),
+            holder_state(&s.client, "payout:graced")
+                .await
+                .unwrap()
+                .as_deref(),
             Some("ACTIVE")
         );
-        match other.acquire("graced", Duration::ZERO).await.unwrap() {
+        match other
+            .acquire("payout:graced", Duration::ZERO)
+            .await
+            .unwrap()
+        {
             Acquired::NotAcquired { holder_owner, .. } => assert_eq!(holder_owner, "graced"),
             Acquired::Granted(_) => panic!("the graced grant was taken inside the grace period"),
         }
@@ -567,11 +603,15 @@ async fn lockdb_outage(grace: bool) -> Outage {
             (dead_expiry, None),
             "a session that expired before the outage is not revived"
         );
-        let _dead_key = grant(&other, "dead").await;
-        let (lost, seen) = until_free(&s.client, "graced", TTL * 3).await;
+        let _dead_key = grant(&other, "payout:dead").await;
+        let (lost, seen) = until_free(&s.client, "payout:graced", TTL * 3).await;
         println!("{label}: states seen after lockdb came back {seen:?}");
         let lost_ms = unix_now_ms() - lost.elapsed().as_millis() as i64;
-        match other.acquire("graced", Duration::ZERO).await.unwrap() {
+        match other
+            .acquire("payout:graced", Duration::ZERO)
+            .await
+            .unwrap()
+        {
             Acquired::Granted(g) => assert!(g.token() > ga.token()),
             Acquired::NotAcquired { holder_owner, .. } => panic!("still held by {holder_owner}"),
         }
@@ -593,7 +633,11 @@ async fn lockdb_outage(grace: bool) -> Outage {
         lost_ms
     } else {
         // Evicted at once: the first acquire after lockdb's return takes the key.
-        let taken = match other.acquire("graced", Duration::ZERO).await.unwrap() {
+        let taken = match other
+            .acquire("payout:graced", Duration::ZERO)
+            .await
+            .unwrap()
+        {
             Acquired::Granted(g) => g,
             Acquired::NotAcquired { holder_owner, .. } => {
                 panic!(
