@@ -861,6 +861,61 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
         }
     }
 
+    // 10. One certificate floods the lock service (issue 34, row 4g): the shipped binary's
+    //     per-caller bound on open sessions (64) refuses the 65th with CallerLimitReached, counted;
+    //     another worker certificate is still served.
+    {
+        let flooder =
+            lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+                .await
+                .unwrap();
+        let mut opened = Vec::new();
+        let mut refusal = None;
+        for i in 0..65 {
+            match flooder
+                .open_session(&format!("flood-{i}"), Duration::from_secs(30))
+                .await
+            {
+                Ok(session) => opened.push(session),
+                Err(e) => {
+                    refusal = Some(e);
+                    break;
+                }
+            }
+        }
+        let limit = refusal.as_ref().and_then(|e| match e.rejection() {
+            Some(lock_client::Rejection::CallerLimitReached(c)) => Some((c.limit.clone(), c.max)),
+            _ => None,
+        });
+        let counted = sample(
+            &metrics(&system, METRICS_LOCK).await,
+            "lock_caller_limit_refusals_total",
+            &[r#"limit="sessions""#],
+        );
+        let other = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+            .await
+            .unwrap()
+            .open_session("another-worker", Duration::from_secs(30))
+            .await;
+        rows.push(Row {
+            case: "one worker certificate opens 65 lock sessions",
+            expected: "64 opened, the 65th CallerLimitReached{sessions}, counted; another certificate served",
+            held: opened.len() == 64
+                && limit == Some(("sessions".to_string(), 64))
+                && counted == 1.0
+                && other.is_ok(),
+            observed: format!(
+                "{} opened, refusal {:?}, lock_caller_limit_refusals_total{{limit=\"sessions\"}} {counted}, another {:?}",
+                opened.len(),
+                limit,
+                other.as_ref().map(|_| "served")
+            ),
+        });
+        for session in opened {
+            let _ = session.close().await;
+        }
+    }
+
     println!("\n{:<62} {:<72} {:<5} observed", "case", "expected", "held");
     for r in &rows {
         println!(

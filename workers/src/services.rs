@@ -106,6 +106,12 @@ impl ConnectError {
             ConnectError::Lock(e) => match e {
                 ClientError::Connect(_) | ClientError::Timeout(_) => true,
                 ClientError::Status(status) => transient_code(status.code()),
+                // This worker's certificate is at a per-caller bound of the lock service (its
+                // sessions lost and not yet expired, say): room comes back as they end.
+                ClientError::Rejected {
+                    kind: lock_client::Rejection::CallerLimitReached(_),
+                    ..
+                } => true,
                 _ => false,
             },
             ConnectError::Payment(PaymentError::Transport { code, .. }) => transient_code(*code),

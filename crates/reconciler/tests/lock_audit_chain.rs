@@ -42,6 +42,7 @@ async fn chain(revokes: usize) -> Chain {
         },
         issued_tokens_path: dir.path().join("issued-tokens.json"),
         issued_tokens_limits: Default::default(),
+        caller_limits: Default::default(),
         signer: std::sync::Arc::new(grant_signing::Signer::generate("lock-audit-1").unwrap().0),
     };
     let server = InProcess::start_with_policy(

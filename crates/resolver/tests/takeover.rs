@@ -58,6 +58,7 @@ async fn start(kind: Kind) -> Server {
         backend,
         issued_tokens_path: dir.path().join("issued-tokens.json"),
         issued_tokens_limits: Default::default(),
+        caller_limits: Default::default(),
         signer: Arc::new(Signer::generate("resolver-test-1").unwrap().0),
     };
     let metrics = service_kit::Metrics::default();

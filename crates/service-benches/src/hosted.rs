@@ -107,6 +107,7 @@ impl Hosted {
             },
             issued_tokens_path: issued_dir.path().join("issued-tokens"),
             issued_tokens_limits: Default::default(),
+            caller_limits: Default::default(),
             signer: std::sync::Arc::new(signer),
         };
         let metrics = Metrics::default();

@@ -565,6 +565,20 @@ async fn compartments(h: &Harness<'_>) -> anyhow::Result<()> {
     println!(
         "row 6a: the shipped payment-resource has no fixture command (exit 2); nothing opened"
     );
+
+    // Every container is bounded: memory, CPU, processes, and its log rotates.
+    let bounds = h.project.container_bounds().await?;
+    ensure!(!bounds.is_empty(), "no container found");
+    for (service, memory, nano_cpus, pids, max_size) in &bounds {
+        ensure!(
+            *memory > 0 && *nano_cpus > 0 && *pids > 0 && max_size.as_deref() == Some("10m"),
+            "{service} runs unbounded: memory {memory}, nano-CPUs {nano_cpus}, pids {pids}, log max-size {max_size:?}"
+        );
+    }
+    println!(
+        "every container bounded ({} containers: memory, CPU, pids, log rotation)",
+        bounds.len()
+    );
     Ok(())
 }
 
@@ -781,7 +795,9 @@ async fn break_glass(h: &Harness<'_>, operator: &mtls::TlsArgs) -> anyhow::Resul
     // Control: the name must be the one the certificate carries; nothing is revoked.
     let (code, refused) = operator_shell(&revoke("mallory"))?;
     ensure!(
-        code == 1 && refused.contains("operator_not_certified"),
+        code == 1
+            && refused.contains("(mallory.operator)")
+            && refused.contains(r#""revoked":false"#),
         "row 8b: a revoke under another operator's name must be refused (exit 1), got {code}: {refused}"
     );
     let still = lock.describe(&key).await?;

@@ -42,6 +42,12 @@ pub enum LockError {
         "{waiting} callers already wait for locks in this server, its bound is {max}; retry later"
     )]
     Overloaded { waiting: usize, max: usize },
+    #[error("caller_limit_reached: this certificate has {in_use} {limit} in use, its bound is {max}; retry once its own use falls")]
+    CallerLimitReached {
+        limit: &'static str,
+        in_use: u64,
+        max: u64,
+    },
     #[error("{backend} backend unavailable: {detail}")]
     Backend {
         backend: &'static str,
@@ -129,6 +135,14 @@ impl LockError {
                     key: key.clone(),
                     returned_token: *returned_token,
                     highest_issued_token: *highest_issued_token,
+                }),
+            ),
+            Self::CallerLimitReached { limit, in_use, max } => (
+                tonic::Code::ResourceExhausted,
+                Kind::CallerLimitReached(pb::CallerLimitReached {
+                    limit: limit.to_string(),
+                    in_use: *in_use,
+                    max: *max,
                 }),
             ),
             Self::Backend { backend, .. } => (

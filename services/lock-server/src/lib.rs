@@ -9,6 +9,7 @@
 
 pub mod authz;
 pub mod backend;
+pub mod callers;
 pub mod checker;
 pub mod error;
 pub mod issued;
@@ -53,6 +54,9 @@ pub struct Config {
     pub issued_tokens_path: PathBuf,
     /// How long that record keeps a key, and how many keys at most ([`issued::Limits`]).
     pub issued_tokens_limits: issued::Limits,
+    /// What one client certificate may take of this server ([`callers::CallerLimits::SHIPPED`]
+    /// in a deployment).
+    pub caller_limits: callers::CallerLimits,
     /// The key every grant is signed with; the guards hold its public half.
     pub signer: Arc<grant_signing::Signer>,
 }
@@ -86,12 +90,10 @@ pub async fn build(
     };
     let issued =
         issued::IssuedTokens::open_with(&config.issued_tokens_path, config.issued_tokens_limits)?;
-    Ok(LockServiceImpl::new(
-        backend,
-        issued,
-        lock_metrics,
-        Arc::clone(&config.signer),
-    ))
+    Ok(
+        LockServiceImpl::new(backend, issued, lock_metrics, Arc::clone(&config.signer))
+            .with_caller_limits(config.caller_limits),
+    )
 }
 
 /// Serves the lock service and grpc.health.v1 on `listener` until `shutdown`, over mutual TLS,

@@ -98,6 +98,7 @@ async fn main() -> anyhow::Result<()> {
             retention_ms: args.issued_tokens_retention_ms,
             ..Default::default()
         },
+        caller_limits: lock_server::callers::CallerLimits::SHIPPED,
         signer: std::sync::Arc::new(signer),
     };
     let metrics = service_kit::Metrics::default();

@@ -38,6 +38,8 @@ pub struct Ticket {
     key: String,
     number: u64,
     head: watch::Receiver<Option<u64>>,
+    /// The caller's parked-waiter place (`callers`), given back with the ticket.
+    slot: Option<crate::callers::WaiterSlot>,
 }
 
 impl Queues {
@@ -76,6 +78,7 @@ impl Queues {
             key: key.to_string(),
             number,
             head: queue.head.subscribe(),
+            slot: None,
         }
     }
 
@@ -104,6 +107,11 @@ impl Queues {
 }
 
 impl Ticket {
+    /// Keeps the caller's waiter place for as long as this ticket lives.
+    pub fn hold(&mut self, slot: Option<crate::callers::WaiterSlot>) {
+        self.slot = slot;
+    }
+
     pub fn number(&self) -> u64 {
         self.number
     }

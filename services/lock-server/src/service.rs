@@ -11,6 +11,7 @@ use service_kit::grpc::Caller;
 use tonic::{Request, Response, Status};
 
 use crate::backend::{Attempt, Backend, GrantInfo, HandleRef, Holder};
+use crate::callers::{CallerLimits, Callers};
 use crate::error::LockError;
 use crate::issued::{AdmitError, IssuedTokens};
 use crate::queue::{Queues, Ticket};
@@ -90,6 +91,8 @@ pub struct LockMetrics {
     /// the resolver's takeover only when takeovers repeat (LockTakeoversRepeating). Every revoke
     /// is also counted in `lock_events_total{event="revoked"}`, kept for dashboards.
     force_revokes: IntCounterVec,
+    /// Calls refused at a per-caller bound (`crate::callers`), by bound.
+    caller_limit_refusals: IntCounterVec,
     /// The session lifecycle's (spec 2.4).
     pub sessions: SessionMetrics,
 }
@@ -115,6 +118,11 @@ impl LockMetrics {
                 "lock_force_revokes_total",
                 "Force-revokes carried out, by who did it (the caller's certificate role): operator = break-glass, resolver = the reconciler's takeover of a key whose workflow is not running",
                 &["by", "backend"],
+            ),
+            caller_limit_refusals: metrics.counter_vec(
+                "lock_caller_limit_refusals_total",
+                "Calls refused because one caller (client certificate) reached a per-caller bound: sessions, held_keys, waiters or grant_rate (the caller's fingerprint is in the log line)",
+                &["limit"],
             ),
             sessions: SessionMetrics::register(metrics),
         }
@@ -159,6 +167,8 @@ struct Inner {
     /// ForceRevoke records only the operator the caller's certificate carries (always, except in
     /// a negative control).
     operator_certification: bool,
+    /// What each caller (client certificate) uses of this server, within its bounds.
+    callers: Arc<Callers>,
 }
 
 #[derive(Clone)]
@@ -241,6 +251,7 @@ impl LockServiceImpl {
         signer: Arc<Signer>,
     ) -> Self {
         let sessions = Tracker::new(metrics.sessions.clone(), backend.name());
+        let callers = Callers::new(CallerLimits::SHIPPED, metrics.caller_limit_refusals.clone());
         Self {
             inner: Arc::new(Inner {
                 backend,
@@ -252,6 +263,7 @@ impl LockServiceImpl {
                 sessions,
                 waiters_max: WAITERS_MAX,
                 operator_certification: true,
+                callers,
             }),
         }
     }
@@ -266,6 +278,21 @@ impl LockServiceImpl {
             .expect("the waiter bound is set before the service is cloned or served")
             .waiters_max = waiters_max;
         self
+    }
+
+    /// The same service with other per-caller bounds than [`CallerLimits::SHIPPED`]: the tests'
+    /// small ones, or [`CallerLimits::NONE`] for the bench (one certificate, a thousand grants a
+    /// second) and the negative controls. Set before the service is cloned or served.
+    pub fn with_caller_limits(mut self, limits: CallerLimits) -> Self {
+        let inner = Arc::get_mut(&mut self.inner)
+            .expect("the caller bounds are set before the service is cloned or served");
+        inner.callers = Callers::new(limits, inner.metrics.caller_limit_refusals.clone());
+        self
+    }
+
+    /// What each caller uses of this service ([`crate::callers`]).
+    pub fn callers(&self) -> &Callers {
+        &self.inner.callers
     }
 
     /// NEGATIVE CONTROL ONLY: ForceRevoke records the operator the request names without asking
@@ -296,7 +323,14 @@ impl LockServiceImpl {
     pub async fn sweep_sessions(&self) {
         let followed = self.inner.sessions.followed();
         match self.inner.backend.sessions_view(&followed).await {
-            Ok(view) => self.inner.sessions.observe_all(view),
+            Ok(view) => {
+                for (id, state) in &view {
+                    if state.is_final() {
+                        self.inner.callers.session_ended(id);
+                    }
+                }
+                self.inner.sessions.observe_all(view)
+            }
             Err(e) => tracing::debug!(error = %e, "session view not read this time"),
         }
     }
@@ -358,6 +392,7 @@ impl LockServiceImpl {
 
     fn observe_error(&self, e: &LockError) {
         if let LockError::SessionNotFound { session_id } = e {
+            self.inner.callers.session_ended(session_id);
             tracing::info!(event = event::EXPIRED, session_id = %session_id, backend = self.inner.backend.name(), "session expired or gone");
             self.count(event::EXPIRED);
         }
@@ -444,6 +479,7 @@ impl LockServiceImpl {
             .into_iter()
             .zip(held)
             .filter(|(_, held)| !held)
+            .inspect(|(h, _)| self.inner.callers.released(&h.session_id, &h.key))
             .map(|(h, _)| pb::Handle {
                 key: h.key,
                 owner: h.owner,
@@ -472,14 +508,32 @@ impl LockServiceImpl {
             "session closed"
         );
         self.count(event::SESSION_CLOSED);
+        self.inner.callers.session_ended(session_id);
         self.inner
             .sessions
             .observe(session_id, SessionState::Closed);
         Ok(())
     }
 
+    /// Acquire for a caller the per-caller bounds do not apply to (in-process callers and tests);
+    /// the gRPC service calls [`LockServiceImpl::acquire_for`] with the caller's certificate.
     pub async fn acquire(
         &self,
+        key: &str,
+        owner: &str,
+        session_id: &str,
+        wait_ms: u64,
+    ) -> Result<pb::AcquireResponse, LockError> {
+        self.acquire_for(None, key, owner, session_id, wait_ms)
+            .await
+    }
+
+    /// Acquire on behalf of `caller` (its certificate's fingerprint), within its bounds
+    /// ([`crate::callers`]): its held keys and grant rate before the backend is asked, its parked
+    /// waiters before it joins a queue.
+    pub async fn acquire_for(
+        &self,
+        caller: Option<&str>,
         key: &str,
         owner: &str,
         session_id: &str,
@@ -488,6 +542,9 @@ impl LockServiceImpl {
         crate::key::check("key", key)?;
         check_text("owner", owner, OWNER_LENGTH_MAX)?;
         check_text("session_id", session_id, OWNER_LENGTH_MAX)?;
+        if let Some(caller) = caller {
+            self.inner.callers.may_acquire(caller, session_id, key)?;
+        }
         let started = Instant::now();
         let deadline = started + Duration::from_millis(wait_ms.min(WAIT_MS_MAX));
         // First come, first served among this process's waiters (see `queue`): a newcomer that
@@ -512,8 +569,7 @@ impl LockServiceImpl {
                 if wait_ms == 0 {
                     return Ok(self.not_acquired(key, owner, session_id, holder, started));
                 }
-                self.room_to_wait()?;
-                ticket = Some(self.inner.queues.join(key));
+                ticket = Some(self.park(caller, key)?);
             }
         }
         loop {
@@ -537,6 +593,11 @@ impl LockServiceImpl {
                 Attempt::Granted(grant) => {
                     // Granted: the ticket (if any) is left as this returns, which wakes the next.
                     self.admit(&grant).await?;
+                    if let Some(caller) = caller {
+                        self.inner
+                            .callers
+                            .granted(caller, session_id, key, grant.minted);
+                    }
                     let ev = if grant.minted {
                         event::ACQUIRED
                     } else {
@@ -575,8 +636,7 @@ impl LockServiceImpl {
                         ));
                     }
                     if ticket.is_none() {
-                        self.room_to_wait()?;
-                        let joined = self.inner.queues.join(key);
+                        let joined = self.park(caller, key)?;
                         let first = joined.is_head();
                         ticket = Some(joined);
                         if !first {
@@ -591,6 +651,17 @@ impl LockServiceImpl {
                 }
             }
         }
+    }
+
+    /// A place in `key`'s queue: within the caller's waiter bound first, then the server's.
+    fn park(&self, caller: Option<&str>, key: &str) -> Result<Ticket, LockError> {
+        let slot = caller
+            .map(|caller| self.inner.callers.park(caller))
+            .transpose()?;
+        self.room_to_wait()?;
+        let mut ticket = self.inner.queues.join(key);
+        ticket.hold(slot);
+        Ok(ticket)
     }
 
     /// Keeps `ticket` for the same caller's next call, for [`PLACE_KEPT_MS`].
@@ -690,6 +761,7 @@ impl LockServiceImpl {
         })?;
         tracing::info!(event = event::RELEASED, key = %handle.key, owner = %handle.owner, session_id = %handle.session_id, token = handle.token, "lock released");
         self.count(event::RELEASED);
+        self.inner.callers.released(&handle.session_id, &handle.key);
         Ok(())
     }
 
@@ -772,6 +844,7 @@ impl LockServiceImpl {
         // The deposed holder is fenced by the next, higher token either way. An operator's
         // break-glass is alert level; the resolver's takeover is the system healing itself (a
         // warning; its alert is on takeovers repeating).
+        self.inner.callers.released(&holder.session_id, key);
         let by = revoked_by(caller);
         if by == revoked_by::RESOLVER {
             tracing::warn!(
@@ -932,8 +1005,13 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
     ) -> Result<Response<pb::CreateSessionResponse>, Status> {
         let caller = service_kit::grpc::caller(&r)?;
         let r = r.into_inner();
+        let reservation = self
+            .inner
+            .callers
+            .reserve_session(&caller.fingerprint_hex())?;
         let (session_id, ttl_ms) =
             LockServiceImpl::create_session(self, &r.owner, r.ttl_ms).await?;
+        reservation.created(&session_id);
         Ok(Response::new(pb::CreateSessionResponse {
             session_id: session_binding::bind(&caller, &session_id),
             ttl_ms,
@@ -980,8 +1058,15 @@ impl pb::lock_service_server::LockService for LockServiceImpl {
         let caller = service_kit::grpc::caller(&r)?;
         let r = r.into_inner();
         let session_id = self.own_session(&caller, &r.session_id)?;
-        let mut response =
-            LockServiceImpl::acquire(self, &r.key, &r.owner, &session_id, r.wait_ms).await?;
+        let mut response = LockServiceImpl::acquire_for(
+            self,
+            Some(&caller.fingerprint_hex()),
+            &r.key,
+            &r.owner,
+            &session_id,
+            r.wait_ms,
+        )
+        .await?;
         if let Some(pb::acquire_response::Result::Grant(grant)) = &mut response.result {
             grant.session_id = session_binding::bind(&caller, &grant.session_id);
         }

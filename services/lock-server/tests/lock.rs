@@ -1701,6 +1701,7 @@ async fn grant_via(
         },
         issued_tokens_path: issued.to_path_buf(),
         issued_tokens_limits: Default::default(),
+        caller_limits: Default::default(),
         signer: signer(),
     };
     let server = InProcess::start_with_policy(&config, &tls(Role::LockServer), every_role())
@@ -2659,4 +2660,236 @@ async fn new_session(client: &RawLockClient) -> String {
         .unwrap()
         .into_inner()
         .session_id
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds per caller (issue 34, rows 4a-4d): one certificate cannot take the lock service whole.
+
+/// Small per-caller bounds, so a test reaches each with a handful of calls.
+const CALLER_LIMITS_IN_TEST: lock_server::callers::CallerLimits =
+    lock_server::callers::CallerLimits {
+        sessions: 3,
+        held_keys: 3,
+        waiters: 2,
+        grants_per_s: 1,
+        grant_burst: 4,
+    };
+
+async fn start_with_caller_limits(
+    kind: Kind,
+    limits: lock_server::callers::CallerLimits,
+    waiters_max: usize,
+) -> Server {
+    start_shaped(
+        backend(kind, "callers").await,
+        waiters_max,
+        lock_server::service::BOUNDS,
+        move |service| service.with_caller_limits(limits),
+    )
+    .await
+}
+
+/// The typed refusal of a call past a per-caller bound: RESOURCE_EXHAUSTED with
+/// `CallerLimitReached{limit, max}`.
+fn caller_limit(e: &ClientError, limit: &str, max: u64) {
+    match e {
+        ClientError::Rejected {
+            kind: Rejection::CallerLimitReached(c),
+            ..
+        } => assert_eq!((c.limit.as_str(), c.max), (limit, max), "{e:?}"),
+        other => panic!("expected CallerLimitReached{{{limit}}}, got {other:?}"),
+    }
+}
+
+/// `lock_caller_limit_refusals_total{limit}` as the server's /metrics renders it.
+fn caller_limit_refusals(s: &Server, limit: &str) -> u64 {
+    let wanted = format!(r#"limit="{limit}""#);
+    s.server
+        .metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("lock_caller_limit_refusals_total{") && l.contains(&wanted))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<u64>().ok()))
+        .sum()
+}
+
+/// A second caller: another certificate of the same role.
+async fn another_caller(s: &Server) -> LockClient {
+    LockClient::connect(&s.server.endpoint, &tls(Role::Worker))
+        .await
+        .expect("a second worker certificate connects")
+}
+
+/// Rows 4a, 4b, 4d: past its open sessions, its held keys or its rate of new grants, one
+/// certificate is refused RESOURCE_EXHAUSTED `CallerLimitReached` (counted by bound), nothing
+/// created or granted; another certificate is served throughout; a re-acquire of a held key is
+/// free; and the room comes back as the caller's own use ends.
+async fn one_caller_is_bounded_and_another_is_served(kind: Kind) {
+    let s = start_with_caller_limits(kind, CALLER_LIMITS_IN_TEST, WAITERS_MAX_IN_TEST).await;
+    let b = another_caller(&s).await;
+    // 4a: sessions.
+    let mut sessions = Vec::new();
+    for i in 0..3 {
+        sessions.push(
+            s.client
+                .open_session(&format!("a-{i}"), TTL * 5)
+                .await
+                .unwrap(),
+        );
+    }
+    let e = s
+        .client
+        .open_session("a-3", TTL * 5)
+        .await
+        .err()
+        .expect("the fourth session refused");
+    caller_limit(&e, "sessions", 3);
+    assert_eq!(caller_limit_refusals(&s, "sessions"), 1, "{kind:?}");
+    let b_session = b
+        .open_session("b-0", TTL * 5)
+        .await
+        .expect("another caller is served");
+    sessions.pop().unwrap().close().await.unwrap();
+    let a = s
+        .client
+        .open_session("a-again", TTL * 5)
+        .await
+        .expect("a closed session's room comes back");
+
+    // 4b: held keys; a re-acquire of a held key is not a new key.
+    let mut held = Vec::new();
+    for i in 1..=3 {
+        held.push(grant(&a, &format!("payout:held-{i}")).await);
+    }
+    let e = a
+        .acquire("payout:held-4", Duration::ZERO)
+        .await
+        .unwrap_err();
+    caller_limit(&e, "held_keys", 3);
+    let again = grant(&a, "payout:held-1").await;
+    assert_eq!(again.token(), held[0].token(), "a re-acquire is free");
+    grant(&b_session, "payout:held-4")
+        .await
+        .release()
+        .await
+        .unwrap();
+    held.pop().unwrap().release().await.unwrap();
+
+    // 4d: new grants in quick succession, each released at once (so the held-key bound is not
+    // what answers): past the burst, the caller is refused until the rate refills; the other
+    // caller is not.
+    let mut refused = None;
+    for i in 0..50 {
+        match a.acquire(&format!("payout:rate-{i}"), Duration::ZERO).await {
+            Ok(acquired) => acquired
+                .granted()
+                .expect("a free key")
+                .release()
+                .await
+                .unwrap(),
+            Err(e) => {
+                refused = Some(e);
+                break;
+            }
+        }
+    }
+    caller_limit(
+        &refused.expect("the grant rate was reached"),
+        "grant_rate",
+        1,
+    );
+    assert!(caller_limit_refusals(&s, "grant_rate") >= 1, "{kind:?}");
+    grant(&b_session, "payout:rate-b")
+        .await
+        .release()
+        .await
+        .unwrap();
+    testkit::eventually(Duration::from_secs(10), "the rate refills", || {
+        let a = a.clone();
+        async move { a.acquire("payout:rate-refilled", Duration::ZERO).await.ok() }
+    })
+    .await
+    .unwrap();
+    assert_eq!(caller_limit_refusals(&s, "held_keys"), 1, "{kind:?}");
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_one_caller_is_bounded_and_another_is_served() {
+    one_caller_is_bounded_and_another_is_served(Kind::Etcd).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_one_caller_is_bounded_and_another_is_served() {
+    one_caller_is_bounded_and_another_is_served(Kind::Postgres).await;
+}
+
+/// Row 4c: with a server bound of three waiters, one certificate parks two (its own bound) and
+/// its third is refused `CallerLimitReached{waiters}`, while another certificate still parks on
+/// the same key and is served in its turn. Negative control: without per-caller bounds the first
+/// certificate takes the server's three places whole and the other is refused `Overloaded`
+/// (the server's own bound), what the lock service did before.
+async fn one_caller_cannot_take_every_waiter_place(kind: Kind, bounded: bool) {
+    let limits = if bounded {
+        CALLER_LIMITS_IN_TEST
+    } else {
+        lock_server::callers::CallerLimits::NONE
+    };
+    let s = start_with_caller_limits(kind, limits, 3).await;
+    let holder_client = another_caller(&s).await;
+    let holder = holder_client.open_session("holder", TTL * 5).await.unwrap();
+    let held = grant(&holder, BOUNDED_KEY).await;
+    let a = s.client.open_session("a", TTL * 5).await.unwrap();
+    let a1 = park(&a, BOUNDED_KEY, "a1");
+    queued(&s.client, BOUNDED_KEY, 1).await;
+    let a2 = park(&a, BOUNDED_KEY, "a2");
+    queued(&s.client, BOUNDED_KEY, 2).await;
+    let a3 = park(&a, BOUNDED_KEY, "a3");
+    let b_client = another_caller(&s).await;
+    let b = b_client.open_session("b", TTL * 5).await.unwrap();
+    if bounded {
+        let e = tokio::time::timeout(AT_ONCE, a3)
+            .await
+            .expect("refused at once")
+            .unwrap()
+            .unwrap_err();
+        caller_limit(&e, "waiters", 2);
+        let b1 = park(&b, BOUNDED_KEY, "b1");
+        queued(&s.client, BOUNDED_KEY, 3).await;
+        held.release().await.unwrap();
+        granted_to(a1, "a1").await.release().await.unwrap();
+        granted_to(a2, "a2").await.release().await.unwrap();
+        granted_to(b1, "b1").await.release().await.unwrap();
+        assert_eq!(caller_limit_refusals(&s, "waiters"), 1, "{kind:?}");
+    } else {
+        // a3 parks: the third place of three is the first caller's too, and the other caller
+        // finds the server full.
+        queued(&s.client, BOUNDED_KEY, 3).await;
+        let refused = tokio::time::timeout(AT_ONCE, b.acquire_as(BOUNDED_KEY, "b1", LONG_WAIT))
+            .await
+            .expect("refused at once");
+        match refused {
+            Err(ClientError::Status(status)) => {
+                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}")
+            }
+            other => panic!("the other caller should be refused Overloaded, got {other:?}"),
+        }
+        held.release().await.unwrap();
+        granted_to(a1, "a1").await.release().await.unwrap();
+        granted_to(a2, "a2").await.release().await.unwrap();
+        granted_to(a3, "a3").await.release().await.unwrap();
+    }
+    s.server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_one_caller_cannot_take_every_waiter_place() {
+    one_caller_cannot_take_every_waiter_place(Kind::Etcd, true).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_one_caller_cannot_take_every_waiter_place() {
+    one_caller_cannot_take_every_waiter_place(Kind::Postgres, true).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_without_caller_bounds_one_caller_takes_every_waiter_place() {
+    one_caller_cannot_take_every_waiter_place(Kind::Postgres, false).await;
 }

@@ -456,6 +456,34 @@ impl Deployment {
         logs
     }
 
+    /// Every container of the project (one-shots included) with its service and the bounds its
+    /// host config carries: (service, memory bytes, nano-CPUs, pids limit, log max-size).
+    pub async fn container_bounds(
+        &self,
+    ) -> anyhow::Result<Vec<(String, i64, i64, i64, Option<String>)>> {
+        let mut bounds = Vec::new();
+        for (id, service) in self.containers().await? {
+            let host = self
+                .docker
+                .inspect_container(&id, None)
+                .await?
+                .host_config
+                .unwrap_or_default();
+            let max_size = host
+                .log_config
+                .and_then(|l| l.config)
+                .and_then(|c| c.get("max-size").cloned());
+            bounds.push((
+                service,
+                host.memory.unwrap_or(0),
+                host.nano_cpus.unwrap_or(0),
+                host.pids_limit.unwrap_or(0),
+                max_size,
+            ));
+        }
+        Ok(bounds)
+    }
+
     /// Every container's last log lines, for a failure report.
     pub async fn logs_tail(&self, lines: usize) -> String {
         let containers = match self.containers().await {

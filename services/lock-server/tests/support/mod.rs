@@ -111,6 +111,7 @@ pub async fn start_shaped(
         backend,
         issued_tokens_path: dir.path().join("issued-tokens.json"),
         issued_tokens_limits: Default::default(),
+        caller_limits: Default::default(),
         signer,
     };
     let metrics = service_kit::Metrics::default();
