@@ -66,6 +66,17 @@ docker run --rm --user 0 -v "$KEY_DIR:/keys" "payout/services:${PAYOUT_SERVICES_
 export PAYOUT_GRANT_KEY_DIR="$KEY_DIR" PAYOUT_GRANT_SIGNING_KEY_ID="$KEY_ID" PAYOUT_GRANT_VERIFY_KEYS
 export PAYOUT_INSTRUCTION_SIGNING_KEY_ID PAYOUT_INSTRUCTION_VERIFY_KEYS
 export PAYOUT_RAIL_FACT_SIGNING_KEY_ID PAYOUT_RAIL_FACT_VERIFY_KEYS
+# The suite's operator (issue 34): its key stays on the host, in a folder no container mounts;
+# the payment resource registers its public line, and every funded account the suite opens is
+# signed with it (an opening balance is an operator's decision).
+OPERATOR_DIR="$ROOT/target/compose-test/operator"
+mkdir -p "$OPERATOR_DIR"
+chmod 700 "$OPERATOR_DIR"
+rm -f "$OPERATOR_DIR/compose-operator.key"
+PAYOUT_OPERATOR_KEYS="$(target/debug/payoutctl keys operator --name compose-operator \
+    --out "$OPERATOR_DIR/compose-operator.key" 2>/dev/null)"
+export PAYOUT_OPERATOR_KEYS PAYOUT_OPERATOR_NAME=compose-operator \
+    PAYOUT_OPERATOR_KEY_FILE="$OPERATOR_DIR/compose-operator.key"
 echo "grant signing key: $KEY_ID (public: $PAYOUT_GRANT_VERIFY_KEYS)"
 echo "instruction key: $PAYOUT_INSTRUCTION_VERIFY_KEYS; rail-fact key: $PAYOUT_RAIL_FACT_VERIFY_KEYS"
 echo "TIMING grant signing key: $(secs "$t")"

@@ -222,6 +222,9 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         );
     }
     let system = ensure_up(&args.target, args.workers).await?;
+    // The local stack's operator signs the fundings of its accounts (an external target: none,
+    // and opening funded accounts there is refused, as it must be).
+    let operator = testkit::grants::OperatorKey::in_dir(&args.target.state_dir.join("system"))?;
     // Once `up` has started this build's services in place of any other's: the figures say which
     // build they measured, and a mixture, or another build than this payoutdev's (whose worker
     // runs the floors), is refused before anything is measured.
@@ -273,7 +276,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             args.payouts, args.accounts
         ));
         let workload = even_workload(args.payouts, args.accounts, 1, ambiguity)?;
-        let inputs = open_accounts(&workload, &payments).await?;
+        let inputs = open_accounts(&workload, &payments, &operator).await?;
         if args.history > 0 {
             let started = std::time::Instant::now();
             seed_history(&args.target, &inputs, args.history).await?;
@@ -352,7 +355,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             args.idle
         ));
         let workload = even_workload(args.idle, args.idle, 2, ambiguity)?;
-        let inputs = open_accounts(&workload, &payments).await?;
+        let inputs = open_accounts(&workload, &payments, &operator).await?;
         let ids = workflow_ids(&inputs);
         let mut total = Measured {
             latencies: Vec::new(),
@@ -460,7 +463,13 @@ async fn in_process(
         paydb_url: stack.fresh_db(testkit::PgServer::Main).await,
         proxydb_url: stack.fresh_db(testkit::PgServer::Proxy).await,
     };
-    let hosted = Hosted::start(&backing, security).await?;
+    // Its accounts are funded under the test process's operator's signature.
+    let hosted = Hosted::start(
+        &backing,
+        security,
+        testkit::grants::test_operator().verifier(),
+    )
+    .await?;
     let worker_channel = |addr, server| hosted.channel(addr, server, Role::Worker);
     let lock = lock_client::LockClient::from_channel(
         worker_channel(hosted.lock_addr, Role::LockServer).await?,
@@ -499,7 +508,7 @@ async fn in_process(
         )
         .await?,
     );
-    let inputs = open_accounts(&workload, &fixture).await?;
+    let inputs = open_accounts(&workload, &fixture, testkit::grants::test_operator()).await?;
     let ids = workflow_ids(&inputs);
     let worker = WorkerOptions::new(queue.clone())
         .register_workflow::<payout_workflows::PayoutWorkflow>()?

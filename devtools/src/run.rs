@@ -52,6 +52,41 @@ pub struct Args {
     /// One JSON object instead of the readable summary.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub funding: FundingArgs,
+}
+
+/// Who authorises the batch's opening balances: an account opens funded only under a registered
+/// operator's signature (`grant_signing::operator::Funding`).
+#[derive(ClapArgs, Clone, Debug, Default)]
+pub struct FundingArgs {
+    /// The operator's registered name (a deployment's; the local stack's is its own operator).
+    #[arg(long = "funding-operator", env = "PAYOUT_OPERATOR_NAME")]
+    pub operator: Option<String>,
+    /// That operator's key file (`payoutctl keys operator`).
+    #[arg(long = "funding-key-file", env = "PAYOUT_OPERATOR_KEY_FILE")]
+    pub key_file: Option<std::path::PathBuf>,
+}
+
+impl FundingArgs {
+    /// The operator who signs the fundings: the one given, or the local stack's own (registered
+    /// with its payment resource by the stack).
+    pub fn operator(
+        &self,
+        target: &payoutctl::target::Target,
+    ) -> anyhow::Result<testkit::grants::OperatorKey> {
+        match (&self.operator, &self.key_file) {
+            (Some(name), Some(file)) => testkit::grants::OperatorKey::load(name, file),
+            (None, None) if !target.is_external() => {
+                testkit::grants::OperatorKey::in_dir(&target.state_dir.join("system"))
+            }
+            _ => anyhow::bail!(
+                "a funded account is an operator's decision: give --funding-operator and --funding-key-file \
+                 (PAYOUT_OPERATOR_NAME, PAYOUT_OPERATOR_KEY_FILE) of an operator the deployment's payment \
+                 resource registers (PAYOUT_OPERATOR_KEYS)"
+            ),
+        }
+    }
 }
 
 /// Workflow starts in flight at once: the frontend and the payment resource are local, and more
@@ -179,7 +214,8 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         },
         round_robin: false,
     };
-    let inputs = open_accounts(&workload, &payments).await?;
+    let operator = args.funding.operator(&args.target)?;
+    let inputs = open_accounts(&workload, &payments, &operator).await?;
     say(format!(
         "{} accounts opened; submitting {} payouts (run {run_id})",
         args.accounts, args.payouts
@@ -496,12 +532,13 @@ pub(crate) async fn run_payouts(
 pub(crate) async fn open_accounts(
     workload: &Workload,
     payments: &PaymentClient,
+    operator: &testkit::grants::OperatorKey,
 ) -> anyhow::Result<Vec<PayoutInput>> {
     let (accounts, inputs) = workload.build()?;
     let eur = payout_domain::Currency::parse("EUR").expect("supported");
     for id in &accounts {
-        payments
-            .open_account(id, &eur, workload.opening_balance_minor)
+        operator
+            .open_account(payments, id, &eur, workload.opening_balance_minor)
             .await
             .map_err(|e| anyhow::anyhow!("open account {id}: {e}"))?;
     }

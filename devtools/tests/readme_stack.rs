@@ -169,7 +169,12 @@ async fn the_readme_stack_with_its_relative_state_dir_loads_its_rules_and_a_stal
     let account = AccountId::parse("readme-stale-a").unwrap();
     let payout_id = PayoutId::parse("readme-stale-p").unwrap();
     let eur = Currency::parse("EUR").unwrap();
-    fixture.open_account(&account, &eur, 100_000).await.unwrap();
+    // Funded under the stack's own registered operator's signature.
+    testkit::grants::OperatorKey::in_dir(&state.join("system"))
+        .unwrap()
+        .open_account(&fixture, &account, &eur, 100_000)
+        .await
+        .unwrap();
     // The stale holder: granted the account's lock first, then it lets go (as a paused worker
     // whose lease ran out would) ...
     let session = lock

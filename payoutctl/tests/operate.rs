@@ -297,8 +297,14 @@ async fn operator_commands_against_a_real_system() {
         (&busy_account, 10_000),
         (&poor_account, 100),
     ] {
-        fixture
-            .open_account(&AccountId::parse(account.as_str()).unwrap(), &eur, balance)
+        system
+            .operator
+            .open_account(
+                &fixture,
+                &AccountId::parse(account.as_str()).unwrap(),
+                &eur,
+                balance,
+            )
             .await
             .unwrap();
     }
@@ -1132,8 +1138,10 @@ async fn an_ambiguous_payout_whose_workflow_ended_is_abandoned_past_its_sla() {
         paydb,
     } = clients(&system).await;
     let (account, payout) = (unique("a-orphan"), unique("p-orphan"));
-    fixture
+    system
+        .operator
         .open_account(
+            &fixture,
             &AccountId::parse(account.as_str()).unwrap(),
             &Currency::parse("EUR").unwrap(),
             10_000,
@@ -1316,8 +1324,10 @@ async fn payout_list_sorts_oldest_first_and_filters_by_age() {
     let ctl = Ctl::for_system(&system);
     let Clients { fixture, paydb, .. } = clients(&system).await;
     let account = unique("a-ages");
-    fixture
+    system
+        .operator
         .open_account(
+            &fixture,
             &AccountId::parse(account.as_str()).unwrap(),
             &Currency::parse("EUR").unwrap(),
             10_000,

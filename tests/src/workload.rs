@@ -69,16 +69,18 @@ impl Batch {
         Ok((accounts, inputs))
     }
 
-    /// Builds the batch and creates its accounts and payouts in the payment resource.
+    /// Builds the batch and creates its accounts (funded under `operator`'s signature) and payouts
+    /// in the payment resource.
     pub async fn create(
         &self,
         payments: &PaymentClient,
+        operator: &testkit::grants::OperatorKey,
     ) -> anyhow::Result<(Vec<AccountId>, Vec<PayoutInput>)> {
         let (accounts, inputs) = self.build()?;
         let eur = Currency::parse("EUR").expect("supported");
         for id in &accounts {
-            payments
-                .open_account(id, &eur, self.opening_balance_minor)
+            operator
+                .open_account(payments, id, &eur, self.opening_balance_minor)
                 .await
                 .map_err(|e| anyhow::anyhow!("open account {id}: {e}"))?;
         }

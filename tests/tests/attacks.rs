@@ -267,6 +267,7 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
                 account_id: "attack-funded".into(),
                 currency: "EUR".into(),
                 opening_balance_minor: 1_000_000_000,
+                ..Default::default()
             })
             .await,
         );
@@ -282,6 +283,54 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             held: code == Some(tonic::Code::PermissionDenied) && before == after && seen >= 1.0,
             observed: format!("{code:?}, accounts {before}->{after}, counted {seen}"),
         });
+        // Issue 34, row 6c: the role that may open accounts, without an operator's signature
+        // on the funding (or with a key nobody registered): refused, nothing written, counted.
+        let fixture = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+            .await
+            .unwrap();
+        let eur = Currency::parse("EUR").unwrap();
+        let mallory_dir = tempfile::tempdir().unwrap();
+        let mallory = testkit::grants::OperatorKey::in_dir(mallory_dir.path()).unwrap();
+        for (case, answer, reason) in [
+            (
+                "the fixture's certificate opens a funded account unsigned",
+                fixture
+                    .open_account(
+                        &AccountId::parse("attack-mint").unwrap(),
+                        &eur,
+                        1_000_000_000,
+                    )
+                    .await,
+                "unsigned",
+            ),
+            (
+                "a funded account signed by an unregistered key",
+                mallory
+                    .open_account(
+                        &fixture,
+                        &AccountId::parse("attack-mint").unwrap(),
+                        &eur,
+                        1_000_000_000,
+                    )
+                    .await,
+                "bad_signature",
+            ),
+        ] {
+            let after = count(&paydb, "SELECT count(*) FROM account").await;
+            let seen = sample(
+                &metrics(&system, METRICS_PAYMENT).await,
+                "payment_funding_refused_total",
+                &[&format!(r#"reason="{reason}""#)],
+            );
+            rows.push(Row {
+                case,
+                expected: "PERMISSION_DENIED FundingNotAuthorised, no account, counted",
+                held: matches!(&answer, Err(PaymentError::FundingNotAuthorised { reason: r, .. }) if r == reason)
+                    && before == after
+                    && seen >= 1.0,
+                observed: format!("{answer:?}, accounts {before}->{after}, counted {seen}"),
+            });
+        }
         let mut pay = payment_as(&system, Role::LockServer).await;
         let code = code_of(pay.post(payment::PostRequest::default()).await);
         rows.push(Row {
@@ -539,8 +588,9 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             .unwrap();
         let eur = Currency::parse("EUR").unwrap();
         for account in ["attack-a", "attack-b"] {
-            fixture
-                .open_account(&AccountId::parse(account).unwrap(), &eur, 10_000)
+            system
+                .operator
+                .open_account(&fixture, &AccountId::parse(account).unwrap(), &eur, 10_000)
                 .await
                 .unwrap();
         }

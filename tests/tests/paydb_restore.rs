@@ -101,7 +101,11 @@ impl Ctx {
             },
             round_robin: true,
         };
-        batch.create(&self.payment).await.unwrap().1
+        batch
+            .create(&self.payment, &self.system.operator)
+            .await
+            .unwrap()
+            .1
     }
 
     async fn start(&self, input: &PayoutInput) -> String {

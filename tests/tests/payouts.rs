@@ -113,8 +113,14 @@ impl Ctx {
         ambiguity: AmbiguityPolicy,
     ) -> PayoutInput {
         let input = system_tests::workload::unique_payout(name, amount_minor, ambiguity).unwrap();
-        self.payment
-            .open_account(&input.account_id, &input.currency, balance_minor)
+        self.system
+            .operator
+            .open_account(
+                &self.payment,
+                &input.account_id,
+                &input.currency,
+                balance_minor,
+            )
             .await
             .unwrap();
         self.payment
@@ -1360,8 +1366,9 @@ async fn explicit_payout(ctx: &Ctx, payout: &str, account: &str) -> PayoutInput 
         beneficiary_ref: BeneficiaryRef::parse("ben-e2e").unwrap(),
         ambiguity: fast_ambiguity(),
     };
-    ctx.payment
-        .open_account(&input.account_id, &currency, 10_000)
+    ctx.system
+        .operator
+        .open_account(&ctx.payment, &input.account_id, &currency, 10_000)
         .await
         .unwrap();
     ctx.payment

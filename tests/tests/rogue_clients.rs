@@ -50,8 +50,9 @@ async fn pending_payout(
         payment_client::PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
             .await
             .unwrap();
-    payment
-        .open_account(&input.account_id, &input.currency, balance_minor)
+    system
+        .operator
+        .open_account(&payment, &input.account_id, &input.currency, balance_minor)
         .await
         .unwrap();
     payment

@@ -294,8 +294,9 @@ impl<'a> Ctx<'a> {
                 resolution_sla_ms: 600_000,
             },
         };
-        self.payment
-            .open_account(&input.account_id, &currency, 100_000)
+        self.system
+            .operator
+            .open_account(&self.payment, &input.account_id, &currency, 100_000)
             .await
             .unwrap();
         self.payment

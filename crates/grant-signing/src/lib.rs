@@ -462,6 +462,85 @@ pub mod operator {
         }
     }
 
+    /// Domain tag of an account's funding: an operator's signature that a new account opens with
+    /// this balance (money that comes from outside the ledger, so only a person may authorise it).
+    const FUNDING_DOMAIN: &[u8] = b"payout-account-funding-v1";
+
+    /// What an operator signs to open an account funded: who, which account, in which currency,
+    /// how much (minor units), when. `payoutctl sign fund` makes it.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Funding<'a> {
+        pub operator: &'a str,
+        pub account_id: &'a str,
+        pub currency: &'a str,
+        pub amount_minor: i64,
+        pub signed_at_unix_ms: u64,
+    }
+
+    impl Funding<'_> {
+        /// The bytes the signature covers: the domain tag, operator, account and currency each
+        /// length-prefixed (u32, big-endian), then the amount (i64) and the time (u64), big-endian.
+        pub fn message(&self) -> Vec<u8> {
+            let mut m = Vec::new();
+            m.extend_from_slice(FUNDING_DOMAIN);
+            for field in [self.operator, self.account_id, self.currency] {
+                m.extend_from_slice(&(field.len() as u32).to_be_bytes());
+                m.extend_from_slice(field.as_bytes());
+            }
+            m.extend_from_slice(&self.amount_minor.to_be_bytes());
+            m.extend_from_slice(&self.signed_at_unix_ms.to_be_bytes());
+            m
+        }
+    }
+
+    impl Signer {
+        /// Signs `funding` (whose `operator` must be this key's registered name).
+        pub fn sign_funding(&self, funding: &Funding<'_>) -> Signature {
+            Signature {
+                key_id: self.key_id.clone(),
+                bytes: self.pair.sign(&funding.message()).as_ref().to_vec(),
+            }
+        }
+    }
+
+    impl Verifier {
+        /// The verified operator of `funding`, or why not. `now_unix_ms`: checked within the
+        /// decision window ([`MAX_AGE_MS`], [`FUTURE_SKEW_MS`]) when the account is opened;
+        /// `None` for the reconciler, which checks an opening of any age after the fact.
+        pub fn verify_funding(
+            &self,
+            funding: &Funding<'_>,
+            signature: &Signature,
+            now_unix_ms: Option<u64>,
+        ) -> Result<String, Refused> {
+            if signature.bytes.is_empty() {
+                return Err(Refused::Unsigned);
+            }
+            if signature.key_id != funding.operator {
+                return Err(Refused::BadSignature);
+            }
+            let public = self
+                .keys
+                .get(&signature.key_id)
+                .ok_or_else(|| Refused::UnknownOperator(signature.key_id.clone()))?;
+            UnparsedPublicKey::new(&ED25519, public)
+                .verify(&funding.message(), &signature.bytes)
+                .map_err(|_| Refused::BadSignature)?;
+            if let Some(now_unix_ms) = now_unix_ms {
+                let at = funding.signed_at_unix_ms;
+                if at.saturating_add(MAX_AGE_MS) < now_unix_ms
+                    || at > now_unix_ms.saturating_add(FUTURE_SKEW_MS)
+                {
+                    return Err(Refused::Stale {
+                        signed_at_unix_ms: at,
+                        now_unix_ms,
+                    });
+                }
+            }
+            Ok(signature.key_id.clone())
+        }
+    }
+
     /// Milliseconds since the Unix epoch on this machine's clock: what a decision is signed at and
     /// checked against.
     pub fn now_unix_ms() -> u64 {
@@ -492,6 +571,74 @@ pub mod operator {
                 reason,
                 signed_at_unix_ms: at,
             }
+        }
+
+        #[test]
+        fn a_funding_verifies_only_as_signed_for_its_account_amount_and_operator() {
+            let (alice, _) = Signer::generate("alice").unwrap();
+            let verifier = Verifier::new([alice.public_key()]).unwrap();
+            let now = now_unix_ms();
+            let funding = Funding {
+                operator: "alice",
+                account_id: "acct-1",
+                currency: "EUR",
+                amount_minor: 100_000,
+                signed_at_unix_ms: now,
+            };
+            let signature = alice.sign_funding(&funding);
+            assert_eq!(
+                verifier.verify_funding(&funding, &signature, Some(now)),
+                Ok("alice".into())
+            );
+            // Long after: refused when opening, still verified by the reconciler.
+            let later = now + MAX_AGE_MS + 1;
+            assert!(matches!(
+                verifier.verify_funding(&funding, &signature, Some(later)),
+                Err(Refused::Stale { .. })
+            ));
+            assert!(verifier.verify_funding(&funding, &signature, None).is_ok());
+            for changed in [
+                Funding {
+                    amount_minor: 100_001,
+                    ..funding.clone()
+                },
+                Funding {
+                    account_id: "acct-2",
+                    ..funding.clone()
+                },
+                Funding {
+                    currency: "USD",
+                    ..funding.clone()
+                },
+            ] {
+                assert_eq!(
+                    verifier.verify_funding(&changed, &signature, Some(now)),
+                    Err(Refused::BadSignature)
+                );
+            }
+            // An abandon's signature is not a funding's, nor the other way round.
+            let decision = Decision {
+                operator: "alice",
+                decision: "abandon",
+                payout_id: "acct-1",
+                reason: "EUR",
+                signed_at_unix_ms: now,
+            };
+            assert_eq!(
+                verifier.verify_funding(&funding, &alice.sign_decision(&decision), Some(now)),
+                Err(Refused::BadSignature)
+            );
+            assert_eq!(
+                verifier.verify_funding(
+                    &funding,
+                    &Signature {
+                        key_id: "alice".into(),
+                        bytes: vec![]
+                    },
+                    Some(now)
+                ),
+                Err(Refused::Unsigned)
+            );
         }
 
         #[test]

@@ -61,16 +61,47 @@ impl PaymentClient {
         self.inner.clone()
     }
 
+    /// Opens an account with no money (a positive balance needs an operator's signature:
+    /// [`PaymentClient::open_funded_account`]).
     pub async fn open_account(
         &self,
         account_id: &AccountId,
         currency: &Currency,
         opening_balance_minor: i64,
     ) -> Result<model::Account, PaymentError> {
+        self.open_account_with(account_id, currency, opening_balance_minor, None)
+            .await
+    }
+
+    /// Opens an account with `opening_balance_minor`, authorised by an operator's `funding`
+    /// signature over exactly this account, currency and amount.
+    pub async fn open_funded_account(
+        &self,
+        account_id: &AccountId,
+        currency: &Currency,
+        opening_balance_minor: i64,
+        funding: &model::Funding,
+    ) -> Result<model::Account, PaymentError> {
+        self.open_account_with(account_id, currency, opening_balance_minor, Some(funding))
+            .await
+    }
+
+    async fn open_account_with(
+        &self,
+        account_id: &AccountId,
+        currency: &Currency,
+        opening_balance_minor: i64,
+        funding: Option<&model::Funding>,
+    ) -> Result<model::Account, PaymentError> {
         let r = pb::OpenAccountRequest {
             account_id: account_id.to_string(),
             currency: currency.to_string(),
             opening_balance_minor,
+            funded_by: funding.map(|f| f.operator.clone()).unwrap_or_default(),
+            funding_signature: funding.map(|f| pb::OperatorSignature {
+                signature: f.signature.clone(),
+                signed_at_unix_ms: f.signed_at_unix_ms,
+            }),
         };
         let a = self
             .raw()

@@ -101,6 +101,16 @@ pub enum PaymentError {
         detail: String,
         signing_key_id: String,
     },
+    /// An OpenAccount with a positive opening balance whose operator signature is missing, by an
+    /// operator with no registered key, does not match the account, currency and amount, or is
+    /// stale (`grant_signing::operator::Funding`). Nothing written; counted. PERMISSION_DENIED.
+    #[error("funding of account {account_id} not authorised (operator {operator:?}): {reason}; nothing was written")]
+    FundingNotAuthorised {
+        account_id: String,
+        operator: String,
+        /// `unsigned` | `unknown_operator` | `bad_signature` | `stale`
+        reason: String,
+    },
     /// A break-glass call naming an operator the caller's certificate does not carry
     /// (`service_kit::grpc::certified_operator`). Nothing changed; counted and logged at alert
     /// level. PERMISSION_DENIED.

@@ -101,6 +101,15 @@ fn check_text(field: &str, value: &str) -> Result<(), PaymentError> {
     Ok(())
 }
 
+/// An operator's authorisation of an account's opening balance (`grant_signing::operator::
+/// Funding`, `payoutctl sign fund`): who signed, the signature, when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Funding {
+    pub operator: String,
+    pub signature: Vec<u8>,
+    pub signed_at_unix_ms: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Account {
     pub account_id: AccountId,

@@ -488,6 +488,18 @@ pub fn error_to_status(err: PaymentError) -> Status {
                 signing_key_id,
             }),
         ),
+        PaymentError::FundingNotAuthorised {
+            account_id,
+            operator,
+            reason,
+        } => (
+            Code::PermissionDenied,
+            Kind::FundingNotAuthorised(pb::FundingNotAuthorised {
+                account_id,
+                operator,
+                reason,
+            }),
+        ),
         PaymentError::OperatorNotCertified { operator } => (
             Code::PermissionDenied,
             Kind::OperatorNotCertified(pb::OperatorNotCertified { operator }),
@@ -619,6 +631,11 @@ pub fn status_to_error(status: Status) -> PaymentError {
             reason: r.reason,
             detail: r.detail,
             signing_key_id: r.signing_key_id,
+        },
+        Kind::FundingNotAuthorised(r) => PaymentError::FundingNotAuthorised {
+            account_id: r.account_id,
+            operator: r.operator,
+            reason: r.reason,
         },
         Kind::OperatorNotCertified(r) => PaymentError::OperatorNotCertified {
             operator: r.operator,
@@ -828,6 +845,11 @@ mod tests {
                 operator: "mallory".into(),
             },
             PaymentError::NotQuarantined { outbox_id: 42 },
+            PaymentError::FundingNotAuthorised {
+                account_id: "acct-1".into(),
+                operator: "mallory".into(),
+                reason: "unknown_operator".into(),
+            },
             PaymentError::RailFactRefused {
                 payout_id: "p-1".into(),
                 operation: "record_outcome".into(),
@@ -968,6 +990,7 @@ mod tests {
                     | PaymentError::GrantForAnotherKey { .. }
                     | PaymentError::OperatorNotCertified { .. }
                     | PaymentError::RailFactRefused { .. }
+                    | PaymentError::FundingNotAuthorised { .. }
             );
             let code = error_to_status(refusal).code();
             assert_eq!(code == Code::PermissionDenied, grant, "{code:?}");

@@ -108,8 +108,9 @@ async fn reconcile_while_a_batch_settles(prefix: &str) -> (usize, Vec<String>) {
     let mut batch = Vec::new();
     for a in 0..ACCOUNTS {
         let account_id = AccountId::parse(format!("acct-{prefix}{a}")).unwrap();
-        fixture
-            .open_account(&account_id, &eur, 100_000)
+        system
+            .operator
+            .open_account(&fixture, &account_id, &eur, 100_000)
             .await
             .unwrap();
         let mut payouts = Vec::new();
@@ -216,8 +217,9 @@ async fn a_transition_committed_mid_run_is_no_finding_in_one_snapshot_and_a_fals
     let mut claimed = Vec::new();
     for n in 1..=2 {
         let account_id = AccountId::parse(format!("acct-mid{n}")).unwrap();
-        fixture
-            .open_account(&account_id, &eur, 100_000)
+        system
+            .operator
+            .open_account(&fixture, &account_id, &eur, 100_000)
             .await
             .unwrap();
         let payout_id = PayoutId::parse(format!("po-mid{n}")).unwrap();

@@ -106,8 +106,9 @@ async fn submitted_by_hand(system: &System, account: &str, payout: &str, amount:
         .await
         .unwrap();
     let eur = Currency::parse("EUR").unwrap();
-    let _ = fixture
-        .open_account(&account_id, &eur, 100_000)
+    let _ = system
+        .operator
+        .open_account(&fixture, &account_id, &eur, 100_000)
         .await
         .unwrap();
     let payout_id = PayoutId::parse(payout).unwrap();

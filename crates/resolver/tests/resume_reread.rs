@@ -115,8 +115,9 @@ async fn a_payout_finished_between_the_pass_read_and_its_describe_is_not_resumed
         .await
         .unwrap();
     let new = new_payout();
-    fixture
-        .open_account(&new.account_id, &new.currency, 100_000)
+    system
+        .operator
+        .open_account(&fixture, &new.account_id, &new.currency, 100_000)
         .await
         .unwrap();
     fixture.create_payout(&new).await.unwrap();

@@ -87,7 +87,12 @@ pub fn certificate(role: Role) -> mtls::Tls {
 }
 
 impl Hosted {
-    pub async fn start(backing: &Backing, security: Security) -> Result<Self, HostError> {
+    /// `operators`: the operators whose signatures fund the bench's accounts.
+    pub async fn start(
+        backing: &Backing,
+        security: Security,
+        operators: grant_signing::Verifier,
+    ) -> Result<Self, HostError> {
         let secured = security != Security::Off;
         let facts_checked = security == Security::AsDeployed;
         let stub = rail_stub::RunningStub::start(rail_stub::StubConfig::default())
@@ -168,7 +173,8 @@ impl Hosted {
             fact_keys,
         )
         .map_err(start_error("signed facts"))?;
-        let mut options = payment_resource::StoreOptions::new(verifier, facts);
+        let mut options =
+            payment_resource::StoreOptions::new(verifier, facts).with_operator_keys(operators);
         if !secured {
             options = options
                 .without_grant_verification_for_tests()

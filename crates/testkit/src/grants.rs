@@ -123,6 +123,19 @@ impl OperatorKey {
         })
     }
 
+    /// An operator's existing key (`payoutctl keys operator --name NAME --out FILE`), for a
+    /// deployment: nothing is generated.
+    pub fn load(name: &str, key_file: &Path) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let text = std::fs::read_to_string(key_file)
+            .with_context(|| format!("reading the operator key {}", key_file.display()))?;
+        Ok(Self {
+            signer: Signer::from_hex(name, &text)
+                .with_context(|| format!("reading the operator key {}", key_file.display()))?,
+            key_file: key_file.to_path_buf(),
+        })
+    }
+
     /// What the payment resource's `--operator-keys` takes.
     pub fn registered(&self) -> String {
         self.signer.public_key().to_string()
@@ -147,6 +160,69 @@ impl OperatorKey {
             "signature": grant_signing::operator::to_hex(&signature.bytes),
         })
     }
+}
+
+impl OperatorKey {
+    /// This operator's authorisation of `account`'s opening balance, signed now (what `payoutctl
+    /// sign fund` prints): the payment resource opens a funded account only under one.
+    pub fn funding(
+        &self,
+        account: &str,
+        currency: &str,
+        amount_minor: i64,
+    ) -> payment_client::model::Funding {
+        let signed_at_unix_ms = grant_signing::operator::now_unix_ms();
+        let operator = self.signer.key_id();
+        let signature = self.signer.sign_funding(&grant_signing::operator::Funding {
+            operator,
+            account_id: account,
+            currency,
+            amount_minor,
+            signed_at_unix_ms,
+        });
+        payment_client::model::Funding {
+            operator: operator.to_string(),
+            signature: signature.bytes,
+            signed_at_unix_ms,
+        }
+    }
+
+    /// Opens `account` with `balance_minor` through `client` (a certificate of a role that may
+    /// call OpenAccount), the funding signed by this operator (none for an empty account).
+    pub async fn open_account(
+        &self,
+        client: &payment_client::PaymentClient,
+        account: &payout_domain::AccountId,
+        currency: &payout_domain::Currency,
+        balance_minor: i64,
+    ) -> Result<payment_client::model::Account, payment_client::PaymentError> {
+        if balance_minor == 0 {
+            return client.open_account(account, currency, 0).await;
+        }
+        let funding = self.funding(account.as_str(), currency.as_str(), balance_minor);
+        client
+            .open_funded_account(account, currency, balance_minor, &funding)
+            .await
+    }
+
+    /// The payment resource's (and the reconciler's) verifier of this operator alone.
+    pub fn verifier(&self) -> grant_signing::Verifier {
+        grant_signing::Verifier::new([self.signer.public_key()]).expect("one operator key")
+    }
+}
+
+/// One registered operator for a test process's in-process payment resources: their
+/// `StoreOptions::with_operator_keys(test_operator().verifier())`, and the fundings the tests sign.
+pub fn test_operator() -> &'static OperatorKey {
+    static OPERATOR_KEY: std::sync::OnceLock<(tempfile::TempDir, OperatorKey)> =
+        std::sync::OnceLock::new();
+    &OPERATOR_KEY
+        .get_or_init(|| {
+            let dir = tempfile::tempdir().expect("a folder for the test operator's key");
+            let key = OperatorKey::in_dir(dir.path()).expect("the test operator's key");
+            (dir, key)
+        })
+        .1
 }
 
 impl std::fmt::Debug for OperatorKey {

@@ -530,6 +530,14 @@ async fn negative_control(h: &Harness<'_>) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn hex_bytes(text: &str) -> anyhow::Result<Vec<u8>> {
+    ensure!(text.len().is_multiple_of(2), "odd hex length");
+    (0..text.len())
+        .step_by(2)
+        .map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?))
+        .collect()
+}
+
 /// Issue 34's rows that need the deployment itself: what code execution inside one container
 /// can do. Row 6a: the payment resource's container holds paydb's login and the shipped binary,
 /// and the binary has no command that opens a funded account (the `fixture` subcommand is a test
@@ -916,10 +924,28 @@ impl Harness<'_> {
         format!("{kind}-{}-{}", self.run, self.next)
     }
 
+    /// Opens a funded account, its funding signed by the suite's operator with `payoutctl sign
+    /// fund` (deploy/compose-test.sh made the key; the payment resource registers it).
     async fn open_account(&mut self, balance: i64) -> anyhow::Result<AccountId> {
         let account = AccountId::parse(self.id("acct"))?;
+        let out = std::process::Command::new(support::repo_root().join("target/debug/payoutctl"))
+            .args(["sign", "fund", "--account-id", account.as_str()])
+            .args(["--currency", "EUR", "--amount-minor", &balance.to_string()])
+            .output()
+            .context("payoutctl sign fund")?;
+        ensure!(
+            out.status.success(),
+            "payoutctl sign fund: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let signed: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let funding = payment_client::model::Funding {
+            operator: signed["operator"].as_str().context("operator")?.to_string(),
+            signature: hex_bytes(signed["signature"].as_str().context("signature")?)?,
+            signed_at_unix_ms: signed["signed_at_unix_ms"].as_u64().context("signed_at")?,
+        };
         self.payment
-            .open_account(&account, &Currency::parse("EUR")?, balance)
+            .open_funded_account(&account, &Currency::parse("EUR")?, balance, &funding)
             .await?;
         Ok(account)
     }

@@ -67,13 +67,14 @@ async fn intake(url: &str, options: StoreOptions) -> Intake {
 
 fn options() -> StoreOptions {
     StoreOptions::without_grant_keys()
+        .with_operator_keys(testkit::grants::test_operator().verifier())
 }
 
 impl Intake {
     async fn account(&self, id: &str) -> AccountId {
         let account = AccountId::parse(id).unwrap();
-        self.fixture
-            .open_account(&account, &eur(), 1_000_000)
+        testkit::grants::test_operator()
+            .open_account(&self.fixture, &account, &eur(), 1_000_000)
             .await
             .expect("open account");
         account

@@ -132,8 +132,21 @@ impl pb::payment_resource_server::PaymentResource for PaymentApi {
         let result = async {
             let account_id = parse_account_id("account_id", &r.account_id)?;
             let currency = parse_currency(&r.currency)?;
+            let funding = r
+                .funding_signature
+                .as_ref()
+                .map(|s| payment_client::model::Funding {
+                    operator: r.funded_by.clone(),
+                    signature: s.signature.clone(),
+                    signed_at_unix_ms: s.signed_at_unix_ms,
+                });
             self.store
-                .open_account(&account_id, &currency, r.opening_balance_minor)
+                .open_account(
+                    &account_id,
+                    &currency,
+                    r.opening_balance_minor,
+                    funding.as_ref(),
+                )
                 .await
         }
         .await;

@@ -49,7 +49,7 @@ pub async fn load(store: &Store, accounts: &[FixtureAccount]) -> Result<Vec<Acco
             .map_err(|_| PaymentError::invalid("currency", InvalidReason::CurrencyInvalid))?;
         opened.push(
             store
-                .open_account(&account_id, &currency, a.opening_balance_minor)
+                .open_account_unsigned_for_fixture(&account_id, &currency, a.opening_balance_minor)
                 .await?,
         );
     }

@@ -534,6 +534,7 @@ struct Counters {
     account_busy: IntCounterVec,
     transitions: IntCounterVec,
     operator_not_verified: IntCounterVec,
+    funding_refused: IntCounterVec,
     rail_facts_refused: IntCounterVec,
     /// `payout_duration_seconds{final_state}`: creation to the terminal transition's commit.
     payout_duration: service_kit::prometheus::HistogramVec,
@@ -846,6 +847,17 @@ impl Store {
                 "Operator decisions whose signature was missing, unknown, wrong or stale (refused and audited). Alert on any.",
                 &["decision", "reason"],
             ),
+            funding_refused: {
+                let refused = metrics.counter_vec(
+                    "payment_funding_refused_total",
+                    "OpenAccount with a positive balance refused: the operator's funding signature was missing, unknown, wrong or stale (nothing written). Alert on any.",
+                    &["reason"],
+                );
+                for reason in ["unsigned", "unknown_operator", "bad_signature", "stale"] {
+                    refused.with_label_values(&[reason]).inc_by(0);
+                }
+                refused
+            },
             rail_facts_refused: metrics.counter_vec(
                 "payment_rail_facts_refused_total",
                 "RecordOutcome (ACKED, DECLINED) and ResolveAmbiguity calls without the rail proxy's signed fact saying the same thing (refused and audited): a caller's word about the rail. Alert on any.",
@@ -1520,7 +1532,40 @@ impl Store {
     /// Opens an account with an opening balance: its own balanced ledger group against the
     /// currency's FUNDING account, plus its outbox row, in one transaction. Idempotent for the
     /// same content. Fixture data: accounts are created out of band, without a grant.
+    /// Opens an account. A positive opening balance is money from outside the ledger: it is
+    /// written only under `funding`, an operator's signature over exactly this account, currency
+    /// and amount, fresh, by a registered operator (`grant_signing::operator::Funding`);
+    /// otherwise PERMISSION_DENIED `FundingNotAuthorised`, nothing written, counted. The verified
+    /// operator and the signature go into the `account_opened` audit row, in the same
+    /// transaction, for the reconciler's `account_funding_authorised` check.
     pub async fn open_account(
+        &self,
+        account_id: &AccountId,
+        currency: &Currency,
+        opening_balance_minor: i64,
+        funding: Option<&payment_client::model::Funding>,
+    ) -> Result<Account, ServerError> {
+        if opening_balance_minor < 0 {
+            return Err(PaymentError::invalid(
+                "opening_balance_minor",
+                InvalidReason::OpeningBalanceNegative,
+            )
+            .into());
+        }
+        let funded_by = if opening_balance_minor > 0 {
+            Some(self.verify_funding(account_id, currency, opening_balance_minor, funding)?)
+        } else {
+            None
+        };
+        self.insert_account(account_id, currency, opening_balance_minor, funded_by)
+            .await
+    }
+
+    /// TEST BUILDS ONLY (feature `fixture-command`): opens an account funded with no operator's
+    /// signature, for `payment-resource fixture`. The reconciler reports every such opening
+    /// (`account_funding_authorised`).
+    #[cfg(feature = "fixture-command")]
+    pub async fn open_account_unsigned_for_fixture(
         &self,
         account_id: &AccountId,
         currency: &Currency,
@@ -1533,6 +1578,64 @@ impl Store {
             )
             .into());
         }
+        self.insert_account(account_id, currency, opening_balance_minor, None)
+            .await
+    }
+
+    /// The verified operator of `funding`, or the refusal (counted, logged).
+    fn verify_funding(
+        &self,
+        account_id: &AccountId,
+        currency: &Currency,
+        amount_minor: i64,
+        funding: Option<&payment_client::model::Funding>,
+    ) -> Result<(String, Vec<u8>, u64), ServerError> {
+        use grant_signing::operator::{Funding, Refused};
+        let verdict = match funding {
+            None => Err(Refused::Unsigned),
+            Some(f) => self
+                .options
+                .operators
+                .verify_funding(
+                    &Funding {
+                        operator: &f.operator,
+                        account_id: account_id.as_str(),
+                        currency: currency.as_str(),
+                        amount_minor,
+                        signed_at_unix_ms: f.signed_at_unix_ms,
+                    },
+                    &grant_signing::Signature {
+                        key_id: f.operator.clone(),
+                        bytes: f.signature.clone(),
+                    },
+                    Some(grant_signing::operator::now_unix_ms()),
+                )
+                .map(|operator| (operator, f.signature.clone(), f.signed_at_unix_ms)),
+        };
+        verdict.map_err(|refused| {
+            let operator = funding.map(|f| f.operator.clone()).unwrap_or_default();
+            self.counters
+                .funding_refused
+                .with_label_values(&[refused.reason()])
+                .inc();
+            tracing::warn!(%account_id, operator, amount_minor, reason = refused.reason(), %refused,
+                alert = true, "account funding not authorised: nothing written");
+            PaymentError::FundingNotAuthorised {
+                account_id: account_id.to_string(),
+                operator,
+                reason: refused.reason().to_string(),
+            }
+            .into()
+        })
+    }
+
+    async fn insert_account(
+        &self,
+        account_id: &AccountId,
+        currency: &Currency,
+        opening_balance_minor: i64,
+        funded_by: Option<(String, Vec<u8>, u64)>,
+    ) -> Result<Account, ServerError> {
         let mut tx = self.pool.begin().await?;
         let inserted: Option<AccountRow> = sqlx::query_as(&format!(
             "INSERT INTO account (id, currency, balance_minor, opening_balance_minor) VALUES ($1, $2, $3, $3) \
@@ -1615,7 +1718,16 @@ impl Store {
                 from_state: None,
                 to_state: None,
                 event: None,
-                detail: json!({"currency": currency.as_str(), "opening_balance_minor": opening_balance_minor}),
+                detail: match &funded_by {
+                    None => json!({"currency": currency.as_str(), "opening_balance_minor": opening_balance_minor}),
+                    Some((operator, signature, signed_at)) => json!({
+                        "currency": currency.as_str(),
+                        "opening_balance_minor": opening_balance_minor,
+                        "funded_by": operator,
+                        "funding_signature": grant_signing::operator::to_hex(signature),
+                        "funding_signed_at_unix_ms": signed_at,
+                    }),
+                },
             },
         )
         .await?;

@@ -369,9 +369,32 @@ fn eur() -> Currency {
     Currency::parse("EUR").unwrap()
 }
 
+/// The registered operator "op-1"'s authorisation of `account`'s opening `balance_minor` in EUR,
+/// signed now.
+fn funding(account: &str, balance_minor: i64) -> payment_client::model::Funding {
+    let signed_at_unix_ms = grant_signing::operator::now_unix_ms();
+    let signature = operator("op-1").sign_funding(&grant_signing::operator::Funding {
+        operator: "op-1",
+        account_id: account,
+        currency: "EUR",
+        amount_minor: balance_minor,
+        signed_at_unix_ms,
+    });
+    payment_client::model::Funding {
+        operator: "op-1".into(),
+        signature: signature.bytes,
+        signed_at_unix_ms,
+    }
+}
+
 async fn open(h: &Harness, account: &str, balance_minor: i64) {
     h.c()
-        .open_account(&aid(account), &eur(), balance_minor)
+        .open_funded_account(
+            &aid(account),
+            &eur(),
+            balance_minor,
+            &funding(account, balance_minor),
+        )
         .await
         .expect("open account");
 }
@@ -2460,7 +2483,8 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
         raw.clone().open_account(pb::OpenAccountRequest {
             account_id: "acct-2".into(),
             currency: "EUR".into(),
-            opening_balance_minor: -1
+            opening_balance_minor: -1,
+            ..Default::default()
         })
     );
     case!(
@@ -2469,7 +2493,8 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
         raw.clone().open_account(pb::OpenAccountRequest {
             account_id: "acct-2".into(),
             currency: "EURO".into(),
-            opening_balance_minor: 1
+            opening_balance_minor: 1,
+            ..Default::default()
         })
     );
     case!(
@@ -2480,7 +2505,8 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
         raw.clone().open_account(pb::OpenAccountRequest {
             account_id: "acct-1".into(),
             currency: "EUR".into(),
-            opening_balance_minor: 1
+            opening_balance_minor: 0,
+            ..Default::default()
         })
     );
 
@@ -2530,7 +2556,7 @@ async fn bad_input_is_refused_specifically_and_writes_nothing() {
     assert_eq!(again.state, PayoutState::Pending);
     assert_eq!(again.client_reference, "cref-p-2");
     h.c()
-        .open_account(&aid("acct-1"), &eur(), 10_000)
+        .open_funded_account(&aid("acct-1"), &eur(), 10_000, &funding("acct-1", 10_000))
         .await
         .unwrap();
     assert_eq!(row_counts(&h.pool).await, counts);
@@ -2881,11 +2907,12 @@ async fn binary_serves_and_stops_on_sigterm() {
     let url = Stack::shared()
         .provisioned_db(PgServer::Main, testkit::db_access::Database::Paydb)
         .await;
-    let binary = Binary::start(&url, &["--fixture-accounts"]);
+    let operators = operator("op-1").public_key().to_string();
+    let binary = Binary::start(&url, &["--fixture-accounts", "--operator-keys", &operators]);
     let fixture = binary.client(&tls(Role::Fixture)).await;
     let client = binary.client(&tls(Role::Worker)).await;
     let account = fixture
-        .open_account(&aid("acct-1"), &eur(), 1_000)
+        .open_funded_account(&aid("acct-1"), &eur(), 1_000, &funding("acct-1", 1_000))
         .await
         .unwrap();
     assert_eq!(account.balance_minor, 1_000);
@@ -3106,7 +3133,15 @@ async fn concurrent_creates_of_one_id_answer_the_original_or_a_typed_refusal() {
         let tasks: Vec<_> = (0..CREATORS)
             .map(|_| {
                 let (c, account_id) = (h.c().clone(), account_id.clone());
-                tokio::spawn(async move { c.open_account(&aid(&account_id), &eur(), 500).await })
+                tokio::spawn(async move {
+                    c.open_funded_account(
+                        &aid(&account_id),
+                        &eur(),
+                        500,
+                        &funding(&account_id, 500),
+                    )
+                    .await
+                })
             })
             .collect();
         let opened: Vec<_> = futures::future::join_all(tasks)
@@ -3254,6 +3289,7 @@ fn payment_call() -> impl proptest::strategy::Strategy<Value = PaymentCall> {
                     account_id,
                     currency,
                     opening_balance_minor,
+                    ..Default::default()
                 })
             }
         ),
@@ -3436,6 +3472,7 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing() {
                                         | Kind::GrantForAnotherKey(_)
                                         | Kind::OperatorNotVerified(_)
                                         | Kind::RailFactRefused(_)
+                                        | Kind::FundingNotAuthorised(_)
                                 )
                             ),
                             "{kind:?}"
@@ -3654,7 +3691,12 @@ async fn negative_control_with_every_role_allowed_a_worker_opens_a_funded_accoun
         .await
         .unwrap();
     let account = worker
-        .open_account(&aid("acct-forged"), &eur(), 1_000_000_000)
+        .open_funded_account(
+            &aid("acct-forged"),
+            &eur(),
+            1_000_000_000,
+            &funding("acct-forged", 1_000_000_000),
+        )
         .await
         .expect("the permissive table lets a worker open a funded account");
     assert_eq!(account.balance_minor, 1_000_000_000);
@@ -4676,4 +4718,129 @@ async fn payout_age_gauges_count_the_payouts_in_flight_and_the_ambiguous_past_th
     assert_eq!(count_of(&ages, "RAIL_AMBIGUOUS"), 0);
     assert_eq!(past, 0);
     assert!(metrics.render().contains("payouts_ambiguous_past_sla 0"));
+}
+
+/// Issue 34, row 6c: an opening balance is money from outside the ledger, so only an operator
+/// authorises it. OpenAccount with a positive balance and no signature, a signature by a key
+/// nobody registered, one for another amount, account or currency, or one signed too long ago, is
+/// PERMISSION_DENIED `FundingNotAuthorised` naming why, nothing written (no account, ledger,
+/// outbox or audit row), counted in `payment_funding_refused_total{reason}`. Control: the same
+/// request under a registered operator's fresh signature opens the account, and the signature is
+/// on its `account_opened` audit row; an empty account needs none.
+#[tokio::test]
+async fn a_funded_account_opens_only_under_an_operators_signature() {
+    let h = harness().await;
+    let before = row_counts(&h.pool).await;
+    let signed_as = |key: &Signer, name: &str, account: &str, amount: i64, at: u64| {
+        payment_client::model::Funding {
+            operator: name.into(),
+            signature: key
+                .sign_funding(&grant_signing::operator::Funding {
+                    operator: name,
+                    account_id: account,
+                    currency: "EUR",
+                    amount_minor: amount,
+                    signed_at_unix_ms: at,
+                })
+                .bytes,
+            signed_at_unix_ms: at,
+        }
+    };
+    let now = grant_signing::operator::now_unix_ms();
+    let refused = [
+        ("unsigned", None),
+        (
+            "unknown_operator",
+            Some(signed_as(
+                operator("mallory"),
+                "mallory",
+                "acct-9",
+                1_000,
+                now,
+            )),
+        ),
+        (
+            "bad_signature",
+            Some(signed_as(operator("op-1"), "op-1", "acct-9", 999, now)),
+        ),
+        (
+            "bad_signature",
+            Some(signed_as(operator("op-1"), "op-1", "acct-8", 1_000, now)),
+        ),
+        (
+            "stale",
+            Some(signed_as(
+                operator("op-1"),
+                "op-1",
+                "acct-9",
+                1_000,
+                now - grant_signing::operator::MAX_AGE_MS - 60_000,
+            )),
+        ),
+    ];
+    for (reason, funding) in &refused {
+        let err = match funding {
+            None => h.c().open_account(&aid("acct-9"), &eur(), 1_000).await,
+            Some(f) => {
+                h.c()
+                    .open_funded_account(&aid("acct-9"), &eur(), 1_000, f)
+                    .await
+            }
+        }
+        .unwrap_err();
+        match &err {
+            PaymentError::FundingNotAuthorised {
+                account_id,
+                reason: r,
+                ..
+            } => assert_eq!((account_id.as_str(), r.as_str()), ("acct-9", *reason)),
+            other => panic!("{reason}: expected FundingNotAuthorised, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        row_counts(&h.pool).await,
+        before,
+        "a refused opening wrote something"
+    );
+    let counted = h.service.metrics.render();
+    for (reason, n) in [
+        ("unsigned", 1),
+        ("unknown_operator", 1),
+        ("bad_signature", 2),
+        ("stale", 1),
+    ] {
+        assert!(
+            counted.contains(&format!(
+                r#"payment_funding_refused_total{{reason="{reason}"}} {n}"#
+            )),
+            "{reason} {n}: {counted}"
+        );
+    }
+    // Control: signed by a registered operator, now.
+    let opened = h
+        .c()
+        .open_funded_account(&aid("acct-9"), &eur(), 1_000, &funding("acct-9", 1_000))
+        .await
+        .expect("a signed funding opens the account");
+    assert_eq!(opened.balance_minor, 1_000);
+    let detail: serde_json::Value = sqlx::query_scalar(
+        "SELECT detail FROM audit_event WHERE account_id = 'acct-9' AND kind = 'account_opened'",
+    )
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert_eq!(detail["funded_by"], "op-1", "{detail}");
+    assert!(
+        detail["funding_signature"]
+            .as_str()
+            .is_some_and(|s| s.len() == 128),
+        "{detail}"
+    );
+    // An empty account needs no signature.
+    let empty = h
+        .c()
+        .open_account(&aid("acct-empty"), &eur(), 0)
+        .await
+        .unwrap();
+    assert_eq!(empty.balance_minor, 0);
 }

@@ -278,8 +278,9 @@ async fn a_payout_whose_delivered_workflow_temporal_lost_is_resumed_by_one_pass(
         .unwrap();
     let lost = "k-lost";
     let new = new_payout("k-acct-lost", lost);
-    fixture
-        .open_account(&new.account_id, &new.currency, 100_000)
+    system
+        .operator
+        .open_account(&fixture, &new.account_id, &new.currency, 100_000)
         .await
         .unwrap();
     fixture.create_payout(&new).await.unwrap();
@@ -376,8 +377,9 @@ async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interva
         .await
         .unwrap();
     let first = new_payout(account, holder);
-    fixture
-        .open_account(&first.account_id, &first.currency, 100_000)
+    system
+        .operator
+        .open_account(&fixture, &first.account_id, &first.currency, 100_000)
         .await
         .unwrap();
     fixture.create_payout(&first).await.unwrap();

@@ -298,8 +298,9 @@ async fn an_orphaned_ambiguous_payout_is_resumed_by_one_pass_inquires_and_frees_
     let reference =
         |payout: &str| ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string();
     let first = new_payout(account, ambiguous);
-    fixture
-        .open_account(&first.account_id, &first.currency, 100_000)
+    system
+        .operator
+        .open_account(&fixture, &first.account_id, &first.currency, 100_000)
         .await
         .unwrap();
     for payout in [ambiguous, behind] {

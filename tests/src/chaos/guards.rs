@@ -95,6 +95,7 @@ pub async fn replace_services(
                     system.rail_fact_keys.verifier()?,
                 )?,
             )
+            .with_operator_keys(system.operator.verifier())
             .without_fence_predicate_for_tests(),
             &Metrics::default(),
         );

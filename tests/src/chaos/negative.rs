@@ -115,8 +115,9 @@ pub async fn stale_holder_on(
         let payout_id = PayoutId::parse(format!("neg-{}-p{i}", disable.name()))?;
         let amount = AmountMinor::new(1_000)?;
         let beneficiary = BeneficiaryRef::parse("ben-neg")?;
-        fixture
-            .open_account(&account, &eur, 100_000)
+        system
+            .operator
+            .open_account(&fixture, &account, &eur, 100_000)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         fixture

@@ -79,7 +79,7 @@ impl Workload {
             },
             round_robin: false,
         };
-        let (accounts, inputs) = batch.create(&payments).await?;
+        let (accounts, inputs) = batch.create(&payments, &system.operator).await?;
         Ok(Self {
             run_id,
             inputs,

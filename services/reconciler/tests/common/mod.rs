@@ -58,8 +58,9 @@ pub async fn create_payouts(system: &System, account: &str, payouts: &[&str]) {
         .await
         .unwrap();
     let first = new_payout(account, payouts[0]);
-    fixture
-        .open_account(&first.account_id, &first.currency, 100_000)
+    system
+        .operator
+        .open_account(&fixture, &first.account_id, &first.currency, 100_000)
         .await
         .unwrap();
     for payout in payouts {
