@@ -595,6 +595,8 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 args.reconcile_interval_s.to_string(),
             ])
             .arg("--resolve-orphans")
+            // The stack's registered operator: every account opening's funding is checked.
+            .args(["--operator-keys".to_string(), system.operator.registered()])
             // Its audit anchor, watermark and rail cursor, kept between runs as a deployment's
             // are: after a clean run, runs are incremental, with a full pass every hour.
             .arg("--audit-anchor-file")

@@ -54,6 +54,7 @@ pub async fn sources(target: &Resolved) -> anyhow::Result<reconciler::Sources> {
             target.etcd_tls.clone(),
             target.lock_prefix.clone(),
         )),
+        operators: target.operators.clone(),
     })
 }
 

@@ -54,6 +54,42 @@ pub struct Target {
     /// The rail's settlement window in the target deployment.
     #[arg(long, env = "PAYOUT_SETTLEMENT_WINDOW_MS", default_value_t = 2000)]
     pub settlement_window_ms: u64,
+    /// The registered operators' public keys (`name=hex,...`, what the payment resource's
+    /// PAYOUT_OPERATOR_KEYS holds): the reconciler verifies every account opening's funding
+    /// against them. The local stack's own operator by default; none given for a deployment: that
+    /// check is reported skipped.
+    #[arg(long, env = "PAYOUT_OPERATOR_KEYS")]
+    pub operator_keys: Option<String>,
+}
+
+/// The local stack's registered operator (`testkit::grants::OPERATOR`, its key beside the
+/// stack's other secrets).
+pub const LOCAL_OPERATOR: &str = "operator-1";
+
+/// `--operator-keys` parsed; empty is none.
+fn parse_operators(spec: Option<&str>) -> anyhow::Result<Option<grant_signing::Verifier>> {
+    match spec.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(spec) => Ok(Some(
+            grant_signing::Verifier::parse(spec).context("--operator-keys")?,
+        )),
+    }
+}
+
+/// The local stack's operator's public key, from its secret in the stack's folder (none if the
+/// stack has none).
+fn local_operators(state_dir: &std::path::Path) -> anyhow::Result<Option<grant_signing::Verifier>> {
+    let file = state_dir
+        .join("system")
+        .join(format!("{LOCAL_OPERATOR}.key"));
+    let text = match std::fs::read_to_string(&file) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", file.display())),
+    };
+    let signer = grant_signing::Signer::from_hex(LOCAL_OPERATOR, &text)
+        .with_context(|| format!("reading {}", file.display()))?;
+    Ok(Some(grant_signing::Verifier::new([signer.public_key()])?))
 }
 
 /// Every endpoint a command needs, wherever it came from.
@@ -77,6 +113,8 @@ pub struct Resolved {
     pub lock_prefix: String,
     pub task_queue: String,
     pub settlement_window_ms: u64,
+    /// The registered operators' public keys, for the funding check (None: not checked).
+    pub operators: Option<grant_signing::Verifier>,
 }
 
 impl Target {
@@ -122,6 +160,7 @@ impl Target {
                 lock_prefix: self.lock_prefix.clone(),
                 task_queue: self.task_queue.clone(),
                 settlement_window_ms: self.settlement_window_ms,
+                operators: parse_operators(self.operator_keys.as_deref())?,
             });
         }
         let record = StackRecord::load(&self.state_dir)?;
@@ -151,6 +190,10 @@ impl Target {
             lock_prefix: LOCK_ETCD_PREFIX.to_string(),
             task_queue: system.task_queue.clone(),
             settlement_window_ms: system.settlement_window_ms,
+            operators: match parse_operators(self.operator_keys.as_deref())? {
+                Some(given) => Some(given),
+                None => local_operators(&self.state_dir)?,
+            },
         })
     }
 }

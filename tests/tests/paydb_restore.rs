@@ -421,6 +421,7 @@ async fn a_restored_paydb_once_rearmed_leaves_the_outbox_and_the_gl_consistent()
             .unwrap(),
         rail_proxy: None,
         lock_grants: None,
+        operators: Some(ctx.system.operator.verifier()),
     };
     let report = reconciler::reconcile(
         &sources,

@@ -13,6 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+pub mod funding;
 pub mod lock_audit;
 pub mod lost_timeline;
 pub mod rail_check;
@@ -57,6 +58,10 @@ pub struct Sources {
     pub rail_proxy: Option<ProxySource>,
     /// The lock service's grant records in etcd.
     pub lock_grants: Option<LockGrants>,
+    /// The registered operators' public keys (`name=hex,...`, the payment resource's
+    /// `--operator-keys`): every account opening's funding signature is verified against them
+    /// ([`funding`]). None: that check is skipped, never passed.
+    pub operators: Option<grant_signing::Verifier>,
 }
 
 /// The rail proxy's URL and the reconciler's certificate to call it with (mutual TLS; the proxy
@@ -622,6 +627,7 @@ async fn reconcile_with(
     checks.push(transitions);
     checks.push(guard1);
     checks.push(ledger_balanced(paydb, &scope).await?);
+    checks.push(funding::account_funding_authorised(paydb, sources.operators.as_ref()).await?);
     checks.push(postings);
     checks.push(submissions);
     checks.push(guard2);

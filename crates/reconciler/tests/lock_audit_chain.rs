@@ -287,6 +287,7 @@ async fn without_an_etcd_source_the_check_is_skipped() {
         gldb: lazy(),
         rail_proxy: None,
         lock_grants: None,
+        operators: None,
     };
     let (check, head) = lock_audit_chain_intact(&sources, &Options::default())
         .await

@@ -857,3 +857,109 @@ async fn a_full_pass_in_batches_of_one_account_finds_what_a_single_batch_finds()
         many.render()
     );
 }
+
+/// Issue 34, row 6b: money minted with the payment resource's own database login. Logged in as
+/// `payment_resource` (what code execution in its container holds), an attacker writes what an
+/// opening writes: an account, its balanced opening group against `sys:funding:EUR`, and an
+/// `account_opened` audit row, once with a made-up operator signature and once with none. Every
+/// other check passes (the group balances, the balance matches its entries, the audit chain is
+/// whole); `account_funding_authorised` names both. Control: the accounts opened through
+/// OpenAccount under the operator's signature (acct-f1's) are no finding.
+#[tokio::test]
+async fn an_opening_the_operators_did_not_sign_is_reported() {
+    let system = system_without_workers().await;
+    pay(&system, "acct-f1", "po-f1", 500).await;
+    let login = testkit::Stack::shared()
+        .pg(testkit::PgServer::Main)
+        .login_url(
+            "payment_resource",
+            testkit::system::database_name(&system.databases.paydb),
+        );
+    let pool = sqlx::PgPool::connect(&login).await.unwrap();
+    let forged = serde_json::json!({
+        "currency": "EUR",
+        "opening_balance_minor": 1_000_000_000,
+        "funded_by": testkit::grants::OPERATOR,
+        "funding_signature": "ab".repeat(64),
+        "funding_signed_at_unix_ms": grant_signing::operator::now_unix_ms(),
+    });
+    let unsigned = serde_json::json!({"currency": "EUR", "opening_balance_minor": 1_000_000_000});
+    for (account, detail) in [("acct-mint-1", forged), ("acct-mint-2", unsigned)] {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query(
+            "INSERT INTO account (id, currency, balance_minor, opening_balance_minor) \
+             VALUES ($1, 'EUR', 1000000000, 1000000000)",
+        )
+        .bind(account)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO ledger_entry (transaction_group, line_number, account_id, currency, amount_minor, counterparty) \
+             VALUES ($2, 1, $1, 'EUR', 1000000000, 'sys:funding:EUR'), \
+                    ($2, 2, 'sys:funding:EUR', 'EUR', -1000000000, $1)",
+        )
+        .bind(account)
+        .bind(uuid::Uuid::new_v4())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO audit_event (account_id, kind, actor, owner, detail) \
+             VALUES ($1, 'account_opened', 'FIXTURE', 'fixture', $2::jsonb)",
+        )
+        .bind(account)
+        .bind(detail.to_string())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    pool.close().await;
+    let report = reconciler::reconcile(&sources(&system).await, &Options::default())
+        .await
+        .unwrap();
+    for quiet in [
+        "ledger_balanced",
+        "audit_chain_intact",
+        "postings_match_payouts",
+    ] {
+        assert_eq!(
+            violations(&report, quiet),
+            &[] as &[String],
+            "{quiet}:\n{}",
+            report.render()
+        );
+    }
+    let found = violations(&report, "account_funding_authorised");
+    assert_eq!(found.len(), 2, "{}", report.render());
+    assert!(
+        found
+            .iter()
+            .any(|v| v.contains("acct-mint-1") && v.contains("bad_signature")),
+        "{found:?}"
+    );
+    assert!(
+        found
+            .iter()
+            .any(|v| v.contains("acct-mint-2") && v.contains("no operator's funding signature")),
+        "{found:?}"
+    );
+    // Without the operators' keys the check does not pass: it says it was skipped.
+    let blind = reconciler::Sources {
+        operators: None,
+        ..sources(&system).await
+    };
+    let report = reconciler::reconcile(&blind, &Options::default())
+        .await
+        .unwrap();
+    let check = report
+        .checks
+        .iter()
+        .find(|c| c.name == "account_funding_authorised")
+        .unwrap();
+    assert!(
+        check.skipped.is_some() && check.violations.is_empty(),
+        "{check:?}"
+    );
+}

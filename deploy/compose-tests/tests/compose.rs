@@ -878,6 +878,10 @@ async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
             suite_tls(mtls::Role::Reconciler)?,
             "/payout/lock/".to_string(),
         )),
+        operators: Some(grant_signing::Verifier::parse(
+            &std::env::var("PAYOUT_OPERATOR_KEYS")
+                .context("PAYOUT_OPERATOR_KEYS is not set (run deploy/compose-test.sh)")?,
+        )?),
     };
     let options = reconciler::Options {
         require_outbox_drained: true,

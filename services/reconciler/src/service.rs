@@ -98,6 +98,11 @@ pub struct Config {
     pub lock_server_url: Option<String>,
     #[arg(long, env = "RAIL_PROXY_URL")]
     pub rail_proxy_url: Option<String>,
+    /// The registered operators' public keys (`name=hex,...`, the payment resource's
+    /// PAYOUT_OPERATOR_KEYS): every account opening's funding signature is checked against them
+    /// (`account_funding_authorised`). Empty: that check is reported skipped.
+    #[arg(long, env = "PAYOUT_OPERATOR_KEYS", default_value = "")]
+    pub operator_keys: String,
     #[arg(long, env = "PAYMENT_RESOURCE_URL")]
     pub payment_resource_url: Option<String>,
     /// The certificate authority, and this reconciler's certificate (role `reconciler`) and key:
@@ -236,8 +241,20 @@ impl Config {
                     horizon_ms: self.grant_horizon_ms,
                 }),
             },
+            operators: operators(&self.operator_keys)?,
         })
     }
+}
+
+/// `--operator-keys`: none given is None (the check reports itself skipped); a malformed list
+/// stops the start.
+pub fn operators(spec: &str) -> anyhow::Result<Option<grant_signing::Verifier>> {
+    if spec.trim().is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(
+        grant_signing::Verifier::parse(spec).context("--operator-keys")?,
+    ))
 }
 
 /// How often a scheduled run is a full pass (every account) rather than an incremental one: an

@@ -230,6 +230,7 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
             tls: system.tls(Role::Reconciler),
         }),
         lock_grants: None,
+        operators: Some(system.operator.verifier()),
     };
     // The outbox drains into the GL; then every detective control is clean.
     let report = testkit::eventually(SETTLE_TIMEOUT, "the books reconcile", || async {

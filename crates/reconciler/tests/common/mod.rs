@@ -41,6 +41,7 @@ pub async fn sources(system: &System) -> Sources {
             Stack::shared().etcd_client_tls("reconciler"),
             system.etcd_prefix.clone(),
         )),
+        operators: Some(system.operator.verifier()),
     }
 }
 
