@@ -126,6 +126,9 @@ docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/postgres:15"
 # etcd reads its members' keys as the etcd image's user.
 docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/etcd:3.4" \
     -c 'chown etcd /tls/etcd1.key /tls/etcd2.key /tls/etcd3.key && chmod 600 /tls/etcd1.key /tls/etcd2.key /tls/etcd3.key'
+# The certificate denylist every server reads (empty: nothing revoked yet; `payoutctl pki deny`).
+: > "$TLS_DIR/denylist"
+chmod 644 "$TLS_DIR/denylist"
 export PAYOUT_TLS_DIR="$TLS_DIR" PAYOUT_FIXTURE_ACCOUNTS=true
 
 # This run's database passwords: one per login, generated, never written to the repository

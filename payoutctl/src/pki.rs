@@ -12,6 +12,11 @@
 //! `pki issue-server --dir DIR --name NAME --host H...` issues a server certificate with no role:
 //! a database, an etcd member, or the Temporal front (`--name temporal --host temporal --host
 //! 127.0.0.1`; every Temporal client sets the server name `temporal`).
+//!
+//! `pki fingerprint --cert FILE` prints a certificate's fingerprints; `pki deny --cert FILE
+//! --denylist FILE --reason TEXT` appends its line to a certificate denylist (`mtls::denylist`):
+//! every server reading that file refuses the certificate within seconds, whatever its role. No
+//! authority key is needed (services/lock-server/RESTORE.md, "Certificates").
 
 use std::path::PathBuf;
 
@@ -25,6 +30,36 @@ pub enum Command {
     /// Issue a server certificate for a database or etcd member, named by every host name and
     /// address its clients connect to (each is checked: `sslmode=verify-full`).
     IssueServer(IssueServerArgs),
+    /// Print a certificate's SHA-256 and SHA-1 fingerprints (its denylist line).
+    Fingerprint(FingerprintArgs),
+    /// Revoke a certificate: append its fingerprints to a denylist every server reads.
+    Deny(DenyArgs),
+}
+
+#[derive(ClapArgs)]
+pub struct FingerprintArgs {
+    /// The certificate (PEM).
+    #[arg(long)]
+    pub cert: PathBuf,
+}
+
+#[derive(ClapArgs)]
+pub struct DenyArgs {
+    /// The certificate to refuse (PEM).
+    #[arg(long)]
+    pub cert: PathBuf,
+    /// The denylist file the servers read (PAYOUT_TLS_DENYLIST); created if missing.
+    #[arg(long)]
+    pub denylist: PathBuf,
+    /// Why (the incident or ticket): kept as the line's comment.
+    #[arg(long)]
+    pub reason: String,
+}
+
+fn entry_of(cert: &std::path::Path) -> anyhow::Result<mtls::denylist::Entry> {
+    let pem = std::fs::read(cert).with_context(|| format!("reading {}", cert.display()))?;
+    mtls::denylist::entry_of_pem(&pem)
+        .with_context(|| format!("{} holds no PEM certificate", cert.display()))
 }
 
 #[derive(ClapArgs)]
@@ -101,6 +136,26 @@ pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
             println!("{} {}", files.cert.display(), files.key.display());
             Ok(std::process::ExitCode::SUCCESS)
         }
+        Command::Fingerprint(args) => {
+            println!("{}", entry_of(&args.cert)?.line(""));
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Deny(args) => {
+            anyhow::ensure!(!args.reason.trim().is_empty(), "--reason must say why");
+            let entry = entry_of(&args.cert)?;
+            mtls::denylist::append(&args.denylist, &entry, &args.reason)
+                .with_context(|| format!("appending to {}", args.denylist.display()))?;
+            // The whole file must still load: a server would otherwise keep its last good list.
+            mtls::denylist::Denylist::load(&args.denylist)?;
+            println!("{}", entry.line(&args.reason));
+            eprintln!(
+                "payoutctl: {} denied in {}; every server reading it refuses the certificate within {} s",
+                args.cert.display(),
+                args.denylist.display(),
+                mtls::denylist::RELOAD_MS / 1_000
+            );
+            Ok(std::process::ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -116,6 +171,42 @@ mod tests {
             name: name.into(),
         }))
         .map(|_| ())
+    }
+
+    #[test]
+    fn deny_appends_the_certificates_line_once_and_the_list_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        issue(dir.path(), "reconciler", "leaked").unwrap();
+        issue(dir.path(), "reconciler", "kept").unwrap();
+        let list = dir.path().join("denylist");
+        for _ in 0..2 {
+            run(Command::Deny(DenyArgs {
+                cert: dir.path().join("leaked.pem"),
+                denylist: list.clone(),
+                reason: "INC-42".into(),
+            }))
+            .unwrap();
+        }
+        let loaded = mtls::denylist::Denylist::load(&list).unwrap();
+        assert_eq!(loaded.len(), 1);
+        let fingerprint = |name: &str| {
+            entry_of(&dir.path().join(format!("{name}.pem")))
+                .unwrap()
+                .sha256
+        };
+        assert!(loaded.is_denied(&fingerprint("leaked")));
+        assert!(!loaded.is_denied(&fingerprint("kept")));
+        let text = std::fs::read_to_string(&list).unwrap();
+        assert!(
+            text.contains("# INC-42") && text.contains(" sha1:"),
+            "{text}"
+        );
+        assert!(run(Command::Deny(DenyArgs {
+            cert: dir.path().join("missing.pem"),
+            denylist: list,
+            reason: "x".into(),
+        }))
+        .is_err());
     }
 
     #[test]

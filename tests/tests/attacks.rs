@@ -966,6 +966,61 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
         }
     }
 
+    // 11. A leaked certificate revoked without a new authority (issue 34, row 1c): a reconciler
+    //     certificate (a role every service serves something to) is appended to the system's
+    //     denylist; each server refuses it, health checks included, within its reload period,
+    //     counted as certificate_denied. Controls: a second reconciler certificate is served
+    //     throughout, and a line for an unrelated certificate changes nothing.
+    {
+        let leaked = system.tls(Role::Reconciler);
+        let other = system.tls(Role::Reconciler);
+        let unrelated = system.tls(Role::Reconciler);
+        let list = system.denylist_path();
+        let line = |tls: &mtls::Tls| tls.own_denylist_entry().expect("a certificate");
+        mtls::denylist::append(&list, &line(&unrelated), "unrelated").unwrap();
+        let before: Vec<Result<(), String>> = {
+            let mut seen = Vec::new();
+            for (_, url, role) in services(&system) {
+                seen.push(health(leaked.endpoint(&url, role).unwrap()).await);
+            }
+            seen
+        };
+        mtls::denylist::append(&list, &line(&leaked), "leaked: attack suite row 1c").unwrap();
+        for (i, (name, url, role)) in services(&system).into_iter().enumerate() {
+            let refused = testkit::eventually(
+                Duration::from_millis(6 * mtls::denylist::RELOAD_MS),
+                &format!("{name} refuses the denied certificate"),
+                || {
+                    let endpoint = leaked.endpoint(&url, role).unwrap();
+                    async move {
+                        match health(endpoint).await {
+                            Err(e) if e.contains("certificate_denied") => Some(e),
+                            _ => None,
+                        }
+                    }
+                },
+            )
+            .await;
+            let served = health(other.endpoint(&url, role).unwrap()).await;
+            let index = [METRICS_LOCK, METRICS_PAYMENT, METRICS_PROXY, METRICS_GL][i];
+            let counted = sample(
+                &metrics(&system, index).await,
+                "unauthorised_calls_total",
+                &[r#"reason="certificate_denied""#],
+            );
+            rows.push(Row {
+                case: leak(format!("a denied certificate at {name}")),
+                expected: "served before; PERMISSION_DENIED certificate_denied after, counted; another certificate of the role served",
+                held: before[i].is_ok() && refused.is_ok() && served.is_ok() && counted >= 1.0,
+                observed: format!(
+                    "before {:?}; after {:?}; another {served:?}; counted {counted}",
+                    before[i],
+                    refused.as_ref().map_err(|e| e.to_string())
+                ),
+            });
+        }
+    }
+
     println!("\n{:<62} {:<72} {:<5} observed", "case", "expected", "held");
     for r in &rows {
         println!(

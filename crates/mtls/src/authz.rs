@@ -55,6 +55,9 @@ pub enum RefusalReason {
     /// ([`crate::Caller::is_operator_named`]), or is made by a role that acts only as itself
     /// under another name. Decided by the handler, which knows the claimed name.
     OperatorNotCertified,
+    /// The caller's certificate is on the server's denylist ([`crate::denylist`]): refused
+    /// before its role is looked at, whatever the method.
+    CertificateDenied,
 }
 
 impl RefusalReason {
@@ -66,6 +69,7 @@ impl RefusalReason {
             RefusalReason::UnknownMethod => "unknown_method",
             RefusalReason::RoleNotAllowed => "role_not_allowed",
             RefusalReason::OperatorNotCertified => "operator_not_certified",
+            RefusalReason::CertificateDenied => "certificate_denied",
         }
     }
 }
@@ -96,6 +100,11 @@ impl Refusal {
                  <name>.operator; another role acts only under its own role name)",
                 self.path
             ),
+            RefusalReason::CertificateDenied => format!(
+                "{}: refused, certificate_denied: this client certificate is on the server's \
+                 denylist (revoked by an operator)",
+                self.path
+            ),
         };
         tonic::Status::permission_denied(message)
     }
@@ -104,6 +113,16 @@ impl Refusal {
 impl Policy {
     /// The decision for one call: the verified caller, or why not.
     pub fn authorize(&self, path: &str, extensions: &http::Extensions) -> Result<Caller, Refusal> {
+        self.authorize_unless_denied(path, extensions, None)
+    }
+
+    /// [`Policy::authorize`], a certificate on `denylist` refused first, whatever the method.
+    pub fn authorize_unless_denied(
+        &self,
+        path: &str,
+        extensions: &http::Extensions,
+        denylist: Option<&crate::denylist::Denylist>,
+    ) -> Result<Caller, Refusal> {
         let refuse = |reason, role| Refusal {
             path: path.to_string(),
             reason,
@@ -114,10 +133,14 @@ impl Policy {
             .and_then(|info| info.peer_certs())
             .and_then(|certs| certs.first().cloned())
             .ok_or_else(|| refuse(RefusalReason::NoCertificate, None))?;
+        let print = fingerprint(&cert);
+        if denylist.is_some_and(|d| d.is_denied(&print)) {
+            return Err(refuse(RefusalReason::CertificateDenied, role_of(&cert)));
+        }
         let role = role_of(&cert).ok_or_else(|| refuse(RefusalReason::NoRole, None))?;
         let caller = Caller {
             role,
-            fingerprint: fingerprint(&cert),
+            fingerprint: print,
             certificate: cert.into_owned(),
         };
         let (service, method) = path
@@ -178,11 +201,23 @@ pub type Recorder = Arc<dyn Fn(&Refusal) + Send + Sync>;
 pub struct Authorize {
     policy: &'static Policy,
     record: Recorder,
+    denylist: Arc<crate::denylist::Denylist>,
 }
 
 impl Authorize {
     pub fn new(policy: &'static Policy, record: Recorder) -> Self {
-        Self { policy, record }
+        Self {
+            policy,
+            record,
+            denylist: crate::denylist::Denylist::empty(),
+        }
+    }
+
+    /// The same layer, refusing every certificate on `denylist` (read on every call, so a
+    /// reloaded list is in force at once).
+    pub fn denying(mut self, denylist: Arc<crate::denylist::Denylist>) -> Self {
+        self.denylist = denylist;
+        self
     }
 }
 
@@ -193,6 +228,7 @@ impl<S> tower::Layer<S> for Authorize {
             inner,
             policy: self.policy,
             record: self.record.clone(),
+            denylist: self.denylist.clone(),
         }
     }
 }
@@ -202,6 +238,7 @@ pub struct AuthorizeService<S> {
     inner: S,
     policy: &'static Policy,
     record: Recorder,
+    denylist: Arc<crate::denylist::Denylist>,
 }
 
 type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
@@ -220,10 +257,11 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
-        match self
-            .policy
-            .authorize(request.uri().path(), request.extensions())
-        {
+        match self.policy.authorize_unless_denied(
+            request.uri().path(),
+            request.extensions(),
+            Some(&self.denylist),
+        ) {
             Ok(caller) => {
                 request.extensions_mut().insert(caller);
                 Box::pin(self.inner.call(request))

@@ -16,6 +16,7 @@
 //! instead of silently connecting in the clear.
 
 pub mod authz;
+pub mod denylist;
 #[cfg(feature = "issue")]
 pub mod htpasswd;
 #[cfg(feature = "issue")]
@@ -276,6 +277,9 @@ pub struct Tls {
     ca_pem: Vec<u8>,
     cert_pem: Vec<u8>,
     key_pem: Vec<u8>,
+    /// The certificates a server built on this material refuses ([`denylist`]); empty unless a
+    /// server's `--tls-denylist` gave one.
+    denylist: std::sync::Arc<denylist::Denylist>,
 }
 
 impl std::fmt::Debug for Tls {
@@ -316,6 +320,7 @@ impl Tls {
             ca_pem: read(ca)?,
             cert_pem: read(cert)?,
             key_pem: read(key)?,
+            denylist: denylist::Denylist::empty(),
         };
         require_pem(&tls.ca_pem, "the authority", ca, "CERTIFICATE")?;
         require_pem(&tls.cert_pem, "the certificate", cert, "CERTIFICATE")?;
@@ -329,7 +334,24 @@ impl Tls {
             ca_pem: ca_pem.as_bytes().to_vec(),
             cert_pem: cert_pem.as_bytes().to_vec(),
             key_pem: key_pem.as_bytes().to_vec(),
+            denylist: denylist::Denylist::empty(),
         }
+    }
+
+    /// The same material, a server built on it refusing the certificates of `denylist`.
+    pub fn with_denylist(mut self, denylist: std::sync::Arc<denylist::Denylist>) -> Tls {
+        self.denylist = denylist;
+        self
+    }
+
+    /// The certificates a server built on this material refuses.
+    pub fn denylist(&self) -> &std::sync::Arc<denylist::Denylist> {
+        &self.denylist
+    }
+
+    /// This certificate's denylist line (`payoutctl pki deny` writes the same for a file).
+    pub fn own_denylist_entry(&self) -> Option<denylist::Entry> {
+        denylist::entry_of_pem(&self.cert_pem)
     }
 
     /// Server side: this process's certificate, and a client certificate from the authority

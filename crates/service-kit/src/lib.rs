@@ -42,6 +42,7 @@ pub struct Metrics {
     pub registry: Registry,
     unauthorised: std::sync::Arc<std::sync::OnceLock<IntCounterVec>>,
     database_restored: std::sync::Arc<std::sync::OnceLock<prometheus::IntGaugeVec>>,
+    denylist: std::sync::Arc<std::sync::OnceLock<(prometheus::IntGauge, prometheus::IntCounter)>>,
     /// Histograms by name ([`Metrics::histogram_vec`]): registered once per registry.
     histograms: std::sync::Arc<
         std::sync::Mutex<std::collections::HashMap<String, prometheus::HistogramVec>>,
@@ -68,6 +69,33 @@ impl Metrics {
                     "calls refused by the authorisation table (role not allowed, unknown method, no role)",
                     &["method", "reason", "role"],
                 )
+            })
+            .clone()
+    }
+
+    /// `tls_denylist_entries` (certificates a server refuses) and
+    /// `tls_denylist_reload_failures_total` (a changed denylist that could not be read: the last
+    /// good one stays in force), registered on first use.
+    pub fn denylist(&self) -> (prometheus::IntGauge, prometheus::IntCounter) {
+        self.denylist
+            .get_or_init(|| {
+                let entries = prometheus::IntGauge::new(
+                    "tls_denylist_entries",
+                    "Client certificates this server refuses (its --tls-denylist)",
+                )
+                .expect("valid metric definition");
+                let failures = prometheus::IntCounter::new(
+                    "tls_denylist_reload_failures_total",
+                    "Changes of the denylist file that could not be read (the last good list stays in force). Alert on any.",
+                )
+                .expect("valid metric definition");
+                self.registry
+                    .register(Box::new(entries.clone()))
+                    .expect("metric registered once");
+                self.registry
+                    .register(Box::new(failures.clone()))
+                    .expect("metric registered once");
+                (entries, failures)
             })
             .clone()
     }
@@ -299,6 +327,55 @@ pub mod grpc {
     pub use mtls::authz::{Policy, Refusal, Rule};
     pub use mtls::{Caller, Role, Tls, TlsArgs};
 
+    /// A gRPC server's TLS material: [`TlsArgs`] and the certificate denylist it refuses
+    /// (`mtls::denylist`). The denylist is required: a misspelt path must not mean "nothing
+    /// denied", so a server does not start without a readable file (which may be empty).
+    #[derive(Debug, Clone, clap::Args)]
+    pub struct ServerTlsArgs {
+        #[command(flatten)]
+        pub tls: TlsArgs,
+        /// The client certificates this server refuses (`payoutctl pki deny` appends one; read
+        /// again within seconds of a change).
+        #[arg(
+            long = "tls-denylist",
+            env = "PAYOUT_TLS_DENYLIST",
+            value_name = "FILE"
+        )]
+        pub denylist: std::path::PathBuf,
+    }
+
+    impl ServerTlsArgs {
+        pub fn load(&self) -> anyhow::Result<Tls> {
+            let denylist = mtls::denylist::Denylist::load(&self.denylist)?;
+            Ok(self.tls.load()?.with_denylist(denylist))
+        }
+    }
+
+    /// Reads the denylist again whenever its file changes, for as long as a server holds it.
+    async fn watch_denylist(
+        denylist: std::sync::Weak<mtls::denylist::Denylist>,
+        entries: prometheus::IntGauge,
+        failures: prometheus::IntCounter,
+    ) {
+        loop {
+            tokio::time::sleep(Duration::from_millis(mtls::denylist::RELOAD_MS)).await;
+            let Some(list) = denylist.upgrade() else {
+                return;
+            };
+            match list.reload_if_changed() {
+                Ok(true) => {
+                    entries.set(list.len() as i64);
+                    tracing::warn!(entries = list.len(), path = ?list.path(), "certificate denylist reloaded");
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    failures.inc();
+                    tracing::error!(alert = true, %error, "certificate denylist not reloaded; the last good list stays in force");
+                }
+            }
+        }
+    }
+
     /// A server's bounds: requests handled at once (past it a call is shed at once, tonic's
     /// RESOURCE_EXHAUSTED "Too many active requests for the connection", nothing run, instead of
     /// queueing without bound; callers treat it as transient and retry with backoff), and how
@@ -414,19 +491,36 @@ pub mod grpc {
             refused
                 .with_label_values(&[refusal.path.as_str(), refusal.reason.as_str(), role])
                 .inc();
-            tracing::warn!(
-                method = %refusal.path,
-                reason = refusal.reason.as_str(),
-                role,
-                "call refused by the authorisation table"
-            );
+            if refusal.reason == mtls::authz::RefusalReason::CertificateDenied {
+                tracing::error!(
+                    alert = true,
+                    method = %refusal.path,
+                    role,
+                    "call refused: a denied (revoked) certificate was used"
+                );
+            } else {
+                tracing::warn!(
+                    method = %refusal.path,
+                    reason = refusal.reason.as_str(),
+                    role,
+                    "call refused by the authorisation table"
+                );
+            }
         });
+        let denylist = tls.denylist().clone();
+        let (entries, failures) = metrics.denylist();
+        entries.set(denylist.len() as i64);
+        if denylist.path().is_some() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(watch_denylist(Arc::downgrade(&denylist), entries, failures));
+            }
+        }
         Ok(Server::builder()
             .tls_config(tls.server_config())?
             .timeout(Duration::from_millis(bounds.request_timeout_ms))
             .load_shed(true)
             .layer(OversizeIsResourceExhausted)
-            .layer(mtls::authz::Authorize::new(policy, record))
+            .layer(mtls::authz::Authorize::new(policy, record).denying(denylist))
             .layer(GlobalConcurrencyLimitLayer::new(bounds.concurrency_max)))
     }
 

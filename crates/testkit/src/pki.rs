@@ -94,6 +94,16 @@ pub fn tls(role: Role) -> Tls {
     shared().tls(role)
 }
 
+/// An empty certificate denylist file, for a server binary a test starts by hand
+/// (`PAYOUT_TLS_DENYLIST`: every server requires one).
+pub fn empty_denylist() -> PathBuf {
+    let path = shared().dir.join("empty-denylist");
+    if !path.exists() {
+        std::fs::write(&path, "").expect("writing the empty denylist");
+    }
+    path
+}
+
 /// TEST ONLY (the test kit is linked by no shipped package): a copy of `policy` in which every
 /// role may call every method of its table. A service's own in-process suite, whose subject is the
 /// service's logic and which calls it from one client as several roles, serves with it; the real

@@ -153,6 +153,8 @@ pub struct System {
 
 /// The lock-server's issued-token record (INV-04's memory), in the system's directory.
 pub const ISSUED_TOKENS_FILE: &str = "lock-issued-tokens.json";
+/// The system's certificate denylist, in its folder.
+pub const DENYLIST_FILE: &str = "tls-denylist";
 
 /// The database name of a URL this kit made (`postgres://…/NAME?…`).
 pub fn database_name(url: &str) -> &str {
@@ -224,9 +226,18 @@ impl System {
             .clone()
             .unwrap_or_else(|| format!("/payout/{n}/lock/"));
         let log = |name: &str| dir.join(format!("{name}.log"));
+        // The certificates every server refuses (`payoutctl pki deny` appends; kept across a
+        // restart of the stack). The servers read it from PAYOUT_TLS_DENYLIST; the clients
+        // ignore it.
+        let denylist = dir.join(DENYLIST_FILE);
+        if !denylist.exists() {
+            std::fs::write(&denylist, "")?;
+        }
         let spec = |name: &str| {
             Ok::<_, anyhow::Error>(
-                ProcessSpec::new(name, workspace_bin(name), log(name)).lifetime(options.lifetime),
+                ProcessSpec::new(name, workspace_bin(name), log(name))
+                    .lifetime(options.lifetime)
+                    .env("PAYOUT_TLS_DENYLIST", denylist.display().to_string()),
             )
         };
         let m = &ports.metrics;
@@ -507,6 +518,13 @@ impl System {
 
     /// A fresh certificate of `role` from this system's authority, for a test (or a tool) that
     /// calls a service directly as that role.
+    /// The certificate denylist every server of the system reads (PAYOUT_TLS_DENYLIST): a line
+    /// appended here (`mtls::denylist::append`, `payoutctl pki deny`) is in force within
+    /// `mtls::denylist::RELOAD_MS`.
+    pub fn denylist_path(&self) -> PathBuf {
+        self.dir.join(DENYLIST_FILE)
+    }
+
     pub fn tls(&self, role: Role) -> crate::pki::Tls {
         self.pki.tls(role)
     }

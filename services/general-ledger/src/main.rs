@@ -26,7 +26,7 @@ enum Command {
     /// Serve gRPC over mutual TLS.
     Serve {
         #[command(flatten)]
-        tls: service_kit::grpc::TlsArgs,
+        tls: service_kit::grpc::ServerTlsArgs,
     },
     /// Recompute cached balances from entries; prints the drift found (JSON) and repairs it.
     RebuildBalances,

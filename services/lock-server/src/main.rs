@@ -62,7 +62,7 @@ struct Args {
     #[arg(long, env = "LOCK_GRANT_SIGNING_KEY_FILE")]
     grant_signing_key_file: PathBuf,
     #[command(flatten)]
-    tls: service_kit::grpc::TlsArgs,
+    tls: service_kit::grpc::ServerTlsArgs,
 }
 
 #[tokio::main]

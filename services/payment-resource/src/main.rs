@@ -21,6 +21,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start; the size of the serve variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Serve payment.v1.PaymentResource, grpc.health.v1 and /metrics.
@@ -71,7 +73,7 @@ enum Command {
         #[arg(long, env = "RAIL_FACT_VERIFY_KEYS", value_name = "ID=HEX,...", value_parser = parse_verify_keys)]
         rail_fact_verify_keys: Verifier,
         #[command(flatten)]
-        tls: service_kit::grpc::TlsArgs,
+        tls: service_kit::grpc::ServerTlsArgs,
         /// Serve OpenAccount (funded accounts from nothing) to the fixture role. Off by default;
         /// the local stack and the tests turn it on, a deployment does not.
         #[arg(long, env = "PAYOUT_FIXTURE_ACCOUNTS")]

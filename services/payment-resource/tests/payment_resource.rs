@@ -2969,6 +2969,7 @@ async fn binary_refuses_a_database_not_at_its_schema() {
                 .unwrap()
                 .to_args(),
         )
+        .env("PAYOUT_TLS_DENYLIST", testkit::pki::empty_denylist())
         .env("PAYDB_URL", &url)
         .output()
         .await
@@ -3543,6 +3544,10 @@ impl Binary {
                 &signer().public_key().to_string(),
             ])
             .env("PAYDB_URL", database_url)
+            .env(
+                "PAYOUT_TLS_DENYLIST",
+                testkit::pki::empty_denylist().display().to_string(),
+            )
             .args(binary_fact_args())
             .args(extra)
             .args(

@@ -2243,6 +2243,7 @@ fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
                     .unwrap()
                     .to_args(),
             )
+            .env("PAYOUT_TLS_DENYLIST", testkit::pki::empty_denylist())
             .args(&args)
             .env_remove("INSTRUCTION_VERIFY_KEYS")
             .env_remove("RAIL_FACT_SIGNING_KEY_ID")

@@ -33,7 +33,7 @@ struct Args {
     #[command(flatten)]
     keys: rail_proxy::GuardKeyArgs,
     #[command(flatten)]
-    tls: service_kit::grpc::TlsArgs,
+    tls: service_kit::grpc::ServerTlsArgs,
 }
 
 #[tokio::main]
