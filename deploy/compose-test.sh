@@ -81,54 +81,65 @@ echo "grant signing key: $KEY_ID (public: $PAYOUT_GRANT_VERIFY_KEYS)"
 echo "instruction key: $PAYOUT_INSTRUCTION_VERIFY_KEYS; rail-fact key: $PAYOUT_RAIL_FACT_VERIFY_KEYS"
 echo "TIMING grant signing key: $(secs "$t")"
 
-# This run's certificates (ARCHITECTURE.md, "`crates/mtls`"): a fresh authority and one certificate
-# per service, made by the operator CLI exactly as an operator makes them, into deploy/secrets/tls
-# (git-ignored). The suite's own calls use certificates it issues from the same authority.
+# This run's certificates (ARCHITECTURE.md, "`crates/mtls`"; deploy/README.md, "Certificates"): a
+# fresh authority in a folder no container mounts (target/compose-test/authority, as an operator
+# keeps theirs), and one folder per process under deploy/secrets/tls (git-ignored), each with the
+# authority's certificate and that process's own certificate and key only, mounted into that
+# process's container alone. The suite issues its own certificates from the same authority.
+AUTHORITY_DIR="$ROOT/target/compose-test/authority"
+rm -rf "$AUTHORITY_DIR"
+mkdir -p "$(dirname "$AUTHORITY_DIR")"
+target/debug/payoutctl pki init --authority "$AUTHORITY_DIR" > /dev/null 2>&1
+chmod 700 "$AUTHORITY_DIR"
 TLS_DIR="$KEY_DIR/tls"
 rm -rf "$TLS_DIR"
 mkdir -p "$TLS_DIR"
 chmod 711 "$TLS_DIR"
+issue() { target/debug/payoutctl pki issue --authority "$AUTHORITY_DIR" --out "$TLS_DIR/$2" --role "$1" --name "$2" > /dev/null; }
+issue_server() { local name="$1"; shift; target/debug/payoutctl pki issue-server --authority "$AUTHORITY_DIR" --out "$TLS_DIR/$name" --name "$name" "$@" > /dev/null; }
 for svc in lock-server payment-resource rail-proxy general-ledger outbox-dispatcher worker reconciler; do
-    target/debug/payoutctl pki issue --dir "$TLS_DIR" --role "$svc" --name "$svc" > /dev/null
+    issue "$svc" "$svc"
 done
-# The database servers' certificates name every host their clients reach them at: the service
-# name inside compose, 127.0.0.1 and localhost from the host (the suite's reconciler).
 # The Temporal front's server certificate: every Temporal client checks the name `temporal`
 # (inside compose) and the suite reaches it from the host at 127.0.0.1.
-target/debug/payoutctl pki issue-server --dir "$TLS_DIR" --name temporal \
-    --host temporal --host 127.0.0.1 > /dev/null
-# The suite's own Temporal client (the operator role) and the certificate the front must refuse.
-target/debug/payoutctl pki issue --dir "$TLS_DIR" --role operator --name compose-operator > /dev/null
+issue_server temporal --host temporal --host 127.0.0.1
+# The database servers' certificates name every host their clients reach them at: the service
+# name inside compose, 127.0.0.1 and localhost from the host (the suite's reconciler).
 for db in paydb proxydb; do
-    target/debug/payoutctl pki issue-server --dir "$TLS_DIR" --name "$db" \
-        --host "$db" --host 127.0.0.1 --host localhost > /dev/null
+    issue_server "$db" --host "$db" --host 127.0.0.1 --host localhost
 done
 # Each etcd member's certificate serves its clients and its peers: its own host name, `etcd` (the
 # name every etcd client checks), and loopback (its health check, the suite from the host).
 for member in etcd1 etcd2 etcd3; do
-    target/debug/payoutctl pki issue-server --dir "$TLS_DIR" --name "$member" \
-        --host "$member" --host etcd --host 127.0.0.1 --host localhost > /dev/null
+    issue_server "$member" --host "$member" --host etcd --host 127.0.0.1 --host localhost
 done
+# The one-shot db-setup needs the authority's certificate only (to check the servers').
+mkdir -p "$TLS_DIR/db-setup" && cp "$AUTHORITY_DIR/ca.pem" "$TLS_DIR/db-setup/ca.pem"
+# The certificate denylist every gRPC server reads (empty: nothing revoked yet; `payoutctl pki
+# deny`), in a folder of its own mounted read-only into those servers.
+mkdir -p "$TLS_DIR/revoked" && : > "$TLS_DIR/revoked/denylist"
+chmod 755 "$TLS_DIR"/*/
+chmod 644 "$TLS_DIR"/*/*.pem "$TLS_DIR/revoked/denylist"
+# Each folder's key belongs to the user its image runs as (mode 0600): the services image's
+# `payout`, postgres, temporal, etcd. Nobody else in any container can read it, and no container
+# mounts another's folder.
 docker run --rm --user 0 -v "$TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
-    sh -c 'chown payout /tls/*.key && chmod 644 /tls/*.pem'
-# The front (nginx in the temporal image) reads its key as that image's `temporal` user.
+    sh -c 'for svc in lock-server payment-resource rail-proxy general-ledger outbox-dispatcher worker reconciler; do chown payout /tls/$svc/$svc.key; done'
 docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/temporal:1.9.1" \
-    -c 'chown temporal /tls/temporal.key && chmod 600 /tls/temporal.key'
-# The Temporal UI's login: one user, its password beside the certificates (the suite reads it).
-rm -f "$TLS_DIR/temporal-ui.password"
+    -c 'chown temporal /tls/temporal/temporal.key'
+docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/postgres:15" \
+    -c 'chown postgres /tls/paydb/paydb.key /tls/proxydb/proxydb.key'
+docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/etcd:3.4" \
+    -c 'for m in etcd1 etcd2 etcd3; do chown etcd /tls/$m/$m.key; done'
+# The Temporal UI's login: one user, its password with the suite's own secrets (not in a folder
+# any container mounts).
+rm -f "$KEY_DIR/temporal-ui.password"
 target/debug/payoutctl keys ui-user --name compose-operator \
-    --password-out "$TLS_DIR/temporal-ui.password" > "$KEY_DIR/temporal-ui.htpasswd" 2>/dev/null
+    --password-out "$KEY_DIR/temporal-ui.password" > "$KEY_DIR/temporal-ui.htpasswd" 2>/dev/null
 chmod 644 "$KEY_DIR/temporal-ui.htpasswd"
 export PAYOUT_TEMPORAL_UI_HTPASSWD="$KEY_DIR/temporal-ui.htpasswd"
-# PostgreSQL reads its key as its own user (the postgres image's uid), mode 0600.
-docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/postgres:15" \
-    -c 'chown postgres /tls/paydb.key /tls/proxydb.key && chmod 600 /tls/paydb.key /tls/proxydb.key'
-# etcd reads its members' keys as the etcd image's user.
-docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/etcd:3.4" \
-    -c 'chown etcd /tls/etcd1.key /tls/etcd2.key /tls/etcd3.key && chmod 600 /tls/etcd1.key /tls/etcd2.key /tls/etcd3.key'
-# The certificate denylist every server reads (empty: nothing revoked yet; `payoutctl pki deny`).
-: > "$TLS_DIR/denylist"
-chmod 644 "$TLS_DIR/denylist"
+export PAYOUT_TEMPORAL_UI_PASSWORD_FILE="$KEY_DIR/temporal-ui.password"
+export PAYOUT_TLS_AUTHORITY_DIR="$AUTHORITY_DIR"
 export PAYOUT_TLS_DIR="$TLS_DIR" PAYOUT_FIXTURE_ACCOUNTS=true
 
 # This run's database passwords: one per login, generated, never written to the repository

@@ -1,15 +1,18 @@
 //! `payoutctl pki`: the certificates of a deployment (every gRPC call is mutual TLS).
 //!
-//! `pki issue --dir DIR --role ROLE --name NAME` makes the certificate authority in DIR on first
-//! use (`ca.pem`, and `ca.key` mode 0600: keep it offline once a deployment's certificates are
-//! issued) and issues NAME's certificate for ROLE into DIR (`NAME.pem`, `NAME.key` mode 0600).
-//! A service takes them as `--tls-ca DIR/ca.pem --tls-cert DIR/NAME.pem --tls-key DIR/NAME.key`
-//! (or `PAYOUT_TLS_CA`, `PAYOUT_TLS_CERT`, `PAYOUT_TLS_KEY`); an operator gets a certificate of
-//! role `operator` the same way and hands it to payoutctl with the same three flags.
+//! The authority and what it issues live in separate folders (issue 34): `pki init --authority A`
+//! makes the authority (`A/ca.pem`, and `A/ca.key` mode 0600), which stays with the operator and is
+//! mounted by no service; `pki issue --authority A --out O --role ROLE --name NAME` writes
+//! `O/ca.pem`, `O/NAME.pem` and `O/NAME.key` (mode 0600), one folder per process, so a process's
+//! container holds its own key and nobody else's. Issuing refuses a folder without `ca.key` (it
+//! never makes up a new authority over an old `ca.pem`). A service takes its files as `--tls-ca
+//! O/ca.pem --tls-cert O/NAME.pem --tls-key O/NAME.key` (or `PAYOUT_TLS_CA`, `PAYOUT_TLS_CERT`,
+//! `PAYOUT_TLS_KEY`); an operator gets a certificate of role `operator` the same way, into a
+//! folder of their own, and hands it to payoutctl with the same three flags.
 //! Each certificate of a role carries it twice: as its DNS subject name (what our services check)
 //! and as the subject's `OU` (what the Temporal front, nginx, checks: it cannot read the SAN).
 //!
-//! `pki issue-server --dir DIR --name NAME --host H...` issues a server certificate with no role:
+//! `pki issue-server --authority A --out O --name NAME --host H...` issues a server certificate with no role:
 //! a database, an etcd member, or the Temporal front (`--name temporal --host temporal --host
 //! 127.0.0.1`; every Temporal client sets the server name `temporal`).
 //!
@@ -25,7 +28,9 @@ use clap::{Args as ClapArgs, Subcommand};
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Issue a certificate for one process (or one operator), making the authority if absent.
+    /// Make a new certificate authority in a folder of its own (refused if one is there).
+    Init(InitArgs),
+    /// Issue a certificate for one process (or one operator) into its own folder.
     Issue(IssueArgs),
     /// Issue a server certificate for a database or etcd member, named by every host name and
     /// address its clients connect to (each is checked: `sslmode=verify-full`).
@@ -63,10 +68,20 @@ fn entry_of(cert: &std::path::Path) -> anyhow::Result<mtls::denylist::Entry> {
 }
 
 #[derive(ClapArgs)]
-pub struct IssueServerArgs {
-    /// The folder holding the authority (`ca.pem`, `ca.key`) and the issued certificates.
+pub struct InitArgs {
+    /// The authority's folder (`ca.pem`, `ca.key`): the operator's, mounted by no service.
     #[arg(long)]
-    pub dir: PathBuf,
+    pub authority: PathBuf,
+}
+
+#[derive(ClapArgs)]
+pub struct IssueServerArgs {
+    /// The authority's folder (`ca.pem`, `ca.key`; `pki init`).
+    #[arg(long)]
+    pub authority: PathBuf,
+    /// The folder the certificate goes to, with the authority's `ca.pem`: the process's own.
+    #[arg(long)]
+    pub out: PathBuf,
     /// The certificate's name (its files are NAME.pem and NAME.key), e.g. `paydb`.
     #[arg(long)]
     pub name: String,
@@ -88,9 +103,12 @@ fn check_name(name: &str) -> anyhow::Result<()> {
 
 #[derive(ClapArgs)]
 pub struct IssueArgs {
-    /// The folder holding the authority (`ca.pem`, `ca.key`) and the issued certificates.
+    /// The authority's folder (`ca.pem`, `ca.key`; `pki init`).
     #[arg(long)]
-    pub dir: PathBuf,
+    pub authority: PathBuf,
+    /// The folder the certificate goes to, with the authority's `ca.pem`: the process's own.
+    #[arg(long)]
+    pub out: PathBuf,
     /// lock-server, payment-resource, rail-proxy, general-ledger, outbox-dispatcher, worker,
     /// reconciler, operator, fixture (local stacks and tests only) or intake.
     #[arg(long)]
@@ -102,12 +120,21 @@ pub struct IssueArgs {
 
 pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
     match command {
+        Command::Init(args) => {
+            mtls::issue::Authority::init(&args.authority)?;
+            println!("{}", args.authority.join("ca.pem").display());
+            eprintln!(
+                "payoutctl: a new authority in {} (ca.key mode 0600): keep the folder with the \
+                 operator; issue each process into its own folder with --out",
+                args.authority.display()
+            );
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Command::Issue(args) => {
             let role = mtls::Role::parse(&args.role)?;
             check_name(&args.name)?;
-            let authority = mtls::issue::Authority::open_or_create(&args.dir)
-                .with_context(|| format!("the authority in {}", args.dir.display()))?;
-            let files = authority.issue_to(role, &args.name, &args.dir)?;
+            let authority = mtls::issue::Authority::open(&args.authority)?;
+            let files = authority.issue_to(role, &args.name, &args.out)?;
             println!(
                 "--tls-ca {} --tls-cert {} --tls-key {}",
                 files.ca.display(),
@@ -127,12 +154,11 @@ pub fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
                     "--host {host:?} is not a host name or an IP address"
                 );
             }
-            let authority = mtls::issue::Authority::open_or_create(&args.dir)
-                .with_context(|| format!("the authority in {}", args.dir.display()))?;
+            let authority = mtls::issue::Authority::open(&args.authority)?;
             let hosts: Vec<&str> = args.hosts.iter().map(String::as_str).collect();
             let files = authority
                 .issue_named(&hosts, &args.name)?
-                .write(&args.dir, &args.name)?;
+                .write(&args.out, &args.name)?;
             println!("{} {}", files.cert.display(), files.key.display());
             Ok(std::process::ExitCode::SUCCESS)
         }
@@ -164,13 +190,54 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
+    /// Issues into `dir` from the authority in `dir`'s sibling `authority` (made on first use).
     fn issue(dir: &std::path::Path, role: &str, name: &str) -> anyhow::Result<()> {
+        let authority = dir.with_file_name("authority");
+        if !authority.join("ca.key").exists() {
+            run(Command::Init(InitArgs {
+                authority: authority.clone(),
+            }))?;
+        }
         run(Command::Issue(IssueArgs {
-            dir: dir.to_path_buf(),
+            authority,
+            out: dir.to_path_buf(),
             role: role.into(),
             name: name.into(),
         }))
         .map(|_| ())
+    }
+
+    /// Issue 34, rows 1a and 1e: the authority's key stays in its own folder, never in a
+    /// process's; issuing from a folder without `ca.key` (the key moved away) is refused and
+    /// writes nothing, where `--dir` used to make a new authority over the old `ca.pem`.
+    #[test]
+    fn the_authority_key_stays_in_its_folder_and_issuing_needs_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("worker");
+        issue(&out, "worker", "worker").unwrap();
+        let mut files: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        files.sort();
+        assert_eq!(files, ["ca.pem", "worker.key", "worker.pem"]);
+        // An operator who moved ca.key off the host and issues from the certificates' folder.
+        let err = run(Command::Issue(IssueArgs {
+            authority: out.clone(),
+            out: out.clone(),
+            role: "intake".into(),
+            name: "x".into(),
+        }))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("no authority key"), "{err}");
+        assert!(!out.join("x.pem").exists() && !out.join("ca.key").exists());
+        let err = run(Command::Init(InitArgs {
+            authority: dir.path().join("authority"),
+        }))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("already holds an authority"), "{err}");
     }
 
     #[test]
@@ -212,9 +279,14 @@ mod tests {
     #[test]
     fn issued_files_load_name_their_role_and_keep_keys_owner_only() {
         let dir = tempfile::tempdir().unwrap();
-        issue(dir.path(), "operator", "alice").unwrap();
-        issue(dir.path(), "worker", "worker-1").unwrap();
-        for key in ["ca.key", "alice.key", "worker-1.key"] {
+        let out = dir.path().join("issued");
+        issue(&out, "operator", "alice").unwrap();
+        issue(&out, "worker", "worker-1").unwrap();
+        for key in [
+            "authority/ca.key",
+            "issued/alice.key",
+            "issued/worker-1.key",
+        ] {
             let mode = std::fs::metadata(dir.path().join(key))
                 .unwrap()
                 .permissions()
@@ -223,12 +295,12 @@ mod tests {
             assert_eq!(mode, 0o600, "{key}");
         }
         let tls = mtls::Tls::load(
-            &dir.path().join("ca.pem"),
-            &dir.path().join("alice.pem"),
-            &dir.path().join("alice.key"),
+            &out.join("ca.pem"),
+            &out.join("alice.pem"),
+            &out.join("alice.key"),
         );
         assert!(tls.is_ok(), "{tls:?}");
-        let pem = std::fs::read(dir.path().join("alice.pem")).unwrap();
+        let pem = std::fs::read(out.join("alice.pem")).unwrap();
         let der: rustls_pki_types::CertificateDer =
             rustls_pki_types::pem::PemObject::from_pem_slice(&pem).unwrap();
         assert_eq!(mtls::role_of(&der), Some(mtls::Role::Operator));
@@ -238,6 +310,10 @@ mod tests {
     fn an_unknown_role_or_a_bad_name_writes_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("pki");
+        run(Command::Init(InitArgs {
+            authority: dir.path().join("authority"),
+        }))
+        .unwrap();
         let err = issue(&target, "root", "alice").unwrap_err().to_string();
         assert!(err.contains("is not a role"), "{err}");
         let err = issue(&target, "operator", "../alice")

@@ -75,31 +75,57 @@ impl Authority {
         })
     }
 
-    /// The authority in `dir` (`ca.pem`, `ca.key`), created there first if absent.
-    pub fn open_or_create(dir: &Path) -> Result<Authority, TlsError> {
+    /// The authority in `dir` (`ca.pem`, `ca.key`); refused if `ca.key` is not there (it is
+    /// never made up: a certificate folder whose key was moved away is not an authority).
+    pub fn open(dir: &Path) -> Result<Authority, TlsError> {
         let cert = dir.join(CA_CERT_FILE);
         let key = dir.join(CA_KEY_FILE);
-        if cert.exists() && key.exists() {
-            let read = |path: &Path| {
-                std::fs::read_to_string(path).map_err(|source| TlsError::Read {
-                    path: path.to_path_buf(),
-                    source,
-                })
-            };
-            let key_pair = KeyPair::from_pem(&read(&key)?)?;
-            return Ok(Authority {
-                key: key_pair,
-                cert_pem: read(&cert)?,
+        if !key.exists() {
+            return Err(TlsError::NoAuthorityKey {
+                dir: dir.to_path_buf(),
             });
+        }
+        let read = |path: &Path| {
+            std::fs::read_to_string(path).map_err(|source| TlsError::Read {
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let key_pair = KeyPair::from_pem(&read(&key)?)?;
+        Ok(Authority {
+            key: key_pair,
+            cert_pem: read(&cert)?,
+        })
+    }
+
+    /// A new authority in `dir` (`ca.pem`, and `ca.key` mode 0600); refused if either is there.
+    pub fn init(dir: &Path) -> Result<Authority, TlsError> {
+        for file in [CA_CERT_FILE, CA_KEY_FILE] {
+            if dir.join(file).exists() {
+                return Err(TlsError::AuthorityExists {
+                    dir: dir.to_path_buf(),
+                    file,
+                });
+            }
         }
         std::fs::create_dir_all(dir).map_err(|source| TlsError::Write {
             path: dir.to_path_buf(),
             source,
         })?;
         let authority = Authority::create()?;
-        write(&cert, &authority.cert_pem, false)?;
-        write(&key, &authority.key.serialize_pem(), true)?;
+        write(&dir.join(CA_CERT_FILE), &authority.cert_pem, false)?;
+        write(&dir.join(CA_KEY_FILE), &authority.key.serialize_pem(), true)?;
         Ok(authority)
+    }
+
+    /// The authority in `dir`, made there first if the folder holds none (the local stack's and
+    /// the tests' own). A folder with `ca.pem` but no `ca.key` is refused, never overwritten with
+    /// a new authority (the silent replacement this used to make).
+    pub fn open_or_create(dir: &Path) -> Result<Authority, TlsError> {
+        if dir.join(CA_KEY_FILE).exists() || dir.join(CA_CERT_FILE).exists() {
+            return Self::open(dir);
+        }
+        Self::init(dir)
     }
 
     pub fn cert_pem(&self) -> &str {
@@ -209,6 +235,41 @@ impl Issued {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 34, row 1e: a certificate folder whose authority key was moved away (as the
+    /// deployment guide advises) is refused, never silently replaced by a new authority; a folder
+    /// with an authority is never initialised over.
+    #[test]
+    fn a_folder_without_the_authority_key_is_refused_and_never_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let authority = Authority::init(dir.path()).unwrap();
+        assert!(matches!(
+            Authority::init(dir.path()),
+            Err(TlsError::AuthorityExists { .. })
+        ));
+        std::fs::remove_file(dir.path().join(CA_KEY_FILE)).unwrap();
+        let before = std::fs::read_to_string(dir.path().join(CA_CERT_FILE)).unwrap();
+        assert_eq!(before, authority.cert_pem());
+        for refused in [
+            Authority::open(dir.path()),
+            Authority::open_or_create(dir.path()),
+        ] {
+            assert!(matches!(refused, Err(TlsError::NoAuthorityKey { .. })));
+        }
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(CA_CERT_FILE)).unwrap(),
+            before,
+            "ca.pem untouched"
+        );
+        assert!(!dir.path().join(CA_KEY_FILE).exists(), "no key made up");
+        // Control: an empty folder gets a new authority, which opens again.
+        let fresh = tempfile::tempdir().unwrap();
+        let made = Authority::open_or_create(fresh.path()).unwrap();
+        assert_eq!(
+            Authority::open(fresh.path()).unwrap().cert_pem(),
+            made.cert_pem()
+        );
+    }
 
     #[test]
     fn an_issued_certificate_names_its_role_and_nothing_else() {

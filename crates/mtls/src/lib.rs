@@ -123,6 +123,10 @@ pub enum TlsError {
     #[cfg(feature = "issue")]
     #[error("issuing a certificate: {0}")]
     Issue(#[from] rcgen::Error),
+    #[error("{dir} holds no authority key (ca.key): issuing needs the authority's folder, which stays with the operator (`payoutctl pki init --authority DIR` makes one)")]
+    NoAuthorityKey { dir: PathBuf },
+    #[error("{dir} already holds an authority ({file}): refusing to make another over it")]
+    AuthorityExists { dir: PathBuf, file: &'static str },
     #[error("writing {path}: {source}")]
     Write {
         path: PathBuf,

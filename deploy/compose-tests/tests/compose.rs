@@ -574,6 +574,56 @@ async fn compartments(h: &Harness<'_>) -> anyhow::Result<()> {
         "row 6a: the shipped payment-resource has no fixture command (exit 2); nothing opened"
     );
 
+    // Rows 1a and 1b: code execution in the least privileged container (the GL), or in a
+    // worker, finds its own certificate and key, the authority's certificate, and nothing else:
+    // no authority key to issue itself another role with, no other service's or operator's key.
+    for (service, own) in [("general-ledger", "general-ledger"), ("worker", "worker")] {
+        let container = h
+            .project
+            .service_containers(service)
+            .await?
+            .into_iter()
+            .next()
+            .with_context(|| format!("no {service} container"))?;
+        let listed = h
+            .project
+            .exec(&container, &["ls", "-A", "/run/payout-tls"])
+            .await?;
+        let mut files: Vec<&str> = listed.split_whitespace().collect();
+        files.sort_unstable();
+        let expected = [
+            "ca.pem".to_string(),
+            format!("{own}.key"),
+            format!("{own}.pem"),
+        ];
+        ensure!(
+            files == expected.iter().map(String::as_str).collect::<Vec<_>>(),
+            "rows 1a/1b: {service}'s certificate folder holds {files:?}, not only its own"
+        );
+        for other in [
+            "ca.key",
+            "payment-resource.key",
+            "reconciler.key",
+            "compose-operator.key",
+            "lock-server.key",
+        ] {
+            let (code, _, _) = h
+                .project
+                .exec_outcome(&container, &["cat", &format!("/run/payout-tls/{other}")])
+                .await?;
+            ensure!(code != Some(0), "rows 1a/1b: {service} reads {other}");
+        }
+        // Control: its own key is readable to it.
+        h.project
+            .exec(
+                &container,
+                &["test", "-r", &format!("/run/payout-tls/{own}.key")],
+            )
+            .await
+            .with_context(|| format!("{service} cannot read its own key"))?;
+    }
+    println!("rows 1a/1b: the GL and a worker hold ca.pem and their own certificate and key only");
+
     // Every container is bounded: memory, CPU, processes, and its log rotates.
     let bounds = h.project.container_bounds().await?;
     ensure!(!bounds.is_empty(), "no container found");
@@ -604,15 +654,9 @@ async fn operator_commands(h: &Harness<'_>) -> anyhow::Result<()> {
     let paydb = project.host_port("paydb", POSTGRES_PORT).await?;
     let proxydb = project.host_port("proxydb", POSTGRES_PORT).await?;
     let proxy = project.host_port("rail-proxy", PROXY_PORT).await?;
-    let tls_dir = std::env::var_os("PAYOUT_TLS_DIR")
-        .context("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)")?;
-    // The operator's own certificate, outside the folder the containers mount.
+    // The operator's own certificate, outside every folder the containers mount.
     let operator_dir = std::env::temp_dir().join(format!("compose-operator-{}", h.run));
-    let tls = mtls::issue::Authority::open_or_create(std::path::Path::new(&tls_dir))?.issue_to(
-        mtls::Role::Operator,
-        "compose-operator",
-        &operator_dir,
-    )?;
+    let tls = authority()?.issue_to(mtls::Role::Operator, "compose-operator", &operator_dir)?;
     let env = [
         ("PAYOUT_PAYDB_URL", reader_url(paydb, "paydb")?),
         ("PAYOUT_PROXYDB_URL", reader_url(proxydb, "proxydb")?),
@@ -833,12 +877,10 @@ async fn break_glass(h: &Harness<'_>, operator: &mtls::TlsArgs) -> anyhow::Resul
 fn reader_url(port: u16, db: &str) -> anyhow::Result<String> {
     let password = std::env::var("PAYOUT_DB_PASSWORD_RECONCILER")
         .context("PAYOUT_DB_PASSWORD_RECONCILER is not set (run deploy/compose-test.sh)")?;
-    let tls_dir = std::env::var_os("PAYOUT_TLS_DIR")
-        .context("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)")?;
     Ok(db_access::Server {
         host: "127.0.0.1".into(),
         port,
-        ca_file: std::path::Path::new(&tls_dir).join("ca.pem"),
+        ca_file: authority_dir()?.join("ca.pem"),
     }
     .url("reconciler", &password, db))
 }
@@ -1444,14 +1486,8 @@ fn temporal_front(
     port: u16,
     role: mtls::Role,
 ) -> anyhow::Result<payout_workflows::client::TemporalArgs> {
-    let dir = std::env::var_os("PAYOUT_TLS_DIR")
-        .ok_or_else(|| anyhow::anyhow!("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)"))?;
     let own = std::env::temp_dir().join(format!("compose-temporal-{}-{role}", std::process::id()));
-    let files = mtls::issue::Authority::open_or_create(std::path::Path::new(&dir))?.issue_to(
-        role,
-        &format!("compose-suite-{role}"),
-        &own,
-    )?;
+    let files = authority()?.issue_to(role, &format!("compose-suite-{role}"), &own)?;
     let profile = own.join("temporal.toml");
     std::fs::write(
         &profile,
@@ -1501,9 +1537,11 @@ async fn temporal_front_refusals(project: &Deployment, port: u16) -> anyhow::Res
             );
         }
     }
-    let dir = std::env::var("PAYOUT_TLS_DIR").context("PAYOUT_TLS_DIR")?;
-    let password = std::fs::read_to_string(format!("{dir}/temporal-ui.password"))
+    let password_file = std::env::var("PAYOUT_TEMPORAL_UI_PASSWORD_FILE")
+        .context("PAYOUT_TEMPORAL_UI_PASSWORD_FILE is not set (run deploy/compose-test.sh)")?;
+    let password = std::fs::read_to_string(&password_file)
         .context("the UI's password (deploy/compose-test.sh: payoutctl keys ui-user)")?;
+    let ca = authority_dir()?.join("ca.pem");
     let ui = format!(
         "https://127.0.0.1:{}/",
         project.host_port("temporal", TEMPORAL_UI_PORT).await?
@@ -1519,7 +1557,8 @@ async fn temporal_front_refusals(project: &Deployment, port: u16) -> anyhow::Res
             "--max-time",
             "20",
         ])
-        .args(["--cacert", &format!("{dir}/ca.pem")]);
+        .arg("--cacert")
+        .arg(&ca);
         if let Some(login) = login {
             curl.args(["-u", login]);
         }
@@ -1533,14 +1572,21 @@ async fn temporal_front_refusals(project: &Deployment, port: u16) -> anyhow::Res
     Ok(())
 }
 
-/// A certificate of `role` for the suite's own calls, from this run's authority
-/// (`PAYOUT_TLS_DIR`, made by deploy/compose-test.sh with `payoutctl pki issue`).
+/// This run's authority, in the folder deploy/compose-test.sh made it in (mounted by no
+/// container, as an operator keeps theirs): `PAYOUT_TLS_AUTHORITY_DIR`.
+fn authority_dir() -> anyhow::Result<std::path::PathBuf> {
+    std::env::var_os("PAYOUT_TLS_AUTHORITY_DIR")
+        .map(std::path::PathBuf::from)
+        .context("PAYOUT_TLS_AUTHORITY_DIR is not set (run deploy/compose-test.sh)")
+}
+
+fn authority() -> anyhow::Result<mtls::issue::Authority> {
+    Ok(mtls::issue::Authority::open(&authority_dir()?)?)
+}
+
+/// A certificate of `role` for the suite's own calls, from this run's authority.
 fn suite_tls(role: mtls::Role) -> anyhow::Result<mtls::Tls> {
-    let dir = std::env::var_os("PAYOUT_TLS_DIR")
-        .ok_or_else(|| anyhow::anyhow!("PAYOUT_TLS_DIR is not set (run deploy/compose-test.sh)"))?;
-    Ok(
-        mtls::issue::Authority::open_or_create(std::path::Path::new(&dir))?
-            .issue(role, &format!("compose-suite-{role}"))?
-            .tls(),
-    )
+    Ok(authority()?
+        .issue(role, &format!("compose-suite-{role}"))?
+        .tls())
 }
