@@ -245,6 +245,12 @@ impl TemporalDev {
         Ok(server)
     }
 
+    /// The front's certificate denylist (`mtls::denylist` lines): a certificate appended here is
+    /// refused by the front within about a second.
+    pub fn front_denylist(&self) -> PathBuf {
+        self.front.config.denylist_file()
+    }
+
     /// The front: what every client dials.
     pub fn address(&self) -> String {
         format!("127.0.0.1:{}", self.ports.frontend)

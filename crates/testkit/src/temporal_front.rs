@@ -38,6 +38,14 @@ const DENIED_PATH: &str = "payout-front-permission-denied";
 /// The grpc-message of a refused role: what every client prints (deploy's front says the same).
 pub const DENIED_MESSAGE: &str =
     "the client certificate's role may not call Temporal (payout front)";
+/// The front's internal location that answers a denied certificate.
+const REVOKED_PATH: &str = "payout-front-certificate-denied";
+/// The grpc-message of a denied certificate.
+pub const REVOKED_MESSAGE: &str =
+    "certificate_denied: this client certificate is on the denylist (payout front)";
+/// How often the front's watcher looks at its denylist for a change (the services poll theirs
+/// every `mtls::denylist::RELOAD_MS`).
+const DENYLIST_POLL_MS: u64 = 500;
 /// A connection is kept well beyond Temporal's advice (at least 6 minutes).
 const KEEPALIVE_TIMEOUT_S: u32 = 600;
 /// nginx GOAWAYs a connection after this many requests (default 1000): a busy worker's would be
@@ -76,6 +84,15 @@ impl FrontConfig {
     pub fn htpasswd_file(&self) -> PathBuf {
         self.dir.join("htpasswd")
     }
+    /// The certificate denylist (`mtls::denylist`'s format, `payoutctl pki deny` appends): its
+    /// SHA-1 fingerprints are what nginx can match (`$ssl_client_fingerprint`).
+    pub fn denylist_file(&self) -> PathBuf {
+        self.dir.join("denylist")
+    }
+    /// The nginx map rendered from [`FrontConfig::denylist_file`].
+    pub fn denied_map_file(&self) -> PathBuf {
+        self.dir.join("denied.map")
+    }
 
     /// The nginx configuration (unprivileged: every path in [`FrontConfig::dir`]).
     pub fn render(&self) -> String {
@@ -110,6 +127,11 @@ http {{
     default "";
     "~^OU=({roles})(,|$)" $1;
   }}
+  # A certificate on the denylist (issue 34): refused whatever its role.
+  map $ssl_client_fingerprint $payout_denied {{
+    default 0;
+    include {dir}/denied.map;
+  }}
   upstream temporal_raw {{
     server 127.0.0.1:{raw};
     keepalive {UPSTREAM_KEEPALIVE};
@@ -128,7 +150,9 @@ http {{
     # A role that does not need Temporal is answered as gRPC answers a refusal (grpc-status 7,
     # PERMISSION_DENIED, in a trailers-only response), so every client names it as such.
     error_page 403 = /{DENIED_PATH};
+    error_page 401 = /{REVOKED_PATH};
     location / {{
+      if ($payout_denied) {{ return 401; }}
       if ($temporal_role = "") {{ return 403; }}
       grpc_pass grpc://temporal_raw;
       grpc_read_timeout {CALL_TIMEOUT_S}s;
@@ -139,6 +163,13 @@ http {{
       default_type application/grpc;
       add_header grpc-status 7 always;
       add_header grpc-message "{DENIED_MESSAGE}" always;
+      return 200 "";
+    }}
+    location = /{REVOKED_PATH} {{
+      internal;
+      default_type application/grpc;
+      add_header grpc-status 7 always;
+      add_header grpc-message "{REVOKED_MESSAGE}" always;
       return 200 "";
     }}
   }}
@@ -165,10 +196,64 @@ http {{
     }
 }
 
+/// nginx's map lines for a denylist's text: `<sha1 hex> 1;` per certificate that has a SHA-1
+/// (what `payoutctl pki deny` writes); a line that does not parse is skipped here (the services
+/// refuse the whole file; the front keeps serving with what it can read).
+pub fn denied_map(denylist: &str) -> String {
+    denylist
+        .lines()
+        .filter_map(|line| mtls::denylist::parse(line).ok())
+        .flatten()
+        .filter_map(|entry| entry.sha1)
+        .map(|sha1| {
+            let hex: String = sha1.iter().map(|b| format!("{b:02x}")).collect();
+            format!("{hex} 1;\n")
+        })
+        .collect()
+}
+
 /// The running front, and its isolation rules when root.
 pub struct TemporalFront {
     pub config: FrontConfig,
     pub process: ManagedProcess,
+    /// Ends the denylist watcher (`Drop`).
+    stop_watch: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for TemporalFront {
+    fn drop(&mut self) {
+        self.stop_watch
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Renders the front's `denied.map` from its denylist whenever the list changes, and has nginx
+/// reload it (SIGHUP to its master): a denied certificate is refused within a second or so.
+fn watch_denylist(
+    config: FrontConfig,
+    pid: Option<u32>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    let modified = |path: &std::path::Path| std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    let mut seen = modified(&config.denylist_file());
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::sleep(std::time::Duration::from_millis(DENYLIST_POLL_MS));
+        let now = modified(&config.denylist_file());
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        let text = std::fs::read_to_string(config.denylist_file()).unwrap_or_default();
+        if std::fs::write(config.denied_map_file(), denied_map(&text)).is_err() {
+            continue;
+        }
+        if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+            // SAFETY: kill with a pid we started and a valid signal has no memory effects.
+            unsafe {
+                libc::kill(pid, libc::SIGHUP);
+            }
+        }
+    }
 }
 
 /// nginx: `NGINX`, else Debian's `/usr/sbin/nginx`, else `PATH`.
@@ -213,6 +298,13 @@ impl TemporalFront {
     ) -> anyhow::Result<Self> {
         let nginx = nginx_path()?;
         std::fs::create_dir_all(config.dir.join("tmp"))?;
+        if !config.denylist_file().exists() {
+            std::fs::write(config.denylist_file(), "")?;
+        }
+        std::fs::write(
+            config.denied_map_file(),
+            denied_map(&std::fs::read_to_string(config.denylist_file())?),
+        )?;
         std::fs::write(config.conf_file(), config.render())?;
         crate::util::hand_over(&config.dir, user)?;
         let error_log = config.dir.join("nginx-error.log");
@@ -245,7 +337,14 @@ impl TemporalFront {
         std::fs::File::create(&spec.log_path)?;
         crate::util::hand_over(&spec.log_path, user)?;
         let process = ManagedProcess::start(spec)?;
-        Ok(Self { config, process })
+        let stop_watch = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (watched, pid, stop) = (config.clone(), process.pid(), stop_watch.clone());
+        std::thread::spawn(move || watch_denylist(watched, pid, stop));
+        Ok(Self {
+            config,
+            process,
+            stop_watch,
+        })
     }
 }
 
@@ -473,6 +572,9 @@ mod tests {
         let issued = pki.issue_named(&[SERVER_NAME], "temporal").unwrap();
         issued.write(&config.dir, "temporal").unwrap();
         std::fs::write(config.htpasswd_file(), "u:{SSHA}x\n").unwrap();
+        let denied = mtls::denylist::Entry::of_certificate(b"a certificate");
+        std::fs::write(config.denied_map_file(), denied_map(&denied.line("x"))).unwrap();
+        assert_eq!(denied_map(&denied.line("x")).lines().count(), 1);
         std::fs::write(config.conf_file(), config.render()).unwrap();
         let out = Command::new(nginx)
             .arg("-t")

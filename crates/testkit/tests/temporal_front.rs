@@ -155,6 +155,43 @@ fn temporal_is_reached_only_through_the_front() {
         );
     }
 
+    // Issue 34, row 1d: a leaked operator certificate denied on the front's list (the line
+    // `payoutctl pki deny` writes) is refused whatever its role, as gRPC PERMISSION_DENIED with
+    // the front's own message, once the front has reloaded (waited for, not slept); another
+    // operator's certificate is served throughout.
+    let leaked_files = pki
+        .issue_into(Role::Operator, "leaked", &dir.path().join("leaked"))
+        .unwrap();
+    let leaked = cli_tls_flags(&leaked_files);
+    assert!(
+        answered(&describe(&front, &leaked)),
+        "the leaked certificate before its denial"
+    );
+    let entry = mtls::denylist::entry_of_pem(&std::fs::read(&leaked_files.cert).unwrap()).unwrap();
+    mtls::denylist::append(&temporal.front_denylist(), &entry, "row 1d").unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let refused = loop {
+        let out = describe(&front, &leaked);
+        if text(&out).contains(testkit::temporal_front::REVOKED_MESSAGE) {
+            break out;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the denied certificate is still served: {}",
+            text(&out)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_refused(
+        "a denied operator certificate",
+        &refused,
+        &[testkit::temporal_front::REVOKED_MESSAGE],
+    );
+    assert!(
+        answered(&describe(&front, &operator)),
+        "another operator's certificate after the denial"
+    );
+
     // The UI: a login first (3b), for the page and for its API (which shows beneficiaries).
     let ui = temporal.ui_url().unwrap();
     let api = format!("{ui}/api/v1/namespaces/default/workflows");

@@ -1486,8 +1486,17 @@ fn temporal_front(
     port: u16,
     role: mtls::Role,
 ) -> anyhow::Result<payout_workflows::client::TemporalArgs> {
-    let own = std::env::temp_dir().join(format!("compose-temporal-{}-{role}", std::process::id()));
-    let files = authority()?.issue_to(role, &format!("compose-suite-{role}"), &own)?;
+    Ok(temporal_front_as(port, role, &format!("compose-suite-{role}"))?.0)
+}
+
+/// [`temporal_front`] with a certificate of its own named `name`, and its files.
+fn temporal_front_as(
+    port: u16,
+    role: mtls::Role,
+    name: &str,
+) -> anyhow::Result<(payout_workflows::client::TemporalArgs, mtls::TlsArgs)> {
+    let own = std::env::temp_dir().join(format!("compose-temporal-{}-{name}", std::process::id()));
+    let files = authority()?.issue_to(role, name, &own)?;
     let profile = own.join("temporal.toml");
     std::fs::write(
         &profile,
@@ -1500,8 +1509,9 @@ fn temporal_front(
             files.ca.display()
         ),
     )?;
-    Ok(payout_workflows::client::TemporalArgs::profile_of(
-        profile, "suite",
+    Ok((
+        payout_workflows::client::TemporalArgs::profile_of(profile, "suite"),
+        files,
     ))
 }
 
@@ -1537,6 +1547,37 @@ async fn temporal_front_refusals(project: &Deployment, port: u16) -> anyhow::Res
             );
         }
     }
+    // Issue 34, row 1d at the deployment's front: an operator certificate that got through,
+    // appended to the deployment's denylist (PAYOUT_TLS_DIR/revoked/denylist, as `payoutctl pki
+    // deny` writes it), is refused by the front once it has reloaded (waited for), as a gRPC
+    // PERMISSION_DENIED with the front's own message. (The suite's other operator certificate
+    // keeps working: every scenario after this one uses it.)
+    let (denied, files) = temporal_front_as(port, mtls::Role::Operator, "compose-denied-operator")?;
+    payout_workflows::client::connect_configured(&denied, "compose-denied")
+        .await
+        .context("the operator certificate before its denial")?;
+    let list = std::path::PathBuf::from(
+        std::env::var_os("PAYOUT_TLS_DIR").context("PAYOUT_TLS_DIR is not set")?,
+    )
+    .join("revoked/denylist");
+    let entry = mtls::denylist::entry_of_pem(&std::fs::read(&files.cert)?)
+        .context("the denied certificate")?;
+    mtls::denylist::append(&list, &entry, "compose suite row 1d")?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match payout_workflows::client::connect_configured(&denied, "compose-denied").await {
+            Err(e) if format!("{e:?}").contains("certificate_denied") => break,
+            other => ensure!(
+                Instant::now() < deadline,
+                "row 1d: the front still serves a denied certificate: {:?}",
+                other.map(|_| "connected")
+            ),
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    println!(
+        "row 1d: the Temporal front refuses a denied operator certificate (certificate_denied)"
+    );
     let password_file = std::env::var("PAYOUT_TEMPORAL_UI_PASSWORD_FILE")
         .context("PAYOUT_TEMPORAL_UI_PASSWORD_FILE is not set (run deploy/compose-test.sh)")?;
     let password = std::fs::read_to_string(&password_file)

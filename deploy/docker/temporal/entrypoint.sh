@@ -24,6 +24,16 @@ while read -r attribute; do args+=(--search-attribute "$attribute"); done < <(se
 while read -r value; do args+=(--dynamic-config-value "$value"); done < <(settings /etc/temporal-dev/dynamic-config)
 while read -r pragma; do args+=(--sqlite-pragma "$pragma"); done < <(settings /etc/temporal-dev/sqlite-pragmas)
 mkdir -p /data/front/tmp
+# The certificate denylist (issue 34): its SHA-1 fingerprints, the only ones nginx can match
+# ($ssl_client_fingerprint), as a map; rendered again and nginx reloaded whenever the file changes.
+DENYLIST="${TEMPORAL_FRONT_DENYLIST:-/run/payout-revoked/denylist}"
+render_denied() {
+  { grep -o 'sha1:[0-9a-fA-F]\{40\}' "$DENYLIST" 2>/dev/null || true; } \
+    | sed -e 's/^sha1://' -e 's/$/ 1;/' | tr 'A-F' 'a-f' > /data/front/denied.map.tmp
+  mv /data/front/denied.map.tmp /data/front/denied.map
+}
+[ -r "$DENYLIST" ] || echo "payout-temporal: no denylist at $DENYLIST: nothing denied at the front" >&2
+render_denied
 sed -e "s|@FRONT_PORT@|7233|g" -e "s|@UI_PORT@|8233|g" -e "s|@RAW_PORT@|7234|g" \
     -e "s|@RAW_UI_PORT@|8234|g" -e "s|@TLS_DIR@|$TLS_DIR|g" \
     -e "s|@METRICS_PORT@|${TEMPORAL_METRICS_PORT:-9090}|g" -e "s|@RAW_METRICS_PORT@|9091|g" \
@@ -31,4 +41,15 @@ sed -e "s|@FRONT_PORT@|7233|g" -e "s|@UI_PORT@|8233|g" -e "s|@RAW_PORT@|7234|g" 
 nginx -t -q -e stderr -c /data/front/nginx.conf
 temporal "${args[@]}" "$@" &
 nginx -e stderr -c /data/front/nginx.conf &
+(
+  seen="$(stat -c %y "$DENYLIST" 2>/dev/null || true)"
+  while sleep 2; do
+    now="$(stat -c %y "$DENYLIST" 2>/dev/null || true)"
+    if [ "$now" != "$seen" ]; then
+      seen="$now"
+      render_denied && nginx -e stderr -c /data/front/nginx.conf -s reload \
+        && echo "payout-temporal: certificate denylist reloaded" >&2
+    fi
+  done
+) &
 wait -n
