@@ -149,6 +149,26 @@ export PAYOUT_DB_ADMIN_PASSWORD="$(pw)"
 for login in PAYOUT_OWNER PAYMENT_RESOURCE OUTBOX_DISPATCHER RECONCILER RAIL_PROXY GENERAL_LEDGER LOCK_SERVER; do
     export "PAYOUT_DB_PASSWORD_$login=$(pw)"
 done
+# The passwords db-setup and the database servers read from files, not from their containers'
+# configuration (issue 34): server/ holds the superuser's (read by the postgres image's user),
+# setup/ every login's (read by the services image's user, in db-setup only).
+DB_SECRETS_DIR="$KEY_DIR/db-secrets"
+rm -rf "$DB_SECRETS_DIR"
+mkdir -p "$DB_SECRETS_DIR/server" "$DB_SECRETS_DIR/setup"
+chmod 711 "$DB_SECRETS_DIR"
+printf '%s' "$PAYOUT_DB_ADMIN_PASSWORD" > "$DB_SECRETS_DIR/server/admin-password"
+printf '%s' "$PAYOUT_DB_ADMIN_PASSWORD" > "$DB_SECRETS_DIR/setup/ADMIN"
+for login in PAYOUT_OWNER PAYMENT_RESOURCE OUTBOX_DISPATCHER RECONCILER RAIL_PROXY GENERAL_LEDGER LOCK_SERVER; do
+    var="PAYOUT_DB_PASSWORD_$login"
+    printf '%s' "${!var}" > "$DB_SECRETS_DIR/setup/$login"
+done
+chmod 700 "$DB_SECRETS_DIR/server" "$DB_SECRETS_DIR/setup"
+chmod 600 "$DB_SECRETS_DIR"/server/* "$DB_SECRETS_DIR"/setup/*
+docker run --rm --user 0 --entrypoint sh -v "$DB_SECRETS_DIR/server:/s" "payout/postgres:15" \
+    -c 'chown -R postgres /s'
+docker run --rm --user 0 -v "$DB_SECRETS_DIR/setup:/s" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
+    sh -c 'chown -R payout /s'
+export PAYOUT_DB_SECRETS_DIR="$DB_SECRETS_DIR"
 
 t=$(date +%s%N)
 cargo test -p compose-tests -- --nocapture

@@ -624,6 +624,61 @@ async fn compartments(h: &Harness<'_>) -> anyhow::Result<()> {
     }
     println!("rows 1a/1b: the GL and a worker hold ca.pem and their own certificate and key only");
 
+    // Rows 7a-7d: database secrets. No container's configuration holds the superuser's password
+    // (the servers read it from a file) or, for the exited db-setup, any login's; the superuser
+    // cannot log in over TCP even with its password; and a worker cannot reach paydb at all.
+    let passwords: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| k == "PAYOUT_DB_ADMIN_PASSWORD" || k.starts_with("PAYOUT_DB_PASSWORD_"))
+        .collect();
+    ensure!(passwords.len() == 8, "the eight passwords of compose-test.sh: {}", passwords.len());
+    let admin = std::env::var("PAYOUT_DB_ADMIN_PASSWORD")?;
+    for service in ["paydb", "proxydb", "db-setup"] {
+        for container in h.project.service_containers(service).await? {
+            let env = h.project.container_env(&container).await?;
+            let leaked: Vec<&str> = passwords
+                .iter()
+                .filter(|(_, value)| env.iter().any(|e| e.split_once('=').map(|(_, v)| v) == Some(value.as_str())))
+                .map(|(k, _)| k.as_str())
+                .collect();
+            ensure!(
+                leaked.is_empty() && !env.iter().any(|e| e.starts_with("POSTGRES_PASSWORD=")),
+                "rows 7a/7c: {service}'s configuration holds {leaked:?}"
+            );
+        }
+    }
+    let paydb_port = h.project.host_port("paydb", POSTGRES_PORT).await?;
+    let superuser = db_access::Server {
+        host: "127.0.0.1".into(),
+        port: paydb_port,
+        ca_file: authority_dir()?.join("ca.pem"),
+    }
+    .url("payout", &admin, "postgres");
+    let refused = sqlx::PgPool::connect(&superuser).await;
+    ensure!(
+        refused.as_ref().is_err_and(|e| e.to_string().contains("pg_hba.conf rejects")),
+        "row 7b: the superuser over TCP with its password: {:?}",
+        refused.map(|_| "logged in")
+    );
+    let reader = sqlx::PgPool::connect(&reader_url(paydb_port, "paydb")?)
+        .await
+        .context("row 7b control: the reconciler's login over TLS")?;
+    reader.close().await;
+    let worker = h
+        .project
+        .service_containers("worker")
+        .await?
+        .into_iter()
+        .next()
+        .context("no worker")?;
+    let (code, out, _) = h.project.exec_outcome(&worker, &["getent", "hosts", "paydb"]).await?;
+    ensure!(code != Some(0), "row 7d: a worker resolves paydb: {out}");
+    let payment = h.project.container("payment-resource")?;
+    h.project
+        .exec(&payment, &["getent", "hosts", "paydb"])
+        .await
+        .context("row 7d control: the payment resource reaches paydb")?;
+    println!("rows 7a-7d: no database secret in any container's configuration; the superuser refused over TCP; a worker cannot reach paydb");
+
     // Every container is bounded: memory, CPU, processes, and its log rotates.
     let bounds = h.project.container_bounds().await?;
     ensure!(!bounds.is_empty(), "no container found");

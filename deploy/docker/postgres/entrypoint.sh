@@ -6,10 +6,17 @@
 # Host connections are TLS only (the certificate and key in PAYOUT_PG_TLS_CERT / _KEY, issued by
 # the deployment's authority for this server's name) and every login has a password (SCRAM);
 # pg_hba.conf is rewritten on every start, so nothing else is ever accepted. The superuser
-# (POSTGRES_USER) is the administrator's: `payoutctl db provision` creates the owner and the
-# service roles with it; no service logs in as it.
+# (POSTGRES_USER) and the schema owner (payout_owner) log in only on the unix socket, never over
+# TCP (issue 34): `payoutctl db provision` and `payoutctl migrate` reach the socket through a
+# volume only the one-shot db-setup shares; no service logs in as either. The superuser's password
+# comes from a file (POSTGRES_PASSWORD_FILE), never from the container's environment, where
+# `docker inspect` and /proc would show it for the container's whole life.
 set -euo pipefail
-: "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD must be set}"
+if [ -n "${POSTGRES_PASSWORD_FILE:-}" ]; then
+    [ -r "$POSTGRES_PASSWORD_FILE" ] || { echo "payout-postgres: $POSTGRES_PASSWORD_FILE is not readable" >&2; exit 2; }
+    POSTGRES_PASSWORD="$(cat "$POSTGRES_PASSWORD_FILE")"
+fi
+: "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD_FILE (or POSTGRES_PASSWORD) must be set}"
 : "${PAYOUT_PG_TLS_CERT:?PAYOUT_PG_TLS_CERT must name this server certificate (see deploy/README.md)}"
 : "${PAYOUT_PG_TLS_KEY:?PAYOUT_PG_TLS_KEY must name this server key}"
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
@@ -20,12 +27,12 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
     rm -f "$pwfile"
     echo "payout-postgres: initialised $PGDATA"
 fi
+# Start-up's own socket session (creating the databases) runs before the real rules, with the
+# socket reachable by this container's user only.
 cat >"$PGDATA/pg_hba.conf" <<'HBA'
 local all all trust
-hostssl all all 0.0.0.0/0 scram-sha-256
-hostssl all all ::/0 scram-sha-256
 HBA
-pg_ctl -D "$PGDATA" -w -o "-c listen_addresses=''" start >/dev/null
+pg_ctl -D "$PGDATA" -w -o "-c listen_addresses='' -c unix_socket_permissions=0700" start >/dev/null
 for db in $POSTGRES_DATABASES; do
     if [ -z "$(psql -U "$POSTGRES_USER" -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'")" ]; then
         createdb -U "$POSTGRES_USER" "$db"
@@ -33,6 +40,18 @@ for db in $POSTGRES_DATABASES; do
     fi
 done
 pg_ctl -D "$PGDATA" -w -m fast stop >/dev/null
+# The rules while serving: the superuser and the owner on the socket only, with their passwords;
+# every other login over TLS with its password; the superuser and the owner refused over TCP.
+cat >"$PGDATA/pg_hba.conf" <<HBA
+local all $POSTGRES_USER scram-sha-256
+local all payout_owner scram-sha-256
+local all all reject
+host all $POSTGRES_USER,payout_owner 0.0.0.0/0 reject
+host all $POSTGRES_USER,payout_owner ::/0 reject
+hostssl all all 0.0.0.0/0 scram-sha-256
+hostssl all all ::/0 scram-sha-256
+HBA
+unset POSTGRES_PASSWORD
 # max_connections: every service keeps a bounded pool (service-kit), a few replicas each.
 exec postgres -D "$PGDATA" -c listen_addresses='*' -c max_connections="${POSTGRES_MAX_CONNECTIONS:-200}" \
     -c ssl=on -c ssl_min_protocol_version=TLSv1.2 -c password_encryption=scram-sha-256 \

@@ -456,6 +456,18 @@ impl Deployment {
         logs
     }
 
+    /// A container's configured environment (`docker inspect`'s Config.Env: what anyone who can
+    /// inspect it reads, for its whole life, exited or not).
+    pub async fn container_env(&self, id: &str) -> anyhow::Result<Vec<String>> {
+        Ok(self
+            .docker
+            .inspect_container(id, None)
+            .await?
+            .config
+            .and_then(|c| c.env)
+            .unwrap_or_default())
+    }
+
     /// Every container of the project (one-shots included) with its service and the bounds its
     /// host config carries: (service, memory bytes, nano-CPUs, pids limit, log max-size).
     pub async fn container_bounds(
