@@ -630,14 +630,21 @@ async fn compartments(h: &Harness<'_>) -> anyhow::Result<()> {
     let passwords: Vec<(String, String)> = std::env::vars()
         .filter(|(k, _)| k == "PAYOUT_DB_ADMIN_PASSWORD" || k.starts_with("PAYOUT_DB_PASSWORD_"))
         .collect();
-    ensure!(passwords.len() == 8, "the eight passwords of compose-test.sh: {}", passwords.len());
+    ensure!(
+        passwords.len() == 8,
+        "the eight passwords of compose-test.sh: {}",
+        passwords.len()
+    );
     let admin = std::env::var("PAYOUT_DB_ADMIN_PASSWORD")?;
     for service in ["paydb", "proxydb", "db-setup"] {
         for container in h.project.service_containers(service).await? {
             let env = h.project.container_env(&container).await?;
             let leaked: Vec<&str> = passwords
                 .iter()
-                .filter(|(_, value)| env.iter().any(|e| e.split_once('=').map(|(_, v)| v) == Some(value.as_str())))
+                .filter(|(_, value)| {
+                    env.iter()
+                        .any(|e| e.split_once('=').map(|(_, v)| v) == Some(value.as_str()))
+                })
                 .map(|(k, _)| k.as_str())
                 .collect();
             ensure!(
@@ -655,7 +662,9 @@ async fn compartments(h: &Harness<'_>) -> anyhow::Result<()> {
     .url("payout", &admin, "postgres");
     let refused = sqlx::PgPool::connect(&superuser).await;
     ensure!(
-        refused.as_ref().is_err_and(|e| e.to_string().contains("pg_hba.conf rejects")),
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("pg_hba.conf rejects")),
         "row 7b: the superuser over TCP with its password: {:?}",
         refused.map(|_| "logged in")
     );
@@ -670,7 +679,10 @@ async fn compartments(h: &Harness<'_>) -> anyhow::Result<()> {
         .into_iter()
         .next()
         .context("no worker")?;
-    let (code, out, _) = h.project.exec_outcome(&worker, &["getent", "hosts", "paydb"]).await?;
+    let (code, out, _) = h
+        .project
+        .exec_outcome(&worker, &["getent", "hosts", "paydb"])
+        .await?;
     ensure!(code != Some(0), "row 7d: a worker resolves paydb: {out}");
     let payment = h.project.container("payment-resource")?;
     h.project
