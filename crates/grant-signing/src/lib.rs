@@ -427,10 +427,30 @@ pub mod operator {
             signature: &Signature,
             now_unix_ms: u64,
         ) -> Result<String, Refused> {
+            self.verify_operator_message(
+                decision.operator,
+                &decision.message(),
+                signature,
+                decision.signed_at_unix_ms,
+                Some(now_unix_ms),
+            )
+        }
+
+        /// What every operator signature is checked for: present, by the key registered under
+        /// `operator`, over exactly `message`, and (with `now_unix_ms`) within the decision
+        /// window around now.
+        fn verify_operator_message(
+            &self,
+            operator: &str,
+            message: &[u8],
+            signature: &Signature,
+            signed_at_unix_ms: u64,
+            now_unix_ms: Option<u64>,
+        ) -> Result<String, Refused> {
             if signature.bytes.is_empty() {
                 return Err(Refused::Unsigned);
             }
-            if signature.key_id != decision.operator {
+            if signature.key_id != operator {
                 return Err(Refused::BadSignature);
             }
             let public = self
@@ -438,16 +458,18 @@ pub mod operator {
                 .get(&signature.key_id)
                 .ok_or_else(|| Refused::UnknownOperator(signature.key_id.clone()))?;
             UnparsedPublicKey::new(&ED25519, public)
-                .verify(&decision.message(), &signature.bytes)
+                .verify(message, &signature.bytes)
                 .map_err(|_| Refused::BadSignature)?;
-            let at = decision.signed_at_unix_ms;
-            if at.saturating_add(MAX_AGE_MS) < now_unix_ms
-                || at > now_unix_ms.saturating_add(FUTURE_SKEW_MS)
-            {
-                return Err(Refused::Stale {
-                    signed_at_unix_ms: at,
-                    now_unix_ms,
-                });
+            if let Some(now_unix_ms) = now_unix_ms {
+                let at = signed_at_unix_ms;
+                if at.saturating_add(MAX_AGE_MS) < now_unix_ms
+                    || at > now_unix_ms.saturating_add(FUTURE_SKEW_MS)
+                {
+                    return Err(Refused::Stale {
+                        signed_at_unix_ms: at,
+                        now_unix_ms,
+                    });
+                }
             }
             Ok(signature.key_id.clone())
         }
@@ -513,31 +535,13 @@ pub mod operator {
             signature: &Signature,
             now_unix_ms: Option<u64>,
         ) -> Result<String, Refused> {
-            if signature.bytes.is_empty() {
-                return Err(Refused::Unsigned);
-            }
-            if signature.key_id != funding.operator {
-                return Err(Refused::BadSignature);
-            }
-            let public = self
-                .keys
-                .get(&signature.key_id)
-                .ok_or_else(|| Refused::UnknownOperator(signature.key_id.clone()))?;
-            UnparsedPublicKey::new(&ED25519, public)
-                .verify(&funding.message(), &signature.bytes)
-                .map_err(|_| Refused::BadSignature)?;
-            if let Some(now_unix_ms) = now_unix_ms {
-                let at = funding.signed_at_unix_ms;
-                if at.saturating_add(MAX_AGE_MS) < now_unix_ms
-                    || at > now_unix_ms.saturating_add(FUTURE_SKEW_MS)
-                {
-                    return Err(Refused::Stale {
-                        signed_at_unix_ms: at,
-                        now_unix_ms,
-                    });
-                }
-            }
-            Ok(signature.key_id.clone())
+            self.verify_operator_message(
+                funding.operator,
+                &funding.message(),
+                signature,
+                funding.signed_at_unix_ms,
+                now_unix_ms,
+            )
         }
     }
 

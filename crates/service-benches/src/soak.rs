@@ -184,7 +184,7 @@ pub async fn run(
                 })
                 .await?
                 .into_inner();
-            let key = format!("soak-key-{w}");
+            let key = format!("payout:soak-{w}");
             let mut kept_alive = Instant::now();
             while next.fetch_add(1, Ordering::Relaxed) < grants {
                 if kept_alive.elapsed() >= Duration::from_millis(KEEP_ALIVE_EVERY_MS) {

@@ -717,6 +717,18 @@ struct Audit<'a> {
     detail: Value,
 }
 
+/// An opening balance is never negative.
+fn not_negative(opening_balance_minor: i64) -> Result<(), ServerError> {
+    if opening_balance_minor < 0 {
+        return Err(PaymentError::invalid(
+            "opening_balance_minor",
+            InvalidReason::OpeningBalanceNegative,
+        )
+        .into());
+    }
+    Ok(())
+}
+
 async fn insert_audit<'e, E: sqlx::PgExecutor<'e>>(
     executor: E,
     a: &Audit<'_>,
@@ -1545,13 +1557,7 @@ impl Store {
         opening_balance_minor: i64,
         funding: Option<&payment_client::model::Funding>,
     ) -> Result<Account, ServerError> {
-        if opening_balance_minor < 0 {
-            return Err(PaymentError::invalid(
-                "opening_balance_minor",
-                InvalidReason::OpeningBalanceNegative,
-            )
-            .into());
-        }
+        not_negative(opening_balance_minor)?;
         let funded_by = if opening_balance_minor > 0 {
             Some(self.verify_funding(account_id, currency, opening_balance_minor, funding)?)
         } else {
@@ -1571,13 +1577,7 @@ impl Store {
         currency: &Currency,
         opening_balance_minor: i64,
     ) -> Result<Account, ServerError> {
-        if opening_balance_minor < 0 {
-            return Err(PaymentError::invalid(
-                "opening_balance_minor",
-                InvalidReason::OpeningBalanceNegative,
-            )
-            .into());
-        }
+        not_negative(opening_balance_minor)?;
         self.insert_account(account_id, currency, opening_balance_minor, None)
             .await
     }

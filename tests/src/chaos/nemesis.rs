@@ -710,7 +710,7 @@ async fn etcd_restore(
     let snapshot = system.dir.join(format!("etcd-snapshot-{}.db", fault.at_ms));
     let snapshot_revision = blocking(|| stack.etcd.snapshot(&snapshot))?;
     tokio::time::sleep(Duration::from_millis(fault.down_ms)).await;
-    let key = format!("chaos-restore-probe-{}", fault.at_ms);
+    let key = format!("payout:chaos-restore-probe-{}", fault.at_ms);
     let Probe::Granted(before) = probe(system, &key).await? else {
         anyhow::bail!("the probe was refused before any restore");
     };
