@@ -739,14 +739,7 @@ async fn operator_commands(h: &Harness<'_>) -> anyhow::Result<()> {
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .output()
             .context("run target/debug/payoutctl (deploy/compose-test.sh builds it)")?;
-        Ok((
-            out.status.code().unwrap_or(-1),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        ))
+        Ok(exit_and_text(&out))
     };
     let (code, listed) = payoutctl(&["payout", "list", "--state", "POSTED", "--json"])?;
     ensure!(code == 0, "payout list exited {code}: {listed}");
@@ -793,6 +786,18 @@ async fn operator_commands(h: &Harness<'_>) -> anyhow::Result<()> {
     break_glass(h, &tls)
         .await
         .context("deploy/README.md's operator block: reconcile and the lock break-glass")
+}
+
+/// A finished command's exit code and its stdout then stderr, as one text.
+fn exit_and_text(out: &std::process::Output) -> (i32, String) {
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
 }
 
 /// deploy/README.md's operator block (between `<!-- operator-env:begin -->` and `end`), run as
@@ -860,14 +865,7 @@ async fn break_glass(h: &Harness<'_>, operator: &mtls::TlsArgs) -> anyhow::Resul
             .env("PATH", &path)
             .output()
             .context("bash")?;
-        Ok((
-            out.status.code().unwrap_or(-1),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        ))
+        Ok(exit_and_text(&out))
     };
 
     // Row 8a: the block gives payoutctl reconcile everything it needs, etcd's TLS included.
