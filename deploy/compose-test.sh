@@ -61,11 +61,18 @@ PAYOUT_INSTRUCTION_VERIFY_KEYS="$(target/debug/payoutctl keys instruction-signin
 PAYOUT_RAIL_FACT_SIGNING_KEY_ID="$KEY_ID-rail-fact"
 PAYOUT_RAIL_FACT_VERIFY_KEYS="$(target/debug/payoutctl keys rail-fact-signing \
     --key-id "$PAYOUT_RAIL_FACT_SIGNING_KEY_ID" --out "$KEY_DIR/$PAYOUT_RAIL_FACT_SIGNING_KEY_ID.key")"
+# The rail's answer key (issue 34): the provider's, made by the stub's own command; the proxy is
+# given only its public line.
+PAYOUT_RAIL_ANSWER_SIGNING_KEY_ID="$KEY_ID-rail-answer"
+PAYOUT_RAIL_ANSWER_VERIFY_KEYS="$(target/debug/rail-stub keygen \
+    --key-id "$PAYOUT_RAIL_ANSWER_SIGNING_KEY_ID" --out "$KEY_DIR/$PAYOUT_RAIL_ANSWER_SIGNING_KEY_ID.key")"
 docker run --rm --user 0 -v "$KEY_DIR:/keys" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
-    chown payout "/keys/$PAYOUT_INSTRUCTION_SIGNING_KEY_ID.key" "/keys/$PAYOUT_RAIL_FACT_SIGNING_KEY_ID.key"
+    chown payout "/keys/$PAYOUT_INSTRUCTION_SIGNING_KEY_ID.key" "/keys/$PAYOUT_RAIL_FACT_SIGNING_KEY_ID.key" \
+    "/keys/$PAYOUT_RAIL_ANSWER_SIGNING_KEY_ID.key"
 export PAYOUT_GRANT_KEY_DIR="$KEY_DIR" PAYOUT_GRANT_SIGNING_KEY_ID="$KEY_ID" PAYOUT_GRANT_VERIFY_KEYS
 export PAYOUT_INSTRUCTION_SIGNING_KEY_ID PAYOUT_INSTRUCTION_VERIFY_KEYS
 export PAYOUT_RAIL_FACT_SIGNING_KEY_ID PAYOUT_RAIL_FACT_VERIFY_KEYS
+export PAYOUT_RAIL_ANSWER_SIGNING_KEY_ID PAYOUT_RAIL_ANSWER_VERIFY_KEYS
 # The suite's operator (issue 34): its key stays on the host, in a folder no container mounts;
 # the payment resource registers its public line, and every funded account the suite opens is
 # signed with it (an opening balance is an operator's decision).

@@ -2195,3 +2195,147 @@ async fn a_payout_is_counted_in_every_latency_histogram_and_the_workers_export_t
         assert_eq!(code, 200, "worker on {port}: {body}");
     }
 }
+
+static RAIL_IMPOSTOR: OnceCell<System> = OnceCell::const_new();
+static BELIEVING_PROXY: OnceCell<System> = OnceCell::const_new();
+
+/// One worker, a short rail timeout; with `believing`, the rail proxy is the test-only
+/// `rail-proxy-failpoint --mode rail-answers-unverified` (the shipped start-up believing every
+/// answer on the rail's address).
+async fn impostor_system(believing: bool) -> System {
+    System::start(
+        Stack::shared(),
+        SystemOptions {
+            workers: 1,
+            settlement_window_ms: 1_000,
+            rail_timeout_ms: RAIL_TIMEOUT_MS,
+            rail_proxy_binary: believing.then(|| {
+                (
+                    "rail-proxy-failpoint".to_string(),
+                    vec!["--mode".to_string(), "rail-answers-unverified".to_string()],
+                )
+            }),
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .expect("the system starts")
+}
+
+/// Puts an impostor on the rail's address: the rail's own software, with a key of its own (it
+/// has the code and the address, not the rail's key), keeping its movements to itself. The real
+/// rail is killed first; the returned switch stops the impostor.
+async fn impostor_on_the_rails_address(system: &System) -> tokio::sync::watch::Sender<bool> {
+    system.rail_stub.kill().unwrap();
+    let port = system.ports.rail_stub;
+    let listener = testkit::eventually(
+        Duration::from_secs(30),
+        "the rail's port is free",
+        || async {
+            tokio::net::TcpListener::bind(("127.0.0.1", port))
+                .await
+                .ok()
+        },
+    )
+    .await
+    .unwrap();
+    let (shutdown, stop) = service_kit::Shutdown::new();
+    tokio::spawn(rail_stub::run(
+        listener,
+        rail_stub::StubConfig::default(),
+        shutdown,
+    ));
+    stop
+}
+
+/// Stops the impostor and starts the real rail again on its address.
+async fn real_rail_back(system: &System, stop: tokio::sync::watch::Sender<bool>) {
+    let _ = stop.send(true);
+    testkit::eventually(
+        Duration::from_secs(30),
+        "the rail's port is free",
+        || async { std::net::TcpListener::bind(("127.0.0.1", system.ports.rail_stub)).ok() },
+    )
+    .await
+    .unwrap();
+    system.rail_stub.restart().unwrap();
+}
+
+/// The rail proxy's `rail_answers_unauthenticated_total` series, as one text.
+async fn unauthenticated_answers(system: &System) -> String {
+    system_tests::metrics::scrape(system.ports.metrics[3])
+        .await
+        .lines()
+        .filter(|l| l.starts_with("rail_answers_unauthenticated_total{"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Issue 34, row 5a, end to end: with an impostor answering on the rail's address (`accepted`,
+/// signed with a key that is not the rail's), the payout is never POSTED and the customer never
+/// debited: the proxy records the answer as ambiguous (counted, `RailAnswerUnauthenticated`),
+/// and its inquiries get nothing believable either. Once the real rail answers again, the
+/// inquiry's authenticated ABSENT fails the payout: nothing moved, nothing posted.
+/// `negative_control_a_proxy_believing_every_answer_posts_a_payout_the_rail_never_saw` is the
+/// control.
+#[tokio::test]
+async fn a_rail_impostor_cannot_make_a_payout_posted() {
+    let system = RAIL_IMPOSTOR.get_or_init(|| impostor_system(false)).await;
+    let ctx = Ctx::new(system).await;
+    let input = ctx
+        .payout("rail-impostor", 10_000, 1_000, fast_ambiguity())
+        .await;
+    let stop = impostor_on_the_rails_address(system).await;
+    let id = ctx.start(&input).await;
+    ctx.wait_status(&id, "RAIL_AMBIGUOUS on the impostor's answer", |s| {
+        s.state == PayoutState::RailAmbiguous
+    })
+    .await;
+    let counted = testkit::eventually(SETTLE_TIMEOUT, "the refusal counted", || async {
+        let series = unauthenticated_answers(system).await;
+        series
+            .contains(
+                "rail_answers_unauthenticated_total{operation=\"pay\",reason=\"unknown_key_id\"} 1",
+            )
+            .then_some(series)
+    })
+    .await
+    .unwrap();
+    assert!(counted.contains("operation=\"pay\""), "{counted}");
+    assert_eq!(
+        ctx.ledger_rows(&input).await,
+        0,
+        "nothing posted on its word"
+    );
+    // The real rail back on its address: the inquiry's authenticated answer decides.
+    real_rail_back(system, stop).await;
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Failed, "{done:?}");
+    assert!(done.failure_reason.contains("RAIL_ABSENT"), "{done:?}");
+    assert_eq!(ctx.rail(&input).await, (0, 0), "the real rail never saw it");
+    assert_eq!(ctx.ledger_rows(&input).await, 0);
+}
+
+/// Row 5a's control: the same impostor, with the rail proxy believing every answer on the rail's
+/// address. The payout is POSTED and its ledger rows written, while the real rail has no
+/// movement for it: the customer debited for money that never left.
+#[tokio::test]
+async fn negative_control_a_proxy_believing_every_answer_posts_a_payout_the_rail_never_saw() {
+    let system = BELIEVING_PROXY.get_or_init(|| impostor_system(true)).await;
+    let ctx = Ctx::new(system).await;
+    let input = ctx
+        .payout("rail-believed", 10_000, 1_000, fast_ambiguity())
+        .await;
+    let stop = impostor_on_the_rails_address(system).await;
+    let id = ctx.start(&input).await;
+    let done = ctx.result(&id).await;
+    assert_eq!(done.state, PayoutState::Posted, "{done:?}");
+    assert_eq!(ctx.ledger_rows(&input).await, 2);
+    real_rail_back(system, stop).await;
+    testkit::eventually(SETTLE_TIMEOUT, "the real rail answers", || async {
+        ctx.stub.ground_truth().await.ok()
+    })
+    .await
+    .unwrap();
+    assert_eq!(ctx.rail(&input).await, (0, 0), "the real rail never saw it");
+}

@@ -19,6 +19,7 @@ use std::fmt;
 
 pub mod audit_chain;
 pub mod instruction;
+pub mod rail_answer;
 pub mod rail_fact;
 
 use ring::rand::SystemRandom;
@@ -66,6 +67,14 @@ impl Message {
 
     pub(crate) fn u64(&mut self, value: u64) -> &mut Self {
         self.0.extend_from_slice(&value.to_be_bytes());
+        self
+    }
+
+    /// Raw bytes, length-prefixed (u32, big-endian) like a string.
+    pub(crate) fn bytes(&mut self, field: &[u8]) -> &mut Self {
+        self.0
+            .extend_from_slice(&(field.len() as u32).to_be_bytes());
+        self.0.extend_from_slice(field);
         self
     }
 

@@ -210,7 +210,11 @@ impl Hosted {
             instructions: instruction_keys,
             fact_signer: std::sync::Arc::new(fact_signer),
         };
-        let mut config = rail_proxy::ProxyConfig::new(stub.base_url(), keys, tls(Role::RailProxy));
+        let mut config = rail_proxy::ProxyConfig::new(
+            rail_proxy::RailLink::new(stub.base_url(), stub.answer_verifier()),
+            keys,
+            tls(Role::RailProxy),
+        );
         if !secured {
             config = config
                 .disable_grant_verification_for_negative_control()

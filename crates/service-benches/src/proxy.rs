@@ -253,19 +253,17 @@ pub async fn run(
         instructions: Verifier::new([instruction_signer.public_key()])?,
         fact_signer: std::sync::Arc::new(fact_signer),
     };
+    let rail = rail_proxy::RailLink::new(stub.base_url(), stub.answer_verifier());
     let insecure = RunningProxy::start(
         pool.clone(),
-        ProxyConfig::new(stub.base_url(), keys.clone(), tls(Role::RailProxy))
+        ProxyConfig::new(rail.clone(), keys.clone(), tls(Role::RailProxy))
             .disable_grant_verification_for_negative_control()
             .plaintext_for_benches(),
     )
     .await?;
     // The real table and mutual TLS, as deployed: a worker's certificate submits.
-    let proxy = RunningProxy::start(
-        pool,
-        ProxyConfig::new(stub.base_url(), keys, tls(Role::RailProxy)),
-    )
-    .await?;
+    let proxy =
+        RunningProxy::start(pool, ProxyConfig::new(rail, keys, tls(Role::RailProxy))).await?;
     let client = RailProxyClient::connect(&proxy.endpoint(), &tls(Role::Worker)).await?;
     let insecure_client = RailProxyClient::from_channel(
         tonic::transport::Endpoint::from_shared(format!("http://{}", insecure.addr))

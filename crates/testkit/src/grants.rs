@@ -19,6 +19,10 @@ const INSTRUCTION_KEY_FILE: &str = "instruction-signing.key";
 /// The rail proxy's rail-fact key of the test systems and the local stack.
 pub const RAIL_FACT_KEY_ID: &str = "local-rail-fact-1";
 const RAIL_FACT_KEY_FILE: &str = "rail-fact-signing.key";
+/// The rail's (the stub's) answer key of the test systems and the local stack: the provider's
+/// key, outside the system's own; the proxy holds its public half (`--rail-answer-verify-keys`).
+pub const RAIL_ANSWER_KEY_ID: &str = "local-rail-answer-1";
+const RAIL_ANSWER_KEY_FILE: &str = "rail-answer-signing.key";
 
 /// One Ed25519 signing key on disk: its id, its secret's file and its public half.
 #[derive(Debug, Clone)]
@@ -56,8 +60,13 @@ impl SigningKey {
         Self::in_dir(dir, RAIL_FACT_KEY_FILE, RAIL_FACT_KEY_ID)
     }
 
+    /// The rail stub's answer key in `dir`.
+    pub fn rail_answer(dir: &Path) -> anyhow::Result<Self> {
+        Self::in_dir(dir, RAIL_ANSWER_KEY_FILE, RAIL_ANSWER_KEY_ID)
+    }
+
     /// The signing process's arguments for this key: `--{kind}-signing-key-id ID
-    /// --{kind}-signing-key-file FILE` (`kind`: `grant`, `instruction`, `rail-fact`).
+    /// --{kind}-signing-key-file FILE` (`kind`: `grant`, `instruction`, `rail-fact`, `answer`).
     pub fn signing_args(&self, kind: &str) -> [std::ffi::OsString; 4] {
         [
             format!("--{kind}-signing-key-id").into(),

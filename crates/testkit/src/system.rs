@@ -135,6 +135,8 @@ pub struct System {
     pub instruction_keys: crate::grants::SigningKey,
     /// The rail proxy's rail-fact key (the payment resource verifies with its public half).
     pub rail_fact_keys: crate::grants::SigningKey,
+    /// The rail's (the stub's) answer key (the rail proxy verifies with its public half).
+    pub rail_answer_keys: crate::grants::SigningKey,
     /// The system's certificate authority: every process has its own certificate from it.
     pub pki: crate::pki::Pki,
     /// The system's registered operator (the payment resource's `--operator-keys`).
@@ -245,6 +247,7 @@ impl System {
         let grant_keys = crate::grants::SigningKey::grant(&dir)?;
         let instruction_keys = crate::grants::SigningKey::instruction(&dir)?;
         let rail_fact_keys = crate::grants::SigningKey::rail_fact(&dir)?;
+        let rail_answer_keys = crate::grants::SigningKey::rail_answer(&dir)?;
         let pki = crate::pki::Pki::in_dir(&dir)?;
         let operator = crate::grants::OperatorKey::in_dir(&dir)?;
         let lock_server = ManagedProcess::start(
@@ -303,6 +306,7 @@ impl System {
         )?;
         let mut stub = spec("rail-stub")?
             .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_stub)])
+            .args(rail_answer_keys.signing_args("answer"))
             .args([
                 "--movements-file".into(),
                 dir.join("rail-movements.jsonl").into_os_string(),
@@ -336,6 +340,10 @@ impl System {
                 .args(rail_fact_keys.signing_args("rail-fact"))
                 .args(pki.issue(Role::RailProxy, "rail-proxy")?.to_args())
                 .args(["--rail-url".into(), rail_url(ports.rail_stub)])
+                .args([
+                    "--rail-answer-verify-keys".into(),
+                    rail_answer_keys.verify_keys(),
+                ])
                 .args([
                     "--rail-timeout-ms".into(),
                     options.rail_timeout_ms.to_string(),
@@ -438,6 +446,7 @@ impl System {
             grant_keys,
             instruction_keys,
             rail_fact_keys,
+            rail_answer_keys,
             pki,
             operator,
             lock_server,

@@ -38,7 +38,7 @@ use service_kit::Shutdown;
 /// The lock service's public keys, as the proxy is given them (`--grant-verify-keys`).
 pub use grant_signing::{KeyError, Signer, Verifier};
 pub use model::DuplicateClass;
-pub use rail::{RAIL_CALL_TIMEOUT_MS_DEFAULT, RAIL_CALL_TIMEOUT_MS_MAX};
+pub use rail::{RailLink, RailLinkArgs, RAIL_CALL_TIMEOUT_MS_DEFAULT, RAIL_CALL_TIMEOUT_MS_MAX};
 pub use store::MIGRATOR;
 
 /// The gRPC service name, also the name its health status is reported under.
@@ -83,6 +83,9 @@ pub(crate) struct Protections {
     /// Every submit carries the payment resource's signed instruction for exactly its payment
     /// (issue 33, `instruction_refused`).
     pub instruction: bool,
+    /// Every rail answer must carry the rail's signature over exactly its request and itself,
+    /// or it is ambiguous (a payment) or unknown (a lookup) (issue 34).
+    pub rail_answer: bool,
 }
 
 /// The keys the proxy judges and signs with, all required (there is no unsigned mode): the lock
@@ -134,7 +137,8 @@ impl GuardKeyArgs {
 
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
-    pub rail_base_url: String,
+    /// The rail's address and answer keys.
+    rail: RailLink,
     /// Timeout of the single payment call; bounded by [`RAIL_CALL_TIMEOUT_MS_MAX`].
     pub rail_timeout: Duration,
     /// The lock service's public keys: a fenced call's grant must be signed by one of them.
@@ -190,16 +194,12 @@ impl ProxyConfig {
         )
     }
 
-    /// The proxy in front of the rail at `rail_base_url`, verifying every fenced call's grant
-    /// and instruction and signing its rail facts with `keys`, serving over mutual TLS with
-    /// `tls`. There is no configuration without either.
-    pub fn new(
-        rail_base_url: impl Into<String>,
-        keys: GuardKeys,
-        tls: service_kit::grpc::Tls,
-    ) -> Self {
+    /// The proxy in front of the rail at `rail` (believing only answers its keys signed),
+    /// verifying every fenced call's grant and instruction and signing its rail facts with
+    /// `keys`, serving over mutual TLS with `tls`. There is no configuration without any of them.
+    pub fn new(rail: RailLink, keys: GuardKeys, tls: service_kit::grpc::Tls) -> Self {
         Self {
-            rail_base_url: rail_base_url.into(),
+            rail,
             rail_timeout: Duration::from_millis(RAIL_CALL_TIMEOUT_MS_DEFAULT),
             verifier: keys.grants,
             instructions: keys.instructions,
@@ -217,6 +217,7 @@ impl ProxyConfig {
                 grant_key_binding: true,
                 restore_check: true,
                 instruction: true,
+                rail_answer: true,
             },
             #[cfg(feature = "negative-controls")]
             failpoint: None,
@@ -270,6 +271,16 @@ impl ProxyConfig {
     #[doc(hidden)]
     pub fn disable_instruction_verification_for_negative_control(mut self) -> Self {
         self.protections.instruction = false;
+        self
+    }
+
+    /// TEST ONLY (feature `negative-controls`): the negative control of the rail's answer
+    /// signature. Every answer on the rail's address is believed, so an impostor's `accepted`
+    /// makes a payout POSTED without a movement. No binary can reach it.
+    #[cfg(feature = "negative-controls")]
+    #[doc(hidden)]
+    pub fn disable_rail_answer_verification_for_negative_control(mut self) -> Self {
+        self.protections.rail_answer = false;
         self
     }
 
@@ -395,9 +406,14 @@ pub async fn run(
         metrics.database_restored(),
         Duration::from_millis(service_kit::INCARNATION_PERIOD_MS),
     ));
-    let rail = rail::Rail::new(config.rail_base_url.clone(), config.rail_timeout, &metrics);
+    let rail = rail::Rail::new(
+        &config.rail,
+        config.rail_timeout,
+        &metrics,
+        config.protections.rail_answer,
+    );
     let counters = service::Counters::new(&metrics);
-    tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail_base_url, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, instruction_verify_keys = ?config.instructions, rail_fact_signing_key_id = config.fact_signer.key_id(), "rail proxy listening");
+    tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail.url, rail_answer_verify_keys = ?config.rail.answer_keys, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, instruction_verify_keys = ?config.instructions, rail_fact_signing_key_id = config.fact_signer.key_id(), "rail proxy listening");
     let serving = config.serving(&metrics)?;
     let service = service::ProxyService(Arc::new(service::Inner {
         pool,

@@ -1,8 +1,18 @@
 //! The proxy's client of the rail's HTTP/JSON API. It sends a payment **once**: no retry layer,
 //! no pooled connection that the HTTP stack could transparently resend on, an explicit timeout.
+//!
+//! It believes only answers the rail signed (`grant_signing::rail_answer`): every call carries a
+//! fresh `Rail-Request-Id`, and the answer's `Rail-Signature` must be one of the rail's keys
+//! (`--rail-answer-verify-keys`) over exactly that request and that answer. An answer that fails
+//! is **ambiguous** (a payment) or **unknown** (a lookup), never an accept, a decline, FOUND or
+//! ABSENT: an impostor on the rail's address cannot make a payout POSTED without a movement, or
+//! FAILED after one. Each is counted in `rail_answers_unauthenticated_total{operation,reason}`
+//! and logged `event="rail_answer_unauthenticated"`, `alert=true`.
 
 use std::time::{Duration, Instant};
 
+use grant_signing::rail_answer::{self, Unauthenticated};
+use grant_signing::Verifier;
 use serde::{Deserialize, Serialize};
 use service_kit::latency::{LabelGrid, RAIL_CALL_BUCKETS_SECONDS};
 
@@ -83,13 +93,56 @@ const RAIL_CALLS: &[(&str, &[&str])] = &[
     ("lookup", &["found", "absent", "unknown"]),
 ];
 
+/// Where the rail is and how its answers are authenticated.
+#[derive(Debug, Clone)]
+pub struct RailLink {
+    /// The rail's base URL (`http://host:port`).
+    pub url: String,
+    /// The rail's answer keys (several during the rail's key rotation).
+    pub answer_keys: Verifier,
+}
+
+impl RailLink {
+    pub fn new(url: impl Into<String>, answer_keys: Verifier) -> Self {
+        Self {
+            url: url.into(),
+            answer_keys,
+        }
+    }
+}
+
+/// The binaries' flags for [`RailLink`] (the shipped proxy and the test failpoint proxy).
+#[derive(Debug, clap::Args)]
+pub struct RailLinkArgs {
+    #[arg(long, env = "RAIL_PROXY_RAIL_URL")]
+    pub rail_url: String,
+    /// The rail's answer public keys, `key_id=<64 hex digits>[,...]` (as the provider publishes
+    /// them; several during its rotation). Required: an answer none of them signed is never
+    /// believed.
+    #[arg(long, env = "RAIL_ANSWER_VERIFY_KEYS", value_parser = Verifier::parse)]
+    pub rail_answer_verify_keys: Verifier,
+}
+
+impl From<RailLinkArgs> for RailLink {
+    fn from(args: RailLinkArgs) -> Self {
+        Self::new(args.rail_url, args.rail_answer_verify_keys)
+    }
+}
+
 #[derive(Clone)]
 pub struct Rail {
     base_url: String,
     http: reqwest::Client,
     timeout: Duration,
     latency: LabelGrid,
+    answer_keys: Verifier,
+    /// Off only in a `negative-controls` build's test (`Protections::rail_answer`).
+    verify_answers: bool,
+    unauthenticated: service_kit::prometheus::IntCounterVec,
 }
+
+/// The two operations whose answers are verified, as the counter labels them.
+const OPERATIONS: [&str; 2] = ["pay", "lookup"];
 
 impl RailAnswer {
     fn label(&self) -> &'static str {
@@ -125,6 +178,8 @@ pub fn http_client() -> reqwest::Client {
     reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(RAIL_CONNECT_TIMEOUT_MS))
         .retry(reqwest::retry::never())
+        // A redirect would resend the payment elsewhere: a 3xx is an answer (ambiguous).
+        .redirect(reqwest::redirect::Policy::none())
         .pool_max_idle_per_host(0)
         .http1_only()
         .build()
@@ -132,17 +187,32 @@ pub fn http_client() -> reqwest::Client {
 }
 
 impl Rail {
-    /// A client of the rail at `base_url`; every call is timed in `metrics`'
-    /// `rail_call_duration_seconds`.
+    /// A client of the rail at `link`; every call is timed in `metrics`'
+    /// `rail_call_duration_seconds`, and every answer verified with the link's answer keys
+    /// (unless `verify_answers` is off: a negative control's test only).
     pub fn new(
-        base_url: impl Into<String>,
+        link: &RailLink,
         timeout: Duration,
         metrics: &service_kit::Metrics,
+        verify_answers: bool,
     ) -> Self {
+        let unauthenticated = metrics.counter_vec(
+            "rail_answers_unauthenticated_total",
+            "Rail answers the proxy did not believe (no, a malformed, a foreign, a wrong or a stale Rail-Signature), by operation (pay, lookup) and reason. Each made a payment ambiguous or a lookup unknown. Anything above zero: something other than the rail answered, or the rail's key changed.",
+            &["operation", "reason"],
+        );
+        for operation in OPERATIONS {
+            for reason in rail_answer::REASONS {
+                unauthenticated.with_label_values(&[operation, reason]);
+            }
+        }
         Self {
-            base_url: base_url.into().trim_end_matches('/').to_string(),
+            base_url: link.url.trim_end_matches('/').to_string(),
             http: http_client(),
             timeout,
+            answer_keys: link.answer_keys.clone(),
+            verify_answers,
+            unauthenticated,
             latency: LabelGrid::new(
                 metrics,
                 "rail_call_duration_seconds",
@@ -179,11 +249,24 @@ impl Rail {
             beneficiary_ref: request.beneficiary_ref.as_str(),
             valid_until_unix_ms,
         };
+        let order = match serde_json::to_vec(&order) {
+            Ok(order) => order,
+            // Nothing was sent: a payment order of strings and integers always serialises.
+            Err(e) => {
+                return RailAnswer::Ambiguous {
+                    detail: format!("encoding the payment order: {e}"),
+                }
+            }
+        };
+        let url = format!("{}/v1/payments", self.base_url);
+        let request_id = rail_answer::request_id();
         let sent = self
             .http
-            .post(format!("{}/v1/payments", self.base_url))
+            .post(&url)
             .timeout(self.timeout)
-            .json(&order)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(rail_answer::REQUEST_ID_HEADER, &request_id)
+            .body(order.clone())
             .send()
             .await;
         let response = match sent {
@@ -195,7 +278,9 @@ impl Rail {
             }
         };
         let status = response.status().as_u16();
-        let body = match response.text().await {
+        let path_and_query = path_and_query(response.url());
+        let signature = signature_header(&response);
+        let body = match response.bytes().await {
             Ok(body) => body,
             Err(e) => {
                 return RailAnswer::Ambiguous {
@@ -206,6 +291,25 @@ impl Rail {
                 }
             }
         };
+        let answer = rail_answer::Answer {
+            request_id: &request_id,
+            method: "POST",
+            path_and_query: &path_and_query,
+            request_body: &order,
+            status,
+            signed_at_unix_ms: 0,
+            body: &body,
+        };
+        if let Err(refused) = self.authenticate("pay", &answer, signature.as_deref()) {
+            return RailAnswer::Ambiguous {
+                detail: format!(
+                    "unauthenticated rail answer ({}: {refused}); it answered {status}: {}",
+                    refused.reason(),
+                    truncate(&String::from_utf8_lossy(&body))
+                ),
+            };
+        }
+        let body = String::from_utf8_lossy(&body);
         match serde_json::from_str::<PaymentAnswer>(&body) {
             Ok(PaymentAnswer {
                 status: s,
@@ -253,27 +357,57 @@ impl Rail {
     }
 
     async fn movements_untimed(&self, client_reference: &str) -> RailLookup {
+        let request_id = rail_answer::request_id();
         let sent = self
             .http
             .get(format!("{}/v1/payments", self.base_url))
             .query(&[("client_reference", client_reference)])
+            .header(rail_answer::REQUEST_ID_HEADER, &request_id)
             .timeout(Duration::from_millis(RAIL_LOOKUP_TIMEOUT_MS))
             .send()
             .await;
         let response = match sent {
-            Ok(response) if response.status().is_success() => response,
-            Ok(response) => {
-                return RailLookup::Unknown {
-                    detail: format!("rail lookup answered {}", response.status().as_u16()),
-                }
-            }
+            Ok(response) => response,
             Err(e) => {
                 return RailLookup::Unknown {
                     detail: format!("rail lookup failed: {}", transport_detail(&e)),
                 }
             }
         };
-        match response.json::<LookupAnswer>().await {
+        let status = response.status().as_u16();
+        let path_and_query = path_and_query(response.url());
+        let signature = signature_header(&response);
+        let body = match response.bytes().await {
+            Ok(body) => body,
+            Err(e) => {
+                return RailLookup::Unknown {
+                    detail: format!("rail lookup failed: {}", transport_detail(&e)),
+                }
+            }
+        };
+        let answer = rail_answer::Answer {
+            request_id: &request_id,
+            method: "GET",
+            path_and_query: &path_and_query,
+            request_body: b"",
+            status,
+            signed_at_unix_ms: 0,
+            body: &body,
+        };
+        if let Err(refused) = self.authenticate("lookup", &answer, signature.as_deref()) {
+            return RailLookup::Unknown {
+                detail: format!(
+                    "unauthenticated rail lookup answer ({}: {refused})",
+                    refused.reason()
+                ),
+            };
+        }
+        if !(200..300).contains(&status) {
+            return RailLookup::Unknown {
+                detail: format!("rail lookup answered {status}"),
+            };
+        }
+        match serde_json::from_slice::<LookupAnswer>(&body) {
             Ok(answer) if answer.state == "found" && !answer.movements.is_empty() => {
                 RailLookup::Found(
                     answer
@@ -298,10 +432,53 @@ impl Rail {
                 detail: format!("unrecognised lookup state {:?}", answer.state),
             },
             Err(e) => RailLookup::Unknown {
-                detail: format!("unreadable lookup answer: {}", transport_detail(&e)),
+                detail: format!("unreadable lookup answer: {e}"),
             },
         }
     }
+
+    /// Whether `answer` carries the rail's signature (`header`) over exactly itself; a refusal
+    /// is counted and logged as an alert.
+    fn authenticate(
+        &self,
+        operation: &'static str,
+        answer: &rail_answer::Answer<'_>,
+        header: Option<&str>,
+    ) -> Result<(), Unauthenticated> {
+        if !self.verify_answers {
+            return Ok(());
+        }
+        let now = grant_signing::operator::now_unix_ms() as i64;
+        self.answer_keys
+            .verify_rail_answer(answer, header, now)
+            .inspect_err(|refused| {
+                self.unauthenticated
+                    .with_label_values(&[operation, refused.reason()])
+                    .inc();
+                tracing::error!(
+                    event = "rail_answer_unauthenticated", alert = true, operation,
+                    reason = refused.reason(), status = answer.status,
+                    request_id = answer.request_id, error = %refused,
+                    "the rail's answer is not signed by the rail: not believed"
+                );
+            })
+    }
+}
+
+/// The request's path and query as the rail received it (what its signature covers).
+fn path_and_query(url: &reqwest::Url) -> String {
+    match url.query() {
+        Some(query) => format!("{}?{query}", url.path()),
+        None => url.path().to_string(),
+    }
+}
+
+/// The answer's `Rail-Signature`, if it has one that is text.
+fn signature_header(response: &reqwest::Response) -> Option<String> {
+    response
+        .headers()
+        .get(rail_answer::SIGNATURE_HEADER)
+        .map(|v| v.to_str().unwrap_or("").to_string())
 }
 
 fn transport_detail(e: &reqwest::Error) -> String {

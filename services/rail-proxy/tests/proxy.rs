@@ -147,11 +147,28 @@ async fn rig_keyed(
     keys: rail_proxy::GuardKeys,
     configure: impl FnOnce(ProxyConfig) -> ProxyConfig,
 ) -> Rig {
+    rig_railed(
+        stub_config,
+        keys,
+        |stub| rail_proxy::RailLink::new(stub.base_url(), stub.answer_verifier()),
+        configure,
+    )
+    .await
+}
+
+/// A rig whose proxy reaches the rail through `link` (made from the rig's stub: the stub's own
+/// address and key, or something else on the way).
+async fn rig_railed(
+    stub_config: StubConfig,
+    keys: rail_proxy::GuardKeys,
+    link: impl FnOnce(&RunningStub) -> rail_proxy::RailLink,
+    configure: impl FnOnce(ProxyConfig) -> ProxyConfig,
+) -> Rig {
     let db_url = Stack::shared().fresh_db(PgServer::Proxy).await;
     let pool = service_kit::connect_pg(&db_url).await.unwrap();
     let stub = RunningStub::start(stub_config).await.unwrap();
     let config = configure(
-        ProxyConfig::new(stub.base_url(), keys, tls(Role::RailProxy))
+        ProxyConfig::new(link(&stub), keys, tls(Role::RailProxy))
             // The suite calls as worker and as reconciler from one client; the binary's real
             // table is exercised by the system and attack suites.
             .with_policy_for_tests(testkit::pki::every_role(&rail_proxy::authz::POLICY))
@@ -803,6 +820,10 @@ async fn a_proxy_killed_between_intent_and_rail_call_leaves_an_ambiguous_null() 
     .args(["--listen".to_string(), format!("127.0.0.1:{port}")])
     .args(["--database-url".to_string(), rig.db_url.clone()])
     .args(["--rail-url".to_string(), rig.stub.base_url()])
+    .args([
+        "--rail-answer-verify-keys".to_string(),
+        rig.stub.answer_key.to_string(),
+    ])
     .args([
         "--grant-verify-keys".to_string(),
         SIGNER.public_key().to_string(),
@@ -2179,6 +2200,7 @@ fn the_binary_will_not_start_without_valid_grant_verify_keys() {
             .env_remove("INSTRUCTION_VERIFY_KEYS")
             .env_remove("RAIL_FACT_SIGNING_KEY_ID")
             .env_remove("RAIL_FACT_SIGNING_KEY_FILE")
+            .env_remove("RAIL_ANSWER_VERIFY_KEYS")
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -2192,9 +2214,10 @@ fn the_binary_will_not_start_without_valid_grant_verify_keys() {
     }
 }
 
-/// Nor an unsigned mode for instructions or rail facts (issue 33): with valid grant keys, a
-/// missing instruction key list or rail-fact signing key is a usage error naming the flag, and an
-/// unreadable key file stops the start naming the file, before any database is touched.
+/// Nor an unsigned mode for instructions, rail facts or the rail's answers (issues 33, 34): with
+/// valid grant keys, a missing instruction key list, rail-fact signing key or rail answer key list
+/// is a usage error naming the flag, a malformed answer key list names itself, and an unreadable
+/// key file stops the start naming the file, before any database is touched.
 #[test]
 fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
     let bin = env!("CARGO_BIN_EXE_rail-proxy");
@@ -2203,7 +2226,25 @@ fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
     let dir = tempfile::tempdir().unwrap();
     let missing_file = dir.path().join("absent.key");
     let missing_file = missing_file.to_str().unwrap();
-    let cases: [(Vec<&str>, &str, i32); 3] = [
+    let rail_answers = Signer::generate("rail-1")
+        .unwrap()
+        .0
+        .public_key()
+        .to_string();
+    let all_but_rail_answers = [
+        "--instruction-verify-keys",
+        &instructions,
+        "--rail-fact-signing-key-id",
+        "k",
+        "--rail-fact-signing-key-file",
+        missing_file,
+    ];
+    let no_rail_answers = all_but_rail_answers.to_vec();
+    let mut bad_rail_answers = all_but_rail_answers.to_vec();
+    bad_rail_answers.extend(["--rail-answer-verify-keys", "rail-1=00"]);
+    let cases: [(Vec<&str>, &str, i32); 5] = [
+        (no_rail_answers, "--rail-answer-verify-keys", 2),
+        (bad_rail_answers, "rail-1=00", 2),
         (
             vec![
                 "--rail-fact-signing-key-id",
@@ -2233,10 +2274,18 @@ fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
         ),
     ];
     for (args, expected, code) in cases {
+        let answer_keys = if args.contains(&"--rail-answer-verify-keys")
+            || expected == "--rail-answer-verify-keys"
+        {
+            vec![]
+        } else {
+            vec!["--rail-answer-verify-keys", rail_answers.as_str()]
+        };
         let out = std::process::Command::new(bin)
             .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
             .args(["--rail-url", "http://127.0.0.1:1"])
             .args(["--grant-verify-keys", &grants])
+            .args(&answer_keys)
             .args(
                 testkit::pki::shared()
                     .issue(Role::RailProxy, "rail-proxy-keys")
@@ -2248,6 +2297,7 @@ fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
             .env_remove("INSTRUCTION_VERIFY_KEYS")
             .env_remove("RAIL_FACT_SIGNING_KEY_ID")
             .env_remove("RAIL_FACT_SIGNING_KEY_FILE")
+            .env_remove("RAIL_ANSWER_VERIFY_KEYS")
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -2679,4 +2729,266 @@ async fn negative_control_without_the_restore_check_a_restored_proxydb_pays_twic
         (2, 2),
         "without the check the restored proxy pays p-r-2 twice"
     );
+}
+
+/// What stands on the rail's address in the answer-authentication tests (issue 34, rows 5a, 5b).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OnTheWay {
+    /// An impostor that never reaches the rail: a payment is `accepted` (`rr-forged`), a lookup
+    /// `absent`, unsigned.
+    Impostor,
+    /// Forwards to the rail and changes the genuine answer's body, keeping its signature: an
+    /// accept's reference, a lookup's finding.
+    ChangesTheBody,
+    /// Forwards the first request of each method and keeps its genuine, signed answer; every
+    /// later request is answered with that copy and never reaches the rail.
+    ReplaysTheFirst,
+}
+
+/// A man in the middle between the proxy and the stub at `rail`, doing `what`; its URL.
+fn on_the_way(rail: String, what: OnTheWay) -> String {
+    use axum::response::IntoResponse;
+    type Kept = std::sync::Arc<
+        std::sync::Mutex<std::collections::HashMap<String, (u16, Option<String>, Vec<u8>)>>,
+    >;
+    let kept: Kept = Default::default();
+    let http = reqwest::Client::new();
+    let handler = move |request: axum::extract::Request| {
+        let (rail, http, kept) = (rail.clone(), http.clone(), kept.clone());
+        async move {
+            let (parts, body) = request.into_parts();
+            let body = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+            let method = parts.method.as_str().to_string();
+            let path = parts.uri.path_and_query().unwrap().as_str().to_string();
+            let (status, signature, answer) = match what {
+                OnTheWay::Impostor if method == "POST" => (
+                    200,
+                    None,
+                    br#"{"status":"accepted","rail_ref":"rr-forged"}"#.to_vec(),
+                ),
+                OnTheWay::Impostor => (200, None, br#"{"state":"absent","movements":[]}"#.to_vec()),
+                OnTheWay::ReplaysTheFirst if kept.lock().unwrap().contains_key(&method) => {
+                    kept.lock().unwrap()[&method].clone()
+                }
+                OnTheWay::ChangesTheBody | OnTheWay::ReplaysTheFirst => {
+                    let mut forwarded = http
+                        .request(parts.method.clone(), format!("{rail}{path}"))
+                        .body(body.to_vec());
+                    for name in [
+                        "content-type",
+                        grant_signing::rail_answer::REQUEST_ID_HEADER,
+                    ] {
+                        if let Some(v) = parts.headers.get(name) {
+                            forwarded = forwarded.header(name, v.as_bytes());
+                        }
+                    }
+                    let answer = forwarded.send().await.unwrap();
+                    let status = answer.status().as_u16();
+                    let signature = answer
+                        .headers()
+                        .get(grant_signing::rail_answer::SIGNATURE_HEADER)
+                        .map(|v| v.to_str().unwrap().to_string());
+                    let mut body = answer.bytes().await.unwrap().to_vec();
+                    if what == OnTheWay::ChangesTheBody {
+                        body = if method == "POST" {
+                            String::from_utf8(body)
+                                .unwrap()
+                                .replace("\"rr-", "\"rr-forged-")
+                                .into_bytes()
+                        } else {
+                            br#"{"state":"absent","movements":[]}"#.to_vec()
+                        };
+                    }
+                    kept.lock()
+                        .unwrap()
+                        .insert(method.clone(), (status, signature.clone(), body.clone()));
+                    (status, signature, body)
+                }
+            };
+            let mut response = (
+                axum::http::StatusCode::from_u16(status).unwrap(),
+                [("content-type", "application/json")],
+                answer,
+            )
+                .into_response();
+            if let Some(signature) = signature {
+                response.headers_mut().insert(
+                    grant_signing::rail_answer::SIGNATURE_HEADER,
+                    signature.parse().unwrap(),
+                );
+            }
+            response
+        }
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, axum::Router::new().fallback(handler))
+            .await
+            .unwrap()
+    });
+    url
+}
+
+/// `rail_answers_unauthenticated_total{operation,reason}` (registered at 0).
+fn unauthenticated_counted(rig: &Rig, operation: &str, reason: &str) -> u64 {
+    let series = format!(
+        "rail_answers_unauthenticated_total{{operation=\"{operation}\",reason=\"{reason}\"}} "
+    );
+    rig.proxy
+        .metrics
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&series).map(|v| v.parse().unwrap()))
+        .expect("the series is registered at start")
+}
+
+/// Row 5a/5b: whatever stands on the rail's address, an answer the rail did not sign for exactly
+/// this request is never an ACK, a decline, FOUND or ABSENT: a payment is recorded TIMEOUT
+/// (ambiguous: the inquiry decides), a lookup is UNKNOWN, each counted by reason. An impostor's
+/// unsigned accept, a genuine answer whose body was changed, a genuine accept replayed for another
+/// payment, and an answer signed by another key (a rail impostor running the rail's software).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_answer_the_rail_did_not_sign_for_this_request_is_never_believed() {
+    let other_key = std::sync::Arc::new(Signer::generate(rail_stub::TEST_ANSWER_KEY_ID).unwrap().0);
+    let cases: [(&str, Option<OnTheWay>, &str); 4] = [
+        ("impostor", Some(OnTheWay::Impostor), "unsigned"),
+        ("changed", Some(OnTheWay::ChangesTheBody), "bad_signature"),
+        ("replayed", Some(OnTheWay::ReplaysTheFirst), "bad_signature"),
+        ("foreign-key", None, "unknown_key_id"),
+    ];
+    for (name, what, reason) in cases {
+        // The foreign-key case: the stub signs with a key the proxy does not hold (the proxy is
+        // given the key a default stub would have had).
+        let stub_config = match what {
+            None => StubConfig {
+                answer_signer: other_key.clone(),
+                ..Default::default()
+            },
+            Some(_) => StubConfig::default(),
+        };
+        let expected_key = Signer::generate("rail-expected").unwrap().0;
+        let rig = rig_railed(
+            stub_config,
+            keys(),
+            |stub| match what {
+                Some(what) => rail_proxy::RailLink::new(
+                    on_the_way(stub.base_url(), what),
+                    stub.answer_verifier(),
+                ),
+                None => rail_proxy::RailLink::new(
+                    stub.base_url(),
+                    Verifier::new([expected_key.public_key()]).unwrap(),
+                ),
+            },
+            |c| c,
+        )
+        .await;
+        // The replay needs a genuine first answer to replay: one payment goes through whole.
+        if what == Some(OnTheWay::ReplaysTheFirst) {
+            let first = payout(
+                &format!("p-{name}-first"),
+                &format!("acct-{name}-first"),
+                3,
+                "worker-1",
+            );
+            let sent = rig.client.clone().submit(&first).await.unwrap();
+            assert!(
+                matches!(sent.outcome, Outcome::Acked { .. }),
+                "{name}: {sent:?}"
+            );
+            let found = rig
+                .client
+                .clone()
+                .rail_movements(&first.payout_id)
+                .await
+                .unwrap();
+            assert!(
+                matches!(found, rail_proxy_client::RailLookup::Found(_)),
+                "{name}: {found:?}"
+            );
+        }
+        let request = payout(&format!("p-{name}"), &format!("acct-{name}"), 3, "worker-1");
+        let submission = rig.client.clone().submit(&request).await.unwrap();
+        match &submission.outcome {
+            Outcome::Timeout { detail } => assert!(
+                detail.contains(&format!("unauthenticated rail answer ({reason}")),
+                "{name}: {detail}"
+            ),
+            other => panic!("{name}: an unauthenticated answer was believed: {other:?}"),
+        }
+        assert_eq!(unauthenticated_counted(&rig, "pay", reason), 1, "{name}");
+        let recorded: String =
+            sqlx::query_scalar("SELECT outcome FROM rail_submission WHERE payout_id = $1")
+                .bind(request.payout_id.as_str())
+                .fetch_one(&rig.pool)
+                .await
+                .unwrap();
+        assert_eq!(recorded, "TIMEOUT", "{name}");
+        // The lookup (the reconciler's and the resolver's question) is not believed either.
+        let lookup = rig
+            .client
+            .clone()
+            .rail_movements(&request.payout_id)
+            .await
+            .unwrap();
+        assert!(
+            matches!(&lookup, rail_proxy_client::RailLookup::Unknown { detail } if detail.contains("unauthenticated")),
+            "{name}: {lookup:?}"
+        );
+        let inquiry = rig
+            .client
+            .clone()
+            .inquire(&inquiry_of(&request, "resolver"))
+            .await
+            .unwrap();
+        assert!(
+            matches!(&inquiry.resolution.evidence, Evidence::Unknown { .. }),
+            "{name}: {inquiry:?}"
+        );
+        assert_eq!(unauthenticated_counted(&rig, "lookup", reason), 2, "{name}");
+        // What the rail itself saw: the impostor and the replay kept the payment from it.
+        let at = at_rail(&rig, &request).await;
+        match what {
+            Some(OnTheWay::Impostor | OnTheWay::ReplaysTheFirst) => {
+                assert_eq!(at, (0, 0), "{name}")
+            }
+            _ => assert_eq!(at, (1, 1), "{name}"),
+        }
+    }
+}
+
+/// The control of rows 5a/5b: the same impostor, with the proxy believing every answer on the
+/// rail's address, records an ACK for a payment the rail never saw (the customer would be debited
+/// for nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_answer_verification_an_impostors_accept_is_an_ack() {
+    let rig = rig_railed(
+        StubConfig::default(),
+        keys(),
+        |stub| {
+            rail_proxy::RailLink::new(
+                on_the_way(stub.base_url(), OnTheWay::Impostor),
+                stub.answer_verifier(),
+            )
+        },
+        |c| c.disable_rail_answer_verification_for_negative_control(),
+    )
+    .await;
+    let request = payout("p-believed", "acct-believed", 3, "worker-1");
+    let submission = rig.client.clone().submit(&request).await.unwrap();
+    assert_eq!(
+        submission.outcome,
+        Outcome::Acked {
+            rail_ref: "rr-forged".into()
+        }
+    );
+    assert_eq!(
+        at_rail(&rig, &request).await,
+        (0, 0),
+        "the rail never saw it"
+    );
+    assert_eq!(unauthenticated_counted(&rig, "pay", "unsigned"), 0);
 }

@@ -13,6 +13,12 @@
 //! | `GET`/`POST /admin/faults` | [`FaultConfig`] |
 //! | `POST /admin/forced` `{client_reference, mode}` | forces (or with `mode: null` clears) one reference's mode |
 //! | `GET /healthz`, `GET /metrics` | liveness, Prometheus counters |
+//!
+//! Like a real provider, it signs every answer of its payments API (`/v1/payments`, both
+//! methods, every status) with its answer key (`grant_signing::rail_answer`: Ed25519 over the
+//! caller's `Rail-Request-Id`, the request and the exact answer, in `Rail-Signature`); the rail
+//! proxy verifies each before believing it. The admin endpoints are the test harness's and are
+//! not signed.
 
 pub mod book;
 pub mod client;
@@ -24,12 +30,15 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Query, State};
-use axum::http::StatusCode;
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, Query, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use grant_signing::rail_answer;
+use grant_signing::{PublicKey, Signer, Verifier};
 use serde::{Deserialize, Serialize};
 use service_kit::Shutdown;
 
@@ -59,14 +68,26 @@ pub struct StubConfig {
     /// The durable movements file; `None` keeps movements in memory only (benchmarks).
     pub movements_file: Option<PathBuf>,
     pub faults: FaultConfig,
+    /// The key every answer of the payments API is signed with (the provider's; the proxy holds
+    /// its public half).
+    pub answer_signer: Arc<Signer>,
 }
 
+/// The key id of [`StubConfig::default`]'s answer key (a fresh key each time).
+pub const TEST_ANSWER_KEY_ID: &str = "rail-stub-test";
+
 impl Default for StubConfig {
+    /// An in-memory stub with no fault, signing with a fresh answer key.
     fn default() -> Self {
         Self {
             settlement_window: Duration::from_millis(SETTLEMENT_WINDOW_MS_DEFAULT),
             movements_file: None,
             faults: FaultConfig::default(),
+            answer_signer: Arc::new(
+                Signer::generate(TEST_ANSWER_KEY_ID)
+                    .expect("a fresh Ed25519 key")
+                    .0,
+            ),
         }
     }
 }
@@ -112,6 +133,7 @@ pub async fn run(
         &["mode"],
     );
     let rng = SplitMix64::new(config.faults.seed);
+    let signer = config.answer_signer.clone();
     let state = Arc::new(AppState {
         book,
         faults: Mutex::new(Faults {
@@ -122,8 +144,11 @@ pub async fn run(
         metrics,
         submits,
     });
-    let app = Router::new()
+    let payments = Router::new()
         .route("/v1/payments", post(submit).get(lookup))
+        .route_layer(axum::middleware::from_fn_with_state(signer, sign_answer));
+    let app = Router::new()
+        .merge(payments)
         .route("/admin/movements", get(movements))
         .route("/admin/faults", get(get_faults).post(set_faults))
         .route("/admin/forced", post(set_forced))
@@ -143,6 +168,8 @@ pub async fn run(
 /// A stub running in this process, for tests and the benchmark.
 pub struct RunningStub {
     pub addr: SocketAddr,
+    /// The public half of the key its answers are signed with.
+    pub answer_key: PublicKey,
     stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<Result<(), StubError>>,
 }
@@ -156,11 +183,21 @@ impl RunningStub {
         let addr = listener.local_addr().map_err(StubError::Serve)?;
         let (shutdown, stop) = Shutdown::new();
         config.faults.validate()?;
+        let answer_key = config.answer_signer.public_key();
         let task = tokio::spawn(run(listener, config, shutdown));
-        Ok(Self { addr, stop, task })
+        Ok(Self {
+            addr,
+            answer_key,
+            stop,
+            task,
+        })
     }
     pub fn base_url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+    /// What the proxy verifies this stub's answers with (`--rail-answer-verify-keys`).
+    pub fn answer_verifier(&self) -> Verifier {
+        Verifier::new([self.answer_key.clone()]).expect("one key is a verifier")
     }
     pub fn client(&self) -> client::StubClient {
         client::StubClient::new(self.base_url())
@@ -170,6 +207,69 @@ impl RunningStub {
         let _ = self.stop.send(true);
         self.task.await.expect("stub task does not panic")
     }
+}
+
+/// Signs the answer of a payments API call: reads the request's body (bounded) and the caller's
+/// request id, lets the handler answer, then signs the request and the exact answer into
+/// `Rail-Signature`. A held or reset answer is signed too if it is ever completed; nobody reads it.
+async fn sign_answer(State(signer): State<Arc<Signer>>, request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let request_id = parts
+        .headers
+        .get(rail_answer::REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let method = parts.method.as_str().to_string();
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    let (request_body, response) = match axum::body::to_bytes(body, REQUEST_BODY_BYTES_MAX).await {
+        Err(_) => (
+            Bytes::new(),
+            invalid("request body too large or unreadable"),
+        ),
+        Ok(_) if request_id.len() > rail_answer::REQUEST_ID_LENGTH_MAX => (
+            Bytes::new(),
+            invalid(format!(
+                "{} longer than {} characters",
+                rail_answer::REQUEST_ID_HEADER,
+                rail_answer::REQUEST_ID_LENGTH_MAX
+            )),
+        ),
+        Ok(bytes) => {
+            let request = Request::from_parts(parts, Body::from(bytes.clone()));
+            (bytes, next.run(request).await)
+        }
+    };
+    let (mut answer_parts, answer_body) = response.into_parts();
+    let answer_body = match axum::body::to_bytes(answer_body, usize::MAX).await {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            tracing::error!(error = %e, "could not read its own answer; sent unsigned");
+            return Response::from_parts(answer_parts, Body::empty());
+        }
+    };
+    let header = signer.sign_rail_answer(&rail_answer::Answer {
+        request_id: &request_id,
+        method: &method,
+        path_and_query: &path_and_query,
+        request_body: &request_body,
+        status: answer_parts.status.as_u16(),
+        signed_at_unix_ms: book::unix_ms_now(),
+        body: &answer_body,
+    });
+    match HeaderValue::from_str(&header) {
+        Ok(value) => {
+            answer_parts
+                .headers
+                .insert(rail_answer::SIGNATURE_HEADER, value);
+        }
+        Err(e) => tracing::error!(error = %e, "signature header is not a header value"),
+    }
+    Response::from_parts(answer_parts, Body::from(answer_body))
 }
 
 #[derive(Serialize, Deserialize)]

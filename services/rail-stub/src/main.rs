@@ -1,12 +1,19 @@
 //! The rail stub's binary: flags (with environment fallbacks) for the listener, the durable
-//! movements file, the settlement window and the initial fault configuration.
+//! movements file, the settlement window, the answer signing key and the initial fault
+//! configuration. `rail-stub keygen --key-id ID --out FILE` makes an answer key: the secret to
+//! FILE (mode 0600, never over an existing file), the public line the proxy's
+//! `--rail-answer-verify-keys` takes to standard output (as a provider publishes its key).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use std::io::Write;
+use std::sync::Arc;
+
 use anyhow::Context;
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use grant_signing::Signer;
 use rail_stub::{FaultConfig, StubConfig};
 
 #[derive(Parser, Debug)]
@@ -14,12 +21,41 @@ use rail_stub::{FaultConfig, StubConfig};
     name = "rail-stub",
     about = "A non-idempotent payment rail stand-in with fault injection"
 )]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: Option<Args>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Make an answer signing key: the secret to --out (mode 0600, never overwritten), the
+    /// public line (`id=hex`, for the proxy's --rail-answer-verify-keys) to standard output.
+    Keygen {
+        /// The key's id: 1 to 64 characters of [A-Za-z0-9._-].
+        #[arg(long)]
+        key_id: String,
+        /// Where to write the secret. Refused if the file exists.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(clap::Args, Debug)]
 struct Args {
     #[arg(long, env = "RAIL_STUB_LISTEN", default_value = "127.0.0.1:8090")]
     listen: SocketAddr,
     /// Append-only JSON-lines file of every movement, fsynced before each answer.
     #[arg(long, env = "RAIL_STUB_MOVEMENTS_FILE")]
     movements_file: PathBuf,
+    /// The id of the key every payments answer is signed with (`rail-stub keygen`).
+    #[arg(long, env = "RAIL_STUB_ANSWER_SIGNING_KEY_ID")]
+    answer_signing_key_id: String,
+    /// The answer signing key's file (its PKCS#8 document in hex, readable by the stub only).
+    #[arg(long, env = "RAIL_STUB_ANSWER_SIGNING_KEY_FILE")]
+    answer_signing_key_file: PathBuf,
     #[arg(long, env = "RAIL_STUB_SETTLEMENT_WINDOW_MS", default_value_t = rail_stub::SETTLEMENT_WINDOW_MS_DEFAULT)]
     settlement_window_ms: u64,
     /// The whole initial fault configuration as JSON (same shape as `POST /admin/faults`);
@@ -48,10 +84,43 @@ struct Args {
     lookup_latency_ms: Option<u64>,
 }
 
+/// Writes a fresh answer key's secret to `out` (mode 0600, refused if it exists) and returns the
+/// public line.
+fn keygen(key_id: &str, out: &std::path::Path) -> anyhow::Result<String> {
+    let (signer, secret) = Signer::generate(key_id)?;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let mut file = options.open(out).with_context(|| {
+        format!(
+            "creating {} (an existing key is never overwritten)",
+            out.display()
+        )
+    })?;
+    file.write_all(secret.as_bytes())
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("writing {}", out.display()))?;
+    Ok(signer.public_key().to_string())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let args = match (cli.command, cli.serve) {
+        (Some(Command::Keygen { key_id, out }), _) => {
+            println!("{}", keygen(&key_id, &out)?);
+            return Ok(());
+        }
+        (None, Some(args)) => args,
+        (None, None) => anyhow::bail!("nothing to do: give the serving flags or a subcommand"),
+    };
     service_kit::init_tracing("rail-stub");
-    let args = Args::parse();
+    let key_file = &args.answer_signing_key_file;
+    let answer_signer = std::fs::read_to_string(key_file)
+        .map_err(anyhow::Error::from)
+        .and_then(|text| Ok(Signer::from_hex(&args.answer_signing_key_id, &text)?))
+        .with_context(|| format!("reading the answer signing key {}", key_file.display()))?;
     let mut faults: FaultConfig = match &args.faults_json {
         Some(json) => serde_json::from_str(json).context("parsing --faults-json")?,
         None => FaultConfig::default(),
@@ -99,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
         settlement_window: Duration::from_millis(args.settlement_window_ms),
         movements_file: Some(args.movements_file),
         faults,
+        answer_signer: Arc::new(answer_signer),
     };
     let listener = service_kit::bind(args.listen).await?;
     rail_stub::run(listener, config, service_kit::Shutdown::on_signal())

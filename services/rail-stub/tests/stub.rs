@@ -135,7 +135,12 @@ async fn movements_survive_a_sigkill_of_the_stub() {
         format!("127.0.0.1:{port}"),
         "--movements-file".to_string(),
         dir.path().join("movements.jsonl").display().to_string(),
-    ]);
+    ])
+    .args(
+        testkit::grants::SigningKey::rail_answer(dir.path())
+            .unwrap()
+            .signing_args("answer"),
+    );
     let process = testkit::ManagedProcess::start(spec).unwrap();
     let client = StubClient::new(format!("http://127.0.0.1:{port}"));
     let up = || async { client.ground_truth().await.ok() };
@@ -216,4 +221,36 @@ async fn an_instruction_acted_on_after_its_valid_until_is_refused_and_moves_noth
     assert_eq!(truth.movement_counts["cref-valid"], 1);
     assert_eq!(truth.movement_counts["cref-forever"], 1);
     stub.stop().await.unwrap();
+}
+
+/// `rail-stub keygen` writes the secret (mode 0600) and prints the public line the proxy takes; it
+/// never overwrites a key, and the stub serves with the key it made.
+#[test]
+fn keygen_makes_an_answer_key_once() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("answer.key");
+    let keygen = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_rail-stub"))
+            .args(["keygen", "--key-id", "rail-2026-12", "--out"])
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let made = keygen();
+    assert!(made.status.success(), "{made:?}");
+    let line = String::from_utf8(made.stdout).unwrap();
+    let public: grant_signing::PublicKey = line.trim().parse().unwrap();
+    assert_eq!(public.key_id, "rail-2026-12");
+    let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let secret = std::fs::read_to_string(&out).unwrap();
+    let signer = grant_signing::Signer::from_hex("rail-2026-12", &secret).unwrap();
+    assert_eq!(signer.public_key(), public);
+    let again = keygen();
+    assert!(
+        !again.status.success(),
+        "an existing key is never overwritten"
+    );
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), secret);
 }

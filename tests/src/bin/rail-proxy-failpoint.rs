@@ -4,7 +4,9 @@
 //! - `--mode abort-after-intent` (the default; the crash tests): `Failpoint::AbortAfterIntent`, so
 //!   the process `abort()`s right after its first intent commits;
 //! - `--mode instruction-unverified` (the attack suite's negative control of the signed
-//!   instruction, issue 33): every submit is taken at its word, no instruction checked.
+//!   instruction, issue 33): every submit is taken at its word, no instruction checked;
+//! - `--mode rail-answers-unverified` (the attack suite's negative control of the rail's answer
+//!   signature, issue 34): every answer on the rail's address is believed.
 //!
 //! Both switches exist only behind the proxy library's `negative-controls` feature, which this
 //! test crate enables and no shipped binary is built with. It takes the shipped binary's flags
@@ -22,6 +24,7 @@ use rail_proxy::{Failpoint, ProxyConfig};
 enum Mode {
     AbortAfterIntent,
     InstructionUnverified,
+    RailAnswersUnverified,
 }
 
 #[derive(Parser, Debug)]
@@ -39,8 +42,8 @@ struct Args {
     metrics_listen: Option<SocketAddr>,
     #[arg(long, env = "RAIL_PROXY_DATABASE_URL")]
     database_url: String,
-    #[arg(long)]
-    rail_url: String,
+    #[command(flatten)]
+    rail: rail_proxy::RailLinkArgs,
     #[arg(long, default_value_t = rail_proxy::RAIL_CALL_TIMEOUT_MS_DEFAULT)]
     rail_timeout_ms: u64,
     /// As the shipped proxy's: the grant and instruction public keys, the rail-fact signing key.
@@ -55,12 +58,15 @@ async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy-failpoint");
     let args = Args::parse();
     let tls = args.tls.load().context("TLS material")?;
-    let config = ProxyConfig::new(args.rail_url, args.keys.load()?, tls)
+    let config = ProxyConfig::new(args.rail.into(), args.keys.load()?, tls)
         .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms));
     let config = match args.mode {
         Mode::AbortAfterIntent => config.with_failpoint(Some(Failpoint::AbortAfterIntent)),
         Mode::InstructionUnverified => {
             config.disable_instruction_verification_for_negative_control()
+        }
+        Mode::RailAnswersUnverified => {
+            config.disable_rail_answer_verification_for_negative_control()
         }
     };
     let pool = service_kit::connect_pg(&args.database_url).await?;
@@ -70,7 +76,9 @@ async fn main() -> anyhow::Result<()> {
             .await
             .context("applying proxydb migrations")?,
         // In a test system's place: the schema is migrated, the login is the proxy's own.
-        Mode::InstructionUnverified => rail_proxy::require_schema(&pool).await?,
+        Mode::InstructionUnverified | Mode::RailAnswersUnverified => {
+            rail_proxy::require_schema(&pool).await?
+        }
     }
     let shutdown = service_kit::Shutdown::on_signal();
     let metrics = service_kit::Metrics::default();
@@ -90,6 +98,6 @@ async fn main() -> anyhow::Result<()> {
         Mode::AbortAfterIntent => {
             anyhow::bail!("the failpoint proxy stopped serving without crashing")
         }
-        Mode::InstructionUnverified => Ok(()),
+        Mode::InstructionUnverified | Mode::RailAnswersUnverified => Ok(()),
     }
 }

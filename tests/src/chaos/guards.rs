@@ -132,10 +132,13 @@ pub async fn replace_services(
             instructions: system.instruction_keys.verifier()?,
             fact_signer: std::sync::Arc::new(system.rail_fact_keys.signer()?),
         };
-        let config =
-            rail_proxy::ProxyConfig::new(system.rail_url(), keys, system.tls(Role::RailProxy))
-                .with_rail_timeout(Duration::from_millis(super::RAIL_TIMEOUT_MS))
-                .disable_guards_for_negative_control();
+        let config = rail_proxy::ProxyConfig::new(
+            rail_proxy::RailLink::new(system.rail_url(), system.rail_answer_keys.verifier()?),
+            keys,
+            system.tls(Role::RailProxy),
+        )
+        .with_rail_timeout(Duration::from_millis(super::RAIL_TIMEOUT_MS))
+        .disable_guards_for_negative_control();
         let listener = rebind(system.ports.rail_proxy).await?;
         let (shutdown, stop) = Shutdown::new();
         tokio::spawn(rail_proxy::run(

@@ -26,8 +26,8 @@ struct Args {
     /// proxydb: a database in a different PostgreSQL server from paydb.
     #[arg(long, env = "RAIL_PROXY_DATABASE_URL")]
     database_url: String,
-    #[arg(long, env = "RAIL_PROXY_RAIL_URL")]
-    rail_url: String,
+    #[command(flatten)]
+    rail: rail_proxy::RailLinkArgs,
     #[arg(long, env = "RAIL_PROXY_RAIL_TIMEOUT_MS", default_value_t = rail_proxy::RAIL_CALL_TIMEOUT_MS_DEFAULT)]
     rail_timeout_ms: u64,
     #[command(flatten)]
@@ -41,7 +41,7 @@ async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy");
     let args = Args::parse();
     let tls = args.tls.load().context("TLS material")?;
-    let config = ProxyConfig::new(args.rail_url, args.keys.load()?, tls)
+    let config = ProxyConfig::new(args.rail.into(), args.keys.load()?, tls)
         .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms));
     let pool = service_kit::connect_pg(&args.database_url).await?;
     rail_proxy::require_schema(&pool).await?;
