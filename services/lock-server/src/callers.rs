@@ -187,6 +187,18 @@ impl Callers {
     /// Before asking the backend for `key` on `session_id`: free if the session holds it already
     /// (a re-acquire); otherwise within the caller's held keys and its grant rate.
     pub fn may_acquire(&self, caller: &str, session_id: &str, key: &str) -> Result<(), LockError> {
+        self.may_acquire_at(caller, session_id, key, Instant::now())
+    }
+
+    /// [`Callers::may_acquire`] with the grant-rate bucket refilled up to `now` (the tests give
+    /// their own instants, so that a slow machine cannot refill a token between two calls).
+    fn may_acquire_at(
+        &self,
+        caller: &str,
+        session_id: &str,
+        key: &str,
+        now: Instant,
+    ) -> Result<(), LockError> {
         let mut state = self.state.lock().expect("callers");
         let usage = state.by_caller.entry(caller.to_string()).or_default();
         if usage
@@ -201,11 +213,11 @@ impl Callers {
             return Err(self.refuse(caller, limit::HELD_KEYS, held, self.limits.held_keys));
         }
         let burst = f64::from(self.limits.grant_burst);
-        let now = Instant::now();
         usage.bucket = match usage.refilled {
             None => burst,
             Some(at) => (usage.bucket
-                + now.duration_since(at).as_secs_f64() * f64::from(self.limits.grants_per_s))
+                + now.saturating_duration_since(at).as_secs_f64()
+                    * f64::from(self.limits.grants_per_s))
             .min(burst),
         };
         usage.refilled = Some(now);
@@ -331,6 +343,7 @@ impl Drop for WaiterSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn callers(limits: CallerLimits) -> Arc<Callers> {
         let registry = service_kit::Metrics::default();
@@ -355,6 +368,11 @@ mod tests {
     #[test]
     fn each_bound_holds_per_caller_and_frees_when_the_use_ends() {
         let c = callers(SMALL);
+        // One instant for every rate decision below: no token refills between two calls however
+        // slow the machine (the refill itself: `the_grant_rate_refills_with_time`).
+        let t0 = Instant::now();
+        let may_acquire =
+            |caller: &str, session: &str, key: &str| c.may_acquire_at(caller, session, key, t0);
         c.reserve_session("a").unwrap().created("s1");
         c.reserve_session("a").unwrap().created("s2");
         assert_eq!(
@@ -366,25 +384,25 @@ mod tests {
         c.reserve_session("b").unwrap().created("t1");
 
         for key in ["payout:1", "payout:2"] {
-            c.may_acquire("a", "s1", key).unwrap();
+            may_acquire("a", "s1", key).unwrap();
             c.granted("a", "s1", key, true);
         }
         assert_eq!(
-            limit_of(c.may_acquire("a", "s1", "payout:3").unwrap_err()),
+            limit_of(may_acquire("a", "s1", "payout:3").unwrap_err()),
             limit::HELD_KEYS
         );
         // A re-acquire of a held key is free.
-        c.may_acquire("a", "s1", "payout:1").unwrap();
+        may_acquire("a", "s1", "payout:1").unwrap();
         c.released("s1", "payout:1");
-        c.may_acquire("a", "s1", "payout:3").unwrap();
+        may_acquire("a", "s1", "payout:3").unwrap();
         c.granted("a", "s1", "payout:3", true);
         // Three mints spent the burst of three; the rate refills one a second.
         c.released("s1", "payout:2");
         assert_eq!(
-            limit_of(c.may_acquire("a", "s1", "payout:4").unwrap_err()),
+            limit_of(may_acquire("a", "s1", "payout:4").unwrap_err()),
             limit::GRANT_RATE
         );
-        c.may_acquire("b", "t1", "payout:4").unwrap();
+        may_acquire("b", "t1", "payout:4").unwrap();
 
         let w1 = c.park("a").unwrap();
         let _w2 = c.park("a").unwrap();
@@ -397,5 +415,48 @@ mod tests {
         c.session_ended("s2");
         assert_eq!(c.usage("a"), (0, 0, 2));
         c.reserve_session("a").unwrap().created("s3");
+    }
+
+    #[test]
+    fn the_grant_rate_refills_with_time_up_to_the_burst() {
+        let c = callers(SMALL);
+        c.reserve_session("a").unwrap().created("s1");
+        let t0 = Instant::now();
+        let mint = |key: &str, at: Instant| {
+            let r = c.may_acquire_at("a", "s1", key, at);
+            if r.is_ok() {
+                c.granted("a", "s1", key, true);
+                c.released("s1", key);
+            }
+            r
+        };
+        for i in 0..3 {
+            mint(&format!("payout:{i}"), t0).unwrap();
+        }
+        assert_eq!(
+            limit_of(mint("payout:3", t0).unwrap_err()),
+            limit::GRANT_RATE
+        );
+        // Half a second refills half a token: still refused; a whole second, one grant.
+        let half = t0 + Duration::from_millis(500);
+        assert_eq!(
+            limit_of(mint("payout:3", half).unwrap_err()),
+            limit::GRANT_RATE
+        );
+        let one = t0 + Duration::from_millis(1_000);
+        mint("payout:3", one).unwrap();
+        assert_eq!(
+            limit_of(mint("payout:4", one).unwrap_err()),
+            limit::GRANT_RATE
+        );
+        // An hour idle refills the burst, no more.
+        let later = one + Duration::from_secs(3_600);
+        for i in 10..13 {
+            mint(&format!("payout:{i}"), later).unwrap();
+        }
+        assert_eq!(
+            limit_of(mint("payout:13", later).unwrap_err()),
+            limit::GRANT_RATE
+        );
     }
 }
