@@ -115,11 +115,30 @@ issue_server temporal --host temporal --host 127.0.0.1
 for db in paydb proxydb; do
     issue_server "$db" --host "$db" --host 127.0.0.1 --host localhost
 done
-# Each etcd member's certificate serves its clients and its peers: its own host name, `etcd` (the
-# name every etcd client checks), and loopback (its health check, the suite from the host).
+# etcd has an authority of its own (issue 34, row 2a: no certificate of the services' authority,
+# a worker's, an intake's, reaches etcd), kept like the other in a folder no container mounts.
+# Each member's certificate serves its clients and its peers: its own host name, `etcd` (the name
+# every etcd client checks), `etcd-peer` (the name a peer must carry: ETCD_PEER_CERT_ALLOWED_HOSTNAME,
+# row 2d) and loopback (its health check, the suite from the host). The lock-server and the
+# reconciler get client certificates of it, in folders of their own.
+ETCD_AUTHORITY_DIR="$ROOT/target/compose-test/etcd-authority"
+rm -rf "$ETCD_AUTHORITY_DIR"
+target/debug/payoutctl pki init --authority "$ETCD_AUTHORITY_DIR" > /dev/null 2>&1
+chmod 700 "$ETCD_AUTHORITY_DIR"
+ETCD_TLS_DIR="$KEY_DIR/etcd-tls"
+rm -rf "$ETCD_TLS_DIR"
+mkdir -p "$ETCD_TLS_DIR"
+chmod 711 "$ETCD_TLS_DIR"
 for member in etcd1 etcd2 etcd3; do
-    issue_server "$member" --host "$member" --host etcd --host 127.0.0.1 --host localhost
+    target/debug/payoutctl pki issue-server --authority "$ETCD_AUTHORITY_DIR" --out "$ETCD_TLS_DIR/$member" \
+        --name "$member" --host "$member" --host etcd --host etcd-peer --host 127.0.0.1 --host localhost > /dev/null
 done
+for client in lock-server reconciler; do
+    target/debug/payoutctl pki issue --authority "$ETCD_AUTHORITY_DIR" --out "$ETCD_TLS_DIR/$client" \
+        --role "$client" --name "$client" > /dev/null
+done
+chmod 755 "$ETCD_TLS_DIR"/*/
+chmod 644 "$ETCD_TLS_DIR"/*/*.pem
 # The one-shot db-setup needs the authority's certificate only (to check the servers').
 mkdir -p "$TLS_DIR/db-setup" && cp "$AUTHORITY_DIR/ca.pem" "$TLS_DIR/db-setup/ca.pem"
 # The certificate denylist every gRPC server reads (empty: nothing revoked yet; `payoutctl pki
@@ -136,8 +155,10 @@ docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/temporal:1.9
     -c 'chown temporal /tls/temporal/temporal.key'
 docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/postgres:15" \
     -c 'chown postgres /tls/paydb/paydb.key /tls/proxydb/proxydb.key'
-docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/etcd:3.4" \
+docker run --rm --user 0 --entrypoint sh -v "$ETCD_TLS_DIR:/tls" "payout/etcd:3.4" \
     -c 'for m in etcd1 etcd2 etcd3; do chown etcd /tls/$m/$m.key; done'
+docker run --rm --user 0 -v "$ETCD_TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
+    sh -c 'for c in lock-server reconciler; do chown payout /tls/$c/$c.key; done'
 # The Temporal UI's login: one user, its password with the suite's own secrets (not in a folder
 # any container mounts).
 rm -f "$KEY_DIR/temporal-ui.password"
@@ -147,6 +168,7 @@ chmod 644 "$KEY_DIR/temporal-ui.htpasswd"
 export PAYOUT_TEMPORAL_UI_HTPASSWD="$KEY_DIR/temporal-ui.htpasswd"
 export PAYOUT_TEMPORAL_UI_PASSWORD_FILE="$KEY_DIR/temporal-ui.password"
 export PAYOUT_TLS_AUTHORITY_DIR="$AUTHORITY_DIR"
+export PAYOUT_ETCD_AUTHORITY_DIR="$ETCD_AUTHORITY_DIR" PAYOUT_ETCD_TLS_DIR="$ETCD_TLS_DIR"
 export PAYOUT_TLS_DIR="$TLS_DIR" PAYOUT_FIXTURE_ACCOUNTS=true
 
 # This run's database passwords: one per login, generated, never written to the repository

@@ -216,11 +216,12 @@ impl Resolved {
     }
 }
 
-/// payoutctl's etcd client certificate for the local stack, from the stack's own authority (its
-/// databases' and etcd's, `<state dir>/pki`, made by `payoutdev stack up`).
+/// payoutctl's etcd client certificate for the local stack, from etcd's own authority
+/// (`<state dir>/etcd-tls/pki`, made by `payoutdev stack up`; no certificate of the services'
+/// authority reaches etcd).
 pub fn local_etcd_tls(state_dir: &std::path::Path) -> anyhow::Result<mtls::Tls> {
     Ok(
-        mtls::issue::Authority::open_or_create(&state_dir.join("pki"))?
+        mtls::issue::Authority::open(&state_dir.join("etcd-tls").join("pki"))?
             .issue_named(&["payoutctl.etcd-client"], "payoutctl")?
             .tls(),
     )

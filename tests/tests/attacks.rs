@@ -890,6 +890,30 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             .unwrap();
         let foreign = mtls::Tls::from_pem(&ca, &foreign.cert_pem, &foreign.key_pem);
         let own = stack.etcd_client_tls("attack-control");
+        // Issue 34, row 2a: etcd has an authority of its own. A certificate of the stack's other
+        // authority (its databases' and Temporal's, which etcd trusted before) and one of the
+        // services' (a worker's) are refused at the handshake.
+        // Each presented with etcd's own CA trusted (ca.pem is public): the refusal is etcd's,
+        // not the attacker's client refusing etcd's server certificate.
+        let with_etcd_ca = |issued: mtls::TlsArgs| {
+            mtls::Tls::from_pem(
+                &ca,
+                &std::fs::read_to_string(&issued.cert).unwrap(),
+                &std::fs::read_to_string(&issued.key).unwrap(),
+            )
+        };
+        let stack_worker = with_etcd_ca(
+            stack
+                .pki()
+                .issue(Role::Worker, "attack-stack-worker")
+                .unwrap(),
+        );
+        let system_worker = with_etcd_ca(
+            system
+                .pki
+                .issue(Role::Worker, "attack-system-worker")
+                .unwrap(),
+        );
         let cases = [
             (
                 "etcd over plaintext",
@@ -898,6 +922,14 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             (
                 "etcd with another authority's client certificate",
                 testkit::etcd::read_as(&endpoint, Some(&foreign)).await,
+            ),
+            (
+                "etcd with a worker certificate of the stack's authority (databases, Temporal)",
+                testkit::etcd::read_as(&endpoint, Some(&stack_worker)).await,
+            ),
+            (
+                "etcd with a worker certificate of the services' authority",
+                testkit::etcd::read_as(&endpoint, Some(&system_worker)).await,
             ),
         ];
         let control = testkit::etcd::read_as(&endpoint, Some(&own)).await;
@@ -909,6 +941,36 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
                 observed: format!("{answer:?}; control {control:?}"),
             });
         }
+    }
+
+    // 9b. etcd admits as a peer only a certificate that names `etcd-peer` (issue 34, row 2d): a
+    //     certificate of etcd's own authority that is not a member's, even one naming the address
+    //     it connects from (which etcd's own remote-address check would accept), cannot talk to
+    //     a member's peer listener, so it cannot join the cluster; the members' own can.
+    {
+        let stack = Stack::shared();
+        let tls = &stack.etcd.tls;
+        let peer_port = stack.etcd.members[0].peer_port;
+        let not_a_member = tls
+            .pki
+            .issue_named(&["127.0.0.1", "localhost"], "not-a-member")
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (client_cert, client_key) = (dir.path().join("c.pem"), dir.path().join("c.key"));
+        std::fs::write(&client_cert, &not_a_member.cert_pem).unwrap();
+        std::fs::write(&client_key, &not_a_member.key_pem).unwrap();
+        let answer =
+            testkit::etcd::peer_request_as(peer_port, &tls.ca_file, &client_cert, &client_key);
+        let (member_cert, member_key) = tls.member_identity();
+        let control =
+            testkit::etcd::peer_request_as(peer_port, &tls.ca_file, member_cert, member_key);
+        rows.push(Row {
+            case: "etcd's peer listener with a client certificate of etcd's authority",
+            expected:
+                "refused at the handshake (no etcd-peer name); a member's certificate is answered",
+            held: answer.is_err() && control.is_ok(),
+            observed: format!("{answer:?}; control {control:?}"),
+        });
     }
 
     // 10. One certificate floods the lock service (issue 34, row 4g): the shipped binary's

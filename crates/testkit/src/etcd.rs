@@ -80,25 +80,37 @@ pub const STACK_DIR: &str = "etcd-tls";
 /// The name of the test kit's own etcd client certificate.
 const KIT_CLIENT: &str = "testkit";
 
-/// The cluster's TLS, as files under the cluster's directory: the members' certificate (names
-/// [`mtls::ETCD_SERVER_NAME`], `127.0.0.1`, `localhost`; it serves peers and clients) and the
-/// test kit's own client certificate, both from the stack's authority. Members serve TLS only and
-/// admit only a client (and a peer) with a certificate from that authority.
+/// The cluster's TLS, as files under the cluster's directory: **an authority of etcd's own**
+/// (`<dir>/pki`, issue 34: no certificate of the services' authority, a worker's, an intake's, the
+/// general ledger's, reaches etcd at all), the members' certificate (names
+/// [`mtls::ETCD_SERVER_NAME`], [`PEER_NAME`], `127.0.0.1`, `localhost`; it serves peers and
+/// clients) and the test kit's own client certificate. Members serve TLS only, admit only a client
+/// with a certificate from that authority, and a peer only if its certificate also names
+/// [`PEER_NAME`] (`--peer-cert-allowed-hostname`): a client's certificate cannot join the cluster.
 #[derive(Debug, Clone)]
 pub struct EtcdTls {
     pub ca_file: PathBuf,
     member_cert: PathBuf,
     member_key: PathBuf,
+    /// etcd's own authority: the lock-server's and the reconciler's client certificates come
+    /// from it ([`EtcdTls::client_of`]).
+    pub pki: std::sync::Arc<crate::pki::Pki>,
     /// The test kit's own client identity (etcdctl, its etcd clients).
     pub client: mtls::EtcdTlsArgs,
 }
 
+/// The name only a member's certificate carries: etcd admits a peer whose certificate names it
+/// (`--peer-cert-allowed-hostname`), and no client certificate does.
+pub const PEER_NAME: &str = "etcd-peer";
+
 impl EtcdTls {
-    /// Issues the members' and the kit's certificates from `pki` into `dir`.
-    pub fn issue(pki: &crate::pki::Pki, dir: &Path) -> anyhow::Result<Self> {
+    /// etcd's own authority in `dir/pki` (made now if absent, kept across restarts) and the
+    /// members' and the kit's certificates from it, into `dir`.
+    pub fn issue(dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
+        let pki = std::sync::Arc::new(crate::pki::Pki::in_dir(dir)?);
         let member = pki.issue_named(
-            &[mtls::ETCD_SERVER_NAME, "127.0.0.1", "localhost"],
+            &[mtls::ETCD_SERVER_NAME, PEER_NAME, "127.0.0.1", "localhost"],
             "etcd-member",
         )?;
         let (member_cert, member_key) = (dir.join("member.pem"), dir.join("member.key"));
@@ -106,17 +118,19 @@ impl EtcdTls {
         let _ = std::fs::remove_file(&member_key);
         std::fs::write(&member_cert, &member.cert_pem)?;
         crate::grants::write_secret(&member_key, &member.key_pem)?;
+        let client = Self::client_of(&pki, dir, KIT_CLIENT)?;
         Ok(Self {
             ca_file: pki.ca_file(),
             member_cert,
             member_key,
-            client: Self::client_of(pki, dir, KIT_CLIENT)?,
+            pki,
+            client,
         })
     }
 
     /// For an etcd of its own outside any stack (the soak): an authority of its own in `dir`.
     pub fn with_own_authority(dir: &Path) -> anyhow::Result<Self> {
-        Self::issue(&crate::pki::Pki::in_dir(dir)?, &dir.join(STACK_DIR))
+        Self::issue(&dir.join(STACK_DIR))
     }
 
     /// Where the test kit's own client certificate is in a stack's state directory (what
@@ -125,10 +139,16 @@ impl EtcdTls {
     pub fn kit_client_in(state_dir: &Path) -> mtls::EtcdTlsArgs {
         let dir = state_dir.join(STACK_DIR);
         mtls::EtcdTlsArgs::new(
-            state_dir.join("pki").join("ca.pem"),
+            Self::authority_dir_in(state_dir).join("ca.pem"),
             dir.join(format!("{KIT_CLIENT}-client.pem")),
             dir.join(format!("{KIT_CLIENT}-client.key")),
         )
+    }
+
+    /// Where etcd's own authority is in a stack's state directory (`payoutctl`'s local target
+    /// issues itself an etcd client certificate there).
+    pub fn authority_dir_in(state_dir: &Path) -> PathBuf {
+        state_dir.join(STACK_DIR).join(crate::pki::DIR)
     }
 
     /// A client certificate for `name` (a lock-server, a reconciler) from `pki`, written into
@@ -167,6 +187,8 @@ impl EtcdTls {
         }
         args.push("--client-cert-auth".into());
         args.push("--peer-client-cert-auth".into());
+        args.push("--peer-cert-allowed-hostname".into());
+        args.push(PEER_NAME.into());
         args
     }
 
@@ -179,6 +201,11 @@ impl EtcdTls {
             format!("--cert={}", path(&c.cert).unwrap_or_default()),
             format!("--key={}", path(&c.key).unwrap_or_default()),
         ]
+    }
+
+    /// The members' own certificate and key (what a peer presents).
+    pub fn member_identity(&self) -> (&Path, &Path) {
+        (&self.member_cert, &self.member_key)
     }
 
     /// An etcd client of the kit's own identity to `endpoints`.
@@ -526,6 +553,27 @@ pub async fn read_as(endpoint: &str, tls: Option<&mtls::Tls>) -> Result<(), Stri
         .await
         .map(drop)
         .map_err(|e| e.to_string())
+}
+
+/// One request to a member's **peer** listener (`GET /members`, what a joining member asks)
+/// presenting `cert`/`key`, with curl: Ok, or what refused it. The attack suite's probe of who
+/// etcd admits as a peer.
+pub fn peer_request_as(peer_port: u16, ca: &Path, cert: &Path, key: &Path) -> Result<(), String> {
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "--fail", "--http1.1", "--max-time", "5", "--cacert"])
+        .arg(ca)
+        .arg("--cert")
+        .arg(cert)
+        .arg("--key")
+        .arg(key)
+        .arg(format!("https://127.0.0.1:{peer_port}/members"))
+        .output()
+        .map_err(|e| format!("running curl: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
 }
 
 /// Runs Debian's `etcdctl` (API v3) and returns its standard output.

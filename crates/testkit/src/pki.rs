@@ -9,7 +9,8 @@ use std::sync::OnceLock;
 use anyhow::Context;
 pub use mtls::{Role, Tls, TlsArgs};
 
-const DIR: &str = "pki";
+/// The folder an authority lives in under the directory it was made for.
+pub const DIR: &str = "pki";
 
 /// The operator a test's operator certificate ([`Pki::tls`]`(Role::Operator)`) carries: the name
 /// its break-glass calls must give (the services record the certified name, never a free one).

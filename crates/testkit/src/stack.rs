@@ -163,7 +163,7 @@ impl StackBuilder {
                     self.etcd_members,
                     ports.as_ref().map(|p| p.etcd_clients.clone()),
                     self.lifetime,
-                    crate::etcd::EtcdTls::issue(&pki, &state.join(crate::etcd::STACK_DIR))?,
+                    crate::etcd::EtcdTls::issue(&state.join(crate::etcd::STACK_DIR))?,
                 )
             });
             (
@@ -288,13 +288,13 @@ impl Stack {
         self.etcd.endpoints()
     }
 
-    /// A client certificate for `name` from the stack's authority, which the stack's etcd admits:
+    /// A client certificate for `name` from etcd's own authority, which the stack's etcd admits:
     /// the `--etcd-tls-*` flags of a lock-server or reconciler.
     pub fn etcd_client_args(&self, name: &str) -> anyhow::Result<mtls::EtcdTlsArgs> {
         // Each call its own files: tests of one binary ask for the same name at once.
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         crate::etcd::EtcdTls::client_of(
-            &self.pki,
+            &self.etcd.tls.pki,
             &self.state.join(crate::etcd::STACK_DIR),
             &format!("{name}-{n}"),
         )

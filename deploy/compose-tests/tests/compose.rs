@@ -831,8 +831,28 @@ async fn break_glass(h: &Harness<'_>, operator: &mtls::TlsArgs) -> anyhow::Resul
         operator.key == std::path::Path::new(&format!("{me}.key")),
         "the block expects $me.pem and $me.key"
     );
+    // The operator's etcd certificate, from etcd's own authority, beside theirs ($etcd_me.pem,
+    // .key and that authority's ca.pem in a folder of its own).
+    let operator_dir = operator
+        .cert
+        .parent()
+        .context("operator certificate folder")?;
+    let etcd = etcd_authority()?.issue_to(
+        mtls::Role::Operator,
+        "compose-operator",
+        &operator_dir.join("etcd"),
+    )?;
+    let etcd_me = etcd
+        .cert
+        .with_extension("")
+        .to_str()
+        .context("operator etcd certificate path")?
+        .to_string();
     let project = h.project;
-    let mut env = vec![("PAYOUT_OPERATOR_CERT".to_string(), me)];
+    let mut env = vec![
+        ("PAYOUT_OPERATOR_CERT".to_string(), me),
+        ("PAYOUT_OPERATOR_ETCD_CERT".to_string(), etcd_me),
+    ];
     for (var, service, port) in [
         ("PAYOUT_PAYDB_PORT", "paydb", POSTGRES_PORT),
         ("PAYOUT_PROXYDB_PORT", "proxydb", POSTGRES_PORT),
@@ -982,7 +1002,7 @@ async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
         }),
         lock_grants: Some(reconciler::LockGrants::new(
             etcd,
-            suite_tls(mtls::Role::Reconciler)?,
+            etcd_suite_tls()?,
             "/payout/lock/".to_string(),
         )),
         operators: Some(grant_signing::Verifier::parse(
@@ -1688,6 +1708,22 @@ fn authority_dir() -> anyhow::Result<std::path::PathBuf> {
 
 fn authority() -> anyhow::Result<mtls::issue::Authority> {
     Ok(mtls::issue::Authority::open(&authority_dir()?)?)
+}
+
+/// A client certificate of etcd's own authority (`PAYOUT_ETCD_AUTHORITY_DIR`, made by
+/// deploy/compose-test.sh) for the suite's reads of the grant records: etcd admits no
+/// certificate of the services' authority.
+fn etcd_suite_tls() -> anyhow::Result<mtls::Tls> {
+    Ok(etcd_authority()?
+        .issue(mtls::Role::Reconciler, "compose-suite-etcd")?
+        .tls())
+}
+
+fn etcd_authority() -> anyhow::Result<mtls::issue::Authority> {
+    let dir = std::env::var_os("PAYOUT_ETCD_AUTHORITY_DIR")
+        .map(std::path::PathBuf::from)
+        .context("PAYOUT_ETCD_AUTHORITY_DIR is not set (run deploy/compose-test.sh)")?;
+    Ok(mtls::issue::Authority::open(&dir)?)
 }
 
 /// A certificate of `role` for the suite's own calls, from this run's authority.
