@@ -9,7 +9,8 @@ trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/targets"
 echo '[{"targets":["127.0.0.1:9"],"labels":{"job":"example"}}]' > "$work/targets/example.json"
 sed -e 's/@INTERVAL@/5s/g' -e "s#@RULES_FILE@#$here/alerts.yml#" -e "s#@TARGETS_DIR@#$work/targets#" \
-    -e 's/@ALERTMANAGER@/127.0.0.1:9093/' "$here/prometheus.yml.in" > "$work/prometheus.yml"
+    -e 's/@ALERTMANAGER@/127.0.0.1:9093/' -e 's/@PROMETHEUS@/127.0.0.1:9090/' \
+    "$here/prometheus.yml.in" > "$work/prometheus.yml"
 if grep -q '@[A-Z_]*@' "$work/prometheus.yml"; then
   echo "prometheus.yml.in has a placeholder this check does not fill" >&2; exit 1
 fi

@@ -22,6 +22,8 @@ const WORKER_METRICS_PORT_OFFSET: u16 = 21;
 /// below them).
 const PROMETHEUS_PORT_OFFSET: u16 = 30;
 const ALERTMANAGER_PORT_OFFSET: u16 = 31;
+/// The silence watch's `/metrics` (issue 34), beside them.
+const SILENCE_WATCH_PORT_OFFSET: u16 = 32;
 /// The most workers whose ports (base + 21 + i) fit below Prometheus's.
 const WORKERS_MAX: u16 = PROMETHEUS_PORT_OFFSET - WORKER_METRICS_PORT_OFFSET;
 /// The local stack's scrape and rule evaluation interval: alerts within seconds, a light load.
@@ -186,10 +188,13 @@ pub(crate) struct AlertingReport {
     pub rules_loaded: usize,
     pub targets_up: usize,
     pub targets: usize,
-    /// `name{label=value,..}` of each alert Prometheus holds as firing.
+    /// `name{label=value,..}` of each alert Prometheus holds as firing, but the heartbeat.
     pub firing_in_prometheus: Vec<String>,
-    /// The same for each alert Alertmanager holds active (what would page).
+    /// The same for each alert Alertmanager holds active (what would page), but the heartbeat.
     pub active_in_alertmanager: Vec<String>,
+    /// Whether the always-firing `Watchdog` has reached Alertmanager: the pipeline is whole (its
+    /// absence is dark: a watcher down, blind or silenced).
+    pub heartbeat: bool,
 }
 
 impl AlertingReport {
@@ -211,7 +216,12 @@ impl AlertingReport {
             format!("DARK: {}", self.dark.join("; "))
         };
         format!(
-            "alerting: {path}; firing in Prometheus: {}; active in Alertmanager: {}",
+            "alerting: {path}; heartbeat {}; firing in Prometheus: {}; active in Alertmanager: {}",
+            if self.heartbeat {
+                "arriving"
+            } else {
+                "MISSING"
+            },
             list(&self.firing_in_prometheus),
             list(&self.active_in_alertmanager)
         )
@@ -240,22 +250,35 @@ pub(crate) async fn alerting_report(dir: &Path) -> anyhow::Result<AlertingReport
             .collect();
         format!("{name}{{{}}}", rest.join(","))
     };
+    let heartbeat = |labels: &std::collections::BTreeMap<String, String>| {
+        labels.get("severity").map(String::as_str) == Some(testkit::monitoring::HEARTBEAT_SEVERITY)
+    };
     let mut firing_in_prometheus: Vec<String> = api
         .prometheus_firing_alerts()
         .await?
         .iter()
+        .filter(|labels| !heartbeat(labels))
         .map(named)
         .collect();
     firing_in_prometheus.sort();
-    let mut active_in_alertmanager: Vec<String> = api
-        .alertmanager_alerts()
-        .await?
+    let active = api.alertmanager_alerts().await?;
+    let heartbeat_arriving = active.iter().any(|a| heartbeat(&a.labels));
+    let mut active_in_alertmanager: Vec<String> = active
         .iter()
+        .filter(|a| !heartbeat(&a.labels))
         .map(|a| named(&a.labels))
         .collect();
     active_in_alertmanager.sort();
+    let mut dark = health.problems();
+    if !heartbeat_arriving {
+        dark.push(format!(
+            "no {} heartbeat in Alertmanager",
+            testkit::monitoring::WATCHDOG
+        ));
+    }
     Ok(AlertingReport {
-        dark: health.problems(),
+        heartbeat: heartbeat_arriving,
+        dark,
         rules_loaded: health.rules_loaded,
         targets_up: health.targets_expected.len() - health.targets_not_up.len(),
         targets: health.targets_expected.len(),
@@ -266,8 +289,9 @@ pub(crate) async fn alerting_report(dir: &Path) -> anyhow::Result<AlertingReport
 
 /// How long [`settled_alerting_report`] gives a dark path to come back: a target's health is its
 /// last scrape's, and one scrape (every 5 s here, its timeout as long) of a busy process can fail
-/// without the path being dark; two intervals and a margin tell a blip from a dark path.
-const ALERTING_SETTLE: Duration = Duration::from_secs(15);
+/// without the path being dark; two intervals and a margin tell a blip from a dark path, and the
+/// heartbeat needs a look of the silence watch, a scrape and an evaluation (three intervals).
+const ALERTING_SETTLE: Duration = Duration::from_secs(30);
 
 /// The stack's [`AlertingReport`] once its path works, or, if it stays dark for
 /// [`ALERTING_SETTLE`], the last report that says why.
@@ -379,7 +403,11 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         testkit::util::reserve_ports(
             (1..=SERVICE_PORT_OFFSET_MAX)
                 .chain((0..workers).map(|i| WORKER_METRICS_PORT_OFFSET + i))
-                .chain([PROMETHEUS_PORT_OFFSET, ALERTMANAGER_PORT_OFFSET])
+                .chain([
+                    PROMETHEUS_PORT_OFFSET,
+                    ALERTMANAGER_PORT_OFFSET,
+                    SILENCE_WATCH_PORT_OFFSET,
+                ])
                 .map(|i| args.service_port_base + i),
         );
     }
@@ -627,20 +655,34 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 interval: Duration::from_millis(MONITORING_INTERVAL_MS),
                 prometheus_port: Some(base + PROMETHEUS_PORT_OFFSET),
                 alertmanager_port: Some(base + ALERTMANAGER_PORT_OFFSET),
+                silence_watch_port: Some(base + SILENCE_WATCH_PORT_OFFSET),
                 lifetime: Lifetime::Detached,
                 ..Default::default()
             },
         )
         .await?;
-        for (process, port) in [
-            (&monitoring.prometheus, monitoring.prometheus_port),
-            (&monitoring.alertmanager, monitoring.alertmanager_port),
-        ] {
+        let mut monitoring_parts = vec![
+            (
+                &monitoring.prometheus,
+                format!("http://127.0.0.1:{}", monitoring.prometheus_port),
+            ),
+            (
+                &monitoring.alertmanager,
+                format!("http://127.0.0.1:{}", monitoring.alertmanager_port),
+            ),
+        ];
+        // The silence watch (issue 34): its own part, so status shows it and down stops it.
+        if let (Some(watch), Some(port)) =
+            (&monitoring.silence_watch, monitoring.silence_watch_port)
+        {
+            monitoring_parts.push((watch, format!("http://127.0.0.1:{port}/metrics")));
+        }
+        for (process, address) in monitoring_parts {
             crate::parts::save(dir, process.name(), process)?;
             record.parts.push(Part {
                 name: process.name().to_string(),
                 pid: process.pid().unwrap_or(0),
-                address: format!("http://127.0.0.1:{port}"),
+                address,
             });
         }
         record.system = Some(SystemRecord {
@@ -947,7 +989,9 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
             )
             .is_ok_and(|(code, _)| code == 200);
         }
-        "reconciler" => {
+        // Both serve /metrics (the silence watch is up when it serves, whether or not its last
+        // look succeeded: SilenceWatchBlind says that).
+        "reconciler" | testkit::monitoring::SILENCE_WATCH_JOB => {
             let metrics = part.address.trim_end_matches("/metrics");
             return testkit::util::http_get(port(metrics), "/metrics", Duration::from_secs(2))
                 .is_ok_and(|(code, _)| code == 200);

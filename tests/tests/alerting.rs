@@ -1,12 +1,17 @@
 //! Alerting end to end, with real Prometheus and Alertmanager (Debian's packages) and the
 //! project's rules (deploy/monitoring/alerts.yml), scraping a real system every second:
-//! - a healthy system fires nothing: every target is scraped and up, the rules have been
-//!   evaluated several times since, and Prometheus and Alertmanager hold no alert;
+//! - a healthy system fires nothing but the heartbeat: every target is scraped and up (the
+//!   watchers too: Prometheus, Alertmanager, the silence watch), the rules have been evaluated
+//!   several times since, and Prometheus and Alertmanager hold no alert but `Watchdog`;
 //! - the fault suite's stale holder (tests/src/chaos/negative.rs: holder A's grant is revoked,
 //!   B claims, A's late claim is refused by the payment resource's fence) makes `FencedOut`
 //!   appear in Alertmanager's API with `guard="payment_resource"`;
 //! - negative control: with the `FencedOut` rule left out (test-only configuration), the same
-//!   planted fault is in Prometheus (`fenced_out_total` 1) and Alertmanager never hears of it.
+//!   planted fault is in Prometheus (`fenced_out_total` 1) and Alertmanager never hears of it;
+//! - issue 34, rows 3b/3c: a silence over a page alert pages (`PageAlertSilenced`, naming it), a
+//!   silence over a ticket alert does not, and a silence over everything stops the `Watchdog`
+//!   heartbeat (what an external dead man's switch pages on); the control: without the silence
+//!   watch the same silence pages nobody, and `SilenceWatchBlind` fires instead.
 
 use std::time::Duration;
 
@@ -73,6 +78,23 @@ async fn wait_evaluations(monitoring: &Monitoring, n: usize) {
     }
 }
 
+/// Alertmanager's active alerts once the heartbeat has reached it (the pipeline delivers).
+async fn heartbeat_only(monitoring: &Monitoring) -> Vec<monitoring::Alert> {
+    testkit::eventually(
+        ALERT_TIMEOUT,
+        "the Watchdog heartbeat in Alertmanager",
+        || async {
+            let alerts = monitoring.alertmanager_alerts().await.ok()?;
+            alerts
+                .iter()
+                .any(|a| a.name() == monitoring::WATCHDOG)
+                .then_some(alerts)
+        },
+    )
+    .await
+    .unwrap()
+}
+
 /// The value of a query's single-series result.
 async fn scalar(monitoring: &Monitoring, promql: &str) -> Option<f64> {
     let result = monitoring.query(promql).await.ok()?;
@@ -88,7 +110,11 @@ async fn a_stale_holders_refused_write_fires_fenced_out_in_alertmanager_and_a_he
     // Healthy: every part scraped (one `up` series per target, all 1), the guards' refusal
     // counters exported at 0, several evaluations since, and not one alert anywhere.
     let up = monitoring.query("up").await.unwrap();
-    assert_eq!(up.len(), targets.len(), "one up series per target: {up:?}");
+    assert_eq!(
+        up.len(),
+        targets.len() + monitoring.watcher_targets().len(),
+        "one up series per target, the watchers' too: {up:?}"
+    );
     assert!(up.iter().all(|s| s["value"][1] == "1"), "{up:?}");
     for guard in ["payment_resource", "rail_proxy"] {
         assert_eq!(
@@ -105,19 +131,26 @@ async fn a_stale_holders_refused_write_fires_fenced_out_in_alertmanager_and_a_he
     let rules = monitoring.alert_rules().await.unwrap();
     assert!(rules.contains(&"FencedOut".to_string()), "{rules:?}");
     let prometheus_alerts = monitoring.prometheus_firing().await.unwrap();
-    assert!(
-        prometheus_alerts.is_empty(),
-        "a healthy system fires nothing in Prometheus: {prometheus_alerts:?}"
+    assert_eq!(
+        prometheus_alerts,
+        [monitoring::WATCHDOG],
+        "a healthy system fires nothing in Prometheus but the heartbeat"
     );
-    let pending_or_firing = monitoring.query("ALERTS").await.unwrap();
+    let pending_or_firing = monitoring
+        .query(&format!(
+            "ALERTS{{alertname!=\"{}\"}}",
+            monitoring::WATCHDOG
+        ))
+        .await
+        .unwrap();
     assert!(
         pending_or_firing.is_empty(),
         "no alert even pending: {pending_or_firing:?}"
     );
-    let alerts = monitoring.alertmanager_alerts().await.unwrap();
+    let alerts = heartbeat_only(&monitoring).await;
     assert!(
-        alerts.is_empty(),
-        "a healthy system leaves Alertmanager empty: {alerts:?}"
+        alerts.iter().all(|a| a.name() == monitoring::WATCHDOG),
+        "a healthy system leaves Alertmanager with the heartbeat alone: {alerts:?}"
     );
 
     // The planted stale holder: its claim is refused at the payment resource's fence.
@@ -209,4 +242,134 @@ async fn negative_control_without_the_fenced_out_rule_the_planted_stale_holder_n
         .unwrap()
         .iter()
         .all(|a| a != "FencedOut"));
+}
+
+/// Prometheus, Alertmanager and the silence watch alone (nothing else to scrape): the rules over
+/// the watchers are all that is evaluated here.
+async fn watchers_only(silence_watch: bool) -> (tempfile::TempDir, Monitoring) {
+    let dir = tempfile::tempdir().unwrap();
+    let monitoring = Monitoring::start(
+        &dir.path().join("monitoring"),
+        &[],
+        MonitoringOptions {
+            silence_watch,
+            ..MonitoringOptions::default()
+        },
+    )
+    .await
+    .expect("prometheus, alertmanager and the silence watch start");
+    let watchers = monitoring.watcher_targets();
+    monitoring
+        .wait_targets_up(&watchers, TARGETS_UP_TIMEOUT)
+        .await
+        .expect("the watchers scraped and up");
+    (dir, monitoring)
+}
+
+/// Rows 3b and 3c: anyone who reaches Alertmanager's API silences `FencedOut` for a day. The
+/// silence watch sees that an active silence covers a page rule and `PageAlertSilenced` reaches
+/// Alertmanager (the silence does not cover it) naming `FencedOut`; a silence over a ticket
+/// alert pages nobody. A silence over everything also covers the watchers: the `Watchdog`
+/// heartbeat stops, which is what the external dead man's switch pages on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silence_over_a_page_alert_pages_and_one_over_everything_stops_the_heartbeat() {
+    let (_dir, monitoring) = watchers_only(true).await;
+    heartbeat_only(&monitoring).await;
+
+    monitoring
+        .create_silence(
+            &[("alertname", "PayoutNonTerminalTooLong", false)],
+            "ops",
+            "a ticket alert, muted for the night",
+            Duration::from_secs(86_400),
+        )
+        .await
+        .unwrap();
+    let id = monitoring
+        .create_silence(
+            &[("alertname", "FencedOut", false)],
+            "intruder",
+            "quiet please",
+            Duration::from_secs(86_400),
+        )
+        .await
+        .unwrap();
+    let paged = testkit::eventually(
+        ALERT_TIMEOUT,
+        "PageAlertSilenced in Alertmanager",
+        || async {
+            let alerts = monitoring.alertmanager_alerts().await.ok()?;
+            let paged: Vec<String> = alerts
+                .iter()
+                .filter(|a| a.name() == "PageAlertSilenced")
+                .filter_map(|a| a.labels.get("rule").cloned())
+                .collect();
+            (!paged.is_empty()).then_some(paged)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(paged, ["FencedOut"], "only the page rule's silence pages");
+    let covering = scalar(
+        &monitoring,
+        "monitoring_page_alerts_silenced{rule=\"FencedOut\"}",
+    )
+    .await;
+    assert_eq!(covering, Some(1.0), "silence {id} covers FencedOut");
+    assert_eq!(
+        scalar(&monitoring, "monitoring_silences_active").await,
+        Some(2.0)
+    );
+
+    // A silence over every alert covers the watchers: the heartbeat stops in Prometheus.
+    monitoring
+        .create_silence(
+            &[("alertname", ".+", true)],
+            "intruder",
+            "all quiet",
+            Duration::from_secs(86_400),
+        )
+        .await
+        .unwrap();
+    testkit::eventually(ALERT_TIMEOUT, "the Watchdog stops", || async {
+        let firing = monitoring.prometheus_firing().await.ok()?;
+        (!firing.iter().any(|a| a == monitoring::WATCHDOG)).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+/// The control of rows 3b/3c: without the silence watch, the same silence over `FencedOut`
+/// pages nobody (no `PageAlertSilenced` ever), and what fires instead is `SilenceWatchBlind`,
+/// with no heartbeat: the rule that notices a missing watch is what keeps this from passing
+/// silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_the_silence_watch_a_silenced_page_pages_nobody() {
+    let (_dir, monitoring) = watchers_only(false).await;
+    monitoring
+        .create_silence(
+            &[("alertname", "FencedOut", false)],
+            "intruder",
+            "quiet please",
+            Duration::from_secs(86_400),
+        )
+        .await
+        .unwrap();
+    let firing = testkit::eventually(ALERT_TIMEOUT, "SilenceWatchBlind", || async {
+        let firing = monitoring.prometheus_firing().await.ok()?;
+        firing
+            .iter()
+            .any(|a| a == "SilenceWatchBlind")
+            .then_some(firing)
+    })
+    .await
+    .unwrap();
+    wait_evaluations(&monitoring, EVALUATIONS_BEFORE_ABSENCE).await;
+    let firing_now = monitoring.prometheus_firing().await.unwrap();
+    assert!(
+        !firing_now
+            .iter()
+            .any(|a| a == "PageAlertSilenced" || a == monitoring::WATCHDOG),
+        "nobody watches: no page for the silence, no heartbeat: {firing:?} / {firing_now:?}"
+    );
 }

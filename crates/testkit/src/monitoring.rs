@@ -1,8 +1,11 @@
 //! Prometheus and Alertmanager (Debian's `prometheus`, `prometheus-alertmanager`) as real
 //! processes with the project's configuration (deploy/monitoring): the rules of `alerts.yml`, the
-//! Prometheus template `prometheus.yml.in`, `alertmanager.yml`. Used by the alerting tests and by
-//! `payoutdev stack up`. Targets are file-based service discovery (`targets/*.json`), one group per
-//! job, so a part that starts later is added by writing its file.
+//! Prometheus template `prometheus.yml.in`, `alertmanager.yml`, and beside them the silence watch
+//! (`reconciler watch-silences`, the workspace's binary), which Prometheus scrapes as the job
+//! `silence-watch`. Used by the alerting tests and by `payoutdev stack up`. Targets are file-based
+//! service discovery (`targets/*.json`), one group per job, so a part that starts later is added by
+//! writing its file; Prometheus also scrapes itself and Alertmanager (jobs `prometheus`,
+//! `alertmanager`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -21,6 +24,9 @@ pub const ALERTMANAGER_BIN: &str = "/usr/bin/prometheus-alertmanager";
 const READY_TIMEOUT_MS: u64 = 10_000;
 /// One HTTP call to either API, on loopback.
 const API_CALL_TIMEOUT_MS: u64 = 2_000;
+
+/// The silence watch's process and scrape job name.
+pub const SILENCE_WATCH_JOB: &str = "silence-watch";
 
 /// deploy/monitoring in the checkout.
 pub fn config_dir() -> PathBuf {
@@ -52,6 +58,11 @@ pub struct MonitoringOptions {
     pub without_alerts: Vec<String>,
     pub prometheus_port: Option<u16>,
     pub alertmanager_port: Option<u16>,
+    /// The silence watch's `/metrics` port (a free one if `None`).
+    pub silence_watch_port: Option<u16>,
+    /// Whether to run the silence watch (off: a test's negative control only, which must then
+    /// see `SilenceWatchBlind`).
+    pub silence_watch: bool,
     pub lifetime: Lifetime,
 }
 
@@ -62,6 +73,8 @@ impl Default for MonitoringOptions {
             without_alerts: Vec::new(),
             prometheus_port: None,
             alertmanager_port: None,
+            silence_watch_port: None,
+            silence_watch: true,
             lifetime: Lifetime::Attached,
         }
     }
@@ -101,8 +114,27 @@ pub struct Monitoring {
     pub dir: PathBuf,
     pub prometheus: ManagedProcess,
     pub alertmanager: ManagedProcess,
+    /// The silence watch, unless [`MonitoringOptions::silence_watch`] was off.
+    pub silence_watch: Option<ManagedProcess>,
+    /// Its `/metrics` port, when it runs.
+    pub silence_watch_port: Option<u16>,
     /// Their HTTP APIs (`monitoring.query(..)` and the rest reach it through `Deref`).
     pub api: Api,
+}
+
+impl Monitoring {
+    /// The targets Prometheus scrapes besides the ones it was given: itself, Alertmanager and
+    /// the silence watch (when it runs).
+    pub fn watcher_targets(&self) -> Vec<Target> {
+        let mut targets = vec![
+            Target::local("prometheus", self.api.prometheus_port),
+            Target::local("alertmanager", self.api.alertmanager_port),
+        ];
+        if let Some(port) = self.silence_watch_port {
+            targets.push(Target::local(SILENCE_WATCH_JOB, port));
+        }
+        targets
+    }
 }
 
 impl std::ops::Deref for Monitoring {
@@ -172,6 +204,7 @@ pub fn prometheus_config(
     rules_file: &Path,
     targets_dir: &Path,
     alertmanager: &str,
+    prometheus: &str,
 ) -> anyhow::Result<String> {
     let template = std::fs::read_to_string(config_dir().join("prometheus.yml.in"))?;
     let interval = format!("{}ms", interval.as_millis());
@@ -184,7 +217,8 @@ pub fn prometheus_config(
         .replace("@INTERVAL@", &interval)
         .replace("@RULES_FILE@", &rules_file.display().to_string())
         .replace("@TARGETS_DIR@", &targets_dir.display().to_string())
-        .replace("@ALERTMANAGER@", alertmanager))
+        .replace("@ALERTMANAGER@", alertmanager)
+        .replace("@PROMETHEUS@", prometheus))
 }
 
 impl Monitoring {
@@ -202,9 +236,14 @@ impl Monitoring {
         let rules = std::fs::read_to_string(config_dir().join("alerts.yml"))?;
         let rules_file = dir.join("alerts.yml");
         std::fs::write(&rules_file, rules_without(&rules, &options.without_alerts)?)?;
-        write_targets(dir, targets)?;
         let am_port = options.alertmanager_port.unwrap_or_else(free_port);
         let prom_port = options.prometheus_port.unwrap_or_else(free_port);
+        let watch_port = options.silence_watch_port.unwrap_or_else(free_port);
+        let mut targets = targets.to_vec();
+        if options.silence_watch {
+            targets.push(Target::local(SILENCE_WATCH_JOB, watch_port));
+        }
+        write_targets(dir, &targets)?;
         let am_config = dir.join("alertmanager.yml");
         std::fs::copy(config_dir().join("alertmanager.yml"), &am_config)?;
         let alertmanager = ManagedProcess::start(
@@ -231,6 +270,7 @@ impl Monitoring {
                 &rules_file,
                 &dir.join("targets"),
                 &format!("127.0.0.1:{am_port}"),
+                &format!("127.0.0.1:{prom_port}"),
             )?,
         )?;
         let prometheus = ManagedProcess::start(
@@ -243,10 +283,32 @@ impl Monitoring {
                 .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
                 .lifetime(options.lifetime),
         )?;
+        let silence_watch = if options.silence_watch {
+            Some(ManagedProcess::start(
+                ProcessSpec::new(
+                    SILENCE_WATCH_JOB,
+                    crate::util::workspace_bin("reconciler"),
+                    dir.join("silence-watch.log"),
+                )
+                .arg("watch-silences")
+                .arg(format!("--prometheus-url=http://127.0.0.1:{prom_port}"))
+                .arg(format!("--alertmanager-url=http://127.0.0.1:{am_port}"))
+                .arg(format!("--metrics-listen=127.0.0.1:{watch_port}"))
+                .arg(format!(
+                    "--interval-ms={}",
+                    options.interval.as_millis().max(1)
+                ))
+                .lifetime(options.lifetime),
+            )?)
+        } else {
+            None
+        };
         let monitoring = Self {
             dir: dir.to_path_buf(),
             prometheus,
             alertmanager,
+            silence_watch_port: silence_watch.as_ref().map(|_| watch_port),
+            silence_watch,
             api: Api::new(prom_port, am_port)?,
         };
         for (port, path, process) in [
@@ -458,6 +520,71 @@ impl Api {
     }
 }
 
+/// The severity of the always-firing `Watchdog` (deploy/monitoring/alerts.yml): a heartbeat, not
+/// a problem; "nothing fires" means nothing but it.
+pub const HEARTBEAT_SEVERITY: &str = "heartbeat";
+/// The heartbeat alert's name.
+pub const WATCHDOG: &str = "Watchdog";
+
+/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (what Alertmanager's silence API takes).
+fn rfc3339(unix_seconds: u64) -> String {
+    let (days, secs) = (unix_seconds / 86_400, unix_seconds % 86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        secs / 3_600,
+        secs % 3_600 / 60,
+        secs % 60
+    )
+}
+
+impl Api {
+    /// Creates a silence in Alertmanager (`POST /api/v2/silences`, as anyone who reaches its API
+    /// can) of `matchers` (`(label, value, is_regex)`, each an equality), active from now for
+    /// `duration`; its id.
+    pub async fn create_silence(
+        &self,
+        matchers: &[(&str, &str, bool)],
+        created_by: &str,
+        comment: &str,
+        duration: Duration,
+    ) -> anyhow::Result<String> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs();
+        let body = serde_json::json!({
+            "matchers": matchers.iter().map(|(name, value, is_regex)| serde_json::json!({
+                "name": name, "value": value, "isRegex": is_regex, "isEqual": true,
+            })).collect::<Vec<_>>(),
+            "startsAt": rfc3339(now.saturating_sub(1)),
+            "endsAt": rfc3339(now + duration.as_secs().max(60)),
+            "createdBy": created_by,
+            "comment": comment,
+        });
+        let url = format!(
+            "http://127.0.0.1:{}/api/v2/silences",
+            self.alertmanager_port
+        );
+        let response = self.http.post(&url).json(&body).send().await?;
+        let status = response.status();
+        let answer: serde_json::Value = response.json().await?;
+        anyhow::ensure!(status.is_success(), "{url}: {status}: {answer}");
+        answer["silenceID"]
+            .as_str()
+            .map(str::to_string)
+            .with_context(|| format!("no silenceID in {answer}"))
+    }
+}
+
 /// Whether a running Prometheus is doing its job, against what it was configured with: every alert
 /// rule of its rules file loaded, every target of its target files discovered and scraped up.
 /// Prometheus answers `/-/ready` with no rule and no target at all (a rules path it could not
@@ -614,6 +741,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn silences_are_given_rfc3339_times() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_558_399), "2026-12-06T11:59:59Z");
+    }
+
+    #[test]
     fn a_relative_state_directory_is_rendered_absolute() {
         // A relative path in prometheus.yml is resolved against the file's own folder: the local
         // stack's default state directory (.state/stack) once left Prometheus with no rule.
@@ -622,6 +756,7 @@ mod tests {
             Path::new(".state/stack/monitoring/alerts.yml"),
             Path::new(".state/stack/monitoring/targets"),
             "127.0.0.1:1",
+            "127.0.0.1:2",
         )
         .unwrap();
         let cwd = std::env::current_dir().unwrap();

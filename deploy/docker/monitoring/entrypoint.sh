@@ -13,6 +13,7 @@ case "${1:-}" in
         -e "s#@RULES_FILE@#$conf/alerts.yml#" \
         -e "s#@TARGETS_DIR@#$conf/compose-targets#" \
         -e "s/@ALERTMANAGER@/${ALERTMANAGER_ADDRESS:-alertmanager:9093}/" \
+        -e "s/@PROMETHEUS@/${PROMETHEUS_ADDRESS:-prometheus:9090}/" \
         "$conf/prometheus.yml.in" > "$data/prometheus.yml"
     # The workers are scaled behind one name (`--scale worker=N`): every replica the name
     # resolves to is a target of its own.

@@ -9,5 +9,6 @@
 mod partial;
 mod report;
 pub mod service;
+pub mod silences;
 
 pub use report::RunReport;

@@ -3,6 +3,8 @@
 //! `reconciler serve`: a Temporal worker on the `reconciliation` task queue, the schedule that
 //! starts `ReconcileWorkflow` every `--interval-s` (kept: re-created if missing, unpaused if
 //! paused, every `--keeper-interval-s`), and `/metrics`.
+//! `reconciler watch-silences`: the silence watch (`reconciler_service::silences`), its own
+//! process so that a reconciler outage does not blind it, with `/metrics`.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -47,6 +49,21 @@ enum Command {
         /// `KEEPER_INTERVAL` (tests ask for less).
         #[arg(long, env = "RECONCILE_KEEPER_INTERVAL_S", default_value_t = service::KEEPER_INTERVAL.as_secs())]
         keeper_interval_s: u64,
+    },
+    /// The silence watch: every page (and heartbeat) alert rule Prometheus evaluates, against
+    /// Alertmanager's active silences; exports `monitoring_page_alerts_silenced{rule}`.
+    WatchSilences {
+        /// Prometheus's base URL (its `/api/v1/rules`).
+        #[arg(long, env = "SILENCE_WATCH_PROMETHEUS_URL")]
+        prometheus_url: String,
+        /// Alertmanager's base URL (its `/api/v2/silences`).
+        #[arg(long, env = "SILENCE_WATCH_ALERTMANAGER_URL")]
+        alertmanager_url: String,
+        #[arg(long, env = "METRICS_LISTEN", default_value = "127.0.0.1:9110")]
+        metrics_listen: std::net::SocketAddr,
+        /// Milliseconds between looks.
+        #[arg(long, env = "SILENCE_WATCH_INTERVAL_MS", default_value_t = reconciler_service::silences::INTERVAL_MS)]
+        interval_ms: u64,
     },
 }
 
@@ -96,6 +113,33 @@ async fn main() -> anyhow::Result<ExitCode> {
                 keeper_interval: Duration::from_secs(keeper_interval_s),
             };
             service::serve(config, serve, metrics, shutdown.wait()).await?;
+            metrics_task.await??;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::WatchSilences {
+            prometheus_url,
+            alertmanager_url,
+            metrics_listen,
+            interval_ms,
+        } => {
+            service_kit::init_tracing("silence-watch");
+            anyhow::ensure!(interval_ms > 0, "--interval-ms must be positive");
+            let metrics = service_kit::Metrics::default();
+            let watch = reconciler_service::silences::SilenceWatch::new(
+                &prometheus_url,
+                &alertmanager_url,
+                &metrics,
+            )?;
+            let shutdown = service_kit::Shutdown::on_signal();
+            let listener = service_kit::bind(metrics_listen).await?;
+            let metrics_task = tokio::spawn(service_kit::serve_metrics(
+                listener,
+                metrics,
+                shutdown.clone().wait(),
+            ));
+            watch
+                .run(Duration::from_millis(interval_ms), shutdown.wait())
+                .await;
             metrics_task.await??;
             Ok(ExitCode::SUCCESS)
         }
