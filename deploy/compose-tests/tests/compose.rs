@@ -304,6 +304,9 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
     monitoring_healthy(project)
         .await
         .context("alerting: every target up, nothing firing")?;
+    a_silenced_page_pages(project)
+        .await
+        .context("a silence over a page alert, from the host")?;
     compartments(&h)
         .await
         .context("one compromised container is not the whole system")?;
@@ -815,6 +818,71 @@ fn exit_and_text(out: &std::process::Output) -> (i32, String) {
             String::from_utf8_lossy(&out.stderr)
         ),
     )
+}
+
+/// Issue 34, rows 3b in the deployment: anyone who reaches Alertmanager's port silences
+/// `FencedOut` for a day with the documented `amtool silence add` (from the host, no login yet:
+/// plan 12). The `silence-watch` service sees it and `PageAlertSilenced{rule="FencedOut"}` reaches
+/// Alertmanager; the silence expired, the page goes too.
+async fn a_silenced_page_pages(project: &Deployment) -> anyhow::Result<()> {
+    let alertmanager = format!(
+        "http://127.0.0.1:{}",
+        project.host_port("alertmanager", ALERTMANAGER_PORT).await?
+    );
+    let amtool = |args: &[&str]| -> anyhow::Result<(i32, String)> {
+        let out = std::process::Command::new("amtool")
+            .arg(format!("--alertmanager.url={alertmanager}"))
+            .args(args)
+            .output()
+            .context("amtool (Debian's prometheus-alertmanager, scripts/setup.sh)")?;
+        Ok(exit_and_text(&out))
+    };
+    let (code, id) = amtool(&[
+        "silence",
+        "add",
+        "alertname=FencedOut",
+        "--author=intruder",
+        "--comment=quiet please",
+        "--duration=24h",
+    ])?;
+    ensure!(code == 0, "amtool silence add exited {code}: {id}");
+    let id = id.trim().to_string();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    let paged = |want: bool| {
+        let (http, url) = (
+            http.clone(),
+            format!("{alertmanager}/api/v2/alerts?active=true&silenced=false&inhibited=false"),
+        );
+        async move {
+            let alerts: serde_json::Value = http.get(&url).send().await?.json().await?;
+            let found = alerts.as_array().into_iter().flatten().any(|a| {
+                a["labels"]["alertname"] == "PageAlertSilenced"
+                    && a["labels"]["rule"] == "FencedOut"
+            });
+            anyhow::Ok(found == want)
+        }
+    };
+    let deadline = Instant::now() + MONITORING_TIMEOUT;
+    while !paged(true).await? {
+        ensure!(
+            Instant::now() < deadline,
+            "no PageAlertSilenced for silence {id} in Alertmanager"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    println!("row 3b: silence {id} over FencedOut, added from the host, pages PageAlertSilenced");
+    let (code, out) = amtool(&["silence", "expire", &id])?;
+    ensure!(code == 0, "amtool silence expire exited {code}: {out}");
+    while !paged(false).await? {
+        ensure!(
+            Instant::now() < deadline,
+            "PageAlertSilenced still active after silence {id} expired"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+    Ok(())
 }
 
 /// deploy/README.md's operator block (between `<!-- operator-env:begin -->` and `end`), run as
