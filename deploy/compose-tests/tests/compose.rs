@@ -1077,6 +1077,32 @@ async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
             project.host_port(member, ETCD_PORT).await?
         ));
     }
+    // Issue 34, row 2a in the deployment: a worker certificate of the deployment's authority
+    // (what code running in a worker container holds), presented with etcd's own CA trusted, is
+    // refused by etcd; the control, a certificate of etcd's authority, reads the grant records.
+    let worker_pem = authority()?.issue(mtls::Role::Worker, "compose-suite-etcd-intruder")?;
+    let etcd_ca = etcd_authority()?.cert_pem().to_string();
+    let intruder = reconciler::LockGrants::new(
+        etcd.clone(),
+        mtls::Tls::from_pem(&etcd_ca, &worker_pem.cert_pem, &worker_pem.key_pem),
+        "/payout/lock/".to_string(),
+    );
+    let refused = intruder.horizon().await;
+    ensure!(
+        refused.is_err(),
+        "row 2a: etcd answered a worker certificate of the services' authority: {refused:?}"
+    );
+    let control =
+        reconciler::LockGrants::new(etcd.clone(), etcd_suite_tls()?, "/payout/lock/".to_string())
+            .horizon()
+            .await;
+    ensure!(
+        control.is_ok(),
+        "row 2a's control: a certificate of etcd's authority must read: {control:?}"
+    );
+    println!(
+        "row 2a: etcd refuses a worker certificate of the services' authority; etcd's own reads"
+    );
     let sources = reconciler::Sources {
         paydb: pg(paydb, "paydb").await?,
         proxydb: pg(proxydb, "proxydb").await?,
