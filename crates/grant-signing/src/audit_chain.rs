@@ -144,18 +144,13 @@ impl Record {
             &self.operator,
             &self.reason,
         ];
-        let mut m = Vec::with_capacity(
-            CONTENT_TAG.len() + 24 + texts.iter().map(|t| 4 + t.len()).sum::<usize>(),
-        );
-        m.extend_from_slice(CONTENT_TAG);
-        m.extend_from_slice(&self.seq.to_be_bytes());
+        let mut m = crate::Message::new(CONTENT_TAG);
+        m.u64(self.seq);
         for text in texts {
-            m.extend_from_slice(&(text.len() as u32).to_be_bytes());
-            m.extend_from_slice(text.as_bytes());
+            m.text(text);
         }
-        m.extend_from_slice(&self.revoked_token.to_be_bytes());
-        m.extend_from_slice(&self.at_unix_ms.to_be_bytes());
-        m
+        m.u64(self.revoked_token).i64(self.at_unix_ms);
+        m.into_bytes()
     }
 
     /// The record's `prev_hash`, if it is 64 hex digits.
