@@ -93,27 +93,27 @@ echo "TIMING grant signing key: $(secs "$t")"
 # keeps theirs), and one folder per process under deploy/secrets/tls (git-ignored), each with the
 # authority's certificate and that process's own certificate and key only, mounted into that
 # process's container alone. The suite issues its own certificates from the same authority.
+# An authority in a fresh folder (0700), and a fresh folder of per-process folders (0711: a
+# container reaches its own folder, nobody lists the others); `issue` and `issue_server` write one
+# process's certificate: AUTHORITY FOLDER ROLE NAME, and AUTHORITY FOLDER NAME --host ... .
+fresh_authority() { rm -rf "$1"; mkdir -p "$(dirname "$1")"; target/debug/payoutctl pki init --authority "$1" > /dev/null 2>&1; chmod 700 "$1"; }
+fresh_folder() { rm -rf "$1"; mkdir -p "$1"; chmod 711 "$1"; }
+issue() { target/debug/payoutctl pki issue --authority "$1" --out "$2/$4" --role "$3" --name "$4" > /dev/null; }
+issue_server() { local authority="$1" folder="$2" name="$3"; shift 3; target/debug/payoutctl pki issue-server --authority "$authority" --out "$folder/$name" --name "$name" "$@" > /dev/null; }
 AUTHORITY_DIR="$ROOT/target/compose-test/authority"
-rm -rf "$AUTHORITY_DIR"
-mkdir -p "$(dirname "$AUTHORITY_DIR")"
-target/debug/payoutctl pki init --authority "$AUTHORITY_DIR" > /dev/null 2>&1
-chmod 700 "$AUTHORITY_DIR"
+fresh_authority "$AUTHORITY_DIR"
 TLS_DIR="$KEY_DIR/tls"
-rm -rf "$TLS_DIR"
-mkdir -p "$TLS_DIR"
-chmod 711 "$TLS_DIR"
-issue() { target/debug/payoutctl pki issue --authority "$AUTHORITY_DIR" --out "$TLS_DIR/$2" --role "$1" --name "$2" > /dev/null; }
-issue_server() { local name="$1"; shift; target/debug/payoutctl pki issue-server --authority "$AUTHORITY_DIR" --out "$TLS_DIR/$name" --name "$name" "$@" > /dev/null; }
+fresh_folder "$TLS_DIR"
 for svc in lock-server payment-resource rail-proxy general-ledger outbox-dispatcher worker reconciler; do
-    issue "$svc" "$svc"
+    issue "$AUTHORITY_DIR" "$TLS_DIR" "$svc" "$svc"
 done
 # The Temporal front's server certificate: every Temporal client checks the name `temporal`
 # (inside compose) and the suite reaches it from the host at 127.0.0.1.
-issue_server temporal --host temporal --host 127.0.0.1
+issue_server "$AUTHORITY_DIR" "$TLS_DIR" temporal --host temporal --host 127.0.0.1
 # The database servers' certificates name every host their clients reach them at: the service
 # name inside compose, 127.0.0.1 and localhost from the host (the suite's reconciler).
 for db in paydb proxydb; do
-    issue_server "$db" --host "$db" --host 127.0.0.1 --host localhost
+    issue_server "$AUTHORITY_DIR" "$TLS_DIR" "$db" --host "$db" --host 127.0.0.1 --host localhost
 done
 # etcd has an authority of its own (issue 34, row 2a: no certificate of the services' authority,
 # a worker's, an intake's, reaches etcd), kept like the other in a folder no container mounts.
@@ -122,20 +122,15 @@ done
 # row 2d) and loopback (its health check, the suite from the host). The lock-server and the
 # reconciler get client certificates of it, in folders of their own.
 ETCD_AUTHORITY_DIR="$ROOT/target/compose-test/etcd-authority"
-rm -rf "$ETCD_AUTHORITY_DIR"
-target/debug/payoutctl pki init --authority "$ETCD_AUTHORITY_DIR" > /dev/null 2>&1
-chmod 700 "$ETCD_AUTHORITY_DIR"
+fresh_authority "$ETCD_AUTHORITY_DIR"
 ETCD_TLS_DIR="$KEY_DIR/etcd-tls"
-rm -rf "$ETCD_TLS_DIR"
-mkdir -p "$ETCD_TLS_DIR"
-chmod 711 "$ETCD_TLS_DIR"
+fresh_folder "$ETCD_TLS_DIR"
 for member in etcd1 etcd2 etcd3; do
-    target/debug/payoutctl pki issue-server --authority "$ETCD_AUTHORITY_DIR" --out "$ETCD_TLS_DIR/$member" \
-        --name "$member" --host "$member" --host etcd --host etcd-peer --host 127.0.0.1 --host localhost > /dev/null
+    issue_server "$ETCD_AUTHORITY_DIR" "$ETCD_TLS_DIR" "$member" \
+        --host "$member" --host etcd --host etcd-peer --host 127.0.0.1 --host localhost
 done
 for client in lock-server reconciler; do
-    target/debug/payoutctl pki issue --authority "$ETCD_AUTHORITY_DIR" --out "$ETCD_TLS_DIR/$client" \
-        --role "$client" --name "$client" > /dev/null
+    issue "$ETCD_AUTHORITY_DIR" "$ETCD_TLS_DIR" "$client" "$client"
 done
 chmod 755 "$ETCD_TLS_DIR"/*/
 chmod 644 "$ETCD_TLS_DIR"/*/*.pem

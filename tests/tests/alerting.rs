@@ -51,8 +51,12 @@ async fn monitored_system(without_alerts: &[&str]) -> (System, Monitoring, Vec<T
     )
     .await
     .expect("prometheus and alertmanager start");
+    // The watchers too (Prometheus, Alertmanager, the silence watch): the test counts their
+    // `up` series beside the system's, so it waits for their first scrape as well.
+    let mut scraped = targets.clone();
+    scraped.extend(monitoring.watcher_targets());
     monitoring
-        .wait_targets_up(&targets, TARGETS_UP_TIMEOUT)
+        .wait_targets_up(&scraped, TARGETS_UP_TIMEOUT)
         .await
         .expect("every target scraped and up");
     (system, monitoring, targets)
@@ -266,6 +270,25 @@ async fn watchers_only(silence_watch: bool) -> (tempfile::TempDir, Monitoring) {
     (dir, monitoring)
 }
 
+/// Silences every alert whose name matches `alertname` (a regex if `is_regex`) for a day, as
+/// `created_by` (anyone who reaches Alertmanager's API); the silence's id.
+async fn silence_for_a_day(
+    monitoring: &Monitoring,
+    alertname: &str,
+    is_regex: bool,
+    created_by: &str,
+) -> String {
+    monitoring
+        .create_silence(
+            &[("alertname", alertname, is_regex)],
+            created_by,
+            "silenced by the alerting suite",
+            Duration::from_secs(86_400),
+        )
+        .await
+        .unwrap()
+}
+
 /// Rows 3b and 3c: anyone who reaches Alertmanager's API silences `FencedOut` for a day. The
 /// silence watch sees that an active silence covers a page rule and `PageAlertSilenced` reaches
 /// Alertmanager (the silence does not cover it) naming `FencedOut`; a silence over a ticket
@@ -276,24 +299,8 @@ async fn a_silence_over_a_page_alert_pages_and_one_over_everything_stops_the_hea
     let (_dir, monitoring) = watchers_only(true).await;
     heartbeat_only(&monitoring).await;
 
-    monitoring
-        .create_silence(
-            &[("alertname", "PayoutNonTerminalTooLong", false)],
-            "ops",
-            "a ticket alert, muted for the night",
-            Duration::from_secs(86_400),
-        )
-        .await
-        .unwrap();
-    let id = monitoring
-        .create_silence(
-            &[("alertname", "FencedOut", false)],
-            "intruder",
-            "quiet please",
-            Duration::from_secs(86_400),
-        )
-        .await
-        .unwrap();
+    silence_for_a_day(&monitoring, "PayoutNonTerminalTooLong", false, "ops").await;
+    let id = silence_for_a_day(&monitoring, "FencedOut", false, "intruder").await;
     let paged = testkit::eventually(
         ALERT_TIMEOUT,
         "PageAlertSilenced in Alertmanager",
@@ -322,15 +329,7 @@ async fn a_silence_over_a_page_alert_pages_and_one_over_everything_stops_the_hea
     );
 
     // A silence over every alert covers the watchers: the heartbeat stops in Prometheus.
-    monitoring
-        .create_silence(
-            &[("alertname", ".+", true)],
-            "intruder",
-            "all quiet",
-            Duration::from_secs(86_400),
-        )
-        .await
-        .unwrap();
+    silence_for_a_day(&monitoring, ".+", true, "intruder").await;
     testkit::eventually(ALERT_TIMEOUT, "the Watchdog stops", || async {
         let firing = monitoring.prometheus_firing().await.ok()?;
         (!firing.iter().any(|a| a == monitoring::WATCHDOG)).then_some(())
@@ -346,15 +345,7 @@ async fn a_silence_over_a_page_alert_pages_and_one_over_everything_stops_the_hea
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn negative_control_without_the_silence_watch_a_silenced_page_pages_nobody() {
     let (_dir, monitoring) = watchers_only(false).await;
-    monitoring
-        .create_silence(
-            &[("alertname", "FencedOut", false)],
-            "intruder",
-            "quiet please",
-            Duration::from_secs(86_400),
-        )
-        .await
-        .unwrap();
+    silence_for_a_day(&monitoring, "FencedOut", false, "intruder").await;
     let firing = testkit::eventually(ALERT_TIMEOUT, "SilenceWatchBlind", || async {
         let firing = monitoring.prometheus_firing().await.ok()?;
         firing

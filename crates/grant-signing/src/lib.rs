@@ -59,10 +59,7 @@ impl Message {
     }
 
     pub(crate) fn text(&mut self, field: &str) -> &mut Self {
-        self.0
-            .extend_from_slice(&(field.len() as u32).to_be_bytes());
-        self.0.extend_from_slice(field.as_bytes());
-        self
+        self.bytes(field.as_bytes())
     }
 
     pub(crate) fn u64(&mut self, value: u64) -> &mut Self {
@@ -70,7 +67,7 @@ impl Message {
         self
     }
 
-    /// Raw bytes, length-prefixed (u32, big-endian) like a string.
+    /// Raw bytes, length-prefixed (u32, big-endian); a string is its UTF-8 bytes.
     pub(crate) fn bytes(&mut self, field: &[u8]) -> &mut Self {
         self.0
             .extend_from_slice(&(field.len() as u32).to_be_bytes());

@@ -1809,12 +1809,17 @@ async fn temporal_front_refusals(project: &Deployment, port: u16) -> anyhow::Res
     Ok(())
 }
 
-/// This run's authority, in the folder deploy/compose-test.sh made it in (mounted by no
-/// container, as an operator keeps theirs): `PAYOUT_TLS_AUTHORITY_DIR`.
-fn authority_dir() -> anyhow::Result<std::path::PathBuf> {
-    std::env::var_os("PAYOUT_TLS_AUTHORITY_DIR")
+/// The folder deploy/compose-test.sh made an authority in and names in `var` (mounted by no
+/// container, as an operator keeps theirs).
+fn authority_dir_named_by(var: &str) -> anyhow::Result<std::path::PathBuf> {
+    std::env::var_os(var)
         .map(std::path::PathBuf::from)
-        .context("PAYOUT_TLS_AUTHORITY_DIR is not set (run deploy/compose-test.sh)")
+        .with_context(|| format!("{var} is not set (run deploy/compose-test.sh)"))
+}
+
+/// This run's authority's folder: `PAYOUT_TLS_AUTHORITY_DIR`.
+fn authority_dir() -> anyhow::Result<std::path::PathBuf> {
+    authority_dir_named_by("PAYOUT_TLS_AUTHORITY_DIR")
 }
 
 fn authority() -> anyhow::Result<mtls::issue::Authority> {
@@ -1830,11 +1835,11 @@ fn etcd_suite_tls() -> anyhow::Result<mtls::Tls> {
         .tls())
 }
 
+/// etcd's own authority: `PAYOUT_ETCD_AUTHORITY_DIR`.
 fn etcd_authority() -> anyhow::Result<mtls::issue::Authority> {
-    let dir = std::env::var_os("PAYOUT_ETCD_AUTHORITY_DIR")
-        .map(std::path::PathBuf::from)
-        .context("PAYOUT_ETCD_AUTHORITY_DIR is not set (run deploy/compose-test.sh)")?;
-    Ok(mtls::issue::Authority::open(&dir)?)
+    Ok(mtls::issue::Authority::open(&authority_dir_named_by(
+        "PAYOUT_ETCD_AUTHORITY_DIR",
+    )?)?)
 }
 
 /// A certificate of `role` for the suite's own calls, from this run's authority.

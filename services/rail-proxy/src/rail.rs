@@ -258,57 +258,41 @@ impl Rail {
                 }
             }
         };
-        let url = format!("{}/v1/payments", self.base_url);
-        let request_id = rail_answer::request_id();
-        let sent = self
+        let request = self
             .http
-            .post(&url)
+            .post(format!("{}/v1/payments", self.base_url))
             .timeout(self.timeout)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header(rail_answer::REQUEST_ID_HEADER, &request_id)
-            .body(order.clone())
-            .send()
-            .await;
-        let response = match sent {
-            Ok(response) => response,
-            Err(e) => {
+            .body(order.clone());
+        let (status, body) = match self.exchange("pay", "POST", request, &order).await {
+            Ok(answered) => answered,
+            Err(Unanswered::Transport(e)) => {
                 return RailAnswer::Ambiguous {
                     detail: transport_detail(&e),
                 }
             }
-        };
-        let status = response.status().as_u16();
-        let path_and_query = path_and_query(response.url());
-        let signature = signature_header(&response);
-        let body = match response.bytes().await {
-            Ok(body) => body,
-            Err(e) => {
+            Err(Unanswered::Body { status, error }) => {
                 return RailAnswer::Ambiguous {
                     detail: format!(
                         "reading the answer of status {status}: {}",
-                        transport_detail(&e)
+                        transport_detail(&error)
+                    ),
+                }
+            }
+            Err(Unanswered::Unauthenticated {
+                status,
+                refused,
+                body,
+            }) => {
+                return RailAnswer::Ambiguous {
+                    detail: format!(
+                        "unauthenticated rail answer ({}: {refused}); it answered {status}: {}",
+                        refused.reason(),
+                        truncate(&String::from_utf8_lossy(&body))
                     ),
                 }
             }
         };
-        let answer = rail_answer::Answer {
-            request_id: &request_id,
-            method: "POST",
-            path_and_query: &path_and_query,
-            request_body: &order,
-            status,
-            signed_at_unix_ms: 0,
-            body: &body,
-        };
-        if let Err(refused) = self.authenticate("pay", &answer, signature.as_deref()) {
-            return RailAnswer::Ambiguous {
-                detail: format!(
-                    "unauthenticated rail answer ({}: {refused}); it answered {status}: {}",
-                    refused.reason(),
-                    truncate(&String::from_utf8_lossy(&body))
-                ),
-            };
-        }
         let body = String::from_utf8_lossy(&body);
         match serde_json::from_str::<PaymentAnswer>(&body) {
             Ok(PaymentAnswer {
@@ -357,51 +341,27 @@ impl Rail {
     }
 
     async fn movements_untimed(&self, client_reference: &str) -> RailLookup {
-        let request_id = rail_answer::request_id();
-        let sent = self
+        let request = self
             .http
             .get(format!("{}/v1/payments", self.base_url))
             .query(&[("client_reference", client_reference)])
-            .header(rail_answer::REQUEST_ID_HEADER, &request_id)
-            .timeout(Duration::from_millis(RAIL_LOOKUP_TIMEOUT_MS))
-            .send()
-            .await;
-        let response = match sent {
-            Ok(response) => response,
-            Err(e) => {
+            .timeout(Duration::from_millis(RAIL_LOOKUP_TIMEOUT_MS));
+        let (status, body) = match self.exchange("lookup", "GET", request, b"").await {
+            Ok(answered) => answered,
+            Err(Unanswered::Transport(error) | Unanswered::Body { error, .. }) => {
                 return RailLookup::Unknown {
-                    detail: format!("rail lookup failed: {}", transport_detail(&e)),
+                    detail: format!("rail lookup failed: {}", transport_detail(&error)),
+                }
+            }
+            Err(Unanswered::Unauthenticated { refused, .. }) => {
+                return RailLookup::Unknown {
+                    detail: format!(
+                        "unauthenticated rail lookup answer ({}: {refused})",
+                        refused.reason()
+                    ),
                 }
             }
         };
-        let status = response.status().as_u16();
-        let path_and_query = path_and_query(response.url());
-        let signature = signature_header(&response);
-        let body = match response.bytes().await {
-            Ok(body) => body,
-            Err(e) => {
-                return RailLookup::Unknown {
-                    detail: format!("rail lookup failed: {}", transport_detail(&e)),
-                }
-            }
-        };
-        let answer = rail_answer::Answer {
-            request_id: &request_id,
-            method: "GET",
-            path_and_query: &path_and_query,
-            request_body: b"",
-            status,
-            signed_at_unix_ms: 0,
-            body: &body,
-        };
-        if let Err(refused) = self.authenticate("lookup", &answer, signature.as_deref()) {
-            return RailLookup::Unknown {
-                detail: format!(
-                    "unauthenticated rail lookup answer ({}: {refused})",
-                    refused.reason()
-                ),
-            };
-        }
         if !(200..300).contains(&status) {
             return RailLookup::Unknown {
                 detail: format!("rail lookup answered {status}"),
@@ -437,6 +397,49 @@ impl Rail {
         }
     }
 
+    /// Sends `request` (its `method`, carrying `request_body`) once with a fresh request id, and
+    /// reads the answer: its status and body only if the rail signed them for exactly this
+    /// request ([`Rail::authenticate`]).
+    async fn exchange(
+        &self,
+        operation: &'static str,
+        method: &'static str,
+        request: reqwest::RequestBuilder,
+        request_body: &[u8],
+    ) -> Result<(u16, Vec<u8>), Unanswered> {
+        let request_id = rail_answer::request_id();
+        let response = request
+            .header(rail_answer::REQUEST_ID_HEADER, &request_id)
+            .send()
+            .await
+            .map_err(Unanswered::Transport)?;
+        let status = response.status().as_u16();
+        let path_and_query = path_and_query(response.url());
+        let signature = signature_header(&response);
+        let body: Vec<u8> = response
+            .bytes()
+            .await
+            .map_err(|error| Unanswered::Body { status, error })?
+            .into();
+        let answer = rail_answer::Answer {
+            request_id: &request_id,
+            method,
+            path_and_query: &path_and_query,
+            request_body,
+            status,
+            signed_at_unix_ms: 0,
+            body: &body,
+        };
+        match self.authenticate(operation, &answer, signature.as_deref()) {
+            Ok(()) => Ok((status, body)),
+            Err(refused) => Err(Unanswered::Unauthenticated {
+                status,
+                refused,
+                body,
+            }),
+        }
+    }
+
     /// Whether `answer` carries the rail's signature (`header`) over exactly itself; a refusal
     /// is counted and logged as an alert.
     fn authenticate(
@@ -463,6 +466,20 @@ impl Rail {
                 );
             })
     }
+}
+
+/// Why one exchange with the rail gave nothing to believe.
+enum Unanswered {
+    /// Sending, or waiting for the status: nothing was heard.
+    Transport(reqwest::Error),
+    /// The status came, the body did not.
+    Body { status: u16, error: reqwest::Error },
+    /// An answer came that the rail did not sign for this request.
+    Unauthenticated {
+        status: u16,
+        refused: Unauthenticated,
+        body: Vec<u8>,
+    },
 }
 
 /// The request's path and query as the rail received it (what its signature covers).

@@ -187,7 +187,8 @@ pub struct SilenceWatch {
     active: service_kit::prometheus::IntGauge,
     last_success: service_kit::prometheus::Gauge,
     failures: service_kit::prometheus::IntCounter,
-    /// Silences already logged as covering a guarded rule (each is logged once).
+    /// Silences already logged as covering a guarded rule and still covering one (each is logged
+    /// once while it does).
     reported: BTreeSet<String>,
 }
 
@@ -325,6 +326,12 @@ impl SilenceWatch {
                 return Err(e);
             }
         };
+        // The count first: a scrape between the two sets never pairs a new coverage with an
+        // older count.
+        self.active.set(finding.active_silences as i64);
+        // Only silences still covering are remembered (one log line each while they last).
+        self.reported
+            .retain(|id| finding.covered.values().any(|by| by.contains(id)));
         for (rule, by) in &finding.covered {
             self.silenced
                 .with_label_values(&[rule])
@@ -342,7 +349,6 @@ impl SilenceWatch {
                 }
             }
         }
-        self.active.set(finding.active_silences as i64);
         self.last_success.set(unix_seconds_now());
         Ok(finding)
     }
