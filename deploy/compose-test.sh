@@ -98,6 +98,8 @@ echo "TIMING grant signing key: $(secs "$t")"
 # process's certificate: AUTHORITY FOLDER ROLE NAME, and AUTHORITY FOLDER NAME --host ... .
 fresh_authority() { rm -rf "$1"; mkdir -p "$(dirname "$1")"; target/debug/payoutctl pki init --authority "$1" > /dev/null 2>&1; chmod 700 "$1"; }
 fresh_folder() { rm -rf "$1"; mkdir -p "$1"; chmod 711 "$1"; }
+# A fresh password: 24 random bytes in hex.
+pw() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
 issue() { target/debug/payoutctl pki issue --authority "$1" --out "$2/$4" --role "$3" --name "$4" > /dev/null; }
 issue_server() { local authority="$1" folder="$2" name="$3"; shift 3; target/debug/payoutctl pki issue-server --authority "$authority" --out "$folder/$name" --name "$name" "$@" > /dev/null; }
 AUTHORITY_DIR="$ROOT/target/compose-test/authority"
@@ -162,13 +164,50 @@ target/debug/payoutctl keys ui-user --name compose-operator \
 chmod 644 "$KEY_DIR/temporal-ui.htpasswd"
 export PAYOUT_TEMPORAL_UI_HTPASSWD="$KEY_DIR/temporal-ui.htpasswd"
 export PAYOUT_TEMPORAL_UI_PASSWORD_FILE="$KEY_DIR/temporal-ui.password"
+# Monitoring access (deploy/README.md, "Monitoring access"; issue 34, row 3a): Prometheus and
+# Alertmanager serve TLS with certificates of the deployment's authority and ask every caller for
+# one of three logins, `prometheus` (Prometheus's own calls), `silence-watch` and `operator`
+# (people; here the suite, from the host). Each container's folder holds what it needs only: its
+# certificate, key and web configuration (bcrypt hashes, made by Debian's htpasswd), and the
+# password of the login it uses itself; the operator's password stays with the suite's secrets.
+MONITORING_TLS_DIR="$KEY_DIR/monitoring-tls"
+fresh_folder "$MONITORING_TLS_DIR"
+hash_of() { printf '%s' "$2" | htpasswd -niBC 6 "$1" | head -1 | cut -d: -f2-; }
+PROMETHEUS_PASSWORD="$(pw)"; SILENCE_WATCH_PASSWORD="$(pw)"; MONITORING_OPERATOR_PASSWORD="$(pw)"
+for part in prometheus alertmanager; do
+    issue_server "$AUTHORITY_DIR" "$MONITORING_TLS_DIR" "$part" --host "$part" --host 127.0.0.1 --host localhost
+    cat > "$MONITORING_TLS_DIR/$part/web-config.yml" <<YAML
+tls_server_config:
+  cert_file: /run/monitoring-tls/$part.pem
+  key_file: /run/monitoring-tls/$part.key
+  min_version: TLS12
+basic_auth_users:
+  prometheus: '$(hash_of prometheus "$PROMETHEUS_PASSWORD")'
+  silence-watch: '$(hash_of silence-watch "$SILENCE_WATCH_PASSWORD")'
+  operator: '$(hash_of operator "$MONITORING_OPERATOR_PASSWORD")'
+YAML
+done
+printf '%s' "$PROMETHEUS_PASSWORD" > "$MONITORING_TLS_DIR/prometheus/prometheus.password"
+mkdir -p "$MONITORING_TLS_DIR/silence-watch"
+cp "$AUTHORITY_DIR/ca.pem" "$MONITORING_TLS_DIR/silence-watch/ca.pem"
+printf '%s' "$SILENCE_WATCH_PASSWORD" > "$MONITORING_TLS_DIR/silence-watch/silence-watch.password"
+rm -f "$KEY_DIR/monitoring-operator.password"
+(umask 077; printf '%s' "$MONITORING_OPERATOR_PASSWORD" > "$KEY_DIR/monitoring-operator.password")
+chmod 755 "$MONITORING_TLS_DIR"/*/
+chmod 644 "$MONITORING_TLS_DIR"/*/*.pem "$MONITORING_TLS_DIR"/*/web-config.yml
+chmod 600 "$MONITORING_TLS_DIR"/*/*.key "$MONITORING_TLS_DIR"/*/*.password
+docker run --rm --user 0 --entrypoint sh -v "$MONITORING_TLS_DIR:/tls" "payout/monitoring:${PAYOUT_SERVICES_TAG:-dev}" \
+    -c 'chown prometheus /tls/prometheus/prometheus.key /tls/prometheus/prometheus.password /tls/alertmanager/alertmanager.key'
+docker run --rm --user 0 -v "$MONITORING_TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
+    sh -c 'chown payout /tls/silence-watch/silence-watch.password'
+export PAYOUT_MONITORING_TLS_DIR="$MONITORING_TLS_DIR"
+export PAYOUT_MONITORING_OPERATOR_PASSWORD_FILE="$KEY_DIR/monitoring-operator.password"
 export PAYOUT_TLS_AUTHORITY_DIR="$AUTHORITY_DIR"
 export PAYOUT_ETCD_AUTHORITY_DIR="$ETCD_AUTHORITY_DIR" PAYOUT_ETCD_TLS_DIR="$ETCD_TLS_DIR"
 export PAYOUT_TLS_DIR="$TLS_DIR" PAYOUT_FIXTURE_ACCOUNTS=true
 
 # This run's database passwords: one per login, generated, never written to the repository
 # (compose refuses to start without any of them; deploy/README.md, "Database roles").
-pw() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
 export PAYOUT_DB_ADMIN_PASSWORD="$(pw)"
 for login in PAYOUT_OWNER PAYMENT_RESOURCE OUTBOX_DISPATCHER RECONCILER RAIL_PROXY GENERAL_LEDGER LOCK_SERVER; do
     export "PAYOUT_DB_PASSWORD_$login=$(pw)"

@@ -9,11 +9,12 @@ need_apt=()
 # libprotobuf-dev carries google/protobuf/*.proto, which etcd-client's build imports; it is only a
 # Recommends of protobuf-compiler, so --no-install-recommends would leave it out. iproute2 and
 # iptables make the network namespaces of the fault-injection suite's partitions. prometheus
-# (with promtool) and prometheus-alertmanager run the alerting of deploy/monitoring. chromium takes
-# the Temporal UI screenshots of scripts/ui-screenshots.sh (headless). nginx is the mutual-TLS
-# front before the Temporal dev server (which has no TLS or login of its own); curl is how the
-# front's tests reach its UI over TLS.
-for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables prometheus prometheus-alertmanager chromium nginx curl; do
+# (with promtool) and prometheus-alertmanager run the alerting of deploy/monitoring; apache2-utils
+# has htpasswd, which makes the bcrypt hashes of their logins (the only hash they read). chromium
+# takes the Temporal UI screenshots of scripts/ui-screenshots.sh (headless). nginx is the
+# mutual-TLS front before the Temporal dev server (which has no TLS or login of its own); curl is
+# how the front's tests reach its UI over TLS.
+for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables prometheus prometheus-alertmanager apache2-utils chromium nginx curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

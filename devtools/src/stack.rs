@@ -239,7 +239,11 @@ pub(crate) async fn alerting_report(dir: &Path) -> anyhow::Result<AlertingReport
             .and_then(|p| part_port(p, &record))
             .with_context(|| format!("the stack's record has no {name}"))
     };
-    let api = testkit::monitoring::Api::new(port_of("prometheus")?, port_of("alertmanager")?)?;
+    let api = testkit::monitoring::Api::open(
+        &dir.join("monitoring"),
+        port_of("prometheus")?,
+        port_of("alertmanager")?,
+    )?;
     let health = api.alerting_health(&dir.join("monitoring")).await?;
     let named = |labels: &std::collections::BTreeMap<String, String>| {
         let name = labels.get("alertname").cloned().unwrap_or_default();
@@ -662,14 +666,8 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         )
         .await?;
         let mut monitoring_parts = vec![
-            (
-                &monitoring.prometheus,
-                format!("http://127.0.0.1:{}", monitoring.prometheus_port),
-            ),
-            (
-                &monitoring.alertmanager,
-                format!("http://127.0.0.1:{}", monitoring.alertmanager_port),
-            ),
+            (&monitoring.prometheus, monitoring.prometheus_url("")),
+            (&monitoring.alertmanager, monitoring.alertmanager_url("")),
         ];
         // The silence watch (issue 34): its own part, so status shows it and down stops it.
         if let (Some(watch), Some(port)) =
@@ -865,6 +863,14 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
             record.ui_url(),
             StackRecord::temporal_ui_password_file(dir).display()
         );
+        let monitoring = dir.join("monitoring");
+        println!(
+            "Prometheus and Alertmanager: TLS and a login (user {}, password in {}, authority {})",
+            testkit::monitoring::OPERATOR_USER,
+            testkit::monitoring::password_file(&monitoring, testkit::monitoring::OPERATOR_USER)
+                .display(),
+            testkit::monitoring::ca_file(&monitoring).display()
+        );
         println!(
             "Temporal frontend: {} (namespace default), through its mutual-TLS front:",
             record.temporal_address()
@@ -920,7 +926,7 @@ async fn health(part: &Part, record: &StackRecord, dir: &Path) -> (bool, Option<
         return (false, Some("no port in its address".into()));
     };
     let checked = async {
-        testkit::monitoring::Api::new(prometheus, alertmanager)?
+        testkit::monitoring::Api::open(&dir.join("monitoring"), prometheus, alertmanager)?
             .alerting_health(&dir.join("monitoring"))
             .await
     };
@@ -980,14 +986,24 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
             return testkit::util::http_get(*metrics, "/metrics", Duration::from_secs(2))
                 .is_ok_and(|(code, _)| code == 200);
         }
-        // Both answer 200 on /-/ready once their configuration is loaded.
+        // Both answer 200 on /-/ready once their configuration is loaded (over TLS, to the
+        // operator's login: testkit::monitoring).
         "prometheus" | "alertmanager" => {
-            return testkit::util::http_get(
-                port(&part.address),
-                "/-/ready",
-                Duration::from_secs(2),
-            )
-            .is_ok_and(|(code, _)| code == 200);
+            let port = port(&part.address);
+            let Ok(api) = testkit::monitoring::Api::open(&dir.join("monitoring"), port, port)
+            else {
+                return false;
+            };
+            let url = if part.name == "prometheus" {
+                api.prometheus_url("/-/ready")
+            } else {
+                api.alertmanager_url("/-/ready")
+            };
+            return api
+                .get(&url)
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
         }
         // Both serve /metrics (the silence watch is up when it serves, whether or not its last
         // look succeeded: SilenceWatchBlind says that).

@@ -117,7 +117,8 @@ async fn the_readme_stack_with_its_relative_state_dir_loads_its_rules_and_a_stal
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", status(&root).1));
     assert_eq!(part(&status_now, "prometheus")["healthy"], true);
-    let api = testkit::monitoring::Api::new(base + 30, base + 31).unwrap();
+    let api =
+        testkit::monitoring::Api::open(&state.join("monitoring"), base + 30, base + 31).unwrap();
     let health = testkit::eventually(HEALTHY_WITHIN, "rules loaded and targets up", || async {
         let h = api.alerting_health(&state.join("monitoring")).await.ok()?;
         h.problems().is_empty().then_some(h)

@@ -11,7 +11,10 @@
 //! - issue 34, rows 3b/3c: a silence over a page alert pages (`PageAlertSilenced`, naming it), a
 //!   silence over a ticket alert does not, and a silence over everything stops the `Watchdog`
 //!   heartbeat (what an external dead man's switch pages on); the control: without the silence
-//!   watch the same silence pages nobody, and `SilenceWatchBlind` fires instead.
+//!   watch the same silence pages nobody, and `SilenceWatchBlind` fires instead;
+//! - issue 34, row 3a: both APIs answer only over TLS and only to a login (an anonymous silence
+//!   over everything, a fake page, a query: refused); the control: the same Alertmanager without
+//!   its web configuration takes the anonymous silence and the fake page.
 
 use std::time::Duration;
 
@@ -271,7 +274,7 @@ async fn watchers_only(silence_watch: bool) -> (tempfile::TempDir, Monitoring) {
 }
 
 /// Silences every alert whose name matches `alertname` (a regex if `is_regex`) for a day, as
-/// `created_by` (anyone who reaches Alertmanager's API); the silence's id.
+/// `created_by` (with the operator's login: any operator may silence); the silence's id.
 async fn silence_for_a_day(
     monitoring: &Monitoring,
     alertname: &str,
@@ -289,7 +292,7 @@ async fn silence_for_a_day(
         .unwrap()
 }
 
-/// Rows 3b and 3c: anyone who reaches Alertmanager's API silences `FencedOut` for a day. The
+/// Rows 3b and 3c: an operator (any holder of the login) silences `FencedOut` for a day. The
 /// silence watch sees that an active silence covers a page rule and `PageAlertSilenced` reaches
 /// Alertmanager (the silence does not cover it) naming `FencedOut`; a silence over a ticket
 /// alert pages nobody. A silence over everything also covers the watchers: the `Watchdog`
@@ -363,4 +366,156 @@ async fn negative_control_without_the_silence_watch_a_silenced_page_pages_nobody
             .any(|a| a == "PageAlertSilenced" || a == monitoring::WATCHDOG),
         "nobody watches: no page for the silence, no heartbeat: {firing:?} / {firing_now:?}"
     );
+}
+
+/// The JSON answer of a request that must succeed.
+async fn json_of(request: reqwest::RequestBuilder) -> serde_json::Value {
+    let response = request.send().await.unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    response.json().await.unwrap()
+}
+
+/// What an anonymous caller tries against Alertmanager's API (row 3a): silence every alert
+/// until 2099, and inject a fake page whose text reads like a runbook. Each answer's HTTP status
+/// (or the transport error, in words) and, for an accepted silence, its id.
+async fn anonymous_attempts(http: &reqwest::Client, base: &str) -> Vec<Result<u16, String>> {
+    let silence = serde_json::json!({
+        "matchers": [{"name": "alertname", "value": ".+", "isRegex": true, "isEqual": true}],
+        "startsAt": "2026-01-01T00:00:00Z",
+        "endsAt": "2099-01-01T00:00:00Z",
+        "createdBy": "intruder",
+        "comment": "maintenance",
+    });
+    let fake = serde_json::json!([{
+        "labels": {"alertname": "FencedOut", "severity": "page", "guard": "payment_resource"},
+        "annotations": {"runbook": "run `payoutctl lock revoke --all` now"},
+    }]);
+    let mut answers = Vec::new();
+    for (path, body) in [("/api/v2/silences", silence), ("/api/v2/alerts", fake)] {
+        let sent = http.post(format!("{base}{path}")).json(&body).send().await;
+        answers.push(
+            sent.map(|r| r.status().as_u16())
+                .map_err(|e| format!("{e:?}")),
+        );
+    }
+    answers
+}
+
+/// Row 3a: Prometheus and Alertmanager answer only over TLS, and only to a login. From the
+/// network, with no login: plain HTTP is refused (400, "client sent an HTTP request to an HTTPS
+/// server"); over TLS, the silence over everything and the fake page are refused 401, and so are
+/// a Prometheus query and a wrong password; no silence and no fake alert is there afterwards. The
+/// operator's login reads both. (The control is the next test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_monitoring_apis_refuse_an_anonymous_caller() {
+    let (_dir, monitoring) = watchers_only(true).await;
+    let plain = reqwest::Client::new();
+    let over_http = anonymous_attempts(
+        &plain,
+        &format!("http://127.0.0.1:{}", monitoring.alertmanager_port),
+    )
+    .await;
+    assert_eq!(
+        over_http,
+        [Ok(400), Ok(400)],
+        "plain HTTP to a TLS-only API"
+    );
+
+    let anonymous = monitoring::Api::with_login(
+        &monitoring.dir,
+        monitoring.prometheus_port,
+        monitoring.alertmanager_port,
+        None,
+    )
+    .unwrap();
+    let tls = reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(
+            reqwest::Certificate::from_pem(
+                &std::fs::read(monitoring::ca_file(&monitoring.dir)).unwrap(),
+            )
+            .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let over_tls = anonymous_attempts(&tls, &monitoring.alertmanager_url("")).await;
+    assert_eq!(over_tls, [Ok(401), Ok(401)], "over TLS without a login");
+    for (who, api) in [
+        ("no login", anonymous),
+        (
+            "the operator with a wrong password",
+            monitoring::Api::with_login(
+                &monitoring.dir,
+                monitoring.prometheus_port,
+                monitoring.alertmanager_port,
+                Some((monitoring::OPERATOR_USER.into(), "not-the-password".into())),
+            )
+            .unwrap(),
+        ),
+    ] {
+        let query = api
+            .get(&api.prometheus_url("/api/v1/query?query=up"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(query.status().as_u16(), 401, "{who}: a Prometheus query");
+        let silence = api
+            .create_silence(
+                &[("alertname", ".+", true)],
+                "intruder",
+                "",
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(
+            silence
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("401")),
+            "{who}: a silence: {silence:?}"
+        );
+    }
+
+    // The operator reads both, and nothing the attempts sent is there.
+    let status = monitoring
+        .get(&monitoring.alertmanager_url("/api/v2/status"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(status.status().as_u16(), 200);
+    let silences = json_of(monitoring.get(&monitoring.alertmanager_url("/api/v2/silences"))).await;
+    assert_eq!(silences, serde_json::json!([]), "no silence was created");
+    let alerts = heartbeat_only(&monitoring).await;
+    assert!(
+        alerts.iter().all(|a| a.name() != "FencedOut"),
+        "no fake page was accepted: {alerts:?}"
+    );
+}
+
+/// The control of row 3a: the same Alertmanager, its configuration and version, started without
+/// its web configuration (as every deployment ran it before issue 34) takes both anonymous
+/// requests: the silence over everything until 2099 and the fake page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn negative_control_without_its_web_configuration_alertmanager_takes_an_anonymous_silence() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = testkit::util::free_port();
+    let alertmanager = testkit::process::ManagedProcess::start(
+        monitoring::alertmanager_spec(dir.path(), port, None).unwrap(),
+    )
+    .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let plain = reqwest::Client::new();
+    testkit::eventually(TARGETS_UP_TIMEOUT, "alertmanager ready", || async {
+        let r = plain.get(format!("{base}/-/ready")).send().await.ok()?;
+        r.status().is_success().then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", alertmanager.log_path().display()));
+    let answers = anonymous_attempts(&plain, &base).await;
+    assert_eq!(
+        answers,
+        [Ok(200), Ok(200)],
+        "an open Alertmanager takes both"
+    );
+    let silences = json_of(plain.get(format!("{base}/api/v2/silences"))).await;
+    assert_eq!(silences[0]["createdBy"], "intruder", "{silences}");
 }

@@ -50,9 +50,22 @@ pub fn ui_user(name: &str) -> Result<UiUser, UiUserError> {
     {
         return Err(UiUserError::BadName(name.to_string()));
     }
+    let password = random_password()?;
     let random = SystemRandom::new();
-    let mut bytes = [0u8; PASSWORD_LEN];
-    random.fill(&mut bytes).map_err(|_| UiUserError::Random)?;
+    let mut salt = [0u8; SALT_LEN];
+    random.fill(&mut salt).map_err(|_| UiUserError::Random)?;
+    let line = ssha_line(name, &password, &salt);
+    Ok(UiUser {
+        name: name.to_string(),
+        password,
+        line,
+    })
+}
+
+/// A new random password: [`PASSWORD_LEN`] letters and digits, each equally likely (also the
+/// monitoring logins' passwords, whose bcrypt lines `htpasswd` makes).
+pub fn random_password() -> Result<String, UiUserError> {
+    let random = SystemRandom::new();
     // 256 is not a multiple of 62: the few values above the last whole multiple are drawn again,
     // so every character is equally likely.
     let limit = (256 / PASSWORD_ALPHABET.len() * PASSWORD_ALPHABET.len()) as u8;
@@ -64,14 +77,7 @@ pub fn ui_user(name: &str) -> Result<UiUser, UiUserError> {
             password.push(PASSWORD_ALPHABET[byte[0] as usize % PASSWORD_ALPHABET.len()] as char);
         }
     }
-    let mut salt = [0u8; SALT_LEN];
-    random.fill(&mut salt).map_err(|_| UiUserError::Random)?;
-    let line = ssha_line(name, &password, &salt);
-    Ok(UiUser {
-        name: name.to_string(),
-        password,
-        line,
-    })
+    Ok(password)
 }
 
 /// `name:{SSHA}base64(sha1(password ‖ salt) ‖ salt)`.

@@ -6,6 +6,14 @@
 //! service discovery (`targets/*.json`), one group per job, so a part that starts later is added by
 //! writing its file; Prometheus also scrapes itself and Alertmanager (jobs `prometheus`,
 //! `alertmanager`).
+//!
+//! Both APIs answer only over TLS and only with a login (issue 34: one anonymous POST used to
+//! silence every page): each binary's `--web.config.file` (`web-config.yml`) serves a certificate
+//! of the monitoring's own authority (`pki/`) and lists the bcrypt hashes of three users,
+//! [`PROMETHEUS_USER`] (Prometheus's own calls to Alertmanager and its scrapes of both),
+//! [`SILENCE_WATCH_USER`] and [`OPERATOR_USER`] (people, the tests, `payoutdev`), whose passwords
+//! are in `credentials/<user>.password` (0600), made afresh at every start. [`Api::open`] reads
+//! the authority and the operator's password from there.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,6 +35,103 @@ const API_CALL_TIMEOUT_MS: u64 = 2_000;
 
 /// The silence watch's process and scrape job name.
 pub const SILENCE_WATCH_JOB: &str = "silence-watch";
+
+/// The login Prometheus uses for Alertmanager and for its scrapes of itself and Alertmanager.
+pub const PROMETHEUS_USER: &str = "prometheus";
+/// The silence watch's login (it reads Prometheus's rules and Alertmanager's silences).
+pub const SILENCE_WATCH_USER: &str = "silence-watch";
+/// People's login: the UIs, `amtool`, the tests, `payoutdev stack status`.
+pub const OPERATOR_USER: &str = "operator";
+const USERS: [&str; 3] = [PROMETHEUS_USER, SILENCE_WATCH_USER, OPERATOR_USER];
+/// bcrypt's cost for the logins' hashes: the passwords are 32 random characters (about 190 bits),
+/// so the work factor protects nothing, and every API call and scrape pays it on 2 cores.
+const BCRYPT_COST: u32 = 6;
+/// The web configuration both binaries read (`--web.config.file`); absent when the API was left
+/// open (a test's negative control).
+pub const WEB_CONFIG: &str = "web-config.yml";
+
+/// The authority that signed both APIs' certificate, under a monitoring directory.
+pub fn ca_file(dir: &Path) -> PathBuf {
+    dir.join(crate::pki::DIR).join("ca.pem")
+}
+
+/// Where a login's password is kept under a monitoring directory.
+pub fn password_file(dir: &Path, user: &str) -> PathBuf {
+    dir.join("credentials").join(format!("{user}.password"))
+}
+
+/// `user:$2y$06$...`: the bcrypt line of `password`, made by Debian's `htpasswd` (apache2-utils;
+/// Prometheus and Alertmanager read no other hash), the password given on standard input.
+pub fn bcrypt_line(user: &str, password: &str) -> anyhow::Result<String> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("htpasswd")
+        .args(["-niBC", &BCRYPT_COST.to_string(), user])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("htpasswd (Debian's apache2-utils; scripts/setup.sh installs it)")?;
+    child
+        .stdin
+        .take()
+        .context("htpasswd's standard input")?
+        .write_all(password.as_bytes())?;
+    let out = child.wait_with_output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "htpasswd: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8(out.stdout)?;
+    let line = line.lines().next().unwrap_or_default().to_string();
+    anyhow::ensure!(
+        line.starts_with(&format!("{user}:$2")),
+        "htpasswd printed no bcrypt line: {line:?}"
+    );
+    Ok(line)
+}
+
+/// Makes the monitoring's TLS and logins under `dir`: its authority (`pki/`, kept across starts),
+/// a server certificate naming `127.0.0.1` and `localhost` (`tls/`), a fresh password per user
+/// (`credentials/`, 0600) and `web-config.yml` with their bcrypt hashes. Returns the config's path.
+fn write_web_config(dir: &Path) -> anyhow::Result<PathBuf> {
+    let pki = crate::pki::Pki::in_dir(dir)?;
+    let server = pki.issue_named(&["127.0.0.1", "localhost"], "monitoring")?;
+    let tls = dir.join("tls");
+    std::fs::create_dir_all(&tls)?;
+    let (cert, key) = (tls.join("monitoring.pem"), tls.join("monitoring.key"));
+    let _ = std::fs::remove_file(&key);
+    std::fs::write(&cert, &server.cert_pem)?;
+    crate::grants::write_secret(&key, &server.key_pem)?;
+    let credentials = dir.join("credentials");
+    std::fs::create_dir_all(&credentials)?;
+    std::fs::set_permissions(
+        &credentials,
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )?;
+    let mut users = String::new();
+    for user in USERS {
+        let password = mtls::htpasswd::random_password()?;
+        let file = password_file(dir, user);
+        let _ = std::fs::remove_file(&file);
+        crate::grants::write_secret(&file, &password)?;
+        let line = bcrypt_line(user, &password)?;
+        let hash = line.split_once(':').map(|(_, h)| h).unwrap_or_default();
+        users.push_str(&format!("  {user}: '{hash}'\n"));
+    }
+    let config = dir.join(WEB_CONFIG);
+    std::fs::write(
+        &config,
+        format!(
+            "# Written by testkit::monitoring: TLS and the logins of Prometheus's and \
+             Alertmanager's APIs.\ntls_server_config:\n  cert_file: {}\n  key_file: {}\n  \
+             min_version: TLS12\nbasic_auth_users:\n{users}",
+            cert.display(),
+            key.display()
+        ),
+    )?;
+    Ok(config)
+}
 
 /// deploy/monitoring in the checkout.
 pub fn config_dir() -> PathBuf {
@@ -150,6 +255,8 @@ impl std::ops::Deref for Monitoring {
 pub struct Api {
     pub prometheus_port: u16,
     pub alertmanager_port: u16,
+    /// The login sent on every call (none: an anonymous caller).
+    login: Option<(String, String)>,
     http: reqwest::Client,
 }
 
@@ -205,6 +312,8 @@ pub fn prometheus_config(
     targets_dir: &Path,
     alertmanager: &str,
     prometheus: &str,
+    ca_file: &Path,
+    password_file: &Path,
 ) -> anyhow::Result<String> {
     let template = std::fs::read_to_string(config_dir().join("prometheus.yml.in"))?;
     let interval = format!("{}ms", interval.as_millis());
@@ -213,17 +322,54 @@ pub fn prometheus_config(
     // rendered as given made the local stack's Prometheus load no rule and scrape nothing.
     let rules_file = std::path::absolute(rules_file)?;
     let targets_dir = std::path::absolute(targets_dir)?;
+    let ca_file = std::path::absolute(ca_file)?;
+    let password_file = std::path::absolute(password_file)?;
     Ok(template
         .replace("@INTERVAL@", &interval)
+        .replace("@MONITORING_CA@", &ca_file.display().to_string())
+        .replace(
+            "@PROMETHEUS_PASSWORD_FILE@",
+            &password_file.display().to_string(),
+        )
         .replace("@RULES_FILE@", &rules_file.display().to_string())
         .replace("@TARGETS_DIR@", &targets_dir.display().to_string())
         .replace("@ALERTMANAGER@", alertmanager)
         .replace("@PROMETHEUS@", prometheus))
 }
 
+/// An Alertmanager with the project's configuration (copied into `dir`), its data under `dir`,
+/// listening on `127.0.0.1:port`, behind `web_config` (TLS and logins) when one is given; with
+/// none its API is open to anyone, as it was before issue 34 (a test's negative control only).
+pub fn alertmanager_spec(
+    dir: &Path,
+    port: u16,
+    web_config: Option<&Path>,
+) -> anyhow::Result<ProcessSpec> {
+    let config = dir.join("alertmanager.yml");
+    std::fs::copy(config_dir().join("alertmanager.yml"), &config)?;
+    let mut spec = ProcessSpec::new(
+        "alertmanager",
+        ALERTMANAGER_BIN,
+        dir.join("alertmanager.log"),
+    )
+    .arg(format!("--config.file={}", config.display()))
+    .arg(format!(
+        "--storage.path={}",
+        dir.join("alertmanager-data").display()
+    ))
+    .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+    // No gossip cluster: a single instance, and no fixed port shared between stacks.
+    .arg("--cluster.listen-address=");
+    if let Some(web_config) = web_config {
+        spec = spec.arg(format!("--web.config.file={}", web_config.display()));
+    }
+    Ok(spec)
+}
+
 impl Monitoring {
     /// Starts Alertmanager, then Prometheus scraping `targets` with the project's rules (minus
-    /// `options.without_alerts`), state and logs under `dir`, and waits until both are ready.
+    /// `options.without_alerts`), both behind TLS and logins (`web-config.yml`), then the silence
+    /// watch; state and logs under `dir`; waits until both APIs are ready.
     pub async fn start(
         dir: &Path,
         targets: &[Target],
@@ -236,6 +382,7 @@ impl Monitoring {
         let rules = std::fs::read_to_string(config_dir().join("alerts.yml"))?;
         let rules_file = dir.join("alerts.yml");
         std::fs::write(&rules_file, rules_without(&rules, &options.without_alerts)?)?;
+        let web_config = write_web_config(dir)?;
         let am_port = options.alertmanager_port.unwrap_or_else(free_port);
         let prom_port = options.prometheus_port.unwrap_or_else(free_port);
         let watch_port = options.silence_watch_port.unwrap_or_else(free_port);
@@ -244,23 +391,8 @@ impl Monitoring {
             targets.push(Target::local(SILENCE_WATCH_JOB, watch_port));
         }
         write_targets(dir, &targets)?;
-        let am_config = dir.join("alertmanager.yml");
-        std::fs::copy(config_dir().join("alertmanager.yml"), &am_config)?;
         let alertmanager = ManagedProcess::start(
-            ProcessSpec::new(
-                "alertmanager",
-                ALERTMANAGER_BIN,
-                dir.join("alertmanager.log"),
-            )
-            .arg(format!("--config.file={}", am_config.display()))
-            .arg(format!(
-                "--storage.path={}",
-                dir.join("alertmanager-data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{am_port}"))
-            // No gossip cluster: a single instance, and no fixed port shared between stacks.
-            .arg("--cluster.listen-address=")
-            .lifetime(options.lifetime),
+            alertmanager_spec(dir, am_port, Some(&web_config))?.lifetime(options.lifetime),
         )?;
         let prom_config = dir.join("prometheus.yml");
         std::fs::write(
@@ -271,6 +403,8 @@ impl Monitoring {
                 &dir.join("targets"),
                 &format!("127.0.0.1:{am_port}"),
                 &format!("127.0.0.1:{prom_port}"),
+                &ca_file(dir),
+                &password_file(dir, PROMETHEUS_USER),
             )?,
         )?;
         let prometheus = ManagedProcess::start(
@@ -281,6 +415,7 @@ impl Monitoring {
                     dir.join("prometheus-data").display()
                 ))
                 .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+                .arg(format!("--web.config.file={}", web_config.display()))
                 .lifetime(options.lifetime),
         )?;
         let silence_watch = if options.silence_watch {
@@ -291,8 +426,14 @@ impl Monitoring {
                     dir.join("silence-watch.log"),
                 )
                 .arg("watch-silences")
-                .arg(format!("--prometheus-url=http://127.0.0.1:{prom_port}"))
-                .arg(format!("--alertmanager-url=http://127.0.0.1:{am_port}"))
+                .arg(format!("--prometheus-url=https://127.0.0.1:{prom_port}"))
+                .arg(format!("--alertmanager-url=https://127.0.0.1:{am_port}"))
+                .arg(format!("--ca-file={}", ca_file(dir).display()))
+                .arg(format!("--username={SILENCE_WATCH_USER}"))
+                .arg(format!(
+                    "--password-file={}",
+                    password_file(dir, SILENCE_WATCH_USER).display()
+                ))
                 .arg(format!("--metrics-listen=127.0.0.1:{watch_port}"))
                 .arg(format!(
                     "--interval-ms={}",
@@ -309,13 +450,19 @@ impl Monitoring {
             alertmanager,
             silence_watch_port: silence_watch.as_ref().map(|_| watch_port),
             silence_watch,
-            api: Api::new(prom_port, am_port)?,
+            api: Api::open(dir, prom_port, am_port)?,
         };
-        for (port, path, process) in [
-            (am_port, "/-/ready", &monitoring.alertmanager),
-            (prom_port, "/-/ready", &monitoring.prometheus),
+        for (url, process) in [
+            (
+                monitoring.alertmanager_url("/-/ready"),
+                &monitoring.alertmanager,
+            ),
+            (
+                monitoring.prometheus_url("/-/ready"),
+                &monitoring.prometheus,
+            ),
         ] {
-            let http = monitoring.http.clone();
+            let api = monitoring.api.clone();
             eventually(
                 Duration::from_millis(READY_TIMEOUT_MS),
                 &format!(
@@ -324,13 +471,9 @@ impl Monitoring {
                     process.log_path().display()
                 ),
                 || {
-                    let http = http.clone();
+                    let (api, url) = (api.clone(), url.clone());
                     async move {
-                        let r = http
-                            .get(format!("http://127.0.0.1:{port}{path}"))
-                            .send()
-                            .await
-                            .ok()?;
+                        let r = api.get(&url).send().await.ok()?;
                         r.status().is_success().then_some(())
                     }
                 },
@@ -342,18 +485,72 @@ impl Monitoring {
 }
 
 impl Api {
-    pub fn new(prometheus_port: u16, alertmanager_port: u16) -> anyhow::Result<Self> {
+    /// The APIs of the monitoring whose state is in `dir` (as [`Monitoring::start`] wrote it),
+    /// on these loopback ports, as [`OPERATOR_USER`]: its authority and password read from there.
+    pub fn open(dir: &Path, prometheus_port: u16, alertmanager_port: u16) -> anyhow::Result<Self> {
+        let password =
+            std::fs::read_to_string(password_file(dir, OPERATOR_USER)).with_context(|| {
+                format!("the operator's monitoring password under {}", dir.display())
+            })?;
+        Self::with_login(
+            dir,
+            prometheus_port,
+            alertmanager_port,
+            Some((OPERATOR_USER.to_string(), password)),
+        )
+    }
+
+    /// The same APIs with `login` (none: an anonymous caller, or any user and password a test
+    /// tries), over TLS checked against the monitoring's authority.
+    pub fn with_login(
+        dir: &Path,
+        prometheus_port: u16,
+        alertmanager_port: u16,
+        login: Option<(String, String)>,
+    ) -> anyhow::Result<Self> {
+        let ca = std::fs::read(ca_file(dir))
+            .with_context(|| format!("the monitoring's authority under {}", dir.display()))?;
         Ok(Self {
             prometheus_port,
             alertmanager_port,
+            login,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_millis(API_CALL_TIMEOUT_MS))
+                .tls_built_in_root_certs(false)
+                .add_root_certificate(reqwest::Certificate::from_pem(&ca)?)
                 .build()?,
         })
     }
 
+    /// `https://127.0.0.1:<prometheus>{path}`.
+    pub fn prometheus_url(&self, path: &str) -> String {
+        format!("https://127.0.0.1:{}{path}", self.prometheus_port)
+    }
+
+    /// `https://127.0.0.1:<alertmanager>{path}`.
+    pub fn alertmanager_url(&self, path: &str) -> String {
+        format!("https://127.0.0.1:{}{path}", self.alertmanager_port)
+    }
+
+    /// A GET of `url` with this API's login.
+    pub fn get(&self, url: &str) -> reqwest::RequestBuilder {
+        self.authorised(self.http.get(url))
+    }
+
+    /// A POST of `url` with this API's login.
+    pub fn post(&self, url: &str) -> reqwest::RequestBuilder {
+        self.authorised(self.http.post(url))
+    }
+
+    fn authorised(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.login {
+            Some((user, password)) => request.basic_auth(user, Some(password)),
+            None => request,
+        }
+    }
+
     async fn get_json(&self, url: String) -> anyhow::Result<serde_json::Value> {
-        let response = self.http.get(&url).send().await?;
+        let response = self.get(&url).send().await?;
         anyhow::ensure!(
             response.status().is_success(),
             "{url}: {}",
@@ -365,10 +562,7 @@ impl Api {
     /// Every scrape target and its health (`up`, `down`, `unknown` before the first scrape).
     pub async fn targets(&self) -> anyhow::Result<Vec<TargetHealth>> {
         let v = self
-            .get_json(format!(
-                "http://127.0.0.1:{}/api/v1/targets?state=active",
-                self.prometheus_port
-            ))
+            .get_json(self.prometheus_url("/api/v1/targets?state=active"))
             .await?;
         let active = v["data"]["activeTargets"]
             .as_array()
@@ -428,12 +622,7 @@ impl Api {
     pub async fn rule_group_evaluations(
         &self,
     ) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
-        let v = self
-            .get_json(format!(
-                "http://127.0.0.1:{}/api/v1/rules",
-                self.prometheus_port
-            ))
-            .await?;
+        let v = self.get_json(self.prometheus_url("/api/v1/rules")).await?;
         let groups = v["data"]["groups"]
             .as_array()
             .context("no groups in /api/v1/rules")?;
@@ -451,10 +640,7 @@ impl Api {
     /// The names of the alert rules Prometheus loaded.
     pub async fn alert_rules(&self) -> anyhow::Result<Vec<String>> {
         let v = self
-            .get_json(format!(
-                "http://127.0.0.1:{}/api/v1/rules?type=alert",
-                self.prometheus_port
-            ))
+            .get_json(self.prometheus_url("/api/v1/rules?type=alert"))
             .await?;
         let mut names = Vec::new();
         for g in v["data"]["groups"].as_array().into_iter().flatten() {
@@ -468,7 +654,7 @@ impl Api {
     /// An instant query's result vector (`/api/v1/query`).
     pub async fn query(&self, promql: &str) -> anyhow::Result<Vec<serde_json::Value>> {
         let url = reqwest::Url::parse_with_params(
-            &format!("http://127.0.0.1:{}/api/v1/query", self.prometheus_port),
+            &self.prometheus_url("/api/v1/query"),
             &[("query", promql)],
         )?;
         let v = self.get_json(url.to_string()).await?;
@@ -489,12 +675,7 @@ impl Api {
     pub async fn prometheus_firing_alerts(
         &self,
     ) -> anyhow::Result<Vec<std::collections::BTreeMap<String, String>>> {
-        let v = self
-            .get_json(format!(
-                "http://127.0.0.1:{}/api/v1/alerts",
-                self.prometheus_port
-            ))
-            .await?;
+        let v = self.get_json(self.prometheus_url("/api/v1/alerts")).await?;
         Ok(v["data"]["alerts"]
             .as_array()
             .into_iter()
@@ -506,11 +687,9 @@ impl Api {
 
     /// Alertmanager's active alerts (`/api/v2/alerts`: firing, not silenced or inhibited).
     pub async fn alertmanager_alerts(&self) -> anyhow::Result<Vec<Alert>> {
-        let url = format!(
-            "http://127.0.0.1:{}/api/v2/alerts?active=true&silenced=false&inhibited=false",
-            self.alertmanager_port
-        );
-        let response = self.http.get(&url).send().await?;
+        let url =
+            self.alertmanager_url("/api/v2/alerts?active=true&silenced=false&inhibited=false");
+        let response = self.get(&url).send().await?;
         anyhow::ensure!(
             response.status().is_success(),
             "{url}: {}",
@@ -527,8 +706,8 @@ pub const HEARTBEAT_SEVERITY: &str = "heartbeat";
 pub const WATCHDOG: &str = "Watchdog";
 
 impl Api {
-    /// Creates a silence in Alertmanager (`POST /api/v2/silences`, as anyone who reaches its API
-    /// can) of `matchers` (`(label, value, is_regex)`, each an equality), active from now for
+    /// Creates a silence in Alertmanager (`POST /api/v2/silences`, with this API's login, as any
+    /// operator can) of `matchers` (`(label, value, is_regex)`, each an equality), active from now for
     /// `duration`; its id.
     pub async fn create_silence(
         &self,
@@ -549,14 +728,12 @@ impl Api {
             "createdBy": created_by,
             "comment": comment,
         });
-        let url = format!(
-            "http://127.0.0.1:{}/api/v2/silences",
-            self.alertmanager_port
-        );
-        let response = self.http.post(&url).json(&body).send().await?;
+        let url = self.alertmanager_url("/api/v2/silences");
+        let response = self.post(&url).json(&body).send().await?;
         let status = response.status();
-        let answer: serde_json::Value = response.json().await?;
-        anyhow::ensure!(status.is_success(), "{url}: {status}: {answer}");
+        let text = response.text().await?;
+        anyhow::ensure!(status.is_success(), "{url}: {status}: {text}");
+        let answer: serde_json::Value = serde_json::from_str(&text)?;
         answer["silenceID"]
             .as_str()
             .map(str::to_string)
@@ -729,6 +906,8 @@ mod tests {
             Path::new(".state/stack/monitoring/targets"),
             "127.0.0.1:1",
             "127.0.0.1:2",
+            Path::new(".state/stack/monitoring/pki/ca.pem"),
+            Path::new(".state/stack/monitoring/credentials/prometheus.password"),
         )
         .unwrap();
         let cwd = std::env::current_dir().unwrap();
@@ -742,6 +921,14 @@ mod tests {
             rendered.contains(&format!("[\"{}/*.json\"]", targets.display())),
             "{rendered}"
         );
+        assert!(
+            rendered.contains(&format!(
+                "ca_file: {}\n",
+                cwd.join(".state/stack/monitoring/pki/ca.pem").display()
+            )),
+            "{rendered}"
+        );
+        assert_eq!(rendered.matches("scheme: https").count(), 3, "{rendered}");
         assert!(
             !rendered.contains("@"),
             "every placeholder replaced: {rendered}"

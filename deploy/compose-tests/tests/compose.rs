@@ -307,6 +307,9 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
     a_silenced_page_pages(project)
         .await
         .context("a silence over a page alert, from the host")?;
+    monitoring_refuses_anonymous(project)
+        .await
+        .context("the monitoring APIs from the host without a login")?;
     compartments(&h)
         .await
         .context("one compromised container is not the whole system")?;
@@ -339,22 +342,17 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
 /// delivers).
 async fn monitoring_healthy(project: &Deployment) -> anyhow::Result<()> {
     let prometheus = format!(
-        "http://127.0.0.1:{}",
+        "https://127.0.0.1:{}",
         project.host_port("prometheus", PROMETHEUS_PORT).await?
     );
     let alertmanager = format!(
-        "http://127.0.0.1:{}",
+        "https://127.0.0.1:{}",
         project.host_port("alertmanager", ALERTMANAGER_PORT).await?
     );
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()?;
+    let client = MonitoringClient::new()?;
     let get = |url: String| {
-        let http = http.clone();
-        async move {
-            let v: serde_json::Value = http.get(&url).send().await?.json().await?;
-            anyhow::Ok(v)
-        }
+        let client = client.clone();
+        async move { client.get_json(&url).await }
     };
     let deadline = Instant::now() + MONITORING_TIMEOUT;
     loop {
@@ -820,18 +818,87 @@ fn exit_and_text(out: &std::process::Output) -> (i32, String) {
     )
 }
 
-/// Issue 34, rows 3b in the deployment: anyone who reaches Alertmanager's port silences
-/// `FencedOut` for a day with the documented `amtool silence add` (from the host, no login yet:
-/// plan 12). The `silence-watch` service sees it and `PageAlertSilenced{rule="FencedOut"}` reaches
+/// Issue 34, row 3a: from the host, with no login, Alertmanager's API takes neither a silence
+/// over every alert until 2099 nor a fake page: plain HTTP is refused (400: a TLS-only port), and
+/// over TLS both are 401, as is a Prometheus query. The control: the operator's login reads
+/// Alertmanager's status (200) and finds no silence by the intruder.
+async fn monitoring_refuses_anonymous(project: &Deployment) -> anyhow::Result<()> {
+    let alertmanager_port = project.host_port("alertmanager", ALERTMANAGER_PORT).await?;
+    let prometheus_port = project.host_port("prometheus", PROMETHEUS_PORT).await?;
+    let silence = serde_json::json!({
+        "matchers": [{"name": "alertname", "value": ".+", "isRegex": true, "isEqual": true}],
+        "startsAt": "2026-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z",
+        "createdBy": "intruder", "comment": "maintenance",
+    });
+    let fake = serde_json::json!([{
+        "labels": {"alertname": "FencedOut", "severity": "page"},
+        "annotations": {"runbook": "run `payoutctl lock revoke --all` now"},
+    }]);
+    let operator = MonitoringClient::new()?;
+    let tls = &operator.http;
+    let plain = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    for (client, scheme, want) in [(&plain, "http", 400), (tls, "https", 401)] {
+        for (path, body) in [("/api/v2/silences", &silence), ("/api/v2/alerts", &fake)] {
+            let url = format!("{scheme}://127.0.0.1:{alertmanager_port}{path}");
+            let got = client.post(&url).json(body).send().await?.status().as_u16();
+            ensure!(
+                got == want,
+                "anonymous POST {url} answered {got}, not {want}"
+            );
+        }
+    }
+    let query = format!("https://127.0.0.1:{prometheus_port}/api/v1/query?query=up");
+    let got = tls.get(&query).send().await?.status().as_u16();
+    ensure!(got == 401, "an anonymous Prometheus query answered {got}");
+    operator
+        .get_json(&format!(
+            "https://127.0.0.1:{alertmanager_port}/api/v2/status"
+        ))
+        .await
+        .context("the operator's login reads Alertmanager's status")?;
+    let silences = operator
+        .get_json(&format!(
+            "https://127.0.0.1:{alertmanager_port}/api/v2/silences"
+        ))
+        .await?;
+    ensure!(
+        silences
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|s| s["comment"] != "maintenance"),
+        "an anonymous silence was created: {silences}"
+    );
+    println!("row 3a: anonymous silence and fake alert refused (400 over HTTP, 401 over TLS); the operator's login reads");
+    Ok(())
+}
+
+/// Issue 34, rows 3b in the deployment: an operator (any holder of the `operator` login)
+/// silences `FencedOut` for a day with the documented `amtool silence add` (from the host, over
+/// TLS with the login). The `silence-watch` service sees it and `PageAlertSilenced{rule="FencedOut"}` reaches
 /// Alertmanager; the silence expired, the page goes too.
 async fn a_silenced_page_pages(project: &Deployment) -> anyhow::Result<()> {
     let alertmanager = format!(
-        "http://127.0.0.1:{}",
+        "https://127.0.0.1:{}",
         project.host_port("alertmanager", ALERTMANAGER_PORT).await?
     );
+    // amtool as an operator runs it (deploy/README.md, "Monitoring access"): the authority and
+    // the login in an HTTP client configuration file.
+    let http_config = monitoring_operator_password_file()?.with_file_name("amtool-http.yml");
+    std::fs::write(
+        &http_config,
+        format!(
+            "tls_config:\n  ca_file: {}\nbasic_auth:\n  username: {MONITORING_OPERATOR}\n  password_file: {}\n",
+            authority_dir()?.join("ca.pem").display(),
+            monitoring_operator_password_file()?.display()
+        ),
+    )?;
     let amtool = |args: &[&str]| -> anyhow::Result<(i32, String)> {
         let out = std::process::Command::new("amtool")
             .arg(format!("--alertmanager.url={alertmanager}"))
+            .arg(format!("--http.config.file={}", http_config.display()))
             .args(args)
             .output()
             .context("amtool (Debian's prometheus-alertmanager, scripts/setup.sh)")?;
@@ -847,16 +914,14 @@ async fn a_silenced_page_pages(project: &Deployment) -> anyhow::Result<()> {
     ])?;
     ensure!(code == 0, "amtool silence add exited {code}: {id}");
     let id = id.trim().to_string();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()?;
+    let client = MonitoringClient::new()?;
     let paged = |want: bool| {
-        let (http, url) = (
-            http.clone(),
+        let (client, url) = (
+            client.clone(),
             format!("{alertmanager}/api/v2/alerts?active=true&silenced=false&inhibited=false"),
         );
         async move {
-            let alerts: serde_json::Value = http.get(&url).send().await?.json().await?;
+            let alerts = client.get_json(&url).await?;
             let found = alerts.as_array().into_iter().flatten().any(|a| {
                 a["labels"]["alertname"] == "PageAlertSilenced"
                     && a["labels"]["rule"] == "FencedOut"
@@ -1824,6 +1889,51 @@ fn authority_dir() -> anyhow::Result<std::path::PathBuf> {
 
 fn authority() -> anyhow::Result<mtls::issue::Authority> {
     Ok(mtls::issue::Authority::open(&authority_dir()?)?)
+}
+
+/// The monitoring APIs' login for people (deploy/README.md, "Monitoring access"): user `operator`,
+/// its password in `PAYOUT_MONITORING_OPERATOR_PASSWORD_FILE` (made by deploy/compose-test.sh).
+const MONITORING_OPERATOR: &str = "operator";
+
+fn monitoring_operator_password_file() -> anyhow::Result<std::path::PathBuf> {
+    authority_dir_named_by("PAYOUT_MONITORING_OPERATOR_PASSWORD_FILE")
+}
+
+/// A client of Prometheus's and Alertmanager's APIs from the host: TLS checked against the
+/// deployment's authority (their certificates name 127.0.0.1), and the operator's password.
+#[derive(Clone)]
+struct MonitoringClient {
+    http: reqwest::Client,
+    password: String,
+}
+
+impl MonitoringClient {
+    fn new() -> anyhow::Result<Self> {
+        let ca = std::fs::read(authority_dir()?.join("ca.pem"))?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(&ca)?)
+            .build()?;
+        let password = std::fs::read_to_string(monitoring_operator_password_file()?)?;
+        Ok(Self {
+            http,
+            password: password.trim().to_string(),
+        })
+    }
+
+    /// GET `url` with the operator's login; its JSON answer (an error status is an error).
+    async fn get_json(&self, url: &str) -> anyhow::Result<serde_json::Value> {
+        Ok(self
+            .http
+            .get(url)
+            .basic_auth(MONITORING_OPERATOR, Some(&self.password))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
+    }
 }
 
 /// A client certificate of etcd's own authority (`PAYOUT_ETCD_AUTHORITY_DIR`, made by

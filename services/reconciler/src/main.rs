@@ -59,12 +59,52 @@ enum Command {
         /// Alertmanager's base URL (its `/api/v2/silences`).
         #[arg(long, env = "SILENCE_WATCH_ALERTMANAGER_URL")]
         alertmanager_url: String,
+        #[command(flatten)]
+        access: MonitoringAccess,
         #[arg(long, env = "METRICS_LISTEN", default_value = "127.0.0.1:9110")]
         metrics_listen: std::net::SocketAddr,
         /// Milliseconds between looks.
         #[arg(long, env = "SILENCE_WATCH_INTERVAL_MS", default_value_t = reconciler_service::silences::INTERVAL_MS)]
         interval_ms: u64,
     },
+}
+
+/// How the silence watch reaches Prometheus and Alertmanager behind their TLS and login
+/// (deploy/monitoring: both serve `--web.config.file`).
+#[derive(clap::Args)]
+struct MonitoringAccess {
+    /// The authority that signed both APIs' certificates (PEM); needed for https:// URLs.
+    #[arg(long, env = "SILENCE_WATCH_CA_FILE")]
+    ca_file: Option<std::path::PathBuf>,
+    /// The user both APIs know the watch by.
+    #[arg(long, env = "SILENCE_WATCH_USERNAME", requires = "password_file")]
+    username: Option<String>,
+    /// A file holding that user's password (its first line).
+    #[arg(long, env = "SILENCE_WATCH_PASSWORD_FILE", requires = "username")]
+    password_file: Option<std::path::PathBuf>,
+}
+
+impl MonitoringAccess {
+    fn read(&self) -> anyhow::Result<reconciler_service::silences::Access> {
+        use anyhow::Context;
+        let ca_pem = match &self.ca_file {
+            Some(path) => {
+                Some(std::fs::read(path).with_context(|| format!("reading {}", path.display()))?)
+            }
+            None => None,
+        };
+        let login = match (&self.username, &self.password_file) {
+            (Some(user), Some(path)) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let password = text.lines().next().unwrap_or_default().to_string();
+                anyhow::ensure!(!password.is_empty(), "{} holds no password", path.display());
+                Some((user.clone(), password))
+            }
+            _ => None,
+        };
+        Ok(reconciler_service::silences::Access { ca_pem, login })
+    }
 }
 
 #[tokio::main]
@@ -119,6 +159,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::WatchSilences {
             prometheus_url,
             alertmanager_url,
+            access,
             metrics_listen,
             interval_ms,
         } => {
@@ -128,6 +169,7 @@ async fn main() -> anyhow::Result<ExitCode> {
             let watch = reconciler_service::silences::SilenceWatch::new(
                 &prometheus_url,
                 &alertmanager_url,
+                access.read()?,
                 &metrics,
             )?;
             let shutdown = service_kit::Shutdown::on_signal();

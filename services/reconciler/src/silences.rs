@@ -1,8 +1,9 @@
 //! The silence watch (`reconciler watch-silences`, issue 34): nothing may quietly mute a page.
 //!
-//! Anyone who can reach Alertmanager's API (and, once it asks for a login, any operator) can
-//! silence every page until 2099 with one POST. Alertmanager itself only counts silences; it
-//! cannot say whether one hides a ticket or `FencedOut`. So every [`INTERVAL_MS`] this process
+//! Any holder of a monitoring login (exporter-toolkit has no per-path permission; before issue 34
+//! anyone who reached Alertmanager's port) can silence every page until 2099 with one POST.
+//! Alertmanager itself only counts silences; it cannot say whether one hides a ticket or
+//! `FencedOut`. So every [`INTERVAL_MS`] this process
 //! asks Prometheus for its live alert rules (`/api/v1/rules?type=alert`, so it cannot drift from
 //! what is evaluated) and Alertmanager for its active silences (`/api/v2/silences`), and exports,
 //! for every rule whose static `severity` is `page` or `heartbeat`, how many active silences
@@ -178,11 +179,42 @@ pub fn judge(rules: &[Rule], silences: &[Silence]) -> Result<Finding, WatchError
     })
 }
 
+/// How the watch reaches both APIs: the authority their TLS certificates are checked against, and
+/// the login both ask for (deploy/monitoring, "web-config"; the `silence-watch` user).
+#[derive(Clone, Default)]
+pub struct Access {
+    /// The authority's certificate (PEM); none: only plain `http://` URLs can be reached.
+    pub ca_pem: Option<Vec<u8>>,
+    /// User and password sent as HTTP basic authentication on every call.
+    pub login: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for Access {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Access")
+            .field("ca_pem", &self.ca_pem.as_ref().map(|_| "<pem>"))
+            .field("login", &self.login.as_ref().map(|(user, _)| user))
+            .finish()
+    }
+}
+
+/// Why a watch could not be made from its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum AccessError {
+    #[error("{url}: a login is never sent over plain HTTP (give an https:// URL and --ca-file)")]
+    LoginOverPlainHttp { url: String },
+    #[error("{url}: an https:// URL needs the authority's certificate (--ca-file)")]
+    NoAuthority { url: String },
+    #[error("the authority's certificate: {0}")]
+    Authority(reqwest::Error),
+}
+
 /// The watch: where Prometheus and Alertmanager are, and what it exports.
 pub struct SilenceWatch {
     prometheus_url: String,
     alertmanager_url: String,
     http: reqwest::Client,
+    login: Option<(String, String)>,
     silenced: service_kit::prometheus::IntGaugeVec,
     active: service_kit::prometheus::IntGauge,
     last_success: service_kit::prometheus::Gauge,
@@ -193,10 +225,13 @@ pub struct SilenceWatch {
 }
 
 impl SilenceWatch {
-    /// A watch of the Prometheus and Alertmanager at these base URLs, exporting into `metrics`.
+    /// A watch of the Prometheus and Alertmanager at these base URLs, reached with `access`,
+    /// exporting into `metrics`. Refused: a login with a plain `http://` URL (it would cross the
+    /// network in clear), an `https://` URL without the authority to check it against.
     pub fn new(
         prometheus_url: &str,
         alertmanager_url: &str,
+        access: Access,
         metrics: &service_kit::Metrics,
     ) -> anyhow::Result<Self> {
         use service_kit::prometheus::{Gauge, IntCounter, IntGauge, IntGaugeVec, Opts};
@@ -227,12 +262,31 @@ impl SilenceWatch {
         ] {
             metrics.registry.register(c)?;
         }
+        for url in [prometheus_url, alertmanager_url] {
+            let https = url.starts_with("https://");
+            if !https && access.login.is_some() {
+                return Err(AccessError::LoginOverPlainHttp { url: url.into() }.into());
+            }
+            if https && access.ca_pem.is_none() {
+                return Err(AccessError::NoAuthority { url: url.into() }.into());
+            }
+        }
+        let mut http = reqwest::Client::builder()
+            .timeout(Duration::from_millis(CALL_TIMEOUT_MS))
+            // Only the given authority is trusted; no redirect is followed (a login would go
+            // wherever it pointed).
+            .tls_built_in_root_certs(false)
+            .redirect(reqwest::redirect::Policy::none());
+        if let Some(pem) = &access.ca_pem {
+            http = http.add_root_certificate(
+                reqwest::Certificate::from_pem(pem).map_err(AccessError::Authority)?,
+            );
+        }
         Ok(Self {
             prometheus_url: prometheus_url.trim_end_matches('/').to_string(),
             alertmanager_url: alertmanager_url.trim_end_matches('/').to_string(),
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_millis(CALL_TIMEOUT_MS))
-                .build()?,
+            http: http.build()?,
+            login: access.login,
             silenced,
             active,
             last_success,
@@ -242,9 +296,11 @@ impl SilenceWatch {
     }
 
     async fn get(&self, what: &'static str, url: String) -> Result<serde_json::Value, WatchError> {
-        let response = self
-            .http
-            .get(&url)
+        let mut request = self.http.get(&url);
+        if let Some((user, password)) = &self.login {
+            request = request.basic_auth(user, Some(password));
+        }
+        let response = request
             .send()
             .await
             .map_err(|source| WatchError::Http { what, source })?;
