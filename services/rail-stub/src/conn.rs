@@ -46,6 +46,11 @@ pub struct ResettableStream {
 pub struct ConnectionHandle(Arc<AtomicBool>);
 
 impl ConnectionHandle {
+    /// The handle on the connection whose reset flag this is.
+    pub(crate) fn of(flag: Arc<AtomicBool>) -> Self {
+        Self(flag)
+    }
+
     /// The connection is dropped with a RST at its next I/O; no response reaches the client.
     pub fn reset(&self) {
         self.0.store(true, Ordering::SeqCst);
@@ -59,6 +64,11 @@ impl Connected<IncomingStream<'_, ResettableListener>> for ConnectionHandle {
 }
 
 impl ResettableStream {
+    /// The flag a handler sets to reset this connection (shared with the layers above it).
+    pub(crate) fn reset_flag(&self) -> Arc<AtomicBool> {
+        self.reset.clone()
+    }
+
     fn check(&self) -> io::Result<()> {
         if self.reset.load(Ordering::SeqCst) {
             let _ = self.inner.set_zero_linger();

@@ -24,6 +24,7 @@ pub mod book;
 pub mod client;
 mod conn;
 pub mod faults;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -46,7 +47,8 @@ pub use book::{GroundTruth, Lookup, Movement, PaymentOrder, PaymentRequest, EXPI
 pub use faults::{FaultConfig, FaultMode};
 
 use book::Book;
-use conn::{ConnectionHandle, ResettableListener};
+pub use conn::ConnectionHandle;
+use conn::ResettableListener;
 use faults::SplitMix64;
 
 /// How long an accept-then-hang response is held at most before the connection is reset. Far
