@@ -177,7 +177,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     say(format!("system up; Temporal UI {}", system.ui_url));
 
     // The rail misbehaves as asked, reproducibly.
-    let stub = rail_stub::client::StubClient::new(system.rail_url.clone());
+    let stub = rail_stub::client::StubClient::admin(system.rail_url.clone());
     let half = args.lost_response_rate / 2.0;
     stub.set_faults(&rail_stub::FaultConfig {
         seed: args.seed,

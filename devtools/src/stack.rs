@@ -87,7 +87,7 @@ pub struct UpArgs {
     #[arg(long, env = "PAYOUT_TEMPORAL_UI_PORT", default_value_t = 8233)]
     pub temporal_ui_port: u16,
     /// Our services listen on base+1.. (lock-server, payment-resource, rail-stub, rail-proxy,
-    /// general-ledger) and serve /metrics on base+11..base+16; worker i serves /metrics and
+    /// general-ledger; the rail stub's admin API on base+6) and serve /metrics on base+11..base+16; worker i serves /metrics and
     /// /healthz on base+21+i; Prometheus listens on base+30 and Alertmanager on base+31.
     #[arg(long, env = "PAYOUT_SERVICE_PORT_BASE", default_value_t = 20050)]
     pub service_port_base: u16,
@@ -505,6 +505,7 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             general_ledger: base + 5,
             metrics: (11..17).map(|i| base + i).collect(),
             worker_metrics_base: Some(base + WORKER_METRICS_PORT_OFFSET),
+            rail_stub_admin: base + 6,
         };
         let databases = Databases {
             paydb: record.pg_url(dir, record.ports.pg_main, "paydb"),
@@ -544,7 +545,8 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                 }
                 "lock-server" => SystemRecord::url(system_ports.lock_server),
                 "payment-resource" => SystemRecord::url(system_ports.payment_resource),
-                "rail-stub" => format!("http://127.0.0.1:{}", system_ports.rail_stub),
+                // Its health and metrics listener (its payments API is the proxy's alone).
+                "rail-stub" => format!("http://127.0.0.1:{}", system_ports.metrics[2]),
                 "rail-proxy" => SystemRecord::url(system_ports.rail_proxy),
                 "general-ledger" => SystemRecord::url(system_ports.general_ledger),
                 _ => "-".to_string(),
@@ -1090,6 +1092,7 @@ fn testkit_system_ports(p: &SystemPorts) -> testkit::system::SystemPorts {
         general_ledger: p.general_ledger,
         metrics: p.metrics.clone(),
         worker_metrics_base: p.worker_metrics_base,
+        rail_stub_admin: p.rail_stub_admin,
     }
 }
 

@@ -53,6 +53,9 @@ pub struct SystemPorts {
     /// before workers served them).
     #[serde(default)]
     pub worker_metrics_base: Option<u16>,
+    /// The rail stub's admin API (0 in a record written before it had its own listener).
+    #[serde(default)]
+    pub rail_stub_admin: u16,
 }
 
 /// The databases' URLs.
@@ -88,9 +91,10 @@ impl SystemRecord {
     pub fn payment_url(&self) -> String {
         Self::url(self.ports.payment_resource)
     }
-    /// The rail stub (plain HTTP: it stands for the external rail, which only the proxy calls).
+    /// The rail stub's admin API (plain HTTP; the harness's: ground truth, faults). Its payments
+    /// API stands for the external rail, which only the proxy calls.
     pub fn rail_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.ports.rail_stub)
+        format!("http://127.0.0.1:{}", self.ports.rail_stub_admin)
     }
     pub fn proxy_url(&self) -> String {
         Self::url(self.ports.rail_proxy)

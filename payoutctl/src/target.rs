@@ -19,7 +19,7 @@ pub struct Target {
     pub proxydb_url: Option<String>,
     #[arg(long, env = "PAYOUT_GLDB_URL")]
     pub gldb_url: Option<String>,
-    /// The rail (stub) base URL: its movements are the ground truth.
+    /// The rail stub's admin API (its movements are the ground truth).
     #[arg(long, env = "PAYOUT_RAIL_URL")]
     pub rail_url: Option<String>,
     #[arg(long, env = "PAYOUT_PAYMENT_URL")]

@@ -1154,7 +1154,8 @@ async fn an_ambiguous_payout_whose_workflow_ended_is_abandoned_past_its_sla() {
     let reference =
         payout_domain::ClientReference::for_payout(&PayoutId::parse(payout.as_str()).unwrap())
             .to_string();
-    rail_stub::client::StubClient::new(system.rail_url())
+    system
+        .rail_stub_client()
         .force(&reference, Some(rail_stub::FaultMode::FailBeforeActing))
         .await
         .unwrap();

@@ -99,7 +99,7 @@ impl Ctx {
             system,
             temporal,
             payment,
-            stub: StubClient::new(system.rail_url()),
+            stub: system.rail_stub_client(),
             paydb,
         }
     }
@@ -2239,9 +2239,15 @@ async fn impostor_on_the_rails_address(system: &System) -> tokio::sync::watch::S
     )
     .await
     .unwrap();
+    // Its own admin and metrics listeners anywhere: only the payments address is the rail's.
+    let spare = rail_stub::StubListeners::local().await.unwrap();
+    let listeners = rail_stub::StubListeners {
+        payments: listener,
+        ..spare
+    };
     let (shutdown, stop) = service_kit::Shutdown::new();
     tokio::spawn(rail_stub::run(
-        listener,
+        listeners,
         rail_stub::StubConfig::default(),
         shutdown,
     ));

@@ -7,7 +7,6 @@
 
 use payout_activities::types::PayoutInput;
 use payout_domain::ClientReference;
-use rail_stub::client::StubClient;
 use serde_json::json;
 use std::time::Duration;
 use system_tests::rogue::{Activity, Outcome, Report, Rogue, Script, Step};
@@ -307,7 +306,8 @@ fn rogue_submit(input: &PayoutInput) -> Step {
 /// What the rail paid for `input`'s payout: (amount, beneficiary) of each movement.
 async fn paid_for(system: &System, input: &PayoutInput) -> Vec<(i64, String)> {
     let cref = ClientReference::for_payout(&input.payout_id);
-    StubClient::new(system.rail_url())
+    system
+        .rail_stub_client()
         .ground_truth()
         .await
         .unwrap()

@@ -260,7 +260,7 @@ impl<'a> Ctx<'a> {
             payment: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
                 .await
                 .unwrap(),
-            stub: StubClient::new(system.rail_url()),
+            stub: system.rail_stub_client(),
         }
     }
 

@@ -325,7 +325,7 @@ pub async fn run(
         })
     };
     let (floor_latencies, floor_elapsed) = floor(
-        rail_stub::client::StubClient::with_http(stub.base_url(), rail_proxy::rail::http_client()),
+        rail_stub::client::StubClient::with_http(stub.endpoints(), rail_proxy::rail::http_client()),
         "",
     )
     .await?;

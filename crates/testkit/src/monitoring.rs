@@ -856,14 +856,13 @@ impl Api {
 }
 
 /// The scrape targets of a system (crates/testkit/src/system.rs): every service, the
-/// dispatcher and every worker that serves `/metrics`. The rail stub serves `/metrics` on its
-/// API port (its metrics port in `SystemPorts::metrics` is unused).
+/// dispatcher and every worker that serves `/metrics` (the rail stub's on its metrics listener).
 pub fn system_targets(system: &crate::system::System) -> Vec<Target> {
     let ports = &system.ports;
     let mut targets = vec![
         Target::local("lock-server", ports.metrics[0]),
         Target::local("payment-resource", ports.metrics[1]),
-        Target::local("rail-stub", ports.rail_stub),
+        Target::local("rail-stub", ports.metrics[2]),
         Target::local("rail-proxy", ports.metrics[3]),
         Target::local("general-ledger", ports.metrics[4]),
         Target::local("outbox-dispatcher", ports.metrics[5]),

@@ -87,11 +87,16 @@ impl Default for SystemOptions {
 pub struct SystemPorts {
     pub lock_server: u16,
     pub payment_resource: u16,
+    /// The rail stub's payments API (what the rail proxy calls).
     pub rail_stub: u16,
     pub rail_proxy: u16,
     pub general_ledger: u16,
-    /// `/metrics` of each service, in the order above, then the dispatcher's.
+    /// `/metrics` of each service, in the order above, then the dispatcher's (the rail stub's
+    /// `/metrics` and `/healthz` on its own metrics listener).
     pub metrics: Vec<u16>,
+    /// The rail stub's admin API (the harness's: ground truth, faults).
+    #[serde(default)]
+    pub rail_stub_admin: u16,
     /// Worker i (`worker-<i>`, started by [`System::add_worker`]) serves `/metrics` and
     /// `/healthz` on this + i; free ports if `None`.
     #[serde(default)]
@@ -107,6 +112,7 @@ impl SystemPorts {
             rail_proxy: free_port(),
             general_ledger: free_port(),
             metrics: (0..6).map(|_| free_port()).collect(),
+            rail_stub_admin: free_port(),
             worker_metrics_base: None,
         }
     }
@@ -306,6 +312,14 @@ impl System {
         )?;
         let mut stub = spec("rail-stub")?
             .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_stub)])
+            .args([
+                "--admin-listen".into(),
+                format!("127.0.0.1:{}", ports.rail_stub_admin),
+            ])
+            .args([
+                "--metrics-listen".into(),
+                format!("127.0.0.1:{}", ports.metrics[2]),
+            ])
             .args(rail_answer_keys.signing_args("answer"))
             .args([
                 "--movements-file".into(),
@@ -432,7 +446,9 @@ impl System {
             Role::GeneralLedger,
         )
         .await?;
-        wait_tcp(ports.rail_stub, &rail_stub).await?;
+        for port in [ports.rail_stub, ports.rail_stub_admin, ports.metrics[2]] {
+            wait_tcp(port, &rail_stub).await?;
+        }
         wait_tcp(m[5], &dispatcher).await?;
 
         let mut system = Self {
@@ -517,9 +533,22 @@ impl System {
     pub fn proxy_url(&self) -> String {
         url(self.ports.rail_proxy)
     }
-    /// The rail stub's HTTP URL (the rail is outside the system's PKI: only the proxy calls it).
+    /// The rail stub's payments API (the rail is outside the system's PKI: only the proxy
+    /// calls it).
     pub fn rail_url(&self) -> String {
         rail_url(self.ports.rail_stub)
+    }
+    /// Both of the rail stub's APIs: its payments API and the harness's admin API.
+    pub fn rail_stub_endpoints(&self) -> rail_stub::client::RailEndpoints {
+        rail_stub::client::RailEndpoints {
+            payments_url: self.rail_url(),
+            admin_url: rail_url(self.ports.rail_stub_admin),
+        }
+    }
+    /// A client of the rail stub's two APIs (the harness's: ground truth, faults, payments
+    /// outside the proxy).
+    pub fn rail_stub_client(&self) -> rail_stub::client::StubClient {
+        rail_stub::client::StubClient::new(self.rail_stub_endpoints())
     }
     pub fn gl_url(&self) -> String {
         url(self.ports.general_ledger)

@@ -74,7 +74,11 @@ const IMAGES: &[&str] = &[
 const TEMPORAL_PORT: u16 = 7233;
 const TEMPORAL_UI_PORT: u16 = 8233;
 const PAYMENT_PORT: u16 = 50052;
-const RAIL_STUB_PORT: u16 = 8090;
+/// The rail stub's admin API (ground truth, faults, a payment outside the proxy): the only one
+/// of its listeners published on the host.
+const RAIL_STUB_PORT: u16 = 8091;
+/// Its payments API: the proxy's alone, on the `core` network, not published.
+const RAIL_STUB_PAYMENTS_PORT: u16 = 8090;
 const PROXY_PORT: u16 = 50053;
 const LOCK_PORT: u16 = 7100;
 const POSTGRES_PORT: u16 = 5432;
@@ -301,6 +305,16 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
         run: uuid::Uuid::new_v4().simple().to_string()[..8].to_string(),
     };
 
+    // Issue 34, row 5d (its listeners): from the host, the rail's payments API is not there at
+    // all; the harness's admin API is (the suite reads the ground truth through it).
+    ensure!(
+        project
+            .host_port("rail-stub", RAIL_STUB_PAYMENTS_PORT)
+            .await
+            .is_err(),
+        "the rail stub's payments API is published on the host"
+    );
+    println!("row 5d: the rail stub's payments API is not published on the host; its admin API is");
     monitoring_healthy(project)
         .await
         .context("alerting: every target up, nothing firing")?;
@@ -513,7 +527,7 @@ async fn negative_control(h: &Harness<'_>) -> anyhow::Result<()> {
     let p = posted.context("no POSTED payout to duplicate")?;
     let answer = h
         .http
-        .post(format!("{}/v1/payments", h.rail_url))
+        .post(format!("{}/admin/payments", h.rail_url))
         .json(&serde_json::json!({
             "client_reference": p.client_reference,
             "amount_minor": p.amount_minor,

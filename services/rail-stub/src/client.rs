@@ -1,5 +1,7 @@
-//! An HTTP client of the stub for tests, tools and the benchmark's direct-call baseline. The
-//! rail proxy deliberately does not use it: it has its own client of the rail's wire format.
+//! An HTTP client of the stub for tests, tools and the benchmark's direct-call baseline: its
+//! payments API (pay, look up) and its admin API (ground truth, faults, a payment outside the
+//! proxy), each at its own listener. The rail proxy deliberately does not use it: it has its own
+//! client of the rail's wire format.
 
 use std::time::Duration;
 
@@ -18,6 +20,17 @@ pub enum StubClientError {
     Http(#[from] reqwest::Error),
     #[error("rail stub answered {status}: {body}")]
     Status { status: u16, body: String },
+    #[error("this client knows the stub's admin API only, not its payments API")]
+    NoPaymentsApi,
+}
+
+/// Where the stub's two APIs are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailEndpoints {
+    /// The rail's payments API (`/v1/payments`), what the proxy calls.
+    pub payments_url: String,
+    /// The harness's admin API (`/admin/*`).
+    pub admin_url: String,
 }
 
 /// What one direct payment request got back.
@@ -38,7 +51,9 @@ pub enum DirectAnswer {
 
 #[derive(Clone)]
 pub struct StubClient {
-    base_url: String,
+    /// `None`: an admin-only client ([`StubClient::admin`]).
+    payments_url: Option<String>,
+    admin_url: String,
     http: reqwest::Client,
 }
 
@@ -50,34 +65,51 @@ struct Answer {
 }
 
 impl StubClient {
-    pub fn new(base_url: impl Into<String>) -> Self {
-        Self::with_timeout(base_url, Duration::from_millis(ADMIN_TIMEOUT_MS))
+    pub fn new(endpoints: RailEndpoints) -> Self {
+        Self::with_timeout(endpoints, Duration::from_millis(ADMIN_TIMEOUT_MS))
+    }
+
+    /// A client of the admin API alone (ground truth, faults): what an operator's tools reach.
+    pub fn admin(admin_url: impl Into<String>) -> Self {
+        Self {
+            payments_url: None,
+            admin_url: admin_url.into(),
+            http: Self::http(Duration::from_millis(ADMIN_TIMEOUT_MS)),
+        }
     }
 
     /// A client whose every call gives up after `timeout` (a test of the hanging rail).
-    pub fn with_timeout(base_url: impl Into<String>, timeout: Duration) -> Self {
-        let http = reqwest::Client::builder()
+    pub fn with_timeout(endpoints: RailEndpoints, timeout: Duration) -> Self {
+        Self::with_http(endpoints, Self::http(timeout))
+    }
+
+    fn http(timeout: Duration) -> reqwest::Client {
+        reqwest::Client::builder()
             .timeout(timeout)
             .retry(reqwest::retry::never())
             .build()
-            .expect("a plain HTTP client builds");
-        Self {
-            base_url: base_url.into(),
-            http,
-        }
+            .expect("a plain HTTP client builds")
     }
 
     /// A client of the stub over `http`, a client made elsewhere (the proxy benchmark's floor
     /// passes the rail proxy's own, `rail_proxy::rail::http_client`: a connection per payment).
-    pub fn with_http(base_url: impl Into<String>, http: reqwest::Client) -> Self {
+    pub fn with_http(endpoints: RailEndpoints, http: reqwest::Client) -> Self {
         Self {
-            base_url: base_url.into(),
+            payments_url: Some(endpoints.payments_url),
+            admin_url: endpoints.admin_url,
             http,
         }
     }
 
-    pub fn base_url(&self) -> &str {
-        &self.base_url
+    /// The payments API's base URL, if this client knows it.
+    pub fn payments_url(&self) -> Option<&str> {
+        self.payments_url.as_deref()
+    }
+
+    fn payments(&self) -> Result<&str, StubClientError> {
+        self.payments_url
+            .as_deref()
+            .ok_or(StubClientError::NoPaymentsApi)
     }
 
     /// One payment request, sent once. Transport errors (timeouts, resets) are `Err`.
@@ -96,7 +128,7 @@ impl StubClient {
     ) -> Result<DirectAnswer, StubClientError> {
         let response = self
             .http
-            .post(format!("{}/v1/payments", self.base_url))
+            .post(format!("{}/v1/payments", self.payments()?))
             .json(request)
             .send()
             .await?;
@@ -121,7 +153,7 @@ impl StubClient {
     pub async fn lookup(&self, client_reference: &str) -> Result<LookupAnswer, StubClientError> {
         let response = self
             .http
-            .get(format!("{}/v1/payments", self.base_url))
+            .get(format!("{}/v1/payments", self.payments()?))
             .query(&[("client_reference", client_reference)])
             .send()
             .await?;
@@ -131,7 +163,7 @@ impl StubClient {
     pub async fn ground_truth(&self) -> Result<GroundTruth, StubClientError> {
         Self::json(
             self.http
-                .get(format!("{}/admin/movements", self.base_url))
+                .get(format!("{}/admin/movements", self.admin_url))
                 .send()
                 .await?,
         )
@@ -141,7 +173,7 @@ impl StubClient {
     pub async fn set_faults(&self, config: &FaultConfig) -> Result<(), StubClientError> {
         Self::empty(
             self.http
-                .post(format!("{}/admin/faults", self.base_url))
+                .post(format!("{}/admin/faults", self.admin_url))
                 .json(config)
                 .send()
                 .await?,
@@ -160,7 +192,7 @@ impl StubClient {
         };
         Self::empty(
             self.http
-                .post(format!("{}/admin/forced", self.base_url))
+                .post(format!("{}/admin/forced", self.admin_url))
                 .json(&body)
                 .send()
                 .await?,

@@ -9,10 +9,13 @@
 //! |---|---|
 //! | `POST /v1/payments` `{client_reference, amount_minor, currency, beneficiary_ref, valid_until_unix_ms?}` | 200 `{status:"accepted", rail_ref}`, 422 `{status:"declined", code}` (`code: "EXPIRED"` when the request is acted on after its `valid_until_unix_ms`: nothing moves), 400 `{status:"invalid"}`, 5xx, a reset connection, or nothing |
 //! | `GET /v1/payments?client_reference=X` | `{state:"found", movements}`, `{state:"absent"}` (authoritative), `{state:"unknown"}` (inside the settlement window) |
+//! | `POST /admin/payments` (admin listener) | as `POST /v1/payments`, unsigned: a payment outside the proxy (the harness's controls) |
 //! | `GET /admin/movements` | [`GroundTruth`] |
 //! | `GET`/`POST /admin/faults` | [`FaultConfig`] |
 //! | `POST /admin/forced` `{client_reference, mode}` | forces (or with `mode: null` clears) one reference's mode |
-//! | `GET /healthz`, `GET /metrics` | liveness, Prometheus counters |
+//! | `GET /healthz`, `GET /metrics` (metrics listener) | liveness, Prometheus counters |
+//!
+//! Each group is served on its own listener ([`StubListeners`]: payments, admin, metrics).
 //!
 //! Like a real provider, it signs every answer of its payments API (`/v1/payments`, both
 //! methods, every status) with its answer key (`grant_signing::rail_answer`: Ed25519 over the
@@ -119,10 +122,34 @@ struct AppState {
 
 type Shared = Arc<AppState>;
 
-/// Serves the stub on `listener` until `shutdown` fires. Opens (and repairs a torn tail of) the
-/// movements file first.
+/// The stub's three listeners, each with its own API: the rail's **payments** API
+/// (`/v1/payments`, signed answers: what the rail proxy calls), the harness's **admin** API
+/// (`/admin/*`: ground truth, faults, a payment outside the proxy), and **metrics**
+/// (`/healthz`, `/metrics`: counts only, what Prometheus and a health check read). Apart, so a
+/// deployment publishes or reaches each alone (compose publishes the admin API to the harness and
+/// keeps the payments API on its own network).
+pub struct StubListeners {
+    pub payments: tokio::net::TcpListener,
+    pub admin: tokio::net::TcpListener,
+    pub metrics: tokio::net::TcpListener,
+}
+
+impl StubListeners {
+    /// Three listeners on free ports of 127.0.0.1.
+    pub async fn local() -> std::io::Result<Self> {
+        let bind = || tokio::net::TcpListener::bind("127.0.0.1:0");
+        Ok(Self {
+            payments: bind().await?,
+            admin: bind().await?,
+            metrics: bind().await?,
+        })
+    }
+}
+
+/// Serves the stub on its three listeners until `shutdown` fires. Opens (and repairs a torn
+/// tail of) the movements file first.
 pub async fn run(
-    listener: tokio::net::TcpListener,
+    listeners: StubListeners,
     config: StubConfig,
     shutdown: Shutdown,
 ) -> Result<(), StubError> {
@@ -148,28 +175,48 @@ pub async fn run(
     });
     let payments = Router::new()
         .route("/v1/payments", post(submit).get(lookup))
-        .route_layer(axum::middleware::from_fn_with_state(signer, sign_answer));
-    let app = Router::new()
-        .merge(payments)
+        .route_layer(axum::middleware::from_fn_with_state(signer, sign_answer))
+        .with_state(state.clone());
+    let admin = Router::new()
         .route("/admin/movements", get(movements))
         .route("/admin/faults", get(get_faults).post(set_faults))
         .route("/admin/forced", post(set_forced))
+        // A payment the harness makes itself, outside the proxy (the same path as the rail's
+        // payments API, unsigned): the controls of "only the proxy pays".
+        .route("/admin/payments", post(submit))
+        .with_state(state.clone());
+    let metrics = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(render_metrics))
         .with_state(state);
-    tracing::info!(addr = ?listener.local_addr().ok(), "rail stub listening");
-    axum::serve(
-        ResettableListener(listener),
-        app.into_make_service_with_connect_info::<ConnectionHandle>(),
+    tracing::info!(
+        payments = ?listeners.payments.local_addr().ok(),
+        admin = ?listeners.admin.local_addr().ok(),
+        metrics = ?listeners.metrics.local_addr().ok(),
+        "rail stub listening"
+    );
+    let serve = |listener: tokio::net::TcpListener, app: Router| {
+        axum::serve(
+            ResettableListener(listener),
+            app.into_make_service_with_connect_info::<ConnectionHandle>(),
+        )
+        .with_graceful_shutdown(shutdown.clone().wait())
+    };
+    tokio::try_join!(
+        serve(listeners.payments, payments),
+        serve(listeners.admin, admin),
+        serve(listeners.metrics, metrics),
     )
-    .with_graceful_shutdown(shutdown.wait())
-    .await
+    .map(|_| ())
     .map_err(StubError::Serve)
 }
 
 /// A stub running in this process, for tests and the benchmark.
 pub struct RunningStub {
+    /// The payments API's address.
     pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
     /// The public half of the key its answers are signed with.
     pub answer_key: PublicKey,
     stop: tokio::sync::watch::Sender<bool>,
@@ -177,32 +224,45 @@ pub struct RunningStub {
 }
 
 impl RunningStub {
-    /// Binds 127.0.0.1 on a free port and serves `config` there.
+    /// Binds three free ports of 127.0.0.1 and serves `config` there.
     pub async fn start(config: StubConfig) -> Result<Self, StubError> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .map_err(StubError::Serve)?;
-        let addr = listener.local_addr().map_err(StubError::Serve)?;
+        let listeners = StubListeners::local().await.map_err(StubError::Serve)?;
+        let addr_of = |l: &tokio::net::TcpListener| l.local_addr().map_err(StubError::Serve);
+        let (addr, admin_addr, metrics_addr) = (
+            addr_of(&listeners.payments)?,
+            addr_of(&listeners.admin)?,
+            addr_of(&listeners.metrics)?,
+        );
         let (shutdown, stop) = Shutdown::new();
         config.faults.validate()?;
         let answer_key = config.answer_signer.public_key();
-        let task = tokio::spawn(run(listener, config, shutdown));
+        let task = tokio::spawn(run(listeners, config, shutdown));
         Ok(Self {
             addr,
+            admin_addr,
+            metrics_addr,
             answer_key,
             stop,
             task,
         })
     }
+    /// The payments API's base URL (what the rail proxy calls).
     pub fn base_url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+    /// Both APIs' base URLs.
+    pub fn endpoints(&self) -> client::RailEndpoints {
+        client::RailEndpoints {
+            payments_url: self.base_url(),
+            admin_url: format!("http://{}", self.admin_addr),
+        }
     }
     /// What the proxy verifies this stub's answers with (`--rail-answer-verify-keys`).
     pub fn answer_verifier(&self) -> Verifier {
         Verifier::new([self.answer_key.clone()]).expect("one key is a verifier")
     }
     pub fn client(&self) -> client::StubClient {
-        client::StubClient::new(self.base_url())
+        client::StubClient::new(self.endpoints())
     }
     /// Stops serving (held responses are reset) and waits for the server to end.
     pub async fn stop(self) -> Result<(), StubError> {

@@ -1,4 +1,5 @@
-//! The rail stub's binary: flags (with environment fallbacks) for the listener, the durable
+//! The rail stub's binary: flags (with environment fallbacks) for the three listeners (payments,
+//! admin, metrics), the durable
 //! movements file, the settlement window, the answer signing key and the initial fault
 //! configuration. `rail-stub keygen --key-id ID --out FILE` makes an answer key: the secret to
 //! FILE (mode 0600, never over an existing file), the public line the proxy's
@@ -45,8 +46,19 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct Args {
+    /// The rail's payments API (`/v1/payments`): what the rail proxy calls.
     #[arg(long, env = "RAIL_STUB_LISTEN", default_value = "127.0.0.1:8090")]
     listen: SocketAddr,
+    /// The harness's admin API (`/admin/*`: ground truth, faults, a payment outside the proxy).
+    #[arg(long, env = "RAIL_STUB_ADMIN_LISTEN", default_value = "127.0.0.1:8091")]
+    admin_listen: SocketAddr,
+    /// `/healthz` and `/metrics`.
+    #[arg(
+        long,
+        env = "RAIL_STUB_METRICS_LISTEN",
+        default_value = "127.0.0.1:9094"
+    )]
+    metrics_listen: SocketAddr,
     /// Append-only JSON-lines file of every movement, fsynced before each answer.
     #[arg(long, env = "RAIL_STUB_MOVEMENTS_FILE")]
     movements_file: PathBuf,
@@ -170,8 +182,12 @@ async fn main() -> anyhow::Result<()> {
         faults,
         answer_signer: Arc::new(answer_signer),
     };
-    let listener = service_kit::bind(args.listen).await?;
-    rail_stub::run(listener, config, service_kit::Shutdown::on_signal())
+    let listeners = rail_stub::StubListeners {
+        payments: service_kit::bind(args.listen).await?,
+        admin: service_kit::bind(args.admin_listen).await?,
+        metrics: service_kit::bind(args.metrics_listen).await?,
+    };
+    rail_stub::run(listeners, config, service_kit::Shutdown::on_signal())
         .await
         .context("rail stub")
 }

@@ -34,7 +34,7 @@ async fn the_same_request_twice_moves_money_twice() {
 async fn every_fault_mode_does_what_it_says() {
     let stub = RunningStub::start(StubConfig::default()).await.unwrap();
     let admin = stub.client();
-    let client = StubClient::with_timeout(stub.base_url(), Duration::from_millis(500));
+    let client = StubClient::with_timeout(stub.endpoints(), Duration::from_millis(500));
     let modes = [
         FaultMode::Accept,
         FaultMode::Decline,
@@ -124,7 +124,11 @@ async fn lookups_are_unknown_inside_the_settlement_window_then_authoritative() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn movements_survive_a_sigkill_of_the_stub() {
     let dir = tempfile::tempdir().unwrap();
-    let port = testkit::free_port();
+    let (port, admin, metrics) = (
+        testkit::free_port(),
+        testkit::free_port(),
+        testkit::free_port(),
+    );
     let spec = testkit::ProcessSpec::new(
         "rail-stub",
         env!("CARGO_BIN_EXE_rail-stub"),
@@ -133,6 +137,10 @@ async fn movements_survive_a_sigkill_of_the_stub() {
     .args([
         "--listen".to_string(),
         format!("127.0.0.1:{port}"),
+        "--admin-listen".to_string(),
+        format!("127.0.0.1:{admin}"),
+        "--metrics-listen".to_string(),
+        format!("127.0.0.1:{metrics}"),
         "--movements-file".to_string(),
         dir.path().join("movements.jsonl").display().to_string(),
     ])
@@ -142,7 +150,10 @@ async fn movements_survive_a_sigkill_of_the_stub() {
             .signing_args("answer"),
     );
     let process = testkit::ManagedProcess::start(spec).unwrap();
-    let client = StubClient::new(format!("http://127.0.0.1:{port}"));
+    let client = StubClient::new(rail_stub::client::RailEndpoints {
+        payments_url: format!("http://127.0.0.1:{port}"),
+        admin_url: format!("http://127.0.0.1:{admin}"),
+    });
     let up = || async { client.ground_truth().await.ok() };
     testkit::eventually(Duration::from_secs(10), "the stub to listen", up)
         .await
@@ -253,4 +264,60 @@ fn keygen_makes_an_answer_key_once() {
         "an existing key is never overwritten"
     );
     assert_eq!(std::fs::read_to_string(&out).unwrap(), secret);
+}
+
+/// Each API on its own listener only: the payments listener answers no admin path, the admin
+/// listener no payments path (its own `/admin/payments` pays, outside the proxy), the metrics
+/// listener only `/healthz` and `/metrics`. A deployment can then publish the admin API to the
+/// harness without the rail's payments API, and the reverse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_api_is_served_on_its_own_listener_only() {
+    let stub = RunningStub::start(StubConfig::default()).await.unwrap();
+    let http = reqwest::Client::new();
+    let status = |addr: std::net::SocketAddr, method: &str, path: &str| {
+        let request = match method {
+            "POST" => http
+                .post(format!("http://{addr}{path}"))
+                .json(&rail_stub::PaymentRequest {
+                    order: order("cref-listener"),
+                    valid_until_unix_ms: None,
+                }),
+            _ => http.get(format!("http://{addr}{path}")),
+        };
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
+    let (payments, admin, metrics) = (stub.addr, stub.admin_addr, stub.metrics_addr);
+    for (addr, method, path, want) in [
+        (payments, "GET", "/v1/payments?client_reference=x", 200),
+        (payments, "GET", "/admin/movements", 404),
+        (payments, "POST", "/admin/faults", 404),
+        (payments, "POST", "/admin/payments", 404),
+        (payments, "GET", "/metrics", 404),
+        (admin, "GET", "/admin/movements", 200),
+        (admin, "GET", "/v1/payments?client_reference=x", 404),
+        (admin, "POST", "/v1/payments", 404),
+        (admin, "GET", "/healthz", 404),
+        (metrics, "GET", "/healthz", 200),
+        (metrics, "GET", "/metrics", 200),
+        (metrics, "GET", "/admin/movements", 404),
+        (metrics, "POST", "/v1/payments", 404),
+    ] {
+        assert_eq!(
+            status(addr, method, path).await,
+            want,
+            "{method} {path} at {addr}"
+        );
+    }
+    // Nothing moved through the paths that were refused; the admin API's own payment moves.
+    assert!(stub
+        .client()
+        .ground_truth()
+        .await
+        .unwrap()
+        .movements
+        .is_empty());
+    assert_eq!(status(admin, "POST", "/admin/payments").await, 200);
+    let truth = stub.client().ground_truth().await.unwrap();
+    assert_eq!(truth.movement_counts["cref-listener"], 1);
+    stub.stop().await.unwrap();
 }

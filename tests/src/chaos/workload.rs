@@ -8,7 +8,6 @@ use testkit::pki::Role;
 use payment_client::PaymentClient;
 use payout_activities::types::{AmbiguityPolicy, PayoutInput};
 use payout_domain::AccountId;
-use rail_stub::client::StubClient;
 use rail_stub::FaultConfig;
 use testkit::system::System;
 
@@ -54,7 +53,7 @@ pub fn rail_faults(seed: u64, intensity: f64) -> FaultConfig {
 
 impl Workload {
     pub async fn create(system: &System, config: &ChaosConfig) -> anyhow::Result<Self> {
-        let stub = StubClient::new(system.rail_url());
+        let stub = system.rail_stub_client();
         stub.set_faults(&rail_faults(config.seed, 1.0))
             .await
             .map_err(|e| anyhow::anyhow!("rail faults: {e}"))?;
@@ -148,7 +147,7 @@ impl Workload {
 
     /// The faults stop: the rail answers promptly and truthfully again.
     pub async fn calm_rail(&self, system: &System) {
-        let stub = StubClient::new(system.rail_url());
+        let stub = system.rail_stub_client();
         let _ = stub
             .set_faults(&FaultConfig {
                 seed: self.seed,
