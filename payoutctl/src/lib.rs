@@ -9,6 +9,7 @@
 //! way round, and this crate links no test kit.
 
 pub mod db;
+pub mod etcd;
 pub mod keys;
 pub mod lock;
 pub mod migrate;

@@ -30,6 +30,10 @@ enum Command {
     /// Database roles: `db provision` (owner and service logins, databases), `db roles`.
     #[command(subcommand)]
     Db(payoutctl::db::Command),
+    /// etcd's users and roles: `etcd provision` (least privilege for the lock service's prefix,
+    /// then authentication on).
+    #[command(subcommand)]
+    Etcd(payoutctl::etcd::Command),
     /// Make a deployment's keys (the lock service's grant signing key).
     #[command(subcommand)]
     Keys(keys::Command),
@@ -67,6 +71,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Migrate(args) => migrate::run(args).await,
             Command::Db(command) => payoutctl::db::run(command).await,
+            Command::Etcd(command) => payoutctl::etcd::run(command).await,
             Command::Sign(command) => payoutctl::sign::run(command),
             Command::Reconcile(args) => reconcile::run(*args).await,
             Command::Keys(command) => keys::run(command),

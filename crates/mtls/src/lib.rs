@@ -17,6 +17,7 @@
 
 pub mod authz;
 pub mod denylist;
+pub mod etcd_access;
 #[cfg(feature = "issue")]
 pub mod htpasswd;
 #[cfg(feature = "issue")]

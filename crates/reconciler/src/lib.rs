@@ -111,7 +111,7 @@ impl LockGrants {
     }
 
     /// The lock service's horizon on etcd: the cluster's current revision, from the response
-    /// header of a linearizable read (of the prefix's own key, counted only; nothing is written).
+    /// header of a linearizable read (of the grant records, counted only; nothing is written).
     /// Every token the lock service has issued is a grant key's create revision, so none is above
     /// it: this is what a guard's database is re-armed to after a restore (`payoutctl restore
     /// rearm`). It is read from etcd itself, never from what an operator types. (A cluster
@@ -119,10 +119,16 @@ impl LockGrants {
     /// procedure advances the revision first, services/lock-server/RESTORE.md.)
     pub async fn horizon(&self) -> Result<i64, ReconcileError> {
         let mut client = self.connect().await?;
+        // Counted over the grant records' range, which the reconciler's etcd role may read
+        // (mtls::etcd_access); the header's revision is the cluster's whatever the range.
         let got = client
             .get(
-                self.prefix.as_bytes(),
-                Some(etcd_client::GetOptions::new().with_count_only()),
+                format!("{}grants/", self.prefix),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
             )
             .await?;
         got.header()
