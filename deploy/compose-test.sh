@@ -134,6 +134,12 @@ done
 for client in lock-server reconciler; do
     issue "$ETCD_AUTHORITY_DIR" "$ETCD_TLS_DIR" "$client" "$client"
 done
+# etcd's `root` (its certificate's name is the user): the one-shot etcd-setup provisions the
+# users and roles with it (`payoutctl etcd provision`) and switches authentication on. The
+# lock-server may then write its prefix only, the reconciler read the grant records and the audit
+# chain only; the suite's and its operator's etcd certificates are readers.
+issue_server "$ETCD_AUTHORITY_DIR" "$ETCD_TLS_DIR" root --host root
+export PAYOUT_ETCD_READER_USERS=compose-operator,compose-suite-etcd
 chmod 755 "$ETCD_TLS_DIR"/*/
 chmod 644 "$ETCD_TLS_DIR"/*/*.pem
 # The one-shot db-setup needs the authority's certificate only (to check the servers').
@@ -155,7 +161,7 @@ docker run --rm --user 0 --entrypoint sh -v "$TLS_DIR:/tls" "payout/postgres:15"
 docker run --rm --user 0 --entrypoint sh -v "$ETCD_TLS_DIR:/tls" "payout/etcd:3.4" \
     -c 'for m in etcd1 etcd2 etcd3; do chown etcd /tls/$m/$m.key; done'
 docker run --rm --user 0 -v "$ETCD_TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
-    sh -c 'for c in lock-server reconciler; do chown payout /tls/$c/$c.key; done'
+    sh -c 'for c in lock-server reconciler root; do chown payout /tls/$c/$c.key; done'
 # The Temporal UI's login: one user, its password with the suite's own secrets (not in a folder
 # any container mounts).
 rm -f "$KEY_DIR/temporal-ui.password"

@@ -29,12 +29,24 @@ pub struct ProvisionArgs {
     /// The lock service's key prefix (`--etcd-prefix` of the lock-server).
     #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = "payout-locks/")]
     pub prefix: String,
-    /// The common name of the lock-server's etcd certificate.
-    #[arg(long, default_value = "payout-lock-server")]
+    /// The common name of the lock-server's etcd certificate (`pki issue --name`).
+    #[arg(
+        long,
+        env = "PAYOUT_ETCD_LOCK_SERVER_USER",
+        default_value = "lock-server"
+    )]
     pub lock_server_user: String,
     /// The common name of the reconciler's etcd certificate.
-    #[arg(long, default_value = "payout-reconciler")]
+    #[arg(
+        long,
+        env = "PAYOUT_ETCD_RECONCILER_USER",
+        default_value = "reconciler"
+    )]
     pub reconciler_user: String,
+    /// Other users with the reconciler's read-only role, comma-separated: each operator's etcd
+    /// certificate name (`payoutctl reconcile`, `restore rearm`).
+    #[arg(long, env = "PAYOUT_ETCD_READER_USERS", value_delimiter = ',')]
+    pub reader_users: Vec<String>,
     /// Print the `etcdctl` commands that do the same, and change nothing.
     #[arg(long)]
     pub print_etcdctl: bool,
@@ -51,6 +63,7 @@ pub async fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
                     &args.prefix,
                     &args.lock_server_user,
                     &args.reconciler_user,
+                    &args.reader_users,
                 ) {
                     println!("{line}");
                 }
@@ -66,20 +79,17 @@ pub async fn run(command: Command) -> anyhow::Result<std::process::ExitCode> {
             )
             .await
             .context("connecting to etcd")?;
-            provision(
-                &mut client,
-                &args.prefix,
+            let users = etcd_access::users(
                 &args.lock_server_user,
                 &args.reconciler_user,
-            )
-            .await?;
-            println!(
-                "etcd: roles {} and {}, users root, {} and {}; authentication enabled",
-                etcd_access::LOCK_SERVER_ROLE,
-                etcd_access::RECONCILER_ROLE,
-                args.lock_server_user,
-                args.reconciler_user
+                &args.reader_users,
             );
+            provision(&mut client, &args.prefix, &users).await?;
+            let names: Vec<String> = users
+                .iter()
+                .map(|u| format!("{} ({})", u.name, u.role))
+                .collect();
+            println!("etcd: users {}; authentication enabled", names.join(", "));
             Ok(std::process::ExitCode::SUCCESS)
         }
     }
@@ -90,13 +100,12 @@ fn already_exists(error: &etcd_client::Error) -> bool {
     error.to_string().contains("already exists")
 }
 
-/// Applies `mtls::etcd_access`'s table for `prefix` through `client` (root's), then enables
-/// authentication.
+/// Applies `mtls::etcd_access`'s roles for `prefix` and `users` (`etcd_access::users`) through
+/// `client` (root's), then enables authentication.
 pub async fn provision(
     client: &mut etcd_client::Client,
     prefix: &str,
-    lock_server_user: &str,
-    reconciler_user: &str,
+    users: &[etcd_access::User],
 ) -> anyhow::Result<()> {
     for role in etcd_access::roles(prefix) {
         match client.role_add(role.name).await {
@@ -117,7 +126,7 @@ pub async fn provision(
                 .with_context(|| format!("granting {} on {:?}", role.name, p.prefix))?;
         }
     }
-    for user in etcd_access::users(lock_server_user, reconciler_user) {
+    for user in users {
         let no_password = etcd_client::UserAddOptions::new().with_no_pwd();
         match client.user_add(&user.name, "", Some(no_password)).await {
             Err(e) if !already_exists(&e) => {

@@ -81,7 +81,8 @@ async fn a_provisioned_etcd_gives_each_identity_its_prefix_and_nothing_else() {
 
     // Provisioned twice: the second run changes nothing and does not fail.
     for _ in 0..2 {
-        payoutctl::etcd::provision(&mut root, PREFIX, LOCK_SERVER, RECONCILER)
+        let users = mtls::etcd_access::users(LOCK_SERVER, RECONCILER, &[]);
+        payoutctl::etcd::provision(&mut root, PREFIX, &users)
             .await
             .unwrap();
     }

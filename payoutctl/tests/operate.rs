@@ -1154,8 +1154,7 @@ async fn an_ambiguous_payout_whose_workflow_ended_is_abandoned_past_its_sla() {
     let reference =
         payout_domain::ClientReference::for_payout(&PayoutId::parse(payout.as_str()).unwrap())
             .to_string();
-    system
-        .rail_stub_client()
+    rail_stub::client::StubClient::new(system.rail_stub_endpoints())
         .force(&reference, Some(rail_stub::FaultMode::FailBeforeActing))
         .await
         .unwrap();

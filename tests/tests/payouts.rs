@@ -99,7 +99,7 @@ impl Ctx {
             system,
             temporal,
             payment,
-            stub: system.rail_stub_client(),
+            stub: rail_stub::client::StubClient::new(system.rail_stub_endpoints()),
             paydb,
         }
     }

@@ -306,8 +306,7 @@ fn rogue_submit(input: &PayoutInput) -> Step {
 /// What the rail paid for `input`'s payout: (amount, beneficiary) of each movement.
 async fn paid_for(system: &System, input: &PayoutInput) -> Vec<(i64, String)> {
     let cref = ClientReference::for_payout(&input.payout_id);
-    system
-        .rail_stub_client()
+    rail_stub::client::StubClient::new(system.rail_stub_endpoints())
         .ground_truth()
         .await
         .unwrap()

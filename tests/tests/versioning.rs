@@ -260,7 +260,7 @@ impl<'a> Ctx<'a> {
             payment: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
                 .await
                 .unwrap(),
-            stub: system.rail_stub_client(),
+            stub: rail_stub::client::StubClient::new(system.rail_stub_endpoints()),
         }
     }
 

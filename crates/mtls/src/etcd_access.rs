@@ -6,8 +6,8 @@
 //! | user | role | may |
 //! |---|---|---|
 //! | `root` | `root` | everything: users, roles, members, alarms, snapshots (operators; provisioning) |
-//! | the lock-server's (e.g. `payout-lock-server`) | [`LOCK_SERVER_ROLE`] | read and write every key under the lock prefix, nothing outside it |
-//! | the reconciler's (e.g. `payout-reconciler`) | [`RECONCILER_ROLE`] | read the grant records (`{prefix}grants/`) and the audit chain (`{prefix}audit/`, `{prefix}audit-head`), write nothing |
+//! | the lock-server's (e.g. `lock-server`) | [`LOCK_SERVER_ROLE`] | read and write every key under the lock prefix, nothing outside it |
+//! | the reconciler's (e.g. `reconciler`), and each reader's (an operator's `payoutctl reconcile` and `restore rearm`) | [`RECONCILER_ROLE`] | read the grant records (`{prefix}grants/`) and the audit chain (`{prefix}audit/`, `{prefix}audit-head`), write nothing |
 //!
 //! Any other certificate of etcd's authority completes TLS and is authorised for nothing; a user
 //! is revoked by deleting it (`etcdctl user delete`), no revocation list needed. The table is pure
@@ -86,9 +86,10 @@ pub fn roles(prefix: &str) -> Vec<Role> {
     ]
 }
 
-/// The users: root, and the lock-server's and the reconciler's certificates' common names.
-pub fn users(lock_server_user: &str, reconciler_user: &str) -> Vec<User> {
-    vec![
+/// The users: root, the lock-server's and the reconciler's certificates' common names, and
+/// `readers` (operators, a test harness) with the reconciler's read-only role.
+pub fn users(lock_server_user: &str, reconciler_user: &str, readers: &[String]) -> Vec<User> {
+    let mut users = vec![
         User {
             name: ROOT.to_string(),
             role: ROOT,
@@ -101,13 +102,23 @@ pub fn users(lock_server_user: &str, reconciler_user: &str) -> Vec<User> {
             name: reconciler_user.to_string(),
             role: RECONCILER_ROLE,
         },
-    ]
+    ];
+    users.extend(readers.iter().map(|name| User {
+        name: name.clone(),
+        role: RECONCILER_ROLE,
+    }));
+    users
 }
 
 /// The same table as `etcdctl` 3.4 commands (run with root's certificate), in the order they
 /// must run: roles, users (no password: the certificate is the credential), grants, then
 /// authentication on.
-pub fn etcdctl_lines(prefix: &str, lock_server_user: &str, reconciler_user: &str) -> Vec<String> {
+pub fn etcdctl_lines(
+    prefix: &str,
+    lock_server_user: &str,
+    reconciler_user: &str,
+    readers: &[String],
+) -> Vec<String> {
     let mut lines = Vec::new();
     for role in roles(prefix) {
         lines.push(format!("etcdctl role add {}", role.name));
@@ -122,7 +133,7 @@ pub fn etcdctl_lines(prefix: &str, lock_server_user: &str, reconciler_user: &str
             ));
         }
     }
-    for user in users(lock_server_user, reconciler_user) {
+    for user in users(lock_server_user, reconciler_user, readers) {
         lines.push(format!("etcdctl user add {} --no-password", user.name));
         lines.push(format!(
             "etcdctl user grant-role {} {}",
@@ -177,9 +188,10 @@ mod tests {
 
     #[test]
     fn the_etcdctl_lines_end_with_authentication_on() {
-        let lines = etcdctl_lines("p/", "lock", "rec");
+        let lines = etcdctl_lines("p/", "lock", "rec", &["alice".to_string()]);
         assert_eq!(lines.last().unwrap(), "etcdctl auth enable");
         assert!(lines.contains(&"etcdctl user add root --no-password".to_string()));
+        assert!(lines.contains(&"etcdctl user grant-role alice payout-reconciler".to_string()));
         assert!(lines.contains(
             &"etcdctl role grant-permission --prefix=true payout-reconciler read 'p/grants/'"
                 .to_string()

@@ -538,17 +538,11 @@ impl System {
     pub fn rail_url(&self) -> String {
         rail_url(self.ports.rail_stub)
     }
-    /// Both of the rail stub's APIs: its payments API and the harness's admin API.
-    pub fn rail_stub_endpoints(&self) -> rail_stub::client::RailEndpoints {
-        rail_stub::client::RailEndpoints {
-            payments_url: self.rail_url(),
-            admin_url: rail_url(self.ports.rail_stub_admin),
-        }
-    }
-    /// A client of the rail stub's two APIs (the harness's: ground truth, faults, payments
-    /// outside the proxy).
-    pub fn rail_stub_client(&self) -> rail_stub::client::StubClient {
-        rail_stub::client::StubClient::new(self.rail_stub_endpoints())
+    /// Both of the rail stub's base URLs, `(payments API, the harness's admin API)`: what
+    /// `rail_stub::client::StubClient::new` takes (the kit starts the stub's binary and links no
+    /// server, so it names no type of the stub's).
+    pub fn rail_stub_endpoints(&self) -> (String, String) {
+        (self.rail_url(), rail_url(self.ports.rail_stub_admin))
     }
     pub fn gl_url(&self) -> String {
         url(self.ports.general_ledger)

@@ -1182,6 +1182,46 @@ async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
     println!(
         "row 2a: etcd refuses a worker certificate of the services' authority; etcd's own reads"
     );
+    // Issue 34, row 2b in the deployment (etcd-setup provisioned the roles): the suite's
+    // etcd identity is a reader, as the reconciler is: it reads (the control above) and cannot
+    // rewrite the audit head or delete the locks; a certificate of etcd's authority whose name is
+    // no user reads nothing.
+    let mut reader = etcd_client::Client::connect(
+        &etcd,
+        Some(etcd_client::ConnectOptions::new().with_tls(etcd_suite_tls()?.etcd_client_config())),
+    )
+    .await?;
+    let forged = reader.put("/payout/lock/audit-head", "forged", None).await;
+    let wiped = reader
+        .delete(
+            "/payout/lock/locks/",
+            Some(etcd_client::DeleteOptions::new().with_prefix()),
+        )
+        .await;
+    for (what, result) in [
+        ("put audit-head", forged.map(|_| ())),
+        ("delete locks/", wiped.map(|_| ())),
+    ] {
+        ensure!(
+            result
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("permission denied")),
+            "row 2b: a reader's {what} was not refused by etcd's roles: {result:?}"
+        );
+    }
+    let stranger = etcd_authority()?.issue(mtls::Role::Worker, "compose-suite-etcd-stranger")?;
+    let nobody = reconciler::LockGrants::new(
+        etcd.clone(),
+        mtls::Tls::from_pem(&etcd_ca, &stranger.cert_pem, &stranger.key_pem),
+        "/payout/lock/".to_string(),
+    )
+    .horizon()
+    .await;
+    ensure!(
+        nobody.is_err(),
+        "row 2b: a certificate of etcd's authority that is no user read etcd: {nobody:?}"
+    );
+    println!("row 2b: etcd's roles refuse a reader's writes and a certificate that is no user");
     let sources = reconciler::Sources {
         paydb: pg(paydb, "paydb").await?,
         proxydb: pg(proxydb, "proxydb").await?,

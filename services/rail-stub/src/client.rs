@@ -49,6 +49,16 @@ pub enum DirectAnswer {
     },
 }
 
+impl From<(String, String)> for RailEndpoints {
+    /// `(payments_url, admin_url)`, as the test kit's `System::rail_stub_endpoints` gives them.
+    fn from((payments_url, admin_url): (String, String)) -> Self {
+        Self {
+            payments_url,
+            admin_url,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct StubClient {
     /// `None`: an admin-only client ([`StubClient::admin`]).
@@ -65,8 +75,8 @@ struct Answer {
 }
 
 impl StubClient {
-    pub fn new(endpoints: RailEndpoints) -> Self {
-        Self::with_timeout(endpoints, Duration::from_millis(ADMIN_TIMEOUT_MS))
+    pub fn new(endpoints: impl Into<RailEndpoints>) -> Self {
+        Self::with_timeout(endpoints.into(), Duration::from_millis(ADMIN_TIMEOUT_MS))
     }
 
     /// A client of the admin API alone (ground truth, faults): what an operator's tools reach.

@@ -80,8 +80,7 @@ async fn a_run_started_in_rail_ambiguous_past_the_sla_accepts_an_abandon_before_
     let workflow_id = payout_domain::workflow_id(&PayoutId::parse(payout).unwrap());
     create_payouts(&system, account, &[payout]).await;
     // The rail fails before acting: the proxy records TIMEOUT, the payout becomes ambiguous.
-    system
-        .rail_stub_client()
+    rail_stub::client::StubClient::new(system.rail_stub_endpoints())
         .force(
             &ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string(),
             Some(FaultMode::FailBeforeActing),

@@ -115,8 +115,7 @@ async fn pool(url: &str) -> anyhow::Result<sqlx::PgPool> {
 
 impl Evidence {
     pub async fn collect(system: &System) -> anyhow::Result<Self> {
-        let truth = system
-            .rail_stub_client()
+        let truth = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
             .ground_truth()
             .await
             .map_err(|e| anyhow::anyhow!("the rail's book: {e}"))?;

@@ -491,8 +491,7 @@ async fn inject(
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);
             let config = super::workload::rail_faults(fault.seed, intensity);
-            system
-                .rail_stub_client()
+            rail_stub::client::StubClient::new(system.rail_stub_endpoints())
                 .set_faults(&config)
                 .await
                 .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -53,7 +53,7 @@ pub fn rail_faults(seed: u64, intensity: f64) -> FaultConfig {
 
 impl Workload {
     pub async fn create(system: &System, config: &ChaosConfig) -> anyhow::Result<Self> {
-        let stub = system.rail_stub_client();
+        let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints());
         stub.set_faults(&rail_faults(config.seed, 1.0))
             .await
             .map_err(|e| anyhow::anyhow!("rail faults: {e}"))?;
@@ -147,7 +147,7 @@ impl Workload {
 
     /// The faults stop: the rail answers promptly and truthfully again.
     pub async fn calm_rail(&self, system: &System) {
-        let stub = system.rail_stub_client();
+        let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints());
         let _ = stub
             .set_faults(&FaultConfig {
                 seed: self.seed,

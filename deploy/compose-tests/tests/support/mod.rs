@@ -29,7 +29,7 @@ use testcontainers::bollard::Docker;
 use testcontainers::compose::DockerCompose;
 
 /// Services that run once and exit (`db-setup`: roles, databases, migrations).
-pub const ONE_SHOT: &[&str] = &["db-setup"];
+pub const ONE_SHOT: &[&str] = &["db-setup", "etcd-setup"];
 
 /// Health checks run every 2 s; a cold start initialises two PostgreSQL servers, forms the etcd
 /// cluster and migrates Temporal's SQLite file, on 2 shared cores.

@@ -98,7 +98,10 @@ pub async fn wait_state(payments: &PaymentClient, payout: &str, state: PayoutSta
 
 /// Money moved at the rail for the payout (the stub's ground truth).
 pub async fn movements(system: &System, payout: &str) -> u64 {
-    let truth = system.rail_stub_client().ground_truth().await.unwrap();
+    let truth = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .ground_truth()
+        .await
+        .unwrap();
     let reference = ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string();
     truth.movement_counts.get(&reference).copied().unwrap_or(0)
 }
@@ -319,8 +322,7 @@ pub async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, ho
                 FaultMode::FailBeforeActing
             };
             let reference = ClientReference::for_payout(&new.payout_id).to_string();
-            system
-                .rail_stub_client()
+            rail_stub::client::StubClient::new(system.rail_stub_endpoints())
                 .force(&reference, Some(mode))
                 .await
                 .unwrap();
