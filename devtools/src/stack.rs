@@ -310,6 +310,26 @@ pub(crate) async fn settled_alerting_report(dir: &Path) -> anyhow::Result<Alerti
     }
 }
 
+/// Why a recorded stack predates the monitoring's login or the rail stub's own admin listener
+/// (issue 34), if it does.
+fn launch_from_before_issue_34(dir: &Path, record: &StackRecord) -> Option<String> {
+    let monitoring = dir.join("monitoring");
+    if monitoring.exists()
+        && !testkit::monitoring::password_file(&monitoring, testkit::monitoring::OPERATOR_USER)
+            .exists()
+    {
+        return Some("its Prometheus and Alertmanager have no login".into());
+    }
+    if record
+        .system
+        .as_ref()
+        .is_some_and(|s| s.ports.rail_stub_admin == 0)
+    {
+        return Some("its rail stub has no admin listener of its own".into());
+    }
+    None
+}
+
 /// The first saved launch (`<state dir>/parts/*.json`) that names a relative path (its program,
 /// log, working directory, or an argument that is a path), and which: such a launch, or the
 /// configuration it was rendered with, depends on the folder it is read from.
@@ -362,6 +382,10 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
             crate::parts::Repair::NeedsFullStart {
                 why: "the recorded stack runs no services".into(),
             }
+        } else if let Some(why) = launch_from_before_issue_34(dir, &record) {
+            // Monitoring without its login, a rail stub on one listener: parts restarted from
+            // these launches would never answer the health checks of today's.
+            crate::parts::Repair::NeedsFullStart { why }
         } else if let Some(why) = relative_saved_launch(dir) {
             // A stack started before every path was made absolute: its Prometheus loads no rule
             // (its configuration names them relative to its own folder), and its parts cannot be

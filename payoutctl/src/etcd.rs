@@ -27,7 +27,7 @@ pub struct ProvisionArgs {
     )]
     pub endpoints: Vec<String>,
     /// The lock service's key prefix (`--etcd-prefix` of the lock-server).
-    #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = "payout-locks/")]
+    #[arg(long, env = "LOCK_ETCD_PREFIX", default_value = crate::record::LOCK_ETCD_PREFIX)]
     pub prefix: String,
     /// The common name of the lock-server's etcd certificate (`pki issue --name`).
     #[arg(

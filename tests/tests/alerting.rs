@@ -393,10 +393,16 @@ async fn anonymous_attempts(http: &reqwest::Client, base: &str) -> Vec<Result<u1
     let mut answers = Vec::new();
     for (path, body) in [("/api/v2/silences", silence), ("/api/v2/alerts", fake)] {
         let sent = http.post(format!("{base}{path}")).json(&body).send().await;
-        answers.push(
-            sent.map(|r| r.status().as_u16())
-                .map_err(|e| format!("{e:?}")),
-        );
+        answers.push(sent.map(|r| r.status().as_u16()).map_err(|e| {
+            // A refused connection (nothing listening) is told apart from an answer
+            // lost after the request was sent.
+            let kind = if e.is_connect() {
+                "connect"
+            } else {
+                "after sending"
+            };
+            format!("{kind}: {e:?}")
+        }));
     }
     answers
 }
@@ -415,11 +421,18 @@ async fn the_monitoring_apis_refuse_an_anonymous_caller() {
         &format!("http://127.0.0.1:{}", monitoring.alertmanager_port),
     )
     .await;
-    assert_eq!(
-        over_http,
-        [Ok(400), Ok(400)],
-        "plain HTTP to a TLS-only API"
-    );
+    // Go answers 400 and closes; with part of the body unread the close may reset the
+    // connection before the answer is read: either way nothing was taken (checked below), but a
+    // refused connection would mean nothing listened.
+    for answer in &over_http {
+        assert!(
+            matches!(answer, Ok(400))
+                || answer
+                    .as_ref()
+                    .is_err_and(|e| e.starts_with("after sending")),
+            "plain HTTP to a TLS-only API: {over_http:?}"
+        );
+    }
 
     let anonymous = monitoring::Api::with_login(
         &monitoring.dir,

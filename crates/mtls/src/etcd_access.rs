@@ -103,10 +103,17 @@ pub fn users(lock_server_user: &str, reconciler_user: &str, readers: &[String]) 
             role: RECONCILER_ROLE,
         },
     ];
-    users.extend(readers.iter().map(|name| User {
-        name: name.clone(),
-        role: RECONCILER_ROLE,
-    }));
+    // An empty name (an unset list read as one empty item) is no user: etcd refuses it.
+    users.extend(
+        readers
+            .iter()
+            .map(|name| name.trim())
+            .filter(|name| !name.is_empty())
+            .map(|name| User {
+                name: name.to_string(),
+                role: RECONCILER_ROLE,
+            }),
+    );
     users
 }
 
@@ -192,6 +199,8 @@ mod tests {
         assert_eq!(lines.last().unwrap(), "etcdctl auth enable");
         assert!(lines.contains(&"etcdctl user add root --no-password".to_string()));
         assert!(lines.contains(&"etcdctl user grant-role alice payout-reconciler".to_string()));
+        // An unset reader list (compose's default: an empty string) adds no user.
+        assert_eq!(users("l", "r", &[String::new()]).len(), 3);
         assert!(lines.contains(
             &"etcdctl role grant-permission --prefix=true payout-reconciler read 'p/grants/'"
                 .to_string()

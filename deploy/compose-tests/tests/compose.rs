@@ -856,11 +856,19 @@ async fn monitoring_refuses_anonymous(project: &Deployment) -> anyhow::Result<()
     for (client, scheme, want) in [(&plain, "http", 400), (tls, "https", 401)] {
         for (path, body) in [("/api/v2/silences", &silence), ("/api/v2/alerts", &fake)] {
             let url = format!("{scheme}://127.0.0.1:{alertmanager_port}{path}");
-            let got = client.post(&url).json(body).send().await?.status().as_u16();
-            ensure!(
-                got == want,
-                "anonymous POST {url} answered {got}, not {want}"
-            );
+            match client.post(&url).json(body).send().await {
+                Ok(answer) => {
+                    let got = answer.status().as_u16();
+                    ensure!(
+                        got == want,
+                        "anonymous POST {url} answered {got}, not {want}"
+                    );
+                }
+                // Plain HTTP: Go answers 400 and closes, which may reset the connection before
+                // the answer is read (part of the body unread); the silences are checked below.
+                Err(e) if scheme == "http" && !e.is_connect() => {}
+                Err(e) => return Err(e).with_context(|| format!("anonymous POST {url}")),
+            }
         }
     }
     let query = format!("https://127.0.0.1:{prometheus_port}/api/v1/query?query=up");
@@ -1218,7 +1226,11 @@ async fn reconcile(project: &Deployment) -> anyhow::Result<()> {
     .horizon()
     .await;
     ensure!(
-        nobody.is_err(),
+        nobody.as_ref().is_err_and(|e| {
+            // etcd names either: the user is unknown, or (on some paths) the request denied.
+            let e = format!("{e:?}");
+            e.contains("user name not found") || e.contains("permission denied")
+        }),
         "row 2b: a certificate of etcd's authority that is no user read etcd: {nobody:?}"
     );
     println!("row 2b: etcd's roles refuse a reader's writes and a certificate that is no user");
@@ -1361,7 +1373,10 @@ impl Harness<'_> {
             .map_err(|_| failed)
     }
 
-    /// CreatePayout, then the workflow through the operators' CLI inside the Temporal container.
+    /// CreatePayout, then the workflow through the operators' CLI inside the Temporal container,
+    /// which reaches the raw frontend on the container's loopback (7234; 7233 is the mutual-TLS
+    /// front, which the CLI there has no certificate for: a start through it always failed, and
+    /// the step then passed only when the dispatcher had started the workflow first, a race).
     async fn submit_with_cli(
         &mut self,
         account: &AccountId,
@@ -1380,7 +1395,7 @@ impl Harness<'_> {
                     "workflow",
                     "start",
                     "--address",
-                    "127.0.0.1:7233",
+                    "127.0.0.1:7234",
                     "--namespace",
                     "default",
                     "--type",

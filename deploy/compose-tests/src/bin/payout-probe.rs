@@ -2,7 +2,7 @@
 //!
 //! - `payout-probe grpc 127.0.0.1:50052 payment-resource`: `grpc.health.v1.Health/Check` answers
 //!   SERVING over mutual TLS (the container's `PAYOUT_TLS_*`), from a server of that role.
-//! - `payout-probe http 127.0.0.1:8090 /healthz`: a plain HTTP GET answers 200 (the worker's
+//! - `payout-probe http 127.0.0.1:9472 /healthz`: a plain HTTP GET answers 200 (the worker's
 //!   `/healthz` does only while it is connected to Temporal with its pollers running).
 //!
 //! Exit status 0 means healthy; anything else prints why on stderr.
