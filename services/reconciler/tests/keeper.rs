@@ -157,7 +157,9 @@ async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_a
     testkit::eventually(REPAIR_TIMEOUT, "the paused schedule unpaused", || async {
         let described = describe_schedule(&schedule_id)?;
         let text = metrics_text(port).await?;
-        (metric(&text, by_hand)? == 1.0 && !paused(&described)).then_some(())
+        // At least once: Temporal applies a schedule's patch asynchronously, so the keeper's
+        // next look may still describe it paused and unpause (and count) it again.
+        (metric(&text, by_hand)? >= 1.0 && !paused(&described)).then_some(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
@@ -205,7 +207,9 @@ async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_a
         testkit::eventually(REPAIR_TIMEOUT, "the altered schedule put back", || async {
             let described = describe_schedule(&schedule_id)?;
             let text = metrics_text(port).await?;
-            (metric(&text, altered)? == repairs && as_configured(&described)).then_some(())
+            // At least: as with the pause, a look before the keeper's own update is applied
+            // may put it back a second time.
+            (metric(&text, altered)? >= repairs && as_configured(&described)).then_some(())
         })
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
