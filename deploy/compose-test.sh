@@ -142,6 +142,22 @@ issue_server "$ETCD_AUTHORITY_DIR" "$ETCD_TLS_DIR" root --host root
 export PAYOUT_ETCD_READER_USERS=compose-operator,compose-suite-etcd
 chmod 755 "$ETCD_TLS_DIR"/*/
 chmod 644 "$ETCD_TLS_DIR"/*/*.pem
+# The rail has an authority of its own too (issue 34, rows 5c and 5d), as a real provider's: the
+# stub's certificate names what the proxy reaches it at; the proxy's client certificate is what
+# the rail knows its merchant by; the harness's (the only one the stub's admin API serves) stays
+# with the suite, in a folder no container mounts.
+RAIL_AUTHORITY_DIR="$ROOT/target/compose-test/rail-authority"
+fresh_authority "$RAIL_AUTHORITY_DIR"
+RAIL_TLS_DIR="$KEY_DIR/rail-tls"
+fresh_folder "$RAIL_TLS_DIR"
+issue_server "$RAIL_AUTHORITY_DIR" "$RAIL_TLS_DIR" rail-stub --host rail-stub --host 127.0.0.1 --host localhost
+issue_server "$RAIL_AUTHORITY_DIR" "$RAIL_TLS_DIR" rail-proxy --host rail-proxy
+issue_server "$RAIL_AUTHORITY_DIR" "$RAIL_TLS_DIR" harness --host harness
+chmod 755 "$RAIL_TLS_DIR"/*/
+chmod 644 "$RAIL_TLS_DIR"/*/*.pem
+docker run --rm --user 0 -v "$RAIL_TLS_DIR:/tls" "payout/services:${PAYOUT_SERVICES_TAG:-dev}" \
+    sh -c 'for p in rail-stub rail-proxy; do chown payout /tls/$p/$p.key; done'
+export PAYOUT_RAIL_AUTHORITY_DIR="$RAIL_AUTHORITY_DIR" PAYOUT_RAIL_TLS_DIR="$RAIL_TLS_DIR"
 # The one-shot db-setup needs the authority's certificate only (to check the servers').
 mkdir -p "$TLS_DIR/db-setup" && cp "$AUTHORITY_DIR/ca.pem" "$TLS_DIR/db-setup/ca.pem"
 # The certificate denylist every gRPC server reads (empty: nothing revoked yet; `payoutctl pki

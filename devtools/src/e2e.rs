@@ -239,7 +239,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     );
     let timeout = Duration::from_secs(args.timeout_s);
     // A rail that answers at once and never misbehaves: the benchmark measures our path.
-    let stub = rail_stub::client::StubClient::admin(system.rail_url.clone());
+    let stub = crate::run::rail_admin(&system)?;
     stub.set_faults(&rail_stub::FaultConfig::default())
         .await
         .map_err(|e| anyhow::anyhow!("configuring the rail stub: {e}"))?;

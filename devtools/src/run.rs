@@ -177,7 +177,7 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     say(format!("system up; Temporal UI {}", system.ui_url));
 
     // The rail misbehaves as asked, reproducibly.
-    let stub = rail_stub::client::StubClient::admin(system.rail_url.clone());
+    let stub = rail_admin(&system)?;
     let half = args.lost_response_rate / 2.0;
     stub.set_faults(&rail_stub::FaultConfig {
         seed: args.seed,
@@ -710,4 +710,19 @@ pub(crate) async fn submit_payouts(
     .await;
     drop(watching);
     measured
+}
+
+/// The harness's client of the rail stub's admin API (ground truth, faults) of `system`.
+pub(crate) fn rail_admin(
+    system: &payoutctl::target::Resolved,
+) -> anyhow::Result<rail_stub::client::StubClient> {
+    use anyhow::Context;
+    let tls = system
+        .rail_tls
+        .as_ref()
+        .context("the harness's certificate of the rail (--rail-ca, --rail-cert, --rail-key)")?;
+    Ok(rail_stub::client::StubClient::admin(
+        system.rail_url.clone(),
+        tls,
+    )?)
 }

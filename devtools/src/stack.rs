@@ -310,8 +310,8 @@ pub(crate) async fn settled_alerting_report(dir: &Path) -> anyhow::Result<Alerti
     }
 }
 
-/// Why a recorded stack predates the monitoring's login or the rail stub's own admin listener
-/// (issue 34), if it does.
+/// Why a recorded stack predates the monitoring's login, the rail stub's own admin listener or
+/// the rail's TLS (issue 34), if it does.
 fn launch_from_before_issue_34(dir: &Path, record: &StackRecord) -> Option<String> {
     let monitoring = dir.join("monitoring");
     if monitoring.exists()
@@ -326,6 +326,9 @@ fn launch_from_before_issue_34(dir: &Path, record: &StackRecord) -> Option<Strin
         .is_some_and(|s| s.ports.rail_stub_admin == 0)
     {
         return Some("its rail stub has no admin listener of its own".into());
+    }
+    if record.system.is_some() && !dir.join("system").join(testkit::rail::DIR).exists() {
+        return Some("its rail link is plain HTTP (no rail authority)".into());
     }
     None
 }

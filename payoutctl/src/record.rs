@@ -91,10 +91,10 @@ impl SystemRecord {
     pub fn payment_url(&self) -> String {
         Self::url(self.ports.payment_resource)
     }
-    /// The rail stub's admin API (plain HTTP; the harness's: ground truth, faults). Its payments
-    /// API stands for the external rail, which only the proxy calls.
+    /// The rail stub's admin API (HTTPS, the harness's certificate only: ground truth, faults).
+    /// Its payments API stands for the external rail, which only the proxy calls.
     pub fn rail_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.ports.rail_stub_admin)
+        format!("https://127.0.0.1:{}", self.ports.rail_stub_admin)
     }
     pub fn proxy_url(&self) -> String {
         Self::url(self.ports.rail_proxy)
@@ -199,6 +199,23 @@ impl StackRecord {
     /// The Temporal front's client profiles of the local stack, one per admitted role (what the
     /// test kit writes beside the dev server's folder): `--temporal-config-file` /
     /// `TEMPORAL_CONFIG_FILE` with the profile `operator`.
+    /// The harness's TLS to the local stack's rail stub: the rail's authority and the harness's
+    /// certificate, where the test kit's `rail::RailTls` writes them (`system/rail-pki`).
+    pub fn rail_harness_tls(state_dir: &Path) -> anyhow::Result<mtls::Tls> {
+        let dir = state_dir.join("system").join("rail-pki");
+        mtls::Tls::load(
+            &dir.join("ca.pem"),
+            &dir.join("harness.pem"),
+            &dir.join("harness.key"),
+        )
+        .with_context(|| {
+            format!(
+                "the harness's certificate of the local rail in {} (restart the stack)",
+                dir.display()
+            )
+        })
+    }
+
     pub fn temporal_clients_file(state_dir: &Path) -> std::path::PathBuf {
         state_dir
             .join("temporal-clients")

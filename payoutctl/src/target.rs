@@ -19,9 +19,17 @@ pub struct Target {
     pub proxydb_url: Option<String>,
     #[arg(long, env = "PAYOUT_GLDB_URL")]
     pub gldb_url: Option<String>,
-    /// The rail stub's admin API (its movements are the ground truth).
+    /// The rail stub's admin API (its movements are the ground truth), `https://`.
     #[arg(long, env = "PAYOUT_RAIL_URL")]
     pub rail_url: Option<String>,
+    /// With a deployment: the rail's authority, and the harness's certificate and key of it (the
+    /// stub's admin API serves no other). The local stack's are in its folder.
+    #[arg(long, env = "PAYOUT_RAIL_CA")]
+    pub rail_ca: Option<std::path::PathBuf>,
+    #[arg(long, env = "PAYOUT_RAIL_CERT")]
+    pub rail_cert: Option<std::path::PathBuf>,
+    #[arg(long, env = "PAYOUT_RAIL_KEY")]
+    pub rail_key: Option<std::path::PathBuf>,
     #[arg(long, env = "PAYOUT_PAYMENT_URL")]
     pub payment_url: Option<String>,
     /// The rail proxy: the reconciler asks the rail through its read-only lookup.
@@ -98,6 +106,8 @@ pub struct Resolved {
     pub proxydb: String,
     pub gldb: String,
     pub rail_url: String,
+    /// The harness's TLS to the rail stub's admin API (`None`: not given for a deployment).
+    pub rail_tls: Option<mtls::Tls>,
     pub payment_url: String,
     pub proxy_url: String,
     /// Where payoutctl's certificates come from: see [`Resolved::tls`].
@@ -139,6 +149,11 @@ impl Target {
                 proxydb: need(&self.proxydb_url, "proxydb-url")?,
                 gldb: need(&self.gldb_url, "gldb-url")?,
                 rail_url: need(&self.rail_url, "rail-url")?,
+                rail_tls: match (&self.rail_ca, &self.rail_cert, &self.rail_key) {
+                    (Some(ca), Some(cert), Some(key)) => Some(mtls::Tls::load(ca, cert, key)?),
+                    (None, None, None) => None,
+                    _ => anyhow::bail!("--rail-ca, --rail-cert and --rail-key go together"),
+                },
                 payment_url: need(&self.payment_url, "payment-url")?,
                 proxy_url: need(&self.proxy_url, "proxy-url")?,
                 certificates: match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
@@ -176,6 +191,7 @@ impl Target {
             proxydb: reader(record.ports.pg_proxy, "proxydb")?,
             gldb: reader(record.ports.pg_main, "gldb")?,
             rail_url: system.rail_url(),
+            rail_tls: Some(StackRecord::rail_harness_tls(&self.state_dir)?),
             payment_url: system.payment_url(),
             proxy_url: system.proxy_url(),
             // The local stack's own authority (made by `payoutdev stack up`, never committed).

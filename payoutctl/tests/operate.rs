@@ -1155,6 +1155,7 @@ async fn an_ambiguous_payout_whose_workflow_ended_is_abandoned_past_its_sla() {
         payout_domain::ClientReference::for_payout(&PayoutId::parse(payout.as_str()).unwrap())
             .to_string();
     rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client")
         .force(&reference, Some(rail_stub::FaultMode::FailBeforeActing))
         .await
         .unwrap();

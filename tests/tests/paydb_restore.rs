@@ -373,7 +373,8 @@ async fn a_restored_paydb_once_rearmed_leaves_the_outbox_and_the_gl_consistent()
         "{carried} posting(s) carried by the GL's journal"
     );
     // Each payout paid at most once: one movement at the rail, one posting in the GL.
-    let stub = rail_stub::client::StubClient::new(ctx.system.rail_stub_endpoints());
+    let stub = rail_stub::client::StubClient::new(ctx.system.rail_stub_endpoints())
+        .expect("the harness's rail client");
     let truth = stub.ground_truth().await.unwrap();
     let postings = ctx.gl_postings(&batch).await;
     let states = ctx.states(&batch).await;

@@ -99,7 +99,8 @@ impl Ctx {
             system,
             temporal,
             payment,
-            stub: rail_stub::client::StubClient::new(system.rail_stub_endpoints()),
+            stub: rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+                .expect("the harness's rail client"),
             paydb,
         }
     }
@@ -2222,8 +2223,9 @@ async fn impostor_system(believing: bool) -> System {
     .expect("the system starts")
 }
 
-/// Puts an impostor on the rail's address: the rail's own software, with a key of its own (it
-/// has the code and the address, not the rail's key), keeping its movements to itself. The real
+/// Puts an impostor on the rail's address: the rail's own software and TLS certificate, with an
+/// answer key of its own (it has the code, the address and the certificate, not the rail's answer
+/// key), keeping its movements to itself. The real
 /// rail is killed first; the returned switch stops the impostor.
 async fn impostor_on_the_rails_address(system: &System) -> tokio::sync::watch::Sender<bool> {
     system.rail_stub.kill().unwrap();
@@ -2246,11 +2248,12 @@ async fn impostor_on_the_rails_address(system: &System) -> tokio::sync::watch::S
         ..spare
     };
     let (shutdown, stop) = service_kit::Shutdown::new();
-    tokio::spawn(rail_stub::run(
-        listeners,
-        rail_stub::StubConfig::default(),
-        shutdown,
-    ));
+    // It holds the rail's TLS material too (the worst case: the stub's certificate and key
+    // taken), so only the answer key tells it apart.
+    let tls = system.rail_tls.stub.load().unwrap();
+    tokio::spawn(async move {
+        rail_stub::run(listeners, &tls, rail_stub::StubConfig::default(), shutdown).await
+    });
     stop
 }
 

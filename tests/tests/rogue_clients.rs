@@ -307,6 +307,7 @@ fn rogue_submit(input: &PayoutInput) -> Step {
 async fn paid_for(system: &System, input: &PayoutInput) -> Vec<(i64, String)> {
     let cref = ClientReference::for_payout(&input.payout_id);
     rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client")
         .ground_truth()
         .await
         .unwrap()

@@ -260,7 +260,8 @@ impl<'a> Ctx<'a> {
             payment: PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
                 .await
                 .unwrap(),
-            stub: rail_stub::client::StubClient::new(system.rail_stub_endpoints()),
+            stub: rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+                .expect("the harness's rail client"),
         }
     }
 

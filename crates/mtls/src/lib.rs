@@ -343,6 +343,33 @@ impl Tls {
         }
     }
 
+    /// The authority's certificate(s), PEM: what a peer's certificate must chain to. For the
+    /// HTTPS clients and servers built outside tonic (the rail link, the rail stub).
+    pub fn ca_pem(&self) -> &[u8] {
+        &self.ca_pem
+    }
+
+    /// This process's certificate chain, PEM.
+    pub fn cert_pem(&self) -> &[u8] {
+        &self.cert_pem
+    }
+
+    /// This process's private key, PEM.
+    pub fn key_pem(&self) -> &[u8] {
+        &self.key_pem
+    }
+
+    /// The certificate followed by its key, as one PEM document (what `reqwest::Identity::
+    /// from_pem` reads).
+    pub fn identity_pem(&self) -> Vec<u8> {
+        let mut pem = self.cert_pem.clone();
+        if !pem.ends_with(b"\n") {
+            pem.push(b'\n');
+        }
+        pem.extend_from_slice(&self.key_pem);
+        pem
+    }
+
     /// The same material, a server built on it refusing the certificates of `denylist`.
     pub fn with_denylist(mut self, denylist: std::sync::Arc<denylist::Denylist>) -> Tls {
         self.denylist = denylist;

@@ -199,7 +199,8 @@ async fn clean_run_is_clean_and_every_broken_primary_is_reported() {
     // The rail is asked to pay more than the payout record says (and paydb debits).
     pay_submitting(&system, "acct-r3", "po-r3", 700, 9_999).await;
     // INV-02: the rail is paid a second time for po-r1 behind the proxy's back.
-    let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints());
+    let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client");
     stub.pay(&rail_stub::PaymentOrder {
         client_reference: "cref-po-r1".into(),
         amount_minor: 1_250,
@@ -376,6 +377,7 @@ const RAIL_SETTLED_WAIT: Duration = Duration::from_secs(60);
 /// The planted movement for `payout`: the rail is paid behind the proxy's back.
 async fn paid_behind_the_proxy(system: &System, payout: &str, amount_minor: i64) {
     rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client")
         .pay(&rail_stub::PaymentOrder {
             client_reference: format!("cref-{payout}"),
             amount_minor,

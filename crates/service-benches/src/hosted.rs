@@ -211,7 +211,12 @@ impl Hosted {
             fact_signer: std::sync::Arc::new(fact_signer),
         };
         let mut config = rail_proxy::ProxyConfig::new(
-            rail_proxy::RailLink::new(stub.base_url(), stub.answer_verifier()),
+            rail_proxy::RailLink::new(
+                stub.base_url(),
+                stub.answer_verifier(),
+                &stub.identity("rail-proxy"),
+            )
+            .map_err(start_error("rail link"))?,
             keys,
             tls(Role::RailProxy),
         );

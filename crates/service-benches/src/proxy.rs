@@ -156,6 +156,10 @@ pub enum BenchError {
     Call(String),
     #[error("the bench's grant key: {0}")]
     GrantKey(#[from] grant_signing::KeyError),
+    #[error("the rail link: {0}")]
+    RailLink(#[from] rail_proxy::RailLinkError),
+    #[error("the rail client: {0}")]
+    RailClient(String),
 }
 
 fn figures(mut latencies: Vec<Duration>, elapsed: Duration) -> Figures {
@@ -253,7 +257,11 @@ pub async fn run(
         instructions: Verifier::new([instruction_signer.public_key()])?,
         fact_signer: std::sync::Arc::new(fact_signer),
     };
-    let rail = rail_proxy::RailLink::new(stub.base_url(), stub.answer_verifier());
+    let rail = rail_proxy::RailLink::new(
+        stub.base_url(),
+        stub.answer_verifier(),
+        &stub.identity("rail-proxy"),
+    )?;
     let insecure = RunningProxy::start(
         pool.clone(),
         ProxyConfig::new(rail.clone(), keys.clone(), tls(Role::RailProxy))
@@ -262,8 +270,11 @@ pub async fn run(
     )
     .await?;
     // The real table and mutual TLS, as deployed: a worker's certificate submits.
-    let proxy =
-        RunningProxy::start(pool, ProxyConfig::new(rail, keys, tls(Role::RailProxy))).await?;
+    let proxy = RunningProxy::start(
+        pool,
+        ProxyConfig::new(rail.clone(), keys, tls(Role::RailProxy)),
+    )
+    .await?;
     let client = RailProxyClient::connect(&proxy.endpoint(), &tls(Role::Worker)).await?;
     let insecure_client = RailProxyClient::from_channel(
         tonic::transport::Endpoint::from_shared(format!("http://{}", insecure.addr))
@@ -325,7 +336,11 @@ pub async fn run(
         })
     };
     let (floor_latencies, floor_elapsed) = floor(
-        rail_stub::client::StubClient::with_http(stub.endpoints(), rail_proxy::rail::http_client()),
+        rail_stub::client::StubClient::with_http(
+            stub.endpoints(),
+            rail_proxy::rail::http_client(&rail)
+                .map_err(|e| BenchError::RailClient(e.to_string()))?,
+        ),
         "",
     )
     .await?;

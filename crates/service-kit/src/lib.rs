@@ -325,7 +325,7 @@ pub mod grpc {
     use tower::limit::GlobalConcurrencyLimitLayer;
 
     pub use mtls::authz::{Policy, Refusal, Rule};
-    pub use mtls::{Caller, Role, Tls, TlsArgs};
+    pub use mtls::{Caller, Role, Tls, TlsArgs, TlsError};
 
     /// A gRPC server's TLS material: [`TlsArgs`] and the certificate denylist it refuses
     /// (`mtls::denylist`). The denylist is required: a misspelt path must not mean "nothing

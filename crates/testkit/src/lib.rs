@@ -10,6 +10,7 @@ pub mod netns;
 pub mod pki;
 pub mod postgres;
 pub mod process;
+pub mod rail;
 pub mod stack;
 pub mod system;
 pub mod temporal;

@@ -145,6 +145,9 @@ pub struct System {
     pub rail_answer_keys: crate::grants::SigningKey,
     /// The system's certificate authority: every process has its own certificate from it.
     pub pki: crate::pki::Pki,
+    /// The rail's own authority (apart from the system's, as a real rail's): the stub's
+    /// certificate, the proxy's and the harness's client certificates.
+    pub rail_tls: crate::rail::RailTls,
     /// The system's registered operator (the payment resource's `--operator-keys`).
     pub operator: crate::grants::OperatorKey,
     pub lock_server: ManagedProcess,
@@ -175,8 +178,9 @@ fn url(port: u16) -> String {
     format!("https://127.0.0.1:{port}")
 }
 
+/// The rail stub's payments and admin APIs are HTTPS, with the rail's own authority.
 fn rail_url(port: u16) -> String {
-    format!("http://127.0.0.1:{port}")
+    format!("https://127.0.0.1:{port}")
 }
 
 impl System {
@@ -255,6 +259,7 @@ impl System {
         let rail_fact_keys = crate::grants::SigningKey::rail_fact(&dir)?;
         let rail_answer_keys = crate::grants::SigningKey::rail_answer(&dir)?;
         let pki = crate::pki::Pki::in_dir(&dir)?;
+        let rail_tls = crate::rail::RailTls::issue(&dir)?;
         let operator = crate::grants::OperatorKey::in_dir(&dir)?;
         let lock_server = ManagedProcess::start(
             spec("lock-server")?
@@ -321,6 +326,7 @@ impl System {
                 format!("127.0.0.1:{}", ports.metrics[2]),
             ])
             .args(rail_answer_keys.signing_args("answer"))
+            .args(rail_tls.stub_args())
             .args([
                 "--movements-file".into(),
                 dir.join("rail-movements.jsonl").into_os_string(),
@@ -354,6 +360,7 @@ impl System {
                 .args(rail_fact_keys.signing_args("rail-fact"))
                 .args(pki.issue(Role::RailProxy, "rail-proxy")?.to_args())
                 .args(["--rail-url".into(), rail_url(ports.rail_stub)])
+                .args(rail_tls.proxy_args())
                 .args([
                     "--rail-answer-verify-keys".into(),
                     rail_answer_keys.verify_keys(),
@@ -464,6 +471,7 @@ impl System {
             rail_fact_keys,
             rail_answer_keys,
             pki,
+            rail_tls,
             operator,
             lock_server,
             payment_resource,
@@ -538,11 +546,22 @@ impl System {
     pub fn rail_url(&self) -> String {
         rail_url(self.ports.rail_stub)
     }
-    /// Both of the rail stub's base URLs, `(payments API, the harness's admin API)`: what
-    /// `rail_stub::client::StubClient::new` takes (the kit starts the stub's binary and links no
-    /// server, so it names no type of the stub's).
-    pub fn rail_stub_endpoints(&self) -> (String, String) {
-        (self.rail_url(), rail_url(self.ports.rail_stub_admin))
+    /// Both of the rail stub's base URLs, `(payments API, the harness's admin API, the
+    /// harness's TLS)`: what `rail_stub::client::StubClient::new` takes (the kit starts the
+    /// stub's binary and links no server, so it names no type of the stub's).
+    pub fn rail_stub_endpoints(&self) -> (String, String, mtls::Tls) {
+        (
+            self.rail_url(),
+            self.rail_admin_url(),
+            self.rail_tls
+                .harness
+                .load()
+                .expect("the harness's certificate of the rail reads"),
+        )
+    }
+    /// The rail stub's admin API (the harness's certificate only).
+    pub fn rail_admin_url(&self) -> String {
+        rail_url(self.ports.rail_stub_admin)
     }
     pub fn gl_url(&self) -> String {
         url(self.ports.general_ledger)

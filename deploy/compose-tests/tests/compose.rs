@@ -262,7 +262,9 @@ struct Harness<'a> {
     checker: PaymentClient,
     temporal: temporalio_client::Client,
     temporal_container: String,
-    http: reqwest::Client,
+    /// The harness's HTTPS client of the rail stub's admin API (the rail's authority pinned, the
+    /// harness's certificate presented).
+    rail: reqwest::Client,
     rail_url: String,
     /// Every payout created, for the final checker.
     payouts: Vec<PayoutId>,
@@ -295,9 +297,9 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
         checker,
         temporal,
         temporal_container: project.container("temporal")?,
-        http: reqwest::Client::new(),
+        rail: rail_client(Some(&rail_harness()?))?,
         rail_url: format!(
-            "http://127.0.0.1:{}",
+            "https://127.0.0.1:{}",
             project.host_port("rail-stub", RAIL_STUB_PORT).await?
         ),
         payouts: Vec::new(),
@@ -315,6 +317,9 @@ async fn scenarios(project: &Deployment) -> anyhow::Result<()> {
         "the rail stub's payments API is published on the host"
     );
     println!("row 5d: the rail stub's payments API is not published on the host; its admin API is");
+    rail_handshakes(&h)
+        .await
+        .context("row 5d: the rail's TLS")?;
     monitoring_healthy(project)
         .await
         .context("alerting: every target up, nothing firing")?;
@@ -526,7 +531,7 @@ async fn negative_control(h: &Harness<'_>) -> anyhow::Result<()> {
     }
     let p = posted.context("no POSTED payout to duplicate")?;
     let answer = h
-        .http
+        .rail
         .post(format!("{}/admin/payments", h.rail_url))
         .json(&serde_json::json!({
             "client_reference": p.client_reference,
@@ -1730,7 +1735,7 @@ struct GroundTruth {
 /// FAILED payout, the ledger balanced, every payout terminal or RAIL_AMBIGUOUS with evidence.
 async fn check_everything(h: &Harness<'_>) -> anyhow::Result<()> {
     let truth: GroundTruth = h
-        .http
+        .rail
         .get(format!("{}/admin/movements", h.rail_url))
         .send()
         .await?
@@ -1958,6 +1963,89 @@ fn authority_dir() -> anyhow::Result<std::path::PathBuf> {
 
 fn authority() -> anyhow::Result<mtls::issue::Authority> {
     Ok(mtls::issue::Authority::open(&authority_dir()?)?)
+}
+
+/// The harness's certificate of the rail's authority (deploy/compose-test.sh writes it to
+/// `PAYOUT_RAIL_TLS_DIR/harness`, a folder no container mounts).
+fn rail_harness() -> anyhow::Result<mtls::Tls> {
+    let dir = authority_dir_named_by("PAYOUT_RAIL_TLS_DIR")?.join("harness");
+    Ok(mtls::Tls::load(
+        &dir.join("ca.pem"),
+        &dir.join("harness.pem"),
+        &dir.join("harness.key"),
+    )?)
+}
+
+/// An HTTPS client of the rail stub that trusts the rail's authority alone and presents
+/// `identity`'s certificate (none: no client certificate).
+fn rail_client(identity: Option<&mtls::Tls>) -> anyhow::Result<reqwest::Client> {
+    let ca = rail_harness()?;
+    let mut builder = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(ca.ca_pem())?);
+    if let Some(identity) = identity {
+        builder = builder.identity(reqwest::Identity::from_pem(&identity.identity_pem())?);
+    }
+    Ok(builder.build()?)
+}
+
+/// Row 5d's handshakes. From the host, the stub's admin API serves the harness's certificate
+/// only: none, or another certificate of the rail's own authority, is refused at the handshake
+/// (the control: the harness reads the ground truth). From the general ledger's container (on the
+/// proxy's network), the rail's payments API answers neither plain HTTP nor TLS with the GL's own
+/// certificate (of the deployment's authority, not the rail's); the proxy's payments reach it (the
+/// scenarios' POSTED payouts are its control).
+async fn rail_handshakes(h: &Harness<'_>) -> anyhow::Result<()> {
+    let movements = format!("{}/admin/movements", h.rail_url);
+    let merchant =
+        mtls::issue::Authority::open(&authority_dir_named_by("PAYOUT_RAIL_AUTHORITY_DIR")?)?
+            .issue_named(&["compose-suite-merchant"], "compose-suite-merchant")?
+            .tls();
+    for (who, client) in [
+        ("no client certificate", rail_client(None)?),
+        (
+            "a certificate of the rail's authority that is not the harness's",
+            rail_client(Some(&merchant))?,
+        ),
+    ] {
+        let refused = client.get(&movements).send().await;
+        ensure!(
+            refused.is_err(),
+            "row 5d: the admin API served {who}: {refused:?}"
+        );
+    }
+    let answer = h.rail.get(&movements).send().await?;
+    ensure!(
+        answer.status().is_success(),
+        "row 5d control: the harness reads the ground truth: {}",
+        answer.status()
+    );
+    let gl = h.project.container("general-ledger")?;
+    for probe in [
+        vec![
+            "payout-probe",
+            "http",
+            "rail-stub:8090",
+            "/v1/payments?client_reference=x",
+        ],
+        vec!["payout-probe", "grpc", "rail-stub:8090", "rail-proxy"],
+    ] {
+        let (code, stdout, stderr) = h.project.exec_outcome(&gl, &probe).await?;
+        ensure!(
+            code != Some(0),
+            "row 5d: from the GL, {probe:?} reached the rail's payments API: {stdout}{stderr}"
+        );
+        ensure!(
+            !stderr.contains("failed to lookup") && !stderr.contains("Name or service not known"),
+            "row 5d: from the GL, rail-stub must resolve (the refusal must be the rail's): {stderr}"
+        );
+    }
+    println!(
+        "row 5d: the rail's admin API refuses no certificate and a merchant's (the harness's is \
+         served); from the GL, its payments API refuses plain HTTP and the GL's certificate"
+    );
+    Ok(())
 }
 
 /// The monitoring APIs' login for people (deploy/README.md, "Monitoring access"): user `operator`,

@@ -8,6 +8,11 @@
 //! ABSENT: an impostor on the rail's address cannot make a payout POSTED without a movement, or
 //! FAILED after one. Each is counted in `rail_answers_unauthenticated_total{operation,reason}`
 //! and logged `event="rail_answer_unauthenticated"`, `alert=true`.
+//!
+//! It reaches the rail over HTTPS only ([`RailLink`]: an `https://` URL, refused at start
+//! otherwise): the rail's certificate must chain to the rail's own authority (pinned, no built-in
+//! roots), and the proxy presents its client certificate of that authority (a rail authenticates
+//! its merchant). A handshake that fails is a transport failure: the payment is ambiguous.
 
 use std::time::{Duration, Instant};
 
@@ -93,29 +98,91 @@ const RAIL_CALLS: &[(&str, &[&str])] = &[
     ("lookup", &["found", "absent", "unknown"]),
 ];
 
-/// Where the rail is and how its answers are authenticated.
+/// Where the rail is, how the proxy is known to it and how its answers are authenticated.
 #[derive(Debug, Clone)]
 pub struct RailLink {
-    /// The rail's base URL (`http://host:port`).
+    /// The rail's base URL (`https://host:port`).
     pub url: String,
     /// The rail's answer keys (several during the rail's key rotation).
     pub answer_keys: Verifier,
+    /// The rail's authority (the only one its certificate may chain to) and the proxy's client
+    /// certificate of it, as reqwest reads them.
+    tls: RailTls,
+}
+
+#[derive(Clone)]
+struct RailTls {
+    authority: reqwest::Certificate,
+    identity: reqwest::Identity,
+}
+
+impl std::fmt::Debug for RailTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RailTls").finish_non_exhaustive()
+    }
+}
+
+/// Why a rail link was refused at start.
+#[derive(Debug, thiserror::Error)]
+pub enum RailLinkError {
+    #[error("the rail's URL {0:?} is not https:// (the rail link is TLS only)")]
+    NotHttps(String),
+    #[error("the rail's authority (--rail-ca): {0}")]
+    Authority(reqwest::Error),
+    #[error(
+        "the proxy's rail client certificate or key (--rail-client-cert, --rail-client-key): {0}"
+    )]
+    Identity(reqwest::Error),
+    #[error("the rail link's TLS files: {0}")]
+    Files(#[from] service_kit::grpc::TlsError),
 }
 
 impl RailLink {
-    pub fn new(url: impl Into<String>, answer_keys: Verifier) -> Self {
-        Self {
-            url: url.into(),
-            answer_keys,
+    /// The rail at `url` (which must be `https://`), its answers checked with `answer_keys`, its
+    /// certificate with `tls`'s authority, the proxy presenting `tls`'s certificate.
+    pub fn new(
+        url: impl Into<String>,
+        answer_keys: Verifier,
+        tls: &service_kit::grpc::Tls,
+    ) -> Result<Self, RailLinkError> {
+        let url = url.into();
+        if !url.starts_with("https://") {
+            return Err(RailLinkError::NotHttps(url));
         }
+        let link = Self {
+            url,
+            answer_keys,
+            tls: RailTls {
+                authority: reqwest::Certificate::from_pem(tls.ca_pem())
+                    .map_err(RailLinkError::Authority)?,
+                identity: reqwest::Identity::from_pem(&tls.identity_pem())
+                    .map_err(RailLinkError::Identity)?,
+            },
+        };
+        // What reqwest checks only when a client is built, checked now: a start refused here is
+        // better than every payment ambiguous.
+        http_client(&link).map_err(RailLinkError::Identity)?;
+        Ok(link)
     }
 }
 
 /// The binaries' flags for [`RailLink`] (the shipped proxy and the test failpoint proxy).
 #[derive(Debug, clap::Args)]
 pub struct RailLinkArgs {
+    /// The rail's payments API, `https://host:port`.
     #[arg(long, env = "RAIL_PROXY_RAIL_URL")]
     pub rail_url: String,
+    /// The rail's certificate authority (PEM): the rail's certificate must chain to it, and to
+    /// nothing else.
+    #[arg(long, env = "RAIL_PROXY_RAIL_CA")]
+    pub rail_ca: std::path::PathBuf,
+    /// The proxy's client certificate of the rail's authority (PEM), what the rail knows the
+    /// proxy by.
+    #[arg(long, env = "RAIL_PROXY_RAIL_CLIENT_CERT")]
+    pub rail_client_cert: std::path::PathBuf,
+    /// Its private key (PEM).
+    #[arg(long, env = "RAIL_PROXY_RAIL_CLIENT_KEY")]
+    pub rail_client_key: std::path::PathBuf,
     /// The rail's answer public keys, `key_id=<64 hex digits>[,...]` (as the provider publishes
     /// them; several during its rotation). Required: an answer none of them signed is never
     /// believed.
@@ -123,9 +190,15 @@ pub struct RailLinkArgs {
     pub rail_answer_verify_keys: Verifier,
 }
 
-impl From<RailLinkArgs> for RailLink {
-    fn from(args: RailLinkArgs) -> Self {
-        Self::new(args.rail_url, args.rail_answer_verify_keys)
+impl TryFrom<RailLinkArgs> for RailLink {
+    type Error = RailLinkError;
+    fn try_from(args: RailLinkArgs) -> Result<Self, RailLinkError> {
+        let tls = service_kit::grpc::Tls::load(
+            &args.rail_ca,
+            &args.rail_client_cert,
+            &args.rail_client_key,
+        )?;
+        Self::new(args.rail_url, args.rail_answer_verify_keys, &tls)
     }
 }
 
@@ -170,11 +243,13 @@ fn truncate(text: &str) -> &str {
     &text[..end]
 }
 
-/// The HTTP client the proxy calls a rail with: no retry of any kind (reqwest's default policy
+/// The HTTPS client the proxy calls a rail with: the rail's authority pinned (no built-in root),
+/// the proxy's certificate presented, HTTPS only; no retry of any kind (reqwest's default policy
 /// resends on protocol NACKs), and no idle connection reused, so the HTTP stack can never resend
-/// a request that failed on a stale pooled connection: every payment has its own connection. The
-/// proxy benchmark's floor calls the stub with it too, so that the floor does the same rail work.
-pub fn http_client() -> reqwest::Client {
+/// a request that failed on a stale pooled connection: every payment has its own connection (and
+/// handshake). The proxy benchmark's floor calls the stub with it too, so that the floor does the
+/// same rail work.
+pub fn http_client(link: &RailLink) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(RAIL_CONNECT_TIMEOUT_MS))
         .retry(reqwest::retry::never())
@@ -182,8 +257,11 @@ pub fn http_client() -> reqwest::Client {
         .redirect(reqwest::redirect::Policy::none())
         .pool_max_idle_per_host(0)
         .http1_only()
+        .https_only(true)
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(link.tls.authority.clone())
+        .identity(link.tls.identity.clone())
         .build()
-        .expect("a plain HTTP client builds")
 }
 
 impl Rail {
@@ -195,7 +273,7 @@ impl Rail {
         timeout: Duration,
         metrics: &service_kit::Metrics,
         verify_answers: bool,
-    ) -> Self {
+    ) -> Result<Self, reqwest::Error> {
         let unauthenticated = metrics.counter_vec(
             "rail_answers_unauthenticated_total",
             "Rail answers the proxy did not believe (no, a malformed, a foreign, a wrong or a stale Rail-Signature), by operation (pay, lookup) and reason. Each made a payment ambiguous or a lookup unknown. Anything above zero: something other than the rail answered, or the rail's key changed.",
@@ -206,9 +284,9 @@ impl Rail {
                 unauthenticated.with_label_values(&[operation, reason]);
             }
         }
-        Self {
+        Ok(Self {
             base_url: link.url.trim_end_matches('/').to_string(),
-            http: http_client(),
+            http: http_client(link)?,
             timeout,
             answer_keys: link.answer_keys.clone(),
             verify_answers,
@@ -220,7 +298,7 @@ impl Rail {
                 RAIL_CALL_BUCKETS_SECONDS,
                 RAIL_CALLS,
             ),
-        }
+        })
     }
 
     /// Sends the payment once, valid at the rail until `valid_until_unix_ms`, and classifies

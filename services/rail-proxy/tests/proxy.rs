@@ -150,10 +150,33 @@ async fn rig_keyed(
     rig_railed(
         stub_config,
         keys,
-        |stub| rail_proxy::RailLink::new(stub.base_url(), stub.answer_verifier()),
+        |stub| rail_link(stub, stub.base_url(), stub.answer_verifier()),
         configure,
     )
     .await
+}
+
+/// The proxy's link to the rail at `url` (the stub's, or something on the way), with `keys` and
+/// the proxy's client certificate of the stub's authority.
+fn rail_link(stub: &RunningStub, url: String, keys: Verifier) -> rail_proxy::RailLink {
+    rail_proxy::RailLink::new(url, keys, &stub.identity(testkit::rail::PROXY_NAME)).unwrap()
+}
+
+/// The proxy's `--rail-ca/--rail-client-cert/--rail-client-key` for a process of its own, its
+/// files written into `dir`.
+fn rail_tls_args(stub: &RunningStub, dir: &std::path::Path) -> Vec<String> {
+    let tls = stub.identity(testkit::rail::PROXY_NAME);
+    let mut args = Vec::new();
+    for (flag, file, pem) in [
+        ("--rail-ca", "rail-ca.pem", tls.ca_pem()),
+        ("--rail-client-cert", "rail-proxy.pem", tls.cert_pem()),
+        ("--rail-client-key", "rail-proxy.key", tls.key_pem()),
+    ] {
+        let path = dir.join(file);
+        std::fs::write(&path, pem).unwrap();
+        args.extend([flag.to_string(), path.display().to_string()]);
+    }
+    args
 }
 
 /// A rig whose proxy reaches the rail through `link` (made from the rig's stub: the stub's own
@@ -820,6 +843,7 @@ async fn a_proxy_killed_between_intent_and_rail_call_leaves_an_ambiguous_null() 
     .args(["--listen".to_string(), format!("127.0.0.1:{port}")])
     .args(["--database-url".to_string(), rig.db_url.clone()])
     .args(["--rail-url".to_string(), rig.stub.base_url()])
+    .args(rail_tls_args(&rig.stub, dir.path()))
     .args([
         "--rail-answer-verify-keys".to_string(),
         rig.stub.answer_key.to_string(),
@@ -2194,7 +2218,8 @@ fn the_binary_will_not_start_without_valid_grant_verify_keys() {
     for (args, expected) in cases {
         let out = std::process::Command::new(bin)
             .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
-            .args(["--rail-url", "http://127.0.0.1:1"])
+            .args(["--rail-url", "https://127.0.0.1:1"])
+            .args(UNREAD_RAIL_TLS)
             .args(args)
             .env_remove("GRANT_VERIFY_KEYS")
             .env_remove("INSTRUCTION_VERIFY_KEYS")
@@ -2213,6 +2238,16 @@ fn the_binary_will_not_start_without_valid_grant_verify_keys() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
 }
+
+/// The rail link's TLS flags where a test's start fails before they are read.
+const UNREAD_RAIL_TLS: [&str; 6] = [
+    "--rail-ca",
+    "/nonexistent/rail-ca.pem",
+    "--rail-client-cert",
+    "/nonexistent/rail-proxy.pem",
+    "--rail-client-key",
+    "/nonexistent/rail-proxy.key",
+];
 
 /// Nor an unsigned mode for instructions, rail facts or the rail's answers (issues 33, 34): with
 /// valid grant keys, a missing instruction key list, rail-fact signing key or rail answer key list
@@ -2283,7 +2318,8 @@ fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
         };
         let out = std::process::Command::new(bin)
             .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
-            .args(["--rail-url", "http://127.0.0.1:1"])
+            .args(["--rail-url", "https://127.0.0.1:1"])
+            .args(UNREAD_RAIL_TLS)
             .args(["--grant-verify-keys", &grants])
             .args(&answer_keys)
             .args(
@@ -2745,14 +2781,33 @@ enum OnTheWay {
     ReplaysTheFirst,
 }
 
-/// A man in the middle between the proxy and the stub at `rail`, doing `what`; its URL.
-fn on_the_way(rail: String, what: OnTheWay) -> String {
+/// A man in the middle between the proxy and `stub`, doing `what`; its URL. It holds what an
+/// attacker who took the stub's TLS material would (a certificate of the rail's authority naming
+/// the stub, a client certificate of it), but not the stub's answer key.
+fn on_the_way(stub: &RunningStub, what: OnTheWay) -> String {
+    on_the_way_as(
+        stub,
+        what,
+        &stub.issue(&rail_stub::SERVER_NAMES, "rail-stub"),
+    )
+}
+
+/// The same, serving TLS with `server` (its certificate, and the authority its clients must
+/// chain to).
+fn on_the_way_as(stub: &RunningStub, what: OnTheWay, server: &service_kit::grpc::Tls) -> String {
     use axum::response::IntoResponse;
     type Kept = std::sync::Arc<
         std::sync::Mutex<std::collections::HashMap<String, (u16, Option<String>, Vec<u8>)>>,
     >;
     let kept: Kept = Default::default();
-    let http = reqwest::Client::new();
+    let rail = stub.base_url();
+    let client = stub.identity("on-the-way");
+    let http = reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(client.ca_pem()).unwrap())
+        .identity(reqwest::Identity::from_pem(&client.identity_pem()).unwrap())
+        .build()
+        .unwrap();
     let handler = move |request: axum::extract::Request| {
         let (rail, http, kept) = (rail.clone(), http.clone(), kept.clone());
         async move {
@@ -2822,8 +2877,13 @@ fn on_the_way(rail: String, what: OnTheWay) -> String {
     };
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+    let url = format!("https://{}", listener.local_addr().unwrap());
+    let listener = rail_stub::tls::TlsListener::new(
+        tokio::net::TcpListener::from_std(listener).unwrap(),
+        rail_stub::tls::server_config(server).unwrap(),
+        rail_stub::tls::Clients::Authority,
+    )
+    .unwrap();
     tokio::spawn(async move {
         axum::serve(listener, axum::Router::new().fallback(handler))
             .await
@@ -2874,11 +2934,9 @@ async fn an_answer_the_rail_did_not_sign_for_this_request_is_never_believed() {
             stub_config,
             keys(),
             |stub| match what {
-                Some(what) => rail_proxy::RailLink::new(
-                    on_the_way(stub.base_url(), what),
-                    stub.answer_verifier(),
-                ),
-                None => rail_proxy::RailLink::new(
+                Some(what) => rail_link(stub, on_the_way(stub, what), stub.answer_verifier()),
+                None => rail_link(
+                    stub,
                     stub.base_url(),
                     Verifier::new([expected_key.public_key()]).unwrap(),
                 ),
@@ -2969,8 +3027,9 @@ async fn negative_control_without_answer_verification_an_impostors_accept_is_an_
         StubConfig::default(),
         keys(),
         |stub| {
-            rail_proxy::RailLink::new(
-                on_the_way(stub.base_url(), OnTheWay::Impostor),
+            rail_link(
+                stub,
+                on_the_way(stub, OnTheWay::Impostor),
                 stub.answer_verifier(),
             )
         },
@@ -2991,4 +3050,113 @@ async fn negative_control_without_answer_verification_an_impostors_accept_is_an_
         "the rail never saw it"
     );
     assert_eq!(unauthenticated_counted(&rig, "pay", "unsigned"), 0);
+}
+
+/// Row 5c: the rail's certificate is checked against the rail's own authority. An impostor on the
+/// rail's address with a certificate of another authority (naming the stub's addresses) answering
+/// `accepted` is refused at the handshake, even with answer verification off: the payment is
+/// ambiguous (TIMEOUT), never an ACK, and nothing reached the impostor. The control is the test
+/// above: the same impostor holding a certificate of the rail's authority is believed when the
+/// answers are not verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_impostor_with_another_authoritys_certificate_is_refused_at_the_handshake() {
+    let foreign = tempfile::tempdir().unwrap();
+    let foreign = testkit::pki::Pki::in_dir(foreign.path())
+        .unwrap()
+        .issue_named(&rail_stub::SERVER_NAMES, "rail-stub")
+        .unwrap()
+        .tls();
+    let rig = rig_railed(
+        StubConfig::default(),
+        keys(),
+        |stub| {
+            rail_link(
+                stub,
+                on_the_way_as(stub, OnTheWay::Impostor, &foreign),
+                stub.answer_verifier(),
+            )
+        },
+        |c| c.disable_rail_answer_verification_for_negative_control(),
+    )
+    .await;
+    let request = payout("p-foreign-tls", "acct-foreign-tls", 3, "worker-1");
+    let submission = rig.client.clone().submit(&request).await.unwrap();
+    match &submission.outcome {
+        Outcome::Timeout { detail } => assert!(
+            detail.to_lowercase().contains("certificate")
+                || detail.to_lowercase().contains("tls")
+                || detail.to_lowercase().contains("connect"),
+            "the handshake's failure is named: {detail}"
+        ),
+        other => panic!("an impostor of another authority was believed: {other:?}"),
+    }
+    assert_eq!(
+        at_rail(&rig, &request).await,
+        (0, 0),
+        "the rail never saw it"
+    );
+}
+
+/// Row 5c's other half: the shipped binary refuses a rail link that is not HTTPS, or has no rail
+/// authority, at start; given both, its start goes on to the database (so neither refusal came
+/// from something else).
+#[test]
+fn the_binary_refuses_a_plain_http_rail_and_a_missing_rail_authority() {
+    let bin = env!("CARGO_BIN_EXE_rail-proxy");
+    let dir = tempfile::tempdir().unwrap();
+    let rail = testkit::rail::RailTls::issue(dir.path()).unwrap();
+    let (fact_signer, fact_secret) = Signer::generate("fact-1").unwrap();
+    let _ = fact_signer;
+    let fact_key = dir.path().join("fact.key");
+    std::fs::write(&fact_key, fact_secret).unwrap();
+    let rail_answers = Signer::generate("rail-1")
+        .unwrap()
+        .0
+        .public_key()
+        .to_string();
+    let start = |url: &str, rail_tls: Vec<String>| {
+        let out = std::process::Command::new(bin)
+            .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
+            .args(["--rail-url", url])
+            .args(rail_tls)
+            .args(["--rail-answer-verify-keys", &rail_answers])
+            .args(["--grant-verify-keys", &SIGNER.public_key().to_string()])
+            .args([
+                "--instruction-verify-keys",
+                &INSTRUCTION_SIGNER.public_key().to_string(),
+            ])
+            .args(["--rail-fact-signing-key-id", "fact-1"])
+            .args(["--rail-fact-signing-key-file", fact_key.to_str().unwrap()])
+            .args(
+                testkit::pki::shared()
+                    .issue(Role::RailProxy, "rail-proxy-link")
+                    .unwrap()
+                    .to_args(),
+            )
+            .env("PAYOUT_TLS_DENYLIST", testkit::pki::empty_denylist())
+            .env_remove("RAIL_PROXY_RAIL_CA")
+            .env_remove("RAIL_PROXY_RAIL_CLIENT_CERT")
+            .env_remove("RAIL_PROXY_RAIL_CLIENT_KEY")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stderr) = start("http://127.0.0.1:1", rail.proxy_args());
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("is not https://"), "{stderr}");
+    let no_authority: Vec<String> = rail.proxy_args().into_iter().skip(2).collect();
+    let (code, stderr) = start("https://127.0.0.1:1", no_authority);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--rail-ca"), "{stderr}");
+    // The control: both given, the rail link is accepted and the start fails later, at the
+    // database nobody runs.
+    let (code, stderr) = start("https://127.0.0.1:1", rail.proxy_args());
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        !stderr.contains("rail link") && !stderr.contains("https://"),
+        "{stderr}"
+    );
 }

@@ -1,7 +1,9 @@
 //! An HTTP client of the stub for tests, tools and the benchmark's direct-call baseline: its
 //! payments API (pay, look up) and its admin API (ground truth, faults, a payment outside the
-//! proxy), each at its own listener. The rail proxy deliberately does not use it: it has its own
-//! client of the rail's wire format.
+//! proxy), each at its own listener, over HTTPS: the stub's certificate checked against the rail's
+//! authority only, the caller's own certificate presented (the harness's, [`HARNESS_NAME`](crate::tls::HARNESS_NAME), for
+//! the admin API). The rail proxy deliberately does not use it: it has its own client of the
+//! rail's wire format.
 
 use std::time::Duration;
 
@@ -22,15 +24,20 @@ pub enum StubClientError {
     Status { status: u16, body: String },
     #[error("this client knows the stub's admin API only, not its payments API")]
     NoPaymentsApi,
+    #[error("the client's TLS material: {0}")]
+    Tls(reqwest::Error),
 }
 
-/// Where the stub's two APIs are.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where the stub's two APIs are, and the TLS the caller reaches them with.
+#[derive(Debug, Clone)]
 pub struct RailEndpoints {
     /// The rail's payments API (`/v1/payments`), what the proxy calls.
     pub payments_url: String,
     /// The harness's admin API (`/admin/*`).
     pub admin_url: String,
+    /// The rail's authority (the stub's certificate must chain to it) and the caller's own
+    /// certificate of it (the admin API serves only one naming [`HARNESS_NAME`](crate::tls::HARNESS_NAME)).
+    pub tls: mtls::Tls,
 }
 
 /// What one direct payment request got back.
@@ -49,12 +56,14 @@ pub enum DirectAnswer {
     },
 }
 
-impl From<(String, String)> for RailEndpoints {
-    /// `(payments_url, admin_url)`, as the test kit's `System::rail_stub_endpoints` gives them.
-    fn from((payments_url, admin_url): (String, String)) -> Self {
+impl From<(String, String, mtls::Tls)> for RailEndpoints {
+    /// `(payments_url, admin_url, the harness's TLS)`, as the test kit's
+    /// `System::rail_stub_endpoints` gives them.
+    fn from((payments_url, admin_url, tls): (String, String, mtls::Tls)) -> Self {
         Self {
             payments_url,
             admin_url,
+            tls,
         }
     }
 }
@@ -75,34 +84,33 @@ struct Answer {
 }
 
 impl StubClient {
-    pub fn new(endpoints: impl Into<RailEndpoints>) -> Self {
+    /// A client of both APIs. Fails only on TLS material reqwest cannot read.
+    pub fn new(endpoints: impl Into<RailEndpoints>) -> Result<Self, StubClientError> {
         Self::with_timeout(endpoints.into(), Duration::from_millis(ADMIN_TIMEOUT_MS))
     }
 
-    /// A client of the admin API alone (ground truth, faults): what an operator's tools reach.
-    pub fn admin(admin_url: impl Into<String>) -> Self {
-        Self {
+    /// A client of the admin API alone (ground truth, faults): what an operator's tools reach,
+    /// with the harness's certificate.
+    pub fn admin(admin_url: impl Into<String>, tls: &mtls::Tls) -> Result<Self, StubClientError> {
+        Ok(Self {
             payments_url: None,
             admin_url: admin_url.into(),
-            http: Self::http(Duration::from_millis(ADMIN_TIMEOUT_MS)),
-        }
+            http: http(Duration::from_millis(ADMIN_TIMEOUT_MS), tls)?,
+        })
     }
 
     /// A client whose every call gives up after `timeout` (a test of the hanging rail).
-    pub fn with_timeout(endpoints: RailEndpoints, timeout: Duration) -> Self {
-        Self::with_http(endpoints, Self::http(timeout))
+    pub fn with_timeout(
+        endpoints: RailEndpoints,
+        timeout: Duration,
+    ) -> Result<Self, StubClientError> {
+        let http = http(timeout, &endpoints.tls)?;
+        Ok(Self::with_http(endpoints, http))
     }
 
-    fn http(timeout: Duration) -> reqwest::Client {
-        reqwest::Client::builder()
-            .timeout(timeout)
-            .retry(reqwest::retry::never())
-            .build()
-            .expect("a plain HTTP client builds")
-    }
-
-    /// A client of the stub over `http`, a client made elsewhere (the proxy benchmark's floor
-    /// passes the rail proxy's own, `rail_proxy::rail::http_client`: a connection per payment).
+    /// A client of the stub over `http`, a client made elsewhere with its own TLS (the proxy
+    /// benchmark's floor passes the rail proxy's own, `rail_proxy::rail::http_client`: a
+    /// connection, so a handshake, per payment); `endpoints.tls` is not used.
     pub fn with_http(endpoints: RailEndpoints, http: reqwest::Client) -> Self {
         Self {
             payments_url: Some(endpoints.payments_url),
@@ -233,4 +241,22 @@ impl StubClient {
         }
         Ok(())
     }
+}
+
+/// An HTTPS client that trusts the rail's authority alone and presents `tls`'s certificate. No
+/// retry: a payment is sent once.
+fn http(timeout: Duration, tls: &mtls::Tls) -> Result<reqwest::Client, StubClientError> {
+    let root = reqwest::Certificate::from_pem(tls.ca_pem()).map_err(StubClientError::Tls)?;
+    let identity =
+        reqwest::Identity::from_pem(&tls.identity_pem()).map_err(StubClientError::Tls)?;
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .retry(reqwest::retry::never())
+        .redirect(reqwest::redirect::Policy::none())
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(root)
+        .identity(identity)
+        .https_only(true)
+        .build()
+        .map_err(StubClientError::Tls)
 }

@@ -15,7 +15,10 @@
 //! | `POST /admin/forced` `{client_reference, mode}` | forces (or with `mode: null` clears) one reference's mode |
 //! | `GET /healthz`, `GET /metrics` (metrics listener) | liveness, Prometheus counters |
 //!
-//! Each group is served on its own listener ([`StubListeners`]: payments, admin, metrics).
+//! Each group is served on its own listener ([`StubListeners`]: payments, admin, metrics). As a
+//! rail's, the payments and admin APIs are HTTPS only, with a client certificate of the rail's
+//! authority required (a rail authenticates its merchant); the admin API serves the harness's
+//! certificate alone ([`tls`]). The metrics listener is plain HTTP and holds counts only.
 //!
 //! Like a real provider, it signs every answer of its payments API (`/v1/payments`, both
 //! methods, every status) with its answer key (`grant_signing::rail_answer`: Ed25519 over the
@@ -27,9 +30,13 @@ pub mod book;
 pub mod client;
 mod conn;
 pub mod faults;
+#[cfg(feature = "in-process")]
+mod in_process;
 pub mod tls;
 
-use std::net::SocketAddr;
+#[cfg(feature = "in-process")]
+pub use in_process::RunningStub;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -42,7 +49,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use grant_signing::rail_answer;
-use grant_signing::{PublicKey, Signer, Verifier};
+use grant_signing::Signer;
 use serde::{Deserialize, Serialize};
 use service_kit::Shutdown;
 
@@ -62,6 +69,8 @@ pub const HANG_HOLD_MS_MAX: u64 = 600_000;
 /// Largest payment request body accepted; a payment order is a few hundred bytes.
 pub const REQUEST_BODY_BYTES_MAX: usize = 16 * 1024;
 
+/// The names the stub's certificate carries: what its clients connect to (compose's service name,
+/// the loopback address of tests and the local stack).
 /// Default settlement window: how long after the last attempt a lookup may still say "unknown".
 pub const SETTLEMENT_WINDOW_MS_DEFAULT: u64 = 2_000;
 
@@ -105,6 +114,10 @@ pub enum StubError {
     Faults(#[from] faults::FaultConfigError),
     #[error("serving HTTP: {0}")]
     Serve(std::io::Error),
+    #[error("the stub's TLS: {0}")]
+    Tls(#[from] tls::RailTlsError),
+    #[error("the stub's authority: {0}")]
+    Authority(#[from] mtls::TlsError),
 }
 
 struct Faults {
@@ -146,14 +159,17 @@ impl StubListeners {
     }
 }
 
-/// Serves the stub on its three listeners until `shutdown` fires. Opens (and repairs a torn
-/// tail of) the movements file first.
+/// Serves the stub on its three listeners until `shutdown` fires, the payments and admin APIs
+/// over TLS with `tls` (the rail's authority, the stub's certificate and key). Opens (and repairs
+/// a torn tail of) the movements file first.
 pub async fn run(
     listeners: StubListeners,
+    tls: &mtls::Tls,
     config: StubConfig,
     shutdown: Shutdown,
 ) -> Result<(), StubError> {
     config.faults.validate()?;
+    let server_config = tls::server_config(tls)?;
     let book = Book::open(config.movements_file.as_deref(), config.settlement_window)?;
     let metrics = service_kit::Metrics::default();
     let submits = metrics.counter_vec(
@@ -195,81 +211,36 @@ pub async fn run(
         metrics = ?listeners.metrics.local_addr().ok(),
         "rail stub listening"
     );
-    let serve = |listener: tokio::net::TcpListener, app: Router| {
+    let over_tls = |listener, clients| {
+        tls::TlsListener::new(listener, server_config.clone(), clients).map_err(StubError::Serve)
+    };
+    let (payments_listener, admin_listener) = (
+        over_tls(listeners.payments, tls::Clients::Authority)?,
+        over_tls(listeners.admin, tls::Clients::HarnessOnly)?,
+    );
+    let serve_tls = |listener: tls::TlsListener, app: Router| {
         axum::serve(
-            ResettableListener(listener),
+            listener,
             app.into_make_service_with_connect_info::<ConnectionHandle>(),
         )
         .with_graceful_shutdown(shutdown.clone().wait())
     };
     tokio::try_join!(
-        serve(listeners.payments, payments),
-        serve(listeners.admin, admin),
-        serve(listeners.metrics, metrics),
+        serve_tls(payments_listener, payments),
+        serve_tls(admin_listener, admin),
+        axum::serve(
+            ResettableListener(listeners.metrics),
+            metrics.into_make_service_with_connect_info::<ConnectionHandle>(),
+        )
+        .with_graceful_shutdown(shutdown.clone().wait()),
     )
     .map(|_| ())
     .map_err(StubError::Serve)
 }
 
-/// A stub running in this process, for tests and the benchmark.
-pub struct RunningStub {
-    /// The payments API's address.
-    pub addr: SocketAddr,
-    pub admin_addr: SocketAddr,
-    pub metrics_addr: SocketAddr,
-    /// The public half of the key its answers are signed with.
-    pub answer_key: PublicKey,
-    stop: tokio::sync::watch::Sender<bool>,
-    task: tokio::task::JoinHandle<Result<(), StubError>>,
-}
-
-impl RunningStub {
-    /// Binds three free ports of 127.0.0.1 and serves `config` there.
-    pub async fn start(config: StubConfig) -> Result<Self, StubError> {
-        let listeners = StubListeners::local().await.map_err(StubError::Serve)?;
-        let addr_of = |l: &tokio::net::TcpListener| l.local_addr().map_err(StubError::Serve);
-        let (addr, admin_addr, metrics_addr) = (
-            addr_of(&listeners.payments)?,
-            addr_of(&listeners.admin)?,
-            addr_of(&listeners.metrics)?,
-        );
-        let (shutdown, stop) = Shutdown::new();
-        config.faults.validate()?;
-        let answer_key = config.answer_signer.public_key();
-        let task = tokio::spawn(run(listeners, config, shutdown));
-        Ok(Self {
-            addr,
-            admin_addr,
-            metrics_addr,
-            answer_key,
-            stop,
-            task,
-        })
-    }
-    /// The payments API's base URL (what the rail proxy calls).
-    pub fn base_url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-    /// Both APIs' base URLs.
-    pub fn endpoints(&self) -> client::RailEndpoints {
-        client::RailEndpoints {
-            payments_url: self.base_url(),
-            admin_url: format!("http://{}", self.admin_addr),
-        }
-    }
-    /// What the proxy verifies this stub's answers with (`--rail-answer-verify-keys`).
-    pub fn answer_verifier(&self) -> Verifier {
-        Verifier::new([self.answer_key.clone()]).expect("one key is a verifier")
-    }
-    pub fn client(&self) -> client::StubClient {
-        client::StubClient::new(self.endpoints())
-    }
-    /// Stops serving (held responses are reset) and waits for the server to end.
-    pub async fn stop(self) -> Result<(), StubError> {
-        let _ = self.stop.send(true);
-        self.task.await.expect("stub task does not panic")
-    }
-}
+/// The names the stub's certificate carries: what its clients connect to (compose's service name,
+/// the loopback address of tests and the local stack).
+pub const SERVER_NAMES: [&str; 3] = ["rail-stub", "127.0.0.1", "localhost"];
 
 /// Signs the answer of a payments API call: reads the request's body (bounded) and the caller's
 /// request id, lets the handler answer, then signs the request and the exact answer into

@@ -1,5 +1,5 @@
 //! The rail stub's binary: flags (with environment fallbacks) for the three listeners (payments,
-//! admin, metrics), the durable
+//! admin, metrics), their TLS (the rail's authority, the stub's certificate and key), the durable
 //! movements file, the settlement window, the answer signing key and the initial fault
 //! configuration. `rail-stub keygen --key-id ID --out FILE` makes an answer key: the secret to
 //! FILE (mode 0600, never over an existing file), the public line the proxy's
@@ -59,6 +59,16 @@ struct Args {
         default_value = "127.0.0.1:9094"
     )]
     metrics_listen: SocketAddr,
+    /// The rail's authority: every client of the payments and admin APIs must present a
+    /// certificate of it (the admin API: the harness's, naming `harness`).
+    #[arg(long, env = "RAIL_STUB_TLS_CA")]
+    tls_ca: PathBuf,
+    /// The stub's certificate (issued by the rail's authority, naming what its clients connect to).
+    #[arg(long, env = "RAIL_STUB_TLS_CERT")]
+    tls_cert: PathBuf,
+    /// The stub's private key (readable by the stub only).
+    #[arg(long, env = "RAIL_STUB_TLS_KEY")]
+    tls_key: PathBuf,
     /// Append-only JSON-lines file of every movement, fsynced before each answer.
     #[arg(long, env = "RAIL_STUB_MOVEMENTS_FILE")]
     movements_file: PathBuf,
@@ -176,6 +186,8 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     faults.validate().context("fault configuration")?;
+    let tls = mtls::Tls::load(&args.tls_ca, &args.tls_cert, &args.tls_key)
+        .context("the stub's TLS (--tls-ca, --tls-cert, --tls-key)")?;
     let config = StubConfig {
         settlement_window: Duration::from_millis(args.settlement_window_ms),
         movements_file: Some(args.movements_file),
@@ -187,7 +199,7 @@ async fn main() -> anyhow::Result<()> {
         admin: service_kit::bind(args.admin_listen).await?,
         metrics: service_kit::bind(args.metrics_listen).await?,
     };
-    rail_stub::run(listeners, config, service_kit::Shutdown::on_signal())
+    rail_stub::run(listeners, &tls, config, service_kit::Shutdown::on_signal())
         .await
         .context("rail stub")
 }

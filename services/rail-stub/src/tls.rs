@@ -7,12 +7,10 @@
 //! faults are still TCP RSTs) and its handshake runs in a task of its own, bounded by
 //! [`HANDSHAKE_TIMEOUT_MS`]: a slow or silent client never holds up the accept loop.
 //!
-//! Status (issue 34, plan commit 15): the listener is built and tested (tests/tls.rs); `run`
-//! does not use it yet, so the stub still serves plain HTTP until the proxy, the
-//! harness's client, the test kit and compose move to it in the same commit.
+//! The metrics listener (`/healthz`, `/metrics`: counts only) stays plain HTTP, for Prometheus
+//! and a container's health check.
 
 use std::io;
-use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -39,73 +37,38 @@ const ACCEPTED_QUEUE: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RailTlsError {
-    #[error("reading {path}: {source}")]
-    Read { path: String, source: io::Error },
     #[error("{what} holds no {kind}")]
     Pem { what: String, kind: &'static str },
     #[error("TLS configuration: {0}")]
     Config(String),
 }
 
-/// The stub's TLS material: the rail's authority (which clients must chain to), and the stub's
-/// own certificate chain and key.
-#[derive(Clone)]
-pub struct StubTls {
-    pub ca_pem: Vec<u8>,
-    pub cert_pem: Vec<u8>,
-    pub key_pem: Vec<u8>,
-}
-
-impl std::fmt::Debug for StubTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StubTls").finish_non_exhaustive()
-    }
-}
-
-impl StubTls {
-    /// Reads the three PEM files.
-    pub fn load(ca: &Path, cert: &Path, key: &Path) -> Result<Self, RailTlsError> {
-        let read = |path: &Path| {
-            std::fs::read(path).map_err(|source| RailTlsError::Read {
-                path: path.display().to_string(),
-                source,
-            })
-        };
-        Ok(Self {
-            ca_pem: read(ca)?,
-            cert_pem: read(cert)?,
-            key_pem: read(key)?,
-        })
-    }
-
-    /// The server configuration of one listener: the stub's certificate, a client certificate of
-    /// the rail's authority required.
-    pub fn server_config(&self) -> Result<Arc<rustls::ServerConfig>, RailTlsError> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in certificates(&self.ca_pem, "the rail's authority")? {
-            roots
-                .add(cert)
-                .map_err(|e| RailTlsError::Config(e.to_string()))?;
-        }
-        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-            roots.into(),
-            provider.clone(),
-        )
-        .build()
-        .map_err(|e| RailTlsError::Config(e.to_string()))?;
-        let key = PrivateKeyDer::from_pem_slice(&self.key_pem).map_err(|_| RailTlsError::Pem {
-            what: "the stub's key".into(),
-            kind: "private key",
-        })?;
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| RailTlsError::Config(e.to_string()))?
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(certificates(&self.cert_pem, "the stub's certificate")?, key)
+/// The server configuration of one listener from the stub's TLS material (the rail's authority,
+/// which clients must chain to; the stub's own certificate chain and key): the stub's certificate,
+/// a client certificate of the rail's authority required.
+pub fn server_config(tls: &mtls::Tls) -> Result<Arc<rustls::ServerConfig>, RailTlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in certificates(tls.ca_pem(), "the rail's authority")? {
+        roots
+            .add(cert)
             .map_err(|e| RailTlsError::Config(e.to_string()))?;
-        Ok(Arc::new(config))
     }
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider.clone())
+            .build()
+            .map_err(|e| RailTlsError::Config(e.to_string()))?;
+    let key = PrivateKeyDer::from_pem_slice(tls.key_pem()).map_err(|_| RailTlsError::Pem {
+        what: "the stub's key".into(),
+        kind: "private key",
+    })?;
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| RailTlsError::Config(e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certificates(tls.cert_pem(), "the stub's certificate")?, key)
+        .map_err(|e| RailTlsError::Config(e.to_string()))?;
+    Ok(Arc::new(config))
 }
 
 fn certificates(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>, RailTlsError> {

@@ -34,7 +34,7 @@ async fn the_same_request_twice_moves_money_twice() {
 async fn every_fault_mode_does_what_it_says() {
     let stub = RunningStub::start(StubConfig::default()).await.unwrap();
     let admin = stub.client();
-    let client = StubClient::with_timeout(stub.endpoints(), Duration::from_millis(500));
+    let client = StubClient::with_timeout(stub.endpoints(), Duration::from_millis(500)).unwrap();
     let modes = [
         FaultMode::Accept,
         FaultMode::Decline,
@@ -124,6 +124,7 @@ async fn lookups_are_unknown_inside_the_settlement_window_then_authoritative() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn movements_survive_a_sigkill_of_the_stub() {
     let dir = tempfile::tempdir().unwrap();
+    let rail = testkit::rail::RailTls::issue(dir.path()).unwrap();
     let (port, admin, metrics) = (
         testkit::free_port(),
         testkit::free_port(),
@@ -148,12 +149,15 @@ async fn movements_survive_a_sigkill_of_the_stub() {
         testkit::grants::SigningKey::rail_answer(dir.path())
             .unwrap()
             .signing_args("answer"),
-    );
+    )
+    .args(rail.stub_args());
     let process = testkit::ManagedProcess::start(spec).unwrap();
     let client = StubClient::new(rail_stub::client::RailEndpoints {
-        payments_url: format!("http://127.0.0.1:{port}"),
-        admin_url: format!("http://127.0.0.1:{admin}"),
-    });
+        payments_url: format!("https://127.0.0.1:{port}"),
+        admin_url: format!("https://127.0.0.1:{admin}"),
+        tls: rail.harness.load().unwrap(),
+    })
+    .unwrap();
     let up = || async { client.ground_truth().await.ok() };
     testkit::eventually(Duration::from_secs(10), "the stub to listen", up)
         .await
@@ -273,16 +277,32 @@ fn keygen_makes_an_answer_key_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_api_is_served_on_its_own_listener_only() {
     let stub = RunningStub::start(StubConfig::default()).await.unwrap();
-    let http = reqwest::Client::new();
+    // The harness's certificate over TLS to the payments and admin APIs (each admits it), plain
+    // HTTP to the metrics listener.
+    let harness = stub.identity(rail_stub::tls::HARNESS_NAME);
+    let https = reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(harness.ca_pem()).unwrap())
+        .identity(reqwest::Identity::from_pem(&harness.identity_pem()).unwrap())
+        .build()
+        .unwrap();
+    let plain = reqwest::Client::new();
+    let metrics_addr = stub.metrics_addr;
     let status = |addr: std::net::SocketAddr, method: &str, path: &str| {
+        let (http, scheme) = if addr == metrics_addr {
+            (&plain, "http")
+        } else {
+            (&https, "https")
+        };
         let request = match method {
-            "POST" => http
-                .post(format!("http://{addr}{path}"))
-                .json(&rail_stub::PaymentRequest {
-                    order: order("cref-listener"),
-                    valid_until_unix_ms: None,
-                }),
-            _ => http.get(format!("http://{addr}{path}")),
+            "POST" => {
+                http.post(format!("{scheme}://{addr}{path}"))
+                    .json(&rail_stub::PaymentRequest {
+                        order: order("cref-listener"),
+                        valid_until_unix_ms: None,
+                    })
+            }
+            _ => http.get(format!("{scheme}://{addr}{path}")),
         };
         async move { request.send().await.unwrap().status().as_u16() }
     };

@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::extract::ConnectInfo;
 use axum::routing::get;
 use axum::Router;
-use rail_stub::tls::{Clients, StubTls, TlsListener, HARNESS_NAME};
+use rail_stub::tls::{server_config, Clients, TlsListener, HARNESS_NAME};
 use rail_stub::ConnectionHandle;
 use testkit::pki::Pki;
 
@@ -24,16 +24,11 @@ impl Rail {
         Self { pki, _dir: dir }
     }
 
-    fn stub_tls(&self) -> StubTls {
-        let issued = self
-            .pki
-            .issue_named(&["rail-stub", "127.0.0.1", "localhost"], "rail-stub")
-            .unwrap();
-        StubTls {
-            ca_pem: issued.ca_pem.into_bytes(),
-            cert_pem: issued.cert_pem.into_bytes(),
-            key_pem: issued.key_pem.into_bytes(),
-        }
+    fn stub_tls(&self) -> mtls::Tls {
+        self.pki
+            .issue_named(&rail_stub::SERVER_NAMES, "rail-stub")
+            .unwrap()
+            .tls()
     }
 
     /// An HTTPS client trusting this authority, presenting a certificate named `name` from
@@ -65,7 +60,7 @@ impl Rail {
 async fn serve(rail: &Rail, clients: Clients) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let config = rail.stub_tls().server_config().unwrap();
+    let config = server_config(&rail.stub_tls()).unwrap();
     let tls = TlsListener::new(listener, config, clients).unwrap();
     let app = Router::new()
         .route("/hello", get(|| async { "hello" }))

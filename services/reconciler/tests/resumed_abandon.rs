@@ -81,6 +81,7 @@ async fn a_run_started_in_rail_ambiguous_past_the_sla_accepts_an_abandon_before_
     create_payouts(&system, account, &[payout]).await;
     // The rail fails before acting: the proxy records TIMEOUT, the payout becomes ambiguous.
     rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client")
         .force(
             &ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string(),
             Some(FaultMode::FailBeforeActing),

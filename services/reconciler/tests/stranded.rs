@@ -197,6 +197,7 @@ async fn stranded_payouts_in_every_state_are_finished_by_one_reconcile_pass() {
         wait_state(&payments, payout, state).await;
     }
     let truth = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client")
         .ground_truth()
         .await
         .unwrap();
@@ -295,7 +296,8 @@ async fn an_orphaned_ambiguous_payout_is_resumed_by_one_pass_inquires_and_frees_
     )
     .await
     .unwrap();
-    let rail = rail_stub::client::StubClient::new(system.rail_stub_endpoints());
+    let rail = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client");
     let reference =
         |payout: &str| ClientReference::for_payout(&PayoutId::parse(payout).unwrap()).to_string();
     let first = new_payout(account, ambiguous);
@@ -580,7 +582,8 @@ async fn a_foreign_workflow_squatting_a_payout_is_terminated_and_the_payout_fini
             "{payout}: {report}"
         );
     }
-    let truth = rail_stub::client::StubClient::new(system.rail_stub_endpoints());
+    let truth = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client");
     for payout in [impostor, foreign] {
         wait_state(&payments, payout, PayoutState::Posted).await;
         let reference = ClientReference::for_payout(&PayoutId::parse(payout).unwrap());

@@ -116,6 +116,7 @@ async fn pool(url: &str) -> anyhow::Result<sqlx::PgPool> {
 impl Evidence {
     pub async fn collect(system: &System) -> anyhow::Result<Self> {
         let truth = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+            .expect("the harness's rail client")
             .ground_truth()
             .await
             .map_err(|e| anyhow::anyhow!("the rail's book: {e}"))?;

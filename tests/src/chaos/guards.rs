@@ -133,7 +133,11 @@ pub async fn replace_services(
             fact_signer: std::sync::Arc::new(system.rail_fact_keys.signer()?),
         };
         let config = rail_proxy::ProxyConfig::new(
-            rail_proxy::RailLink::new(system.rail_url(), system.rail_answer_keys.verifier()?),
+            rail_proxy::RailLink::new(
+                system.rail_url(),
+                system.rail_answer_keys.verifier()?,
+                &system.rail_tls.proxy.load()?,
+            )?,
             keys,
             system.tls(Role::RailProxy),
         )

@@ -492,6 +492,7 @@ async fn inject(
             let intensity = rng.random_range(0.5..3.0);
             let config = super::workload::rail_faults(fault.seed, intensity);
             rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+                .expect("the harness's rail client")
                 .set_faults(&config)
                 .await
                 .map_err(|e| anyhow::anyhow!("{e}"))?;

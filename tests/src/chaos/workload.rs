@@ -53,7 +53,8 @@ pub fn rail_faults(seed: u64, intensity: f64) -> FaultConfig {
 
 impl Workload {
     pub async fn create(system: &System, config: &ChaosConfig) -> anyhow::Result<Self> {
-        let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints());
+        let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+            .expect("the harness's rail client");
         stub.set_faults(&rail_faults(config.seed, 1.0))
             .await
             .map_err(|e| anyhow::anyhow!("rail faults: {e}"))?;
@@ -147,7 +148,8 @@ impl Workload {
 
     /// The faults stop: the rail answers promptly and truthfully again.
     pub async fn calm_rail(&self, system: &System) {
-        let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints());
+        let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+            .expect("the harness's rail client");
         let _ = stub
             .set_faults(&FaultConfig {
                 seed: self.seed,

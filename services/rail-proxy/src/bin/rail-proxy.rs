@@ -41,7 +41,8 @@ async fn main() -> anyhow::Result<()> {
     service_kit::init_tracing("rail-proxy");
     let args = Args::parse();
     let tls = args.tls.load().context("TLS material")?;
-    let config = ProxyConfig::new(args.rail.into(), args.keys.load()?, tls)
+    let keys = args.keys.load()?;
+    let config = ProxyConfig::new(args.rail.try_into().context("the rail link")?, keys, tls)
         .with_rail_timeout(Duration::from_millis(args.rail_timeout_ms));
     let pool = service_kit::connect_pg(&args.database_url).await?;
     rail_proxy::require_schema(&pool).await?;

@@ -99,6 +99,7 @@ pub async fn wait_state(payments: &PaymentClient, payout: &str, state: PayoutSta
 /// Money moved at the rail for the payout (the stub's ground truth).
 pub async fn movements(system: &System, payout: &str) -> u64 {
     let truth = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+        .expect("the harness's rail client")
         .ground_truth()
         .await
         .unwrap();
@@ -323,6 +324,7 @@ pub async fn drive_to_ambiguous(system: &System, account: &str, payout: &str, ho
             };
             let reference = ClientReference::for_payout(&new.payout_id).to_string();
             rail_stub::client::StubClient::new(system.rail_stub_endpoints())
+                .expect("the harness's rail client")
                 .force(&reference, Some(mode))
                 .await
                 .unwrap();
