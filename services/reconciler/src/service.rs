@@ -918,6 +918,7 @@ pub async fn keep_schedule(
         // Someone with access to Temporal made the checks rarer or pointed them elsewhere. A
         // pause as well is seen (and undone) on the next look.
         restore_schedule(&handle, serve).await?;
+        until_applied(&handle, serve, |d| schedule_matches(d, serve)).await;
         trigger_missed_run(&handle, serve).await;
         return Ok(Some(RepairReason::Altered));
     }
@@ -934,8 +935,39 @@ pub async fn keep_schedule(
     .await
     .with_context(|| format!("unpausing schedule {}: no answer", serve.schedule_id))?
     .with_context(|| format!("unpausing schedule {}", serve.schedule_id))?;
+    until_applied(&handle, serve, |d| !d.paused()).await;
     trigger_missed_run(&handle, serve).await;
     Ok(Some(RepairReason::Paused))
+}
+
+/// How often [`until_applied`] describes the schedule again.
+const APPLIED_POLL: Duration = Duration::from_millis(200);
+
+/// Temporal applies a schedule's patch or update through the schedule's own workflow, after the
+/// call has returned: until then a describe still shows the old state. Waits (at most
+/// [`SCHEDULE_CALL_TIMEOUT`]) until a describe shows the repair `applied`, so that the keeper's
+/// next look does not repair, and count, the same change twice. Past the bound it warns and goes
+/// on: the next look sees whatever is true then.
+async fn until_applied(
+    handle: &ScheduleHandle<Client>,
+    serve: &ServeOptions,
+    applied: impl Fn(&ScheduleDescription) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + SCHEDULE_CALL_TIMEOUT;
+    loop {
+        let described =
+            tokio::time::timeout(SCHEDULE_CALL_TIMEOUT, handle.describe(Default::default())).await;
+        if let Ok(Ok(described)) = described {
+            if applied(&described) {
+                return;
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(schedule_id = %serve.schedule_id, "the schedule's repair was not visible within the bound; the next look decides");
+            return;
+        }
+        tokio::time::sleep(APPLIED_POLL).await;
+    }
 }
 
 /// A repaired schedule has missed runs (and after Temporal lost its state, payouts wait for a

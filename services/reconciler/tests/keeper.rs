@@ -157,9 +157,9 @@ async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_a
     testkit::eventually(REPAIR_TIMEOUT, "the paused schedule unpaused", || async {
         let described = describe_schedule(&schedule_id)?;
         let text = metrics_text(port).await?;
-        // At least once: Temporal applies a schedule's patch asynchronously, so the keeper's
-        // next look may still describe it paused and unpause (and count) it again.
-        (metric(&text, by_hand)? >= 1.0 && !paused(&described)).then_some(())
+        // Exactly once: the keeper waits until Temporal shows its repair applied (a schedule's
+        // patch is applied asynchronously) before its next look.
+        (metric(&text, by_hand)? == 1.0 && !paused(&described)).then_some(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
@@ -207,15 +207,16 @@ async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_a
         testkit::eventually(REPAIR_TIMEOUT, "the altered schedule put back", || async {
             let described = describe_schedule(&schedule_id)?;
             let text = metrics_text(port).await?;
-            // At least: as with the pause, a look before the keeper's own update is applied
-            // may put it back a second time.
-            (metric(&text, altered)? >= repairs && as_configured(&described)).then_some(())
+            (metric(&text, altered)? == repairs && as_configured(&described)).then_some(())
         })
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
     }
     let text = metrics_text(port).await.unwrap();
+    // Each change repaired once: none counted again by a look before Temporal applied the repair.
     assert_eq!(metric(&text, missing), Some(1.0), "{text}");
+    assert_eq!(metric(&text, by_hand), Some(1.0), "{text}");
+    assert_eq!(metric(&text, altered), Some(2.0), "{text}");
     assert_eq!(
         metric(&text, "reconciler_schedule_healthy"),
         Some(1.0),
