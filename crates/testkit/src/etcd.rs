@@ -122,7 +122,7 @@ pub struct EtcdTls {
     /// etcd's own authority: the lock-server's and the reconciler's client certificates come
     /// from it ([`EtcdTls::client_of`]).
     pub pki: std::sync::Arc<crate::pki::Pki>,
-    /// The test kit's own client identity (etcdctl, its etcd clients).
+    /// The test kit's own client identity, etcd's `root` (etcdctl, its etcd clients).
     pub client: mtls::EtcdTlsArgs,
 }
 
@@ -161,8 +161,8 @@ impl EtcdTls {
     }
 
     /// Where the test kit's own client certificate is in a stack's state directory (what
-    /// [`EtcdTls::issue`] wrote there for the stack's etcd): `payoutdev stack status` reads etcd
-    /// with it.
+    /// [`EtcdTls::issue`] wrote there for the stack's etcd, named `root`): `payoutdev stack
+    /// status` reads etcd with it.
     pub fn kit_client_in(state_dir: &Path) -> mtls::EtcdTlsArgs {
         let dir = state_dir.join(STACK_DIR);
         mtls::EtcdTlsArgs::new(
