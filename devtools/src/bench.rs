@@ -73,9 +73,11 @@ pub async fn run(which: Which) -> anyhow::Result<std::process::ExitCode> {
     match which {
         Which::Lock(args) => {
             let services = Services::in_process(&["lock-server"]);
+            let prefix = stack.unique_prefix("bench");
             let r = service_benches::lock::run(
                 &stack.etcd_endpoints(),
-                &stack.etcd_client_tls("bench"),
+                &stack.etcd_identity_tls(testkit::etcd::EtcdRole::LockServer, &prefix),
+                &prefix,
                 args.iterations,
                 args.concurrency,
             )

@@ -456,10 +456,11 @@ async fn in_process(
     timeout: Duration,
 ) -> anyhow::Result<(Vec<String>, Measured)> {
     use mtls::Role;
+    let etcd_prefix = stack.unique_prefix("e2e-locks");
     let backing = Backing {
         etcd_endpoints: stack.etcd_endpoints(),
-        etcd_tls: stack.etcd_client_tls("bench-lock-server"),
-        etcd_prefix: stack.unique_prefix("e2e-locks"),
+        etcd_tls: stack.etcd_identity_tls(testkit::etcd::EtcdRole::LockServer, &etcd_prefix),
+        etcd_prefix,
         paydb_url: stack.fresh_db(testkit::PgServer::Main).await,
         proxydb_url: stack.fresh_db(testkit::PgServer::Proxy).await,
     };

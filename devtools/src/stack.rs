@@ -310,9 +310,18 @@ pub(crate) async fn settled_alerting_report(dir: &Path) -> anyhow::Result<Alerti
     }
 }
 
-/// Why a recorded stack predates the monitoring's login, the rail stub's own admin listener or
-/// the rail's TLS (issue 34), if it does.
+/// Why a recorded stack predates the monitoring's login, the rail stub's own admin listener, the
+/// rail's TLS or etcd's authentication (issue 34), if it does.
 fn launch_from_before_issue_34(dir: &Path, record: &StackRecord) -> Option<String> {
+    // The kit's etcd client is `root` since etcd's authentication: an etcd without it still
+    // runs with every certificate all-powerful, and its lock-server's and reconciler's saved
+    // launches name certificates that are no user.
+    if testkit::etcd::EtcdTls::kit_client_in(dir)
+        .cert
+        .is_some_and(|cert| !cert.exists())
+    {
+        return Some("its etcd runs without authentication".into());
+    }
     let monitoring = dir.join("monitoring");
     if monitoring.exists()
         && !testkit::monitoring::password_file(&monitoring, testkit::monitoring::OPERATOR_USER)
@@ -477,6 +486,14 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
         .proxy
         .provision_database("proxydb", Database::Proxydb)
         .await?;
+    // payoutctl's local target reads the lock service's grant records and audit chain
+    // (`payoutctl reconcile`, `restore rearm`) with a certificate named for it: a user of the
+    // stack's etcd with the reconciler's role on the stack's prefix (issue 34).
+    stack.etcd.grant(
+        payoutctl::target::LOCAL_ETCD_USER,
+        testkit::etcd::EtcdRole::Reconciler,
+        LOCK_ETCD_PREFIX,
+    )?;
     let temporal = stack.temporal();
     let mut parts = vec![
         Part {
@@ -618,7 +635,11 @@ async fn start(args: UpArgs) -> anyhow::Result<()> {
                     .login_url("reconciler", "gldb"),
             )
             .args(["--etcd-endpoints", &etcd])
-            .args(stack.etcd_client_args("reconciler")?.to_args())
+            .args(
+                stack
+                    .etcd_identity(testkit::etcd::EtcdRole::Reconciler, LOCK_ETCD_PREFIX)?
+                    .to_args(),
+            )
             .args(["--lock-prefix", LOCK_ETCD_PREFIX])
             .args([
                 "--lock-server-url".to_string(),
@@ -1058,7 +1079,7 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
         let Ok(tls) = testkit::etcd::EtcdTls::kit_client_in(dir).load() else {
             return false;
         };
-        testkit::etcd::read_as(&part.address, Some(&tls))
+        testkit::etcd::read_as(&part.address, Some(&tls), "/")
             .await
             .is_ok()
     } else if part.name == "temporal-front" {

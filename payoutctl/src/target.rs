@@ -232,13 +232,20 @@ impl Resolved {
     }
 }
 
+/// The name of payoutctl's etcd certificate for the local stack: a user of the stack's etcd with
+/// the reconciler's read-only role on its prefix (`payoutdev stack up` makes it).
+pub const LOCAL_ETCD_USER: &str = "payoutctl";
+
 /// payoutctl's etcd client certificate for the local stack, from etcd's own authority
 /// (`<state dir>/etcd-tls/pki`, made by `payoutdev stack up`; no certificate of the services'
-/// authority reaches etcd).
+/// authority reaches etcd), named [`LOCAL_ETCD_USER`].
 pub fn local_etcd_tls(state_dir: &std::path::Path) -> anyhow::Result<mtls::Tls> {
     Ok(
         mtls::issue::Authority::open(&state_dir.join("etcd-tls").join("pki"))?
-            .issue_named(&["payoutctl.etcd-client"], "payoutctl")?
+            .issue_named(
+                &[&format!("{LOCAL_ETCD_USER}.etcd-client")],
+                LOCAL_ETCD_USER,
+            )?
             .tls(),
     )
 }

@@ -6,7 +6,7 @@
 //! The control is the same cluster before provisioning: the reconciler's certificate writes and
 //! deletes as it likes (every certificate of etcd's authority could, until now).
 
-use etcd_client::{Client, ConnectOptions, DeleteOptions, GetOptions, PutOptions};
+use etcd_client::{Client, DeleteOptions, GetOptions, PutOptions};
 use testkit::etcd::{EtcdCluster, EtcdTls};
 
 const PREFIX: &str = "payout-locks/";
@@ -14,13 +14,9 @@ const LOCK_SERVER: &str = "payout-lock-server";
 const RECONCILER: &str = "payout-reconciler";
 
 async fn connect(endpoints: &[String], identity: &mtls::EtcdTlsArgs) -> Client {
-    let tls = identity.load().unwrap();
-    Client::connect(
-        endpoints,
-        Some(ConnectOptions::new().with_tls(tls.etcd_client_config())),
-    )
-    .await
-    .unwrap()
+    testkit::etcd::connect_as(endpoints, identity)
+        .await
+        .unwrap()
 }
 
 /// What etcd said to a refused request, for the assertion's message.
@@ -39,10 +35,9 @@ fn refused<T: std::fmt::Debug>(what: &str, result: Result<T, etcd_client::Error>
 async fn a_provisioned_etcd_gives_each_identity_its_prefix_and_nothing_else() {
     let dir = tempfile::tempdir().unwrap();
     let tls = EtcdTls::issue(&dir.path().join("etcd-tls")).unwrap();
-    let cluster = EtcdCluster::start(
+    // Authentication is what provisioning turns on: the kit's own start would have done it.
+    let cluster = EtcdCluster::start_without_auth_for_tests(
         &dir.path().join("etcd"),
-        1,
-        None,
         testkit::Lifetime::Attached,
         tls.clone(),
     )

@@ -23,6 +23,7 @@ use payout_domain::{
 use payout_proto::{ledger, lock, payment, railproxy};
 use system_tests::metrics::sample;
 use testkit::db_access::Database;
+use testkit::etcd::EtcdRole;
 use testkit::pki::Role;
 use testkit::stack::PgServer;
 use testkit::system::{System, SystemOptions};
@@ -889,7 +890,9 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
             .issue_named(&["intruder.etcd-client"], "intruder")
             .unwrap();
         let foreign = mtls::Tls::from_pem(&ca, &foreign.cert_pem, &foreign.key_pem);
-        let own = stack.etcd_client_tls("attack-control");
+        // The control: the system's lock-server identity reads its own prefix.
+        let key = system.etcd_prefix.clone();
+        let own = stack.etcd_identity_tls(EtcdRole::LockServer, &key);
         // Issue 34, row 2a: etcd has an authority of its own. A certificate of the stack's other
         // authority (its databases' and Temporal's, which etcd trusted before) and one of the
         // services' (a worker's) are refused at the handshake.
@@ -917,22 +920,22 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
         let cases = [
             (
                 "etcd over plaintext",
-                testkit::etcd::read_as(&plaintext, None).await,
+                testkit::etcd::read_as(&plaintext, None, &key).await,
             ),
             (
                 "etcd with another authority's client certificate",
-                testkit::etcd::read_as(&endpoint, Some(&foreign)).await,
+                testkit::etcd::read_as(&endpoint, Some(&foreign), &key).await,
             ),
             (
                 "etcd with a worker certificate of the stack's authority (databases, Temporal)",
-                testkit::etcd::read_as(&endpoint, Some(&stack_worker)).await,
+                testkit::etcd::read_as(&endpoint, Some(&stack_worker), &key).await,
             ),
             (
                 "etcd with a worker certificate of the services' authority",
-                testkit::etcd::read_as(&endpoint, Some(&system_worker)).await,
+                testkit::etcd::read_as(&endpoint, Some(&system_worker), &key).await,
             ),
         ];
-        let control = testkit::etcd::read_as(&endpoint, Some(&own)).await;
+        let control = testkit::etcd::read_as(&endpoint, Some(&own), &key).await;
         for (case, answer) in cases {
             rows.push(Row {
                 case,
@@ -941,6 +944,19 @@ async fn attacks_from_anyone_who_can_reach_a_port_are_refused_and_recorded() {
                 observed: format!("{answer:?}; control {control:?}"),
             });
         }
+        // Issue 34, row 2b as the test kit runs etcd (authentication on): a certificate of etcd's
+        // own authority completes TLS, but a name that is no user reads nothing.
+        let stranger = stack.etcd_certificate_without_user("attack-stranger");
+        let answer = testkit::etcd::read_as(&endpoint, Some(&stranger), &key).await;
+        rows.push(Row {
+            case: "etcd with a certificate of etcd's authority whose name is no user",
+            expected: "refused: permission denied; the lock-server's identity reads its prefix",
+            held: answer
+                .as_ref()
+                .is_err_and(|e| e.contains("permission denied"))
+                && control.is_ok(),
+            observed: format!("{answer:?}; control {control:?}"),
+        });
     }
 
     // 9b. etcd admits as a peer only a certificate that names `etcd-peer` (issue 34, row 2d): a

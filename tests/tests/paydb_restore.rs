@@ -287,7 +287,12 @@ async fn experiment(procedure: Procedure) -> Aftermath {
     // carried into paydb as the owner.
     let horizon = payoutctl::restore::etcd_horizon(
         Stack::shared().etcd_endpoints(),
-        Stack::shared().etcd_client_tls("restore-rearm"),
+        // What an operator's `restore rearm` reads with: the reconciler's role on the prefix
+        // `etcd_horizon` reads (the deployment's; the horizon is the cluster's revision).
+        Stack::shared().etcd_identity_tls(
+            testkit::etcd::EtcdRole::Reconciler,
+            payoutctl::record::LOCK_ETCD_PREFIX,
+        ),
     )
     .await
     .unwrap();

@@ -1952,7 +1952,12 @@ async fn a_paydb_restored_from_a_mid_run_dump_refuses_the_stale_holder_until_rea
     // The procedure: the horizon from the lock backend itself, paydb re-armed as the owner.
     let horizon = payoutctl::restore::etcd_horizon(
         Stack::shared().etcd_endpoints(),
-        Stack::shared().etcd_client_tls("restore-rearm"),
+        // What an operator's `restore rearm` reads with: the reconciler's role on the prefix
+        // `etcd_horizon` reads (the deployment's; the horizon is the cluster's revision).
+        Stack::shared().etcd_identity_tls(
+            testkit::etcd::EtcdRole::Reconciler,
+            payoutctl::record::LOCK_ETCD_PREFIX,
+        ),
     )
     .await
     .unwrap();

@@ -21,6 +21,44 @@ pub const LOCK_SERVER_ROLE: &str = "payout-lock-server";
 /// The reconciler's role: read-only on the grant records and the audit chain.
 pub const RECONCILER_ROLE: &str = "payout-reconciler";
 
+/// What etcd 3.4 answers a request whose authentication (taken when the request arrived) predates
+/// a change of its users or roles applied in the meantime (`ErrAuthOldRevision`). It refuses the
+/// request before it reads or writes anything, so sending it again is safe; etcd's own Go client
+/// does so. Our etcd clients do the same, at most [`AUTH_REVISION_OLD_ATTEMPTS_MAX`] times.
+pub const AUTH_REVISION_OLD: &str = "revision of auth store is old";
+/// How many times a request refused with [`AUTH_REVISION_OLD`] is sent: one provisioning makes
+/// four or five changes in a row (role, permissions, user, grant), each of which may refuse a
+/// request in flight once; past that, something is changing users or roles without end.
+pub const AUTH_REVISION_OLD_ATTEMPTS_MAX: usize = 8;
+
+/// Whether etcd's answer `message` is [`AUTH_REVISION_OLD`].
+pub fn is_auth_revision_old(message: &str) -> bool {
+    message.contains(AUTH_REVISION_OLD)
+}
+
+/// `request` (one etcd request, made anew each time), sent again while etcd answers
+/// [`AUTH_REVISION_OLD`], at most [`AUTH_REVISION_OLD_ATTEMPTS_MAX`] times in all. Generic over
+/// the client's error so that this crate links no etcd client.
+pub async fn resend_on_auth_change<T, E: std::fmt::Display, Fut>(
+    mut request: impl FnMut() -> Fut,
+) -> Result<T, E>
+where
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut attempts = 1;
+    loop {
+        match request().await {
+            Err(e)
+                if is_auth_revision_old(&e.to_string())
+                    && attempts < AUTH_REVISION_OLD_ATTEMPTS_MAX =>
+            {
+                attempts += 1
+            }
+            answer => return answer,
+        }
+    }
+}
+
 /// What a permission allows on its key range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {

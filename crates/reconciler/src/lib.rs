@@ -118,19 +118,20 @@ impl LockGrants {
     /// restored from a snapshot without its procedure is behind the tokens it issued: its restore
     /// procedure advances the revision first, services/lock-server/RESTORE.md.)
     pub async fn horizon(&self) -> Result<i64, ReconcileError> {
-        let mut client = self.connect().await?;
+        let client = self.connect().await?;
         // Counted over the grant records' range, which the reconciler's etcd role may read
         // (mtls::etcd_access); the header's revision is the cluster's whatever the range.
-        let got = client
-            .get(
-                format!("{}grants/", self.prefix),
-                Some(
-                    etcd_client::GetOptions::new()
-                        .with_prefix()
-                        .with_count_only(),
-                ),
-            )
-            .await?;
+        let range = format!("{}grants/", self.prefix);
+        let got = mtls::etcd_access::resend_on_auth_change(|| {
+            let (mut client, range) = (client.clone(), range.clone());
+            async move {
+                let count = etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_count_only();
+                client.get(range, Some(count)).await
+            }
+        })
+        .await?;
         got.header()
             .map(|h| h.revision())
             .ok_or(ReconcileError::EtcdNoHeader)
@@ -2100,17 +2101,15 @@ async fn read_grant_records(
     let range_end = prefix_end(range.as_bytes());
     let mut from = range.as_bytes().to_vec();
     loop {
-        let got = client
-            .get(
-                from.clone(),
-                Some(
-                    etcd_client::GetOptions::new()
-                        .with_range(range_end.clone())
-                        .with_keys_only()
-                        .with_limit(GRANT_RECORDS_PAGE),
-                ),
-            )
-            .await?;
+        let page = etcd_client::GetOptions::new()
+            .with_range(range_end.clone())
+            .with_keys_only()
+            .with_limit(GRANT_RECORDS_PAGE);
+        let got = mtls::etcd_access::resend_on_auth_change(|| {
+            let (mut client, from, page) = (client.clone(), from.clone(), page.clone());
+            async move { client.get(from, Some(page)).await }
+        })
+        .await?;
         for kv in got.kvs() {
             let key = String::from_utf8_lossy(kv.key());
             if let Some(rest) = key.strip_prefix(grants_prefix) {

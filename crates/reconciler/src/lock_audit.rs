@@ -197,7 +197,7 @@ async fn read_chain(
     grants: &LockGrants,
 ) -> Result<(Vec<(String, Vec<u8>)>, HeadRead), ReconcileError> {
     use etcd_client::{GetOptions, Txn, TxnOp, TxnOpResponse};
-    let mut client = grants.connect().await?;
+    let client = grants.connect().await?;
     let records_prefix = audit_chain::records_prefix(&grants.prefix);
     let range_end = prefix_end(records_prefix.as_bytes());
     let page = |revision: Option<i64>| {
@@ -209,12 +209,15 @@ async fn read_chain(
             None => options,
         }
     };
-    let first = client
-        .txn(Txn::new().and_then([
-            TxnOp::get(audit_chain::head_key(&grants.prefix), None),
-            TxnOp::get(records_prefix.clone(), Some(page(None))),
-        ]))
-        .await?;
+    let both = Txn::new().and_then([
+        TxnOp::get(audit_chain::head_key(&grants.prefix), None),
+        TxnOp::get(records_prefix.clone(), Some(page(None))),
+    ]);
+    let first = mtls::etcd_access::resend_on_auth_change(|| {
+        let (mut client, both) = (client.clone(), both.clone());
+        async move { client.txn(both).await }
+    })
+    .await?;
     let revision = first
         .header()
         .map(|h| h.revision())
@@ -239,7 +242,14 @@ async fn read_chain(
         if let Some(last) = g.kvs().last().filter(|_| g.more()) {
             let mut from = last.key().to_vec();
             from.push(0);
-            got = Some(client.get(from, Some(page(Some(revision)))).await?);
+            let next = page(Some(revision));
+            got = Some(
+                mtls::etcd_access::resend_on_auth_change(|| {
+                    let (mut client, from, next) = (client.clone(), from.clone(), next.clone());
+                    async move { client.get(from, Some(next)).await }
+                })
+                .await?,
+            );
         }
     }
     Ok((records, head))

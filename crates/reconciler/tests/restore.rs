@@ -9,6 +9,7 @@
 
 use reconciler::{fence_not_below_proxy_submissions, guard_database_current};
 use testkit::db_access::{Database, OWNER};
+use testkit::etcd::EtcdRole;
 use testkit::{PgServer, Stack};
 
 /// A database of `kind` as a deployment has it: the superuser's pool (for the restore's effects),
@@ -224,10 +225,11 @@ async fn a_paydb_fence_below_a_proxy_submission_is_reported() {
 #[tokio::test]
 async fn the_lock_service_horizon_is_etcds_current_revision() {
     let stack = Stack::shared();
+    let prefix = stack.unique_prefix("horizon");
     let grants = reconciler::LockGrants::new(
         stack.etcd_endpoints(),
-        stack.etcd_client_tls("reconciler"),
-        stack.unique_prefix("horizon"),
+        stack.etcd_identity_tls(EtcdRole::Reconciler, &prefix),
+        prefix.clone(),
     );
     let mut etcd = stack.etcd_client().await.unwrap();
     let key = format!("{}probe", grants.prefix);
@@ -245,8 +247,8 @@ async fn the_lock_service_horizon_is_etcds_current_revision() {
     // Plaintext is refused before anything is dialled.
     let plain = reconciler::LockGrants::new(
         vec![stack.etcd_endpoints()[0].replacen("https://", "http://", 1)],
-        stack.etcd_client_tls("reconciler"),
-        grants.prefix.clone(),
+        stack.etcd_identity_tls(EtcdRole::Reconciler, &prefix),
+        prefix,
     );
     let e = plain.horizon().await.unwrap_err();
     assert!(e.to_string().contains("https://"), "{e}");

@@ -11,6 +11,7 @@ use lock_client::{Acquired, GrantHandle, LockClient, Session};
 use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
 use lock_server::{BackendConfig, Config, InProcess};
 use resolver::resume::{take_over_if_not_running, ResumeError, WorkflowStatus};
+use testkit::etcd::EtcdRole;
 use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
 
@@ -36,12 +37,15 @@ struct Server {
 async fn start(kind: Kind) -> Server {
     let stack = Stack::shared();
     let backend = match kind {
-        Kind::Etcd => BackendConfig::Etcd {
-            endpoints: stack.etcd_endpoints(),
-            tls: stack.etcd_client_tls("lock-server"),
-            prefix: stack.unique_prefix("resolver-takeover"),
-            grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
-        },
+        Kind::Etcd => {
+            let prefix = stack.unique_prefix("resolver-takeover");
+            BackendConfig::Etcd {
+                endpoints: stack.etcd_endpoints(),
+                tls: stack.etcd_identity_tls(EtcdRole::LockServer, &prefix),
+                prefix,
+                grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
+            }
+        }
         Kind::Postgres => {
             let admin = stack
                 .provisioned_db(PgServer::Main, testkit::db_access::Database::Lockdb)

@@ -97,16 +97,19 @@ pub(crate) async fn acquire_and_release(
     Ok(())
 }
 
+/// Both paths under `prefix` (the lock service's under `{prefix}svc/`, the raw client's under
+/// `{prefix}raw/`), with `etcd_tls`: an identity that may read and write `prefix` (etcd's
+/// lock-server role on it).
 pub async fn run(
     etcd_endpoints: &[String],
     etcd_tls: &mtls::Tls,
+    prefix: &str,
     iterations: usize,
     concurrency: usize,
 ) -> Result<BenchReport, LockError> {
     let iterations = iterations.clamp(1, ITERATIONS_MAX);
     let concurrency = concurrency.clamp(1, CONCURRENCY_MAX).min(iterations);
     let per_worker = iterations.div_ceil(concurrency);
-    let prefix = format!("/bench/{}/", uuid::Uuid::new_v4());
     let dir = tempfile::tempdir().map_err(bench_err)?;
     let config = Config {
         backend: BackendConfig::Etcd {

@@ -2,6 +2,7 @@
 //! every path it measures; the soak shows etcd's database bounded by compaction and grant-record
 //! retention, against a negative control without compaction.
 
+use testkit::etcd::EtcdRole;
 use testkit::{PgServer, Stack};
 
 // ---------------------------------------------------------------------------------------------
@@ -9,9 +10,12 @@ use testkit::{PgServer, Stack};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn benchmark_runs_and_reports_both_paths() {
+    let stack = Stack::shared();
+    let prefix = stack.unique_prefix("bench");
     let report = service_benches::lock::run(
-        &Stack::shared().etcd_endpoints(),
-        &Stack::shared().etcd_client_tls("bench"),
+        &stack.etcd_endpoints(),
+        &stack.etcd_identity_tls(EtcdRole::LockServer, &prefix),
+        &prefix,
         200,
         4,
     )

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
+use mtls::etcd_access::Access;
 
 use crate::process::{Lifetime, ManagedProcess, ProcessSpec};
 use crate::util::{free_port, http_get, wait_blocking};
@@ -77,8 +78,31 @@ impl EtcdLimits {
 
 /// The folder of a stack's state directory that holds etcd's certificates.
 pub const STACK_DIR: &str = "etcd-tls";
-/// The name of the test kit's own etcd client certificate.
-const KIT_CLIENT: &str = "testkit";
+/// The name of the test kit's own etcd client certificate: etcd's `root` (issue 34). The kit
+/// enables authentication, provisions every test's identity, snapshots and restores, and reads
+/// any test's keys for its assertions; nothing else runs as root.
+const KIT_CLIENT: &str = mtls::etcd_access::ROOT;
+
+/// Which row of `mtls::etcd_access`'s table an identity of a test gets ([`EtcdCluster::grant`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EtcdRole {
+    /// Read-write on its prefix, nothing outside it.
+    LockServer,
+    /// Read-only on its prefix's grant records and audit chain (also payoutctl's `reconcile` and
+    /// `restore rearm`).
+    Reconciler,
+}
+
+impl EtcdRole {
+    /// The table's role whose permissions this one gets; also the stem of the kit's user names
+    /// (`payout-lock-server-3`).
+    pub fn table_role(self) -> &'static str {
+        match self {
+            EtcdRole::LockServer => mtls::etcd_access::LOCK_SERVER_ROLE,
+            EtcdRole::Reconciler => mtls::etcd_access::RECONCILER_ROLE,
+        }
+    }
+}
 
 /// The cluster's TLS, as files under the cluster's directory: **an authority of etcd's own**
 /// (`<dir>/pki`, issue 34: no certificate of the services' authority, a worker's, an intake's, the
@@ -87,6 +111,9 @@ const KIT_CLIENT: &str = "testkit";
 /// clients) and the test kit's own client certificate. Members serve TLS only, admit only a client
 /// with a certificate from that authority, and a peer only if its certificate also names
 /// [`PEER_NAME`] (`--peer-cert-allowed-hostname`): a client's certificate cannot join the cluster.
+/// With authentication on ([`EtcdCluster::start`]) a client certificate's common name is its
+/// etcd user: the kit's own is `root`, a test's lock-server or reconciler gets a user and role of
+/// its own ([`EtcdCluster::identity`]).
 #[derive(Debug, Clone)]
 pub struct EtcdTls {
     pub ca_file: PathBuf,
@@ -95,7 +122,7 @@ pub struct EtcdTls {
     /// etcd's own authority: the lock-server's and the reconciler's client certificates come
     /// from it ([`EtcdTls::client_of`]).
     pub pki: std::sync::Arc<crate::pki::Pki>,
-    /// The test kit's own client identity (etcdctl, its etcd clients).
+    /// The test kit's own client identity, etcd's `root` (etcdctl, its etcd clients).
     pub client: mtls::EtcdTlsArgs,
 }
 
@@ -134,8 +161,8 @@ impl EtcdTls {
     }
 
     /// Where the test kit's own client certificate is in a stack's state directory (what
-    /// [`EtcdTls::issue`] wrote there for the stack's etcd): `payoutdev stack status` reads etcd
-    /// with it.
+    /// [`EtcdTls::issue`] wrote there for the stack's etcd, named `root`): `payoutdev stack
+    /// status` reads etcd with it.
     pub fn kit_client_in(state_dir: &Path) -> mtls::EtcdTlsArgs {
         let dir = state_dir.join(STACK_DIR);
         mtls::EtcdTlsArgs::new(
@@ -210,12 +237,7 @@ impl EtcdTls {
 
     /// An etcd client of the kit's own identity to `endpoints`.
     pub async fn connect(&self, endpoints: &[String]) -> anyhow::Result<etcd_client::Client> {
-        let tls = self.client.load()?;
-        Ok(etcd_client::Client::connect(
-            endpoints,
-            Some(etcd_client::ConnectOptions::new().with_tls(tls.etcd_client_config())),
-        )
-        .await?)
+        connect_as(endpoints, &self.client).await
     }
 }
 
@@ -257,8 +279,9 @@ pub struct EtcdCluster {
 }
 
 impl EtcdCluster {
-    /// Starts `count` members under `dir` (ports given, or fresh free ports if `None`), and waits
-    /// until every member reports a leader.
+    /// Starts `count` members under `dir` (ports given, or fresh free ports if `None`), waits
+    /// until every member reports a leader, and turns authentication on (`root` is the kit's own
+    /// certificate; [`EtcdCluster::identity`] gives a test's services theirs).
     pub fn start(
         dir: &Path,
         count: usize,
@@ -359,7 +382,105 @@ impl EtcdCluster {
             token,
         };
         cluster.wait_healthy()?;
+        cluster.enable_auth()?;
         Ok(cluster)
+    }
+
+    /// Test-only negative control: a one-member cluster with authentication off (turned off by
+    /// root right after the start), so every certificate of etcd's authority may do anything:
+    /// what every test etcd was before issue 34. No binary offers this; it exists to show what
+    /// the roles refuse, and for a test of provisioning, which turns authentication on itself.
+    #[doc(hidden)]
+    pub fn start_without_auth_for_tests(
+        dir: &Path,
+        lifetime: Lifetime,
+        tls: EtcdTls,
+    ) -> anyhow::Result<Self> {
+        let cluster = Self::start(dir, 1, None, lifetime, tls)?;
+        let (tls, endpoints) = (cluster.tls.clone(), cluster.endpoints());
+        block_on(async move {
+            let mut root = tls.connect(&endpoints).await?;
+            root.auth_disable()
+                .await
+                .context("disabling authentication")?;
+            Ok(())
+        })?;
+        Ok(cluster)
+    }
+
+    /// Authentication on, once the cluster is healthy: the user `root` (the kit's own
+    /// certificate's name; no password, the certificate is the credential) with the role `root`,
+    /// then `auth enable`. Idempotent: a stack restarted from its state directory already has
+    /// both, and root may add what exists (refused as existing) and enable again (a no-op).
+    fn enable_auth(&self) -> anyhow::Result<()> {
+        let (tls, endpoints) = (self.tls.clone(), self.endpoints());
+        block_on(async move {
+            let mut root = tls.connect(&endpoints).await?;
+            add_user(&mut root, mtls::etcd_access::ROOT).await?;
+            root.user_grant_role(mtls::etcd_access::ROOT, mtls::etcd_access::ROOT)
+                .await
+                .context("granting root to root")?;
+            root.auth_enable()
+                .await
+                .context("enabling authentication")?;
+            Ok(())
+        })
+    }
+
+    /// A client certificate of etcd's authority named `user` (written into `dir`) that the
+    /// cluster knows as a user with `role`'s permissions rendered against `prefix` and no other
+    /// ([`EtcdCluster::grant`]): a lock-server's or a reconciler's `--etcd-tls-*` flags.
+    pub fn identity(
+        &self,
+        dir: &Path,
+        user: &str,
+        role: EtcdRole,
+        prefix: &str,
+    ) -> anyhow::Result<mtls::EtcdTlsArgs> {
+        let args = EtcdTls::client_of(&self.tls.pki, dir, user)?;
+        self.grant(user, role, prefix)?;
+        Ok(args)
+    }
+
+    /// Makes `user` (a certificate's common name) a user of the cluster whose only role is one of
+    /// its own, named after it, with the permissions `mtls::etcd_access` gives `role` on `prefix`.
+    /// A role per user, not the table's shared one: tests share a cluster under prefixes of
+    /// their own, so no test's identity may reach another's keys. Made anew each time (deleted
+    /// first: etcd takes a deleted role from its users), so a stack restarted from its state
+    /// directory holds exactly this prefix for the name.
+    pub fn grant(&self, user: &str, role: EtcdRole, prefix: &str) -> anyhow::Result<()> {
+        let table = mtls::etcd_access::roles(prefix)
+            .into_iter()
+            .find(|r| r.name == role.table_role())
+            .context("mtls::etcd_access has every EtcdRole")?;
+        let (tls, endpoints, user) = (self.tls.clone(), self.endpoints(), user.to_string());
+        block_on(async move {
+            let mut root = tls.connect(&endpoints).await?;
+            match root.role_delete(user.as_str()).await {
+                Err(e) if !e.to_string().contains("role name not found") => {
+                    return Err(e).with_context(|| format!("deleting role {user}"))
+                }
+                _ => {}
+            }
+            root.role_add(user.as_str())
+                .await
+                .with_context(|| format!("adding role {user}"))?;
+            for p in &table.permissions {
+                let permission = match p.access {
+                    Access::Read => etcd_client::Permission::read(p.prefix.as_bytes()),
+                    Access::ReadWrite => etcd_client::Permission::read_write(p.prefix.as_bytes()),
+                }
+                .with_prefix();
+                root.role_grant_permission(user.as_str(), permission)
+                    .await
+                    .with_context(|| format!("granting {user} on {:?}", p.prefix))?;
+            }
+            add_user(&mut root, &user).await?;
+            root.user_grant_role(user.as_str(), user.as_str())
+                .await
+                .with_context(|| format!("granting role {user} to user {user}"))?;
+            Ok(())
+        })
     }
 
     pub fn wait_healthy(&self) -> anyhow::Result<()> {
@@ -536,9 +657,23 @@ impl EtcdCluster {
     }
 }
 
-/// One read from `endpoint` as a client presenting `tls` (none: a plaintext client), within a
-/// few seconds: Ok, or what refused it. The attack suite's probe of what etcd admits.
-pub async fn read_as(endpoint: &str, tls: Option<&mtls::Tls>) -> Result<(), String> {
+/// An etcd client to `endpoints` presenting `identity` (its certificate's name is its user).
+pub async fn connect_as(
+    endpoints: &[String],
+    identity: &mtls::EtcdTlsArgs,
+) -> anyhow::Result<etcd_client::Client> {
+    let tls = identity.load()?;
+    Ok(etcd_client::Client::connect(
+        endpoints,
+        Some(etcd_client::ConnectOptions::new().with_tls(tls.etcd_client_config())),
+    )
+    .await?)
+}
+
+/// One read of `key` from `endpoint` as a client presenting `tls` (none: a plaintext client),
+/// within a few seconds: Ok, or what refused it (the handshake, or the user's permissions). The
+/// attack suite's probe of what etcd admits.
+pub async fn read_as(endpoint: &str, tls: Option<&mtls::Tls>, key: &str) -> Result<(), String> {
     let mut options = etcd_client::ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(3))
         .with_timeout(Duration::from_secs(3));
@@ -549,7 +684,7 @@ pub async fn read_as(endpoint: &str, tls: Option<&mtls::Tls>) -> Result<(), Stri
         .await
         .map_err(|e| e.to_string())?;
     client
-        .get("/", None)
+        .get(key, None)
         .await
         .map(drop)
         .map_err(|e| e.to_string())
@@ -574,6 +709,36 @@ pub fn peer_request_as(peer_port: u16, ca: &Path, cert: &Path, key: &Path) -> Re
     } else {
         Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
     }
+}
+
+/// Adds `name` as a user with no password (its certificate is its credential); one already there
+/// is left as it is.
+async fn add_user(root: &mut etcd_client::Client, name: &str) -> anyhow::Result<()> {
+    let no_password = etcd_client::UserAddOptions::new().with_no_pwd();
+    match root.user_add(name, "", Some(no_password)).await {
+        Err(e) if !e.to_string().contains("already exists") => {
+            Err(e).with_context(|| format!("adding user {name}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Runs `work` on a runtime of its own on a thread of its own: the kit's blocking API (a stack's
+/// start, a test's identity) is called from plain threads and from tests' async code alike.
+fn block_on<T: Send>(
+    work: impl std::future::Future<Output = anyhow::Result<T>> + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?
+                    .block_on(work)
+            })
+            .join()
+            .expect("the etcd provisioning thread")
+    })
 }
 
 /// Runs Debian's `etcdctl` (API v3) and returns its standard output.

@@ -10,7 +10,7 @@ use std::sync::{Mutex, OnceLock};
 
 use anyhow::Context;
 
-use crate::etcd::EtcdCluster;
+use crate::etcd::{EtcdCluster, EtcdRole};
 use crate::postgres::{PgOptions, Postgres};
 use crate::process::Lifetime;
 use crate::temporal::{TemporalDev, TemporalPorts};
@@ -288,26 +288,43 @@ impl Stack {
         self.etcd.endpoints()
     }
 
-    /// A client certificate for `name` from etcd's own authority, which the stack's etcd admits:
-    /// the `--etcd-tls-*` flags of a lock-server or reconciler.
-    pub fn etcd_client_args(&self, name: &str) -> anyhow::Result<mtls::EtcdTlsArgs> {
-        // Each call its own files: tests of one binary ask for the same name at once.
+    /// An identity for a lock-server or reconciler of one test: a certificate of etcd's own
+    /// authority with a name of its own (`payout-lock-server-{n}`: tests of one binary run at
+    /// once) that the stack's etcd knows as a user with `role`'s permissions on `prefix` only
+    /// (`mtls::etcd_access`). `prefix` is the one the service uses (`--etcd-prefix`,
+    /// `--lock-prefix`).
+    pub fn etcd_identity(&self, role: EtcdRole, prefix: &str) -> anyhow::Result<mtls::EtcdTlsArgs> {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        self.etcd.identity(
+            &self.state.join(crate::etcd::STACK_DIR),
+            &format!("{}-{n}", role.table_role()),
+            role,
+            prefix,
+        )
+    }
+
+    /// The same, loaded: for a lock-server or reconciler run in-process.
+    pub fn etcd_identity_tls(&self, role: EtcdRole, prefix: &str) -> mtls::Tls {
+        self.etcd_identity(role, prefix)
+            .and_then(|args| Ok(args.load()?))
+            .expect("an etcd identity")
+    }
+
+    /// A certificate of etcd's own authority whose name (`{name}-{n}`) is no user of the
+    /// stack's etcd: it completes TLS and is authorised for nothing (an attacker's, a
+    /// stranger's), or serves an etcd a test runs itself without authentication.
+    pub fn etcd_certificate_without_user(&self, name: &str) -> mtls::Tls {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         crate::etcd::EtcdTls::client_of(
             &self.etcd.tls.pki,
             &self.state.join(crate::etcd::STACK_DIR),
             &format!("{name}-{n}"),
         )
+        .and_then(|args| Ok(args.load()?))
+        .expect("an etcd client certificate")
     }
 
-    /// The same, loaded: for a lock-server or reconciler run in-process.
-    pub fn etcd_client_tls(&self, name: &str) -> mtls::Tls {
-        self.etcd_client_args(name)
-            .and_then(|args| Ok(args.load()?))
-            .expect("an etcd client certificate")
-    }
-
-    /// An etcd client of the test kit's own identity to the stack's etcd.
+    /// An etcd client of the test kit's own identity (`root`) to the stack's etcd.
     pub async fn etcd_client(&self) -> anyhow::Result<etcd_client::Client> {
         self.etcd.client().await
     }

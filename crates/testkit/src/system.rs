@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+use crate::etcd::EtcdRole;
 use crate::pki::Role;
 use crate::process::{Lifetime, ManagedProcess, ProcessSpec};
 use crate::stack::{PgServer, Stack};
@@ -274,7 +275,7 @@ impl System {
                 .args(["--etcd-endpoints".into(), stack.etcd_endpoints().join(",")])
                 .args(
                     stack
-                        .etcd_client_args(&format!("lock-server-{n}"))?
+                        .etcd_identity(EtcdRole::LockServer, &etcd_prefix)?
                         .to_args(),
                 )
                 .args(["--etcd-prefix".into(), etcd_prefix.clone()])

@@ -13,6 +13,7 @@ use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
 use lock_server::checker::{self, GrantRecord};
 use lock_server::{BackendConfig, Config, InProcess};
 use rand::RngExt;
+use testkit::etcd::EtcdRole;
 use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
 
@@ -1695,7 +1696,9 @@ async fn grant_via(
     let config = Config {
         backend: BackendConfig::Etcd {
             endpoints: vec![endpoint.to_string()],
-            tls: Stack::shared().etcd_client_tls("lock-server"),
+            // The test's own etcd runs without authentication (it shows a restore, not the
+            // roles): any certificate of the authority it trusts will do.
+            tls: Stack::shared().etcd_certificate_without_user("lock-server"),
             prefix: "/restore/".into(),
             grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
         },
@@ -1935,7 +1938,7 @@ async fn lease_alive(endpoints: &[String], lease: i64) -> bool {
 async fn start_retaining(prefix: &str, grant_retention_ms: u64) -> Server {
     start_with(BackendConfig::Etcd {
         endpoints: Stack::shared().etcd_endpoints(),
-        tls: Stack::shared().etcd_client_tls("lock-server"),
+        tls: Stack::shared().etcd_identity_tls(EtcdRole::LockServer, prefix),
         prefix: prefix.to_string(),
         grant_retention_ms,
     })
@@ -2364,7 +2367,7 @@ fn wire_values_never_panic_and_refusals_are_typed_and_write_nothing(kind: Kind) 
                 let (endpoints, prefix) = (stack.etcd_endpoints(), stack.unique_prefix("wire"));
                 let backend = BackendConfig::Etcd {
                     endpoints: endpoints.clone(),
-                    tls: stack.etcd_client_tls("lock-server"),
+                    tls: stack.etcd_identity_tls(EtcdRole::LockServer, &prefix),
                     prefix: prefix.clone(),
                     grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
                 };

@@ -11,6 +11,7 @@ use testkit::pki::Role;
 use payout_domain::{PayoutId, PayoutState};
 use rail_proxy_client::{ProxyError, RailProxyClient};
 use resolver::resolve::Resolution;
+use testkit::etcd::EtcdRole;
 use testkit::system::System;
 use testkit::{ManagedProcess, ProcessSpec, Stack};
 
@@ -26,7 +27,7 @@ fn config_args(system: &System) -> Vec<String> {
         .into_iter()
         .chain(
             Stack::shared()
-                .etcd_client_args("reconciler")
+                .etcd_identity(EtcdRole::Reconciler, &system.etcd_prefix)
                 .unwrap()
                 .to_args()
                 .into_iter()

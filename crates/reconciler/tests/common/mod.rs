@@ -6,6 +6,7 @@ use std::time::Duration;
 use payment_client::model::Fence;
 use payout_domain::AccountId;
 use reconciler::Sources;
+use testkit::etcd::EtcdRole;
 use testkit::pki::Role;
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;
@@ -38,7 +39,7 @@ pub async fn sources(system: &System) -> Sources {
         }),
         lock_grants: Some(reconciler::LockGrants::new(
             Stack::shared().etcd_endpoints(),
-            Stack::shared().etcd_client_tls("reconciler"),
+            Stack::shared().etcd_identity_tls(EtcdRole::Reconciler, &system.etcd_prefix),
             system.etcd_prefix.clone(),
         )),
         operators: Some(system.operator.verifier()),

@@ -238,13 +238,17 @@ impl EtcdBackend {
 
     /// One bounded call. A member that is down or silent moves this process to another member;
     /// the call is retried there only when the request certainly never left (the connection was
-    /// refused), because a retried write that did land would be applied twice.
+    /// refused), because a retried write that did land would be applied twice. A request etcd
+    /// refused because its users or roles changed while it was in flight
+    /// (`mtls::etcd_access::AUTH_REVISION_OLD`: nothing was applied) is sent again, a bounded
+    /// number of times.
     async fn call<T, F, Fut>(&self, session_id: Option<&str>, f: F) -> Result<T, LockError>
     where
         F: Fn(Client) -> Fut,
         Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
     {
         let mut attempts = 1;
+        let mut auth_attempts = 1;
         loop {
             let (index, client) = self.client().await;
             match tokio::time::timeout(Duration::from_millis(REQUEST_TIMEOUT_MS), f(client)).await {
@@ -271,6 +275,12 @@ impl EtcdBackend {
                             attempts += 1;
                             continue;
                         }
+                    }
+                    if mtls::etcd_access::is_auth_revision_old(&e.to_string())
+                        && auth_attempts < mtls::etcd_access::AUTH_REVISION_OLD_ATTEMPTS_MAX
+                    {
+                        auth_attempts += 1;
+                        continue;
                     }
                     return Err(map_err(e, session_id));
                 }

@@ -13,6 +13,7 @@ use lock_client::{Acquired, GrantHandle, LockClient, Session};
 use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
 use lock_server::service::LockServiceImpl;
 use lock_server::{BackendConfig, Config, InProcess};
+use testkit::etcd::EtcdRole;
 use testkit::pki::{tls, Role};
 use testkit::{PgServer, Stack};
 
@@ -53,12 +54,15 @@ pub fn signer() -> Arc<Signer> {
 pub async fn backend(kind: Kind, name: &str) -> BackendConfig {
     let stack = Stack::shared();
     match kind {
-        Kind::Etcd => BackendConfig::Etcd {
-            endpoints: stack.etcd_endpoints(),
-            tls: stack.etcd_client_tls("lock-server"),
-            prefix: stack.unique_prefix(name),
-            grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
-        },
+        Kind::Etcd => {
+            let prefix = stack.unique_prefix(name);
+            BackendConfig::Etcd {
+                endpoints: stack.etcd_endpoints(),
+                tls: stack.etcd_identity_tls(EtcdRole::LockServer, &prefix),
+                prefix,
+                grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
+            }
+        }
         Kind::Postgres => BackendConfig::Postgres {
             database_url: lockdb(stack).await.1,
         },
@@ -156,7 +160,7 @@ pub async fn on_three_etcd_members(prefix: &str) -> (Stack, usize, Server) {
     endpoints.swap(0, leader);
     let server = start_with(BackendConfig::Etcd {
         endpoints,
-        tls: stack.etcd_client_tls("lock-server"),
+        tls: stack.etcd_identity_tls(EtcdRole::LockServer, prefix),
         prefix: prefix.into(),
         grant_retention_ms: GRANT_RETENTION_MS_DEFAULT,
     })
