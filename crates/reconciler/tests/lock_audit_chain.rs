@@ -13,7 +13,6 @@ use grant_signing::audit_chain;
 use lock_client::{Acquired, LockClient};
 use lock_server::backend::etcd::GRANT_RETENTION_MS_DEFAULT;
 use lock_server::{BackendConfig, Config, InProcess};
-use mtls::etcd_access::resend_on_auth_change;
 use reconciler::lock_audit::{lock_audit_chain, lock_audit_chain_intact};
 use reconciler::{LockGrants, Options, Sources};
 use testkit::etcd::EtcdRole;
@@ -124,41 +123,22 @@ impl Chain {
     }
 }
 
-async fn etcd() -> etcd_client::Client {
+async fn etcd() -> testkit::etcd::RootClient {
     Stack::shared().etcd_client().await.unwrap()
 }
 
-/// The test's edits of the lock service's keys, as the kit's root: sent again while etcd refuses
-/// them because another test of this binary is provisioning an identity
-/// (`mtls::etcd_access::AUTH_REVISION_OLD`).
+/// The test's edits of the lock service's keys, as the kit's root (whose calls are sent again
+/// while another test of this binary provisions an identity: `testkit::etcd::RootClient`).
 async fn put(key: String, value: impl Into<Vec<u8>>) {
-    let (client, value) = (etcd().await, value.into());
-    resend_on_auth_change(|| {
-        let (mut client, key, value) = (client.clone(), key.clone(), value.clone());
-        async move { client.put(key, value, None).await }
-    })
-    .await
-    .unwrap();
+    etcd().await.put(key, value, None).await.unwrap();
 }
 
 async fn delete(key: String) {
-    let client = etcd().await;
-    resend_on_auth_change(|| {
-        let (mut client, key) = (client.clone(), key.clone());
-        async move { client.delete(key, None).await }
-    })
-    .await
-    .unwrap();
+    etcd().await.delete(key, None).await.unwrap();
 }
 
 async fn value(key: &str) -> Vec<u8> {
-    let client = etcd().await;
-    let got = resend_on_auth_change(|| {
-        let (mut client, key) = (client.clone(), key.to_string());
-        async move { client.get(key, None).await }
-    })
-    .await
-    .unwrap();
+    let got = etcd().await.get(key, None).await.unwrap();
     got.kvs()
         .first()
         .unwrap_or_else(|| panic!("{key} exists"))

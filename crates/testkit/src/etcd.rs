@@ -622,8 +622,8 @@ impl EtcdCluster {
     }
 
     /// A client of the kit's own identity to every member.
-    pub async fn client(&self) -> anyhow::Result<etcd_client::Client> {
-        self.tls.connect(&self.endpoints()).await
+    pub async fn client(&self) -> anyhow::Result<RootClient> {
+        Ok(RootClient::new(self.tls.connect(&self.endpoints()).await?))
     }
 
     /// Index of the current leader, asked of every running member.
@@ -763,4 +763,106 @@ pub(crate) fn which(program: &str) -> Option<PathBuf> {
         .split(':')
         .map(|dir| Path::new(dir).join(program))
         .find(|p| p.is_file())
+}
+
+/// The kit's `root` client for tests and the kit's own helpers: the key-value and lease calls
+/// tests make, each sent again while etcd refuses it because a change of users or roles was
+/// applied while it was in flight (`mtls::etcd_access::AUTH_REVISION_OLD`: nothing applied, so
+/// safe to resend; etcd's own Go client does the same). Tests of one binary provision identities
+/// ([`EtcdCluster::grant`]) while others call etcd, so without this a test's read could fail for
+/// another test's provisioning. [`RootClient::raw`] for anything else.
+#[derive(Clone)]
+pub struct RootClient(etcd_client::Client);
+
+macro_rules! resending {
+    ($self:ident, $call:ident($($arg:ident),*)) => {{
+        let client = $self.0.clone();
+        mtls::etcd_access::resend_on_auth_change(|| {
+            let mut client = client.clone();
+            $(let $arg = $arg.clone();)*
+            async move { client.$call($($arg),*).await }
+        })
+        .await
+    }};
+}
+
+impl RootClient {
+    pub fn new(client: etcd_client::Client) -> Self {
+        Self(client)
+    }
+
+    /// The client itself, whose calls are not sent again (membership, auth, maintenance).
+    pub fn raw(&self) -> etcd_client::Client {
+        self.0.clone()
+    }
+
+    pub async fn get(
+        &mut self,
+        key: impl Into<Vec<u8>>,
+        options: Option<etcd_client::GetOptions>,
+    ) -> Result<etcd_client::GetResponse, etcd_client::Error> {
+        let key = key.into();
+        resending!(self, get(key, options))
+    }
+
+    pub async fn put(
+        &mut self,
+        key: impl Into<Vec<u8>>,
+        value: impl Into<Vec<u8>>,
+        options: Option<etcd_client::PutOptions>,
+    ) -> Result<etcd_client::PutResponse, etcd_client::Error> {
+        let (key, value) = (key.into(), value.into());
+        resending!(self, put(key, value, options))
+    }
+
+    pub async fn delete(
+        &mut self,
+        key: impl Into<Vec<u8>>,
+        options: Option<etcd_client::DeleteOptions>,
+    ) -> Result<etcd_client::DeleteResponse, etcd_client::Error> {
+        let key = key.into();
+        resending!(self, delete(key, options))
+    }
+
+    pub async fn txn(
+        &mut self,
+        txn: etcd_client::Txn,
+    ) -> Result<etcd_client::TxnResponse, etcd_client::Error> {
+        resending!(self, txn(txn))
+    }
+
+    pub async fn compact(
+        &mut self,
+        revision: i64,
+        options: Option<etcd_client::CompactionOptions>,
+    ) -> Result<etcd_client::CompactionResponse, etcd_client::Error> {
+        resending!(self, compact(revision, options))
+    }
+
+    pub async fn lease_grant(
+        &mut self,
+        ttl: i64,
+        options: Option<etcd_client::LeaseGrantOptions>,
+    ) -> Result<etcd_client::LeaseGrantResponse, etcd_client::Error> {
+        resending!(self, lease_grant(ttl, options))
+    }
+
+    pub async fn lease_revoke(
+        &mut self,
+        id: i64,
+    ) -> Result<etcd_client::LeaseRevokeResponse, etcd_client::Error> {
+        resending!(self, lease_revoke(id))
+    }
+
+    pub async fn lease_time_to_live(
+        &mut self,
+        id: i64,
+        options: Option<etcd_client::LeaseTimeToLiveOptions>,
+    ) -> Result<etcd_client::LeaseTimeToLiveResponse, etcd_client::Error> {
+        resending!(self, lease_time_to_live(id, options))
+    }
+
+    pub async fn leases(&mut self) -> Result<etcd_client::LeaseLeasesResponse, etcd_client::Error> {
+        resending!(self, leases())
+    }
 }

@@ -325,7 +325,7 @@ impl Stack {
     }
 
     /// An etcd client of the test kit's own identity (`root`) to the stack's etcd.
-    pub async fn etcd_client(&self) -> anyhow::Result<etcd_client::Client> {
+    pub async fn etcd_client(&self) -> anyhow::Result<crate::etcd::RootClient> {
         self.etcd.client().await
     }
 

@@ -29,7 +29,7 @@ async fn ask(
     root.put(format!("{a}grants/payout:a/1"), "record", None)
         .await
         .unwrap();
-    let member = root.member_list().await.unwrap().members()[0].id();
+    let member = root.raw().member_list().await.unwrap().members()[0].id();
     let mut lock = connect_as(&endpoints, lock_server).await.unwrap();
     let mut reader = connect_as(&endpoints, reconciler).await.unwrap();
     Answers {

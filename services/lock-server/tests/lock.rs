@@ -1872,8 +1872,10 @@ async fn postgres_sequence_rewind_raises_token_regression_unless_advanced() {
 // ---------------------------------------------------------------------------------------------
 // A bounded backend: compacted history, grant records kept for a retention window
 
-async fn etcd(endpoints: &[String]) -> etcd_client::Client {
-    Stack::shared().etcd.tls.connect(endpoints).await.unwrap()
+/// The kit's root client (its calls resent while another test's provisioning makes etcd refuse
+/// them: `testkit::etcd::RootClient`).
+async fn etcd(endpoints: &[String]) -> testkit::etcd::RootClient {
+    testkit::etcd::RootClient::new(Stack::shared().etcd.tls.connect(endpoints).await.unwrap())
 }
 
 /// The grant records under `prefix`: (key, create revision), in key order.
