@@ -1151,3 +1151,97 @@ fn testkit_databases(d: &Databases) -> testkit::system::Databases {
         gldb: d.gldb.clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record of a stack with services; `rail_stub_admin` 0 is a record from before the rail
+    /// stub had its own admin listener.
+    fn record(rail_stub_admin: u16) -> StackRecord {
+        serde_json::from_value(serde_json::json!({
+            "ports": {
+                "pg_main": 1, "pg_proxy": 2, "etcd_clients": [3], "temporal": 4,
+                "temporal_ui": 5, "temporal_http": 6, "temporal_metrics": 7,
+            },
+            "parts": [],
+            "system": {
+                "ports": {
+                    "lock_server": 11, "payment_resource": 12, "rail_stub": 13,
+                    "rail_proxy": 14, "general_ledger": 15, "metrics": [21, 22, 23, 24, 25, 26],
+                    "rail_stub_admin": rail_stub_admin,
+                },
+                "databases": {"paydb": "p", "proxydb": "x", "gldb": "g"},
+                "task_queue": "q",
+                "settlement_window_ms": 2000,
+            },
+        }))
+        .expect("a stack record")
+    }
+
+    /// A state directory with everything a stack of today has: etcd's root client certificate,
+    /// the monitoring's login, the rail's authority.
+    fn today(dir: &Path) {
+        let kit = testkit::etcd::EtcdTls::kit_client_in(dir);
+        let cert = kit.cert.expect("the kit's client certificate path");
+        std::fs::create_dir_all(cert.parent().unwrap()).unwrap();
+        std::fs::write(&cert, "").unwrap();
+        let monitoring = dir.join("monitoring");
+        let password =
+            testkit::monitoring::password_file(&monitoring, testkit::monitoring::OPERATOR_USER);
+        std::fs::create_dir_all(password.parent().unwrap()).unwrap();
+        std::fs::write(&password, "").unwrap();
+        std::fs::create_dir_all(dir.join("system").join(testkit::rail::DIR)).unwrap();
+    }
+
+    /// Each thing a stack from before issue 34 lacks makes it restart whole (its parts started
+    /// again from their old launches would never pass today's health checks), and a stack of
+    /// today is repaired part by part (the control).
+    #[test]
+    fn a_stack_from_before_issue_34_is_started_whole_for_each_thing_it_lacks() {
+        let dir = tempfile::tempdir().unwrap();
+        today(dir.path());
+        assert_eq!(launch_from_before_issue_34(dir.path(), &record(6)), None);
+        let why = launch_from_before_issue_34(dir.path(), &record(0));
+        assert!(
+            why.as_deref().is_some_and(|w| w.contains("admin listener")),
+            "{why:?}"
+        );
+
+        let cases: [(&str, Box<dyn Fn(&Path)>); 3] = [
+            (
+                "without authentication",
+                Box::new(|d: &Path| {
+                    std::fs::remove_file(testkit::etcd::EtcdTls::kit_client_in(d).cert.unwrap())
+                        .unwrap()
+                }),
+            ),
+            (
+                "no login",
+                Box::new(|d: &Path| {
+                    std::fs::remove_file(testkit::monitoring::password_file(
+                        &d.join("monitoring"),
+                        testkit::monitoring::OPERATOR_USER,
+                    ))
+                    .unwrap()
+                }),
+            ),
+            (
+                "plain HTTP",
+                Box::new(|d: &Path| {
+                    std::fs::remove_dir(d.join("system").join(testkit::rail::DIR)).unwrap()
+                }),
+            ),
+        ];
+        for (reason, take_away) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            today(dir.path());
+            take_away(dir.path());
+            let why = launch_from_before_issue_34(dir.path(), &record(6));
+            assert!(
+                why.as_deref().is_some_and(|w| w.contains(reason)),
+                "{reason}: {why:?}"
+            );
+        }
+    }
+}
