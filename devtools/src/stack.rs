@@ -1208,30 +1208,23 @@ mod tests {
             "{why:?}"
         );
 
-        let cases: [(&str, Box<dyn Fn(&Path)>); 3] = [
-            (
-                "without authentication",
-                Box::new(|d: &Path| {
-                    std::fs::remove_file(testkit::etcd::EtcdTls::kit_client_in(d).cert.unwrap())
-                        .unwrap()
-                }),
-            ),
-            (
-                "no login",
-                Box::new(|d: &Path| {
-                    std::fs::remove_file(testkit::monitoring::password_file(
-                        &d.join("monitoring"),
-                        testkit::monitoring::OPERATOR_USER,
-                    ))
+        // What a stack of that time lacked, taken away from one of today.
+        type TakeAway = fn(&Path);
+        let cases: [(&str, TakeAway); 3] = [
+            ("without authentication", |d: &Path| {
+                std::fs::remove_file(testkit::etcd::EtcdTls::kit_client_in(d).cert.unwrap())
                     .unwrap()
-                }),
-            ),
-            (
-                "plain HTTP",
-                Box::new(|d: &Path| {
-                    std::fs::remove_dir(d.join("system").join(testkit::rail::DIR)).unwrap()
-                }),
-            ),
+            }),
+            ("no login", |d: &Path| {
+                std::fs::remove_file(testkit::monitoring::password_file(
+                    &d.join("monitoring"),
+                    testkit::monitoring::OPERATOR_USER,
+                ))
+                .unwrap()
+            }),
+            ("plain HTTP", |d: &Path| {
+                std::fs::remove_dir(d.join("system").join(testkit::rail::DIR)).unwrap()
+            }),
         ];
         for (reason, take_away) in cases {
             let dir = tempfile::tempdir().unwrap();

@@ -2239,6 +2239,21 @@ fn the_binary_will_not_start_without_valid_grant_verify_keys() {
     }
 }
 
+/// The shipped proxy's binary, with a server certificate named `name` and an empty denylist: the
+/// start-up flags a test does not look at.
+fn proxy_binary(name: &str) -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_rail-proxy"));
+    command
+        .args(
+            testkit::pki::shared()
+                .issue(Role::RailProxy, name)
+                .unwrap()
+                .to_args(),
+        )
+        .env("PAYOUT_TLS_DENYLIST", testkit::pki::empty_denylist());
+    command
+}
+
 /// The rail link's TLS flags where a test's start fails before they are read.
 const UNREAD_RAIL_TLS: [&str; 6] = [
     "--rail-ca",
@@ -2255,7 +2270,6 @@ const UNREAD_RAIL_TLS: [&str; 6] = [
 /// key file stops the start naming the file, before any database is touched.
 #[test]
 fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
-    let bin = env!("CARGO_BIN_EXE_rail-proxy");
     let grants = SIGNER.public_key().to_string();
     let instructions = INSTRUCTION_SIGNER.public_key().to_string();
     let dir = tempfile::tempdir().unwrap();
@@ -2316,19 +2330,12 @@ fn the_binary_will_not_start_without_its_instruction_and_rail_fact_keys() {
         } else {
             vec!["--rail-answer-verify-keys", rail_answers.as_str()]
         };
-        let out = std::process::Command::new(bin)
+        let out = proxy_binary("rail-proxy-keys")
             .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
             .args(["--rail-url", "https://127.0.0.1:1"])
             .args(UNREAD_RAIL_TLS)
             .args(["--grant-verify-keys", &grants])
             .args(&answer_keys)
-            .args(
-                testkit::pki::shared()
-                    .issue(Role::RailProxy, "rail-proxy-keys")
-                    .unwrap()
-                    .to_args(),
-            )
-            .env("PAYOUT_TLS_DENYLIST", testkit::pki::empty_denylist())
             .args(&args)
             .env_remove("INSTRUCTION_VERIFY_KEYS")
             .env_remove("RAIL_FACT_SIGNING_KEY_ID")
@@ -2801,13 +2808,8 @@ fn on_the_way_as(stub: &RunningStub, what: OnTheWay, server: &service_kit::grpc:
     >;
     let kept: Kept = Default::default();
     let rail = stub.base_url();
-    let client = stub.identity("on-the-way");
-    let http = reqwest::Client::builder()
-        .tls_built_in_root_certs(false)
-        .add_root_certificate(reqwest::Certificate::from_pem(client.ca_pem()).unwrap())
-        .identity(reqwest::Identity::from_pem(&client.identity_pem()).unwrap())
-        .build()
-        .unwrap();
+    let http =
+        rail_stub::client::http(Duration::from_secs(10), &stub.identity("on-the-way")).unwrap();
     let handler = move |request: axum::extract::Request| {
         let (rail, http, kept) = (rail.clone(), http.clone(), kept.clone());
         async move {
@@ -3102,7 +3104,6 @@ async fn an_impostor_with_another_authoritys_certificate_is_refused_at_the_hands
 /// from something else).
 #[test]
 fn the_binary_refuses_a_plain_http_rail_and_a_missing_rail_authority() {
-    let bin = env!("CARGO_BIN_EXE_rail-proxy");
     let dir = tempfile::tempdir().unwrap();
     let rail = testkit::rail::RailTls::issue(dir.path()).unwrap();
     let (fact_signer, fact_secret) = Signer::generate("fact-1").unwrap();
@@ -3115,7 +3116,7 @@ fn the_binary_refuses_a_plain_http_rail_and_a_missing_rail_authority() {
         .public_key()
         .to_string();
     let start = |url: &str, rail_tls: Vec<String>| {
-        let out = std::process::Command::new(bin)
+        let out = proxy_binary("rail-proxy-link")
             .args(["--database-url", "postgres://nobody@127.0.0.1:1/none"])
             .args(["--rail-url", url])
             .args(rail_tls)
@@ -3127,13 +3128,6 @@ fn the_binary_refuses_a_plain_http_rail_and_a_missing_rail_authority() {
             ])
             .args(["--rail-fact-signing-key-id", "fact-1"])
             .args(["--rail-fact-signing-key-file", fact_key.to_str().unwrap()])
-            .args(
-                testkit::pki::shared()
-                    .issue(Role::RailProxy, "rail-proxy-link")
-                    .unwrap()
-                    .to_args(),
-            )
-            .env("PAYOUT_TLS_DENYLIST", testkit::pki::empty_denylist())
             .env_remove("RAIL_PROXY_RAIL_CA")
             .env_remove("RAIL_PROXY_RAIL_CLIENT_CERT")
             .env_remove("RAIL_PROXY_RAIL_CLIENT_KEY")

@@ -243,9 +243,9 @@ impl StubClient {
     }
 }
 
-/// An HTTPS client that trusts the rail's authority alone and presents `tls`'s certificate. No
-/// retry: a payment is sent once.
-fn http(timeout: Duration, tls: &mtls::Tls) -> Result<reqwest::Client, StubClientError> {
+/// An HTTPS client that trusts the rail's authority alone and presents `tls`'s certificate (the
+/// harness's, or a test's other caller of the stub). No retry: a payment is sent once.
+pub fn http(timeout: Duration, tls: &mtls::Tls) -> Result<reqwest::Client, StubClientError> {
     let root = reqwest::Certificate::from_pem(tls.ca_pem()).map_err(StubClientError::Tls)?;
     let identity =
         reqwest::Identity::from_pem(&tls.identity_pem()).map_err(StubClientError::Tls)?;

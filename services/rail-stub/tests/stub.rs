@@ -279,13 +279,11 @@ async fn each_api_is_served_on_its_own_listener_only() {
     let stub = RunningStub::start(StubConfig::default()).await.unwrap();
     // The harness's certificate over TLS to the payments and admin APIs (each admits it), plain
     // HTTP to the metrics listener.
-    let harness = stub.identity(rail_stub::tls::HARNESS_NAME);
-    let https = reqwest::Client::builder()
-        .tls_built_in_root_certs(false)
-        .add_root_certificate(reqwest::Certificate::from_pem(harness.ca_pem()).unwrap())
-        .identity(reqwest::Identity::from_pem(&harness.identity_pem()).unwrap())
-        .build()
-        .unwrap();
+    let https = rail_stub::client::http(
+        Duration::from_secs(10),
+        &stub.identity(rail_stub::tls::HARNESS_NAME),
+    )
+    .unwrap();
     let plain = reqwest::Client::new();
     let metrics_addr = stub.metrics_addr;
     let status = |addr: std::net::SocketAddr, method: &str, path: &str| {
