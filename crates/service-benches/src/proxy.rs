@@ -158,8 +158,6 @@ pub enum BenchError {
     GrantKey(#[from] grant_signing::KeyError),
     #[error("the rail link: {0}")]
     RailLink(#[from] rail_proxy::RailLinkError),
-    #[error("the rail client: {0}")]
-    RailClient(String),
 }
 
 fn figures(mut latencies: Vec<Duration>, elapsed: Duration) -> Figures {
@@ -338,8 +336,7 @@ pub async fn run(
     let (floor_latencies, floor_elapsed) = floor(
         rail_stub::client::StubClient::with_http(
             stub.endpoints(),
-            rail_proxy::rail::http_client(&rail)
-                .map_err(|e| BenchError::RailClient(e.to_string()))?,
+            rail_proxy::rail::http_client(&rail),
         ),
         "",
     )

@@ -173,8 +173,6 @@ pub enum ProxyServerError {
     Store(#[from] store::StoreError),
     #[error("serving gRPC: {0}")]
     Serve(#[from] tonic::transport::Error),
-    #[error("the rail's HTTPS client: {0}")]
-    RailClient(reqwest::Error),
 }
 
 impl ProxyConfig {
@@ -415,8 +413,7 @@ pub async fn run(
         config.rail_timeout,
         &metrics,
         config.protections.rail_answer,
-    )
-    .map_err(ProxyServerError::RailClient)?;
+    );
     let counters = service::Counters::new(&metrics);
     tracing::info!(addr = ?listener.local_addr().ok(), rail = %config.rail.url, rail_answer_verify_keys = ?config.rail.answer_keys, rail_timeout_ms = config.rail_timeout.as_millis() as u64, grant_verify_keys = ?config.verifier, instruction_verify_keys = ?config.instructions, rail_fact_signing_key_id = config.fact_signer.key_id(), "rail proxy listening");
     let serving = config.serving(&metrics)?;

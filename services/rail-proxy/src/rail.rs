@@ -105,21 +105,9 @@ pub struct RailLink {
     pub url: String,
     /// The rail's answer keys (several during the rail's key rotation).
     pub answer_keys: Verifier,
-    /// The rail's authority (the only one its certificate may chain to) and the proxy's client
-    /// certificate of it, as reqwest reads them.
-    tls: RailTls,
-}
-
-#[derive(Clone)]
-struct RailTls {
-    authority: reqwest::Certificate,
-    identity: reqwest::Identity,
-}
-
-impl std::fmt::Debug for RailTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RailTls").finish_non_exhaustive()
-    }
+    /// The HTTPS client of this link ([`http_client`]), built once from the rail's authority
+    /// and the proxy's client certificate: what every call to the rail goes through.
+    http: reqwest::Client,
 }
 
 /// Why a rail link was refused at start.
@@ -149,20 +137,18 @@ impl RailLink {
         if !url.starts_with("https://") {
             return Err(RailLinkError::NotHttps(url));
         }
-        let link = Self {
+        let authority =
+            reqwest::Certificate::from_pem(tls.ca_pem()).map_err(RailLinkError::Authority)?;
+        let identity =
+            reqwest::Identity::from_pem(&tls.identity_pem()).map_err(RailLinkError::Identity)?;
+        // Built here, so what reqwest checks only when a client is built refuses the start, not
+        // every payment.
+        let http = build_http_client(authority, identity).map_err(RailLinkError::Identity)?;
+        Ok(Self {
             url,
             answer_keys,
-            tls: RailTls {
-                authority: reqwest::Certificate::from_pem(tls.ca_pem())
-                    .map_err(RailLinkError::Authority)?,
-                identity: reqwest::Identity::from_pem(&tls.identity_pem())
-                    .map_err(RailLinkError::Identity)?,
-            },
-        };
-        // What reqwest checks only when a client is built, checked now: a start refused here is
-        // better than every payment ambiguous.
-        http_client(&link).map_err(RailLinkError::Identity)?;
-        Ok(link)
+            http,
+        })
     }
 }
 
@@ -249,7 +235,15 @@ fn truncate(text: &str) -> &str {
 /// a request that failed on a stale pooled connection: every payment has its own connection (and
 /// handshake). The proxy benchmark's floor calls the stub with it too, so that the floor does the
 /// same rail work.
-pub fn http_client(link: &RailLink) -> Result<reqwest::Client, reqwest::Error> {
+pub fn http_client(link: &RailLink) -> reqwest::Client {
+    link.http.clone()
+}
+
+/// [`http_client`]'s making, once per link.
+fn build_http_client(
+    authority: reqwest::Certificate,
+    identity: reqwest::Identity,
+) -> Result<reqwest::Client, reqwest::Error> {
     reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(RAIL_CONNECT_TIMEOUT_MS))
         .retry(reqwest::retry::never())
@@ -259,8 +253,8 @@ pub fn http_client(link: &RailLink) -> Result<reqwest::Client, reqwest::Error> {
         .http1_only()
         .https_only(true)
         .tls_built_in_root_certs(false)
-        .add_root_certificate(link.tls.authority.clone())
-        .identity(link.tls.identity.clone())
+        .add_root_certificate(authority)
+        .identity(identity)
         .build()
 }
 
@@ -273,7 +267,7 @@ impl Rail {
         timeout: Duration,
         metrics: &service_kit::Metrics,
         verify_answers: bool,
-    ) -> Result<Self, reqwest::Error> {
+    ) -> Self {
         let unauthenticated = metrics.counter_vec(
             "rail_answers_unauthenticated_total",
             "Rail answers the proxy did not believe (no, a malformed, a foreign, a wrong or a stale Rail-Signature), by operation (pay, lookup) and reason. Each made a payment ambiguous or a lookup unknown. Anything above zero: something other than the rail answered, or the rail's key changed.",
@@ -284,9 +278,9 @@ impl Rail {
                 unauthenticated.with_label_values(&[operation, reason]);
             }
         }
-        Ok(Self {
+        Self {
             base_url: link.url.trim_end_matches('/').to_string(),
-            http: http_client(link)?,
+            http: http_client(link),
             timeout,
             answer_keys: link.answer_keys.clone(),
             verify_answers,
@@ -298,7 +292,7 @@ impl Rail {
                 RAIL_CALL_BUCKETS_SECONDS,
                 RAIL_CALLS,
             ),
-        })
+        }
     }
 
     /// Sends the payment once, valid at the rail until `valid_until_unix_ms`, and classifies

@@ -3020,24 +3020,31 @@ async fn an_answer_the_rail_did_not_sign_for_this_request_is_never_believed() {
     }
 }
 
+/// A rig whose proxy believes every answer (answer verification off: the negative-control
+/// switch) and reaches an impostor answering `accepted`, serving TLS with `server` (`None`: a copy
+/// of the stub's own certificate, of the rail's authority).
+async fn believing_rig_with_an_impostor(server: Option<&service_kit::grpc::Tls>) -> Rig {
+    rig_railed(
+        StubConfig::default(),
+        keys(),
+        |stub| {
+            let url = match server {
+                Some(server) => on_the_way_as(stub, OnTheWay::Impostor, server),
+                None => on_the_way(stub, OnTheWay::Impostor),
+            };
+            rail_link(stub, url, stub.answer_verifier())
+        },
+        |c| c.disable_rail_answer_verification_for_negative_control(),
+    )
+    .await
+}
+
 /// The control of rows 5a/5b: the same impostor, with the proxy believing every answer on the
 /// rail's address, records an ACK for a payment the rail never saw (the customer would be debited
 /// for nothing).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn negative_control_without_answer_verification_an_impostors_accept_is_an_ack() {
-    let rig = rig_railed(
-        StubConfig::default(),
-        keys(),
-        |stub| {
-            rail_link(
-                stub,
-                on_the_way(stub, OnTheWay::Impostor),
-                stub.answer_verifier(),
-            )
-        },
-        |c| c.disable_rail_answer_verification_for_negative_control(),
-    )
-    .await;
+    let rig = believing_rig_with_an_impostor(None).await;
     let request = payout("p-believed", "acct-believed", 3, "worker-1");
     let submission = rig.client.clone().submit(&request).await.unwrap();
     assert_eq!(
@@ -3068,19 +3075,7 @@ async fn an_impostor_with_another_authoritys_certificate_is_refused_at_the_hands
         .issue_named(&rail_stub::SERVER_NAMES, "rail-stub")
         .unwrap()
         .tls();
-    let rig = rig_railed(
-        StubConfig::default(),
-        keys(),
-        |stub| {
-            rail_link(
-                stub,
-                on_the_way_as(stub, OnTheWay::Impostor, &foreign),
-                stub.answer_verifier(),
-            )
-        },
-        |c| c.disable_rail_answer_verification_for_negative_control(),
-    )
-    .await;
+    let rig = believing_rig_with_an_impostor(Some(&foreign)).await;
     let request = payout("p-foreign-tls", "acct-foreign-tls", 3, "worker-1");
     let submission = rig.client.clone().submit(&request).await.unwrap();
     match &submission.outcome {
@@ -3106,8 +3101,7 @@ async fn an_impostor_with_another_authoritys_certificate_is_refused_at_the_hands
 fn the_binary_refuses_a_plain_http_rail_and_a_missing_rail_authority() {
     let dir = tempfile::tempdir().unwrap();
     let rail = testkit::rail::RailTls::issue(dir.path()).unwrap();
-    let (fact_signer, fact_secret) = Signer::generate("fact-1").unwrap();
-    let _ = fact_signer;
+    let (_, fact_secret) = Signer::generate("fact-1").unwrap();
     let fact_key = dir.path().join("fact.key");
     std::fs::write(&fact_key, fact_secret).unwrap();
     let rail_answers = Signer::generate("rail-1")
