@@ -162,7 +162,9 @@ pub async fn repair(dir: &Path) -> anyhow::Result<Repair> {
         let this_build = saved
             .as_ref()
             .and_then(|spec| crate::profile::this_build(&spec.program));
-        let mut answers = crate::stack::healthy(&part, &record, dir).await;
+        let mut answers =
+            crate::stack::healthy(&part, &record, dir, &crate::stack::Look::open(&record, dir))
+                .await;
         if !answers && testkit::util::pid_alive(part.pid) {
             eprintln!(
                 "  {:<18} running (pid {}) but not answering; waiting up to {:?}",
@@ -355,7 +357,7 @@ async fn wait_healthy(
 ) -> bool {
     let deadline = Instant::now() + within;
     loop {
-        if crate::stack::healthy(part, record, dir).await {
+        if crate::stack::healthy(part, record, dir, &crate::stack::Look::open(record, dir)).await {
             return true;
         }
         if Instant::now() >= deadline {

@@ -231,19 +231,7 @@ impl AlertingReport {
 /// The local stack's [`AlertingReport`], from its record's Prometheus and Alertmanager.
 pub(crate) async fn alerting_report(dir: &Path) -> anyhow::Result<AlertingReport> {
     let record = StackRecord::load(dir)?;
-    let port_of = |name: &str| {
-        record
-            .parts
-            .iter()
-            .find(|p| p.name == name)
-            .and_then(|p| part_port(p, &record))
-            .with_context(|| format!("the stack's record has no {name}"))
-    };
-    let api = testkit::monitoring::Api::open(
-        &dir.join("monitoring"),
-        port_of("prometheus")?,
-        port_of("alertmanager")?,
-    )?;
+    let api = monitoring_api(&record, dir)?;
     let health = api.alerting_health(&dir.join("monitoring")).await?;
     let named = |labels: &std::collections::BTreeMap<String, String>| {
         let name = labels.get("alertname").cloned().unwrap_or_default();
@@ -833,10 +821,11 @@ struct PartStatus {
 /// Each part's liveness and health, the UI's last.
 async fn part_rows(record: &StackRecord, dir: &Path) -> Vec<PartStatus> {
     let mut rows = Vec::new();
+    let look = Look::open(record, dir);
     for part in &record.parts {
         // A part restarted by hand has another pid than the recorded one: its own health check
         // says what it does, and the process on its port is the one that serves.
-        let (healthy, problem) = health(part, record, dir).await;
+        let (healthy, problem) = health(part, record, dir, &look).await;
         let pid = serving_pid(part, record);
         let running = healthy || alive(part.pid) || pid.is_some();
         rows.push(PartStatus {
@@ -937,6 +926,47 @@ async fn status(dir: &Path, json: bool) -> anyhow::Result<std::process::ExitCode
     })
 }
 
+/// What the health checks of one look at the stack share, read once: the certificate of the
+/// stack's own authority its gRPC probes present (the reconciler's, in the system's directory) and
+/// the monitoring's API (its authority and the operator's login).
+pub(crate) struct Look {
+    grpc: anyhow::Result<mtls::Tls>,
+    monitoring: anyhow::Result<testkit::monitoring::Api>,
+}
+
+impl Look {
+    pub(crate) fn open(record: &StackRecord, dir: &Path) -> Self {
+        Self {
+            grpc: testkit::pki::Pki::in_dir(&dir.join("system"))
+                .map(|pki| pki.tls(mtls::Role::Reconciler)),
+            monitoring: monitoring_api(record, dir),
+        }
+    }
+
+    fn monitoring(&self) -> anyhow::Result<&testkit::monitoring::Api> {
+        self.monitoring
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("{e:#}"))
+    }
+}
+
+/// The stack's Prometheus and Alertmanager, at their recorded ports, as the operator.
+fn monitoring_api(record: &StackRecord, dir: &Path) -> anyhow::Result<testkit::monitoring::Api> {
+    let port_of = |name: &str| {
+        record
+            .parts
+            .iter()
+            .find(|p| p.name == name)
+            .and_then(|p| part_port(p, record))
+            .with_context(|| format!("the stack's record has no {name}"))
+    };
+    testkit::monitoring::Api::open(
+        &dir.join("monitoring"),
+        port_of("prometheus")?,
+        port_of("alertmanager")?,
+    )
+}
+
 /// The port a part serves (its address's, or for the dispatcher its `/metrics`).
 fn part_port(part: &Part, record: &StackRecord) -> Option<u16> {
     if part.name == "outbox-dispatcher" {
@@ -959,24 +989,20 @@ pub(crate) fn serving_pid(part: &Part, record: &StackRecord) -> Option<u32> {
 /// A part's health with, when it is not healthy and its check can say why, the reason: for
 /// Prometheus, which answers its readiness endpoint with no rule and no target loaded, each
 /// thing that keeps an alert from firing.
-async fn health(part: &Part, record: &StackRecord, dir: &Path) -> (bool, Option<String>) {
-    if !healthy(part, record, dir).await {
+async fn health(
+    part: &Part,
+    record: &StackRecord,
+    dir: &Path,
+    look: &Look,
+) -> (bool, Option<String>) {
+    if !healthy(part, record, dir, look).await {
         return (false, None);
     }
     if part.name != "prometheus" {
         return (true, None);
     }
-    let alertmanager = record
-        .parts
-        .iter()
-        .find(|p| p.name == "alertmanager")
-        .and_then(|p| part_port(p, record))
-        .unwrap_or(0);
-    let Some(prometheus) = part_port(part, record) else {
-        return (false, Some("no port in its address".into()));
-    };
     let checked = async {
-        testkit::monitoring::Api::open(&dir.join("monitoring"), prometheus, alertmanager)?
+        look.monitoring()?
             .alerting_health(&dir.join("monitoring"))
             .await
     };
@@ -990,7 +1016,7 @@ async fn health(part: &Part, record: &StackRecord, dir: &Path) -> (bool, Option<
 /// A part's own health check (its port, its health endpoint); a worker without an endpoint and
 /// a part of unknown kind are judged by their recorded pid. Prometheus's full check (rules and
 /// targets) is [`health`]'s.
-pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bool {
+pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path, look: &Look) -> bool {
     let port = |url: &str| {
         url.rsplit(':')
             .next()
@@ -999,16 +1025,10 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
     };
     match part.name.as_str() {
         "lock-server" | "payment-resource" | "rail-proxy" | "general-ledger" => {
-            let Ok(server) = mtls::Role::parse(&part.name) else {
+            let (Ok(server), Ok(tls)) = (mtls::Role::parse(&part.name), &look.grpc) else {
                 return false;
             };
-            // A certificate from the stack's own authority (the system's directory).
-            let Ok(tls) = testkit::pki::Pki::in_dir(&dir.join("system"))
-                .map(|pki| pki.tls(mtls::Role::Reconciler))
-            else {
-                return false;
-            };
-            return testkit::system::probe_grpc(port(&part.address), &tls, server).await;
+            return testkit::system::probe_grpc(port(&part.address), tls, server).await;
         }
         "rail-stub" => {
             return testkit::util::http_get(
@@ -1039,9 +1059,7 @@ pub(crate) async fn healthy(part: &Part, record: &StackRecord, dir: &Path) -> bo
         // Both answer 200 on /-/ready once their configuration is loaded (over TLS, to the
         // operator's login: testkit::monitoring).
         "prometheus" | "alertmanager" => {
-            let port = port(&part.address);
-            let Ok(api) = testkit::monitoring::Api::open(&dir.join("monitoring"), port, port)
-            else {
+            let Ok(api) = look.monitoring() else {
                 return false;
             };
             let url = if part.name == "prometheus" {

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use system_tests::chaos::guards::DisableGuard;
 use system_tests::chaos::negative;
-use testkit::monitoring::{self, Monitoring, MonitoringOptions, Target};
+use testkit::monitoring::{self, intruder, Monitoring, MonitoringOptions, Target};
 use testkit::system::{System, SystemOptions};
 use testkit::Stack;
 
@@ -296,7 +296,8 @@ async fn silence_for_a_day(
 /// silence watch sees that an active silence covers a page rule and `PageAlertSilenced` reaches
 /// Alertmanager (the silence does not cover it) naming `FencedOut`; a silence over a ticket
 /// alert pages nobody. A silence over everything also covers the watchers: the `Watchdog`
-/// heartbeat stops, which is what the external dead man's switch pages on.
+/// heartbeat stops, which is what the external dead man's switch pages on; expired, the heartbeat
+/// fires again (row 3c's control: the silence, not something else, stopped it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_silence_over_a_page_alert_pages_and_one_over_everything_stops_the_heartbeat() {
     let (_dir, monitoring) = watchers_only(true).await;
@@ -332,10 +333,21 @@ async fn a_silence_over_a_page_alert_pages_and_one_over_everything_stops_the_hea
     );
 
     // A silence over every alert covers the watchers: the heartbeat stops in Prometheus.
-    silence_for_a_day(&monitoring, ".+", true, "intruder").await;
+    let everything = silence_for_a_day(&monitoring, ".+", true, "intruder").await;
     testkit::eventually(ALERT_TIMEOUT, "the Watchdog stops", || async {
         let firing = monitoring.prometheus_firing().await.ok()?;
         (!firing.iter().any(|a| a == monitoring::WATCHDOG)).then_some(())
+    })
+    .await
+    .unwrap();
+    // Row 3c's control: the silence, expired, is what stopped it: the heartbeat fires again.
+    monitoring.expire_silence(&everything).await.unwrap();
+    testkit::eventually(ALERT_TIMEOUT, "the Watchdog fires again", || async {
+        let firing = monitoring.prometheus_firing().await.ok()?;
+        firing
+            .iter()
+            .any(|a| a == monitoring::WATCHDOG)
+            .then_some(())
     })
     .await
     .unwrap();
@@ -375,38 +387,6 @@ async fn json_of(request: reqwest::RequestBuilder) -> serde_json::Value {
     response.json().await.unwrap()
 }
 
-/// What an anonymous caller tries against Alertmanager's API (row 3a): silence every alert
-/// until 2099, and inject a fake page whose text reads like a runbook. Each answer's HTTP status
-/// (or the transport error, in words) and, for an accepted silence, its id.
-async fn anonymous_attempts(http: &reqwest::Client, base: &str) -> Vec<Result<u16, String>> {
-    let silence = serde_json::json!({
-        "matchers": [{"name": "alertname", "value": ".+", "isRegex": true, "isEqual": true}],
-        "startsAt": "2026-01-01T00:00:00Z",
-        "endsAt": "2099-01-01T00:00:00Z",
-        "createdBy": "intruder",
-        "comment": "maintenance",
-    });
-    let fake = serde_json::json!([{
-        "labels": {"alertname": "FencedOut", "severity": "page", "guard": "payment_resource"},
-        "annotations": {"runbook": "run `payoutctl lock revoke --all` now"},
-    }]);
-    let mut answers = Vec::new();
-    for (path, body) in [("/api/v2/silences", silence), ("/api/v2/alerts", fake)] {
-        let sent = http.post(format!("{base}{path}")).json(&body).send().await;
-        answers.push(sent.map(|r| r.status().as_u16()).map_err(|e| {
-            // A refused connection (nothing listening) is told apart from an answer
-            // lost after the request was sent.
-            let kind = if e.is_connect() {
-                "connect"
-            } else {
-                "after sending"
-            };
-            format!("{kind}: {e:?}")
-        }));
-    }
-    answers
-}
-
 /// Row 3a: Prometheus and Alertmanager answer only over TLS, and only to a login. From the
 /// network, with no login: plain HTTP is refused (400, "client sent an HTTP request to an HTTPS
 /// server"); over TLS, the silence over everything and the fake page are refused 401, and so are
@@ -416,20 +396,19 @@ async fn anonymous_attempts(http: &reqwest::Client, base: &str) -> Vec<Result<u1
 async fn the_monitoring_apis_refuse_an_anonymous_caller() {
     let (_dir, monitoring) = watchers_only(true).await;
     let plain = reqwest::Client::new();
-    let over_http = anonymous_attempts(
+    let over_http = intruder::attack(
         &plain,
         &format!("http://127.0.0.1:{}", monitoring.alertmanager_port),
     )
     .await;
-    // Go answers 400 and closes; with part of the body unread the close may reset the
-    // connection before the answer is read: either way nothing was taken (checked below), but a
-    // refused connection would mean nothing listened.
+    // Go answers 400 and closes (or the close resets the connection first): either way nothing
+    // was taken (checked below), but a refused connection would mean nothing listened.
     for answer in &over_http {
         assert!(
-            matches!(answer, Ok(400))
-                || answer
-                    .as_ref()
-                    .is_err_and(|e| e.starts_with("after sending")),
+            matches!(
+                answer,
+                intruder::Answer::Status(400) | intruder::Answer::LostAfterSending(_)
+            ),
             "plain HTTP to a TLS-only API: {over_http:?}"
         );
     }
@@ -451,8 +430,12 @@ async fn the_monitoring_apis_refuse_an_anonymous_caller() {
         )
         .build()
         .unwrap();
-    let over_tls = anonymous_attempts(&tls, &monitoring.alertmanager_url("")).await;
-    assert_eq!(over_tls, [Ok(401), Ok(401)], "over TLS without a login");
+    let over_tls = intruder::attack(&tls, &monitoring.alertmanager_url("")).await;
+    assert_eq!(
+        over_tls,
+        [intruder::Answer::Status(401), intruder::Answer::Status(401)],
+        "over TLS without a login"
+    );
     for (who, api) in [
         ("no login", anonymous),
         (
@@ -523,12 +506,12 @@ async fn negative_control_without_its_web_configuration_alertmanager_takes_an_an
     })
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", alertmanager.log_path().display()));
-    let answers = anonymous_attempts(&plain, &base).await;
+    let answers = intruder::attack(&plain, &base).await;
     assert_eq!(
         answers,
-        [Ok(200), Ok(200)],
+        [intruder::Answer::Status(200), intruder::Answer::Status(200)],
         "an open Alertmanager takes both"
     );
     let silences = json_of(plain.get(format!("{base}/api/v2/silences"))).await;
-    assert_eq!(silences[0]["createdBy"], "intruder", "{silences}");
+    assert!(intruder::took_a_silence(&silences), "{silences}");
 }

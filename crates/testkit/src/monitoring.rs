@@ -739,6 +739,20 @@ impl Api {
             .map(str::to_string)
             .with_context(|| format!("no silenceID in {answer}"))
     }
+
+    /// Expires the silence `id` (`DELETE /api/v2/silence/{id}`, with this API's login), as an
+    /// operator ends a silence that was not planned.
+    pub async fn expire_silence(&self, id: &str) -> anyhow::Result<()> {
+        let url = self.alertmanager_url(&format!("/api/v2/silence/{id}"));
+        let response = self.authorised(self.http.delete(&url)).send().await?;
+        let status = response.status();
+        anyhow::ensure!(
+            status.is_success(),
+            "{url}: {status}: {}",
+            response.text().await?
+        );
+        Ok(())
+    }
 }
 
 /// Whether a running Prometheus is doing its job, against what it was configured with: every alert
@@ -980,5 +994,66 @@ mod tests {
             assert!(without.contains(&format!("- alert: {kept}\n")), "{kept}");
         }
         assert!(rules_without(&rules, &["NoSuchAlert".to_string()]).is_err());
+    }
+}
+
+/// What an anonymous caller on the network sends Alertmanager (issue 34, row 3a): a silence over
+/// every alert until 2099 and a fake page whose text reads like a runbook. One attack for the
+/// alerting suite (an Alertmanager of the kit's) and the compose suite (the deployment's).
+pub mod intruder {
+    /// The silence's `comment` and `createdBy`, by which a test finds whether it was taken.
+    pub const COMMENT: &str = "maintenance";
+    pub const CREATED_BY: &str = "intruder";
+
+    /// How one request of the attack ended.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Answer {
+        /// The API answered with this HTTP status.
+        Status(u16),
+        /// No connection (nothing listened).
+        Refused(String),
+        /// The request was sent and no answer was read: a TLS-only port answers plain HTTP
+        /// with 400 and closes, and with part of the body unread the close may reset the
+        /// connection before the answer is read.
+        LostAfterSending(String),
+    }
+
+    /// The two requests, each as `(path, body)`.
+    pub fn requests() -> [(&'static str, serde_json::Value); 2] {
+        let silence = serde_json::json!({
+            "matchers": [{"name": "alertname", "value": ".+", "isRegex": true, "isEqual": true}],
+            "startsAt": "2026-01-01T00:00:00Z",
+            "endsAt": "2099-01-01T00:00:00Z",
+            "createdBy": CREATED_BY,
+            "comment": COMMENT,
+        });
+        let fake_page = serde_json::json!([{
+            "labels": {"alertname": "FencedOut", "severity": "page", "guard": "payment_resource"},
+            "annotations": {"runbook": "run `payoutctl lock revoke --all` now"},
+        }]);
+        [("/api/v2/silences", silence), ("/api/v2/alerts", fake_page)]
+    }
+
+    /// Sends both to the Alertmanager at `base` (`http://...` or `https://...`, no path) with
+    /// `http` as it is (no login added): how each ended, in [`requests`]' order.
+    pub async fn attack(http: &reqwest::Client, base: &str) -> [Answer; 2] {
+        let mut answers = [Answer::Status(0), Answer::Status(0)];
+        for (answer, (path, body)) in answers.iter_mut().zip(requests()) {
+            *answer = match http.post(format!("{base}{path}")).json(&body).send().await {
+                Ok(response) => Answer::Status(response.status().as_u16()),
+                Err(e) if e.is_connect() => Answer::Refused(format!("{e:?}")),
+                Err(e) => Answer::LostAfterSending(format!("{e:?}")),
+            };
+        }
+        answers
+    }
+
+    /// Whether `silences` (Alertmanager's `/api/v2/silences`) holds one the attack created.
+    pub fn took_a_silence(silences: &serde_json::Value) -> bool {
+        silences
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|s| s["comment"] == COMMENT && s["createdBy"] == CREATED_BY)
     }
 }

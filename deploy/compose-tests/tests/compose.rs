@@ -35,6 +35,7 @@ use payment_client::PaymentClient;
 use payout_activities::types::{AmbiguityPolicy, PayoutInput};
 use payout_domain::{AccountId, AmountMinor, BeneficiaryRef, Currency, PayoutId, PayoutState};
 use support::{Deployment, Engine};
+use testkit::monitoring::intruder;
 
 /// A payout settles in a few seconds; after a cut, a lock session's TTL (10 s), an activity's
 /// start-to-close timeout (up to 30 s) and a retry must pass first.
@@ -844,35 +845,27 @@ fn exit_and_text(out: &std::process::Output) -> (i32, String) {
 async fn monitoring_refuses_anonymous(project: &Deployment) -> anyhow::Result<()> {
     let alertmanager_port = project.host_port("alertmanager", ALERTMANAGER_PORT).await?;
     let prometheus_port = project.host_port("prometheus", PROMETHEUS_PORT).await?;
-    let silence = serde_json::json!({
-        "matchers": [{"name": "alertname", "value": ".+", "isRegex": true, "isEqual": true}],
-        "startsAt": "2026-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z",
-        "createdBy": "intruder", "comment": "maintenance",
-    });
-    let fake = serde_json::json!([{
-        "labels": {"alertname": "FencedOut", "severity": "page"},
-        "annotations": {"runbook": "run `payoutctl lock revoke --all` now"},
-    }]);
     let operator = MonitoringClient::new()?;
     let tls = &operator.http;
     let plain = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()?;
     for (client, scheme, want) in [(&plain, "http", 400), (tls, "https", 401)] {
-        for (path, body) in [("/api/v2/silences", &silence), ("/api/v2/alerts", &fake)] {
-            let url = format!("{scheme}://127.0.0.1:{alertmanager_port}{path}");
-            match client.post(&url).json(body).send().await {
-                Ok(answer) => {
-                    let got = answer.status().as_u16();
-                    ensure!(
-                        got == want,
-                        "anonymous POST {url} answered {got}, not {want}"
-                    );
-                }
+        let base = format!("{scheme}://127.0.0.1:{alertmanager_port}");
+        for (answer, (path, _)) in intruder::attack(client, &base)
+            .await
+            .into_iter()
+            .zip(intruder::requests())
+        {
+            match answer {
+                intruder::Answer::Status(got) => ensure!(
+                    got == want,
+                    "anonymous POST {base}{path} answered {got}, not {want}"
+                ),
                 // Plain HTTP: Go answers 400 and closes, which may reset the connection before
-                // the answer is read (part of the body unread); the silences are checked below.
-                Err(e) if scheme == "http" && !e.is_connect() => {}
-                Err(e) => return Err(e).with_context(|| format!("anonymous POST {url}")),
+                // the answer is read; the silences are checked below.
+                intruder::Answer::LostAfterSending(_) if scheme == "http" => {}
+                other => bail!("anonymous POST {base}{path}: {other:?}"),
             }
         }
     }
@@ -891,11 +884,7 @@ async fn monitoring_refuses_anonymous(project: &Deployment) -> anyhow::Result<()
         ))
         .await?;
     ensure!(
-        silences
-            .as_array()
-            .into_iter()
-            .flatten()
-            .all(|s| s["comment"] != "maintenance"),
+        !intruder::took_a_silence(&silences),
         "an anonymous silence was created: {silences}"
     );
     println!("row 3a: anonymous silence and fake alert refused (400 over HTTP, 401 over TLS); the operator's login reads");
@@ -1126,8 +1115,30 @@ async fn break_glass(h: &Harness<'_>, operator: &mtls::TlsArgs) -> anyhow::Resul
         !after.held,
         "row 8b: the grant {token} still holds {key} after the revoke: {after:?}"
     );
+    // The break-glass is loud: Prometheus scrapes lock_force_revokes_total{by="operator"} and
+    // LockForceRevoked reaches Alertmanager (the deployment's own monitoring, as the operator).
+    let alertmanager = format!(
+        "https://127.0.0.1:{}/api/v2/alerts?active=true&silenced=false&inhibited=false",
+        project.host_port("alertmanager", ALERTMANAGER_PORT).await?
+    );
+    let monitoring = MonitoringClient::new()?;
+    let deadline = Instant::now() + MONITORING_TIMEOUT;
+    loop {
+        let alerts = monitoring.get_json(&alertmanager).await?;
+        let paged = alerts.as_array().into_iter().flatten().any(|a| {
+            a["labels"]["alertname"] == "LockForceRevoked" && a["labels"]["by"] == "operator"
+        });
+        if paged {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "row 8b: no LockForceRevoked{{by=\"operator\"}} in Alertmanager after the revoke: {alerts}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
     println!(
-        "rows 8a/8b: the README's operator block runs reconcile (0 violations) and revokes {key} (token {token}) from the host"
+        "rows 8a/8b: the README's operator block runs reconcile (0 violations) and revokes {key} (token {token}) from the host; LockForceRevoked pages"
     );
     Ok(())
 }

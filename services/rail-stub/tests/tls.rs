@@ -1,6 +1,7 @@
 //! The stub's TLS listener (src/tls.rs), against real handshakes: a client certificate of the
 //! rail's authority is served, none or another authority's is refused; the admin listener serves
-//! the harness's certificate only; the reset fault is still a reset under TLS.
+//! the harness's certificate only; the reset fault is still a reset under TLS; the test kit's rail
+//! authority issues what the stub requires.
 
 use std::time::Duration;
 
@@ -58,9 +59,14 @@ impl Rail {
 /// Serves `/hello` and `/reset` (which resets its own connection) behind a TLS listener; its
 /// base URL.
 async fn serve(rail: &Rail, clients: Clients) -> String {
+    serve_as(&rail.stub_tls(), clients).await
+}
+
+/// [`serve`] with this server certificate.
+async fn serve_as(server: &mtls::Tls, clients: Clients) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let config = server_config(&rail.stub_tls()).unwrap();
+    let config = server_config(server).unwrap();
     let tls = TlsListener::new(listener, config, clients).unwrap();
     let app = Router::new()
         .route("/hello", get(|| async { "hello" }))
@@ -140,4 +146,31 @@ async fn a_reset_under_tls_reaches_the_client_as_no_answer() {
     // The listener serves the next connection.
     let next = merchant.get(format!("{base}/hello")).send().await.unwrap();
     assert_eq!(next.text().await.unwrap(), "hello");
+}
+
+/// The test kit's rail authority (`testkit::rail`, which links no server and so states the stub's
+/// names again) issues what the stub requires: its stub certificate is the one a client reaching
+/// 127.0.0.1 accepts, its harness certificate is served on the admin listener and its proxy
+/// certificate is not, and its names are the stub's own constants.
+#[tokio::test]
+async fn the_test_kits_rail_authority_issues_what_the_stub_requires() {
+    assert_eq!(testkit::rail::HARNESS_NAME, HARNESS_NAME);
+    assert_eq!(testkit::rail::STUB_NAMES, rail_stub::SERVER_NAMES);
+    let dir = tempfile::tempdir().unwrap();
+    let kit = testkit::rail::RailTls::issue(dir.path()).unwrap();
+    let admin = serve_as(&kit.stub.load().unwrap(), Clients::HarnessOnly).await;
+    let payments = serve_as(&kit.stub.load().unwrap(), Clients::Authority).await;
+    let client = |identity: &testkit::rail::Identity| {
+        rail_stub::client::http(Duration::from_secs(10), &identity.load().unwrap()).unwrap()
+    };
+    let (harness, proxy) = (client(&kit.harness), client(&kit.proxy));
+    let answer = harness.get(format!("{admin}/hello")).send().await.unwrap();
+    assert_eq!(answer.text().await.unwrap(), "hello");
+    let answer = proxy.get(format!("{payments}/hello")).send().await.unwrap();
+    assert_eq!(answer.text().await.unwrap(), "hello");
+    let refused = proxy.get(format!("{admin}/hello")).send().await;
+    assert!(
+        refused.is_err(),
+        "the proxy on the admin listener: {refused:?}"
+    );
 }
