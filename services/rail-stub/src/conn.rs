@@ -22,6 +22,13 @@ impl Listener for ResettableListener {
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         let (stream, addr) = Listener::accept(&mut self.0).await;
+        // Each answer (and, over TLS, each handshake flight) leaves in several writes: with
+        // Nagle's algorithm on, the second waits for the client's delayed ACK of the first
+        // (about 40 ms on Linux), which with a connection per payment was most of a payment's
+        // time (the proxy's Submit at 177/s against 927/s over plain HTTP, release).
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::warn!(%addr, error = %e, "could not set TCP_NODELAY on a rail connection");
+        }
         (
             ResettableStream {
                 inner: stream,
@@ -108,5 +115,23 @@ impl AsyncWrite for ResettableStream {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.check()?;
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every accepted connection has Nagle's algorithm off: over TLS, with a connection per
+    /// payment, a handshake flight or an answer written in two parts otherwise waited for the
+    /// client's delayed ACK (about 40 ms a payment; `docs/performance.md`, issue 34).
+    #[tokio::test]
+    async fn accepted_connections_send_without_waiting_for_acks() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut listener = ResettableListener(listener);
+        let _client = TcpStream::connect(addr).await.unwrap();
+        let (accepted, _) = Listener::accept(&mut listener).await;
+        assert!(accepted.inner.nodelay().unwrap());
     }
 }
