@@ -108,7 +108,27 @@ async fn chaos_run_under_the_nemesis_has_no_violations() {
     assert!(report.rail_movements > 0, "the workload moved money");
     assert!(report.settled, "the system settled after the faults");
     assert_eq!(report.violations, 0, "{}", report.render());
+    // "Sometimes" (issue 36): the run reached each hard case at least once, so no check above
+    // passed vacuously for it. The counts are printed in the report's `reached:` line.
+    for case in SOMETIMES {
+        assert!(
+            report.reached.get(case).copied().unwrap_or(0) > 0,
+            "the run never reached {case}: {:?}",
+            report.reached
+        );
+    }
 }
+
+/// The hard cases the CI-sized run must reach at least once each. The fences' refusals
+/// (`fenced_out@payment_resource`, `fenced_out@rail_proxy`) are printed but not yet required: a
+/// run here reached them 1 and 2 times, from three planted stale holders some of which are lost
+/// with their worker (`Plant::worker_exited`), so a run can miss one by chance; they join this
+/// list once the nemesis reaches each guard's fence for certain (docs/design/fault-suite, plan 1).
+const SOMETIMES: [&str; 3] = [
+    chaos::checker::REACHED_RESOLVED_FOUND,
+    chaos::checker::REACHED_RESOLVED_ABSENT,
+    chaos::checker::REACHED_TOKEN_REGRESSION,
+];
 
 /// Stale holders planted in the running system (the nemesis's `stale_holder_planted` alone), the
 /// same run with each guard configuration. A planted holder freezes after its grant check, is

@@ -50,6 +50,14 @@ pub struct Transition {
     pub actor: String,
 }
 
+/// [`Evidence::reached`]'s cases, by the name the report prints.
+pub const REACHED_FENCED_OUT_PAYMENT_RESOURCE: &str = "fenced_out@payment_resource";
+pub const REACHED_FENCED_OUT_RAIL_PROXY: &str = "fenced_out@rail_proxy";
+pub const REACHED_RESOLVED_FOUND: &str = "ambiguous_resolved_found";
+pub const REACHED_RESOLVED_ABSENT: &str = "ambiguous_resolved_absent";
+/// The harness's own: a rewound token refused by the lock-server's INV-04 alarm.
+pub const REACHED_TOKEN_REGRESSION: &str = "token_regression_refused";
+
 /// Everything the checker reads, collected once.
 #[derive(Debug, Clone, Default)]
 pub struct Evidence {
@@ -257,6 +265,42 @@ impl Evidence {
                 self.guard_events.get(kind).copied().unwrap_or(0),
             );
         }
+        out
+    }
+
+    /// The hard cases this run's evidence shows it reached, each with its count ("sometimes"
+    /// coverage, issue 36): a run whose faults met none of a case passes every check of it
+    /// vacuously. Read from the stores, as every check is: a stale call refused by each guard's
+    /// fence, and an ambiguous payout the evidence resolved each way (RAIL_AMBIGUOUS followed by
+    /// RAIL_ACKED: found at the rail; by FAILED: absent). The harness adds what only it sees
+    /// (the INV-04 alarm's refusals, `Report::reached`).
+    pub fn reached(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        out.insert(
+            REACHED_FENCED_OUT_PAYMENT_RESOURCE.to_string(),
+            self.fenced_out_paydb.max(0) as u64,
+        );
+        out.insert(
+            REACHED_FENCED_OUT_RAIL_PROXY.to_string(),
+            self.guard_events.get("FENCED").copied().unwrap_or(0).max(0) as u64,
+        );
+        let (mut found, mut absent) = (0, 0);
+        let mut last: BTreeMap<&str, &str> = BTreeMap::new();
+        for t in &self.transitions {
+            let (Some(payout), Some(to)) = (t.payout_id.as_deref(), t.to_state.as_deref()) else {
+                continue;
+            };
+            if last.get(payout) == Some(&"RAIL_AMBIGUOUS") {
+                match to {
+                    "RAIL_ACKED" => found += 1,
+                    "FAILED" => absent += 1,
+                    _ => {}
+                }
+            }
+            last.insert(payout, to);
+        }
+        out.insert(REACHED_RESOLVED_FOUND.to_string(), found);
+        out.insert(REACHED_RESOLVED_ABSENT.to_string(), absent);
         out
     }
 
@@ -847,6 +891,58 @@ mod tests {
             sent_ns: sent_ms * MS,
             answered_ns: (sent_ms + 10) * MS,
         }
+    }
+
+    fn to(payout: &str, state: &str) -> Transition {
+        Transition {
+            payout_id: Some(payout.into()),
+            account_id: Some("a".into()),
+            token: Some(1),
+            to_state: Some(state.into()),
+            actor: "worker".into(),
+        }
+    }
+
+    /// Each case counts only what reached it: an ambiguous payout resolved each way (interleaved
+    /// with another payout's transitions), not a payout that failed or was acknowledged without
+    /// being ambiguous first; the fences' refusals as the stores recorded them.
+    #[test]
+    fn reached_counts_each_hard_case_from_the_evidence() {
+        let e = Evidence {
+            transitions: vec![
+                to("found", "CLAIMED"),
+                to("absent", "CLAIMED"),
+                to("found", "RAIL_SUBMITTED"),
+                to("absent", "RAIL_SUBMITTED"),
+                to("found", "RAIL_AMBIGUOUS"),
+                to("absent", "RAIL_AMBIGUOUS"),
+                to("plain", "CLAIMED"),
+                to("absent", "FAILED"),
+                to("plain", "RAIL_SUBMITTED"),
+                to("found", "RAIL_ACKED"),
+                to("plain", "RAIL_ACKED"),
+                to("refused", "FAILED"),
+                to("found", "POSTED"),
+            ],
+            fenced_out_paydb: 3,
+            guard_events: [("FENCED".to_string(), 2), ("DUPLICATE".to_string(), 5)].into(),
+            ..Evidence::default()
+        };
+        let reached = e.reached();
+        assert_eq!(reached[REACHED_RESOLVED_FOUND], 1, "{reached:?}");
+        assert_eq!(reached[REACHED_RESOLVED_ABSENT], 1, "{reached:?}");
+        assert_eq!(reached[REACHED_FENCED_OUT_PAYMENT_RESOURCE], 3);
+        assert_eq!(reached[REACHED_FENCED_OUT_RAIL_PROXY], 2);
+        // A run whose faults met nothing reaches nothing: every count is zero.
+        let idle = Evidence {
+            transitions: vec![to("p", "CLAIMED"), to("p", "RAIL_ACKED"), to("p", "POSTED")],
+            ..Evidence::default()
+        };
+        assert!(
+            idle.reached().values().all(|n| *n == 0),
+            "{:?}",
+            idle.reached()
+        );
     }
 
     fn overlaps(history: Vec<serde_json::Value>, revokes: Vec<Revoke>) -> Vec<String> {

@@ -111,6 +111,9 @@ pub struct Report {
     /// Why there were no network partitions, if there were none.
     pub partitions_unavailable: Option<String>,
     pub safety_events: BTreeMap<String, i64>,
+    /// The hard cases the run reached, each with its count (`Evidence::reached` and the INV-04
+    /// alarm's refusals): a zero is a case every check passed vacuously.
+    pub reached: BTreeMap<String, u64>,
     /// Stale holders planted in the running system (which worker, which payout, which step).
     pub stale_holders: Vec<nemesis::Plant>,
     pub rail_movements: u64,
@@ -165,6 +168,12 @@ impl Report {
             .map(|(k, v)| format!("{k} {v}"))
             .collect();
         let _ = writeln!(s, "safety events: {}", events.join(", "));
+        let reached: Vec<String> = self
+            .reached
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        let _ = writeln!(s, "reached: {}", reached.join(", "));
         for p in &self.stale_holders {
             let _ = writeln!(
                 s,
@@ -397,6 +406,11 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         outcome.regression_alarms_fired as usize + outcome.regression_alarms_missed.len(),
         outcome.regression_alarms_missed.clone(),
     ));
+    let mut reached = evidence.reached();
+    reached.insert(
+        checker::REACHED_TOKEN_REGRESSION.to_string(),
+        outcome.regression_alarms_fired,
+    );
     let violations = checks.iter().map(|c| c.violations.len()).sum();
     let report = Report {
         seed: config.seed,
@@ -410,6 +424,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         schedule: schedule.describe(),
         partitions_unavailable,
         safety_events,
+        reached,
         stale_holders: outcome.plants.clone(),
         rail_movements: evidence.movements.len() as u64,
         checks,
