@@ -138,23 +138,13 @@ impl Report {
             "chaos run: seed {} | {} payouts over {} accounts | guards disabled: {}",
             self.seed, self.payouts, self.accounts, self.guards_disabled
         );
-        let states: Vec<String> = self
-            .final_states
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect();
-        let _ = writeln!(s, "final states: {}", states.join(", "));
-        let kinds: Vec<String> = self
-            .faults_injected_by_kind
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect();
+        let _ = writeln!(s, "final states: {}", counts(&self.final_states));
         let injected: u64 = self.faults_injected_by_kind.values().sum();
         let _ = writeln!(
             s,
             "faults injected {injected}/{}: {}",
             self.faults_scheduled,
-            kinds.join(", ")
+            counts(&self.faults_injected_by_kind)
         );
         for e in &self.fault_errors {
             let _ = writeln!(s, "  fault error: {e}");
@@ -162,18 +152,8 @@ impl Report {
         if let Some(why) = &self.partitions_unavailable {
             let _ = writeln!(s, "  no network partitions on this machine: {why}");
         }
-        let events: Vec<String> = self
-            .safety_events
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect();
-        let _ = writeln!(s, "safety events: {}", events.join(", "));
-        let reached: Vec<String> = self
-            .reached
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect();
-        let _ = writeln!(s, "reached: {}", reached.join(", "));
+        let _ = writeln!(s, "safety events: {}", counts(&self.safety_events));
+        let _ = writeln!(s, "reached: {}", counts(&self.reached));
         for p in &self.stale_holders {
             let _ = writeln!(
                 s,
@@ -216,6 +196,14 @@ impl Report {
         );
         s
     }
+}
+
+/// `name count, name count, ...` in the map's order.
+fn counts<V: std::fmt::Display>(map: &BTreeMap<String, V>) -> String {
+    map.iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A database the harness reads or pokes may be restarting (a fault); a step gives up on it
