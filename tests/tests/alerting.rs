@@ -515,3 +515,62 @@ async fn negative_control_without_its_web_configuration_alertmanager_takes_an_an
     let silences = json_of(plain.get(format!("{base}/api/v2/silences"))).await;
     assert!(intruder::took_a_silence(&silences), "{silences}");
 }
+
+/// `(rule, severity)` of every alert rule in `deploy/monitoring/alerts.yml`, in file order.
+fn rules_with_severity(rules: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for line in rules.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("- alert:") {
+            out.push((name.trim().to_string(), String::new()));
+        } else if let (Some(severity), Some(last)) =
+            (line.strip_prefix("severity:"), out.last_mut())
+        {
+            last.1 = severity.trim().trim_matches('"').to_string();
+        }
+    }
+    out
+}
+
+/// `(rule, severity)` of every row of the README's alerts table (a row may name several rules).
+fn readme_alerts_table(readme: &str) -> Vec<(String, String)> {
+    let table = readme
+        .split_once("| alert | severity | means | first command |")
+        .map(|(_, rest)| rest)
+        .expect("the README has its alerts table");
+    let mut out = Vec::new();
+    for row in table.lines().skip(2).take_while(|l| l.starts_with('|')) {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        let (names, severity) = (cells[1], cells[2]);
+        for name in names.split(',') {
+            out.push((
+                name.trim().trim_matches('`').to_string(),
+                severity.to_string(),
+            ));
+        }
+    }
+    out
+}
+
+/// The README's alerts table, which an operator reads when paged, names every rule of
+/// `alerts.yml` with the severity the rule carries, and nothing that is not a rule: a rule added,
+/// renamed or re-graded without its row fails here.
+#[test]
+fn the_readme_alerts_table_names_every_rule_with_its_severity() {
+    let root = testkit::util::workspace_root();
+    let rules = std::fs::read_to_string(root.join("deploy/monitoring/alerts.yml")).unwrap();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut rules = rules_with_severity(&rules);
+    let mut table = readme_alerts_table(&readme);
+    assert!(rules.len() > 40, "the rules were read: {rules:?}");
+    assert!(
+        rules.iter().all(|(_, s)| !s.is_empty()),
+        "every rule has a severity: {rules:?}"
+    );
+    rules.sort();
+    table.sort();
+    assert_eq!(table, rules, "README.md's alerts table against alerts.yml");
+    // The parse sees a difference: one rule re-graded in the table is caught.
+    let mut regraded = table.clone();
+    regraded[0].1 = "ticket-or-page".into();
+    assert_ne!(regraded, rules);
+}
