@@ -356,8 +356,10 @@ async fn wait_healthy(
     within: Duration,
 ) -> bool {
     let deadline = Instant::now() + within;
+    // The part was (re)started before this wait: what its checks read is final, read once.
+    let look = crate::stack::Look::open(record, dir);
     loop {
-        if crate::stack::healthy(part, record, dir, &crate::stack::Look::open(record, dir)).await {
+        if crate::stack::healthy(part, record, dir, &look).await {
             return true;
         }
         if Instant::now() >= deadline {

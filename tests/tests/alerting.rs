@@ -516,21 +516,6 @@ async fn negative_control_without_its_web_configuration_alertmanager_takes_an_an
     assert!(intruder::took_a_silence(&silences), "{silences}");
 }
 
-/// `(rule, severity)` of every alert rule in `deploy/monitoring/alerts.yml`, in file order.
-fn rules_with_severity(rules: &str) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = Vec::new();
-    for line in rules.lines().map(str::trim) {
-        if let Some(name) = line.strip_prefix("- alert:") {
-            out.push((name.trim().to_string(), String::new()));
-        } else if let (Some(severity), Some(last)) =
-            (line.strip_prefix("severity:"), out.last_mut())
-        {
-            last.1 = severity.trim().trim_matches('"').to_string();
-        }
-    }
-    out
-}
-
 /// `(rule, severity)` of every row of the README's alerts table (a row may name several rules).
 fn readme_alerts_table(readme: &str) -> Vec<(String, String)> {
     let table = readme
@@ -556,10 +541,10 @@ fn readme_alerts_table(readme: &str) -> Vec<(String, String)> {
 /// renamed or re-graded without its row fails here.
 #[test]
 fn the_readme_alerts_table_names_every_rule_with_its_severity() {
-    let root = testkit::util::workspace_root();
-    let rules = std::fs::read_to_string(root.join("deploy/monitoring/alerts.yml")).unwrap();
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let mut rules = rules_with_severity(&rules);
+    let rules = std::fs::read_to_string(monitoring::config_dir().join("alerts.yml")).unwrap();
+    let readme =
+        std::fs::read_to_string(testkit::util::workspace_root().join("README.md")).unwrap();
+    let mut rules = monitoring::rules_with_severity(&rules);
     let mut table = readme_alerts_table(&readme);
     assert!(rules.len() > 40, "the rules were read: {rules:?}");
     assert!(

@@ -801,11 +801,26 @@ impl AlertingHealth {
 
 /// The alert rule names of a rules file (`- alert: NAME` lines).
 pub fn rule_names(rules: &str) -> Vec<String> {
-    rules
-        .lines()
-        .filter_map(|l| l.trim_start().strip_prefix("- alert: "))
-        .map(|n| n.trim().to_string())
+    rules_with_severity(rules)
+        .into_iter()
+        .map(|(name, _)| name)
         .collect()
+}
+
+/// `(name, severity)` of every alert rule of a rules file, in file order: each `- alert: NAME`
+/// line with the `severity:` label of its block (empty when the block has none).
+pub fn rules_with_severity(rules: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for line in rules.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("- alert: ") {
+            out.push((name.trim().to_string(), String::new()));
+        } else if let (Some(severity), Some(last)) =
+            (line.strip_prefix("severity:"), out.last_mut())
+        {
+            last.1 = severity.trim().trim_matches('"').to_string();
+        }
+    }
+    out
 }
 
 /// `job@host:port` of every target in `dir/targets/*.json` (as [`write_targets`] writes them).
@@ -1036,14 +1051,16 @@ pub mod intruder {
 
     /// Sends both to the Alertmanager at `base` (`http://...` or `https://...`, no path) with
     /// `http` as it is (no login added): how each ended, in [`requests`]' order.
-    pub async fn attack(http: &reqwest::Client, base: &str) -> [Answer; 2] {
-        let mut answers = [Answer::Status(0), Answer::Status(0)];
-        for (answer, (path, body)) in answers.iter_mut().zip(requests()) {
-            *answer = match http.post(format!("{base}{path}")).json(&body).send().await {
-                Ok(response) => Answer::Status(response.status().as_u16()),
-                Err(e) if e.is_connect() => Answer::Refused(format!("{e:?}")),
-                Err(e) => Answer::LostAfterSending(format!("{e:?}")),
-            };
+    pub async fn attack(http: &reqwest::Client, base: &str) -> Vec<Answer> {
+        let mut answers = Vec::new();
+        for (path, body) in requests() {
+            answers.push(
+                match http.post(format!("{base}{path}")).json(&body).send().await {
+                    Ok(response) => Answer::Status(response.status().as_u16()),
+                    Err(e) if e.is_connect() => Answer::Refused(format!("{e:?}")),
+                    Err(e) => Answer::LostAfterSending(format!("{e:?}")),
+                },
+            );
         }
         answers
     }
