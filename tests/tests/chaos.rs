@@ -48,6 +48,9 @@ async fn chaos_run_under_the_nemesis_has_no_violations() {
         FaultKind::WorkerPause,
         FaultKind::EtcdLeaderKill,
         FaultKind::ForceRevoke,
+        FaultKind::TemporalKill,
+        FaultKind::TemporalAmnesiaDeleted,
+        FaultKind::TemporalAmnesiaOldCopy,
     ];
     match &report.partitions_unavailable {
         None => required.push(FaultKind::WorkerPartition),
@@ -124,10 +127,11 @@ async fn chaos_run_under_the_nemesis_has_no_violations() {
 /// run here reached them 1 and 2 times, from three planted stale holders some of which are lost
 /// with their worker (`Plant::worker_exited`), so a run can miss one by chance; they join this
 /// list once the nemesis reaches each guard's fence for certain (docs/design/fault-suite, plan 1).
-const SOMETIMES: [&str; 3] = [
+const SOMETIMES: [&str; 4] = [
     chaos::checker::REACHED_RESOLVED_FOUND,
     chaos::checker::REACHED_RESOLVED_ABSENT,
     chaos::checker::REACHED_TOKEN_REGRESSION,
+    chaos::checker::REACHED_RECOVERED_AFTER_AMNESIA,
 ];
 
 /// Stale holders planted in the running system (the nemesis's `stale_holder_planted` alone), the
@@ -165,6 +169,9 @@ async fn planted_stale_holders_are_refused_by_the_guards_and_pay_without_the_pro
         config.fault_window = STALE_FAULT_WINDOW;
         config.disable = disable;
         config.verbose = true;
+        // The guards alone against the planted calls, as in every run before the reconciler
+        // joined the harness: nothing else resumes or resolves a payout here.
+        config.reconciler = false;
         let report = chaos::run(stack, &config).await.expect("the run completes");
         println!("{}", report.render());
         let plants = &report.stale_holders;
@@ -296,6 +303,57 @@ async fn a_restore_that_also_loses_the_issued_token_record_is_reported() {
     );
     assert_eq!(report.safety_events["lock_token_regression_alarms"], 0);
 }
+
+/// Temporal's amnesia without the reconciler (its negative control): the payouts whose workflows
+/// Temporal lost have nobody left to finish them, the run does not settle, and the checker names
+/// them: the outside observation reproduced. (With the reconciler, the CI-sized run above
+/// requires `recovered_after_temporal_amnesia` and settles.) The amnesia waits until a payout is in
+/// flight; every payout is started at once, so the others wait for their accounts' keys in
+/// workflows that the amnesia takes too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_the_reconciler_temporal_amnesia_strands_the_payouts_open() {
+    // Its own stack: the fault deletes Temporal's database.
+    let stack =
+        tokio::task::block_in_place(|| Stack::builder().etcd_members(1).start()).expect("stack");
+    let mut config = ChaosConfig::new(AMNESIA_SEED, AMNESIA_PAYOUTS, 1);
+    config.accounts = AMNESIA_ACCOUNTS;
+    config.kinds = Some(vec![FaultKind::TemporalAmnesiaDeleted]);
+    config.partitions = false;
+    config.fault_window = std::time::Duration::from_secs(1);
+    config.start_spread = Some(std::time::Duration::ZERO);
+    config.reconciler = false;
+    // Nothing can settle them: this bounds the wait for what must not happen.
+    config.settle_timeout = AMNESIA_CONTROL_SETTLE;
+    config.verbose = true;
+    let report = chaos::run(&stack, &config)
+        .await
+        .expect("the run completes");
+    println!("{}", report.render());
+    assert_eq!(
+        report
+            .faults_injected_by_kind
+            .get(FaultKind::TemporalAmnesiaDeleted.name()),
+        Some(&1),
+        "{:?}",
+        report.fault_errors
+    );
+    assert!(
+        report.amnesias.iter().all(|a| a.open_payouts > 0),
+        "the amnesia took payouts in flight: {:?}",
+        report.amnesias
+    );
+    assert!(!report.settled, "nothing resumed the stranded payouts");
+    assert!(
+        !check(&report, "every_payout_settled").violations.is_empty(),
+        "the checker names the stranded payouts: {}",
+        report.render()
+    );
+}
+
+const AMNESIA_SEED: u64 = 13;
+const AMNESIA_PAYOUTS: usize = 40;
+const AMNESIA_ACCOUNTS: usize = 4;
+const AMNESIA_CONTROL_SETTLE: std::time::Duration = std::time::Duration::from_secs(30);
 
 const RESTORE_SEED: u64 = 11;
 const RESTORE_PAYOUTS: usize = 40;

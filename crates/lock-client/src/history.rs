@@ -8,17 +8,25 @@
 //! which every process on one machine shares, so records of different processes compare.
 //!
 //! What is recorded, and why each bounds the belief from the safe side:
-//! - `grant`: the moment the grant's answer arrived (the earliest the client could rely on it);
+//! - `grant`: the moment the grant's answer arrived (the earliest the client could rely on it),
+//!   and `requested_ns`, the moment its Acquire (or, for a handle re-established in another
+//!   process, its Renew) was sent: the lock service granted it between the two, the interval a
+//!   linearizability check places the grant in (absent from lines written before it existed);
 //! - `deadline`: every new local deadline of a session (the latest it could rely on any grant of
 //!   that session, since a grant is only trusted while its session's deadline has not passed);
 //! - `lost`: the moment the session was found lost (deadline passed, server said gone, closed);
 //! - `release`: the moment a release request was SENT (the client stopped relying on it then);
+//! - `released`: the moment the lock service's answer that it freed the key arrived (a release
+//!   with no `released` after it may have freed the key or not: refused, or its answer lost);
 //! - `grant_deadline`: every new deadline of one grant, from a Renew the server answered "still
 //!   the holder" (sent at some instant: the grant is relied on until that instant + TTL - margin
 //!   at most), the first from the acquire's own send time. A key can be taken from a live session
 //!   (an operator's force-revoke), so a grant is trusted only while BOTH its session's and its
 //!   own deadline are ahead;
-//! - `grant_lost`: the moment the server answered that the handle no longer holds its key.
+//! - `grant_lost`: the moment the server answered that the handle no longer holds its key;
+//! - `revoke`: a force-revoke this client made (the key and the token it took, when it was sent
+//!   and when the service answered that it had revoked it): what pairs a break-glass successor
+//!   with the grant it deposed.
 //!
 //! Recording never decides anything: a write error is logged once and recording stops, the grant
 //! logic is unchanged.
@@ -40,6 +48,10 @@ pub enum HistoryEvent {
         token: u64,
         session: String,
         at_ns: u64,
+        /// When the request that was answered with this grant was sent; `None` only in lines
+        /// written before it was recorded.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        requested_ns: Option<u64>,
     },
     Deadline {
         session: String,
@@ -50,6 +62,13 @@ pub enum HistoryEvent {
         at_ns: u64,
     },
     Release {
+        key: String,
+        owner: String,
+        token: u64,
+        at_ns: u64,
+    },
+    /// The lock service answered a release of this grant: it freed the key.
+    Released {
         key: String,
         owner: String,
         token: u64,
@@ -66,6 +85,15 @@ pub enum HistoryEvent {
         owner: String,
         token: u64,
         at_ns: u64,
+    },
+    /// This client force-revoked `key` from the grant of `token` (break-glass: an operator, or
+    /// the resolver's takeover of a grant whose workflow is gone): sent at `sent_ns`, answered
+    /// (revoked) at `answered_ns`. From the send on, a successor is break-glass, not two holders.
+    Revoke {
+        key: String,
+        token: u64,
+        sent_ns: u64,
+        answered_ns: u64,
     },
 }
 
@@ -156,6 +184,27 @@ mod tests {
             (249_000_000..=251_000_000).contains(&spacing),
             "spacing {spacing} ns"
         );
+    }
+
+    /// A grant line written before `requested_ns` existed still reads; a new one carries it.
+    #[test]
+    fn a_grant_line_reads_with_or_without_its_request_time() {
+        let old = r#"{"kind":"grant","key":"k","owner":"o","token":5,"session":"s","at_ns":9}"#;
+        let HistoryEvent::Grant { requested_ns, .. } = serde_json::from_str(old).unwrap() else {
+            panic!("a grant line reads as a grant");
+        };
+        assert_eq!(requested_ns, None);
+        let new = HistoryEvent::Grant {
+            key: "k".into(),
+            owner: "o".into(),
+            token: 5,
+            session: "s".into(),
+            at_ns: 9,
+            requested_ns: Some(7),
+        };
+        let line = serde_json::to_string(&new).unwrap();
+        assert!(line.contains(r#""requested_ns":7"#), "{line}");
+        assert_eq!(serde_json::from_str::<HistoryEvent>(&line).unwrap(), new);
     }
 
     #[test]

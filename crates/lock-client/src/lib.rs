@@ -238,7 +238,17 @@ impl LockClient {
             reason: reason.to_string(),
             expected_token: Some(expected_token.get()),
         };
-        bounded(Self::timeout(), rpc.force_revoke(request)).await
+        let sent_at = Instant::now();
+        let answer = bounded(Self::timeout(), rpc.force_revoke(request)).await?;
+        if let Some(h) = &self.history {
+            h.record(&HistoryEvent::Revoke {
+                key: key.to_string(),
+                token: answer.revoked_token,
+                sent_ns: monotonic_ns(sent_at),
+                answered_ns: monotonic_ns(Instant::now()),
+            });
+        }
+        Ok(answer)
     }
 
     /// The raw generated client, for callers that need a call this crate does not wrap.
@@ -421,6 +431,8 @@ impl Session {
             session_id: self.inner.session_id.clone(),
             wait_ms: wait.as_millis() as u64,
         };
+        // The lock history's `requested_ns`: the service granted no earlier than this.
+        let sent_at = Instant::now();
         let r = bounded(wait + LockClient::timeout(), rpc.acquire(request)).await?;
         match r.result {
             Some(pb::acquire_response::Result::Grant(g)) => {
@@ -445,6 +457,7 @@ impl Session {
                     token: g.token,
                     session: g.session_id.clone(),
                     at_ns: monotonic_ns(Instant::now()),
+                    requested_ns: Some(monotonic_ns(sent_at)),
                 });
                 // The grant's own first deadline counts from its arrival: an acquire may wait at
                 // the server for most of a TTL, and the session's deadline already bounds the
@@ -838,6 +851,13 @@ impl GrantHandle {
             }),
         )
         .await?;
+        // Only a freed key is recorded: a refusal or a lost answer leaves the release open.
+        self.session.inner.client.record(|| HistoryEvent::Released {
+            key: self.key.clone(),
+            owner: self.owner.clone(),
+            token: self.token.get(),
+            at_ns: monotonic_ns(Instant::now()),
+        });
         Ok(())
     }
 
@@ -899,6 +919,7 @@ impl GrantHandle {
                 token: g.token.get(),
                 session: g.session.id().to_string(),
                 at_ns: monotonic_ns(Instant::now()),
+                requested_ns: Some(monotonic_ns(sent_at)),
             })
         })
     }

@@ -45,3 +45,22 @@ pub mod facts;
 pub mod resolve;
 pub mod resume;
 pub mod walk;
+
+/// `lock` recording its lock history to `path` (`lock_client::history`), when a path is given: a
+/// history that cannot be opened is logged and the pass goes on without it (recording never
+/// decides anything).
+pub(crate) fn with_lock_history(
+    lock: lock_client::LockClient,
+    path: Option<&std::path::Path>,
+) -> lock_client::LockClient {
+    let Some(path) = path else {
+        return lock;
+    };
+    match lock_client::history::HistoryRecorder::open(path) {
+        Ok(recorder) => lock.with_history(std::sync::Arc::new(recorder)),
+        Err(e) => {
+            tracing::error!(path = %path.display(), error = %e, "lock history: cannot open; not recorded");
+            lock
+        }
+    }
+}

@@ -369,6 +369,9 @@ pub struct ResumeConfig {
     pub not_started_grace: Duration,
     /// How much one full pass may do (`crate::walk`): the keeper's short pass has its own bound.
     pub bounds: crate::walk::PassBounds,
+    /// Where its lock client appends its history (`lock_client::history`: the takeovers'
+    /// force-revokes), if anywhere.
+    pub lock_history: Option<std::path::PathBuf>,
 }
 
 /// The full pass's candidates, a page at a time from the walk's cursor (`crate::walk`): every
@@ -620,6 +623,7 @@ impl<'a> Resumer<'a> {
                 service: "lock-server",
                 detail: e.to_string(),
             })?;
+        let lock = crate::with_lock_history(lock, config.lock_history.as_deref());
         Ok(Self {
             paydb,
             temporal,

@@ -157,6 +157,7 @@ async fn a_payout_finished_between_the_pass_read_and_its_describe_is_not_resumed
         },
         not_started_grace: Duration::ZERO,
         bounds: resolver::walk::PassBounds::default(),
+        lock_history: None,
     };
     let mut cursor = resolver::walk::Cursor::default();
     let pass = resume_stranded(&paydb, &config, &mut cursor).await;

@@ -581,6 +581,49 @@ impl System {
         self.pki.tls(role)
     }
 
+    /// The reconciler's certificate (role reconciler, from this system's authority) and every
+    /// source it reads (the three databases, the lock-server, the proxy, the payment resource,
+    /// Temporal at `temporal_address` through the front with the reconciler's profile), the
+    /// payout workers' queue and a resumed run's settlement window: `reconciler serve` or `once`
+    /// over this system, as `payoutdev stack up` passes them (without etcd: its INV-07 check is
+    /// reported skipped).
+    pub fn reconciler_args(
+        &self,
+        temporal_address: &str,
+        settlement_window_ms: u64,
+    ) -> anyhow::Result<Vec<String>> {
+        let tls = self.pki.issue(Role::Reconciler, "reconciler")?.to_args();
+        let s = |v: &str| v.to_string();
+        Ok(tls
+            .into_iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .chain([
+                s("--paydb-url"),
+                self.databases.paydb.clone(),
+                s("--proxydb-url"),
+                self.databases.proxydb.clone(),
+                s("--gldb-url"),
+                self.databases.gldb.clone(),
+                s("--lock-server-url"),
+                self.lock_url(),
+                s("--rail-proxy-url"),
+                self.proxy_url(),
+                s("--payment-resource-url"),
+                self.payment_url(),
+                s("--temporal-address"),
+                s(temporal_address),
+                s("--temporal-config-file"),
+                self.temporal_clients.display().to_string(),
+                s("--temporal-profile"),
+                s("reconciler"),
+                s("--payout-task-queue"),
+                self.task_queue.clone(),
+                s("--settlement-window-ms"),
+                settlement_window_ms.to_string(),
+            ])
+            .collect())
+    }
+
     /// Every process of the system with its name, for status displays and fault injection.
     pub fn processes(&self) -> Vec<&ManagedProcess> {
         let mut all = vec![

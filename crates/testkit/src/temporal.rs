@@ -78,6 +78,21 @@ pub struct TemporalDev {
     clients: Vec<(Role, TlsArgs)>,
     clients_file: PathBuf,
     ui_password_file: Option<PathBuf>,
+    /// The dev server's SQLite database (`--db-filename`): its whole state.
+    db_file: PathBuf,
+    /// The user the server runs as (root's tests hand it its directory).
+    user: Option<(u32, u32)>,
+}
+
+/// What a restart does to the dev server's database (the fault suite's Temporal faults).
+#[derive(Debug, Clone, Copy)]
+pub enum Database<'a> {
+    /// Kept: a crash and a restart, history intact.
+    Kept,
+    /// Deleted with its WAL: Temporal comes back with no workflow, no schedule, no history.
+    Deleted,
+    /// Replaced by an older copy ([`TemporalDev::back_up`]): Temporal comes back as it was then.
+    RestoredFrom(&'a Path),
 }
 
 /// How a dev server is started: its isolation can be switched off by test code only (the
@@ -149,6 +164,7 @@ impl TemporalDev {
             None => None,
         };
         let cli = cli_path()?;
+        let db_file = dir.join("temporal.db");
         let log = dir.join("temporal.log");
         std::fs::File::options()
             .create(true)
@@ -167,10 +183,7 @@ impl TemporalDev {
                 "--namespace",
                 NAMESPACE,
             ])
-            .args([
-                "--db-filename".into(),
-                dir.join("temporal.db").into_os_string(),
-            ])
+            .args(["--db-filename".into(), db_file.clone().into_os_string()])
             .args(["--port".to_string(), ports.raw_frontend.to_string()])
             .args(["--http-port".to_string(), ports.http.to_string()])
             .args(["--metrics-port".to_string(), ports.metrics.to_string()])
@@ -240,9 +253,72 @@ impl TemporalDev {
             clients,
             clients_file,
             ui_password_file,
+            db_file,
+            user,
         };
         server.wait_ready()?;
         Ok(server)
+    }
+
+    /// A consistent copy of the running server's database at `to` (SQLite's online backup,
+    /// Debian's `sqlite3`): what an operator's backup of Temporal's state is.
+    pub fn back_up(&self, to: &Path) -> anyhow::Result<()> {
+        let out = std::process::Command::new("sqlite3")
+            .arg(&self.db_file)
+            .arg(format!(".backup '{}'", to.display()))
+            .output()
+            .context("running sqlite3 (scripts/setup.sh installs it)")?;
+        anyhow::ensure!(
+            out.status.success(),
+            "sqlite3 .backup of {}: {}",
+            self.db_file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// SIGKILL of the dev server, `database` applied while it is down (kept, deleted, or replaced
+    /// by an older copy), then the same server started again and ready (the namespace answers
+    /// through the front; the namespace and the search attributes are registered again by its
+    /// start-up flags, as at first start). The front and its isolation stay up throughout.
+    pub fn crash_restart(&self, down: Duration, database: Database<'_>) -> anyhow::Result<()> {
+        self.process.kill()?;
+        let side_files = || {
+            ["-wal", "-shm"].map(|suffix| {
+                let mut name = self.db_file.clone().into_os_string();
+                name.push(suffix);
+                PathBuf::from(name)
+            })
+        };
+        match database {
+            Database::Kept => {}
+            Database::Deleted | Database::RestoredFrom(_) => {
+                for file in std::iter::once(self.db_file.clone()).chain(side_files()) {
+                    match std::fs::remove_file(&file) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => {
+                            return Err(e).with_context(|| format!("removing {}", file.display()))
+                        }
+                    }
+                }
+            }
+        }
+        if let Database::RestoredFrom(copy) = database {
+            std::fs::copy(copy, &self.db_file).with_context(|| {
+                format!(
+                    "restoring {} from {}",
+                    self.db_file.display(),
+                    copy.display()
+                )
+            })?;
+            if let Some((uid, gid)) = self.user {
+                std::os::unix::fs::chown(&self.db_file, Some(uid), Some(gid))?;
+            }
+        }
+        std::thread::sleep(down);
+        self.process.restart()?;
+        self.wait_ready()
     }
 
     /// The front's certificate denylist (`mtls::denylist` lines): a certificate appended here is

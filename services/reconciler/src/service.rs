@@ -159,6 +159,12 @@ pub struct Config {
     /// runs of one `reconciler serve`.
     #[arg(long, env = "RECONCILE_CORRECTIVE_PER_PASS", default_value_t = resolver::walk::PER_PASS_DEFAULT)]
     pub corrective_per_pass: usize,
+    /// Append the resume pass's lock history here (its takeovers' force-revokes,
+    /// `lock_client::history`), as a worker's `--lock-history-path` does: the evidence an outside
+    /// checker pairs a takeover with the grant it deposed. (The orphan resolver's own grants are
+    /// not recorded: its lease is not the workers'.)
+    #[arg(long, env = "PAYOUT_LOCK_HISTORY_PATH")]
+    pub lock_history_path: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -213,6 +219,7 @@ impl Config {
             temporal: self.temporal_config(),
             not_started_grace: Duration::from_millis(self.not_started_grace_ms),
             bounds: self.bounds(),
+            lock_history: self.lock_history_path.clone(),
         })
     }
 
@@ -401,6 +408,7 @@ pub struct ReconcileMetrics {
     schedule_repairs: IntCounterVec,
     schedule_healthy: IntGauge,
     holder_pass_actions: IntCounterVec,
+    resume_pass_actions: IntCounterVec,
     squatters: IntCounter,
     holder_pass_failures: IntCounter,
     pass_errors: IntCounterVec,
@@ -474,6 +482,13 @@ impl ReconcileMetrics {
             "What the keeper's short holder pass did (RESUMED, TOOK_OVER, ALREADY_RUNNING, ERROR)",
             &["action"],
         );
+        let resume_pass_actions = metrics.counter_vec(
+            "reconciler_resume_pass_actions_total",
+            "What the scheduled run's resume pass did for stranded payouts (RESUMED, TOOK_OVER, \
+             SQUATTER_TERMINATED, ...): after Temporal lost its state, the payouts it handed back \
+             to a new workflow",
+            &["action"],
+        );
         let squatters = IntCounter::new(
             "reconciler_squatters_total",
             "Foreign runs on a payout's workflow id (another type, or another queue than the payout \
@@ -522,6 +537,7 @@ impl ReconcileMetrics {
             schedule_repairs,
             schedule_healthy,
             holder_pass_actions,
+            resume_pass_actions,
             squatters,
             holder_pass_failures,
             pass_errors,
@@ -561,6 +577,11 @@ impl ReconcileMetrics {
             .with_label_values(&[Pass::Resume.as_str()])
             .inc_by(skipped(&mut report.resumptions.iter().map(|r| &r.workflow)));
         self.count_squatters(&report.resumptions);
+        for r in &report.resumptions {
+            self.resume_pass_actions
+                .with_label_values(&[r.action.as_str()])
+                .inc();
+        }
         let Some(checks) = &report.checks else {
             self.failed_runs.inc();
             return;

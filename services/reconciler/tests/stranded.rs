@@ -544,6 +544,7 @@ async fn a_foreign_workflow_squatting_a_payout_is_terminated_and_the_payout_fini
         },
         not_started_grace: Duration::ZERO,
         bounds: resolver::walk::PassBounds::default(),
+        lock_history: None,
     };
     resolver::resume::seams::set_squat_detection(false);
     let blind =

@@ -57,6 +57,9 @@ pub const REACHED_RESOLVED_FOUND: &str = "ambiguous_resolved_found";
 pub const REACHED_RESOLVED_ABSENT: &str = "ambiguous_resolved_absent";
 /// The harness's own: a rewound token refused by the lock-server's INV-04 alarm.
 pub const REACHED_TOKEN_REGRESSION: &str = "token_regression_refused";
+/// Payouts the reconciler handed back to a new workflow after Temporal lost its state (read from
+/// the reconciler's counters, `super::temporal`).
+pub const REACHED_RECOVERED_AFTER_AMNESIA: &str = "recovered_after_temporal_amnesia";
 
 /// Everything the checker reads, collected once.
 #[derive(Debug, Clone, Default)]
@@ -94,7 +97,8 @@ pub struct Evidence {
     pub lock_history: Vec<serde_json::Value>,
     /// Lock history lines that did not parse (a torn last line of a killed writer is skipped).
     pub lock_history_malformed: Vec<String>,
-    /// The operator's force-revokes, from the harness's log.
+    /// The force-revokes: the operator's (the harness's log) and those recorded in a lock
+    /// history (the reconciler's takeovers of grants whose workflow is gone).
     pub revokes: Vec<Revoke>,
     /// The workers' lock lease (their sessions' TTL): a deposed holder must stop believing within
     /// this of the revoke. Zero: not checked.
@@ -225,14 +229,15 @@ impl Evidence {
         .fetch_all(&gldb)
         .await?;
         let (lock_history, lock_history_malformed) = read_lock_histories(&system.dir)?;
+        let revokes = recorded_revokes(&lock_history);
         Ok(Self {
             outbox_journals,
             gl_journal_ids,
             outbox_events,
             gl_events,
             lock_history,
+            revokes,
             lock_history_malformed,
-            revokes: Vec::new(),
             lock_ttl_ns: 0,
             movements,
             payouts,
@@ -315,7 +320,7 @@ impl Evidence {
 
 /// Reads every `lock-history-*.jsonl` in `dir`. A torn last line (its writer was killed in the
 /// middle of a write) is skipped; any other unparsable line is reported.
-fn read_lock_histories(
+pub(crate) fn read_lock_histories(
     dir: &std::path::Path,
 ) -> anyhow::Result<(Vec<serde_json::Value>, Vec<String>)> {
     let mut events = Vec::new();
@@ -340,6 +345,22 @@ fn read_lock_histories(
         }
     }
     Ok((events, malformed))
+}
+
+/// The force-revokes a lock history recorded (`revoke` lines: the reconciler's takeovers).
+fn recorded_revokes(history: &[serde_json::Value]) -> Vec<Revoke> {
+    history
+        .iter()
+        .filter(|v| v["kind"] == "revoke")
+        .filter_map(|v| {
+            Some(Revoke {
+                key: v["key"].as_str()?.to_string(),
+                revoked_token: v["token"].as_u64()?,
+                sent_ns: v["sent_ns"].as_u64()?,
+                answered_ns: v["answered_ns"].as_u64()?,
+            })
+        })
+        .collect()
 }
 
 pub fn result(name: &'static str, checked: usize, details: Vec<String>) -> CheckResult {
@@ -371,6 +392,7 @@ pub fn check(e: &Evidence) -> Vec<CheckResult> {
         every_payout_settled(e),
         terminal_states_never_change(e),
         grants_never_overlap(e),
+        lock_history_is_linearizable(e),
         deposed_holders_stop_within_one_lease(e),
     ]
 }
@@ -439,6 +461,13 @@ fn beliefs(e: &Evidence) -> (Vec<Belief>, Vec<String>) {
                     releases.entry(id).or_default().push(at);
                     continue;
                 }
+            }
+            // The release's answer: a belief ends when its release is sent, so only
+            // `lock_history_is_linearizable` reads it.
+            Some("released") if grant_id(v).is_some() && num(v, "at_ns").is_some() => continue,
+            // A force-revoke this history's client made: read into `Evidence::revokes`.
+            Some("revoke") if num(v, "sent_ns").is_some() && num(v, "answered_ns").is_some() => {
+                continue
             }
             Some("grant_deadline") => {
                 if let (Some(id), Some(d)) = (grant_id(v), num(v, "deadline_ns")) {
@@ -552,6 +581,16 @@ pub fn grants_never_overlap(e: &Evidence) -> CheckResult {
         }
     }
     result("grants_never_overlap", beliefs.len(), details)
+}
+
+/// INV-06 as linearizability (issue 36): each key's recorded operations, with the operator's
+/// revokes and the lock service's own ends of grants, fit one order that a fenced lock could have
+/// produced within their times (`super::linearizable`, whose module doc states the model). Finds
+/// what [`grants_never_overlap`] cannot: a token that goes back between grants that do not
+/// overlap, a release the service confirmed to a client that did not hold the key.
+pub fn lock_history_is_linearizable(e: &Evidence) -> CheckResult {
+    let report = super::linearizable::check(&e.lock_history, &e.revokes);
+    result("lock_history_is_linearizable", report.ops, report.findings)
 }
 
 /// The other half of a force-revoke (spec 2.4: the deposed holder is fenced; INV-06: it must

@@ -8,8 +8,10 @@
 
 pub mod checker;
 pub mod guards;
+pub mod linearizable;
 pub mod negative;
 pub mod nemesis;
+pub mod temporal;
 pub mod workload;
 
 use std::collections::BTreeMap;
@@ -33,6 +35,8 @@ pub const OPEN_PAYOUTS_MAX: usize = 400;
 /// How long a run waits for every payout to settle after the faults stopped (see
 /// `ChaosConfig::new`).
 pub const SETTLE_TIMEOUT_S: u64 = 600;
+/// The fault window's length per fault (`ChaosConfig::new`).
+pub const FAULT_SPACING_MS: u64 = 3_000;
 /// After this the rail's lookups are authoritative.
 pub const SETTLEMENT_WINDOW_MS: u64 = 1_000;
 
@@ -69,6 +73,10 @@ pub struct ChaosConfig {
     /// 37 s of an 80 s window, and every later fault (the planted stale holders among them, which
     /// need a payout to reach its step) met an idle system.
     pub start_spread: Option<Duration>,
+    /// Run the reconciler service beside the system, as a deployment does (`reconciler serve`:
+    /// its keeper and its resume of stranded payouts). Test-only `false`: the control that shows
+    /// a run after Temporal's amnesia does not settle without it.
+    pub reconciler: bool,
 }
 
 impl ChaosConfig {
@@ -81,8 +89,11 @@ impl ChaosConfig {
             faults,
             workers: 2,
             disable: DisableGuard::None,
-            // About two seconds per fault: each fault takes a second or more to inject and heal.
-            fault_window: Duration::from_millis((faults as u64 * 2_000).max(10_000)),
+            // About three seconds per fault: each fault takes one to several seconds to inject
+            // and heal (Temporal's restarts and its old copy's age the longest), and the faults
+            // run one after another; a shorter window had the nemesis fall behind the schedule
+            // and its last faults meet a system whose payouts had all settled.
+            fault_window: Duration::from_millis((faults as u64 * FAULT_SPACING_MS).max(10_000)),
             // A bound, not an expectation: unloaded, a CI-sized run settles in under a minute;
             // with a build sharing the two cores, contended accounts (whose waiting payouts
             // poll for the key) take several times as long. Nothing is judged before settling.
@@ -93,6 +104,7 @@ impl ChaosConfig {
             lose_issued_tokens_on_restore: false,
             open_payouts_max: OPEN_PAYOUTS_MAX,
             start_spread: None,
+            reconciler: true,
         }
     }
 }
@@ -116,6 +128,8 @@ pub struct Report {
     pub reached: BTreeMap<String, u64>,
     /// Stale holders planted in the running system (which worker, which payout, which step).
     pub stale_holders: Vec<nemesis::Plant>,
+    /// Each time Temporal lost its state: what was open then.
+    pub amnesias: Vec<temporal::Amnesia>,
     pub rail_movements: u64,
     pub checks: Vec<CheckResult>,
     pub violations: usize,
@@ -165,6 +179,13 @@ impl Report {
                 p.successor_token.map_or("(none)".to_string(), |t| t.to_string()),
                 p.answer.as_deref().unwrap_or("(no answer)"),
                 p.problem.as_deref().map_or(String::new(), |e| format!(" [{e}]")),
+            );
+        }
+        for a in &self.amnesias {
+            let _ = writeln!(
+                s,
+                "  Temporal lost its state ({}): {} payouts open then",
+                a.kind, a.open_payouts
             );
         }
         let _ = writeln!(s, "rail movements: {}", self.rail_movements);
@@ -279,6 +300,12 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         system.workers.push(worker);
         partitions.push(ns);
     }
+    let start_spread = config.start_spread.unwrap_or(config.fault_window);
+    let reconciler = if config.reconciler {
+        Some(temporal::Reconciler::start(&system, start_spread)?)
+    } else {
+        None
+    };
     say(
         config.verbose,
         format!(
@@ -316,14 +343,11 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         stall_dir: &stall_dir,
         lose_issued_tokens: config.lose_issued_tokens_on_restore,
         disable: config.disable,
+        reconciler: reconciler.as_ref(),
     };
     let fault_start = Instant::now();
     let (started, outcome) = tokio::join!(
-        work.start_all(
-            &system,
-            config.open_payouts_max,
-            config.start_spread.unwrap_or(config.fault_window),
-        ),
+        work.start_all(&system, config.open_payouts_max, start_spread),
         nemesis::execute(
             stack,
             &system,
@@ -353,7 +377,12 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         let supervisor = async {
             loop {
                 tokio::task::block_in_place(|| {
-                    nemesis::supervise(&system, config.disable, config.verbose)
+                    nemesis::supervise(
+                        &system,
+                        &targets.more_processes(stack),
+                        config.disable,
+                        config.verbose,
+                    )
                 });
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
@@ -373,7 +402,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     outcome.finish_plants().await;
 
     let mut evidence = Evidence::collect(&system).await?;
-    evidence.revokes = outcome.revokes.clone();
+    evidence.revokes.extend(outcome.revokes.iter().cloned());
     evidence.lock_ttl_ns = WORKER_LOCK_TTL_MS * 1_000_000;
     let mut checks = checker::check(&evidence);
     let mut safety_events = evidence.safety_events();
@@ -399,6 +428,10 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         checker::REACHED_TOKEN_REGRESSION.to_string(),
         outcome.regression_alarms_fired,
     );
+    reached.insert(
+        checker::REACHED_RECOVERED_AFTER_AMNESIA.to_string(),
+        temporal::recovered_after_amnesia(reconciler.as_ref(), &outcome.amnesias).await,
+    );
     let violations = checks.iter().map(|c| c.violations.len()).sum();
     let report = Report {
         seed: config.seed,
@@ -414,6 +447,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         safety_events,
         reached,
         stale_holders: outcome.plants.clone(),
+        amnesias: outcome.amnesias.clone(),
         rail_movements: evidence.movements.len() as u64,
         checks,
         violations,

@@ -216,7 +216,9 @@ pub async fn stale_holder_on(
 /// keep-alive round, a third of the lease later, renews its grant and is refused). A must stop
 /// believing within one lease. Checked with the operator's revoke on record, the history is clean
 /// (break-glass hands the key on; A learned in time); with the revoke withheld, the checker must
-/// see two holders. Returns (violations with the revoke, violations without it).
+/// see two holders. Returns (violations with the revoke, violations without it). The
+/// linearizability check reads the same real history: counted with the revoke, and required to
+/// refuse it without (its own negative control on a real history).
 pub async fn lock_history_overlap_control(stack: &Stack) -> anyhow::Result<(usize, usize)> {
     let system = System::start(
         stack,
@@ -284,11 +286,22 @@ pub async fn lock_history_overlap_control(stack: &Stack) -> anyhow::Result<(usiz
         sent_ns,
         answered_ns,
     }];
+    let linearizable = checker::lock_history_is_linearizable(&evidence);
+    anyhow::ensure!(
+        linearizable.checked > 0,
+        "the linearizability check read no operation of the history"
+    );
     let with_revoke = checker::grants_never_overlap(&evidence).violations.len()
         + checker::deposed_holders_stop_within_one_lease(&evidence)
             .violations
-            .len();
+            .len()
+        + linearizable.violations.len();
     evidence.revokes.clear();
     let without_revoke = checker::grants_never_overlap(&evidence).violations.len();
+    let refused = checker::lock_history_is_linearizable(&evidence).violations;
+    anyhow::ensure!(
+        refused.len() == 1,
+        "without the revoke, the linearizability check must refuse the key once: {refused:?}"
+    );
     Ok((with_revoke, without_revoke))
 }

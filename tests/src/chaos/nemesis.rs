@@ -53,6 +53,14 @@ pub enum FaultKind {
     /// is paused past its lease; the payout goes on under a new grant; then the stalled call
     /// reaches its guard with the old token. The guards must refuse it.
     StaleHolder,
+    /// The Temporal dev server killed and started again on its database after `down_ms`.
+    TemporalKill,
+    /// Temporal's database deleted while it is down: it comes back with no workflow and no
+    /// schedule; the reconciler must notice and resume every payout (`super::temporal`).
+    TemporalAmnesiaDeleted,
+    /// Temporal's database backed up, then `down_ms` later replaced by that copy: Temporal lacks
+    /// every workflow started since and runs again those that finished since.
+    TemporalAmnesiaOldCopy,
 }
 
 /// The steps a planted stale holder stalls before, in turn.
@@ -112,7 +120,7 @@ impl Plant {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 17] = [
+    pub const ALL: [FaultKind; 20] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -130,6 +138,9 @@ impl FaultKind {
         FaultKind::EtcdRestoreWithoutProcedure,
         FaultKind::OutboxRedeliver,
         FaultKind::StaleHolder,
+        FaultKind::TemporalKill,
+        FaultKind::TemporalAmnesiaDeleted,
+        FaultKind::TemporalAmnesiaOldCopy,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -150,6 +161,9 @@ impl FaultKind {
             FaultKind::EtcdRestoreWithoutProcedure => "etcd_restore_without_procedure",
             FaultKind::OutboxRedeliver => "outbox_duplicate_delivery",
             FaultKind::StaleHolder => "stale_holder_planted",
+            FaultKind::TemporalKill => "temporal_kill",
+            FaultKind::TemporalAmnesiaDeleted => "temporal_amnesia_deleted",
+            FaultKind::TemporalAmnesiaOldCopy => "temporal_amnesia_old_copy",
         }
     }
     pub fn parse(name: &str) -> Option<Self> {
@@ -244,6 +258,10 @@ impl Schedule {
                         rng.random_range(2_000..5_000)
                     }
                     FaultKind::EtcdLeaderKill => rng.random_range(500..2_000),
+                    FaultKind::TemporalKill => rng.random_range(1_000..5_000),
+                    // The old copy's age: workflows are started and finished between the backup
+                    // and the restore.
+                    FaultKind::TemporalAmnesiaOldCopy => rng.random_range(2_000..8_000),
                     _ => rng.random_range(100..1_500),
                 };
                 Fault {
@@ -304,6 +322,8 @@ pub struct Outcome {
     pub plant_tasks: Vec<tokio::task::JoinHandle<Plant>>,
     /// Stale holders armed so far (taken or not): they alternate between the two steps.
     pub plant_attempts: usize,
+    /// Each time Temporal lost its state, what was open then.
+    pub amnesias: Vec<super::temporal::Amnesia>,
 }
 
 impl Outcome {
@@ -334,13 +354,28 @@ pub struct Targets<'a> {
     /// Which guards run: a planted call is released once a successor's write has landed where
     /// it is recorded (the proxy off keeps no record; the payout's resolution is the sign then).
     pub disable: DisableGuard,
+    /// The run's reconciler service (`None`: the control without it).
+    pub reconciler: Option<&'a super::temporal::Reconciler>,
+}
+
+impl Targets<'_> {
+    /// The run's processes besides the system's own: the reconciler and Temporal's server.
+    pub fn more_processes<'s>(&'s self, stack: &'s Stack) -> Vec<&'s ManagedProcess> {
+        let mut more: Vec<&ManagedProcess> =
+            self.reconciler.map(|r| &r.process).into_iter().collect();
+        if let Ok(t) = stack.try_temporal() {
+            more.push(&t.process);
+        }
+        more
+    }
 }
 
 /// The harness plays the supervisor a deployment has (systemd, Kubernetes): a service process
 /// that exited (e.g. it could not reach its database while PostgreSQL restarted) is started
-/// again. Services replaced by in-process ones (a disabled guard) are left alone.
-pub fn supervise(system: &System, disable: DisableGuard, verbose: bool) {
-    for p in system.processes() {
+/// again. Services replaced by in-process ones (a disabled guard) are left alone. `more` are the
+/// run's other processes (the reconciler, Temporal's server).
+pub fn supervise(system: &System, more: &[&ManagedProcess], disable: DisableGuard, verbose: bool) {
+    for p in system.processes().into_iter().chain(more.iter().copied()) {
         let replaced = (disable.fence_off() && std::ptr::eq(p, &system.payment_resource))
             || (disable.proxy_off() && std::ptr::eq(p, &system.rail_proxy));
         if !replaced && !p.is_running() {
@@ -393,7 +428,7 @@ pub async fn execute(
             }
         );
         say(verbose, &line);
-        supervise(system, disable, verbose);
+        supervise(system, &targets.more_processes(stack), disable, verbose);
         match result {
             Ok(_) => {
                 *outcome
@@ -487,6 +522,11 @@ async fn inject(
         }
         FaultKind::OutboxRedeliver => outbox_redeliver(system, fault, outcome).await,
         FaultKind::StaleHolder => plant_stale_holder(system, targets, outcome).await,
+        FaultKind::TemporalKill
+        | FaultKind::TemporalAmnesiaDeleted
+        | FaultKind::TemporalAmnesiaOldCopy => {
+            super::temporal::inject(stack, system, fault, targets.reconciler, outcome).await
+        }
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);

@@ -135,9 +135,22 @@ impl Workload {
             let queue = system.task_queue.clone();
             tasks.spawn(async move {
                 let _permit = semaphore.acquire_owned().await.expect("semaphore open");
-                payout_workflows::client::start_payout(&client, &queue, &input)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("starting {}: {e}", input.payout_id))
+                // Already started: the reconciler found the payout's start overdue (the pacing
+                // held it back) and resumed it, which is the same start. Temporal may be down
+                // (a fault): the start is tried again, bounded.
+                let give_up = Instant::now() + START_RETRY_MAX;
+                loop {
+                    match payout_workflows::client::start_payout(&client, &queue, &input).await {
+                        Ok(_)
+                        | Err(payout_workflows::client::PayoutClientError::AlreadyStarted {
+                            ..
+                        }) => return Ok(()),
+                        Err(e) if Instant::now() >= give_up => {
+                            return Err(anyhow::anyhow!("starting {}: {e}", input.payout_id))
+                        }
+                        Err(_) => tokio::time::sleep(START_RETRY_PAUSE).await,
+                    }
+                }
             });
         }
         while let Some(joined) = tasks.join_next().await {
@@ -158,6 +171,11 @@ impl Workload {
             .await;
     }
 }
+
+/// A start that Temporal refuses (it is down: a fault) is tried again for this long at most: a
+/// bound, not an expectation (a Temporal restart takes seconds).
+const START_RETRY_MAX: Duration = Duration::from_secs(120);
+const START_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 /// Polls paydb until every payout is terminal or RAIL_AMBIGUOUS with evidence at the proxy, and
 /// the outbox has drained; false if `timeout` passed first.

@@ -165,35 +165,13 @@ pub fn reconciler_tls(system: &System) -> Vec<String> {
 /// front as the reconciler: its profile), and a resumed run's settlement window of 500 ms, as
 /// `payoutdev stack up` passes them.
 pub fn source_args(system: &System, temporal_address: &str) -> Vec<String> {
-    let s = |v: &str| v.to_string();
-    reconciler_tls(system)
-        .into_iter()
-        .chain([
-            s("--paydb-url"),
-            system.databases.paydb.clone(),
-            s("--proxydb-url"),
-            system.databases.proxydb.clone(),
-            s("--gldb-url"),
-            system.databases.gldb.clone(),
-            s("--lock-server-url"),
-            system.lock_url(),
-            s("--rail-proxy-url"),
-            system.proxy_url(),
-            s("--payment-resource-url"),
-            system.payment_url(),
-            s("--temporal-address"),
-            s(temporal_address),
-            s("--temporal-config-file"),
-            system.temporal_clients.display().to_string(),
-            s("--temporal-profile"),
-            s("reconciler"),
-            s("--payout-task-queue"),
-            system.task_queue.clone(),
-            s("--settlement-window-ms"),
-            s("500"),
-        ])
-        .collect()
+    system
+        .reconciler_args(temporal_address, RESUMED_SETTLEMENT_WINDOW_MS)
+        .unwrap()
 }
+
+/// A resumed run's settlement window in these tests.
+const RESUMED_SETTLEMENT_WINDOW_MS: u64 = 500;
 
 /// A system with no worker whose rail cannot say "absent" for ten minutes, far longer than any
 /// test: a payout it failed to act on stays UNKNOWN to every inquiry.
