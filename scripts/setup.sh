@@ -14,8 +14,9 @@ need_apt=()
 # takes the Temporal UI screenshots of scripts/ui-screenshots.sh (headless). nginx is the
 # mutual-TLS front before the Temporal dev server (which has no TLS or login of its own); curl is
 # how the front's tests reach its UI over TLS. sqlite3 takes an online backup of the Temporal dev
-# server's database (the fault suite restores Temporal from an older copy).
-for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables prometheus prometheus-alertmanager apache2-utils chromium nginx curl sqlite3; do
+# server's database (the fault suite restores Temporal from an older copy). faketime (libfaketime)
+# steps the wall clock of one service of a fault-injection run (the clock_jump fault).
+for pkg in postgresql etcd-server etcd-client protobuf-compiler libprotobuf-dev python3-venv iproute2 iptables prometheus prometheus-alertmanager apache2-utils chromium nginx curl sqlite3 faketime; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -3,6 +3,7 @@
 //! (SIGKILL, SIGTERM, SIGSTOP/SIGCONT, restart). No part of it is a mock.
 
 pub use db_access;
+pub mod clock;
 pub mod etcd;
 pub mod grants;
 pub mod monitoring;

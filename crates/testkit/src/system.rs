@@ -53,6 +53,10 @@ pub struct SystemOptions {
     /// this system's task queue with these clocks. `None` (the tests' default: they start their
     /// own workflows, with their own clocks, or none at all): `--without-workflow-starts`.
     pub workflow_starts: Option<WorkflowStarts>,
+    /// Start the lock-server, the payment resource, the rail proxy and every worker under
+    /// libfaketime, so that [`System::set_clock_offset`] can step their wall clocks (the
+    /// `clock_jump` fault). Off: every process reads the host's clock untouched.
+    pub movable_clocks: bool,
 }
 
 /// The ambiguity clocks of the workflows the dispatcher's starter starts.
@@ -80,6 +84,7 @@ impl Default for SystemOptions {
             resolution_sla_ms: None,
             rail_proxy_binary: None,
             workflow_starts: None,
+            movable_clocks: false,
         }
     }
 }
@@ -161,12 +166,16 @@ pub struct System {
     /// The `/metrics` and `/healthz` port of each of `workers`, in the same order.
     pub worker_metrics: Vec<u16>,
     worker_template: ProcessSpec,
+    /// The wall clocks [`System::set_clock_offset`] moves, or why there are none.
+    clocks: Result<crate::clock::MovableClocks, String>,
 }
 
 /// The lock-server's issued-token record (INV-04's memory), in the system's directory.
 pub const ISSUED_TOKENS_FILE: &str = "lock-issued-tokens.json";
 /// The system's certificate denylist, in its folder.
 pub const DENYLIST_FILE: &str = "tls-denylist";
+/// The folder of the movable clocks' offset files (one per process, named after it).
+pub const CLOCK_DIR: &str = "clock";
 
 /// The database name of a URL this kit made (`postgres://…/NAME?…`).
 pub fn database_name(url: &str) -> &str {
@@ -254,6 +263,15 @@ impl System {
             )
         };
         let m = &ports.metrics;
+        let clocks = if options.movable_clocks {
+            crate::clock::MovableClocks::find(&dir.join(CLOCK_DIR))
+        } else {
+            Err("not asked for (SystemOptions::movable_clocks is off)".to_string())
+        };
+        let movable = |spec: ProcessSpec| match &clocks {
+            Ok(clocks) => clocks.apply(spec),
+            Err(_) => Ok(spec),
+        };
 
         let grant_keys = crate::grants::SigningKey::grant(&dir)?;
         let instruction_keys = crate::grants::SigningKey::instruction(&dir)?;
@@ -262,7 +280,7 @@ impl System {
         let pki = crate::pki::Pki::in_dir(&dir)?;
         let rail_tls = crate::rail::RailTls::issue(&dir)?;
         let operator = crate::grants::OperatorKey::in_dir(&dir)?;
-        let lock_server = ManagedProcess::start(
+        let lock_server = ManagedProcess::start(movable(
             spec("lock-server")?
                 .args(grant_keys.lock_server_args())
                 .args(pki.issue(Role::LockServer, "lock-server")?.to_args())
@@ -283,8 +301,8 @@ impl System {
                     "--issued-tokens-path".into(),
                     dir.join(ISSUED_TOKENS_FILE).into_os_string(),
                 ]),
-        )?;
-        let payment_resource = ManagedProcess::start(
+        )?)?;
+        let payment_resource = ManagedProcess::start(movable(
             spec("payment-resource")?
                 .arg("serve")
                 .args([
@@ -315,7 +333,7 @@ impl System {
                         .into_iter()
                         .flatten(),
                 ),
-        )?;
+        )?)?;
         let mut stub = spec("rail-stub")?
             .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_stub)])
             .args([
@@ -344,7 +362,7 @@ impl System {
             .rail_proxy_binary
             .clone()
             .unwrap_or_else(|| ("rail-proxy".to_string(), Vec::new()));
-        let rail_proxy = ManagedProcess::start(
+        let rail_proxy = ManagedProcess::start(movable(
             spec(&proxy_binary)?
                 .args(proxy_extra)
                 .args(["--listen".into(), format!("127.0.0.1:{}", ports.rail_proxy)])
@@ -370,7 +388,7 @@ impl System {
                     "--rail-timeout-ms".into(),
                     options.rail_timeout_ms.to_string(),
                 ]),
-        )?;
+        )?)?;
         let general_ledger = ManagedProcess::start(
             spec("general-ledger")?
                 .env(
@@ -483,6 +501,7 @@ impl System {
             workers: Vec::new(),
             worker_metrics: Vec::new(),
             worker_template,
+            clocks,
         };
         for _ in 0..options.workers {
             system.add_worker()?;
@@ -513,7 +532,9 @@ impl System {
     }
 
     /// The spec of a worker with `identity`, for a caller that changes it before starting it
-    /// (e.g. to run it inside a network namespace: [`crate::netns::NetNs::wrap`]).
+    /// (e.g. to run it inside a network namespace: [`crate::netns::NetNs::wrap`]). With
+    /// `SystemOptions::movable_clocks`, its wall clock is movable under its name
+    /// (`payout-<identity>`).
     pub fn worker_spec(&self, identity: &str) -> ProcessSpec {
         let name = format!("payout-{identity}");
         // Each worker its own certificate: its lock session belongs to it alone.
@@ -530,7 +551,28 @@ impl System {
         }
         spec.name = name.clone();
         spec.log_path = self.dir.join(format!("{name}.log"));
-        spec
+        match &self.clocks {
+            Ok(clocks) => clocks
+                .apply(spec)
+                .expect("writing a worker's clock offset file"),
+            Err(_) => spec,
+        }
+    }
+
+    /// Steps the wall clock (`CLOCK_REALTIME`) of the process named `process` (a worker's
+    /// `payout-<identity>`, `lock-server`, `payment-resource`, the rail proxy's binary name) to
+    /// `offset_s` seconds from the real time, 0 to heal; in effect within
+    /// [`crate::clock::OFFSET_CACHE_S`]. Refused without `SystemOptions::movable_clocks`.
+    pub fn set_clock_offset(&self, process: &str, offset_s: i64) -> anyhow::Result<()> {
+        match &self.clocks {
+            Ok(clocks) => clocks.set_offset(process, offset_s),
+            Err(why) => anyhow::bail!("no movable clocks: {why}"),
+        }
+    }
+
+    /// Why this system's wall clocks cannot be moved, if they cannot.
+    pub fn clocks_unmovable(&self) -> Option<&str> {
+        self.clocks.as_ref().err().map(String::as_str)
     }
 
     pub fn lock_url(&self) -> String {

@@ -931,39 +931,26 @@ async fn a_silenced_page_pages(project: &Deployment) -> anyhow::Result<()> {
     ensure!(code == 0, "amtool silence add exited {code}: {id}");
     let id = id.trim().to_string();
     let client = MonitoringClient::new()?;
-    let paged = |want: bool| {
-        let (client, url) = (
-            client.clone(),
-            format!("{alertmanager}/api/v2/alerts?active=true&silenced=false&inhibited=false"),
-        );
-        async move {
-            let alerts = client.get_json(&url).await?;
-            let found = alerts.as_array().into_iter().flatten().any(|a| {
-                a["labels"]["alertname"] == "PageAlertSilenced"
-                    && a["labels"]["rule"] == "FencedOut"
-            });
-            anyhow::Ok(found == want)
-        }
-    };
-    let deadline = Instant::now() + MONITORING_TIMEOUT;
-    while !paged(true).await? {
-        ensure!(
-            Instant::now() < deadline,
-            "no PageAlertSilenced for silence {id} in Alertmanager"
-        );
-        tokio::time::sleep(POLL).await;
-    }
+    let page = [("alertname", "PageAlertSilenced"), ("rule", "FencedOut")];
+    client
+        .wait_alert(
+            &alertmanager,
+            &page,
+            true,
+            &format!("no PageAlertSilenced for silence {id} in Alertmanager"),
+        )
+        .await?;
     println!("row 3b: silence {id} over FencedOut, added from the host, pages PageAlertSilenced");
     let (code, out) = amtool(&["silence", "expire", &id])?;
     ensure!(code == 0, "amtool silence expire exited {code}: {out}");
-    while !paged(false).await? {
-        ensure!(
-            Instant::now() < deadline,
-            "PageAlertSilenced still active after silence {id} expired"
-        );
-        tokio::time::sleep(POLL).await;
-    }
-    Ok(())
+    client
+        .wait_alert(
+            &alertmanager,
+            &page,
+            false,
+            &format!("PageAlertSilenced still active after silence {id} expired"),
+        )
+        .await
 }
 
 /// deploy/README.md's operator block (between `<!-- operator-env:begin -->` and `end`), run as
@@ -1118,25 +1105,17 @@ async fn break_glass(h: &Harness<'_>, operator: &mtls::TlsArgs) -> anyhow::Resul
     // The break-glass is loud: Prometheus scrapes lock_force_revokes_total{by="operator"} and
     // LockForceRevoked reaches Alertmanager (the deployment's own monitoring, as the operator).
     let alertmanager = format!(
-        "https://127.0.0.1:{}/api/v2/alerts?active=true&silenced=false&inhibited=false",
+        "https://127.0.0.1:{}",
         project.host_port("alertmanager", ALERTMANAGER_PORT).await?
     );
-    let monitoring = MonitoringClient::new()?;
-    let deadline = Instant::now() + MONITORING_TIMEOUT;
-    loop {
-        let alerts = monitoring.get_json(&alertmanager).await?;
-        let paged = alerts.as_array().into_iter().flatten().any(|a| {
-            a["labels"]["alertname"] == "LockForceRevoked" && a["labels"]["by"] == "operator"
-        });
-        if paged {
-            break;
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "row 8b: no LockForceRevoked{{by=\"operator\"}} in Alertmanager after the revoke: {alerts}"
-        );
-        tokio::time::sleep(POLL).await;
-    }
+    MonitoringClient::new()?
+        .wait_alert(
+            &alertmanager,
+            &[("alertname", "LockForceRevoked"), ("by", "operator")],
+            true,
+            "row 8b: no LockForceRevoked{by=\"operator\"} in Alertmanager after the revoke",
+        )
+        .await?;
     println!(
         "rows 8a/8b: the README's operator block runs reconcile (0 violations) and revokes {key} (token {token}) from the host; LockForceRevoked pages"
     );
@@ -2101,6 +2080,33 @@ impl MonitoringClient {
             .error_for_status()?
             .json()
             .await?)
+    }
+
+    /// Waits, at most [`MONITORING_TIMEOUT`], until the Alertmanager at `base` shows (`firing`)
+    /// or no longer shows an active, unsilenced, uninhibited alert carrying every label of
+    /// `labels`; the error names `what` and the last answer.
+    async fn wait_alert(
+        &self,
+        base: &str,
+        labels: &[(&str, &str)],
+        firing: bool,
+        what: &str,
+    ) -> anyhow::Result<()> {
+        let url = format!("{base}/api/v2/alerts?active=true&silenced=false&inhibited=false");
+        let deadline = Instant::now() + MONITORING_TIMEOUT;
+        loop {
+            let alerts = self.get_json(&url).await?;
+            let found = alerts.as_array().into_iter().flatten().any(|a| {
+                labels
+                    .iter()
+                    .all(|(name, value)| a["labels"][*name] == *value)
+            });
+            if found == firing {
+                return Ok(());
+            }
+            ensure!(Instant::now() < deadline, "{what}: {alerts}");
+            tokio::time::sleep(POLL).await;
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 //! the code under test. [`negative`] holds the negative controls.
 
 pub mod checker;
+pub mod clock;
 pub mod guards;
 pub mod linearizable;
 pub mod negative;
@@ -122,6 +123,8 @@ pub struct Report {
     pub schedule: Vec<String>,
     /// Why there were no network partitions, if there were none.
     pub partitions_unavailable: Option<String>,
+    /// Why there were no clock jumps (no libfaketime here), if there were none.
+    pub clocks_unavailable: Option<String>,
     pub safety_events: BTreeMap<String, i64>,
     /// The hard cases the run reached, each with its count (`Evidence::reached` and the INV-04
     /// alarm's refusals): a zero is a case every check passed vacuously.
@@ -166,16 +169,20 @@ impl Report {
         if let Some(why) = &self.partitions_unavailable {
             let _ = writeln!(s, "  no network partitions on this machine: {why}");
         }
+        if let Some(why) = &self.clocks_unavailable {
+            let _ = writeln!(s, "  no clock jumps on this machine: {why}");
+        }
         let _ = writeln!(s, "safety events: {}", counts(&self.safety_events));
         let _ = writeln!(s, "reached: {}", counts(&self.reached));
         for p in &self.stale_holders {
             let _ = writeln!(
                 s,
-                "  stale holder: {} froze before {} of {} with token {} (paused past its lease); released after a successor's token {}; the guard answered: {}{}",
+                "  stale holder: {} froze before {} of {} with token {} (made stale by {}); released after a successor's token {}; the guard answered: {}{}",
                 p.worker,
                 p.step,
                 p.payout,
                 p.token,
+                p.method,
                 p.successor_token.map_or("(none)".to_string(), |t| t.to_string()),
                 p.answer.as_deref().unwrap_or("(no answer)"),
                 p.problem.as_deref().map_or(String::new(), |e| format!(" [{e}]")),
@@ -264,6 +271,8 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
             worker_env: vec![("PAYOUT_LOCK_TTL_MS".into(), WORKER_LOCK_TTL_MS.to_string())],
             // The nemesis plants stale holders through the test worker's stall points.
             test_worker: true,
+            // The nemesis steps the wall clocks of the workers and the three fenced services.
+            movable_clocks: true,
             ..SystemOptions::default()
         },
     )
@@ -315,6 +324,23 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         ),
     );
 
+    let clocks_unavailable = system.clocks_unmovable().map(str::to_string);
+    // Without libfaketime the clock jumps are left out of the schedule, as partitions are.
+    let kinds: Option<Vec<nemesis::FaultKind>> = match &clocks_unavailable {
+        None => config.kinds.clone(),
+        Some(_) => Some(
+            config
+                .kinds
+                .clone()
+                .unwrap_or_else(|| nemesis::FaultKind::ALL.to_vec())
+                .into_iter()
+                .filter(|k| *k != nemesis::FaultKind::ClockJump)
+                .collect(),
+        ),
+    };
+    if let (Some(kinds), Some(why)) = (&kinds, &clocks_unavailable) {
+        anyhow::ensure!(!kinds.is_empty(), "no fault kind left to run: {why}");
+    }
     let schedule = nemesis::Schedule::generate(
         config.seed,
         config.faults,
@@ -322,7 +348,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         config.workers,
         config.disable,
         partitions_unavailable.is_none(),
-        config.kinds.as_deref(),
+        kinds.as_deref(),
     );
     for line in schedule.describe() {
         say(config.verbose, format!("schedule: {line}"));
@@ -403,6 +429,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
 
     let mut evidence = Evidence::collect(&system).await?;
     evidence.revokes.extend(outcome.revokes.iter().cloned());
+    evidence.restores = outcome.restores.clone();
     evidence.lock_ttl_ns = WORKER_LOCK_TTL_MS * 1_000_000;
     let mut checks = checker::check(&evidence);
     let mut safety_events = evidence.safety_events();
@@ -444,6 +471,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         fault_errors: outcome.errors,
         schedule: schedule.describe(),
         partitions_unavailable,
+        clocks_unavailable,
         safety_events,
         reached,
         stale_holders: outcome.plants.clone(),

@@ -61,6 +61,9 @@ pub enum FaultKind {
     /// Temporal's database backed up, then `down_ms` later replaced by that copy: Temporal lacks
     /// every workflow started since and runs again those that finished since.
     TemporalAmnesiaOldCopy,
+    /// The wall clock of a worker, the payment resource, the rail proxy or the lock-server
+    /// stepped forward or back by 1..10 minutes for `down_ms`, then set right (`super::clock`).
+    ClockJump,
 }
 
 /// The steps a planted stale holder stalls before, in turn.
@@ -82,9 +85,36 @@ const PLANT_TAKE_TIMEOUT: Duration = Duration::from_secs(90);
 /// Beyond the lease, so that the frozen holder's grant is gone at the lock service.
 const PLANT_PAUSE_MS: u64 = WORKER_LOCK_TTL_MS + 3_000;
 
+/// How a planted holder is made stale while its call is frozen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlantMethod {
+    /// An operator force-revokes its grant; the worker runs on (its other payouts too), the
+    /// frozen call keeps the revoked grant's signature.
+    Revoke,
+    /// Its worker is paused past its lease (SIGSTOP): the session and every grant of the worker
+    /// are lost. A worker paused so sometimes exits on resuming (`Plant::worker_exited`), taking
+    /// the frozen call with it.
+    Pause,
+}
+
+impl PlantMethod {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Revoke => "revoke",
+            Self::Pause => "pause",
+        }
+    }
+}
+
+/// The methods in turn, two plants each (one before each step): revoked first, so each guard's
+/// fence is met by a holder whose worker does not exit with its call.
+const PLANT_METHODS: [PlantMethod; 2] = [PlantMethod::Revoke, PlantMethod::Pause];
+
 /// One planted stale holder that a worker took, and what became of its call.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plant {
+    /// How it was made stale (`PlantMethod::name`).
+    pub method: String,
     pub step: String,
     pub worker: String,
     pub payout: String,
@@ -120,7 +150,7 @@ impl Plant {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 20] = [
+    pub const ALL: [FaultKind; 21] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -141,6 +171,7 @@ impl FaultKind {
         FaultKind::TemporalKill,
         FaultKind::TemporalAmnesiaDeleted,
         FaultKind::TemporalAmnesiaOldCopy,
+        FaultKind::ClockJump,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -164,6 +195,7 @@ impl FaultKind {
             FaultKind::TemporalKill => "temporal_kill",
             FaultKind::TemporalAmnesiaDeleted => "temporal_amnesia_deleted",
             FaultKind::TemporalAmnesiaOldCopy => "temporal_amnesia_old_copy",
+            FaultKind::ClockJump => "clock_jump",
         }
     }
     pub fn parse(name: &str) -> Option<Self> {
@@ -262,6 +294,8 @@ impl Schedule {
                     // The old copy's age: workflows are started and finished between the backup
                     // and the restore.
                     FaultKind::TemporalAmnesiaOldCopy => rng.random_range(2_000..8_000),
+                    // How long the clock stays stepped: seconds of payouts at the target.
+                    FaultKind::ClockJump => rng.random_range(2_000..5_000),
                     _ => rng.random_range(100..1_500),
                 };
                 Fault {
@@ -324,9 +358,23 @@ pub struct Outcome {
     pub plant_attempts: usize,
     /// Each time Temporal lost its state, what was open then.
     pub amnesias: Vec<super::temporal::Amnesia>,
+    /// The lock backend's rollbacks (etcd restored from a snapshot), for the checker.
+    pub restores: Vec<super::checker::Restore>,
+    /// Workers (by index) holding a planted call not yet answered: the worker faults spare them.
+    pub planted_workers: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<usize>>>,
 }
 
 impl Outcome {
+    /// `worker`, or, when it holds a planted call not yet answered, the next worker that holds
+    /// none (`worker` itself when every worker holds one).
+    fn spare_planted(&self, worker: usize, workers: usize) -> usize {
+        let planted = self.planted_workers.lock().expect("planted workers");
+        (0..workers.max(1))
+            .map(|i| (worker + i) % workers.max(1))
+            .find(|w| !planted.contains(w))
+            .unwrap_or(worker)
+    }
+
     /// Waits until every planted call has been released and answered (each bounded), so the
     /// evidence is read after they ran.
     pub async fn finish_plants(&mut self) {
@@ -450,6 +498,12 @@ async fn inject(
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
     let work = targets.work;
+    // A worker holding a planted call frozen is spared the worker faults (a kill would take the
+    // call with it, and the plant would reach no guard): the fault goes to another worker.
+    let fault = &Fault {
+        worker: outcome.spare_planted(fault.worker, system.workers.len()),
+        ..fault.clone()
+    };
     let worker = || {
         system
             .workers
@@ -527,6 +581,7 @@ async fn inject(
         | FaultKind::TemporalAmnesiaOldCopy => {
             super::temporal::inject(stack, system, fault, targets.reconciler, outcome).await
         }
+        FaultKind::ClockJump => super::clock::inject(system, fault, targets.disable).await,
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);
@@ -617,27 +672,18 @@ async fn force_revoke(
                 continue;
             }
         };
-        let sent_ns = lock_client::history::monotonic_ns(Instant::now());
-        match lock
-            .force_revoke(
-                &key,
-                expected,
-                testkit::pki::TEST_OPERATOR,
-                "nemesis: operator revokes a lock during a payout",
-            )
-            .await
+        match revoke(
+            &lock,
+            &key,
+            expected,
+            "nemesis: operator revokes a lock during a payout",
+            outcome,
+        )
+        .await
         {
-            Ok(answer) => {
-                let answered_ns = lock_client::history::monotonic_ns(Instant::now());
-                outcome.revokes.push(super::checker::Revoke {
-                    key: key.clone(),
-                    revoked_token: answer.revoked_token,
-                    sent_ns,
-                    answered_ns,
-                });
+            Ok((owner, token)) => {
                 return Ok(format!(
-                    "{key} revoked from {} (token {}; {in_flight} accounts in flight)",
-                    answer.revoked_owner, answer.revoked_token
+                    "{key} revoked from {owner} (token {token}; {in_flight} accounts in flight)"
                 ));
             }
             Err(e) => last = Some(e.to_string()),
@@ -647,6 +693,28 @@ async fn force_revoke(
         || anyhow::anyhow!("no account to revoke"),
         |e| anyhow::anyhow!("no held lock found: {e}"),
     ))
+}
+
+/// An operator's force-revoke of `key` from the grant of `expected`, recorded with its send and
+/// answer times so the checker pairs it with the grant it took: the deposed owner and token.
+async fn revoke(
+    lock: &lock_client::LockClient,
+    key: &str,
+    expected: lock_client::FencingToken,
+    reason: &str,
+    outcome: &mut Outcome,
+) -> anyhow::Result<(String, u64)> {
+    let sent_ns = lock_client::history::monotonic_ns(Instant::now());
+    let answer = lock
+        .force_revoke(key, expected, testkit::pki::TEST_OPERATOR, reason)
+        .await?;
+    outcome.revokes.push(super::checker::Revoke {
+        key: key.to_string(),
+        revoked_token: answer.revoked_token,
+        sent_ns,
+        answered_ns: lock_client::history::monotonic_ns(Instant::now()),
+    });
+    Ok((answer.revoked_owner, answer.revoked_token))
 }
 
 /// Above the highest token seen when the restore procedure advances the revision: room for
@@ -749,7 +817,14 @@ async fn etcd_restore(
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
     let snapshot = system.dir.join(format!("etcd-snapshot-{}.db", fault.at_ms));
+    let snapshot_ns = lock_client::history::monotonic_ns(Instant::now());
     let snapshot_revision = blocking(|| stack.etcd.snapshot(&snapshot))?;
+    let rolled_back = |outcome: &mut Outcome| {
+        outcome.restores.push(super::checker::Restore {
+            snapshot_ns,
+            restore_ns: lock_client::history::monotonic_ns(Instant::now()),
+        })
+    };
     tokio::time::sleep(Duration::from_millis(fault.down_ms)).await;
     let key = format!("payout:chaos-restore-probe-{}", fault.at_ms);
     let Probe::Granted(before) = probe(system, &key).await? else {
@@ -759,6 +834,7 @@ async fn etcd_restore(
     if procedure {
         blocking(|| system.lock_server.kill())?;
         let stopped = Instant::now();
+        rolled_back(outcome);
         blocking(|| stack.etcd.restore_from_snapshot(&snapshot))?;
         let reached = restore_procedure(stack, system, revision_before, stopped).await?;
         match probe(system, &key).await? {
@@ -777,6 +853,7 @@ async fn etcd_restore(
             }
         }
     } else {
+        rolled_back(outcome);
         blocking(|| stack.etcd.restore_from_snapshot(&snapshot))?;
         if targets.lose_issued_tokens {
             // The negative control: the lock-server's memory of issued tokens is restored (lost)
@@ -858,7 +935,9 @@ async fn plant_stale_holder(
     targets: &Targets<'_>,
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
-    let step = STALE_STEPS[outcome.plant_attempts % STALE_STEPS.len()];
+    let attempt = outcome.plant_attempts;
+    let step = STALE_STEPS[attempt % STALE_STEPS.len()];
+    let method = PLANT_METHODS[attempt / STALE_STEPS.len() % PLANT_METHODS.len()];
     outcome.plant_attempts += 1;
     let dir = targets.stall_dir;
     let taken_prefix = format!("{step}.taken.");
@@ -900,23 +979,43 @@ async fn plant_stale_holder(
         .workers
         .get(index)
         .ok_or_else(|| anyhow::anyhow!("no worker {index}"))?;
-    blocking(|| worker.pause())?;
-    tokio::time::sleep(Duration::from_millis(PLANT_PAUSE_MS)).await;
-    blocking(|| worker.resume())?;
     let token_file = dir.join(format!("{step}.token.{payout}"));
-    let token: i64 = testkit::eventually(
-        Duration::from_secs(5),
-        "the planted holder's token",
-        || async {
-            std::fs::read_to_string(&token_file)
-                .ok()?
-                .trim()
-                .parse()
-                .ok()
-        },
-    )
-    .await?;
+    let read_token = || async {
+        testkit::eventually(
+            Duration::from_secs(5),
+            "the planted holder's token",
+            || async {
+                std::fs::read_to_string(&token_file)
+                    .ok()?
+                    .trim()
+                    .parse::<i64>()
+                    .ok()
+            },
+        )
+        .await
+    };
+    let token = match method {
+        PlantMethod::Pause => {
+            blocking(|| worker.pause())?;
+            tokio::time::sleep(Duration::from_millis(PLANT_PAUSE_MS)).await;
+            blocking(|| worker.resume())?;
+            read_token().await?
+        }
+        PlantMethod::Revoke => {
+            let token = read_token().await?;
+            revoke_planted(system, &payout, token, outcome).await?;
+            token
+        }
+    };
+    outcome
+        .planted_workers
+        .lock()
+        .expect("planted workers")
+        .insert(index);
     let watch = PlantWatch {
+        planted_workers: outcome.planted_workers.clone(),
+        worker_index: index,
+        method,
         step: step.to_string(),
         worker_pid: worker.pid(),
         worker: identity.clone(),
@@ -928,7 +1027,12 @@ async fn plant_stale_holder(
     };
     outcome.plant_tasks.push(tokio::spawn(watch.run()));
     Ok(format!(
-        "{identity} stalls before {step} of {payout} with token {token}, paused {PLANT_PAUSE_MS} ms (lease {WORKER_LOCK_TTL_MS} ms); released once a successor's write lands"
+        "{identity} stalls before {step} of {payout} with token {token}, {}; released once a successor's write lands",
+        match method {
+            PlantMethod::Pause =>
+                format!("paused {PLANT_PAUSE_MS} ms (lease {WORKER_LOCK_TTL_MS} ms)"),
+            PlantMethod::Revoke => "its grant force-revoked by an operator".to_string(),
+        }
     ))
 }
 
@@ -942,8 +1046,40 @@ fn process_alive(pid: u32) -> bool {
     })
 }
 
+/// An operator's force-revoke of the planted holder's grant (its account's key, the token it
+/// checked): the holder goes on running, frozen in its call, while a successor is granted.
+async fn revoke_planted(
+    system: &System,
+    payout: &str,
+    token: i64,
+    outcome: &mut Outcome,
+) -> anyhow::Result<()> {
+    let paydb = super::one_connection(&system.databases.paydb).await?;
+    let account: String = sqlx::query_scalar("SELECT account_id FROM payout WHERE id = $1")
+        .bind(payout)
+        .fetch_one(&paydb)
+        .await?;
+    testkit::util::close_pool(paydb).await;
+    let expected = lock_client::FencingToken::new(u64::try_from(token)?)?;
+    let lock =
+        lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Operator)).await?;
+    revoke(
+        &lock,
+        &format!("payout:{account}"),
+        expected,
+        "nemesis: operator revokes the grant of a holder frozen in its call",
+        outcome,
+    )
+    .await?;
+    Ok(())
+}
+
 /// Releases one planted call once it is stale, and collects the guard's answer.
 struct PlantWatch {
+    /// The run's workers holding a planted call; this one's index leaves it once its call is over.
+    planted_workers: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<usize>>>,
+    worker_index: usize,
+    method: PlantMethod,
     step: String,
     /// The planted worker's process: whether it still runs when no answer came.
     worker_pid: Option<u32>,
@@ -959,6 +1095,7 @@ struct PlantWatch {
 impl PlantWatch {
     async fn run(self) -> Plant {
         let mut plant = Plant {
+            method: self.method.name().to_string(),
             step: self.step.clone(),
             worker: self.worker.clone(),
             payout: self.payout.clone(),
@@ -1011,6 +1148,10 @@ impl PlantWatch {
                 ));
             }
         }
+        self.planted_workers
+            .lock()
+            .expect("planted workers")
+            .remove(&self.worker_index);
         plant
     }
 

@@ -159,7 +159,7 @@ const IN_FLIGHT_WAIT: Duration = Duration::from_secs(15);
 
 /// Waits until paydb shows a payout claimed and not finished (a workflow is driving it now, so
 /// the amnesia takes a workflow that matters), at most [`IN_FLIGHT_WAIT`]; whether one was seen.
-async fn payout_in_flight(system: &System) -> bool {
+pub(crate) async fn payout_in_flight(system: &System) -> bool {
     let Ok(paydb) = super::one_connection(&system.databases.paydb).await else {
         return false;
     };
