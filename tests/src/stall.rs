@@ -47,6 +47,9 @@ pub const STALL_ENV: &str = "PAYOUT_TEST_STALL_AFTER_CHECK";
 pub const LOSE_ANSWER_ENV: &str = "PAYOUT_TEST_LOSE_ANSWER";
 /// The variable naming the directory of armed stall points.
 pub const STALL_DIR_ENV: &str = "PAYOUT_TEST_STALL_DIR";
+/// A planted call that fails transiently is made again for at most this long, this often.
+const PLANTED_RETRY_MAX: Duration = Duration::from_secs(20);
+const PLANTED_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// An armed stall looks for its release this often.
 const STALL_RELEASE_POLL: Duration = Duration::from_millis(50);
 
@@ -103,7 +106,9 @@ impl Backend for StallingBackend {
                 .stall("mark_submitted", &input.payout_id, input.grant.token)
                 .await;
             let payout_id = input.payout_id.clone();
-            let answer = self.inner.mark_submitted(input).await;
+            let answer = plant
+                .call(|| self.inner.mark_submitted(input.clone()))
+                .await;
             plant.report(&answer, |_| "accepted".to_string());
             self.lost.maybe_lose("mark_submitted", &payout_id, answer)
         })
@@ -148,7 +153,7 @@ impl Backend for StallingBackend {
                 .stalls
                 .stall("submit", &input.payout_id, input.grant.token)
                 .await;
-            let answer = self.inner.submit(input).await;
+            let answer = plant.call(|| self.inner.submit(input.clone())).await;
             plant.report(&answer, |a| {
                 match a {
                     SubmitAnswer::Acked { .. } => "accepted: acked",
@@ -235,6 +240,29 @@ struct PlantedCall {
 }
 
 impl PlantedCall {
+    /// Makes the call; a planted one is made again on a transient failure (its guard's database
+    /// restarting under another fault, say), as the stale holder's own retry would, for at most
+    /// [`PLANTED_RETRY_MAX`]: what the harness waits for is the guard's decision.
+    async fn call<T, F, Fut>(&self, mut call: F) -> Result<T, ActivityFailure>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ActivityFailure>>,
+    {
+        let give_up = std::time::Instant::now() + PLANTED_RETRY_MAX;
+        loop {
+            let answer = call().await;
+            match &answer {
+                Err(ActivityFailure::Transient(e))
+                    if self.answer_file.is_some() && std::time::Instant::now() < give_up =>
+                {
+                    tracing::warn!(error = %e, "test stall point (armed): the planted call failed transiently; made again");
+                    tokio::time::sleep(PLANTED_RETRY_PAUSE).await;
+                }
+                _ => return answer,
+            }
+        }
+    }
+
     /// Writes how the guard answered the planted call: `accepted[: detail]`, or the refusal's
     /// kind.
     fn report<T>(&self, answer: &Result<T, ActivityFailure>, accepted: impl FnOnce(&T) -> String) {

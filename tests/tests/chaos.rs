@@ -52,6 +52,7 @@ async fn chaos_run_under_the_nemesis_has_no_violations() {
         FaultKind::TemporalAmnesiaDeleted,
         FaultKind::TemporalAmnesiaOldCopy,
         FaultKind::ClockJump,
+        FaultKind::RollingRestart,
     ];
     match &report.partitions_unavailable {
         None => required.push(FaultKind::WorkerPartition),

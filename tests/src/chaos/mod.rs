@@ -12,6 +12,7 @@ pub mod guards;
 pub mod linearizable;
 pub mod negative;
 pub mod nemesis;
+pub mod rolling;
 pub mod temporal;
 pub mod workload;
 
@@ -422,10 +423,6 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     if !settled {
         workload::describe_unsettled(stack, &system).await;
     }
-    // A planted stale call may still be waiting for its successor: the evidence is read after
-    // every planted call was released and answered.
-    let mut outcome = outcome;
-    outcome.finish_plants().await;
 
     let mut evidence = Evidence::collect(&system).await?;
     evidence.revokes.extend(outcome.revokes.iter().cloned());

@@ -64,6 +64,9 @@ pub enum FaultKind {
     /// The wall clock of a worker, the payment resource, the rail proxy or the lock-server
     /// stepped forward or back by 1..10 minutes for `down_ms`, then set right (`super::clock`).
     ClockJump,
+    /// Every service stopped gracefully and started again, one after another, each ready before
+    /// the next (`super::rolling`): a release rolled out mid-batch.
+    RollingRestart,
 }
 
 /// The steps a planted stale holder stalls before, in turn.
@@ -150,7 +153,7 @@ impl Plant {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 21] = [
+    pub const ALL: [FaultKind; 22] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -172,6 +175,7 @@ impl FaultKind {
         FaultKind::TemporalAmnesiaDeleted,
         FaultKind::TemporalAmnesiaOldCopy,
         FaultKind::ClockJump,
+        FaultKind::RollingRestart,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -196,6 +200,7 @@ impl FaultKind {
             FaultKind::TemporalAmnesiaDeleted => "temporal_amnesia_deleted",
             FaultKind::TemporalAmnesiaOldCopy => "temporal_amnesia_old_copy",
             FaultKind::ClockJump => "clock_jump",
+            FaultKind::RollingRestart => "rolling_restart",
         }
     }
     pub fn parse(name: &str) -> Option<Self> {
@@ -261,13 +266,22 @@ impl Schedule {
             .filter(|k| only.is_none_or(|o| o.contains(k)))
             .collect();
         let total: u32 = kinds.iter().map(|k| k.weight()).sum();
+        // Every kind once first; the planted stale holder once per step it stalls before, so a
+        // run plants before MarkSubmitted and before Submit (each guard's fence is reached).
+        let mut first = kinds.clone();
+        if kinds.contains(&FaultKind::StaleHolder) {
+            first.extend(std::iter::repeat_n(
+                FaultKind::StaleHolder,
+                STALE_STEPS.len() - 1,
+            ));
+        }
         let window_ms = window.as_millis().max(1) as u64;
         let mut faults: Vec<Fault> = (0..count)
             .map(|i| {
                 let mut pick = rng.random_range(0..total);
                 // Every kind once first (when there are enough faults), then by weight.
-                let kind = if i < kinds.len() {
-                    kinds[i]
+                let kind = if i < first.len() {
+                    first[i]
                 } else {
                     *kinds
                         .iter()
@@ -349,44 +363,14 @@ pub struct Outcome {
     pub regression_alarms_missed: Vec<String>,
     /// Outbox rows handed back to the dispatcher for a second delivery.
     pub outbox_rows_redelivered: u64,
-    /// Stale holders planted and taken, once their calls are over ([`Outcome::finish_plants`]).
+    /// Stale holders planted and taken, each once its call is over (the fault waits for it).
     pub plants: Vec<Plant>,
-    /// Planted holders whose calls are still to come: each task releases its call once a
-    /// successor's write has landed at the guard, and reports the guard's answer.
-    pub plant_tasks: Vec<tokio::task::JoinHandle<Plant>>,
     /// Stale holders armed so far (taken or not): they alternate between the two steps.
     pub plant_attempts: usize,
     /// Each time Temporal lost its state, what was open then.
     pub amnesias: Vec<super::temporal::Amnesia>,
     /// The lock backend's rollbacks (etcd restored from a snapshot), for the checker.
     pub restores: Vec<super::checker::Restore>,
-    /// Workers (by index) holding a planted call not yet answered: the worker faults spare them.
-    pub planted_workers: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<usize>>>,
-}
-
-impl Outcome {
-    /// `worker`, or, when it holds a planted call not yet answered, the next worker that holds
-    /// none (`worker` itself when every worker holds one).
-    fn spare_planted(&self, worker: usize, workers: usize) -> usize {
-        let planted = self.planted_workers.lock().expect("planted workers");
-        (0..workers.max(1))
-            .map(|i| (worker + i) % workers.max(1))
-            .find(|w| !planted.contains(w))
-            .unwrap_or(worker)
-    }
-
-    /// Waits until every planted call has been released and answered (each bounded), so the
-    /// evidence is read after they ran.
-    pub async fn finish_plants(&mut self) {
-        for task in std::mem::take(&mut self.plant_tasks) {
-            match task.await {
-                Ok(plant) => self.plants.push(plant),
-                Err(e) => self
-                    .errors
-                    .push(format!("a planted holder's task failed: {e}")),
-            }
-        }
-    }
 }
 
 /// What the nemesis acts on besides the stack and the system.
@@ -498,12 +482,6 @@ async fn inject(
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
     let work = targets.work;
-    // A worker holding a planted call frozen is spared the worker faults (a kill would take the
-    // call with it, and the plant would reach no guard): the fault goes to another worker.
-    let fault = &Fault {
-        worker: outcome.spare_planted(fault.worker, system.workers.len()),
-        ..fault.clone()
-    };
     let worker = || {
         system
             .workers
@@ -582,6 +560,9 @@ async fn inject(
             super::temporal::inject(stack, system, fault, targets.reconciler, outcome).await
         }
         FaultKind::ClockJump => super::clock::inject(system, fault, targets.disable).await,
+        FaultKind::RollingRestart => {
+            super::rolling::restart_all(system, targets.reconciler, targets.disable).await
+        }
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);
@@ -1007,14 +988,7 @@ async fn plant_stale_holder(
             token
         }
     };
-    outcome
-        .planted_workers
-        .lock()
-        .expect("planted workers")
-        .insert(index);
     let watch = PlantWatch {
-        planted_workers: outcome.planted_workers.clone(),
-        worker_index: index,
         method,
         step: step.to_string(),
         worker_pid: worker.pid(),
@@ -1025,15 +999,22 @@ async fn plant_stale_holder(
         paydb: system.databases.paydb.clone(),
         proxydb: (!targets.disable.proxy_off()).then(|| system.databases.proxydb.clone()),
     };
-    outcome.plant_tasks.push(tokio::spawn(watch.run()));
-    Ok(format!(
-        "{identity} stalls before {step} of {payout} with token {token}, {}; released once a successor's write lands",
+    // The plant is healed, as every fault is before the next, once its call has reached the
+    // guard and been answered: another fault meanwhile (a worker's exit when Temporal or a guard
+    // goes away under it, a restart) could take the frozen call with it and the guard would never
+    // see it.
+    let plant = watch.run().await;
+    let line = format!(
+        "{identity} stalled before {step} of {payout} with token {token}, {}; released after a successor's write; the guard answered: {}",
         match method {
             PlantMethod::Pause =>
                 format!("paused {PLANT_PAUSE_MS} ms (lease {WORKER_LOCK_TTL_MS} ms)"),
             PlantMethod::Revoke => "its grant force-revoked by an operator".to_string(),
-        }
-    ))
+        },
+        plant.answer.as_deref().unwrap_or("(no answer)")
+    );
+    outcome.plants.push(plant);
+    Ok(line)
 }
 
 /// Whether process `pid` still runs (not gone, not a zombie awaiting its reaping).
@@ -1076,9 +1057,6 @@ async fn revoke_planted(
 
 /// Releases one planted call once it is stale, and collects the guard's answer.
 struct PlantWatch {
-    /// The run's workers holding a planted call; this one's index leaves it once its call is over.
-    planted_workers: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<usize>>>,
-    worker_index: usize,
     method: PlantMethod,
     step: String,
     /// The planted worker's process: whether it still runs when no answer came.
@@ -1148,10 +1126,6 @@ impl PlantWatch {
                 ));
             }
         }
-        self.planted_workers
-            .lock()
-            .expect("planted workers")
-            .remove(&self.worker_index);
         plant
     }
 
