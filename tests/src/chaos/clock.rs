@@ -57,20 +57,7 @@ impl Jump {
     }
 }
 
-/// Payouts a workflow is driving now (claimed and not yet settled): what a jump lands on.
-async fn payouts_in_flight(system: &System) -> Option<i64> {
-    let paydb = super::one_connection(&system.databases.paydb).await.ok()?;
-    let n = sqlx::query_scalar(
-        "SELECT count(*) FROM payout WHERE state IN ('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_AMBIGUOUS', 'RAIL_ACKED')",
-    )
-    .fetch_one(&paydb)
-    .await
-    .ok();
-    testkit::util::close_pool(paydb).await;
-    n
-}
-
-/// Once a payout is in flight (bounded: `super::temporal::payout_in_flight`), steps one
+/// Once a payout is in flight (bounded: `super::payouts_in_flight`), steps one
 /// process's wall clock for `fault.down_ms` (plus the time the library takes to read the new
 /// offset, so the step holds that long), then sets it right and waits until that is read too:
 /// healed before the next fault.
@@ -81,22 +68,19 @@ pub async fn inject(
 ) -> anyhow::Result<String> {
     let jump = Jump::of(system, fault, disable);
     let read_within = Duration::from_secs(testkit::clock::OFFSET_CACHE_S);
-    let any_in_flight = super::temporal::payout_in_flight(system).await;
-    let in_flight = payouts_in_flight(system).await;
+    let in_flight = super::payouts_in_flight(system).await;
     system.set_clock_offset(&jump.process, jump.offset_s)?;
     tokio::time::sleep(Duration::from_millis(fault.down_ms) + read_within).await;
     system.set_clock_offset(&jump.process, 0)?;
     tokio::time::sleep(read_within).await;
     Ok(format!(
-        "{}'s wall clock stepped {:+} min for {} ms ({} payouts in flight{}), then set right",
+        "{}'s wall clock stepped {:+} min for {} ms ({}), then set right",
         jump.process,
         jump.offset_s / 60,
         fault.down_ms,
-        in_flight.map_or("?".to_string(), |n| n.to_string()),
-        if any_in_flight {
-            ""
-        } else {
-            "; none came within the wait"
-        },
+        in_flight.map_or(
+            "no payout came in flight within the wait".to_string(),
+            |n| { format!("{n} payouts in flight") }
+        ),
     ))
 }

@@ -249,6 +249,31 @@ pub(crate) async fn one_connection(url: &str) -> anyhow::Result<sqlx::PgPool> {
         .await?)
 }
 
+/// A fault that needs payouts in flight waits at most this long for one (a bound: in a run's
+/// fault window payouts are in flight nearly always; after the workload has settled, none will
+/// come).
+const IN_FLIGHT_WAIT: Duration = Duration::from_secs(15);
+
+/// Waits until paydb shows a payout claimed and not finished (a workflow is driving it now, so
+/// a fault lands on work that matters), at most [`IN_FLIGHT_WAIT`]: how many there were then,
+/// `None` if none came.
+pub(crate) async fn payouts_in_flight(system: &System) -> Option<i64> {
+    let paydb = one_connection(&system.databases.paydb).await.ok()?;
+    let seen = testkit::eventually(IN_FLIGHT_WAIT, "a payout in flight", || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM payout WHERE state IN ('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED')",
+        )
+        .fetch_one(&paydb)
+        .await
+        .ok()?;
+        (n > 0).then_some(n)
+    })
+    .await
+    .ok();
+    testkit::util::close_pool(paydb).await;
+    seen
+}
+
 pub(crate) fn say(verbose: bool, line: impl AsRef<str>) {
     if verbose {
         eprintln!("[chaos] {}", line.as_ref());

@@ -24,18 +24,29 @@ enum Ready {
     Grpc(u16, Role),
     /// Its port accepts connections (its `/metrics`).
     Tcp(u16),
-    /// Its log shows the worker's ready line once more than before.
+    /// What its log gained since the restart holds the worker's ready line.
     WorkerLog,
 }
 
-fn ready_lines(process: &ManagedProcess) -> usize {
-    std::fs::read_to_string(process.log_path())
-        .map(|log| log.matches(WORKER_READY_LINE).count())
-        .unwrap_or(0)
+/// The log's length now: where a restarted process's own lines begin.
+fn log_end(process: &ManagedProcess) -> u64 {
+    std::fs::metadata(process.log_path()).map_or(0, |m| m.len())
+}
+
+/// Whether the log holds the worker's ready line after byte `from` (read from there only).
+fn ready_since(process: &ManagedProcess, from: u64) -> bool {
+    use std::io::{Read, Seek};
+    let mut gained = String::new();
+    std::fs::File::open(process.log_path())
+        .and_then(|mut log| {
+            log.seek(std::io::SeekFrom::Start(from))?;
+            log.read_to_string(&mut gained)
+        })
+        .is_ok_and(|_| gained.contains(WORKER_READY_LINE))
 }
 
 async fn restart(system: &System, process: &ManagedProcess, ready: Ready) -> anyhow::Result<()> {
-    let lines_before = ready_lines(process);
+    let log_from = log_end(process);
     tokio::task::block_in_place(|| {
         process.terminate()?;
         process.restart()
@@ -49,7 +60,7 @@ async fn restart(system: &System, process: &ManagedProcess, ready: Ready) -> any
             testkit::eventually(
                 WORKER_READY_TIMEOUT,
                 &format!("{} ready again", process.name()),
-                || async { (ready_lines(process) > lines_before).then_some(()) },
+                || async { ready_since(process, log_from).then_some(()) },
             )
             .await
         }

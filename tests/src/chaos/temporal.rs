@@ -145,38 +145,8 @@ async fn open_payouts(system: &System) -> anyhow::Result<i64> {
     Ok(n?)
 }
 
-/// How long an old copy's age is reported as, for the fault's line.
-fn ms(d: Duration) -> u128 {
-    d.as_millis()
-}
-
 /// An amnesia's server is down this long (its database replaced meanwhile).
 const AMNESIA_DOWN: Duration = Duration::from_millis(500);
-
-/// An amnesia waits at most this long for a payout in flight to lose (a bound: in a run's fault
-/// window payouts are in flight nearly always; after the workload has settled, none will come).
-const IN_FLIGHT_WAIT: Duration = Duration::from_secs(15);
-
-/// Waits until paydb shows a payout claimed and not finished (a workflow is driving it now, so
-/// the amnesia takes a workflow that matters), at most [`IN_FLIGHT_WAIT`]; whether one was seen.
-pub(crate) async fn payout_in_flight(system: &System) -> bool {
-    let Ok(paydb) = super::one_connection(&system.databases.paydb).await else {
-        return false;
-    };
-    let seen = testkit::eventually(IN_FLIGHT_WAIT, "a payout in flight", || async {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM payout WHERE state IN ('CLAIMED', 'RAIL_SUBMITTED', 'RAIL_ACKED')",
-        )
-        .fetch_one(&paydb)
-        .await
-        .ok()?;
-        (n > 0).then_some(())
-    })
-    .await
-    .is_ok();
-    testkit::util::close_pool(paydb).await;
-    seen
-}
 
 /// Injects one Temporal fault (the kinds above).
 pub async fn inject(
@@ -207,14 +177,14 @@ pub async fn inject(
             let taken = Instant::now();
             tokio::time::sleep(down).await;
             (
-                format!("started on a copy {} ms old", ms(taken.elapsed())),
+                format!("started on a copy {} ms old", taken.elapsed().as_millis()),
                 Some(copy),
             )
         }
         other => anyhow::bail!("{} is not a Temporal fault", other.name()),
     };
     // Once a payout is in flight: what is open then, and what the reconciler had recovered.
-    let in_flight = payout_in_flight(system).await;
+    let in_flight = super::payouts_in_flight(system).await.is_some();
     let recovered_before = match reconciler {
         Some(r) => r.recovered().await,
         None => None,
