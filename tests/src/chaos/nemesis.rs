@@ -313,7 +313,13 @@ impl Schedule {
                     _ => rng.random_range(100..1_500),
                 };
                 Fault {
-                    at_ms: rng.random_range(0..window_ms),
+                    // A planted holder needs a payout to reach its step: planted in the window's
+                    // first third, while the paced starts are far from done, however far a busy
+                    // machine puts the nemesis behind its schedule later on.
+                    at_ms: match kind {
+                        FaultKind::StaleHolder => rng.random_range(0..(window_ms / 3).max(1)),
+                        _ => rng.random_range(0..window_ms),
+                    },
                     kind,
                     worker: rng.random_range(0..workers.max(1)),
                     down_ms,

@@ -108,6 +108,7 @@ pub async fn restart_all(
         done.push(worker.name());
     }
     if let Some(r) = reconciler {
+        r.carry().await;
         restart(system, &r.process, Ready::Tcp(r.metrics_port)).await?;
         done.push("reconciler");
     }

@@ -41,6 +41,9 @@ const RESUMED_SETTLEMENT_WINDOW_MS: u64 = super::SETTLEMENT_WINDOW_MS;
 pub struct Reconciler {
     pub process: ManagedProcess,
     pub metrics_port: u16,
+    /// What earlier incarnations of the process had counted ([`Reconciler::carry`]): a restart
+    /// starts its counters from zero.
+    carried: std::sync::atomic::AtomicU64,
 }
 
 impl Reconciler {
@@ -90,6 +93,7 @@ impl Reconciler {
         Ok(Self {
             process,
             metrics_port,
+            carried: Default::default(),
         })
     }
 
@@ -97,17 +101,22 @@ impl Reconciler {
     /// `/metrics`: resumed by its scheduled resume pass or its keeper's holder pass, and orphaned
     /// ambiguous payouts its resolver settled by the rail's evidence (FOUND, ABSENT, NEVER_SENT:
     /// the orphan resolver goes first, so an ambiguous payout whose workflow Temporal lost is
-    /// settled there, not resumed). `None` if it does not answer. A restart of the reconciler
-    /// starts the count again.
+    /// settled there, not resumed), across the harness's own restarts of it. `None` if it does not
+    /// answer.
     pub async fn recovered(&self) -> Option<u64> {
-        let text = scrape(self.metrics_port).await;
+        let now = self.recovered_of(&scrape(self.metrics_port).await)?;
+        Some(self.carried.load(std::sync::atomic::Ordering::SeqCst) + now)
+    }
+
+    /// What this incarnation of the process counted, from its `/metrics` text.
+    fn recovered_of(&self, text: &str) -> Option<u64> {
         if text.is_empty() {
             return None;
         }
-        let resumed = |name| sample(&text, name, &["action=\"RESUMED\""]);
+        let resumed = |name| sample(text, name, &["action=\"RESUMED\""]);
         let resolved = |evidence: &str| {
             sample(
-                &text,
+                text,
                 "reconciliation_orphans_resolved_total",
                 &[&format!("evidence=\"{evidence}\"")],
             )
@@ -119,6 +128,16 @@ impl Reconciler {
                 .iter()
                 .sum::<f64>();
         Some(total as u64)
+    }
+
+    /// Keeps what this incarnation counted before the harness restarts the process (the rolling
+    /// restart), so [`Reconciler::recovered`] counts across it.
+    pub async fn carry(&self) {
+        let text = scrape(self.metrics_port).await;
+        if let Some(now) = self.recovered_of(&text) {
+            self.carried
+                .fetch_add(now, std::sync::atomic::Ordering::SeqCst);
+        }
     }
 }
 
