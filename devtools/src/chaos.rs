@@ -78,7 +78,12 @@ pub async fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             .collect::<anyhow::Result<Vec<_>>>()?;
         config.kinds = Some(kinds);
     }
-    let stack = tokio::task::block_in_place(|| testkit::Stack::builder().etcd_members(3).start())?;
+    let stack = tokio::task::block_in_place(|| {
+        testkit::Stack::builder()
+            .etcd_members(3)
+            .capped_volumes(true)
+            .start()
+    })?;
     let report = chaos::run(&stack, &config).await?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

@@ -33,6 +33,9 @@ pub struct EtcdLimits {
     /// `--auto-compaction-retention` (periodic); `None` only in a test's negative control.
     compaction_retention: Option<String>,
     quota_backend_bytes: u64,
+    /// One member's data directory on a volume of its own of this many bytes (member index,
+    /// bytes): the chaos stack fills it to see a member's disk run out.
+    data_volume: Option<(usize, u64)>,
 }
 
 impl Default for EtcdLimits {
@@ -40,6 +43,7 @@ impl Default for EtcdLimits {
         Self {
             compaction_retention: Some(AUTO_COMPACTION_RETENTION.to_string()),
             quota_backend_bytes: QUOTA_BACKEND_BYTES,
+            data_volume: None,
         }
     }
 }
@@ -50,6 +54,20 @@ impl EtcdLimits {
     #[doc(hidden)]
     pub fn without_compaction_for_tests(mut self) -> Self {
         self.compaction_retention = None;
+        self
+    }
+
+    /// A smaller (or larger) backend quota: the chaos stack's is small enough that a fault can
+    /// reach it in seconds and see etcd raise `NOSPACE`.
+    pub fn with_quota_backend_bytes(mut self, bytes: u64) -> Self {
+        self.quota_backend_bytes = bytes;
+        self
+    }
+
+    /// Member `member`'s data directory on a size-capped volume of `bytes`
+    /// ([`crate::volume::CappedVolume`]).
+    pub fn with_data_volume(mut self, member: usize, bytes: u64) -> Self {
+        self.data_volume = Some((member, bytes));
         self
     }
 
@@ -250,6 +268,9 @@ pub struct EtcdMember {
     pub metrics_port: u16,
     pub data_dir: PathBuf,
     pub process: ManagedProcess,
+    /// The capped volume its data directory is on, if any (`EtcdLimits::with_data_volume`).
+    /// After `process`: the member is killed before its volume is unmounted.
+    pub volume: Option<crate::volume::CappedVolume>,
 }
 
 impl EtcdMember {
@@ -327,7 +348,19 @@ impl EtcdCluster {
         let mut members = Vec::new();
         for i in 0..count {
             let name = format!("m{i}");
-            let data_dir = dir.join(&name);
+            // A capped member's data directory is one level down its volume, so a restore can
+            // replace the directory without touching the mount.
+            let volume = match limits.data_volume {
+                Some((member, bytes)) if member == i => Some(crate::volume::CappedVolume::mount(
+                    &dir.join(format!("{name}-volume")),
+                    bytes,
+                    None,
+                )?),
+                _ => None,
+            };
+            let data_dir = volume
+                .as_ref()
+                .map_or_else(|| dir.join(&name), |v| v.path().join("data"));
             std::fs::create_dir_all(&data_dir)?;
             let client = format!("https://127.0.0.1:{}", client_ports[i]);
             let peer = format!("https://127.0.0.1:{}", peer_ports[i]);
@@ -373,6 +406,7 @@ impl EtcdCluster {
                 metrics_port: metrics_ports[i],
                 data_dir,
                 process,
+                volume,
             });
         }
         let cluster = Self {
@@ -493,6 +527,24 @@ impl EtcdCluster {
             .with_context(|| format!("log tail:\n{}", member.process.log_tail(20)))?;
         }
         Ok(())
+    }
+
+    /// Debian's `etcdctl` as an operator runs it: as `root` (the kit's certificate), against the
+    /// running members' endpoints. Answers its standard output; a non-zero exit is the error,
+    /// with etcdctl's standard error.
+    pub fn etcdctl_as_root(&self, args: &[&str]) -> anyhow::Result<String> {
+        let identity = self.tls.etcdctl_args();
+        let endpoints = self
+            .members
+            .iter()
+            .filter(|m| m.process.is_running())
+            .map(EtcdMember::endpoint)
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut all: Vec<&str> = identity.iter().map(String::as_str).collect();
+        all.extend(["--endpoints", &endpoints]);
+        all.extend_from_slice(args);
+        etcdctl(&all)
     }
 
     /// Saves a snapshot of the cluster's keyspace (asked of a healthy member) to `path`, with

@@ -17,6 +17,7 @@ pub mod system;
 pub mod temporal;
 pub mod temporal_front;
 pub mod util;
+pub mod volume;
 pub mod wire;
 
 pub use process::{Lifetime, ManagedProcess, ProcessSpec};

@@ -11,6 +11,7 @@ use anyhow::Context;
 
 use crate::process::{Lifetime, ManagedProcess, ProcessSpec};
 use crate::util::{hand_over, unprivileged_user, wait_blocking};
+use crate::volume::CappedVolume;
 
 /// initdb plus first start takes about two seconds here; a cold machine is slower.
 pub const READY_TIMEOUT_MS: u64 = 60_000;
@@ -49,6 +50,9 @@ pub struct PgOptions {
     pub credentials: std::sync::Arc<db_access::Credentials>,
     /// The server's certificate and key (PEM) and the authority's certificate file.
     pub tls: PgTls,
+    /// WAL on a volume of its own of this many bytes (a [`CappedVolume`]), so a test can fill it:
+    /// the chaos stack's full disk. `None`: WAL in the data directory.
+    pub wal_volume_bytes: Option<u64>,
 }
 
 #[derive(Clone)]
@@ -71,6 +75,9 @@ pub struct Postgres {
     pub port: u16,
     pub dir: PathBuf,
     pub process: ManagedProcess,
+    /// Where its WAL lives when capped (`PgOptions::wal_volume_bytes`). After `process`: the
+    /// server is killed before its volume is unmounted.
+    pub wal_volume: Option<CappedVolume>,
     credentials: std::sync::Arc<db_access::Credentials>,
     ca_file: PathBuf,
 }
@@ -91,8 +98,12 @@ impl Postgres {
         let data = dir.join("data");
         let socket_dir = dir.join("socket");
         std::fs::create_dir_all(&socket_dir)?;
+        let mut wal_volume = None;
         if !data.join("PG_VERSION").exists() {
             std::fs::create_dir_all(&data)?;
+            if let Some(bytes) = options.wal_volume_bytes {
+                wal_volume = Some(CappedVolume::mount(&dir.join("wal-volume"), bytes, user)?);
+            }
             hand_over(dir, user)?;
             let log = dir.join("initdb.log");
             let pwfile = dir.join("initdb-password");
@@ -106,6 +117,11 @@ impl Postgres {
                     "--auth-host=scram-sha-256",
                 ])
                 .arg(format!("--pwfile={}", pwfile.display()))
+                .args(
+                    wal_volume
+                        .as_ref()
+                        .map(|v| format!("--waldir={}", v.path().join("pg_wal").display())),
+                )
                 .args(["-E", "UTF8", "--locale=C.UTF-8", "--no-instructions"])
                 .args(if options.durable {
                     &[][..]
@@ -160,6 +176,22 @@ impl Postgres {
             // machine crash would. synchronous_commit stays on: a commit must be durable to a kill.
             spec = spec.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
         }
+        if wal_volume.is_some() {
+            // A full WAL volume must refuse the next write, not the next segment: segments are
+            // created sparse (not zero-filled) and never recycled, so every new WAL page needs
+            // space; and checkpoints come often enough that the volume holds the WAL between
+            // two of them (a few MiB a second at most in a chaos run).
+            spec = spec.args([
+                "-c",
+                "wal_init_zero=off",
+                "-c",
+                "wal_recycle=off",
+                "-c",
+                "min_wal_size=32MB",
+                "-c",
+                "max_wal_size=48MB",
+            ]);
+        }
         // The log file must be writable by the unprivileged user.
         std::fs::File::create(&spec.log_path)?;
         hand_over(&spec.log_path, user)?;
@@ -169,6 +201,7 @@ impl Postgres {
             port,
             dir: dir.to_path_buf(),
             process,
+            wal_volume,
             credentials: options.credentials.clone(),
             ca_file: options.tls.ca_file.clone(),
         };

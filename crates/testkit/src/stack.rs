@@ -50,9 +50,30 @@ pub struct StackBuilder {
     durable: bool,
     ports: Option<StackPorts>,
     temporal_isolation: bool,
+    capped_volumes: bool,
 }
 
+/// The chaos stack's capped volumes ([`StackBuilder::capped_volumes`]): each PostgreSQL server's
+/// WAL volume. Twice what the WAL between two checkpoints reaches (`max_wal_size` 48 MiB).
+pub const PG_WAL_VOLUME_BYTES: u64 = 96 << 20;
+/// The chaos stack's etcd backend quota: a chaos run keeps a few MiB live, so reaching this takes
+/// a writer that should not be there (the fault's scratch keys), in seconds.
+pub const CHAOS_ETCD_QUOTA_BYTES: u64 = 64 << 20;
+/// The capped etcd member's data volume: room for its WAL (64 MiB segments, preallocated), its
+/// database up to the quota, and a restore's second copy beside it.
+pub const ETCD_DATA_VOLUME_BYTES: u64 = 512 << 20;
+/// Which etcd member's data is on a capped volume (the last of three; a smaller cluster has none).
+pub const CAPPED_ETCD_MEMBER: usize = 2;
+
 impl StackBuilder {
+    /// Put each PostgreSQL server's WAL and one etcd member's data on size-capped volumes, and
+    /// give etcd a small backend quota, so a test can fill a disk (the chaos stack). Where this
+    /// machine cannot mount them, the stack starts without and says why
+    /// ([`Stack::volumes_unavailable`]).
+    pub fn capped_volumes(mut self, capped: bool) -> Self {
+        self.capped_volumes = capped;
+        self
+    }
     /// Whether the Temporal dev server's raw ports are closed to all but its front when root
     /// (default on). Off only to measure the front against the raw frontend
     /// (`payoutdev stack up --no-temporal-isolation`).
@@ -123,12 +144,27 @@ impl StackBuilder {
                 ca_file: pki.ca_file(),
             })
         };
+        let volumes_unavailable = if self.capped_volumes {
+            crate::volume::CappedVolume::available().err()
+        } else {
+            Some("not asked for".to_string())
+        };
+        let capped = volumes_unavailable.is_none();
         let main_options = PgOptions {
             durable: self.durable,
             lifetime: self.lifetime,
             credentials: credentials.clone(),
             tls: pg_tls("postgres-main")?,
+            wal_volume_bytes: capped.then_some(PG_WAL_VOLUME_BYTES),
         };
+        let mut etcd_limits = crate::etcd::EtcdLimits::default();
+        if capped {
+            etcd_limits = etcd_limits.with_quota_backend_bytes(CHAOS_ETCD_QUOTA_BYTES);
+            if self.etcd_members > CAPPED_ETCD_MEMBER {
+                etcd_limits =
+                    etcd_limits.with_data_volume(CAPPED_ETCD_MEMBER, ETCD_DATA_VOLUME_BYTES);
+            }
+        }
         let proxy_options = PgOptions {
             tls: pg_tls("postgres-proxy")?,
             ..main_options.clone()
@@ -158,11 +194,12 @@ impl StackBuilder {
                 Postgres::start("proxy", &state.join("pg-proxy"), port, &proxy_options)
             });
             let etcd = scope.spawn(|| {
-                EtcdCluster::start(
+                EtcdCluster::start_with_limits(
                     &state.join("etcd"),
                     self.etcd_members,
                     ports.as_ref().map(|p| p.etcd_clients.clone()),
                     self.lifetime,
+                    &etcd_limits,
                     crate::etcd::EtcdTls::issue(&state.join(crate::etcd::STACK_DIR))?,
                 )
             });
@@ -192,6 +229,7 @@ impl StackBuilder {
             temporal_ui: self.temporal_ui,
             temporal_isolation: self.temporal_isolation,
             lifetime: self.lifetime,
+            volumes_unavailable,
             counter: AtomicU64::new(0),
             _tempdir: tempdir,
         };
@@ -216,6 +254,8 @@ pub struct Stack {
     temporal_ui: bool,
     temporal_isolation: bool,
     lifetime: Lifetime,
+    /// Why the stack's disks are not capped (`StackBuilder::capped_volumes`), if they are not.
+    pub volumes_unavailable: Option<String>,
     counter: AtomicU64,
     /// Last field: dropped after every process above is dead.
     _tempdir: Option<tempfile::TempDir>,
@@ -232,6 +272,7 @@ impl Stack {
             durable: false,
             ports: None,
             temporal_isolation: true,
+            capped_volumes: false,
         }
     }
 

@@ -8,6 +8,7 @@
 
 pub mod checker;
 pub mod clock;
+pub mod disk;
 pub mod guards;
 pub mod linearizable;
 pub mod negative;
@@ -126,6 +127,8 @@ pub struct Report {
     pub partitions_unavailable: Option<String>,
     /// Why there were no clock jumps (no libfaketime here), if there were none.
     pub clocks_unavailable: Option<String>,
+    /// Why there were no full disks (no capped volumes on this stack), if there were none.
+    pub disks_unavailable: Option<String>,
     pub safety_events: BTreeMap<String, i64>,
     /// The hard cases the run reached, each with its count (`Evidence::reached` and the INV-04
     /// alarm's refusals): a zero is a case every check passed vacuously.
@@ -172,6 +175,9 @@ impl Report {
         }
         if let Some(why) = &self.clocks_unavailable {
             let _ = writeln!(s, "  no clock jumps on this machine: {why}");
+        }
+        if let Some(why) = &self.disks_unavailable {
+            let _ = writeln!(s, "  no full disks on this stack: {why}");
         }
         let _ = writeln!(s, "safety events: {}", counts(&self.safety_events));
         let _ = writeln!(s, "reached: {}", counts(&self.reached));
@@ -351,21 +357,30 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     );
 
     let clocks_unavailable = system.clocks_unmovable().map(str::to_string);
-    // Without libfaketime the clock jumps are left out of the schedule, as partitions are.
-    let kinds: Option<Vec<nemesis::FaultKind>> = match &clocks_unavailable {
-        None => config.kinds.clone(),
-        Some(_) => Some(
+    let disks_unavailable = stack.volumes_unavailable.clone();
+    // Without libfaketime the clock jumps are left out of the schedule, as partitions are; and
+    // without capped volumes, the full disks.
+    let kinds: Option<Vec<nemesis::FaultKind>> = if clocks_unavailable.is_none()
+        && disks_unavailable.is_none()
+    {
+        config.kinds.clone()
+    } else {
+        Some(
             config
                 .kinds
                 .clone()
                 .unwrap_or_else(|| nemesis::FaultKind::ALL.to_vec())
                 .into_iter()
-                .filter(|k| *k != nemesis::FaultKind::ClockJump)
+                .filter(|k| !(clocks_unavailable.is_some() && *k == nemesis::FaultKind::ClockJump))
+                .filter(|k| !(disks_unavailable.is_some() && nemesis::FaultKind::DISK.contains(k)))
                 .collect(),
-        ),
+        )
     };
-    if let (Some(kinds), Some(why)) = (&kinds, &clocks_unavailable) {
-        anyhow::ensure!(!kinds.is_empty(), "no fault kind left to run: {why}");
+    if let Some(kinds) = &kinds {
+        anyhow::ensure!(
+            !kinds.is_empty(),
+            "no fault kind left to run: clocks: {clocks_unavailable:?}; disks: {disks_unavailable:?}"
+        );
     }
     let schedule = nemesis::Schedule::generate(
         config.seed,
@@ -398,15 +413,21 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         reconciler: reconciler.as_ref(),
     };
     let fault_start = Instant::now();
+    let (begun, pace) = tokio::sync::watch::channel(0usize);
+    let pace = workload::Pace {
+        begun: pace,
+        faults: schedule.faults.len(),
+    };
     let (started, outcome) = tokio::join!(
-        work.start_all(&system, config.open_payouts_max, start_spread),
+        work.start_all(&system, config.open_payouts_max, start_spread, Some(pace)),
         nemesis::execute(
             stack,
             &system,
             &schedule,
             &targets,
             config.disable,
-            config.verbose
+            config.verbose,
+            Some(begun),
         ),
     );
     started?;
@@ -481,6 +502,12 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         checker::REACHED_RECOVERED_AFTER_AMNESIA.to_string(),
         temporal::recovered_after_amnesia(reconciler.as_ref(), &outcome.amnesias).await,
     );
+    for store in disk::STORES {
+        reached.insert(
+            format!("{}{store}", disk::REACHED_PREFIX),
+            outcome.disk_full_refusals.get(store).copied().unwrap_or(0),
+        );
+    }
     let violations = checks.iter().map(|c| c.violations.len()).sum();
     let report = Report {
         seed: config.seed,
@@ -494,6 +521,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         schedule: schedule.describe(),
         partitions_unavailable,
         clocks_unavailable,
+        disks_unavailable,
         safety_events,
         reached,
         stale_holders: outcome.plants.clone(),

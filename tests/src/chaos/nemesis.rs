@@ -67,6 +67,16 @@ pub enum FaultKind {
     /// Every service stopped gracefully and started again, one after another, each ready before
     /// the next (`super::rolling`): a release rolled out mid-batch.
     RollingRestart,
+    /// The main PostgreSQL server's (paydb, gldb) WAL volume filled, then freed
+    /// (`super::disk`).
+    DiskFullPgMain,
+    /// The proxy's PostgreSQL server's (proxydb) WAL volume filled, then freed.
+    DiskFullPgProxy,
+    /// One etcd member's data volume filled: it stops; freed, it comes back and catches up.
+    DiskFullEtcdMember,
+    /// etcd's backend quota reached: `NOSPACE`, every write refused until RESTORE.md's
+    /// procedure (delete, compact, defragment, disarm).
+    EtcdNospace,
 }
 
 /// The steps a planted stale holder stalls before, in turn.
@@ -153,7 +163,7 @@ impl Plant {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 22] = [
+    pub const ALL: [FaultKind; 26] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -176,6 +186,17 @@ impl FaultKind {
         FaultKind::TemporalAmnesiaOldCopy,
         FaultKind::ClockJump,
         FaultKind::RollingRestart,
+        FaultKind::DiskFullPgMain,
+        FaultKind::DiskFullPgProxy,
+        FaultKind::DiskFullEtcdMember,
+        FaultKind::EtcdNospace,
+    ];
+    /// The kinds that need the stack's capped volumes (`testkit::volume`).
+    pub const DISK: [FaultKind; 4] = [
+        FaultKind::DiskFullPgMain,
+        FaultKind::DiskFullPgProxy,
+        FaultKind::DiskFullEtcdMember,
+        FaultKind::EtcdNospace,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -201,6 +222,10 @@ impl FaultKind {
             FaultKind::TemporalAmnesiaOldCopy => "temporal_amnesia_old_copy",
             FaultKind::ClockJump => "clock_jump",
             FaultKind::RollingRestart => "rolling_restart",
+            FaultKind::DiskFullPgMain => "disk_full_pg_main",
+            FaultKind::DiskFullPgProxy => "disk_full_pg_proxy",
+            FaultKind::DiskFullEtcdMember => "disk_full_etcd_member",
+            FaultKind::EtcdNospace => "etcd_nospace",
         }
     }
     pub fn parse(name: &str) -> Option<Self> {
@@ -310,6 +335,11 @@ impl Schedule {
                     FaultKind::TemporalAmnesiaOldCopy => rng.random_range(2_000..8_000),
                     // How long the clock stays stepped: seconds of payouts at the target.
                     FaultKind::ClockJump => rng.random_range(2_000..5_000),
+                    // How long a store stays full once it has refused.
+                    FaultKind::DiskFullPgMain
+                    | FaultKind::DiskFullPgProxy
+                    | FaultKind::DiskFullEtcdMember
+                    | FaultKind::EtcdNospace => rng.random_range(1_000..4_000),
                     _ => rng.random_range(100..1_500),
                 };
                 Fault {
@@ -377,6 +407,8 @@ pub struct Outcome {
     pub amnesias: Vec<super::temporal::Amnesia>,
     /// The lock backend's rollbacks (etcd restored from a snapshot), for the checker.
     pub restores: Vec<super::checker::Restore>,
+    /// Each store's refusals seen on a full disk (`super::disk::STORES`).
+    pub disk_full_refusals: BTreeMap<String, u64>,
 }
 
 /// What the nemesis acts on besides the stack and the system.
@@ -449,12 +481,16 @@ pub async fn execute(
     targets: &Targets<'_>,
     disable: DisableGuard,
     verbose: bool,
+    begun: Option<tokio::sync::watch::Sender<usize>>,
 ) -> Outcome {
     let start = Instant::now();
     let mut outcome = Outcome::default();
-    for fault in &schedule.faults {
+    for (i, fault) in schedule.faults.iter().enumerate() {
         let due = start + Duration::from_millis(fault.at_ms);
         tokio::time::sleep_until(due.into()).await;
+        if let Some(begun) = &begun {
+            begun.send_replace(i + 1);
+        }
         let result = inject(stack, system, fault, targets, &mut outcome).await;
         let line = format!(
             "t+{:>6} ms {} {}",
@@ -569,6 +605,14 @@ async fn inject(
         FaultKind::RollingRestart => {
             super::rolling::restart_all(system, targets.reconciler, targets.disable).await
         }
+        FaultKind::DiskFullPgMain => {
+            super::disk::pg_full(stack, system, testkit::PgServer::Main, fault, outcome).await
+        }
+        FaultKind::DiskFullPgProxy => {
+            super::disk::pg_full(stack, system, testkit::PgServer::Proxy, fault, outcome).await
+        }
+        FaultKind::DiskFullEtcdMember => super::disk::etcd_member_full(stack, fault, outcome).await,
+        FaultKind::EtcdNospace => super::disk::etcd_nospace(stack, system, fault, outcome).await,
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);

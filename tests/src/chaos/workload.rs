@@ -51,6 +51,26 @@ pub fn rail_faults(seed: u64, intensity: f64) -> FaultConfig {
     }
 }
 
+/// The nemesis's progress, which the workload's starts follow: payout `i` of `n` starts once
+/// the nemesis has begun `i * faults / n` of its faults. Paced by the clock alone, a machine
+/// slowed by other work had the nemesis a minute and a half behind its schedule, every payout
+/// settled, and its last faults (a Temporal amnesia among them) met an idle system: the run
+/// then reached nothing they exist to reach. Paced by the nemesis too, work is in flight until its
+/// last fault, whatever the machine's speed.
+pub struct Pace {
+    /// Faults begun so far (the nemesis sends; a closed channel means it has finished).
+    pub begun: tokio::sync::watch::Receiver<usize>,
+    pub faults: usize,
+}
+
+impl Pace {
+    async fn wait(&mut self, started: usize, payouts: usize) {
+        let needed = started * self.faults / payouts.max(1);
+        // An error is the nemesis gone: every fault has begun.
+        let _ = self.begun.wait_for(|begun| *begun >= needed).await;
+    }
+}
+
 impl Workload {
     pub async fn create(system: &System, config: &ChaosConfig) -> anyhow::Result<Self> {
         let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
@@ -97,6 +117,7 @@ impl Workload {
         system: &System,
         open_max: usize,
         spread: Duration,
+        mut pace: Option<Pace>,
     ) -> anyhow::Result<()> {
         let paydb = super::one_connection(&system.databases.paydb).await?;
         let client = Arc::new(
@@ -116,8 +137,12 @@ impl Workload {
         let first = Instant::now();
         let n = self.inputs.len().max(1) as u32;
         for (started, input) in self.inputs.clone().into_iter().enumerate() {
-            // Payout i starts no earlier than spread * i / n after the first.
+            // Payout i starts no earlier than spread * i / n after the first, and not before
+            // the nemesis has begun as large a share of its faults.
             tokio::time::sleep_until((first + spread * started as u32 / n).into()).await;
+            if let Some(pace) = pace.as_mut() {
+                pace.wait(started, self.inputs.len()).await;
+            }
             while started as i64 - settled >= open_max as i64 {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 // paydb may be restarting (a fault): the count is asked again.
