@@ -1510,9 +1510,9 @@ async fn resume_for_abandon(
         &lock,
         &account,
         &args.operator,
-        |holder| {
+        |holder, holder_process| {
             let temporal = temporal.clone();
-            async move { temporal.status(&holder).await }
+            async move { temporal.holder_status(&holder, &holder_process).await }
         },
     )
     .await

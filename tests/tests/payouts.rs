@@ -1677,7 +1677,8 @@ const CUT_PAYOUTS: usize = 12;
 /// packets to the lock-server's port are dropped in its own network namespace) takes some of the
 /// payouts' workflow tasks, and with them their local steps. Each such step gives up within its
 /// budget, and the run moves to activity tasks that the other worker serves: every payout settles
-/// while the cut lasts, each paid once and posted once. Before the local step had a budget, the
+/// while the cut lasts, each paid once and posted once. Cut for longer than a lease, the worker
+/// stops polling (so no retry of those activity tasks lands on it), and polls again once healed. Before the local step had a budget, the
 /// cut worker kept retrying its local acquire and its payouts stayed PENDING until the cut healed
 /// (the compose suite's lock-network cut saw one stay PENDING for 240 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1700,6 +1701,7 @@ async fn a_worker_cut_off_from_the_lock_service_hands_its_payouts_to_the_other_w
     .unwrap();
     system.workers.push(cut_worker);
     let system: &'static System = Box::leak(Box::new(system));
+    let cut_worker = system.workers.last().expect("the cut worker");
     tokio::task::block_in_place(|| ns.cut(system.ports.lock_server)).unwrap();
 
     let ctx = Ctx::new(system).await;
@@ -1744,7 +1746,37 @@ async fn a_worker_cut_off_from_the_lock_service_hands_its_payouts_to_the_other_w
             handed_over += 1;
         }
     }
+    // Cut for longer than a lease, the worker stops polling (issue 36; the fault-suite design's
+    // section 5.1): the tasks it cannot do go to the worker that can. It does not exit.
+    let log_has = |needle: &'static str, times: usize| {
+        let path = cut_worker.log_path().to_path_buf();
+        move || {
+            let path = path.clone();
+            async move {
+                let log = std::fs::read_to_string(&path).unwrap_or_default();
+                (log.matches(needle).count() >= times).then_some(())
+            }
+        }
+    };
+    testkit::eventually(
+        CUT_OFF_SEEN_TIMEOUT,
+        "the cut worker to stop polling",
+        log_has("stopping polling", 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", cut_worker.log_tail(20)));
     tokio::task::block_in_place(|| ns.heal(system.ports.lock_server)).unwrap();
+    testkit::eventually(
+        CUT_OFF_SEEN_TIMEOUT,
+        "the healed worker to poll again",
+        log_has("worker polling", 2),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", cut_worker.log_tail(20)));
+    assert!(
+        cut_worker.is_running(),
+        "the cut worker waited, it did not exit"
+    );
     // The case under test happened: the cut worker took workflow tasks, its local try gave up,
     // and the try was made again as an activity task (a local step is never an activity task
     // otherwise).
@@ -1754,6 +1786,11 @@ async fn a_worker_cut_off_from_the_lock_service_hands_its_payouts_to_the_other_w
     );
     println!("{handed_over} of {CUT_PAYOUTS} payouts were handed over by the cut worker");
 }
+
+/// A worker cut off from the lock service notices within two leases (its session's loss, then a
+/// lease of failed attempts to open another), polling stopped; healed, it polls again within a
+/// few checks. Bounds, not expectations.
+const CUT_OFF_SEEN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Whether the workflow's history has an activity task of `activity_type` (not a local one).
 async fn history_has_activity(ctx: &Ctx, workflow_id: &str, activity_type: &str) -> bool {

@@ -234,6 +234,11 @@ pub async fn run_with(
 /// The worker process: connects its services, puts `wrap` around the backend (the shipped
 /// binary wraps nothing; the fault tests' worker puts its stall points there), polls until
 /// SIGTERM or SIGINT, then ends its lock session.
+///
+/// A worker that cannot reach the lock service for longer than its lease stops polling
+/// Temporal (in-flight tasks finish or are handed back, as on SIGTERM; `/healthz` answers 503),
+/// so the tasks it could not do go to a worker that can; it polls again once the lock service
+/// answers. The process does not exit: nothing needs a supervisor to bring it back.
 pub async fn serve(
     config: WorkerConfig,
     wrap: impl FnOnce(Arc<dyn Backend>) -> Arc<dyn Backend>,
@@ -296,14 +301,38 @@ pub async fn serve(
     };
     tracing::info!("the worker's services answered");
     let backend = Arc::new(backend);
-    let result = run_with(
-        &config,
-        wrap(backend.clone()),
-        Some(private_task_queue),
-        &telemetry,
-        stop,
-    )
-    .await;
+    let wrapped = wrap(backend.clone());
+    let result = loop {
+        let cut_off = std::sync::Mutex::new(None::<String>);
+        let stop_or_cut_off = async {
+            tokio::select! {
+                () = &mut stop => {}
+                why = backend.cut_off_from_lock_service() => {
+                    tracing::error!(error = %why, lease_ms = config.lock_ttl_ms,
+                        "cut off from the lock service for longer than a lease: stopping polling so \
+                         its tasks go to a worker that reaches it");
+                    *cut_off.lock().expect("cut_off") = Some(why);
+                }
+            }
+        };
+        let result = run_with(
+            &config,
+            wrapped.clone(),
+            Some(private_task_queue.clone()),
+            &telemetry,
+            stop_or_cut_off,
+        )
+        .await;
+        if result.is_err() || cut_off.lock().expect("cut_off").is_none() {
+            break result;
+        }
+        tokio::select! {
+            () = backend.lock_service_back() => {
+                tracing::info!("the lock service answers again: polling again");
+            }
+            () = &mut stop => break Ok(()),
+        }
+    };
     let _ = endpoint_stop.send(());
     if let Some(endpoint) = endpoint {
         match endpoint.await {

@@ -137,14 +137,35 @@ pub const CONNECT_RETRY_MAX: std::time::Duration = std::time::Duration::from_sec
 /// give up moves on to a worker that can serve it sooner.
 pub const SESSION_OPEN_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// How often a worker looks whether it still reaches the lock service
+/// ([`ServiceBackend::cut_off_from_lock_service`]).
+pub const LOCK_REACH_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Whether a failed call to the lock service means it could not be reached (no connection, no
+/// answer within the deadline, the transport's own failure), as opposed to an answer: a typed
+/// refusal is the service speaking (its backend unavailable, a limit), which every worker meets
+/// alike.
+fn unreachable(e: &ClientError) -> bool {
+    use tonic::Code;
+    match e {
+        ClientError::Connect(_) | ClientError::Timeout(_) => true,
+        ClientError::Status(status) => matches!(
+            status.code(),
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
+        ),
+        _ => false,
+    }
+}
+
 pub struct ServiceBackend {
     config: ServiceConfig,
     lock: LockClient,
     /// The process's session; replaced (never revived) once lost.
     session: tokio::sync::Mutex<Session>,
-    /// When opening a new session last failed, and why: callers queued behind that attempt get
-    /// its answer at once instead of each waiting out the lock client's deadline in turn.
-    open_failed: Mutex<Option<(std::time::Instant, String)>>,
+    /// When opening a new session last failed, why, and whether the lock service could not be
+    /// reached at all ([`unreachable`]): callers queued behind that attempt get its answer at
+    /// once instead of each waiting out the lock client's deadline in turn.
+    open_failed: Mutex<Option<(std::time::Instant, String, bool)>>,
     /// The live grant handles of this process, by key.
     grants: Arc<Mutex<HashMap<String, Held>>>,
     /// The signatures of this process's grants that left `grants`, for
@@ -288,11 +309,56 @@ impl ServiceBackend {
         }
     }
 
+    /// Whether the lock service answers this worker now: its session is alive (its keep-alives
+    /// are answered), or a new one opens, or the attempt to open one was answered with a refusal
+    /// (the service is there; what it refuses, every worker meets alike). `Err` says why not.
+    pub async fn lock_service_reachable(&self) -> Result<(), String> {
+        if self.session.lock().await.is_alive() {
+            return Ok(());
+        }
+        match self.live_session().await {
+            Ok(_) => Ok(()),
+            Err(_) => match self.open_failed.lock().expect("open_failed").as_ref() {
+                Some((_, why, true)) => Err(why.clone()),
+                _ => Ok(()),
+            },
+        }
+    }
+
+    /// Resolves once this worker has not reached the lock service for longer than its lease
+    /// (its session lost, and every attempt to open another unanswered): a worker cut off from
+    /// the lock service can do no payout's work, and while it polls Temporal it takes tasks a
+    /// worker that reaches the lock service could do (the compose suite once saw all ten retries
+    /// of one payout's acquire go to the cut worker, and the payout wait for the cut to heal).
+    /// Answers the last reason.
+    pub async fn cut_off_from_lock_service(&self) -> String {
+        let mut since: Option<std::time::Instant> = None;
+        loop {
+            tokio::time::sleep(LOCK_REACH_CHECK_INTERVAL).await;
+            match self.lock_service_reachable().await {
+                Ok(()) => since = None,
+                Err(why) => {
+                    let since = *since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() > self.config.lock_ttl {
+                        return why;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Resolves once the lock service answers this worker again.
+    pub async fn lock_service_back(&self) {
+        while self.lock_service_reachable().await.is_err() {
+            tokio::time::sleep(LOCK_REACH_CHECK_INTERVAL).await;
+        }
+    }
+
     /// The live session, or a new one if the current one is lost.
     async fn live_session(&self) -> Result<Session, ActivityFailure> {
         let mut session = self.session.lock().await;
         if !session.is_alive() {
-            if let Some((at, why)) = self.open_failed.lock().expect("open_failed").as_ref() {
+            if let Some((at, why, _)) = self.open_failed.lock().expect("open_failed").as_ref() {
                 if at.elapsed() < SESSION_OPEN_RETRY_AFTER {
                     return Err(ActivityFailure::Transient(format!(
                         "opening a lock session: {why} ({} ms ago)",
@@ -306,7 +372,7 @@ impl ServiceBackend {
                 .await
                 .map_err(|e| {
                     *self.open_failed.lock().expect("open_failed") =
-                        Some((std::time::Instant::now(), e.to_string()));
+                        Some((std::time::Instant::now(), e.to_string(), unreachable(&e)));
                     ActivityFailure::Transient(format!("opening a lock session: {e}"))
                 })?;
             *self.open_failed.lock().expect("open_failed") = None;

@@ -55,6 +55,7 @@ use temporalio_client::{
 };
 use temporalio_common::data_converters::RawValue;
 use temporalio_common::protos::temporal::api::common::v1::Payload;
+use temporalio_common::protos::temporal::api::enums::v1::PendingActivityState;
 use temporalio_common::search_attributes::{SearchAttributeKey, SearchAttributes};
 
 /// Upper bound of one call to Temporal (describe, start).
@@ -89,6 +90,11 @@ pub enum WorkflowStatus {
     Running,
     /// Closed, with Temporal's status name (COMPLETED, FAILED, TERMINATED, ...).
     Closed(String),
+    /// Running, but as the holder of a grant it is not: its running run waits for its
+    /// account's key on another worker than the one holding the grant ([`Temporal::holder_status`]),
+    /// so the grant is an earlier run's (one Temporal lost, whose worker's session lives on) or
+    /// an earlier attempt's whose answer reached nobody. Nobody will use or release it.
+    RunningWithoutTheGrant,
 }
 
 impl WorkflowStatus {
@@ -97,9 +103,13 @@ impl WorkflowStatus {
             Self::NotFound => "NOT_FOUND".into(),
             Self::Running => "RUNNING".into(),
             Self::Closed(s) => s.clone(),
+            Self::RunningWithoutTheGrant => "RUNNING_WITHOUT_THE_GRANT".into(),
         }
     }
 }
+
+/// The activities a run waits for its account's key in (`workflows/src/workflow.rs`).
+const ACQUIRE_ACTIVITIES: [&str; 2] = ["AcquireGrant", "TryAcquireGrant"];
 
 /// Temporal, through its own client, for one namespace.
 #[derive(Clone)]
@@ -180,6 +190,28 @@ impl Temporal {
         Ok(self.execution(workflow_id).await?.0)
     }
 
+    /// The status of `workflow_id` as the holder of a grant made on `holder_process`'s session
+    /// (the owner `{holder_process}/{payout}`): [`WorkflowStatus::RunningWithoutTheGrant`] when its
+    /// running run waits for the key in an attempt started on another process. That attempt's
+    /// own grant would be on its process's session (and an attempt on the holder's own session
+    /// is answered at once with the grant it holds: acquire is idempotent per owner and
+    /// session), so the grant described is not the running run's.
+    pub async fn holder_status(
+        &self,
+        workflow_id: &str,
+        holder_process: &str,
+    ) -> Result<WorkflowStatus, ResumeError> {
+        Ok(match self.execution(workflow_id).await? {
+            (WorkflowStatus::Running, Some(run))
+                if !run.acquiring_on.is_empty()
+                    && run.acquiring_on.iter().all(|w| w != holder_process) =>
+            {
+                WorkflowStatus::RunningWithoutTheGrant
+            }
+            (status, _) => status,
+        })
+    }
+
     /// The status of the workflow `workflow_id` (its latest run) and, while it runs, which run
     /// it is: its type, task queue and run id, to tell the payout's own workflow from a
     /// squatter.
@@ -208,6 +240,18 @@ impl Temporal {
                         workflow_type: d.workflow_type().to_string(),
                         task_queue: d.task_queue().to_string(),
                         run_id: d.run_id().to_string(),
+                        acquiring_on: d
+                            .raw_description
+                            .pending_activities
+                            .iter()
+                            .filter(|a| {
+                                a.state == PendingActivityState::Started as i32
+                                    && a.activity_type.as_ref().is_some_and(|t| {
+                                        ACQUIRE_ACTIVITIES.contains(&t.name.as_str())
+                                    })
+                            })
+                            .map(|a| a.last_worker_identity.clone())
+                            .collect(),
                     }),
                 ),
                 other => (
@@ -336,6 +380,8 @@ pub struct RunningExecution {
     pub workflow_type: String,
     pub task_queue: String,
     pub run_id: String,
+    /// The worker identities of the run's started attempts to take its account's key.
+    pub acquiring_on: Vec<String>,
 }
 
 /// One stranded payout handled (or deliberately left alone).
@@ -706,6 +752,8 @@ impl<'a> Resumer<'a> {
             (WorkflowStatus::Running, Some(_)) => true,
             (WorkflowStatus::NotFound, _) => past_grace,
             (WorkflowStatus::Closed(_), _) => true,
+            // Only `holder_status` says this; a payout's own run is judged by `execution`.
+            (WorkflowStatus::RunningWithoutTheGrant, _) => false,
         };
         if !stranded {
             return Ok(false);
@@ -839,14 +887,14 @@ async fn take_over_orphaned_grant(
     temporal: &Temporal,
     account: &str,
 ) -> Result<Option<String>, String> {
-    take_over_if_not_running(lock, account, |workflow_id| async move {
-        temporal.status(&workflow_id).await
+    take_over_if_not_running(lock, account, |workflow_id, holder_process| async move {
+        temporal.holder_status(&workflow_id, &holder_process).await
     })
     .await
 }
 
 /// [`take_over_orphaned_grant`] with the holder's workflow asked of `workflow_status` (given
-/// the workflow id): Temporal in production; a test's stand-in that lets another payout take
+/// the workflow id and the process whose session holds the grant): Temporal in production; a test's stand-in that lets another payout take
 /// the key between the describe and the revoke. Only the grant described is revoked (its token
 /// is the revoke's expectation); a key that changed holder meanwhile is left alone.
 pub async fn take_over_if_not_running<F, Fut>(
@@ -855,7 +903,7 @@ pub async fn take_over_if_not_running<F, Fut>(
     workflow_status: F,
 ) -> Result<Option<String>, String>
 where
-    F: FnOnce(String) -> Fut,
+    F: FnOnce(String, String) -> Fut,
     Fut: std::future::Future<Output = Result<WorkflowStatus, ResumeError>>,
 {
     take_over_if_not_running_as(lock, account, RECOVERER, workflow_status).await
@@ -871,7 +919,7 @@ pub async fn take_over_if_not_running_as<F, Fut>(
     workflow_status: F,
 ) -> Result<Option<String>, String>
 where
-    F: FnOnce(String) -> Fut,
+    F: FnOnce(String, String) -> Fut,
     Fut: std::future::Future<Output = Result<WorkflowStatus, ResumeError>>,
 {
     let key = format!("payout:{account}");
@@ -884,15 +932,15 @@ where
     }
     // Only a payout workflow's grant (`worker-N/{payout}`); the reconciler's own resolver
     // (`reconciler/{payout}`) holds its grants for one bounded resolution and releases them.
-    let Some(holder_payout) = held
+    let Some((holder_process, holder_payout)) = held
         .holder_owner
         .rsplit_once('/')
         .filter(|(process, _)| *process != crate::resolve::RESOLVER)
-        .and_then(|(_, p)| PayoutId::parse(p.to_string()).ok())
+        .and_then(|(process, p)| Some((process.to_string(), PayoutId::parse(p.to_string()).ok()?)))
     else {
         return Ok(None);
     };
-    let status = workflow_status(payout_domain::workflow_id(&holder_payout))
+    let status = workflow_status(payout_domain::workflow_id(&holder_payout), holder_process)
         .await
         .map_err(|e| e.to_string())?;
     if status == WorkflowStatus::Running {

@@ -116,7 +116,7 @@ async fn a_payout_that_took_the_key_after_the_describe_is_not_deposed(kind: Kind
     // Control: nobody in between; the orphan's grant is taken.
     let orphan = grant(&orphans, "worker-0/p-orphan-1").await;
     let asked = Arc::new(Mutex::new(Vec::new()));
-    let taken = take_over_if_not_running(&s.resolver, ACCOUNT, |workflow_id| {
+    let taken = take_over_if_not_running(&s.resolver, ACCOUNT, |workflow_id, _holder_process| {
         let asked = asked.clone();
         async move {
             asked.lock().unwrap().push(workflow_id);
@@ -133,7 +133,7 @@ async fn a_payout_that_took_the_key_after_the_describe_is_not_deposed(kind: Kind
     // about the orphan's workflow.
     let orphan = grant(&orphans, "worker-0/p-orphan-2").await;
     let running: Arc<Mutex<Option<GrantHandle>>> = Arc::default();
-    let taken = take_over_if_not_running(&s.resolver, ACCOUNT, |workflow_id| {
+    let taken = take_over_if_not_running(&s.resolver, ACCOUNT, |workflow_id, _holder_process| {
         let (asked, running, runners, orphan) = (asked.clone(), running.clone(), &runners, &orphan);
         async move {
             asked.lock().unwrap().push(workflow_id);

@@ -351,25 +351,27 @@ async fn a_payout_whose_delivered_workflow_temporal_lost_is_resumed_by_one_pass(
     assert_eq!(movements(&system, lost).await, 1, "paid once");
 }
 
-#[tokio::test]
-async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interval() {
-    let stack = Stack::shared();
-    let holder = "k-holder";
-    let behind = "k-behind";
-    let account = "k-acct-held";
-    // The holder's workflow freezes right after its claim (before MarkSubmitted), holding the
-    // account's key: then it is terminated, as an operator would.
-    let stall_ms = 600_000;
+/// A one-worker system whose account `account` holds `first` and `behind` (both PENDING, funded),
+/// with the fixture's and a worker's payment clients and the operator's Temporal client.
+struct HeldAccount {
+    system: System,
+    payments: PaymentClient,
+    client: temporalio_client::Client,
+}
+
+async fn held_account(
+    account: &str,
+    first: &str,
+    behind: &str,
+    worker_env: Vec<(String, String)>,
+) -> HeldAccount {
     let system = System::start(
-        stack,
+        Stack::shared(),
         SystemOptions {
             workers: 1,
             settlement_window_ms: 500,
-            worker_env: vec![(
-                "PAYOUT_TEST_STALL_AFTER_CHECK".into(),
-                format!("worker-0:mark_submitted:{holder}:{stall_ms}"),
-            )],
-            test_worker: true,
+            test_worker: !worker_env.is_empty(),
+            worker_env,
             ..SystemOptions::default()
         },
     )
@@ -381,13 +383,13 @@ async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interva
     let payments = PaymentClient::connect(&system.payment_url(), &system.tls(Role::Worker))
         .await
         .unwrap();
-    let first = new_payout(account, holder);
+    let created = new_payout(account, first);
     system
         .operator
-        .open_account(&fixture, &first.account_id, &first.currency, 100_000)
+        .open_account(&fixture, &created.account_id, &created.currency, 100_000)
         .await
         .unwrap();
-    fixture.create_payout(&first).await.unwrap();
+    fixture.create_payout(&created).await.unwrap();
     fixture
         .create_payout(&new_payout(account, behind))
         .await
@@ -398,6 +400,48 @@ async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interva
     )
     .await
     .unwrap();
+    HeldAccount {
+        system,
+        payments,
+        client,
+    }
+}
+
+/// Stops `reconciler serve` and deletes the schedule it made on the shared Temporal.
+fn stop_serve(serve: ManagedProcess, schedule_id: &str) {
+    serve.terminate().unwrap();
+    let _ = temporal_cli(&[
+        "schedule",
+        "delete",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--schedule-id",
+        schedule_id,
+    ]);
+}
+
+#[tokio::test]
+async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interval() {
+    let holder = "k-holder";
+    let behind = "k-behind";
+    let account = "k-acct-held";
+    // The holder's workflow freezes right after its claim (before MarkSubmitted), holding the
+    // account's key: then it is terminated, as an operator would.
+    let stall_ms = 600_000;
+    let HeldAccount {
+        system,
+        payments,
+        client,
+    } = held_account(
+        account,
+        holder,
+        behind,
+        vec![(
+            "PAYOUT_TEST_STALL_AFTER_CHECK".into(),
+            format!("worker-0:mark_submitted:{holder}:{stall_ms}"),
+        )],
+    )
+    .await;
     let input = |payout: &str| payout_input(account, payout, 500, 600_000);
     let holder_id =
         payout_workflows::client::start_payout(&client, &system.task_queue, &input(holder))
@@ -435,13 +479,93 @@ async fn a_terminated_holder_is_taken_over_and_resumed_within_the_keeper_interva
         1,
         "the payout behind paid once"
     );
-    serve.terminate().unwrap();
-    let _ = temporal_cli(&[
-        "schedule",
-        "delete",
-        "--namespace",
-        testkit::temporal::NAMESPACE,
-        "--schedule-id",
-        &schedule_id,
-    ]);
+    stop_serve(serve, &schedule_id);
+}
+
+/// Temporal lost a payout's run while the worker session that holds the run's grant lives on
+/// (issue 36, found by the fault suite: a RAIL_AMBIGUOUS payout resumed after Temporal's
+/// database was deleted waited 600 s behind its own earlier run's grant, which the other worker's
+/// live session kept). The resumed run waits for the key on a worker other than the grant's, so
+/// the grant is no run's: the keeper's holder pass takes it over (`RUNNING_WITHOUT_THE_GRANT`)
+/// and the payout is paid once. Before, the holder's workflow id had a running run, the grant was
+/// left alone, and the payout waited for as long as that session lived (this test timed out).
+#[tokio::test]
+async fn a_grant_of_a_lost_run_whose_payout_runs_again_is_taken_over() {
+    let payout = "k-rerun";
+    let account = "k-acct-rerun";
+    // A payout behind it (never started here): the account is one where someone waits, which
+    // the keeper's holder pass looks at every interval.
+    let HeldAccount {
+        system,
+        payments,
+        client,
+    } = held_account(account, payout, "k-rerun-behind", Vec::new()).await;
+    // The lost run's grant: made for this payout on another worker's session ("worker-9"), which
+    // stays alive (kept alive by its client) for the whole test.
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+        .await
+        .unwrap();
+    let other_worker = lock
+        .open_session("worker-9", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let key = format!("payout:{account}");
+    let lost_runs_grant = match other_worker
+        .acquire_as(&key, &format!("worker-9/{payout}"), Duration::ZERO)
+        .await
+        .unwrap()
+    {
+        lock_client::Acquired::Granted(g) => g,
+        other => panic!("{key} not granted: {other:?}"),
+    };
+    // The payout's run again (as the reconciler's resume starts it): it waits for the key on
+    // worker-0.
+    payout_workflows::client::start_payout(
+        &client,
+        &system.task_queue,
+        &payout_input(account, payout, 500, 600_000),
+    )
+    .await
+    .unwrap();
+    let temporal = Temporal::connect(&temporal_config(&system)).await.unwrap();
+    let workflow_id = payout_domain::workflow_id(&payout_domain::PayoutId::parse(payout).unwrap());
+    testkit::eventually(SETTLE_TIMEOUT, "the run waiting for its key", || async {
+        (temporal
+            .holder_status(&workflow_id, "worker-9")
+            .await
+            .ok()?
+            == WorkflowStatus::RunningWithoutTheGrant)
+            .then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        temporal
+            .holder_status(&workflow_id, "worker-0")
+            .await
+            .unwrap(),
+        WorkflowStatus::Running,
+        "a grant on the waiting attempt's own worker may be its answer: left alone"
+    );
+    let (serve, schedule_id, _port) = start_serve(&system, SCHEDULED_NEVER_S);
+    let bound = Duration::from_secs(60);
+    testkit::eventually(bound, "the payout posted", || async {
+        (state_of(&payments, payout).await == PayoutState::Posted).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(60)));
+    assert_eq!(movements(&system, payout).await, 1, "paid once");
+    let described = lock.describe(&key).await.unwrap();
+    assert!(
+        !(described.held && described.holder_owner == format!("worker-9/{payout}")),
+        "the lost run's grant (token {}) was taken over: {described:?}",
+        lost_runs_grant.token().get()
+    );
+    assert!(
+        std::fs::read_to_string(system.dir.join("reconciler.log"))
+            .unwrap_or_default()
+            .contains("RUNNING_WITHOUT_THE_GRANT"),
+        "the takeover says why"
+    );
+    stop_serve(serve, &schedule_id);
 }

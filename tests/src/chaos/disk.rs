@@ -310,11 +310,13 @@ pub async fn etcd_nospace_with(
     let value = vec![b'x'; SCRATCH_VALUE_BYTES];
     let most = 2 * testkit::stack::CHAOS_ETCD_QUOTA_BYTES / SCRATCH_VALUE_BYTES as u64;
     let mut refusal = None;
+    let mut written = 0u64;
     for i in 0..most {
         if let Err(e) = put(stack, &format!("{prefix}{i}"), &value).await {
             refusal = Some(e.to_string());
             break;
         }
+        written += 1;
     }
     let outcome_of_fill = match &refusal {
         Some(e) if e.contains("database space exceeded") => Ok(()),
@@ -363,8 +365,9 @@ pub async fn etcd_nospace_with(
         .entry("etcd_quota".to_string())
         .or_default() += 1;
     Ok(format!(
-        "etcd's quota reached ({}): NOSPACE raised, the lock service refused a grant ({refused_grant}); \
-         deleted, compacted, defragmented, disarmed; probe token {before} -> {after}",
+        "etcd's quota reached after {written} MiB of scratch ({}): NOSPACE raised, the lock \
+         service refused a grant ({refused_grant}); deleted, compacted, defragmented, disarmed; \
+         probe token {before} -> {after}",
         refusal.unwrap_or_default()
     ))
 }
