@@ -228,15 +228,7 @@ async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_a
         "each repair is logged at warn: {}",
         serve.log_tail(40)
     );
-    serve.terminate().unwrap();
-    let _ = temporal_cli(&[
-        "schedule",
-        "delete",
-        "--namespace",
-        testkit::temporal::NAMESPACE,
-        "--schedule-id",
-        &schedule_id,
-    ]);
+    stop_serve(serve, &schedule_id);
 }
 
 fn temporal_config(system: &System) -> TemporalConfig {
