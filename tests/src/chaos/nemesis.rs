@@ -67,6 +67,9 @@ pub enum FaultKind {
     /// Every service stopped gracefully and started again, one after another, each ready before
     /// the next (`super::rolling`): a release rolled out mid-batch.
     RollingRestart,
+    /// The next worker build started beside the old, made current, the old drained and stopped
+    /// (`super::rollout`): a worker-versioning rollout mid-batch.
+    UpgradeRollout,
 }
 
 /// The steps a planted stale holder stalls before, in turn.
@@ -153,7 +156,7 @@ impl Plant {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 22] = [
+    pub const ALL: [FaultKind; 23] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -176,6 +179,7 @@ impl FaultKind {
         FaultKind::TemporalAmnesiaOldCopy,
         FaultKind::ClockJump,
         FaultKind::RollingRestart,
+        FaultKind::UpgradeRollout,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -201,6 +205,7 @@ impl FaultKind {
             FaultKind::TemporalAmnesiaOldCopy => "temporal_amnesia_old_copy",
             FaultKind::ClockJump => "clock_jump",
             FaultKind::RollingRestart => "rolling_restart",
+            FaultKind::UpgradeRollout => "upgrade_rollout",
         }
     }
     pub fn parse(name: &str) -> Option<Self> {
@@ -377,13 +382,16 @@ pub struct Outcome {
     pub amnesias: Vec<super::temporal::Amnesia>,
     /// The lock backend's rollbacks (etcd restored from a snapshot), for the checker.
     pub restores: Vec<super::checker::Restore>,
+    /// Each worker-versioning rollout: versions, payouts pinned to the old at the switch, drain.
+    pub rollouts: Vec<super::rollout::Rollout>,
 }
 
 /// What the nemesis acts on besides the stack and the system.
 pub struct Targets<'a> {
     pub work: &'a Workload,
-    /// Each worker's network namespace, where it has one (partitions need it).
-    pub partitions: &'a [Option<testkit::netns::NetNs>],
+    /// Each worker's network namespace, where it has one (partitions need it); a rollout
+    /// replaces a slot's with its new worker's.
+    pub partitions: &'a mut [Option<testkit::netns::NetNs>],
     /// The workers' `PAYOUT_TEST_STALL_DIR`, where stale holders are armed.
     pub stall_dir: &'a std::path::Path,
     /// Negative control of the INV-04 alarm: a restore without the procedure also loses the
@@ -394,6 +402,10 @@ pub struct Targets<'a> {
     pub disable: DisableGuard,
     /// The run's reconciler service (`None`: the control without it).
     pub reconciler: Option<&'a super::temporal::Reconciler>,
+    /// The workers' deployment (which build is current).
+    pub deployment: &'a super::rollout::Deployment,
+    /// TEST ONLY: a rollout stops the old build's workers without draining them (the control).
+    pub rollout_without_drain: bool,
 }
 
 impl Targets<'_> {
@@ -444,9 +456,9 @@ async fn bounce(process: &ManagedProcess, down_ms: u64) -> anyhow::Result<()> {
 /// a restart, a pause by a resume), so at most one component is down at a time.
 pub async fn execute(
     stack: &Stack,
-    system: &System,
+    system: &mut System,
     schedule: &Schedule,
-    targets: &Targets<'_>,
+    targets: &mut Targets<'_>,
     disable: DisableGuard,
     verbose: bool,
 ) -> Outcome {
@@ -482,9 +494,9 @@ pub async fn execute(
 
 async fn inject(
     stack: &Stack,
-    system: &System,
+    system: &mut System,
     fault: &Fault,
-    targets: &Targets<'_>,
+    targets: &mut Targets<'_>,
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
     let work = targets.work;
@@ -496,8 +508,9 @@ async fn inject(
     };
     match fault.kind {
         FaultKind::WorkerKill => {
-            bounce(worker()?, fault.down_ms).await?;
-            Ok(format!("worker-{} killed and restarted", fault.worker))
+            let w = worker()?;
+            bounce(w, fault.down_ms).await?;
+            Ok(format!("{} killed and restarted", w.name()))
         }
         FaultKind::WorkerPause => {
             let w = worker()?;
@@ -505,8 +518,10 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(fault.down_ms)).await;
             w.resume()?;
             Ok(format!(
-                "worker-{} paused {} ms (lease {} ms)",
-                fault.worker, fault.down_ms, WORKER_LOCK_TTL_MS
+                "{} paused {} ms (lease {} ms)",
+                w.name(),
+                fault.down_ms,
+                WORKER_LOCK_TTL_MS
             ))
         }
         FaultKind::LockServerKill => bounce(&system.lock_server, fault.down_ms)
@@ -563,11 +578,30 @@ async fn inject(
         FaultKind::TemporalKill
         | FaultKind::TemporalAmnesiaDeleted
         | FaultKind::TemporalAmnesiaOldCopy => {
-            super::temporal::inject(stack, system, fault, targets.reconciler, outcome).await
+            let line =
+                super::temporal::inject(stack, system, fault, targets.reconciler, outcome).await?;
+            // With routing by version, Temporal's lost state is also its routing.
+            match targets
+                .deployment
+                .keep_routing(stack, &system.workers)
+                .await?
+            {
+                Some(repaired) => Ok(format!("{line}; {repaired}")),
+                None => Ok(line),
+            }
         }
         FaultKind::ClockJump => super::clock::inject(system, fault, targets.disable).await,
         FaultKind::RollingRestart => {
             super::rolling::restart_all(system, targets.reconciler, targets.disable).await
+        }
+        FaultKind::UpgradeRollout => {
+            let target = super::rollout::Target {
+                deployment: targets.deployment,
+                partitions: &mut *targets.partitions,
+                stall_dir: targets.stall_dir,
+                without_drain: targets.rollout_without_drain,
+            };
+            super::rollout::inject(stack, system, target, outcome).await
         }
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
@@ -958,14 +992,12 @@ async fn plant_stale_holder(
     };
     let (identity, payout) = taken.split_once('.').expect("checked above");
     let (identity, payout) = (identity.to_string(), payout.to_string());
-    let index: usize = identity
-        .strip_prefix("worker-")
-        .and_then(|i| i.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("stall taken by an unknown worker {identity}"))?;
+    // By identity among whoever runs now (a rollout gives each build's workers their own).
     let worker = system
         .workers
-        .get(index)
-        .ok_or_else(|| anyhow::anyhow!("no worker {index}"))?;
+        .iter()
+        .find(|w| w.name() == format!("payout-{identity}"))
+        .ok_or_else(|| anyhow::anyhow!("stall taken by a worker not running now: {identity}"))?;
     let token_file = dir.join(format!("{step}.token.{payout}"));
     let read_token = || async {
         testkit::eventually(
