@@ -361,9 +361,20 @@ pub async fn inject(
     // Until the switch an error leaves the old build running alone (the new workers are dropped,
     // killed, with their hosts).
     wait_registered(stack, &deployment.name, &new_build, &fresh_workers).await?;
-    set_current(stack, &deployment.name, &new_build)?;
+    if let Err(e) = set_current(stack, &deployment.name, &new_build) {
+        // Whatever the command did, the old build is current again before the new workers go.
+        let back = set_current(stack, &deployment.name, &old_build)
+            .err()
+            .map_or(String::new(), |b| {
+                format!("; making {old_build} current again failed too: {b:#}")
+            });
+        anyhow::bail!("making {new_build} current: {e:#}{back}");
+    }
+    // From the switch on, payouts start on the new build: its workers are kept whatever happens.
     let switched = Instant::now();
-    let pinned = open_on(stack, &deployment.name, &old_build)?;
+    // A failed query is asked again by the drain below; the report then lacks the count at the
+    // switch.
+    let pinned = open_on(stack, &deployment.name, &old_build).unwrap_or_default();
     let mut left = pinned.clone();
     let drained = if target.without_drain {
         None
@@ -400,12 +411,17 @@ pub async fn inject(
         old_stopped: stop_old,
     };
     // The new build takes the old one's places, so later faults act on it.
+    let mut stop_failures = Vec::new();
     for (slot, (worker, ns)) in fresh.into_iter().enumerate() {
         let old_worker = std::mem::replace(&mut system.workers[slot], worker);
         let old_ns = std::mem::replace(&mut target.partitions[slot], ns);
         if stop_old {
-            tokio::task::block_in_place(|| old_worker.terminate())?;
-            // The host goes after its worker.
+            // SIGTERM, then SIGKILL after the kit's grace: a failure is reported after every
+            // slot has its new worker.
+            if let Err(e) = tokio::task::block_in_place(|| old_worker.terminate()) {
+                stop_failures.push(format!("{}: {e:#}", old_worker.name()));
+            }
+            // The host goes after its worker (dropping the worker kills what is left of it).
             drop(old_worker);
             drop(old_ns);
         } else {
@@ -419,13 +435,22 @@ pub async fn inject(
     deployment.generation.store(new, Ordering::SeqCst);
     let new_identities: Vec<&str> = system.workers.iter().map(|w| w.name()).collect();
     let line = format!(
-        "{in_flight} payouts in flight; {}; {} {} (SIGTERM); {} run {new_build}",
+        "{in_flight} payouts in flight; {}; {} {}; {} run {new_build}",
         rollout.describe(),
         old_identities.join(", "),
-        if stop_old { "stopped" } else { "left running" },
+        if stop_old {
+            "stopped (SIGTERM)"
+        } else {
+            "left running"
+        },
         new_identities.join(", "),
     );
     outcome.rollouts.push(rollout);
+    anyhow::ensure!(
+        stop_failures.is_empty(),
+        "{line}; stopping the old workers: {}",
+        stop_failures.join("; ")
+    );
     if !stop_old {
         let named: Vec<&str> = left.iter().map(String::as_str).take(NAMED_MAX).collect();
         anyhow::bail!(
