@@ -58,6 +58,7 @@ async fn chaos_run_under_the_nemesis_has_no_violations() {
         FaultKind::TemporalAmnesiaOldCopy,
         FaultKind::ClockJump,
         FaultKind::RollingRestart,
+        FaultKind::UpgradeRollout,
     ];
     match &report.partitions_unavailable {
         None => required.push(FaultKind::WorkerPartition),
@@ -366,6 +367,65 @@ async fn without_the_reconciler_temporal_amnesia_strands_the_payouts_open() {
         report.render()
     );
 }
+
+/// `upgrade_rollout`'s negative control: the rollout stops the old build's workers as soon as the
+/// new build is current, without the drain. Payouts pinned to the old build are left on a build
+/// no worker runs: the run does not settle, and every payout it leaves unsettled is one that was
+/// pinned to the old build at the switch (with the drain, as in the CI-sized run above and
+/// `payoutdev chaos --kinds upgrade_rollout`, the same rollout settles).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rollout_without_the_drain_strands_the_payouts_pinned_to_the_old_build() {
+    let stack = Stack::shared();
+    let mut config = ChaosConfig::new(ROLLOUT_SEED, ROLLOUT_PAYOUTS, 1);
+    config.accounts = ROLLOUT_ACCOUNTS;
+    config.kinds = Some(vec![FaultKind::UpgradeRollout]);
+    config.partitions = false;
+    // Every payout started at once over few accounts: at the switch most wait for their
+    // account's key in workflows already pinned to the old build.
+    config.start_spread = Some(std::time::Duration::ZERO);
+    config.rollout_without_drain = true;
+    // Nothing can finish the stranded payouts: this bounds the wait for what must not happen.
+    config.settle_timeout = ROLLOUT_CONTROL_SETTLE;
+    config.verbose = true;
+    let report = chaos::run(stack, &config).await.expect("the run completes");
+    println!("{}", report.render());
+    let [rollout] = report.rollouts.as_slice() else {
+        panic!(
+            "one rollout: {:?} {:?}",
+            report.rollouts, report.fault_errors
+        );
+    };
+    assert!(
+        rollout.old_stopped && rollout.drain_s.is_none(),
+        "{rollout:?}"
+    );
+    assert!(
+        !rollout.pinned_at_switch.is_empty(),
+        "payouts were pinned to the old build at the switch: {rollout:?}"
+    );
+    assert!(!report.settled, "nothing finished the stranded payouts");
+    let stuck: Vec<&str> = check(&report, "every_payout_settled")
+        .violations
+        .iter()
+        .filter_map(|v| v.detail.split_whitespace().nth(1))
+        .collect();
+    assert!(!stuck.is_empty(), "{}", report.render());
+    for payout in &stuck {
+        assert!(
+            rollout.pinned_at_switch.iter().any(|p| p == payout),
+            "every stranded payout was pinned to the old build at the switch: {payout} was not \
+             ({:?})",
+            rollout.pinned_at_switch
+        );
+    }
+}
+
+const ROLLOUT_SEED: u64 = 17;
+const ROLLOUT_PAYOUTS: usize = 40;
+const ROLLOUT_ACCOUNTS: usize = 4;
+/// A payout started after the switch (or not yet pinned at it) settles on the new build within
+/// this on a loaded machine; a pinned one never does.
+const ROLLOUT_CONTROL_SETTLE: std::time::Duration = std::time::Duration::from_secs(60);
 
 const AMNESIA_SEED: u64 = 13;
 const AMNESIA_PAYOUTS: usize = 40;

@@ -14,6 +14,7 @@ pub mod linearizable;
 pub mod negative;
 pub mod nemesis;
 pub mod rolling;
+pub mod rollout;
 pub mod temporal;
 pub mod workload;
 
@@ -80,6 +81,10 @@ pub struct ChaosConfig {
     /// its keeper and its resume of stranded payouts). Test-only `false`: the control that shows
     /// a run after Temporal's amnesia does not settle without it.
     pub reconciler: bool,
+    /// Negative control of `upgrade_rollout`: the old build's workers are stopped as soon as the
+    /// new build is current, without the drain. Test-only: payouts pinned to the old build are
+    /// then left on a build no worker runs, and the run must not settle.
+    pub rollout_without_drain: bool,
 }
 
 impl ChaosConfig {
@@ -108,6 +113,7 @@ impl ChaosConfig {
             open_payouts_max: OPEN_PAYOUTS_MAX,
             start_spread: None,
             reconciler: true,
+            rollout_without_drain: false,
         }
     }
 }
@@ -137,6 +143,8 @@ pub struct Report {
     pub stale_holders: Vec<nemesis::Plant>,
     /// Each time Temporal lost its state: what was open then.
     pub amnesias: Vec<temporal::Amnesia>,
+    /// Each worker-versioning rollout (`upgrade_rollout`).
+    pub rollouts: Vec<rollout::Rollout>,
     pub rail_movements: u64,
     pub checks: Vec<CheckResult>,
     pub violations: usize,
@@ -201,6 +209,9 @@ impl Report {
                 "  Temporal lost its state ({}): {} payouts open then",
                 a.kind, a.open_payouts
             );
+        }
+        for r in &self.rollouts {
+            let _ = writeln!(s, "  rollout: {}", r.describe());
         }
         let _ = writeln!(s, "rail movements: {}", self.rail_movements);
         for c in &self.checks {
@@ -318,28 +329,25 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
     let in_process = guards::replace_services(&mut system, config.disable).await?;
     let stall_dir = system.dir.join("stall-points");
     std::fs::create_dir_all(&stall_dir)?;
+    // The workers are versioned from the start (routing on, the first build current), as a
+    // deployment that rolls out by worker versioning runs them (`rollout`).
+    let deployment = rollout::Deployment::new(&system, config.workers);
     let mut partitions = Vec::new();
-    for i in 0..config.workers {
-        let identity = format!("worker-{i}");
-        let spec = system
-            .worker_spec(&identity)
-            .env(
-                "PAYOUT_LOCK_HISTORY_PATH",
-                system
-                    .dir
-                    .join(format!("{}{identity}.jsonl", checker::LOCK_HISTORY_PREFIX))
-                    .to_string_lossy(),
-            )
-            .env(crate::stall::STALL_DIR_ENV, stall_dir.to_string_lossy());
-        let (spec, ns) = if partitions_unavailable.is_none() {
-            let ns = tokio::task::block_in_place(testkit::netns::NetNs::create)?;
-            (ns.wrap(spec), Some(ns))
-        } else {
-            (spec, None)
-        };
-        let worker = tokio::task::block_in_place(|| testkit::ManagedProcess::start(spec))?;
+    for slot in 0..config.workers {
+        let (worker, ns) = deployment.start_worker(
+            &system,
+            deployment.current_generation(),
+            slot,
+            &stall_dir,
+            partitions_unavailable.is_none(),
+        )?;
         system.workers.push(worker);
         partitions.push(ns);
+    }
+    if config.workers > 0 {
+        deployment
+            .make_first_current(stack, &system.workers)
+            .await?;
     }
     let start_spread = config.start_spread.unwrap_or(config.fault_window);
     let reconciler = if config.reconciler {
@@ -404,13 +412,15 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         ),
     );
 
-    let targets = nemesis::Targets {
+    let mut targets = nemesis::Targets {
         work: &work,
-        partitions: &partitions,
+        partitions: &mut partitions,
         stall_dir: &stall_dir,
         lose_issued_tokens: config.lose_issued_tokens_on_restore,
         disable: config.disable,
         reconciler: reconciler.as_ref(),
+        deployment: &deployment,
+        rollout_without_drain: config.rollout_without_drain,
     };
     let fault_start = Instant::now();
     let (begun, pace) = tokio::sync::watch::channel(0usize);
@@ -418,13 +428,15 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         begun: pace,
         faults: schedule.faults.len(),
     };
+    // The nemesis may replace the workers (a rollout); the starts need only these.
+    let starts = workload::Starts::of(&system);
     let (started, outcome) = tokio::join!(
-        work.start_all(&system, config.open_payouts_max, start_spread, Some(pace)),
+        work.start_all(&starts, config.open_payouts_max, start_spread, Some(pace)),
         nemesis::execute(
             stack,
-            &system,
+            &mut system,
             &schedule,
-            &targets,
+            &mut targets,
             config.disable,
             config.verbose,
             Some(begun),
@@ -526,6 +538,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         reached,
         stale_holders: outcome.plants.clone(),
         amnesias: outcome.amnesias.clone(),
+        rollouts: outcome.rollouts.clone(),
         rail_movements: evidence.movements.len() as u64,
         checks,
         violations,

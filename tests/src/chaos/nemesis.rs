@@ -77,6 +77,9 @@ pub enum FaultKind {
     /// etcd's backend quota reached: `NOSPACE`, every write refused until RESTORE.md's
     /// procedure (delete, compact, defragment, disarm).
     EtcdNospace,
+    /// The next worker build started beside the old, made current, the old drained and stopped
+    /// (`super::rollout`): a worker-versioning rollout mid-batch.
+    UpgradeRollout,
 }
 
 /// The steps a planted stale holder stalls before, in turn.
@@ -163,7 +166,7 @@ impl Plant {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 26] = [
+    pub const ALL: [FaultKind; 27] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -190,6 +193,7 @@ impl FaultKind {
         FaultKind::DiskFullPgProxy,
         FaultKind::DiskFullEtcdMember,
         FaultKind::EtcdNospace,
+        FaultKind::UpgradeRollout,
     ];
     /// The kinds that need the stack's capped volumes (`testkit::volume`).
     pub const DISK: [FaultKind; 4] = [
@@ -226,6 +230,7 @@ impl FaultKind {
             FaultKind::DiskFullPgProxy => "disk_full_pg_proxy",
             FaultKind::DiskFullEtcdMember => "disk_full_etcd_member",
             FaultKind::EtcdNospace => "etcd_nospace",
+            FaultKind::UpgradeRollout => "upgrade_rollout",
         }
     }
     pub fn parse(name: &str) -> Option<Self> {
@@ -409,13 +414,16 @@ pub struct Outcome {
     pub restores: Vec<super::checker::Restore>,
     /// Each store's refusals seen on a full disk (`super::disk::STORES`).
     pub disk_full_refusals: BTreeMap<String, u64>,
+    /// Each worker-versioning rollout: versions, payouts pinned to the old at the switch, drain.
+    pub rollouts: Vec<super::rollout::Rollout>,
 }
 
 /// What the nemesis acts on besides the stack and the system.
 pub struct Targets<'a> {
     pub work: &'a Workload,
-    /// Each worker's network namespace, where it has one (partitions need it).
-    pub partitions: &'a [Option<testkit::netns::NetNs>],
+    /// Each worker's network namespace, where it has one (partitions need it); a rollout
+    /// replaces a slot's with its new worker's.
+    pub partitions: &'a mut [Option<testkit::netns::NetNs>],
     /// The workers' `PAYOUT_TEST_STALL_DIR`, where stale holders are armed.
     pub stall_dir: &'a std::path::Path,
     /// Negative control of the INV-04 alarm: a restore without the procedure also loses the
@@ -426,6 +434,10 @@ pub struct Targets<'a> {
     pub disable: DisableGuard,
     /// The run's reconciler service (`None`: the control without it).
     pub reconciler: Option<&'a super::temporal::Reconciler>,
+    /// The workers' deployment (which build is current).
+    pub deployment: &'a super::rollout::Deployment,
+    /// TEST ONLY: a rollout stops the old build's workers without draining them (the control).
+    pub rollout_without_drain: bool,
 }
 
 impl Targets<'_> {
@@ -476,9 +488,9 @@ async fn bounce(process: &ManagedProcess, down_ms: u64) -> anyhow::Result<()> {
 /// a restart, a pause by a resume), so at most one component is down at a time.
 pub async fn execute(
     stack: &Stack,
-    system: &System,
+    system: &mut System,
     schedule: &Schedule,
-    targets: &Targets<'_>,
+    targets: &mut Targets<'_>,
     disable: DisableGuard,
     verbose: bool,
     begun: Option<tokio::sync::watch::Sender<usize>>,
@@ -518,9 +530,9 @@ pub async fn execute(
 
 async fn inject(
     stack: &Stack,
-    system: &System,
+    system: &mut System,
     fault: &Fault,
-    targets: &Targets<'_>,
+    targets: &mut Targets<'_>,
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
     let work = targets.work;
@@ -532,8 +544,9 @@ async fn inject(
     };
     match fault.kind {
         FaultKind::WorkerKill => {
-            bounce(worker()?, fault.down_ms).await?;
-            Ok(format!("worker-{} killed and restarted", fault.worker))
+            let w = worker()?;
+            bounce(w, fault.down_ms).await?;
+            Ok(format!("{} killed and restarted", w.name()))
         }
         FaultKind::WorkerPause => {
             let w = worker()?;
@@ -541,8 +554,10 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(fault.down_ms)).await;
             w.resume()?;
             Ok(format!(
-                "worker-{} paused {} ms (lease {} ms)",
-                fault.worker, fault.down_ms, WORKER_LOCK_TTL_MS
+                "{} paused {} ms (lease {} ms)",
+                w.name(),
+                fault.down_ms,
+                WORKER_LOCK_TTL_MS
             ))
         }
         FaultKind::LockServerKill => bounce(&system.lock_server, fault.down_ms)
@@ -599,7 +614,17 @@ async fn inject(
         FaultKind::TemporalKill
         | FaultKind::TemporalAmnesiaDeleted
         | FaultKind::TemporalAmnesiaOldCopy => {
-            super::temporal::inject(stack, system, fault, targets.reconciler, outcome).await
+            let line =
+                super::temporal::inject(stack, system, fault, targets.reconciler, outcome).await?;
+            // With routing by version, Temporal's lost state is also its routing.
+            match targets
+                .deployment
+                .keep_routing(stack, &system.workers)
+                .await?
+            {
+                Some(repaired) => Ok(format!("{line}; {repaired}")),
+                None => Ok(line),
+            }
         }
         FaultKind::ClockJump => super::clock::inject(system, fault, targets.disable).await,
         FaultKind::RollingRestart => {
@@ -613,6 +638,15 @@ async fn inject(
         }
         FaultKind::DiskFullEtcdMember => super::disk::etcd_member_full(stack, fault, outcome).await,
         FaultKind::EtcdNospace => super::disk::etcd_nospace(stack, system, fault, outcome).await,
+        FaultKind::UpgradeRollout => {
+            let target = super::rollout::Target {
+                deployment: targets.deployment,
+                partitions: &mut *targets.partitions,
+                stall_dir: targets.stall_dir,
+                without_drain: targets.rollout_without_drain,
+            };
+            super::rollout::inject(stack, system, target, outcome).await
+        }
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);
@@ -1002,14 +1036,12 @@ async fn plant_stale_holder(
     };
     let (identity, payout) = taken.split_once('.').expect("checked above");
     let (identity, payout) = (identity.to_string(), payout.to_string());
-    let index: usize = identity
-        .strip_prefix("worker-")
-        .and_then(|i| i.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("stall taken by an unknown worker {identity}"))?;
+    // By identity among whoever runs now (a rollout gives each build's workers their own).
     let worker = system
         .workers
-        .get(index)
-        .ok_or_else(|| anyhow::anyhow!("no worker {index}"))?;
+        .iter()
+        .find(|w| w.name() == format!("payout-{identity}"))
+        .ok_or_else(|| anyhow::anyhow!("stall taken by a worker not running now: {identity}"))?;
     let token_file = dir.join(format!("{step}.token.{payout}"));
     let read_token = || async {
         testkit::eventually(

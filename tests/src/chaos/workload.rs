@@ -114,12 +114,12 @@ impl Workload {
     /// measure the churn.
     pub async fn start_all(
         &self,
-        system: &System,
+        system: &Starts,
         open_max: usize,
         spread: Duration,
         mut pace: Option<Pace>,
     ) -> anyhow::Result<()> {
-        let paydb = super::one_connection(&system.databases.paydb).await?;
+        let paydb = super::one_connection(&system.paydb).await?;
         let client = Arc::new(
             payout_workflows::client::connect_configured(
                 &payout_workflows::client::TemporalArgs::profile_of(
@@ -194,6 +194,24 @@ impl Workload {
                 ..FaultConfig::default()
             })
             .await;
+    }
+}
+
+/// What [`Workload::start_all`] needs of the system, apart from it: the nemesis holds the
+/// system meanwhile and may replace its workers (a rollout).
+pub struct Starts {
+    pub paydb: String,
+    pub temporal_clients: std::path::PathBuf,
+    pub task_queue: String,
+}
+
+impl Starts {
+    pub fn of(system: &System) -> Self {
+        Self {
+            paydb: system.databases.paydb.clone(),
+            temporal_clients: system.temporal_clients.clone(),
+            task_queue: system.task_queue.clone(),
+        }
     }
 }
 
