@@ -37,6 +37,12 @@ const VERSION_VISIBLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(600);
 /// The drain query is asked again after this (one CLI call: cheap beside the drain itself).
 const DRAIN_POLL: Duration = Duration::from_secs(1);
+/// An empty drain query counts only once it is still empty this long after: Temporal's
+/// visibility is written after the fact, so a workflow whose first task a build completed just
+/// before the switch can be missing from the query for a moment. A CI-sized run saw it: the
+/// query came back empty 0.1 s after the switch, the old workers were stopped, and a payout
+/// pinned to the old build (its run started a moment before) had no worker left.
+const DRAIN_CONFIRM: Duration = Duration::from_secs(5);
 /// At most this many pinned payouts are named in a fault's error line.
 const NAMED_MAX: usize = 10;
 
@@ -380,11 +386,14 @@ pub async fn inject(
         None
     } else {
         let give_up = switched + DRAIN_TIMEOUT;
+        let mut empty_since: Option<Instant> = None;
         loop {
             // Temporal may answer slowly on a loaded machine: a failed query is asked again.
             if let Ok(open) = open_on(stack, &deployment.name, &old_build) {
                 left = open;
-                if left.is_empty() {
+                if !left.is_empty() {
+                    empty_since = None;
+                } else if empty_since.get_or_insert_with(Instant::now).elapsed() >= DRAIN_CONFIRM {
                     break Some(switched.elapsed());
                 }
             }

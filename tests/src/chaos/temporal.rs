@@ -29,12 +29,14 @@ use crate::metrics::{sample, scrape};
 const KEEPER_INTERVAL_S: u64 = 1;
 /// Its scheduled full pass (checks, orphans, resume of stranded payouts) runs this often.
 const PASS_INTERVAL_S: u64 = 5;
-/// A PENDING payout the harness has not started yet is the harness's for twice the start spread
-/// plus this: the reconciler starts a payout with no workflow only once its start is overdue, and
-/// the harness starts its payouts at a paced rate over the spread, held back further by a
-/// nemesis behind its schedule (so the faults land on work in flight); a shorter grace would
-/// have the reconciler start them at once, and count those starts as payouts it recovered.
-const NOT_STARTED_SLACK: Duration = Duration::from_secs(60);
+/// A PENDING payout the harness has not started yet is the harness's for the start spread plus
+/// this: the reconciler starts a payout with no workflow only once its start is overdue, and the
+/// harness starts its payouts at a paced rate over the spread, held back further by a nemesis
+/// behind its schedule (so the faults land on work in flight; a loaded machine had it 93 s
+/// behind); a shorter grace would have the reconciler start them at once, and count those starts
+/// as payouts it recovered. (A payout whose run Temporal lost before it claimed waits this long
+/// for its resume: the harness starts runs itself, so paydb has no record that it did.)
+const NOT_STARTED_SLACK: Duration = Duration::from_secs(120);
 /// A resumed run's settlement window (the run's own, `super::SETTLEMENT_WINDOW_MS`).
 const RESUMED_SETTLEMENT_WINDOW_MS: u64 = super::SETTLEMENT_WINDOW_MS;
 
@@ -54,7 +56,7 @@ impl Reconciler {
         let metrics_port = testkit::free_port();
         // The harness's starts follow the nemesis's progress as well as the clock
         // (`workload::Pace`): on a loaded machine they run past the spread.
-        let grace = start_spread * 2 + NOT_STARTED_SLACK;
+        let grace = start_spread + NOT_STARTED_SLACK;
         let spec = ProcessSpec::new(
             "reconciler",
             testkit::workspace_bin("reconciler"),
