@@ -186,6 +186,9 @@ async fn planted_stale_holders_are_refused_by_the_guards_and_pay_without_the_pro
         config.partitions = false;
         config.fault_window = STALE_FAULT_WINDOW;
         config.disable = disable;
+        // The claim is the guards': an honest rail pays whatever stale Submit reaches it (its
+        // fault mix once declined the one plant of a run, and the control saw nothing paid).
+        config.rail_faults = false;
         config.verbose = true;
         // The guards alone against the planted calls, as in every run before the reconciler
         // joined the harness: nothing else resumes or resolves a payout here.

@@ -77,6 +77,11 @@ pub struct ChaosConfig {
     /// 37 s of an 80 s window, and every later fault (the planted stale holders among them, which
     /// need a payout to reach its step) met an idle system.
     pub start_spread: Option<Duration>,
+    /// The rail misbehaves from the start (its seeded fault mix: declines, failures, resets,
+    /// hangs). Test-only `false`: a control whose claim is about the guards alone (the planted
+    /// holders' per-guard answers) keeps the rail honest, so a stale Submit the unguarded proxy
+    /// passes is paid, never declined or lost by the rail's own dice.
+    pub rail_faults: bool,
     /// Run the reconciler service beside the system, as a deployment does (`reconciler serve`:
     /// its keeper and its resume of stranded payouts). Test-only `false`: the control that shows
     /// a run after Temporal's amnesia does not settle without it.
@@ -112,6 +117,7 @@ impl ChaosConfig {
             lose_issued_tokens_on_restore: false,
             open_payouts_max: OPEN_PAYOUTS_MAX,
             start_spread: None,
+            rail_faults: true,
             reconciler: true,
             rollout_without_drain: false,
         }

@@ -32,6 +32,30 @@ pub struct Workload {
     pub seed: u64,
 }
 
+/// Records `input`'s workflow start as delivered in paydb's `workflow_start`, as the starter
+/// does when it delivers a staged start: the harness starts its payouts itself (to pace them),
+/// and without the record the reconciler would take a payout whose run Temporal lost for one
+/// never started, and leave it for the not-started grace. Best effort, a few tries (paydb may
+/// be restarting: a fault); without it the payout is resumed after the grace instead.
+async fn record_start(paydb: &sqlx::PgPool, input: &PayoutInput) {
+    for _ in 0..RECORD_START_TRIES {
+        let recorded = sqlx::query(
+            "INSERT INTO workflow_start (payout_id, workflow_id, input, started_at, start_outcome) \
+             VALUES ($1, 'payout-' || $1, '{}'::jsonb, now(), 'STARTED') ON CONFLICT DO NOTHING",
+        )
+        .bind(input.payout_id.as_str())
+        .execute(paydb)
+        .await;
+        if recorded.is_ok() {
+            return;
+        }
+        tokio::time::sleep(START_RETRY_PAUSE).await;
+    }
+}
+
+/// [`record_start`]'s tries.
+const RECORD_START_TRIES: usize = 10;
+
 /// The rail's misbehaviour during the fault phase: every fault mode the stub has, seeded.
 pub fn rail_faults(seed: u64, intensity: f64) -> FaultConfig {
     FaultConfig {
@@ -75,7 +99,15 @@ impl Workload {
     pub async fn create(system: &System, config: &ChaosConfig) -> anyhow::Result<Self> {
         let stub = rail_stub::client::StubClient::new(system.rail_stub_endpoints())
             .expect("the harness's rail client");
-        stub.set_faults(&rail_faults(config.seed, 1.0))
+        let faults = if config.rail_faults {
+            rail_faults(config.seed, 1.0)
+        } else {
+            FaultConfig {
+                seed: config.seed,
+                ..FaultConfig::default()
+            }
+        };
+        stub.set_faults(&faults)
             .await
             .map_err(|e| anyhow::anyhow!("rail faults: {e}"))?;
         // Seed and system: two runs of one seed on one Temporal server (the negative controls'
@@ -158,6 +190,7 @@ impl Workload {
             let client = client.clone();
             let semaphore = semaphore.clone();
             let queue = system.task_queue.clone();
+            let paydb = paydb.clone();
             tasks.spawn(async move {
                 let _permit = semaphore.acquire_owned().await.expect("semaphore open");
                 // Already started: the reconciler found the payout's start overdue (the pacing
@@ -169,7 +202,10 @@ impl Workload {
                         Ok(_)
                         | Err(payout_workflows::client::PayoutClientError::AlreadyStarted {
                             ..
-                        }) => return Ok(()),
+                        }) => {
+                            record_start(&paydb, &input).await;
+                            return Ok(());
+                        }
                         Err(e) if Instant::now() >= give_up => {
                             return Err(anyhow::anyhow!("starting {}: {e}", input.payout_id))
                         }
