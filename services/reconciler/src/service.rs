@@ -37,6 +37,13 @@ pub const SCHEDULE_ID: &str = "reconciler";
 /// One run reads every table once and resolves a bounded number of orphans (see
 /// `resolver::resolve::ORPHANS_PER_RUN_MAX`): minutes at most, even on a large batch.
 pub const RECONCILE_START_TO_CLOSE: Duration = Duration::from_secs(600);
+/// A run heartbeats every third of this while it works, so a run lost with its process (killed
+/// mid-run: a crash, a rolling restart's SIGKILL) is noticed by Temporal within this and tried
+/// again on a live worker. Without it the lost run counted as running for the whole
+/// start-to-close, and the schedule (overlap: skip) started no run meanwhile: the fault suite
+/// saw no pass for five and a half minutes after a reconciler restart mid-run, and a stranded
+/// payout wait through all of it.
+pub const RECONCILE_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(30);
 /// A failed run (a store unreachable) is retried a few times, then the workflow fails and the
 /// schedule's next tick tries again: a reconciler must not hammer a struggling database.
 pub const RECONCILE_ATTEMPTS_MAX: u32 = 3;
@@ -668,11 +675,22 @@ impl ReconcileActivities {
     #[activity(name = "Reconcile")]
     pub async fn reconcile(
         self: Arc<Self>,
-        _ctx: ActivityContext,
+        ctx: ActivityContext,
     ) -> Result<ReconcileSummary, ActivityError> {
         // A part that fails is reported in the summary and counted; the activity is not
         // retried for it (the other parts ran): the schedule's next run tries again.
-        match run_once(&self.config, &self.sources, &self.cursors).await {
+        let run = run_once(&self.config, &self.sources, &self.cursors);
+        let mut run = std::pin::pin!(run);
+        let beat = RECONCILE_HEARTBEAT_TIMEOUT / 3;
+        let ran = loop {
+            tokio::select! {
+                ran = &mut run => break ran,
+                _ = tokio::time::sleep(beat) => {
+                    let _ = ctx.record_heartbeat(()).await;
+                }
+            }
+        };
+        match ran {
             Ok(report) => {
                 self.metrics.record(&report);
                 let summary = ReconcileSummary::of(&report);
@@ -715,7 +733,7 @@ impl ReconcileWorkflow {
 }
 
 pub fn activity_options() -> ActivityOptions {
-    ActivityOptions::with_start_to_close_timeout(RECONCILE_START_TO_CLOSE)
+    let mut options = ActivityOptions::with_start_to_close_timeout(RECONCILE_START_TO_CLOSE)
         .retry_policy(
             RetryPolicy::builder()
                 .initial_interval(RECONCILE_RETRY_INITIAL)
@@ -723,7 +741,9 @@ pub fn activity_options() -> ActivityOptions {
                 .maximum_attempts(RECONCILE_ATTEMPTS_MAX)
                 .build(),
         )
-        .build()
+        .build();
+    options.heartbeat_timeout = Some(RECONCILE_HEARTBEAT_TIMEOUT);
+    options
 }
 
 #[derive(Debug, Clone)]

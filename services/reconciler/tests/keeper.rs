@@ -561,3 +561,99 @@ async fn a_grant_of_a_lost_run_whose_payout_runs_again_is_taken_over() {
     );
     stop_serve(serve, &schedule_id);
 }
+
+/// A run lost with its reconciler waits this long at most for its retry to complete one: well
+/// past the run's heartbeat timeout (30 s) and its retry's backoff on a loaded machine, well short
+/// of the run's start-to-close (600 s), until which a lost run without heartbeats held the
+/// schedule (overlap: skip).
+const LOST_RUN_RETRIED_WITHIN: Duration = Duration::from_secs(240);
+
+/// Whether a scheduled run's `Reconcile` activity has started on a worker (Temporal's pending
+/// activity state), from `temporal workflow describe`.
+fn run_activity_started(schedule_id: &str) -> Option<()> {
+    let query = format!(
+        "WorkflowType='ReconcileWorkflow' AND ExecutionStatus='Running' AND WorkflowId STARTS_WITH '{schedule_id}-run'"
+    );
+    let listed = temporal_cli(&[
+        "workflow",
+        "list",
+        "--namespace",
+        testkit::temporal::NAMESPACE,
+        "--query",
+        &query,
+        "--output",
+        "json",
+    ])
+    .ok()?;
+    let runs: Vec<serde_json::Value> = serde_json::from_str(&listed).ok()?;
+    runs.iter().find_map(|run| {
+        let id = run["execution"]["workflowId"].as_str()?;
+        let described = temporal_cli(&[
+            "workflow",
+            "describe",
+            "--namespace",
+            testkit::temporal::NAMESPACE,
+            "--workflow-id",
+            id,
+            "--output",
+            "json",
+        ])
+        .ok()?;
+        described
+            .contains("PENDING_ACTIVITY_STATE_STARTED")
+            .then_some(())
+    })
+}
+
+#[tokio::test]
+async fn a_run_lost_with_its_reconciler_is_tried_again_within_its_heartbeat_timeout() {
+    let stack = Stack::shared();
+    let system = System::start(
+        stack,
+        SystemOptions {
+            workers: 0,
+            ..SystemOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    // Every run reads the payouts: with the table locked, a run that starts waits on the lock.
+    let paydb = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&system.databases.paydb)
+        .await
+        .unwrap();
+    let mut blocker = paydb.begin().await.unwrap();
+    sqlx::query("LOCK TABLE payout IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let (serve, schedule_id, port) = start_serve(&system, 5);
+    testkit::eventually(
+        REPAIR_TIMEOUT,
+        "a scheduled run's activity started (and waiting on the locked table)",
+        || async { run_activity_started(&schedule_id) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+
+    // The reconciler dies mid-run (SIGKILL: a crash, a rolling restart's last resort), the
+    // table is free again, and the process is started again.
+    serve.kill().unwrap();
+    blocker.rollback().await.unwrap();
+    serve.restart().unwrap();
+    // Its schedule skips while a run is open: only the lost run's retry, or the lost run's end,
+    // lets one complete. With heartbeats, Temporal gives the lost attempt up within 30 s.
+    testkit::eventually(
+        LOST_RUN_RETRIED_WITHIN,
+        "a run completed by the restarted reconciler",
+        || async {
+            let text = metrics_text(port).await?;
+            (metric(&text, "reconciliation_runs_total")? >= 1.0).then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", serve.log_tail(40)));
+    testkit::util::close_pool(paydb).await;
+    stop_serve(serve, &schedule_id);
+}
