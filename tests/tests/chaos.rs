@@ -60,8 +60,9 @@ async fn chaos_run_under_the_nemesis_has_no_violations() {
         FaultKind::RollingRestart,
         FaultKind::UpgradeRollout,
     ];
+    required.extend([FaultKind::AnswerLossRail, FaultKind::DispatcherGlPartition]);
     match &report.partitions_unavailable {
-        None => required.push(FaultKind::WorkerPartition),
+        None => required.extend(FaultKind::NETWORK_HOST),
         Some(why) => println!("no partitions on this machine: {why}"),
     }
     // The full disks need the stack's capped volumes (root's `mount`): where they could not be
@@ -137,7 +138,7 @@ async fn chaos_run_under_the_nemesis_has_no_violations() {
 /// by the planted stale holders: the first plant before each step is made stale by an operator's
 /// revoke (`PlantMethod::Revoke`), whose worker runs on and delivers the frozen call, so each
 /// guard's fence is reached whenever the stale-holder kind runs (every kind runs once at least).
-const SOMETIMES: [&str; 10] = [
+const SOMETIMES: [&str; 13] = [
     chaos::checker::REACHED_FENCED_OUT_PAYMENT_RESOURCE,
     chaos::checker::REACHED_FENCED_OUT_RAIL_PROXY,
     chaos::checker::REACHED_RESOLVED_FOUND,
@@ -149,6 +150,10 @@ const SOMETIMES: [&str; 10] = [
     "disk_full_refused@pg_proxy",
     "disk_full_refused@etcd_member",
     "disk_full_refused@etcd_quota",
+    // A lost answer recovered at each link (`chaos::answer_loss`).
+    "answer_lost_recovered@payment_resource",
+    "answer_lost_recovered@rail_proxy",
+    "answer_lost_recovered@rail",
 ];
 
 /// Stale holders planted in the running system (the nemesis's `stale_holder_planted` alone), the

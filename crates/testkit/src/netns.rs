@@ -18,6 +18,44 @@ use anyhow::Context;
 
 use crate::process::ProcessSpec;
 
+/// The packets a one-way answer drop takes: those of this length or more (IPv4 and TCP headers
+/// included) carry data. A bare ACK is 52 bytes with TCP timestamps, a SYN-ACK 60; an answer is a
+/// TLS record of more than a hundred bytes.
+pub const DATA_PACKETS: &str = "120:65535";
+/// The connection mark bits of [`HostDrop::answers_of`]: the client has sent one data packet
+/// (its TLS ClientHello), and a second (its second flight, or its request).
+const CLIENT_SENT_ONE: &str = "0x100000/0x100000";
+const CLIENT_SENT_TWO: &str = "0x200000/0x200000";
+
+/// The match of a server's answers: TCP from `port`, carrying data ([`DATA_PACKETS`]).
+fn answer_data(port: &str) -> Vec<String> {
+    strings(&[
+        "-p",
+        "tcp",
+        "--sport",
+        port,
+        "-m",
+        "length",
+        "--length",
+        DATA_PACKETS,
+    ])
+}
+
+/// `args` as owned strings.
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| a.to_string()).collect()
+}
+
+/// The packet count of the DROP rule whose line in `iptables -L -v -x -n` contains `marker`
+/// (0 when there is none): the first column.
+fn rule_packets(listing: &str, marker: &str) -> u64 {
+    listing
+        .lines()
+        .filter(|l| l.contains("DROP") && l.contains(marker))
+        .filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// Namespaces made by this process so far: part of each name and subnet.
 static SEQUENCE: AtomicU32 = AtomicU32::new(0);
 
@@ -202,6 +240,40 @@ impl NetNs {
         self.drop_rules("-D", port)
     }
 
+    /// Drops `port`'s answers to this namespace, one way: the packets from it that carry data
+    /// ([`DATA_PACKETS`]). Bare ACKs still pass, so on a connection already open (a worker's
+    /// gRPC channels to the guards are) requests keep arriving and the service acts on them;
+    /// what it answers never arrives (a lost answer, not a partition). The held-back answer is
+    /// retransmitted by the service's TCP and dropped again until [`NetNs::heal_answers`]. A
+    /// connection opened meanwhile stops at its TLS handshake.
+    pub fn drop_answers(&self, port: u16) -> anyhow::Result<()> {
+        self.answer_rule("-A", port)
+    }
+
+    /// Heals a [`NetNs::drop_answers`].
+    pub fn heal_answers(&self, port: u16) -> anyhow::Result<()> {
+        self.answer_rule("-D", port)
+    }
+
+    /// Packets [`NetNs::drop_answers`] has dropped so far (the rule's own counter).
+    pub fn answers_dropped(&self, port: u16) -> anyhow::Result<u64> {
+        let out = Command::new("ip")
+            .args([
+                "netns", "exec", &self.name, "iptables", "-w", "-L", "INPUT", "-v", "-x", "-n",
+            ])
+            .output()
+            .context("listing the namespace's INPUT rules")?;
+        let listing = String::from_utf8_lossy(&out.stdout);
+        Ok(rule_packets(&listing, &format!("spt:{port} ")))
+    }
+
+    fn answer_rule(&self, op: &str, port: u16) -> anyhow::Result<()> {
+        let mut args = strings(&["netns", "exec", &self.name, "iptables", "-w", op, "INPUT"]);
+        args.extend(answer_data(&port.to_string()));
+        args.extend(strings(&["-j", "DROP"]));
+        run("ip", &args.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
     /// `spec` run inside this namespace (`ip netns exec` execs the program: same pid, so signals
     /// and restarts reach it as before), with every `127.0.0.1` in its environment replaced by
     /// this host's address as seen from the namespace.
@@ -225,5 +297,175 @@ impl Drop for NetNs {
         let _ = run("iptables", &self.nat_rule("-D"));
         // Deleting the namespace removes its end of the veth pair, which removes both ends.
         let _ = run("ip", &["netns", "del", &self.name]);
+    }
+}
+
+/// A drop on this host's loopback, in its `OUTPUT` chain, removed on drop: for a link between
+/// two services that both run on this host (the rail proxy and the rail, the dispatcher and the
+/// GL), where neither side has a namespace of its own. Each rule carries a comment naming this
+/// process (`pwdrop<pid>-<seq>`), so a killed run's rules are swept by the next one.
+pub struct HostDrop {
+    comment: String,
+    rules: Vec<Vec<String>>,
+}
+
+/// Host drops made by this process so far: part of each comment.
+static HOST_DROPS: AtomicU32 = AtomicU32::new(0);
+
+impl HostDrop {
+    /// Drops the data-carrying packets from `port` ([`DATA_PACKETS`]) on a connection whose
+    /// client has sent two data packets: its TLS ClientHello, then its second flight (its
+    /// Finished, or its Finished and its request). The server's flight that answers the
+    /// ClientHello still passes, so the handshake completes and the request is made; whatever
+    /// the server sends after that (its session tickets, its answer) is dropped, since a TLS 1.3
+    /// server sends nothing between its flight and the client's Finished. The service listening
+    /// there receives every request and acts on it; its answers never leave (one way). A link
+    /// that opens a connection per request (the proxy's to the rail) needs this: a drop of every
+    /// data packet from the server stops each request at its handshake, and the server never
+    /// acts. The client's data packets are counted by marking the connection (`CONNMARK`), not
+    /// by conntrack's packet or byte counts: its bare ACKs (Linux acknowledges each early
+    /// segment at once) and its certificate's size would move those.
+    pub fn answers_of(port: u16) -> anyhow::Result<Self> {
+        let port = port.to_string();
+        let client_data = [
+            "-p",
+            "tcp",
+            "--dport",
+            &port,
+            "-m",
+            "length",
+            "--length",
+            DATA_PACKETS,
+        ];
+        let mut second = strings(&client_data);
+        second.extend(strings(&[
+            "-m",
+            "connmark",
+            "--mark",
+            CLIENT_SENT_ONE,
+            "-j",
+            "CONNMARK",
+            "--set-xmark",
+            CLIENT_SENT_TWO,
+        ]));
+        let mut first = strings(&client_data);
+        first.extend(strings(&["-j", "CONNMARK", "--set-xmark", CLIENT_SENT_ONE]));
+        let mut answers = answer_data(&port);
+        answers.extend(strings(&[
+            "-m",
+            "connmark",
+            "--mark",
+            CLIENT_SENT_TWO,
+            "-j",
+            "DROP",
+        ]));
+        // In this order: a client's first data packet sets only the first mark.
+        Self::install(vec![second, first, answers])
+    }
+
+    /// Drops every packet to and from `port`: the service listening there is partitioned from
+    /// its clients on this host (connections hang; nothing is reset).
+    pub fn partition(port: u16) -> anyhow::Result<Self> {
+        let port = port.to_string();
+        Self::install(vec![
+            strings(&["-p", "tcp", "--dport", &port, "-j", "DROP"]),
+            strings(&["-p", "tcp", "--sport", &port, "-j", "DROP"]),
+        ])
+    }
+
+    /// Appends `rules` (each its matches and its target) to `OUTPUT` on loopback, in order, each
+    /// with this drop's comment.
+    fn install(rules: Vec<Vec<String>>) -> anyhow::Result<Self> {
+        Self::remove_stale();
+        let comment = format!(
+            "pwdrop{}-{}",
+            std::process::id(),
+            HOST_DROPS.fetch_add(1, Ordering::SeqCst)
+        );
+        let mut drop = Self {
+            comment,
+            rules: Vec::new(),
+        };
+        for spec in rules {
+            let target = spec.iter().position(|a| a == "-j").unwrap_or(spec.len());
+            let mut rule = strings(&["OUTPUT", "-o", "lo"]);
+            rule.extend(spec[..target].iter().cloned());
+            rule.extend(strings(&["-m", "comment", "--comment", &drop.comment]));
+            rule.extend(spec[target..].iter().cloned());
+            let mut add = strings(&["-w", "-A"]);
+            add.extend(rule.iter().cloned());
+            run(
+                "iptables",
+                &add.iter().map(String::as_str).collect::<Vec<_>>(),
+            )?;
+            // Kept as installed, so Drop deletes exactly these (and those before a failure).
+            drop.rules.push(rule);
+        }
+        Ok(drop)
+    }
+
+    /// Packets dropped so far by this drop's rules.
+    pub fn dropped(&self) -> anyhow::Result<u64> {
+        let out = Command::new("iptables")
+            .args(["-w", "-L", "OUTPUT", "-v", "-x", "-n"])
+            .output()
+            .context("listing this host's OUTPUT rules")?;
+        Ok(rule_packets(
+            &String::from_utf8_lossy(&out.stdout),
+            &format!("/* {} */", self.comment),
+        ))
+    }
+
+    /// Deletes the rules of drops whose process no longer exists (a killed run's).
+    fn remove_stale() {
+        let Ok(out) = Command::new("iptables")
+            .args(["-w", "-S", "OUTPUT"])
+            .output()
+        else {
+            return;
+        };
+        for rule in String::from_utf8_lossy(&out.stdout).lines() {
+            let Some(pid) = rule
+                .split("pwdrop")
+                .nth(1)
+                .and_then(|rest| rest.split('-').next())
+                .and_then(|pid| pid.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                let mut args = vec!["-w", "-D"];
+                args.extend(rule.split_whitespace().skip(1).map(|w| w.trim_matches('"')));
+                let _ = run("iptables", &args);
+            }
+        }
+    }
+}
+
+impl Drop for HostDrop {
+    fn drop(&mut self) {
+        for rule in &self.rules {
+            let mut args = vec!["-w", "-D"];
+            args.extend(rule.iter().map(String::as_str));
+            let _ = run("iptables", &args);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rule_packets;
+
+    #[test]
+    fn a_drop_rules_packets_are_read_from_its_line_alone() {
+        let listing = "Chain OUTPUT (policy ACCEPT 10 packets, 600 bytes)
+ pkts bytes target prot opt in out source destination
+      7   840 DROP   tcp  --  *  lo  0.0.0.0/0 0.0.0.0/0 tcp spt:4100 length 120:65535 /* pwdrop9-0 */
+     12  1000 DROP   tcp  --  *  lo  0.0.0.0/0 0.0.0.0/0 tcp spt:41001 /* pwdrop9-1 */
+      3    90 ACCEPT tcp  --  *  lo  0.0.0.0/0 0.0.0.0/0 tcp spt:4100 /* pwdrop9-0 */
+";
+        assert_eq!(rule_packets(listing, "/* pwdrop9-0 */"), 7);
+        assert_eq!(rule_packets(listing, "spt:4100 "), 7);
+        assert_eq!(rule_packets(listing, "/* pwdrop9-2 */"), 0);
     }
 }

@@ -28,7 +28,7 @@ use testkit::pki::Role;
 use testkit::system::System;
 use testkit::{PgServer, Stack};
 
-use super::nemesis::{Fault, Outcome};
+use super::nemesis::{blocking, Fault, Outcome};
 
 /// The `reached` entry of each store's refusal: `disk_full_refused@<store>`.
 pub const REACHED_PREFIX: &str = "disk_full_refused@";
@@ -50,10 +50,6 @@ const SCRATCH_VALUE_BYTES: usize = 1 << 20;
 /// The member-volume fault writes at most this much scratch before it calls the member
 /// unrefusing: below the quota, so it is the member's disk that refuses, not the quota.
 const MEMBER_SCRATCH_MAX_BYTES: u64 = 40 << 20;
-
-fn blocking<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
-    tokio::task::block_in_place(f)
-}
 
 fn file_len(path: &Path) -> u64 {
     std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)

@@ -6,6 +6,7 @@
 //! drain, and hands the databases and the rail's book to the [`checker`], which knows nothing of
 //! the code under test. [`negative`] holds the negative controls.
 
+pub mod answer_loss;
 pub mod checker;
 pub mod clock;
 pub mod disk;
@@ -151,6 +152,8 @@ pub struct Report {
     pub amnesias: Vec<temporal::Amnesia>,
     /// Each worker-versioning rollout (`upgrade_rollout`).
     pub rollouts: Vec<rollout::Rollout>,
+    /// Each lost-answer fault (`answer_loss`).
+    pub answer_losses: Vec<answer_loss::AnswerLoss>,
     pub rail_movements: u64,
     pub checks: Vec<CheckResult>,
     pub violations: usize,
@@ -218,6 +221,18 @@ impl Report {
         }
         for r in &self.rollouts {
             let _ = writeln!(s, "  rollout: {}", r.describe());
+        }
+        for a in &self.answer_losses {
+            let _ = writeln!(
+                s,
+                "  answers lost ({}{}): {} packets dropped, payouts {:?}",
+                a.link,
+                a.worker
+                    .as_deref()
+                    .map_or(String::new(), |w| format!(", {w}")),
+                a.dropped_packets,
+                a.payouts
+            );
         }
         let _ = writeln!(s, "rail movements: {}", self.rail_movements);
         for c in &self.checks {
@@ -526,6 +541,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
             outcome.disk_full_refusals.get(store).copied().unwrap_or(0),
         );
     }
+    reached.extend(answer_loss::reached(&system, &evidence, &outcome.answer_losses).await);
     let violations = checks.iter().map(|c| c.violations.len()).sum();
     let report = Report {
         seed: config.seed,
@@ -545,6 +561,7 @@ pub async fn run(stack: &Stack, config: &ChaosConfig) -> anyhow::Result<Report> 
         stale_holders: outcome.plants.clone(),
         amnesias: outcome.amnesias.clone(),
         rollouts: outcome.rollouts.clone(),
+        answer_losses: outcome.answer_losses.clone(),
         rail_movements: evidence.movements.len() as u64,
         checks,
         violations,

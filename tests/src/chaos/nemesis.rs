@@ -80,6 +80,17 @@ pub enum FaultKind {
     /// The next worker build started beside the old, made current, the old drained and stopped
     /// (`super::rollout`): a worker-versioning rollout mid-batch.
     UpgradeRollout,
+    /// The payment resource's answers to one worker dropped, its requests still arriving
+    /// (`super::answer_loss`): a step committed unheard, asked again, answered with the record.
+    AnswerLossPaymentResource,
+    /// The rail proxy's answers to one worker dropped: a Submit made unheard, the payout
+    /// RAIL_AMBIGUOUS, resolved by inquiry after the heal.
+    AnswerLossRailProxy,
+    /// The rail's answers to the proxy dropped: the rail pays, the proxy times out, the payout is
+    /// resolved FOUND.
+    AnswerLossRail,
+    /// The General Ledger's port cut both ways for `down_ms`: the outbox waits, redelivers.
+    DispatcherGlPartition,
 }
 
 /// The steps a planted stale holder stalls before, in turn.
@@ -166,7 +177,7 @@ impl Plant {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 27] = [
+    pub const ALL: [FaultKind; 31] = [
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LockServerKill,
@@ -194,6 +205,16 @@ impl FaultKind {
         FaultKind::DiskFullEtcdMember,
         FaultKind::EtcdNospace,
         FaultKind::UpgradeRollout,
+        FaultKind::AnswerLossPaymentResource,
+        FaultKind::AnswerLossRailProxy,
+        FaultKind::AnswerLossRail,
+        FaultKind::DispatcherGlPartition,
+    ];
+    /// The kinds that act on a worker's own network host (a namespace).
+    pub const NETWORK_HOST: [FaultKind; 3] = [
+        FaultKind::WorkerPartition,
+        FaultKind::AnswerLossPaymentResource,
+        FaultKind::AnswerLossRailProxy,
     ];
     /// The kinds that need the stack's capped volumes (`testkit::volume`).
     pub const DISK: [FaultKind; 4] = [
@@ -231,6 +252,10 @@ impl FaultKind {
             FaultKind::DiskFullEtcdMember => "disk_full_etcd_member",
             FaultKind::EtcdNospace => "etcd_nospace",
             FaultKind::UpgradeRollout => "upgrade_rollout",
+            FaultKind::AnswerLossPaymentResource => "answer_loss_worker_payment_resource",
+            FaultKind::AnswerLossRailProxy => "answer_loss_worker_rail_proxy",
+            FaultKind::AnswerLossRail => "answer_loss_rail",
+            FaultKind::DispatcherGlPartition => "dispatcher_gl_partition",
         }
     }
     pub fn parse(name: &str) -> Option<Self> {
@@ -287,12 +312,10 @@ impl Schedule {
             .filter(|k| !(disable.proxy_off() && *k == FaultKind::RailProxyKill))
             .filter(|k| {
                 workers > 0
-                    || !matches!(
-                        k,
-                        FaultKind::WorkerKill | FaultKind::WorkerPause | FaultKind::WorkerPartition
-                    )
+                    || !(matches!(k, FaultKind::WorkerKill | FaultKind::WorkerPause)
+                        || FaultKind::NETWORK_HOST.contains(k))
             })
-            .filter(|k| partitions || *k != FaultKind::WorkerPartition)
+            .filter(|k| partitions || !FaultKind::NETWORK_HOST.contains(k))
             .filter(|k| only.is_none_or(|o| o.contains(k)))
             .collect();
         let total: u32 = kinds.iter().map(|k| k.weight()).sum();
@@ -345,14 +368,19 @@ impl Schedule {
                     | FaultKind::DiskFullPgProxy
                     | FaultKind::DiskFullEtcdMember
                     | FaultKind::EtcdNospace => rng.random_range(1_000..4_000),
+                    // How long the ledger stays cut off: past the dispatcher's delivery timeout.
+                    FaultKind::DispatcherGlPartition => rng.random_range(2_000..6_000),
                     _ => rng.random_range(100..1_500),
                 };
                 Fault {
-                    // A planted holder needs a payout to reach its step: planted in the window's
-                    // first third, while the paced starts are far from done, however far a busy
-                    // machine puts the nemesis behind its schedule later on.
+                    // A planted holder needs a payout to reach its step, and a lost answer a call
+                    // in flight: in the window's first third, while the paced starts are far from
+                    // done, however far a busy machine puts the nemesis behind its schedule later.
                     at_ms: match kind {
-                        FaultKind::StaleHolder => rng.random_range(0..(window_ms / 3).max(1)),
+                        FaultKind::StaleHolder
+                        | FaultKind::AnswerLossPaymentResource
+                        | FaultKind::AnswerLossRailProxy
+                        | FaultKind::AnswerLossRail => rng.random_range(0..(window_ms / 3).max(1)),
                         _ => rng.random_range(0..window_ms),
                     },
                     kind,
@@ -416,6 +444,8 @@ pub struct Outcome {
     pub disk_full_refusals: BTreeMap<String, u64>,
     /// Each worker-versioning rollout: versions, payouts pinned to the old at the switch, drain.
     pub rollouts: Vec<super::rollout::Rollout>,
+    /// Each lost-answer fault: its link, window and what it saw (`super::answer_loss`).
+    pub answer_losses: Vec<super::answer_loss::AnswerLoss>,
 }
 
 /// What the nemesis acts on besides the stack and the system.
@@ -474,7 +504,8 @@ pub fn supervise(system: &System, more: &[&ManagedProcess], disable: DisableGuar
     }
 }
 
-fn blocking<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+/// A blocking step of a fault (a process, a volume, `etcdctl`) run without stalling the runtime.
+pub(super) fn blocking<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
     tokio::task::block_in_place(f)
 }
 
@@ -591,11 +622,7 @@ async fn inject(
             .map(|_| "proxy PostgreSQL restarted".into()),
         FaultKind::ForceRevoke => force_revoke(system, fault, work, outcome).await,
         FaultKind::WorkerPartition => {
-            let ns = targets
-                .partitions
-                .get(fault.worker)
-                .and_then(Option::as_ref)
-                .ok_or_else(|| anyhow::anyhow!("worker-{} has no network host", fault.worker))?;
+            let ns = network_host(targets, fault)?;
             let port = system.ports.lock_server;
             blocking(|| ns.cut(port))?;
             tokio::time::sleep(Duration::from_millis(fault.down_ms)).await;
@@ -615,7 +642,8 @@ async fn inject(
         | FaultKind::TemporalAmnesiaDeleted
         | FaultKind::TemporalAmnesiaOldCopy => {
             let line =
-                super::temporal::inject(stack, system, fault, targets.reconciler, outcome).await?;
+                super::temporal::inject(stack, system, fault, targets.reconciler, work, outcome)
+                    .await?;
             // With routing by version, Temporal's lost state is also its routing.
             match targets
                 .deployment
@@ -647,6 +675,26 @@ async fn inject(
             };
             super::rollout::inject(stack, system, target, outcome).await
         }
+        FaultKind::AnswerLossPaymentResource => {
+            super::answer_loss::worker_payment_resource(
+                system,
+                targets.stall_dir,
+                targets.partitions,
+                outcome,
+            )
+            .await
+        }
+        FaultKind::AnswerLossRailProxy => {
+            super::answer_loss::worker_rail_proxy(
+                system,
+                targets.stall_dir,
+                targets.partitions,
+                outcome,
+            )
+            .await
+        }
+        FaultKind::AnswerLossRail => super::answer_loss::rail(system, outcome).await,
+        FaultKind::DispatcherGlPartition => super::answer_loss::dispatcher_gl(system, fault).await,
         FaultKind::RailFaults => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(fault.seed);
             let intensity = rng.random_range(0.5..3.0);
@@ -659,6 +707,18 @@ async fn inject(
             Ok(format!("rail fault intensity {intensity:.2}"))
         }
     }
+}
+
+/// The network namespace of the fault's worker slot (a rollout puts its new worker's there).
+fn network_host<'t>(
+    targets: &'t Targets<'_>,
+    fault: &Fault,
+) -> anyhow::Result<&'t testkit::netns::NetNs> {
+    targets
+        .partitions
+        .get(fault.worker)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| anyhow::anyhow!("worker-{} has no network host", fault.worker))
 }
 
 /// A fast shutdown lets PostgreSQL stop within this even with clients connected.
@@ -1005,37 +1065,7 @@ async fn plant_stale_holder(
     let method = PLANT_METHODS[attempt / STALE_STEPS.len() % PLANT_METHODS.len()];
     outcome.plant_attempts += 1;
     let dir = targets.stall_dir;
-    let taken_prefix = format!("{step}.taken.");
-    let taken_files = |dir: &std::path::Path| -> std::io::Result<Vec<String>> {
-        Ok(std::fs::read_dir(dir)?
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|n| n.starts_with(&taken_prefix))
-            .collect())
-    };
-    // Plants are taken one at a time: whatever an earlier one of this step left is cleared, so
-    // the next taken file is this plant's.
-    for old in taken_files(dir)? {
-        std::fs::remove_file(dir.join(old))?;
-    }
-    let armed = dir.join(format!("{step}.armed"));
-    std::fs::write(&armed, PLANT_STALL_MAX.as_millis().to_string())?;
-    let give_up = Instant::now() + PLANT_TAKE_TIMEOUT;
-    let taken = loop {
-        if let Some(name) = taken_files(dir)?.into_iter().next() {
-            break name[taken_prefix.len()..].to_string();
-        }
-        if Instant::now() >= give_up && std::fs::remove_file(&armed).is_ok() {
-            anyhow::bail!("no payout reached {step} within {PLANT_TAKE_TIMEOUT:?}");
-        }
-        // Not removable and not taken: a worker renamed it this instant; the next look finds it.
-        anyhow::ensure!(
-            Instant::now() < give_up + PLANT_TAKE_TIMEOUT,
-            "the armed stall point of {step} vanished without a taker"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let (identity, payout) = taken.split_once('.').expect("checked above");
-    let (identity, payout) = (identity.to_string(), payout.to_string());
+    let (identity, payout) = take_stall(dir, step, PLANT_STALL_MAX).await?;
     // By identity among whoever runs now (a rollout gives each build's workers their own).
     let worker = system
         .workers
@@ -1097,6 +1127,56 @@ async fn plant_stale_holder(
     );
     outcome.plants.push(plant);
     Ok(line)
+}
+
+/// Arms the stall point before `step` (`super::super::stall`: the first worker whose grant check
+/// for `step` passes waits there, at most `stall`, for its release) and waits until a worker has
+/// taken it, at most [`PLANT_TAKE_TIMEOUT`]: the taker's identity and the payout. Stalls are taken
+/// one at a time (faults run one after another): whatever an earlier one of this step left is
+/// cleared first, so the next taken file is this one's.
+pub(super) async fn take_stall(
+    dir: &std::path::Path,
+    step: &str,
+    stall: Duration,
+) -> anyhow::Result<(String, String)> {
+    let taken_prefix = format!("{step}.taken.");
+    let taken_files = |dir: &std::path::Path| -> std::io::Result<Vec<String>> {
+        Ok(std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with(&taken_prefix))
+            .collect())
+    };
+    for old in taken_files(dir)? {
+        std::fs::remove_file(dir.join(old))?;
+    }
+    let armed = dir.join(format!("{step}.armed"));
+    std::fs::write(&armed, stall.as_millis().to_string())?;
+    let give_up = Instant::now() + PLANT_TAKE_TIMEOUT;
+    let taken = loop {
+        if let Some(name) = taken_files(dir)?.into_iter().next() {
+            break name[taken_prefix.len()..].to_string();
+        }
+        if Instant::now() >= give_up && std::fs::remove_file(&armed).is_ok() {
+            anyhow::bail!("no payout reached {step} within {PLANT_TAKE_TIMEOUT:?}");
+        }
+        // Not removable and not taken: a worker renamed it this instant; the next look finds it.
+        anyhow::ensure!(
+            Instant::now() < give_up + PLANT_TAKE_TIMEOUT,
+            "the armed stall point of {step} vanished without a taker"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let (identity, payout) = taken.split_once('.').expect("checked above");
+    Ok((identity.to_string(), payout.to_string()))
+}
+
+/// Lets the call stalled before `step` of `payout` go on ([`take_stall`]).
+pub(super) fn release_stall(
+    dir: &std::path::Path,
+    step: &str,
+    payout: &str,
+) -> std::io::Result<()> {
+    std::fs::write(dir.join(format!("{step}.release.{payout}")), b"")
 }
 
 /// Whether process `pid` still runs (not gone, not a zombie awaiting its reaping).
@@ -1180,11 +1260,7 @@ impl PlantWatch {
             plant.problem = Some(format!(
                 "no successor wrote at the guard within {PLANT_STALL_MAX:?}; the call went on its own"
             ));
-        } else if let Err(e) = std::fs::write(
-            self.dir
-                .join(format!("{}.release.{}", self.step, self.payout)),
-            b"",
-        ) {
+        } else if let Err(e) = release_stall(&self.dir, &self.step, &self.payout) {
             plant.problem = Some(format!("releasing the planted call: {e}"));
         }
         let answer_file = self

@@ -22,7 +22,10 @@ use testkit::system::System;
 use testkit::temporal::Database;
 use testkit::{ManagedProcess, ProcessSpec, Stack};
 
+use testkit::pki::Role;
+
 use super::nemesis::{Fault, FaultKind, Outcome};
+use super::workload::Workload;
 use crate::metrics::{sample, scrape};
 
 /// The reconciler's keeper looks at its schedule (and at blocked accounts) this often in a run.
@@ -172,12 +175,161 @@ async fn open_payouts(system: &System) -> anyhow::Result<i64> {
 /// An amnesia's server is down this long (its database replaced meanwhile).
 const AMNESIA_DOWN: Duration = Duration::from_millis(500);
 
+/// The lock owner of the harness's hold on an account's key ([`hold_a_line`]): no `/`, so the
+/// reconciler never takes it for a payout's grant.
+const LINE_OWNER: &str = "chaos-line";
+/// The hold's lock session lives this long without a keep-alive.
+const LINE_SESSION_TTL: Duration = Duration::from_secs(10);
+/// Taking the key waits at most this long for the payout holding it (a bound: a payout holds
+/// its account's key for about a second).
+const LINE_TAKE_MAX: Duration = Duration::from_secs(60);
+/// One acquire's wait in the lock service's line.
+const LINE_ACQUIRE_WAIT: Duration = Duration::from_secs(5);
+/// The held payout waits at most this long for the reconciler to hand it to a new run (a bound:
+/// the keeper re-creates the schedule within a second and a pass runs every few).
+const LINE_RESUME_MAX: Duration = Duration::from_secs(180);
+
+/// A payout held in its account's line across an amnesia: its workflow started and waiting for
+/// the account's key, which the harness holds, so nothing of it can finish on a worker's local
+/// steps while Temporal is gone (a payout in flight does: its run needs Temporal only between
+/// steps). Temporal then loses the run, and the payout is the reconciler's to find and resume.
+/// Without it, at the workload's paced rate, an amnesia often met no payout waiting and the
+/// run's `recovered_after_temporal_amnesia` depended on the machine's speed.
+pub struct HeldLine {
+    payout: String,
+    session: lock_client::Session,
+    grant: lock_client::GrantHandle,
+}
+
+/// The line's own account opens with this; its one payout is [`LINE_PAYOUT_MINOR`].
+const LINE_OPENING_MINOR: i64 = 10_000;
+const LINE_PAYOUT_MINOR: i64 = 1_000;
+
+/// Creates a payout of the line's own (an account of its own, opened and funded as the
+/// workload's are: the workload's own payouts may all have settled by the time a nemesis behind
+/// its schedule reaches an amnesia), takes its account's key, then starts its workflow and
+/// records its start as delivered, as the workload does.
+async fn hold_a_line(system: &System, work: &Workload, seed: u64) -> anyhow::Result<HeldLine> {
+    let template = work
+        .inputs
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("the workload has no payout"))?;
+    let name = format!("{}-line-{:08x}", work.run_id, seed as u32);
+    let input = payout_activities::types::PayoutInput {
+        payout_id: payout_domain::PayoutId::parse(name.clone())?,
+        account_id: payout_domain::AccountId::parse(name.clone())?,
+        amount_minor: payout_domain::AmountMinor::new(LINE_PAYOUT_MINOR)?,
+        beneficiary_ref: payout_domain::BeneficiaryRef::parse("ben-line")?,
+        ..template.clone()
+    };
+    let payments =
+        payment_client::PaymentClient::connect(&system.payment_url(), &system.tls(Role::Fixture))
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    system
+        .operator
+        .open_account(
+            &payments,
+            &input.account_id,
+            &input.currency,
+            LINE_OPENING_MINOR,
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("opening {name}: {e}"))?;
+    payments
+        .create_payout(&crate::workload::new_payout(&input))
+        .await
+        .map_err(|e| anyhow::anyhow!("creating {name}: {e}"))?;
+    let paydb = super::one_connection(&system.databases.paydb).await?;
+    let (payout, account) = (name.clone(), name);
+    let history = lock_client::history::HistoryRecorder::open(&system.dir.join(format!(
+        "{}{LINE_OWNER}.jsonl",
+        super::checker::LOCK_HISTORY_PREFIX
+    )))?;
+    let lock = lock_client::LockClient::connect(&system.lock_url(), &system.tls(Role::Worker))
+        .await?
+        .with_history(std::sync::Arc::new(history));
+    let session = lock.open_session(LINE_OWNER, LINE_SESSION_TTL).await?;
+    let key = format!("payout:{account}");
+    let give_up = Instant::now() + LINE_TAKE_MAX;
+    let grant = loop {
+        match session
+            .acquire_as(&key, LINE_OWNER, LINE_ACQUIRE_WAIT)
+            .await?
+        {
+            lock_client::Acquired::Granted(grant) => break grant,
+            lock_client::Acquired::NotAcquired { holder_owner, .. } => anyhow::ensure!(
+                Instant::now() < give_up,
+                "{key} still held by {holder_owner} after {LINE_TAKE_MAX:?}"
+            ),
+        }
+    };
+    let client = payout_workflows::client::connect_configured(
+        &payout_workflows::client::TemporalArgs::profile_of(&system.temporal_clients, "operator"),
+        "chaos",
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    match payout_workflows::client::start_payout(&client, &system.task_queue, &input).await {
+        Ok(_) | Err(payout_workflows::client::PayoutClientError::AlreadyStarted { .. }) => {}
+        Err(e) => anyhow::bail!("starting {payout}: {e}"),
+    }
+    super::workload::record_start(&paydb, &input).await;
+    testkit::util::close_pool(paydb).await;
+    Ok(HeldLine {
+        payout,
+        session,
+        grant,
+    })
+}
+
+impl HeldLine {
+    /// Lets the line go once the reconciler has handed a payout back to a new run since
+    /// `before` (its count), at most [`LINE_RESUME_MAX`]: what it saw.
+    async fn release(self, reconciler: Option<&Reconciler>, before: Option<u64>) -> String {
+        let waited = Instant::now();
+        let resumed = match reconciler {
+            Some(r) => {
+                let give_up = Instant::now() + LINE_RESUME_MAX;
+                loop {
+                    let now = r.recovered().await;
+                    if now.is_some_and(|n| before.is_none_or(|b| n > b)) {
+                        break true;
+                    }
+                    if Instant::now() >= give_up {
+                        break false;
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+            None => false,
+        };
+        let released = self.grant.release().await;
+        let _ = self.session.close().await;
+        format!(
+            "{} held in line; {} after {:.1} s{}",
+            self.payout,
+            if resumed {
+                "the reconciler resumed a payout"
+            } else {
+                "nothing resumed"
+            },
+            waited.elapsed().as_secs_f64(),
+            match released {
+                Ok(()) => String::new(),
+                Err(e) => format!(" (the hold's release: {e}; its lease frees the key)"),
+            }
+        )
+    }
+}
+
 /// Injects one Temporal fault (the kinds above).
 pub async fn inject(
     stack: &Stack,
     system: &System,
     fault: &Fault,
     reconciler: Option<&Reconciler>,
+    work: &Workload,
     outcome: &mut Outcome,
 ) -> anyhow::Result<String> {
     let temporal = stack.try_temporal()?;
@@ -208,32 +360,40 @@ pub async fn inject(
         other => anyhow::bail!("{} is not a Temporal fault", other.name()),
     };
     // Once a payout is in flight: what is open then, and what the reconciler had recovered.
-    let in_flight = super::payouts_in_flight(system).await.is_some();
+    let in_flight = super::payouts_in_flight(system).await;
     let recovered_before = match reconciler {
         Some(r) => r.recovered().await,
         None => None,
+    };
+    // A payout waiting in its account's line, started after the old copy was taken.
+    let line = hold_a_line(system, work, fault.seed).await;
+    let recovered_before = match (reconciler, &line) {
+        (Some(r), Ok(_)) => r.recovered().await,
+        _ => recovered_before,
     };
     let open = open_payouts(system).await?;
     let replacement = match &copy {
         Some(copy) => Database::RestoredFrom(copy),
         None => Database::Deleted,
     };
-    tokio::task::block_in_place(|| temporal.crash_restart(AMNESIA_DOWN, replacement))?;
+    let restarted =
+        tokio::task::block_in_place(|| temporal.crash_restart(AMNESIA_DOWN, replacement));
     if let Some(copy) = &copy {
         let _ = std::fs::remove_file(copy);
     }
+    let held = match line {
+        Ok(line) => line.release(reconciler, recovered_before).await,
+        Err(e) => format!("no payout held in line: {e:#}"),
+    };
+    restarted?;
     outcome.amnesias.push(Amnesia {
         kind: fault.kind.name().to_string(),
         open_payouts: open,
         recovered_before,
     });
     Ok(format!(
-        "Temporal killed, {database} ({open} payouts open{})",
-        if in_flight {
-            ""
-        } else {
-            "; none was in flight"
-        }
+        "Temporal killed, {database} ({open} payouts open, {} in flight); {held}",
+        in_flight.unwrap_or(0)
     ))
 }
 

@@ -35,13 +35,20 @@ pub struct Workload {
 /// Records `input`'s workflow start as delivered in paydb's `workflow_start`, as the starter
 /// does when it delivers a staged start: the harness starts its payouts itself (to pace them),
 /// and without the record the reconciler would take a payout whose run Temporal lost for one
-/// never started, and leave it for the not-started grace. Best effort, a few tries (paydb may
-/// be restarting: a fault); without it the payout is resumed after the grace instead.
-async fn record_start(paydb: &sqlx::PgPool, input: &PayoutInput) {
-    for _ in 0..RECORD_START_TRIES {
+/// never started, and leave it for the not-started grace. Best effort, tried again as a start
+/// is (paydb may be restarting: a fault); without it the payout is resumed after the grace
+/// instead.
+pub(super) async fn record_start(paydb: &sqlx::PgPool, input: &PayoutInput) {
+    let give_up = Instant::now() + START_RETRY_MAX;
+    while Instant::now() < give_up {
+        // CreatePayout staged the row (the starter's delivery columns empty: this run's
+        // dispatcher starts nothing); marked delivered as the starter marks it. Before, an
+        // INSERT that did nothing on the staged row left every start unrecorded.
         let recorded = sqlx::query(
             "INSERT INTO workflow_start (payout_id, workflow_id, input, started_at, start_outcome) \
-             VALUES ($1, 'payout-' || $1, '{}'::jsonb, now(), 'STARTED') ON CONFLICT DO NOTHING",
+             VALUES ($1, 'payout-' || $1, '{}'::jsonb, now(), 'STARTED') \
+             ON CONFLICT (payout_id) DO UPDATE SET started_at = now(), start_outcome = 'STARTED' \
+             WHERE workflow_start.started_at IS NULL",
         )
         .bind(input.payout_id.as_str())
         .execute(paydb)
@@ -52,9 +59,6 @@ async fn record_start(paydb: &sqlx::PgPool, input: &PayoutInput) {
         tokio::time::sleep(START_RETRY_PAUSE).await;
     }
 }
-
-/// [`record_start`]'s tries.
-const RECORD_START_TRIES: usize = 10;
 
 /// The rail's misbehaviour during the fault phase: every fault mode the stub has, seeded.
 pub fn rail_faults(seed: u64, intensity: f64) -> FaultConfig {
