@@ -283,6 +283,29 @@ async fn hold_a_line(system: &System, work: &Workload, seed: u64) -> anyhow::Res
     })
 }
 
+/// The line is set up again for at most this long when a step of it fails (a service the
+/// previous fault restarted may still be coming up: a mid-sized run met `Unavailable` once).
+/// Each step is idempotent: the account opens with the same content, the payout is created with
+/// the same content, a lost hold's lease frees the key.
+const LINE_SETUP_RETRY_MAX: Duration = Duration::from_secs(30);
+const LINE_SETUP_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// [`hold_a_line`], tried again on failure for at most [`LINE_SETUP_RETRY_MAX`]: its last error.
+async fn hold_a_line_retried(
+    system: &System,
+    work: &Workload,
+    seed: u64,
+) -> anyhow::Result<HeldLine> {
+    let give_up = Instant::now() + LINE_SETUP_RETRY_MAX;
+    loop {
+        match hold_a_line(system, work, seed).await {
+            Ok(line) => return Ok(line),
+            Err(e) if Instant::now() >= give_up => return Err(e),
+            Err(_) => tokio::time::sleep(LINE_SETUP_RETRY_PAUSE).await,
+        }
+    }
+}
+
 impl HeldLine {
     /// Lets the line go once the reconciler has handed a payout back to a new run since
     /// `before` (its count), at most [`LINE_RESUME_MAX`]: what it saw.
@@ -366,7 +389,7 @@ pub async fn inject(
         None => None,
     };
     // A payout waiting in its account's line, started after the old copy was taken.
-    let line = hold_a_line(system, work, fault.seed).await;
+    let line = hold_a_line_retried(system, work, fault.seed).await;
     let recovered_before = match (reconciler, &line) {
         (Some(r), Ok(_)) => r.recovered().await,
         _ => recovered_before,
