@@ -89,22 +89,27 @@ fn describe_schedule(schedule_id: &str) -> Option<serde_json::Value> {
     serde_json::from_str(&out).ok()
 }
 
-fn paused(described: &serde_json::Value) -> bool {
-    described["schedule"]["state"]["paused"].as_bool() == Some(true)
-}
-
-#[tokio::test]
-async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_an_altered_one() {
-    let stack = Stack::shared();
-    let system = System::start(
-        stack,
+/// A system on the shared stack with no payout worker: what these tests look at is the
+/// reconciler's own schedule and runs.
+async fn system_without_workers() -> System {
+    System::start(
+        Stack::shared(),
         SystemOptions {
             workers: 0,
             ..SystemOptions::default()
         },
     )
     .await
-    .unwrap();
+    .unwrap()
+}
+
+fn paused(described: &serde_json::Value) -> bool {
+    described["schedule"]["state"]["paused"].as_bool() == Some(true)
+}
+
+#[tokio::test]
+async fn serve_recreates_a_deleted_schedule_unpauses_a_paused_one_and_restores_an_altered_one() {
+    let system = system_without_workers().await;
     let (serve, schedule_id, port) = start_serve(&system, SCHEDULED_NEVER_S);
     testkit::eventually(REPAIR_TIMEOUT, "the schedule created at start", || async {
         describe_schedule(&schedule_id).map(|_| ())
@@ -607,20 +612,9 @@ fn run_activity_started(schedule_id: &str) -> Option<()> {
 
 #[tokio::test]
 async fn a_run_lost_with_its_reconciler_is_tried_again_within_its_heartbeat_timeout() {
-    let stack = Stack::shared();
-    let system = System::start(
-        stack,
-        SystemOptions {
-            workers: 0,
-            ..SystemOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let system = system_without_workers().await;
     // Every run reads the payouts: with the table locked, a run that starts waits on the lock.
-    let paydb = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&system.databases.paydb)
+    let paydb = service_kit::connect_pg(&system.databases.paydb)
         .await
         .unwrap();
     let mut blocker = paydb.begin().await.unwrap();

@@ -83,24 +83,6 @@ async fn db_now_us(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
     )
 }
 
-/// Polls `probe` every 200 ms until it yields, at most `bound`; `None` when it did not.
-async fn until<T, F, Fut>(bound: Duration, mut probe: F) -> Option<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let give_up = tokio::time::Instant::now() + bound;
-    loop {
-        if let Some(v) = probe().await {
-            return Some(v);
-        }
-        if tokio::time::Instant::now() >= give_up {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 /// The payment resource's repeat lines for `worker`'s grants in its log past `offset` bytes (the
 /// whole log when it is shorter: restarted since), with their payouts.
 fn repeats_in_log(log: &std::path::Path, offset: u64, worker: &str) -> Vec<String> {
@@ -204,7 +186,6 @@ pub async fn worker_payment_resource(
     let offset = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
     let paydb = super::one_connection(&system.databases.paydb).await?;
     let from_us = db_now_us(&paydb).await?;
-    testkit::util::close_pool(paydb).await;
     tokio::task::block_in_place(|| ns.drop_answers(port))?;
     super::nemesis::release_stall(stall_dir, STEP, &payout)?;
     // The call commits unheard; the worker's retry (its local step's timeout, 10 s) reaches the
@@ -214,21 +195,24 @@ pub async fn worker_payment_resource(
             .iter()
             .any(|p| p == payout)
     };
-    let during = until(CONSEQUENCE_WAIT, || async {
-        asked_again(&payout).then_some(())
-    })
+    let during = testkit::eventually(
+        CONSEQUENCE_WAIT,
+        "the step asked again during the drop",
+        || async { asked_again(&payout).then_some(()) },
+    )
     .await
-    .is_some();
+    .is_ok();
     let dropped = tokio::task::block_in_place(|| ns.answers_dropped(port)).unwrap_or(0);
     let healed = tokio::task::block_in_place(|| ns.heal_answers(port));
-    let paydb = super::one_connection(&system.databases.paydb).await?;
     let to_us = db_now_us(&paydb).await.unwrap_or(from_us);
     testkit::util::close_pool(paydb).await;
     healed?;
     if !during {
-        until(AFTER_HEAL_WAIT, || async {
-            asked_again(&payout).then_some(())
-        })
+        let _ = testkit::eventually(
+            AFTER_HEAL_WAIT,
+            "the step asked again after the heal",
+            || async { asked_again(&payout).then_some(()) },
+        )
         .await;
     }
     let repeated = repeats_in_log(&log, offset, &worker);
@@ -268,19 +252,23 @@ pub async fn worker_rail_proxy(
     let from_us = db_now_us(&proxydb).await?;
     tokio::task::block_in_place(|| ns.drop_answers(port))?;
     super::nemesis::release_stall(stall_dir, STEP, &payout)?;
-    let ambiguous = until(CONSEQUENCE_WAIT, || async {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM audit_event WHERE kind = 'transition' AND payout_id = $1 \
+    let ambiguous = testkit::eventually(
+        CONSEQUENCE_WAIT,
+        "the Submit run out, RAIL_AMBIGUOUS",
+        || async {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM audit_event WHERE kind = 'transition' AND payout_id = $1 \
              AND to_state = 'RAIL_AMBIGUOUS'",
-        )
-        .bind(&payout)
-        .fetch_one(&paydb)
-        .await
-        .ok()?;
-        (n > 0).then_some(())
-    })
+            )
+            .bind(&payout)
+            .fetch_one(&paydb)
+            .await
+            .ok()?;
+            (n > 0).then_some(())
+        },
+    )
     .await
-    .is_some();
+    .is_ok();
     let dropped = tokio::task::block_in_place(|| ns.answers_dropped(port)).unwrap_or(0);
     let healed = tokio::task::block_in_place(|| ns.heal_answers(port));
     let to_us = db_now_us(&proxydb).await.unwrap_or(from_us);
